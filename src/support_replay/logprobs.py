@@ -1,0 +1,231 @@
+"""Log-probabilities of the actor: on the replayed support, on the full vocabulary, entropy.
+
+Math in docs/math.md. ``support_logprobs`` is the one function that both the engine
+(log mu, when it samples) and the trainer (log pi, when it scores) call, so equal logits
+give equal log-probs bit for bit. Its reduction over the support is a cumulative sum
+whose last entry is read: the sum of a row then does not depend on how many padding
+columns follow it, so the result does not depend on the batch it was computed in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import SupportError
+from .support import SupportTable
+
+DEFAULT_CHUNK_ROWS = 1024
+
+
+def _padded(support, device) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(support, SupportTable):
+        return support.to_padded(device=device)
+    ids, valid = support
+    return ids.to(device=device, dtype=torch.long), valid.to(device=device, dtype=torch.bool)
+
+
+def _temperature_column(temperature, rows: int, device) -> torch.Tensor:
+    """Temperature as an fp32 ``[T, 1]`` column (a scalar, or one value per row)."""
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=device)
+    if temp.ndim == 0:
+        temp = temp.expand(rows)
+    if temp.shape != (rows,):
+        raise SupportError(f"temperature: expected a scalar or {rows} values, got shape {tuple(temp.shape)}")
+    if not bool((temp > 0).all()):
+        raise SupportError(f"temperature: must be > 0 to score log-probs, got {temp.min().item()}")
+    return temp.reshape(rows, 1)
+
+
+def _masked_logsumexp(z: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lse[T], softmax[T, K])`` of ``z`` over the valid entries of every row.
+
+    The sum is read off a cumulative sum, so trailing padding adds exact zeros and the
+    value is independent of the padded width.
+    """
+    z = z.masked_fill(~valid, float("-inf"))
+    m = z.max(dim=-1, keepdim=True).values
+    e = torch.exp(z - m)
+    s = e.cumsum(dim=-1)[:, -1:]
+    return (m + torch.log(s)).squeeze(-1), e / s
+
+
+class _SupportLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, ids, valid, temp):
+        z = logits.gather(1, ids).float() / temp
+        lse, probs = _masked_logsumexp(z, valid)
+        out = logits.gather(1, targets[:, None]).float().squeeze(1) / temp.squeeze(1) - lse
+        ctx.save_for_backward(targets, ids, probs, temp)
+        ctx.logits_meta = (logits.shape, logits.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        targets, ids, probs, temp = ctx.saved_tensors
+        shape, dtype = ctx.logits_meta
+        coef = grad_out.float()[:, None] / temp
+        grad = torch.zeros(shape, dtype=dtype, device=grad_out.device)
+        grad.scatter_add_(1, ids, (-probs * coef).to(dtype))
+        grad.scatter_add_(1, targets[:, None], coef.to(dtype))
+        return grad, None, None, None, None
+
+
+def support_logprobs(logits: torch.Tensor, targets: torch.Tensor, support, temperature=1.0) -> torch.Tensor:
+    """``log pi(a_t | s_t, S_t) = z(a_t)/T - logsumexp_{j in S_t} z(j)/T`` for every row.
+
+    ``logits`` ``[T, V]`` (any float dtype; accumulation in fp32), ``targets`` ``[T]``,
+    ``support`` a ``SupportTable`` of T rows or padded ``(ids[T, K], valid[T, K])``,
+    ``temperature`` a scalar or ``[T]``. Returns fp32 ``[T]``. Extra memory is O(T*K);
+    the gradient is ``(onehot(a_t) - softmax_S)/T`` on S_t and zero elsewhere.
+    """
+    if logits.ndim != 2:
+        raise SupportError(f"logits: expected [T, V], got shape {tuple(logits.shape)}")
+    rows = logits.shape[0]
+    ids, valid = _padded(support, logits.device)
+    if ids.shape[0] != rows or targets.shape != (rows,):
+        raise SupportError(f"support_logprobs: {rows} logit rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}")
+    if rows == 0:
+        return logits.new_zeros(0, dtype=torch.float32) + logits.sum() * 0
+    temp = _temperature_column(temperature, rows, logits.device)
+    return _SupportLogProbs.apply(logits, targets.to(logits.device, torch.long), ids, valid, temp)
+
+
+# ---- full vocabulary -----------------------------------------------------------------
+
+
+def _chunks(rows: int, chunk_rows: int):
+    for start in range(0, rows, chunk_rows):
+        yield slice(start, min(start + chunk_rows, rows))
+
+
+class _FullLogProbsEntropy(torch.autograd.Function):
+    """Full-vocabulary log-prob of the targets and entropy, chunked over rows.
+
+    Saves only the logits and per-row scalars; the softmax is recomputed chunk by chunk
+    in backward, so no second ``[T, V]`` copy is kept between forward and backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temp, chunk_rows):
+        rows = logits.shape[0]
+        logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        ent = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        for sl in _chunks(rows, chunk_rows):
+            y = logits[sl].float() / temp[sl]
+            lse_c = torch.logsumexp(y, dim=-1)
+            p = torch.exp(y - lse_c[:, None])
+            lse[sl] = lse_c
+            ent[sl] = lse_c - (p * y).sum(-1)
+            logp[sl] = y.gather(1, targets[sl, None]).squeeze(1) - lse_c
+        ctx.save_for_backward(logits, targets, temp, lse, ent)
+        ctx.chunk_rows = chunk_rows
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        logits, targets, temp, lse, ent = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for sl in _chunks(logits.shape[0], ctx.chunk_rows):
+            y = logits[sl].float() / temp[sl]
+            p = torch.exp(y - lse[sl, None])
+            g = torch.zeros_like(p)
+            if grad_logp is not None:
+                gl = grad_logp[sl, None].float()
+                g -= p * gl
+                g.scatter_add_(1, targets[sl, None], gl)
+            if grad_ent is not None:
+                # dH/dy_j = -p_j (log p_j + H)
+                g -= grad_ent[sl, None].float() * p * ((y - lse[sl, None]) + ent[sl, None])
+            grad[sl] = (g / temp[sl]).to(logits.dtype)
+        return grad, None, None, None
+
+
+def full_logprobs_and_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, temperature=1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log softmax(z/T)[a_t], entropy of softmax(z/T))`` over the full vocabulary, fp32 ``[T]``."""
+    if logits.ndim != 2 or targets.shape != (logits.shape[0],):
+        raise SupportError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} do not match")
+    temp = _temperature_column(temperature, logits.shape[0], logits.device)
+    return _FullLogProbsEntropy.apply(logits, targets.to(logits.device, torch.long), temp, int(chunk_rows))
+
+
+def full_logprobs(logits, targets, temperature=1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
+    """Full-vocabulary ``log softmax(z/T)[a_t]`` (reference, KL, evaluation scores)."""
+    return full_logprobs_and_entropy(logits, targets, temperature, chunk_rows)[0]
+
+
+def entropy(logits, temperature=1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
+    """Full-vocabulary entropy of ``softmax(z/T)`` per row."""
+    targets = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    return full_logprobs_and_entropy(logits, targets, temperature, chunk_rows)[1]
+
+
+# ---- sparse LM head ------------------------------------------------------------------
+
+
+def _target_positions(ids, valid, targets) -> torch.Tensor:
+    hit = (ids == targets[:, None]) & valid
+    if not bool(hit.any(-1).all()):
+        row = int((~hit.any(-1)).nonzero()[0])
+        raise SupportError(f"row {row}: target {int(targets[row])} is not in its support")
+    return hit.float().argmax(-1)
+
+
+class _SparseHeadSupportLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, valid, tpos, temp, chunk_rows):
+        rows = hidden.shape[0]
+        out = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        probs = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
+        for sl in _chunks(rows, chunk_rows):
+            w = weight[ids[sl]].float()  # [c, K, H]
+            z = torch.einsum("ch,ckh->ck", hidden[sl].float(), w) / temp[sl]
+            lse, probs[sl] = _masked_logsumexp(z, valid[sl])
+            out[sl] = z.gather(1, tpos[sl, None]).squeeze(1) - lse
+        ctx.save_for_backward(hidden, weight, ids, tpos, probs, temp)
+        ctx.chunk_rows = chunk_rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, ids, tpos, probs, temp = ctx.saved_tensors
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for sl in _chunks(hidden.shape[0], ctx.chunk_rows):
+            coef = grad_out[sl, None].float() / temp[sl]
+            dz = -probs[sl] * coef
+            dz.scatter_add_(1, tpos[sl, None], coef)
+            w = weight[ids[sl]].float()  # recomputed, not stored
+            if grad_h is not None:
+                grad_h[sl] = torch.einsum("ck,ckh->ch", dz, w).to(hidden.dtype)
+            if grad_w is not None:
+                outer = dz[:, :, None] * hidden[sl].float()[:, None, :]
+                grad_w.index_add_(0, ids[sl].reshape(-1), outer.reshape(-1, hidden.shape[1]).to(weight.dtype))
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def sparse_head_support_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    support,
+    temperature=1.0,
+    chunk_rows: int = 256,
+) -> torch.Tensor:
+    """``support_logprobs(hidden @ weight.T, ...)`` without forming ``[T, V]`` logits.
+
+    ``hidden`` ``[T, H]``, ``weight`` ``[V, H]`` (the LM head, no bias). Only the support
+    rows of the weight are touched, chunk by chunk over positions; backward recomputes
+    ``weight[S]`` instead of storing it. Every target must lie in its support.
+    """
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
+        raise SupportError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match")
+    rows = hidden.shape[0]
+    ids, valid = _padded(support, hidden.device)
+    if ids.shape[0] != rows or targets.shape != (rows,):
+        raise SupportError(f"sparse head: {rows} hidden rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}")
+    temp = _temperature_column(temperature, rows, hidden.device)
+    tpos = _target_positions(ids, valid, targets.to(hidden.device, torch.long))
+    return _SparseHeadSupportLogProbs.apply(hidden, weight, ids, valid, tpos, temp, int(chunk_rows))

@@ -1,0 +1,216 @@
+"""Sampling with an explicit filter semantics, capturing the realized support S_t and log mu.
+
+Three semantics, each the filter of one engine family (SPEC section 6, docs/math.md):
+
+- ``"sglang"``: softmax(z/T) in fp32, sort descending, inclusive cumsum on the
+  *unfiltered* sorted probabilities; keep ranks < k (exactly k, by rank), drop tokens
+  whose exclusive prefix mass exceeds top_p, then drop p < min_p * p_max.
+- ``"vllm"``: temperature, min-p, top-k keeping every tie at the k-th value, then top-p
+  judged on the distribution renormalised after those filters.
+- ``"hf"``: Hugging Face warper order: temperature, top-k (ties kept), top-p on the
+  renormalised distribution, then min-p. Computed with the same tensor operations as
+  transformers' warpers, so the supports are identical.
+
+Ties are broken by the lower token id wherever a semantics cuts by rank ("sglang"
+ranks, "vllm" top-p), so the support is a deterministic function of the logits.
+Whatever the semantics, S_t holds only tokens whose post-filter weight is > 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import SamplingParamsError
+from .logprobs import support_logprobs
+from .support import SupportTable
+
+SEMANTICS = ("sglang", "vllm", "hf")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings. ``top_k=-1`` and ``top_p=1`` and ``min_p=0`` disable a filter.
+
+    ``temperature=0`` means greedy decoding and is only allowed without filters
+    (replay needs a positive temperature to score the actor).
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        t, k, p, mp = self.temperature, self.top_k, self.top_p, self.min_p
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise SamplingParamsError(f"temperature: must be a finite number >= 0, got {t!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or k >= 1):
+            raise SamplingParamsError(f"top_k: must be -1 (disabled) or an integer >= 1, got {k!r}")
+        if not isinstance(p, (int, float)) or not (0 < p <= 1):
+            raise SamplingParamsError(f"top_p: must be in (0, 1], got {p!r}")
+        if not isinstance(mp, (int, float)) or not (0 <= mp <= 1):
+            raise SamplingParamsError(f"min_p: must be in [0, 1], got {mp!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise SamplingParamsError(f"seed: must be None or an integer >= 0, got {self.seed!r}")
+        if t == 0 and self.replay_active:
+            raise SamplingParamsError(
+                f"temperature: must be > 0 when a support filter is active (top_k={k}, top_p={p}, min_p={mp}); "
+                "replay divides the actor logits by the rollout temperature"
+            )
+
+    @property
+    def replay_active(self) -> bool:
+        """True when a truncation filter makes the sampled policy differ from softmax(z/T)."""
+        return self.top_p < 1 or self.top_k > 0 or self.min_p > 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class SampleResult:
+    """One sampled token per row, its realized support and its support-normalised log mu."""
+
+    tokens: torch.Tensor  # [B] int64
+    support: SupportTable  # B rows, ids ascending
+    logprobs: torch.Tensor  # [B] fp32, log mu(a_t | s_t, S_t)
+
+
+def _per_row(params, rows: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * rows
+    params = list(params)
+    if len(params) != rows:
+        raise SamplingParamsError(f"params: {len(params)} sampling settings for {rows} rows")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise SamplingParamsError(f"params[{i}]: expected SamplingParams, got {type(p).__name__}")
+    return params
+
+
+def _columns(params: list[SamplingParams], vocab: int, device):
+    def col(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)[:, None]
+
+    temp = col([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32)
+    top_k = col([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.long)
+    top_p = col([p.top_p for p in params], torch.float32)
+    min_p = col([p.min_p for p in params], torch.float32)
+    return temp, top_k, top_p, min_p
+
+
+def _mask_sglang(y, top_k, top_p, min_p):
+    probs = torch.softmax(y, dim=-1)
+    probs_sort, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    ranks = torch.arange(y.shape[-1], device=y.device)[None, :]
+    exclusive = probs_sort.cumsum(dim=-1) - probs_sort
+    keep = ranks < top_k
+    keep &= (exclusive <= top_p) | (top_p >= 1)
+    keep &= probs_sort >= min_p * probs_sort[:, :1]
+    keep &= probs_sort > 0
+    return torch.zeros_like(keep).scatter_(1, order, keep)
+
+
+def _mask_vllm(y, top_k, top_p, min_p):
+    probs = torch.softmax(y, dim=-1)
+    keep = probs >= min_p * probs.amax(dim=-1, keepdim=True)
+    y = y.masked_fill(~keep, float("-inf"))
+    y_sort, order = torch.sort(y, dim=-1, descending=False, stable=True)
+    kth = y_sort.gather(1, y.shape[-1] - top_k)
+    y_sort = y_sort.masked_fill(y_sort < kth, float("-inf"))
+    cum = torch.softmax(y_sort, dim=-1).cumsum(dim=-1)
+    drop = (cum <= 1 - top_p) & (top_p < 1)
+    drop[:, -1] = False
+    y_sort = y_sort.masked_fill(drop, float("-inf"))
+    keep_sorted = torch.softmax(y_sort, dim=-1) > 0
+    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+
+
+def _mask_hf(y, top_k, top_p, min_p):
+    # The exact operations of TopK-, TopP- and MinPLogitsWarper, batched with per-row settings.
+    rows = y.shape[0]
+    inf = float("-inf")
+    kth = torch.sort(y, dim=-1, descending=True).values.gather(1, top_k - 1)
+    y = y.masked_fill(y < kth, inf)
+    sorted_logits, sorted_idx = torch.sort(y, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1 - top_p)
+    drop[..., -1:] = 0
+    drop &= top_p < 1
+    y = y.masked_fill(drop.scatter(1, sorted_idx, drop), inf)
+    probs = torch.softmax(y, dim=-1)
+    remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    remove.scatter_(-1, torch.topk(probs, 1, dim=-1).indices, False)
+    remove &= min_p > 0
+    y = y.masked_fill(remove, inf)
+    return (torch.softmax(y, dim=-1) > 0).reshape(rows, -1)
+
+
+_MASKS = {"sglang": _mask_sglang, "vllm": _mask_vllm, "hf": _mask_hf}
+
+
+def _check_inputs(logits: torch.Tensor, semantics: str) -> None:
+    if semantics not in _MASKS:
+        raise SamplingParamsError(f"semantics: must be one of {SEMANTICS}, got {semantics!r}")
+    if logits.ndim != 2 or logits.shape[1] == 0:
+        raise SamplingParamsError(f"logits: expected [B, V] with V > 0, got shape {tuple(logits.shape)}")
+
+
+def support_mask(logits: torch.Tensor, params, semantics: str = "sglang") -> torch.Tensor:
+    """Boolean ``[B, V]``: the realized support of every row under ``semantics``.
+
+    ``params`` is one ``SamplingParams`` for the batch or one per row. Greedy rows
+    (temperature 0) get the singleton ``{argmax}``.
+    """
+    _check_inputs(logits, semantics)
+    rows, vocab = logits.shape
+    plist = _per_row(params, rows)
+    temp, top_k, top_p, min_p = _columns(plist, vocab, logits.device)
+    mask = _MASKS[semantics](logits.float() / temp, top_k, top_p, min_p)
+    greedy = torch.tensor([p.greedy for p in plist], device=logits.device)
+    if bool(greedy.any()):
+        argmax = torch.zeros_like(mask).scatter_(1, logits.argmax(-1, keepdim=True), True)
+        mask = torch.where(greedy[:, None], argmax, mask)
+    return mask
+
+
+def _exponential_noise(shape, generator, device) -> torch.Tensor:
+    """Exp(1) noise; argmax(w / noise) draws a token with probability proportional to w."""
+    rows, vocab = shape
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.empty(shape, device=device).exponential_(generator=generator)
+    generators = list(generator)
+    if len(generators) != rows:
+        raise SamplingParamsError(f"generator: {len(generators)} generators for {rows} rows")
+    noise = torch.empty(shape, device=device)
+    for i, g in enumerate(generators):
+        noise[i].exponential_(generator=g)
+    return noise
+
+
+def sample(logits: torch.Tensor, params, semantics: str = "sglang", generator=None) -> SampleResult:
+    """Sample one token per row and capture ``(S_t, log mu)``.
+
+    ``generator`` is None, one ``torch.Generator`` for the batch, or one per row.
+    ``logprobs`` come from ``support_logprobs``, the function the trainer scores with.
+    """
+    _check_inputs(logits, semantics)
+    rows, vocab = logits.shape
+    plist = _per_row(params, rows)
+    mask = support_mask(logits, plist, semantics)
+    temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in plist], device=logits.device)
+    weights = torch.softmax(logits.float() / temp[:, None], dim=-1).masked_fill(~mask, 0.0)
+    noise = _exponential_noise((rows, vocab), generator, logits.device)
+    tokens = (weights / noise).argmax(dim=-1)
+    greedy = torch.tensor([p.greedy for p in plist], device=logits.device)
+    tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    support = SupportTable.from_mask(mask)
+    with torch.no_grad():
+        logprobs = support_logprobs(logits, tokens, support, temp)
+    return SampleResult(tokens=tokens, support=support, logprobs=logprobs)
