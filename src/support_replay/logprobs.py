@@ -17,6 +17,11 @@ from .support import SupportTable
 DEFAULT_CHUNK_ROWS = 1024
 
 
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp32 for half precisions and fp32, fp64 for fp64 input."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _padded(support, device) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(support, SupportTable):
         return support.to_padded(device=device)
@@ -24,9 +29,9 @@ def _padded(support, device) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(device=device, dtype=torch.long), valid.to(device=device, dtype=torch.bool)
 
 
-def _temperature_column(temperature, rows: int, device) -> torch.Tensor:
-    """Temperature as an fp32 ``[T, 1]`` column (a scalar, or one value per row)."""
-    temp = torch.as_tensor(temperature, dtype=torch.float32, device=device)
+def _temperature_column(temperature, rows: int, device, dtype=torch.float32) -> torch.Tensor:
+    """Temperature as a ``[T, 1]`` column (a scalar, or one value per row)."""
+    temp = torch.as_tensor(temperature, dtype=dtype, device=device)
     if temp.ndim == 0:
         temp = temp.expand(rows)
     if temp.shape != (rows,):
@@ -52,9 +57,9 @@ def _masked_logsumexp(z: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tenso
 class _SupportLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, ids, valid, temp):
-        z = logits.gather(1, ids).float() / temp
+        z = logits.gather(1, ids).to(temp.dtype) / temp
         lse, probs = _masked_logsumexp(z, valid)
-        out = logits.gather(1, targets[:, None]).float().squeeze(1) / temp.squeeze(1) - lse
+        out = logits.gather(1, targets[:, None]).to(temp.dtype).squeeze(1) / temp.squeeze(1) - lse
         ctx.save_for_backward(targets, ids, probs, temp)
         ctx.logits_meta = (logits.shape, logits.dtype)
         return out
@@ -63,7 +68,7 @@ class _SupportLogProbs(torch.autograd.Function):
     def backward(ctx, grad_out):
         targets, ids, probs, temp = ctx.saved_tensors
         shape, dtype = ctx.logits_meta
-        coef = grad_out.float()[:, None] / temp
+        coef = grad_out.to(temp.dtype)[:, None] / temp
         grad = torch.zeros(shape, dtype=dtype, device=grad_out.device)
         grad.scatter_add_(1, ids, (-probs * coef).to(dtype))
         grad.scatter_add_(1, targets[:, None], coef.to(dtype))
@@ -75,7 +80,7 @@ def support_logprobs(logits: torch.Tensor, targets: torch.Tensor, support, tempe
 
     ``logits`` ``[T, V]`` (any float dtype; accumulation in fp32), ``targets`` ``[T]``,
     ``support`` a ``SupportTable`` of T rows or padded ``(ids[T, K], valid[T, K])``,
-    ``temperature`` a scalar or ``[T]``. Returns fp32 ``[T]``. Extra memory is O(T*K);
+    ``temperature`` a scalar or ``[T]``. Returns ``[T]`` in fp32 (fp64 for fp64 input). Extra memory is O(T*K);
     the gradient is ``(onehot(a_t) - softmax_S)/T`` on S_t and zero elsewhere.
     """
     if logits.ndim != 2:
@@ -85,8 +90,8 @@ def support_logprobs(logits: torch.Tensor, targets: torch.Tensor, support, tempe
     if ids.shape[0] != rows or targets.shape != (rows,):
         raise SupportError(f"support_logprobs: {rows} logit rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}")
     if rows == 0:
-        return logits.new_zeros(0, dtype=torch.float32) + logits.sum() * 0
-    temp = _temperature_column(temperature, rows, logits.device)
+        return logits.new_zeros(0, dtype=_acc(logits.dtype)) + logits.sum() * 0
+    temp = _temperature_column(temperature, rows, logits.device, _acc(logits.dtype))
     return _SupportLogProbs.apply(logits, targets.to(logits.device, torch.long), ids, valid, temp)
 
 
@@ -108,11 +113,11 @@ class _FullLogProbsEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temp, chunk_rows):
         rows = logits.shape[0]
-        logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        logp = torch.empty(rows, dtype=temp.dtype, device=logits.device)
         ent = torch.empty_like(logp)
         lse = torch.empty_like(logp)
         for sl in _chunks(rows, chunk_rows):
-            y = logits[sl].float() / temp[sl]
+            y = logits[sl].to(temp.dtype) / temp[sl]
             lse_c = torch.logsumexp(y, dim=-1)
             p = torch.exp(y - lse_c[:, None])
             lse[sl] = lse_c
@@ -127,16 +132,16 @@ class _FullLogProbsEntropy(torch.autograd.Function):
         logits, targets, temp, lse, ent = ctx.saved_tensors
         grad = torch.empty_like(logits)
         for sl in _chunks(logits.shape[0], ctx.chunk_rows):
-            y = logits[sl].float() / temp[sl]
+            y = logits[sl].to(temp.dtype) / temp[sl]
             p = torch.exp(y - lse[sl, None])
             g = torch.zeros_like(p)
             if grad_logp is not None:
-                gl = grad_logp[sl, None].float()
+                gl = grad_logp[sl, None].to(temp.dtype)
                 g -= p * gl
                 g.scatter_add_(1, targets[sl, None], gl)
             if grad_ent is not None:
                 # dH/dy_j = -p_j (log p_j + H)
-                g -= grad_ent[sl, None].float() * p * ((y - lse[sl, None]) + ent[sl, None])
+                g -= grad_ent[sl, None].to(temp.dtype) * p * ((y - lse[sl, None]) + ent[sl, None])
             grad[sl] = (g / temp[sl]).to(logits.dtype)
         return grad, None, None, None
 
@@ -147,7 +152,7 @@ def full_logprobs_and_entropy(
     """``(log softmax(z/T)[a_t], entropy of softmax(z/T))`` over the full vocabulary, fp32 ``[T]``."""
     if logits.ndim != 2 or targets.shape != (logits.shape[0],):
         raise SupportError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} do not match")
-    temp = _temperature_column(temperature, logits.shape[0], logits.device)
+    temp = _temperature_column(temperature, logits.shape[0], logits.device, _acc(logits.dtype))
     return _FullLogProbsEntropy.apply(logits, targets.to(logits.device, torch.long), temp, int(chunk_rows))
 
 
@@ -177,11 +182,11 @@ class _SparseHeadSupportLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, ids, valid, tpos, temp, chunk_rows):
         rows = hidden.shape[0]
-        out = torch.empty(rows, dtype=torch.float32, device=hidden.device)
-        probs = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
+        out = torch.empty(rows, dtype=temp.dtype, device=hidden.device)
+        probs = torch.empty(ids.shape, dtype=temp.dtype, device=hidden.device)
         for sl in _chunks(rows, chunk_rows):
-            w = weight[ids[sl]].float()  # [c, K, H]
-            z = torch.einsum("ch,ckh->ck", hidden[sl].float(), w) / temp[sl]
+            w = weight[ids[sl]].to(temp.dtype)  # [c, K, H]
+            z = torch.einsum("ch,ckh->ck", hidden[sl].to(temp.dtype), w) / temp[sl]
             lse, probs[sl] = _masked_logsumexp(z, valid[sl])
             out[sl] = z.gather(1, tpos[sl, None]).squeeze(1) - lse
         ctx.save_for_backward(hidden, weight, ids, tpos, probs, temp)
@@ -194,14 +199,14 @@ class _SparseHeadSupportLogProbs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for sl in _chunks(hidden.shape[0], ctx.chunk_rows):
-            coef = grad_out[sl, None].float() / temp[sl]
+            coef = grad_out[sl, None].to(temp.dtype) / temp[sl]
             dz = -probs[sl] * coef
             dz.scatter_add_(1, tpos[sl, None], coef)
-            w = weight[ids[sl]].float()  # recomputed, not stored
+            w = weight[ids[sl]].to(temp.dtype)  # recomputed, not stored
             if grad_h is not None:
                 grad_h[sl] = torch.einsum("ck,ckh->ch", dz, w).to(hidden.dtype)
             if grad_w is not None:
-                outer = dz[:, :, None] * hidden[sl].float()[:, None, :]
+                outer = dz[:, :, None] * hidden[sl].to(temp.dtype)[:, None, :]
                 grad_w.index_add_(0, ids[sl].reshape(-1), outer.reshape(-1, hidden.shape[1]).to(weight.dtype))
         return grad_h, grad_w, None, None, None, None, None
 
@@ -226,6 +231,6 @@ def sparse_head_support_logprobs(
     ids, valid = _padded(support, hidden.device)
     if ids.shape[0] != rows or targets.shape != (rows,):
         raise SupportError(f"sparse head: {rows} hidden rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}")
-    temp = _temperature_column(temperature, rows, hidden.device)
+    temp = _temperature_column(temperature, rows, hidden.device, _acc(torch.promote_types(hidden.dtype, weight.dtype)))
     tpos = _target_positions(ids, valid, targets.to(hidden.device, torch.long))
     return _SparseHeadSupportLogProbs.apply(hidden, weight, ids, valid, tpos, temp, int(chunk_rows))

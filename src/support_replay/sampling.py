@@ -100,7 +100,8 @@ def _columns(params: list[SamplingParams], vocab: int, device):
 
     temp = col([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32)
     top_k = col([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.long)
-    top_p = col([p.top_p for p in params], torch.float32)
+    # float64 so that each semantics can round 1 - top_p the way its engine does
+    top_p = col([p.top_p for p in params], torch.float64)
     min_p = col([p.min_p for p in params], torch.float32)
     return temp, top_k, top_p, min_p
 
@@ -111,7 +112,7 @@ def _mask_sglang(y, top_k, top_p, min_p):
     ranks = torch.arange(y.shape[-1], device=y.device)[None, :]
     exclusive = probs_sort.cumsum(dim=-1) - probs_sort
     keep = ranks < top_k
-    keep &= (exclusive <= top_p) | (top_p >= 1)
+    keep &= (exclusive <= top_p.float()) | (top_p >= 1)
     keep &= probs_sort >= min_p * probs_sort[:, :1]
     keep &= probs_sort > 0
     return torch.zeros_like(keep).scatter_(1, order, keep)
@@ -125,7 +126,7 @@ def _mask_vllm(y, top_k, top_p, min_p):
     kth = y_sort.gather(1, y.shape[-1] - top_k)
     y_sort = y_sort.masked_fill(y_sort < kth, float("-inf"))
     cum = torch.softmax(y_sort, dim=-1).cumsum(dim=-1)
-    drop = (cum <= 1 - top_p) & (top_p < 1)
+    drop = (cum <= 1 - top_p.float()) & (top_p < 1)  # vLLM: p is an fp32 tensor
     drop[:, -1] = False
     y_sort = y_sort.masked_fill(drop, float("-inf"))
     keep_sorted = torch.softmax(y_sort, dim=-1) > 0
@@ -140,7 +141,7 @@ def _mask_hf(y, top_k, top_p, min_p):
     y = y.masked_fill(y < kth, inf)
     sorted_logits, sorted_idx = torch.sort(y, descending=False)
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cum <= (1 - top_p)
+    drop = cum <= (1 - top_p).float()  # HF: 1 - top_p in Python floats, then fp32
     drop[..., -1:] = 0
     drop &= top_p < 1
     y = y.masked_fill(drop.scatter(1, sorted_idx, drop), inf)
@@ -184,13 +185,14 @@ def _exponential_noise(shape, generator, device) -> torch.Tensor:
     """Exp(1) noise; argmax(w / noise) draws a token with probability proportional to w."""
     rows, vocab = shape
     if generator is None or isinstance(generator, torch.Generator):
-        return torch.empty(shape, device=device).exponential_(generator=generator)
+        return torch.empty(shape, device=device).exponential_(generator=generator).clamp_min_(1e-30)
     generators = list(generator)
     if len(generators) != rows:
         raise SamplingParamsError(f"generator: {len(generators)} generators for {rows} rows")
     noise = torch.empty(shape, device=device)
     for i, g in enumerate(generators):
         noise[i].exponential_(generator=g)
+    noise.clamp_min_(1e-30)  # a zero draw would turn w / noise into inf or nan
     return noise
 
 
