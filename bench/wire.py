@@ -78,7 +78,7 @@ def main() -> None:
         return f"{v:>10.1f}" if v is not None else f"{'-':>10}"
 
     print(f"\n| {'format':<40} | {'bytes/token':>11} | {'encode Mids/s':>13} | {'decode Mids/s':>13} |")
-    print(f"|{'-' * 42}|{'-' * 13}:|{'-' * 15}:|{'-' * 15}:|")
+    print("|---|---:|---:|---:|")
     for name, bpt, e, d in rows:
         print(f"| {name:<40} | {bpt:>11.2f} | {fmt(e):>13} | {fmt(d):>13} |")
 

@@ -1,0 +1,134 @@
+"""Forward + backward time and peak extra memory of the actor-scoring kernels.
+
+    python bench/kernels.py [--tokens 2048] [--vocab 151936] [--hidden 1024] [--repeats 3]
+
+For K in {8, 64, 512} and the SPEC section 7 size distribution (padded to its largest
+support), each cell runs in its own process so that the peak resident memory it reports
+(ru_maxrss after the run minus after the inputs were built) belongs to that kernel alone:
+
+  (a) dense [T, V] mask + masked log_softmax (what a peer implementation does)
+  (b) support_logprobs on the same logits
+  (c) full LM head from hidden states + full-vocabulary log_softmax
+  (d) sparse_head_support_logprobs from the same hidden states (never forms [T, V])
+
+Extra memory includes the gradient of the input (logits for a/b; weight and hidden for c/d).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from support_stream import support_stream  # noqa: E402
+
+from support_replay import SupportTable, sparse_head_support_logprobs, support_logprobs  # noqa: E402
+
+VARIANTS = {
+    "a": "dense mask + log_softmax",
+    "b": "support_logprobs",
+    "c": "full LM head + log_softmax",
+    "d": "sparse_head_support_logprobs",
+}
+
+
+def build_support(k: str, tokens: int, vocab: int) -> tuple[SupportTable, torch.Tensor]:
+    if k == "spec":
+        table, selected = support_stream(tokens, vocab, seed=0)
+    else:
+        table, selected = support_stream(tokens, vocab, seed=0, sizes=np.full(tokens, int(k)))
+    return table, torch.from_numpy(selected)
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_one(variant: str, k: str, tokens: int, vocab: int, hidden: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    table, targets = build_support(k, tokens, vocab)
+    ids, valid = table.to_padded()
+    if variant in "ab":
+        logits = torch.randn(tokens, vocab, requires_grad=True)
+    else:
+        h = torch.randn(tokens, hidden, requires_grad=True)
+        weight = (torch.randn(vocab, hidden) * hidden**-0.5).requires_grad_()
+
+    def step():
+        if variant == "a":
+            mask = torch.zeros(tokens, vocab, dtype=torch.bool).scatter_(1, ids, valid)
+            out = logits.masked_fill(~mask, float("-inf")).log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+            out.sum().backward()
+        elif variant == "b":
+            support_logprobs(logits, targets, (ids, valid)).sum().backward()
+        elif variant == "c":
+            out = (h @ weight.T).log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+            out.sum().backward()
+        else:
+            sparse_head_support_logprobs(h, weight, targets, (ids, valid)).sum().backward()
+
+    def clear():
+        for p in ([logits] if variant in "ab" else [h, weight]):
+            p.grad = None
+        gc.collect()
+
+    gc.collect()
+    base = rss_mb()
+    step()
+    peak = rss_mb() - base
+    clear()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        clear()
+    return {"time_s": min(times), "extra_mb": peak, "k_padded": int(ids.shape[1])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=151_936)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ks", default="8,64,512,spec")
+    ap.add_argument("--one", nargs=2, metavar=("VARIANT", "K"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one[0], args.one[1], args.tokens, args.vocab, args.hidden, args.repeats)))
+        return
+
+    print(f"T={args.tokens} V={args.vocab} H={args.hidden} threads={torch.get_num_threads()} torch={torch.__version__}")
+    common = ["--tokens", str(args.tokens), "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--repeats", str(args.repeats)]
+    rows = []
+    for k in args.ks.split(","):
+        cell = {}
+        for v in VARIANTS:
+            out = subprocess.run([sys.executable, __file__, *common, "--one", v, k], capture_output=True, text=True, check=True)
+            cell[v] = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append((k, cell))
+        print(f"  done K={k}", file=sys.stderr)
+
+    print(f"\n| K (padded) | variant | fwd+bwd s | extra MB | speed-up | memory ratio |")
+    print("|---|---|---:|---:|---:|---:|")
+    for k, cell in rows:
+        label = f"{k} ({cell['b']['k_padded']})" if k == "spec" else k
+        for v, name in VARIANTS.items():
+            base = cell["a"] if v in "ab" else cell["c"]
+            speed = base["time_s"] / cell[v]["time_s"]
+            mem = base["extra_mb"] / max(cell[v]["extra_mb"], 1e-9)
+            print(f"| {label} | ({v}) {name} | {cell[v]['time_s']:.3f} | {cell[v]['extra_mb']:.0f} | {speed:.1f}x | {mem:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
