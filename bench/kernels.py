@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -102,18 +103,20 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ks", default="8,64,512,spec")
+    ap.add_argument("--variants", default="abcd", help="subset of a, b, c, d to run (speed-ups need a and c)")
     ap.add_argument("--one", nargs=2, metavar=("VARIANT", "K"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1], args.tokens, args.vocab, args.hidden, args.repeats)))
         return
 
-    print(f"T={args.tokens} V={args.vocab} H={args.hidden} threads={torch.get_num_threads()} torch={torch.__version__}")
+    thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
+    print(f"T={args.tokens} V={args.vocab} H={args.hidden} threads={torch.get_num_threads()} torch={torch.__version__} THP_MEM_ALLOC_ENABLE={thp}")
     common = ["--tokens", str(args.tokens), "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--repeats", str(args.repeats)]
     rows = []
     for k in args.ks.split(","):
         cell = {}
-        for v in VARIANTS:
+        for v in args.variants:
             out = subprocess.run([sys.executable, __file__, *common, "--one", v, k], capture_output=True, text=True, check=True)
             cell[v] = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append((k, cell))
@@ -122,12 +125,14 @@ def main() -> None:
     print(f"\n| K (padded) | variant | fwd+bwd s | extra MB | speed-up | memory ratio |")
     print("|---|---|---:|---:|---:|---:|")
     for k, cell in rows:
-        label = f"{k} ({cell['b']['k_padded']})" if k == "spec" else k
+        label = f"{k} ({next(iter(cell.values()))['k_padded']})" if k == "spec" else k
         for v, name in VARIANTS.items():
-            base = cell["a"] if v in "ab" else cell["c"]
-            speed = base["time_s"] / cell[v]["time_s"]
-            mem = base["extra_mb"] / max(cell[v]["extra_mb"], 1e-9)
-            print(f"| {label} | ({v}) {name} | {cell[v]['time_s']:.3f} | {cell[v]['extra_mb']:.0f} | {speed:.1f}x | {mem:.1f}x |")
+            if v not in cell:
+                continue
+            base = cell.get("a" if v in "ab" else "c")
+            speed = f"{base['time_s'] / cell[v]['time_s']:.1f}x" if base else "-"
+            mem = f"{base['extra_mb'] / max(cell[v]['extra_mb'], 1e-9):.1f}x" if base else "-"
+            print(f"| {label} | ({v}) {name} | {cell[v]['time_s']:.3f} | {cell[v]['extra_mb']:.0f} | {speed} | {mem} |")
 
 
 if __name__ == "__main__":

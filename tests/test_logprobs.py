@@ -136,7 +136,7 @@ def test_sparse_head_equals_full_head(dtype, atol):
     hidden = torch.randn(rows, hid, generator=g, dtype=dtype, requires_grad=True)
     weight = torch.randn(vocab, hid, generator=g, dtype=dtype, requires_grad=True)
     _, targets, table = make_case(rows=rows, vocab=vocab, seed=6)
-    out = sparse_head_support_logprobs(hidden, weight, targets, table, 0.9, chunk_rows=7)
+    out = sparse_head_support_logprobs(hidden, weight, targets, table, 0.9, chunk_size=7)
     h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
     ref = support_logprobs(h2 @ w2.T, targets, table, 0.9)
     torch.testing.assert_close(out, ref, atol=atol, rtol=0)

@@ -175,39 +175,54 @@ def _target_positions(ids, valid, targets) -> torch.Tensor:
     if not bool(hit.any(-1).all()):
         row = int((~hit.any(-1)).nonzero()[0])
         raise SupportError(f"row {row}: target {int(targets[row])} is not in its support")
-    return hit.float().argmax(-1)
+    return hit.to(torch.uint8).argmax(-1)
+
+
+def _size_buckets(valid: torch.Tensor, chunk_size: int):
+    """Rows grouped by support size rounded up to a power of two, in chunks of about
+    ``chunk_size`` entries: ``(rows, width)`` pairs. Padding waste stays under 2x even
+    when sizes are heavy-tailed (most supports tiny, a few wide)."""
+    sizes = valid.sum(-1)
+    widths = torch.where(sizes <= 1, 1, 2 ** torch.ceil(torch.log2(sizes.clamp_min(1).double())).long())
+    widths = widths.clamp_max(valid.shape[1])
+    for width in torch.unique(widths).tolist():
+        rows = (widths == width).nonzero().squeeze(1)
+        step = max(1, chunk_size // width)
+        for start in range(0, len(rows), step):
+            yield rows[start : start + step], width
 
 
 class _SparseHeadSupportLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, ids, valid, tpos, temp, chunk_rows):
-        rows = hidden.shape[0]
-        out = torch.empty(rows, dtype=temp.dtype, device=hidden.device)
-        probs = torch.empty(ids.shape, dtype=temp.dtype, device=hidden.device)
-        for sl in _chunks(rows, chunk_rows):
-            w = weight[ids[sl]].to(temp.dtype)  # [c, K, H]
-            z = torch.einsum("ch,ckh->ck", hidden[sl].to(temp.dtype), w) / temp[sl]
-            lse, probs[sl] = _masked_logsumexp(z, valid[sl])
-            out[sl] = z.gather(1, tpos[sl, None]).squeeze(1) - lse
-        ctx.save_for_backward(hidden, weight, ids, tpos, probs, temp)
-        ctx.chunk_rows = chunk_rows
+    def forward(ctx, hidden, weight, ids, valid, tpos, temp, chunk_size):
+        z = torch.zeros(ids.shape, dtype=temp.dtype, device=hidden.device)
+        for rows, width in _size_buckets(valid, chunk_size):
+            w = weight[ids[rows, :width]].to(temp.dtype)  # [c, width, H]
+            z[rows, :width] = torch.einsum("ch,ckh->ck", hidden[rows].to(temp.dtype), w)
+        z = z / temp
+        lse, probs = _masked_logsumexp(z, valid)
+        out = z.gather(1, tpos[:, None]).squeeze(1) - lse
+        ctx.save_for_backward(hidden, weight, ids, valid, tpos, probs, temp)
+        ctx.chunk_size = chunk_size
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, ids, tpos, probs, temp = ctx.saved_tensors
-        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        hidden, weight, ids, valid, tpos, probs, temp = ctx.saved_tensors
+        coef = grad_out[:, None].to(temp.dtype) / temp
+        dz = -probs * coef
+        dz.scatter_add_(1, tpos[:, None], coef)
+        grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        for sl in _chunks(hidden.shape[0], ctx.chunk_rows):
-            coef = grad_out[sl, None].to(temp.dtype) / temp[sl]
-            dz = -probs[sl] * coef
-            dz.scatter_add_(1, tpos[sl, None], coef)
-            w = weight[ids[sl]].to(temp.dtype)  # recomputed, not stored
+        for rows, width in _size_buckets(valid, ctx.chunk_size):
+            g = dz[rows, :width]  # zero on padding entries
+            sel = ids[rows, :width]
             if grad_h is not None:
-                grad_h[sl] = torch.einsum("ck,ckh->ch", dz, w).to(hidden.dtype)
+                w = weight[sel].to(temp.dtype)  # recomputed, not stored
+                grad_h[rows] = torch.einsum("ck,ckh->ch", g, w).to(hidden.dtype)
             if grad_w is not None:
-                outer = dz[:, :, None] * hidden[sl].to(temp.dtype)[:, None, :]
-                grad_w.index_add_(0, ids[sl].reshape(-1), outer.reshape(-1, hidden.shape[1]).to(weight.dtype))
+                outer = g[:, :, None] * hidden[rows].to(temp.dtype)[:, None, :]
+                grad_w.index_add_(0, sel.reshape(-1), outer.reshape(-1, hidden.shape[1]).to(weight.dtype))
         return grad_h, grad_w, None, None, None, None, None
 
 
@@ -217,13 +232,14 @@ def sparse_head_support_logprobs(
     targets: torch.Tensor,
     support,
     temperature=1.0,
-    chunk_rows: int = 256,
+    chunk_size: int = 16384,
 ) -> torch.Tensor:
     """``support_logprobs(hidden @ weight.T, ...)`` without forming ``[T, V]`` logits.
 
-    ``hidden`` ``[T, H]``, ``weight`` ``[V, H]`` (the LM head, no bias). Only the support
-    rows of the weight are touched, chunk by chunk over positions; backward recomputes
-    ``weight[S]`` instead of storing it. Every target must lie in its support.
+    ``hidden`` ``[T, H]``, ``weight`` ``[V, H]`` (the LM head, no bias). Only the rows of
+    the weight named by the support are read, about ``chunk_size`` support entries at a
+    time, rows bucketed by support size; backward recomputes ``weight[S]`` instead of
+    storing it. Every target must lie in its support.
     """
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise SupportError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match")
@@ -233,4 +249,4 @@ def sparse_head_support_logprobs(
         raise SupportError(f"sparse head: {rows} hidden rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}")
     temp = _temperature_column(temperature, rows, hidden.device, _acc(torch.promote_types(hidden.dtype, weight.dtype)))
     tpos = _target_positions(ids, valid, targets.to(hidden.device, torch.long))
-    return _SparseHeadSupportLogProbs.apply(hidden, weight, ids, valid, tpos, temp, int(chunk_rows))
+    return _SparseHeadSupportLogProbs.apply(hidden, weight, ids, valid, tpos, temp, int(chunk_size))
