@@ -209,3 +209,16 @@ def test_bad_sample_inputs():
         support_mask(torch.zeros(1, 3), [SamplingParams()] * 2)
     with pytest.raises(SamplingParamsError, match="expected \\[B, V\\]"):
         sample(torch.zeros(3), SamplingParams())
+
+
+def test_capture_flags_select_rows_and_keep_the_draws():
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(8))
+    params = SamplingParams(top_k=10, top_p=0.9)
+    full = sample(logits, params, generator=[torch.Generator().manual_seed(i) for i in range(6)])
+    part = sample(logits, params, generator=[torch.Generator().manual_seed(i) for i in range(6)], capture=[1, 0, 0, 1, 0, 1])
+    assert torch.equal(full.tokens, part.tokens)
+    assert part.captured.tolist() == [0, 3, 5]
+    assert part.support == full.support.select([0, 3, 5])
+    assert torch.equal(part.logprobs, full.logprobs[[0, 3, 5]])
+    none = sample(logits, params, capture=False)
+    assert none.support.num_rows == 0 and none.logprobs.numel() == 0

@@ -75,11 +75,12 @@ class SamplingParams:
 
 @dataclass
 class SampleResult:
-    """One sampled token per row, its realized support and its support-normalised log mu."""
+    """One sampled token per row; for the captured rows, their realized support and log mu."""
 
     tokens: torch.Tensor  # [B] int64
-    support: SupportTable  # B rows, ids ascending
-    logprobs: torch.Tensor  # [B] fp32, log mu(a_t | s_t, S_t)
+    support: SupportTable  # one row per captured row, ids ascending
+    logprobs: torch.Tensor  # [C] fp32, log mu(a_t | s_t, S_t) of the captured rows
+    captured: torch.Tensor  # [C] int64: which rows were captured (all of them by default)
 
 
 def _per_row(params, rows: int) -> list[SamplingParams]:
@@ -196,10 +197,12 @@ def _exponential_noise(shape, generator, device) -> torch.Tensor:
     return noise
 
 
-def sample(logits: torch.Tensor, params, semantics: str = "sglang", generator=None) -> SampleResult:
+def sample(logits: torch.Tensor, params, semantics: str = "sglang", generator=None, capture=True) -> SampleResult:
     """Sample one token per row and capture ``(S_t, log mu)``.
 
     ``generator`` is None, one ``torch.Generator`` for the batch, or one per row.
+    ``capture`` is True, False or one flag per row: rows without it (evaluation requests)
+    are sampled with the same filter but build no support table and no log mu.
     ``logprobs`` come from ``support_logprobs``, the function the trainer scores with.
     """
     _check_inputs(logits, semantics)
@@ -212,7 +215,12 @@ def sample(logits: torch.Tensor, params, semantics: str = "sglang", generator=No
     tokens = (weights / noise).argmax(dim=-1)
     greedy = torch.tensor([p.greedy for p in plist], device=logits.device)
     tokens = torch.where(greedy, logits.argmax(-1), tokens)
-    support = SupportTable.from_mask(mask)
+    flags = torch.full((rows,), capture) if isinstance(capture, bool) else torch.as_tensor(capture, dtype=torch.bool)
+    if flags.shape != (rows,):
+        raise SamplingParamsError(f"capture: expected a bool or {rows} flags, got shape {tuple(flags.shape)}")
+    captured = flags.nonzero().squeeze(1)
+    index = captured.to(logits.device)
+    support = SupportTable.from_mask(mask if len(captured) == rows else mask[index])
     with torch.no_grad():
-        logprobs = support_logprobs(logits, tokens, support, temp)
-    return SampleResult(tokens=tokens, support=support, logprobs=logprobs)
+        logprobs = support_logprobs(logits[index], tokens[index], support, temp[index])
+    return SampleResult(tokens=tokens, support=support, logprobs=logprobs, captured=captured)

@@ -1,0 +1,316 @@
+"""The engine: a background loop over a continuously batched set of sequences.
+
+Each iteration admits waiting requests (prefilled together, merged into the running
+batch), runs one decode step for every running sequence, samples through the replay core
+(capturing S_t and log mu only for rows that asked), and finishes sequences that hit
+EOS, a stop token, a stop string or their token budget. A request whose realized support
+exceeds the capacity fails alone with ``CapacityError``; nothing of it is returned.
+Requests and weight updates share one FIFO: an update applies once every request
+submitted before it has finished, and requests submitted after it run on the new weights
+(docs/engines.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ..sampling import sample
+from ..support import SupportTable
+from .model_runner import KVBatch, ModelRunner, load_model_and_tokenizer
+from .requests import CapacityError, EngineError, GenerateRequest, GenerationResult, RequestError, _Sequence
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SAMPLING_MASK_MAX_TOKENS = 4096
+
+
+class Engine:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        semantics: str = "sglang",
+        sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+        max_batch_size: int = 64,
+        seed: int = 0,
+        device: str = "cpu",
+    ):
+        self.runner = ModelRunner(model, device)
+        self.tokenizer = tokenizer
+        self.semantics = semantics
+        self.capacity = int(sampling_mask_max_tokens)
+        self.max_batch_size = int(max_batch_size)
+        self.vocab_size = self.runner.vocab_size
+        self.eos_ids = self._eos_ids(model, tokenizer)
+        self.weight_version = 0
+        self._seed_source = torch.Generator().manual_seed(seed)
+        self._inbox: queue.Queue = queue.Queue()  # ("generate" | "update", payload, future)
+        self._update: tuple | None = None  # an update waiting for the batch to drain
+        self._running: list[_Sequence] = []
+        self._batch: KVBatch | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=torch.float32, device: str = "cpu", **kwargs) -> Engine:
+        model, tokenizer = load_model_and_tokenizer(path, dtype, device)
+        return cls(model, tokenizer, device=device, **kwargs)
+
+    @staticmethod
+    def _eos_ids(model, tokenizer) -> set[int]:
+        ids = set()
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        for value in (gen_eos, getattr(model.config, "eos_token_id", None), tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return ids
+
+    # ---- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="support-replay-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    # ---- public API ---------------------------------------------------------------
+
+    def check(self, request: GenerateRequest) -> None:
+        """Reject what this engine cannot serve before it takes a slot (HTTP 400)."""
+        bad = [t for t in request.input_ids if t >= self.vocab_size]
+        if bad:
+            raise RequestError(f"input_ids: token {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        k = request.params.top_k
+        if request.return_sampling_mask and k > self.capacity:
+            raise RequestError(
+                f"top_k={k} exceeds sampling_mask_max_tokens={self.capacity}: the support could not be captured"
+            )
+
+    def submit(self, request: GenerateRequest) -> Future:
+        """Queue a request; the future resolves to a ``GenerationResult`` or raises ``EngineError``."""
+        future: Future = Future()
+        try:
+            self.check(request)
+        except EngineError as exc:
+            future.set_exception(exc)
+            return future
+        self._inbox.put(("generate", request, future))
+        return future
+
+    def generate(self, requests: list[GenerateRequest], timeout: float | None = None) -> list[GenerationResult]:
+        """Blocking convenience: submit all, wait for all (starts the loop if needed)."""
+        self.start()
+        futures = [self.submit(r) for r in requests]
+        return [f.result(timeout=timeout) for f in futures]
+
+    def update_weights_from_disk(self, path: str | Path) -> Future:
+        """Load safetensors weights once the running batch has drained; resolves to the new version."""
+        future: Future = Future()
+        self._inbox.put(("update", Path(path), future))
+        return future
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> Future:
+        """Same as ``update_weights_from_disk`` with tensors in memory (colocated trainer)."""
+        future: Future = Future()
+        self._inbox.put(("update", state_dict, future))
+        return future
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._inbox.qsize()
+
+    # ---- the loop -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop.is_set():
+            try:
+                self.step(block=True)
+            except Exception as exc:  # never let the loop die: fail what was running
+                log.exception("engine step failed")
+                for seq in self._running:
+                    if not seq.future.done():
+                        seq.future.set_exception(EngineError(f"internal engine error: {exc}"))
+                self._running, self._batch = [], None
+
+    def step(self, block: bool = False) -> None:
+        """One iteration: a drained weight update, admissions, one decode step."""
+        if self._update is not None and not self._running:
+            self._apply_update(*self._update)
+            self._update = None
+        admitted = self._take_waiting(block and not self._running) if self._update is None else []
+        if admitted:
+            self._admit(admitted)
+        if self._running:
+            self._decode()
+
+    def _apply_update(self, arg, future) -> None:
+        try:
+            state = _load_safetensors(arg) if isinstance(arg, Path) else arg
+            self._load_state(state)
+            self.weight_version += 1
+            future.set_result(self.weight_version)
+        except Exception as exc:
+            future.set_exception(exc if isinstance(exc, EngineError) else EngineError(f"update_weights: {exc}"))
+
+    def _load_state(self, state: dict[str, torch.Tensor]) -> None:
+        params = dict(self.runner.model.named_parameters())
+        params.update(dict(self.runner.model.named_buffers()))
+        unknown = [k for k in state if k not in params]
+        if unknown:
+            raise RequestError(f"unknown parameter {unknown[0]!r} ({len(unknown)} in all)")
+        for name, tensor in state.items():
+            if params[name].shape != tensor.shape:
+                raise RequestError(f"parameter {name!r}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
+        with torch.no_grad():
+            for name, tensor in state.items():
+                params[name].copy_(tensor)
+
+    def _take_waiting(self, block: bool) -> list:
+        """Pop requests in order until the batch is full or an update is next in line."""
+        room = self.max_batch_size - len(self._running)
+        taken = []
+        while len(taken) < room:
+            try:
+                kind, payload, future = self._inbox.get(timeout=0.05) if block and not taken else self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "update":
+                self._update = (payload, future)
+                break
+            if future.set_running_or_notify_cancel():
+                taken.append((payload, future))
+        return taken
+
+    def _admit(self, admitted) -> None:
+        seqs = []
+        for request, future in admitted:
+            seed = request.params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+            seqs.append(_Sequence(request, future, torch.Generator().manual_seed(seed), position=len(request.input_ids)))
+        new_batch, logits = self.runner.prefill([s.request.input_ids for s in seqs])
+        self._batch = self.runner.merge(self._batch, new_batch)
+        self._running.extend(seqs)
+        self._sample_and_advance(seqs, logits)
+
+    def _decode(self) -> None:
+        last = torch.tensor([s.output_ids[-1] for s in self._running])
+        positions = torch.tensor([s.position for s in self._running])
+        logits = self.runner.decode(self._batch, last, positions)
+        for s in self._running:
+            s.position += 1
+        self._sample_and_advance(self._running, logits)
+
+    def _sample_and_advance(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+        out = sample(
+            logits,
+            [s.request.params for s in seqs],
+            self.semantics,
+            generator=[s.generator for s in seqs],
+            capture=[s.request.return_sampling_mask for s in seqs],
+        )
+        full = self._full_logprobs(seqs, logits, out.tokens)
+        captured = {int(r): i for i, r in enumerate(out.captured)}
+        sizes = out.support.sizes()
+        for row, seq in enumerate(seqs):
+            token = int(out.tokens[row])
+            if row in captured:
+                i = captured[row]
+                if sizes[i] > self.capacity:
+                    seq.finish_reason = {"type": "abort"}
+                    seq.future.set_exception(
+                        CapacityError(
+                            f"realized support of {int(sizes[i])} tokens at output position {len(seq.output_ids)} "
+                            f"exceeds sampling_mask_max_tokens={self.capacity}; nothing of this request is returned"
+                        )
+                    )
+                    continue
+                seq.supports.append(out.support.select([i]))
+                seq.logprobs.append(float(out.logprobs[i]))
+            if full is not None and row in full:
+                seq.full_logprobs.append(full[row])
+            seq.output_ids.append(token)
+            self._check_finished(seq, token)
+        self._retire()
+
+    def _full_logprobs(self, seqs, logits, tokens) -> dict[int, float] | None:
+        rows = [i for i, s in enumerate(seqs) if s.request.return_logprob]
+        if not rows:
+            return None
+        index = torch.tensor(rows)
+        temps = torch.tensor([seqs[i].request.params.temperature or 1.0 for i in rows])
+        logp = torch.log_softmax(logits[index].float() / temps[:, None], dim=-1).gather(1, tokens[index][:, None])
+        return dict(zip(rows, logp.squeeze(1).tolist()))
+
+    def _check_finished(self, seq: _Sequence, token: int) -> None:
+        req = seq.request
+        if not req.ignore_eos and token in self.eos_ids:
+            seq.finish_reason = {"type": "stop", "matched": token}
+        elif token in req.stop_token_ids:
+            seq.finish_reason = {"type": "stop", "matched": token}
+        elif req.stop:
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            hits = [(text.find(s), s) for s in req.stop if s and s in text]
+            if hits:
+                pos, matched = min(hits)
+                seq.text = text[:pos]
+                seq.finish_reason = {"type": "stop", "matched": matched}
+        if seq.finish_reason is None and len(seq.output_ids) >= req.max_new_tokens:
+            seq.finish_reason = {"type": "length", "length": len(seq.output_ids)}
+
+    def _retire(self) -> None:
+        keep = [i for i, s in enumerate(self._running) if s.finish_reason is None]
+        if len(keep) == len(self._running):
+            return
+        for seq in self._running:
+            if seq.finish_reason is not None and not seq.future.done():
+                seq.future.set_result(self._result(seq))
+        self._running = [self._running[i] for i in keep]
+        self._batch = self.runner.keep(self._batch, keep)
+
+    def _result(self, seq: _Sequence) -> GenerationResult:
+        req = seq.request
+        text = seq.text if seq.finish_reason.get("type") == "stop" and isinstance(seq.finish_reason.get("matched"), str) else None
+        if text is None:
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        return GenerationResult(
+            prompt_ids=list(req.input_ids),
+            output_ids=list(seq.output_ids),
+            finish_reason=seq.finish_reason,
+            logprobs=list(seq.logprobs) if req.return_sampling_mask else None,
+            support=SupportTable.concat(seq.supports) if req.return_sampling_mask else None,
+            full_logprobs=list(seq.full_logprobs) if req.return_logprob else None,
+            weight_version=self.weight_version,
+            text=text,
+        )
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        raise RequestError(f"model_path: no .safetensors file at {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state

@@ -1,0 +1,131 @@
+"""The in-process engine on a tiny random Qwen3: capture, continuous batching, stops, capacity."""
+
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from support_replay import SamplingParams, support_logprobs
+from support_replay.engine import CapacityError, Engine, GenerateRequest, RequestError
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    eng = Engine.from_pretrained(tiny_checkpoint, seed=0).start()
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_checkpoint):
+    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+
+
+def prompts(engine, n):
+    texts = ["What is 12 plus 7?", "Compute 3 times 4.", "The quick brown fox", "Numbers: 0 1 2 3", "Reinforcement"]
+    return [engine.tokenizer(texts[i % len(texts)] * (1 + i % 3))["input_ids"] for i in range(n)]
+
+
+def rescore(model, result, temperature):
+    ids = torch.tensor([result.prompt_ids + result.output_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    start = len(result.prompt_ids) - 1
+    scoring = logits[start : start + len(result.output_ids)]
+    return support_logprobs(scoring, torch.tensor(result.output_ids), result.support, temperature)
+
+
+def test_concurrent_capture_matches_a_fresh_forward(engine, reference_model):
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=i) for i, (t, k, p) in enumerate(
+        [(1.0, 20, 0.9), (0.7, 50, 0.8), (1.3, 5, 1.0), (1.0, 100, 0.95), (1.0, 1, 1.0), (0.9, 30, 0.7)] * 2
+    )]
+    reqs = [GenerateRequest(p_ids, prm, max_new_tokens=6 + 3 * (i % 4), return_sampling_mask=True, return_logprob=True)
+            for i, (p_ids, prm) in enumerate(zip(prompts(engine, 12), params))]
+    # staggered submission: later requests join a running batch (continuous batching)
+    futures = []
+    for r in reqs:
+        futures.append(engine.submit(r))
+        time.sleep(0.01)
+    results = [f.result(timeout=60) for f in futures]
+    for req, res in zip(reqs, results):
+        assert len(res.output_ids) == len(res.logprobs) == res.support.num_rows == len(res.full_logprobs)
+        res.support.validate(engine.vocab_size, selected=res.output_ids)
+        assert max(res.support.sizes()) <= max(req.params.top_k, 1)
+        again = rescore(reference_model, res, req.params.temperature)
+        torch.testing.assert_close(again, torch.tensor(res.logprobs), atol=1e-4, rtol=0)
+        if req.params.top_k == 1:
+            assert res.support.sizes().tolist() == [1] * len(res.output_ids) and set(res.logprobs) == {0.0}
+    # supports actually vary: top-p binds somewhere
+    sizes = torch.cat([torch.from_numpy(r.support.sizes()) for r in results])
+    assert len(set(sizes.tolist())) > 3
+
+
+def test_same_seed_same_batch_reproduces(engine):
+    reqs = [GenerateRequest(p, SamplingParams(top_k=40, top_p=0.9, seed=7 + i), max_new_tokens=8) for i, p in enumerate(prompts(engine, 4))]
+    a = engine.generate(reqs)
+    b = engine.generate(reqs)
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+
+
+def test_evaluation_requests_capture_nothing(engine):
+    res = engine.generate([GenerateRequest(prompts(engine, 1)[0], SamplingParams(top_p=0.9, top_k=10), max_new_tokens=4)])[0]
+    assert res.support is None and res.logprobs is None and len(res.output_ids) == 4
+
+
+def test_stop_token_and_stop_string(engine):
+    base = GenerateRequest(prompts(engine, 1)[0], SamplingParams(temperature=0.0), max_new_tokens=12)
+    greedy = engine.generate([base])[0].output_ids
+    stop_tok = greedy[3]
+    first = greedy.index(stop_tok)
+    res = engine.generate([GenerateRequest(base.input_ids, base.params, max_new_tokens=12, stop_token_ids=[stop_tok])])[0]
+    assert res.output_ids == greedy[: first + 1] and res.finish_reason == {"type": "stop", "matched": stop_tok}
+    text = engine.tokenizer.decode(greedy, skip_special_tokens=True)
+    stop_str = text[len(text) // 2 : len(text) // 2 + 2]
+    res = engine.generate([GenerateRequest(base.input_ids, base.params, max_new_tokens=12, stop=[stop_str])])[0]
+    assert res.finish_reason["type"] == "stop" and res.finish_reason["matched"] == stop_str
+    assert stop_str not in res.text
+
+
+def test_capacity_overflow_fails_only_that_request(tiny_checkpoint):
+    eng = Engine.from_pretrained(tiny_checkpoint, sampling_mask_max_tokens=4).start()
+    try:
+        p = prompts(eng, 3)
+        with pytest.raises(RequestError, match="top_k=8 exceeds sampling_mask_max_tokens=4"):
+            eng.submit(GenerateRequest(p[0], SamplingParams(top_k=8), return_sampling_mask=True)).result()
+        bad = eng.submit(GenerateRequest(p[1], SamplingParams(top_p=0.999), max_new_tokens=5, return_sampling_mask=True))
+        good = eng.submit(GenerateRequest(p[2], SamplingParams(top_k=4), max_new_tokens=5, return_sampling_mask=True))
+        with pytest.raises(CapacityError, match="exceeds sampling_mask_max_tokens=4"):
+            bad.result(timeout=30)
+        ok = good.result(timeout=30)
+        assert len(ok.output_ids) == 5 and ok.support.max_size() <= 4
+    finally:
+        eng.shutdown()
+
+
+def test_weight_update_waits_and_bumps_version(tiny_checkpoint, tmp_path):
+    eng = Engine.from_pretrained(tiny_checkpoint).start()
+    try:
+        req = GenerateRequest(prompts(eng, 1)[0], SamplingParams(temperature=0.0), max_new_tokens=6)
+        before = eng.generate([req])[0]
+        state = {k: v.clone() for k, v in eng.runner.model.state_dict().items()}
+        state["lm_head.weight"] = torch.randn_like(state["lm_head.weight"]) * 5
+        from safetensors.torch import save_file
+
+        save_file({"lm_head.weight": state["lm_head.weight"]}, str(tmp_path / "model.safetensors"))
+        running = eng.submit(GenerateRequest(req.input_ids, req.params, max_new_tokens=20))
+        version = eng.update_weights_from_disk(tmp_path).result(timeout=30)
+        assert running.result(timeout=30).weight_version == 0  # finished under the old weights
+        after = eng.generate([req])[0]
+        assert version == 1 and after.weight_version == 1 and after.output_ids != before.output_ids
+        with pytest.raises(Exception, match="unknown parameter"):
+            eng.update_weights({"nope": torch.zeros(1)}).result(timeout=30)
+    finally:
+        eng.shutdown()
+
+
+def test_bad_requests():
+    with pytest.raises(RequestError, match="input_ids: the prompt is empty"):
+        GenerateRequest([])
+    with pytest.raises(RequestError, match="max_new_tokens"):
+        GenerateRequest([1], max_new_tokens=0)

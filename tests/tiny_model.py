@@ -1,0 +1,56 @@
+"""A tiny random Qwen3 checkpoint with a tokenizer trained offline: what engine tests run on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "What is 12 plus 7? The answer is 19.",
+    "Compute 3 times 4. The answer is 12.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Reinforcement learning with top-p sampling needs the realized support.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+] * 20
+
+
+def build_tiny_checkpoint(path: Path, vocab_size: int = 384, seed: int = 0) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=len(fast),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+    )
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # a sharper distribution than the init, so supports vary in size
+        model.lm_head.weight.mul_(25)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
