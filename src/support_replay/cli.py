@@ -1,10 +1,11 @@
 """``support-replay`` command line.
 
-Subcommands grow with the project; today:
-
-  demo   sample with top-k / top-p / min-p, capture S_t and log mu, ship the support over the
-         wire codec, score it back, and show why replay matters: the importance ratio of a
-         full-vocabulary scorer against the replayed one.
+  serve    the embedded engine behind an SGLang-compatible /generate and an OpenAI-compatible
+           /v1/chat/completions, capturing S_t and log mu on request
+  router   forwards raw request bodies over several engines
+  demo     sample with top-k / top-p / min-p, capture S_t and log mu, ship the support over the
+           wire codec, score it back, and show why replay matters: the importance ratio of a
+           full-vocabulary scorer against the replayed one
 """
 
 from __future__ import annotations
@@ -49,6 +50,36 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from .engine import Engine
+    from .engine.server import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    engine = Engine.from_pretrained(
+        args.hf_checkpoint,
+        dtype=dtype,
+        device=args.device,
+        semantics=args.semantics,
+        sampling_mask_max_tokens=args.sampling_mask_max_tokens,
+        max_batch_size=args.max_batch_size,
+        seed=args.seed,
+    )
+    print(f"support-replay engine: {args.hf_checkpoint} on http://{args.host}:{args.port}", flush=True)
+    serve(engine, args.host, args.port, api_key=args.api_key, max_request_bytes=args.max_request_bytes, model_name=str(args.hf_checkpoint))
+    return 0
+
+
+def _router(args: argparse.Namespace) -> int:
+    from .router import run_router
+
+    print(f"support-replay router on http://{args.host}:{args.port} over {len(args.engine)} engine(s)", flush=True)
+    run_router(args.engine, args.host, args.port, args.health_interval)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="support-replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,6 +94,27 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--semantics", nargs="+", choices=SEMANTICS, default=list(SEMANTICS))
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
+
+    srv = sub.add_parser("serve", help="run the engine server (SGLang /generate, OpenAI chat completions)")
+    srv.add_argument("--hf-checkpoint", required=True, help="Hugging Face checkpoint directory (safetensors)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=30000)
+    srv.add_argument("--semantics", choices=SEMANTICS, default="sglang", help="filter semantics of the sampler")
+    srv.add_argument("--sampling-mask-max-tokens", type=int, default=4096, help="largest support a request may capture")
+    srv.add_argument("--max-batch-size", type=int, default=64)
+    srv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    srv.add_argument("--device", default="cpu")
+    srv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    srv.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024)
+    srv.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed of their own")
+    srv.set_defaults(func=_serve)
+
+    rt = sub.add_parser("router", help="forward raw request bodies over several engines")
+    rt.add_argument("--engine", action="append", required=True, help="engine URL (repeat for more)")
+    rt.add_argument("--host", default="127.0.0.1")
+    rt.add_argument("--port", type=int, default=30010)
+    rt.add_argument("--health-interval", type=float, default=5.0)
+    rt.set_defaults(func=_router)
     return parser
 
 

@@ -39,6 +39,7 @@ class GenerateRequest:
     ignore_eos: bool = False
     return_sampling_mask: bool = False
     return_logprob: bool = False
+    support_logprobs: bool = False  # also log mu of every id of S_t ("support" mode)
 
     def __post_init__(self):
         if not self.input_ids:
@@ -60,6 +61,7 @@ class GenerationResult:
     logprobs: list[float] | None = None  # log mu per token (support-normalised)
     support: SupportTable | None = None  # S_t per token
     full_logprobs: list[float] | None = None  # log softmax(z/T)[a_t], when return_logprob
+    support_logprob_rows: list[list[float]] | None = None  # per token, aligned with the support row
     weight_version: int = 0
     text: str = ""
 
@@ -79,6 +81,7 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     supports: list[SupportTable] = field(default_factory=list)
     full_logprobs: list[float] = field(default_factory=list)
+    support_logprob_rows: list[list[float]] = field(default_factory=list)
     position: int = 0  # position id of the next token fed to the model
     finish_reason: dict | None = None
     text: str = ""

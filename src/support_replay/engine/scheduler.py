@@ -18,9 +18,11 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from ..logprobs import support_logprobs
 from ..sampling import sample
 from ..support import SupportTable
 from .model_runner import KVBatch, ModelRunner, load_model_and_tokenizer
@@ -246,13 +248,25 @@ class Engine:
                         )
                     )
                     continue
-                seq.supports.append(out.support.select([i]))
+                row_support = out.support.select([i])
+                seq.supports.append(row_support)
                 seq.logprobs.append(float(out.logprobs[i]))
+                if seq.request.support_logprobs:
+                    seq.support_logprob_rows.append(self._support_row_logprobs(logits[row], row_support, seq.request.params))
             if full is not None and row in full:
                 seq.full_logprobs.append(full[row])
             seq.output_ids.append(token)
             self._check_finished(seq, token)
         self._retire()
+
+    @staticmethod
+    def _support_row_logprobs(logits_row: torch.Tensor, support: SupportTable, params) -> list[float]:
+        """log mu of every id of the support, by the same function as the selected token's."""
+        ids = torch.from_numpy(support.ids.astype(np.int64))
+        n = len(ids)
+        table = SupportTable(np.tile(support.ids, n), np.arange(n + 1) * n)
+        values = support_logprobs(logits_row.expand(n, -1), ids, table, params.temperature or 1.0)
+        return values.tolist()
 
     def _full_logprobs(self, seqs, logits, tokens) -> dict[int, float] | None:
         rows = [i for i, s in enumerate(seqs) if s.request.return_logprob]
@@ -301,6 +315,7 @@ class Engine:
             logprobs=list(seq.logprobs) if req.return_sampling_mask else None,
             support=SupportTable.concat(seq.supports) if req.return_sampling_mask else None,
             full_logprobs=list(seq.full_logprobs) if req.return_logprob else None,
+            support_logprob_rows=list(seq.support_logprob_rows) if req.support_logprobs else None,
             weight_version=self.weight_version,
             text=text,
         )

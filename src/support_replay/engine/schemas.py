@@ -1,0 +1,183 @@
+"""HTTP request schemas of the engine server (SGLang ``/generate``, OpenAI chat completions).
+
+Strict where silence would be wrong: unknown sampling parameters and logit transforms the
+trainer cannot replay (penalties, logit bias) are rejected, not ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..errors import SamplingParamsError
+from ..sampling import SamplingParams
+from .requests import GenerateRequest, RequestError
+
+
+class SamplingParamsIn(BaseModel):
+    """SGLang's ``sampling_params`` object."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    min_new_tokens: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _seed_alias(cls, data: Any) -> Any:
+        # SGLang calls it sampling_seed; accept both spellings
+        if isinstance(data, dict) and "sampling_seed" in data and "seed" not in data:
+            data = {k: v for k, v in data.items() if k != "sampling_seed"} | {"seed": data["sampling_seed"]}
+        return data
+
+    def to_request(self, input_ids: list[int], *, return_sampling_mask: bool, return_logprob: bool, support_logprobs: bool) -> GenerateRequest:
+        unsupported = {
+            "frequency_penalty": (self.frequency_penalty, 0.0),
+            "presence_penalty": (self.presence_penalty, 0.0),
+            "repetition_penalty": (self.repetition_penalty, 1.0),
+            "min_new_tokens": (self.min_new_tokens, 0),
+            "n": (self.n, 1),
+        }
+        for name, (value, default) in unsupported.items():
+            if value != default:
+                raise RequestError(
+                    f"sampling_params.{name}={value!r} is not supported: the trainer cannot replay that logit transform"
+                    if "penalty" in name
+                    else f"sampling_params.{name}={value!r} is not supported (only {default!r})"
+                )
+        if self.logit_bias:
+            raise RequestError("sampling_params.logit_bias is not supported: the trainer cannot replay that logit transform")
+        try:
+            params = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed)
+        except SamplingParamsError as exc:
+            raise RequestError(f"sampling_params.{exc}") from exc
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return GenerateRequest(
+            input_ids=input_ids,
+            params=params,
+            max_new_tokens=self.max_new_tokens,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            return_sampling_mask=return_sampling_mask,
+            return_logprob=return_logprob,
+            support_logprobs=support_logprobs,
+        )
+
+
+class GenerateIn(BaseModel):
+    """SGLang ``/generate``: one prompt or a batch, as text or token ids."""
+
+    model_config = ConfigDict(extra="allow")  # rid, stream=false, ... are accepted and ignored
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParamsIn | list[SamplingParamsIn] | None = None
+    return_logprob: bool | list[bool] = False
+    return_sampling_mask: bool = False
+    sampling_logprobs_mode: Literal["selected", "support"] = "selected"
+    sampling_mask_format: Literal["lists", "binary"] = "lists"
+    stream: bool = False
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("streaming is not supported; send stream=false")
+        return v
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        return self
+
+    @property
+    def batched(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionIn(BaseModel):
+    """OpenAI chat completions, plus SGLang's ``top_k``, ``min_p`` and replay fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    return_sampling_mask: bool = False
+    return_meta_info: bool = False
+    sampling_logprobs_mode: Literal["selected", "support"] = "selected"
+    sampling_mask_format: Literal["lists", "binary"] = "lists"
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("streaming is not supported; send stream=false")
+        return v
+
+    def sampling(self) -> SamplingParamsIn:
+        if self.top_logprobs:
+            raise RequestError("top_logprobs is not supported; use return_sampling_mask for the support")
+        return SamplingParamsIn(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            max_new_tokens=self.max_completion_tokens or self.max_tokens or 256,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            seed=self.seed,
+            n=self.n,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+        )
+
+
+class UpdateWeightsIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model_path: str

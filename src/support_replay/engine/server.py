@@ -1,0 +1,191 @@
+"""FastAPI server over an ``Engine``: SGLang ``/generate``, OpenAI ``/v1/chat/completions``,
+health, model info, weight updates. Handlers parse, delegate to the engine, and format."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from .. import wire
+from ..errors import SupportReplayError
+from .requests import EngineError, GenerationResult, RequestError
+from .scheduler import Engine
+from .schemas import ChatCompletionIn, GenerateIn, SamplingParamsIn, UpdateWeightsIn
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def _validation_message(exc: ValidationError | RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+    return "; ".join(parts)
+
+
+def meta_info(result: GenerationResult, *, sampling_mask_format: str, vocab_size: int, support_mode: bool) -> dict:
+    """SGLang ``meta_info`` of one completion (SPEC section 6 field names)."""
+    meta = {
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": len(result.prompt_ids),
+        "completion_tokens": result.completion_tokens,
+        "weight_version": result.weight_version,
+    }
+    if result.full_logprobs is not None:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.full_logprobs, result.output_ids)]
+    if result.support is not None:
+        if sampling_mask_format == "binary":
+            meta["output_token_sampling_mask"] = wire.to_json(result.support, vocab_size, result.output_ids)
+        else:
+            meta["output_token_sampling_mask"] = result.support.to_lists()
+        meta["output_token_sampling_mask_length"] = result.support.sizes().tolist()
+        meta["output_token_sampling_logprobs"] = result.support_logprob_rows if support_mode else result.logprobs
+    return meta
+
+
+def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, model_name: str = "support-replay") -> FastAPI:
+    app = FastAPI(title="support-replay engine")
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if api_key and request.url.path != "/health":
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > max_request_bytes):
+            return _error(413, f"request body larger than {max_request_bytes} bytes")
+        body = await request.body()
+        if len(body) > max_request_bytes:
+            return _error(413, f"request body larger than {max_request_bytes} bytes")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_, exc: RequestValidationError):
+        return _error(400, _validation_message(exc))
+
+    @app.exception_handler(EngineError)
+    async def on_engine_error(_, exc: EngineError):
+        return _error(exc.status, str(exc), "invalid_request_error" if exc.status < 500 else "server_error")
+
+    async def parse(request: Request, model):
+        try:
+            return model.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise RequestError(_validation_message(exc)) from exc
+
+    async def run(requests) -> list[GenerationResult]:
+        futures = [asyncio.wrap_future(engine.submit(r)) for r in requests]
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r if isinstance(r, SupportReplayError) else EngineError(f"internal engine error: {r}")
+        return results
+
+    def tokenize_prompt(text: str) -> list[int]:
+        return engine.tokenizer(text)["input_ids"]
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "running": engine.num_running, "waiting": engine.num_waiting}
+
+    @app.get("/model_info")
+    async def model_info():
+        return {
+            "model_path": model_name,
+            "is_generation": True,
+            "vocab_size": engine.vocab_size,
+            "semantics": engine.semantics,
+            "sampling_mask_max_tokens": engine.capacity,
+            "weight_version": engine.weight_version,
+        }
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await parse(request, GenerateIn)
+        prompts = body.text if body.text is not None else body.input_ids
+        prompts = prompts if body.batched else [prompts]
+        prompts = [tokenize_prompt(p) if isinstance(p, str) else p for p in prompts]
+        sp = body.sampling_params if body.sampling_params is not None else SamplingParamsIn()
+        sps = sp if isinstance(sp, list) else [sp] * len(prompts)
+        rl = body.return_logprob if isinstance(body.return_logprob, list) else [body.return_logprob] * len(prompts)
+        if len(sps) != len(prompts) or len(rl) != len(prompts):
+            raise RequestError(f"sampling_params / return_logprob: {len(sps)} / {len(rl)} entries for {len(prompts)} prompts")
+        support_mode = body.sampling_logprobs_mode == "support"
+        reqs = [
+            s.to_request(p, return_sampling_mask=body.return_sampling_mask, return_logprob=r, support_logprobs=support_mode and body.return_sampling_mask)
+            for p, s, r in zip(prompts, sps, rl)
+        ]
+        results = await run(reqs)
+        out = [
+            {
+                "text": res.text,
+                "output_ids": res.output_ids,
+                "meta_info": {"id": uuid.uuid4().hex, **meta_info(res, sampling_mask_format=body.sampling_mask_format, vocab_size=engine.vocab_size, support_mode=support_mode)},
+            }
+            for res in results
+        ]
+        return out if body.batched else out[0]
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await parse(request, ChatCompletionIn)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:
+            raise RequestError(f"messages: the chat template could not render them: {exc}") from exc
+        ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        support_mode = body.sampling_logprobs_mode == "support"
+        req = body.sampling().to_request(ids, return_sampling_mask=body.return_sampling_mask, return_logprob=body.logprobs, support_logprobs=support_mode and body.return_sampling_mask)
+        res = (await run([req]))[0]
+        finish = "length" if res.finish_reason["type"] == "length" else "stop"
+        choice = {"index": 0, "message": {"role": "assistant", "content": res.text}, "finish_reason": finish}
+        if body.logprobs:
+            tokens = engine.tokenizer.convert_ids_to_tokens(res.output_ids)
+            choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in zip(tokens, res.full_logprobs)]}
+        if body.return_meta_info:
+            choice["meta_info"] = {
+                "output_ids": res.output_ids,
+                **meta_info(res, sampling_mask_format=body.sampling_mask_format, vocab_size=engine.vocab_size, support_mode=support_mode),
+            }
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.model or model_name,
+            "choices": [choice],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": res.completion_tokens, "total_tokens": len(ids) + res.completion_tokens},
+        }
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights(request: Request):
+        body = await parse(request, UpdateWeightsIn)
+        version = await asyncio.wrap_future(engine.update_weights_from_disk(body.model_path))
+        return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version}
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        # The engine keeps no prefix cache between requests: there is nothing stale to drop.
+        return {"success": True, "message": "no prefix cache to flush"}
+
+    return app
+
+
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 30000, **kwargs) -> None:
+    import uvicorn
+
+    engine.start()
+    try:
+        uvicorn.run(create_app(engine, **kwargs), host=host, port=port, log_level="warning")
+    finally:
+        engine.shutdown()

@@ -1,0 +1,146 @@
+"""A router over engines that forwards raw request bodies.
+
+Bytes in, bytes out: fields the router knows nothing about (``return_sampling_mask``,
+``sampling_logprobs_mode``, ...) reach the engine untouched, and the engine's response
+comes back as it was sent. Requests go to the healthy engine with the fewest outstanding
+requests; an engine that fails before answering (connection refused or dropped) is marked
+down and the request is retried on another one. Weight updates and cache flushes are
+broadcast to every engine. Health is checked periodically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+log = logging.getLogger(__name__)
+
+BROADCAST_PATHS = ("/update_weights_from_disk", "/flush_cache")
+_FORWARD_HEADERS = ("content-type", "authorization", "accept")
+_RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectTimeout)
+
+
+@dataclass
+class Worker:
+    url: str
+    healthy: bool = True
+    outstanding: int = 0
+    served: int = 0
+    failures: int = 0
+
+
+class Router:
+    def __init__(self, engine_urls: list[str], health_interval: float = 5.0, request_timeout: float | None = None):
+        if not engine_urls:
+            raise ValueError("router: at least one --engine URL is needed")
+        self.workers = [Worker(u.rstrip("/")) for u in engine_urls]
+        self.health_interval = health_interval
+        self.timeout = httpx.Timeout(request_timeout, connect=5.0)
+        self.client: httpx.AsyncClient | None = None
+
+    def pick(self, exclude: set[str]) -> Worker | None:
+        candidates = [w for w in self.workers if w.healthy and w.url not in exclude]
+        if not candidates:  # everyone looks down: try the ones not yet tried anyway
+            candidates = [w for w in self.workers if w.url not in exclude]
+        return min(candidates, key=lambda w: (w.outstanding, w.served)) if candidates else None
+
+    async def forward(self, method: str, path: str, body: bytes, headers: dict) -> Response:
+        tried: set[str] = set()
+        last_error = "no engine configured"
+        while (worker := self.pick(tried)) is not None:
+            tried.add(worker.url)
+            worker.outstanding += 1
+            try:
+                reply = await self.client.request(method, worker.url + path, content=body, headers=headers)
+            except _RETRYABLE as exc:
+                worker.healthy, worker.failures = False, worker.failures + 1
+                last_error = f"{worker.url}: {type(exc).__name__}: {exc}"
+                log.warning("engine failed before answering, retrying elsewhere: %s", last_error)
+                continue
+            finally:
+                worker.outstanding -= 1
+            worker.served += 1
+            return Response(reply.content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
+        return JSONResponse({"error": {"message": f"no engine could serve the request ({last_error})", "code": 503}}, status_code=503)
+
+    async def broadcast(self, method: str, path: str, body: bytes, headers: dict) -> Response:
+        async def one(w: Worker):
+            try:
+                r = await self.client.request(method, w.url + path, content=body, headers=headers)
+                return {"engine": w.url, "status": r.status_code, "body": _json_or_text(r)}
+            except httpx.HTTPError as exc:
+                w.healthy = False
+                return {"engine": w.url, "status": 503, "body": f"{type(exc).__name__}: {exc}"}
+
+        results = await asyncio.gather(*(one(w) for w in self.workers))
+        ok = all(r["status"] == 200 for r in results)
+        return JSONResponse({"success": ok, "engines": results}, status_code=200 if ok else 502)
+
+    async def check_health(self) -> None:
+        async def one(w: Worker):
+            try:
+                r = await self.client.get(w.url + "/health", timeout=2.0)
+                w.healthy = r.status_code == 200
+            except httpx.HTTPError:
+                w.healthy = False
+
+        await asyncio.gather(*(one(w) for w in self.workers))
+
+    async def health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            await self.check_health()
+
+
+def _json_or_text(reply: httpx.Response):
+    try:
+        return reply.json()
+    except ValueError:
+        return reply.text
+
+
+def create_router_app(router: Router) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app):
+        router.client = httpx.AsyncClient(timeout=router.timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        await router.check_health()
+        task = asyncio.create_task(router.health_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await router.client.aclose()
+
+    app = FastAPI(title="support-replay router", lifespan=lifespan)
+
+    @app.get("/health")
+    async def health():
+        healthy = [w.url for w in router.workers if w.healthy]
+        return JSONResponse({"status": "ok" if healthy else "no healthy engine", "healthy": healthy}, status_code=200 if healthy else 503)
+
+    @app.get("/workers")
+    async def workers():
+        return [vars(w) for w in router.workers]
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def proxy(path: str, request: Request):
+        body = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
+        if "/" + path in BROADCAST_PATHS:
+            return await router.broadcast(request.method, target, body, headers)
+        return await router.forward(request.method, target, body, headers)
+
+    return app
+
+
+def run_router(engine_urls: list[str], host: str = "127.0.0.1", port: int = 30010, health_interval: float = 5.0) -> None:
+    import uvicorn
+
+    uvicorn.run(create_router_app(Router(engine_urls, health_interval)), host=host, port=port, log_level="warning")

@@ -1,0 +1,136 @@
+"""The engine server through FastAPI's test client: schemas, fields, errors."""
+
+import math
+
+import pytest
+from fastapi.testclient import TestClient
+
+from support_replay import SupportTable, wire
+from support_replay.engine import Engine
+from support_replay.engine.server import create_app
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    eng = Engine.from_pretrained(tiny_checkpoint, sampling_mask_max_tokens=64).start()
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with TestClient(create_app(engine, max_request_bytes=20000)) as c:
+        yield c
+
+
+def test_generate_text_with_capture(client, engine):
+    r = client.post("/generate", json={
+        "text": "What is 12 plus 7?",
+        "sampling_params": {"temperature": 1.0, "top_k": 20, "top_p": 0.9, "max_new_tokens": 8, "seed": 3},
+        "return_sampling_mask": True,
+        "return_logprob": True,
+    })
+    assert r.status_code == 200, r.text
+    body = r.json()
+    meta = body["meta_info"]
+    assert len(body["output_ids"]) == meta["completion_tokens"] == 8
+    table, logmu = wire.from_sglang_meta_info(meta, output_ids=body["output_ids"], vocab_size=engine.vocab_size)
+    assert len(logmu) == 8 and meta["output_token_sampling_mask_length"] == table.sizes().tolist()
+    assert [e[1] for e in meta["output_token_logprobs"]] == body["output_ids"]
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
+
+
+def test_generate_batch_of_ids_binary_and_support_mode(client, engine):
+    ids = engine.tokenizer("Compute 3 times 4.")["input_ids"]
+    r = client.post("/generate", json={
+        "input_ids": [ids, ids[:3]],
+        "sampling_params": [{"top_k": 10, "max_new_tokens": 5, "seed": 1}, {"top_k": 5, "max_new_tokens": 4, "seed": 2}],
+        "return_sampling_mask": True,
+        "sampling_mask_format": "binary",
+    })
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [len(o["output_ids"]) for o in out] == [5, 4]
+    for o in out:
+        table, _ = wire.from_sglang_meta_info(o["meta_info"], o["output_ids"], engine.vocab_size)
+        assert isinstance(o["meta_info"]["output_token_sampling_mask"], str)
+    r = client.post("/generate", json={
+        "input_ids": ids, "sampling_params": {"top_k": 6, "max_new_tokens": 3, "seed": 5},
+        "return_sampling_mask": True, "sampling_logprobs_mode": "support",
+    })
+    meta = r.json()["meta_info"]
+    rows = meta["output_token_sampling_logprobs"]
+    for row, mask_row in zip(rows, meta["output_token_sampling_mask"]):
+        assert len(row) == len(mask_row) and math.isclose(sum(math.exp(v) for v in row), 1.0, rel_tol=1e-5)
+    table, logmu = wire.from_sglang_meta_info(meta, r.json()["output_ids"], engine.vocab_size)
+    same = client.post("/generate", json={
+        "input_ids": ids, "sampling_params": {"top_k": 6, "max_new_tokens": 3, "seed": 5}, "return_sampling_mask": True,
+    }).json()["meta_info"]["output_token_sampling_logprobs"]
+    assert logmu.tolist() == pytest.approx(same, abs=0)
+
+
+def test_chat_completions_with_meta_info(client, engine):
+    r = client.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "What is 12 plus 7?"}],
+        "temperature": 1.0, "top_p": 0.8, "top_k": 32, "max_tokens": 6, "seed": 0,
+        "return_sampling_mask": True, "return_meta_info": True, "logprobs": True,
+    })
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    meta = choice["meta_info"]
+    table, _ = wire.from_sglang_meta_info(meta, meta["output_ids"], engine.vocab_size)
+    assert table.num_rows == r.json()["usage"]["completion_tokens"] == len(choice["logprobs"]["content"])
+    # without return_meta_info the client sees a plain OpenAI response
+    plain = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).json()
+    assert "meta_info" not in plain["choices"][0]
+
+
+def test_info_endpoints(client, engine):
+    assert client.get("/health").json()["status"] == "ok"
+    info = client.get("/model_info").json()
+    assert info["vocab_size"] == engine.vocab_size and info["sampling_mask_max_tokens"] == 64
+    assert client.post("/flush_cache").json()["success"] is True
+
+
+@pytest.mark.parametrize("payload, status, message", [
+    ({}, 400, "exactly one of text or input_ids"),
+    ({"text": "a", "input_ids": [1]}, 400, "exactly one"),
+    ({"input_ids": [1, 99999]}, 400, "token 99999 outside the vocabulary"),
+    ({"input_ids": []}, 400, "input_ids: the prompt is empty"),
+    ({"text": "a", "sampling_params": {"top_p": 0}}, 400, "top_p: must be in"),
+    ({"text": "a", "sampling_params": {"top_k": 0}}, 400, "top_k: must be -1"),
+    ({"text": "a", "sampling_params": {"temperature": -1}}, 400, "temperature"),
+    ({"text": "a", "sampling_params": {"temperature": 0, "top_p": 0.5}}, 400, "temperature: must be > 0 when a support filter"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, 400, "max_new_tokens"),
+    ({"text": "a", "sampling_params": {"frequency_penalty": 0.5}}, 400, "cannot replay that logit transform"),
+    ({"text": "a", "sampling_params": {"repetition_penalty": 1.1}}, 400, "cannot replay"),
+    ({"text": "a", "sampling_params": {"logit_bias": {"5": 1.0}}}, 400, "logit_bias"),
+    ({"text": "a", "sampling_params": {"top_a": 0.5}}, 400, "top_a"),
+    ({"text": "a", "sampling_params": {"top_k": 100}, "return_sampling_mask": True}, 400, "exceeds sampling_mask_max_tokens=64"),
+    ({"text": "a", "stream": True}, 400, "streaming is not supported"),
+    ({"text": ["a", "b"], "sampling_params": [{}]}, 400, "1 / 2 entries for 2 prompts"),
+    ({"text": "a", "sampling_logprobs_mode": "all"}, 400, "sampling_logprobs_mode"),
+    ({"text": 5}, 400, "text"),
+])
+def test_malformed_generate_requests(client, payload, status, message):
+    r = client.post("/generate", json=payload)
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]["message"]
+
+
+def test_malformed_bodies(client):
+    assert client.post("/generate", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
+    assert client.post("/generate", content=b"x" * 30000).status_code == 413
+    r = client.post("/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3})
+    assert r.status_code == 400
+    assert client.post("/update_weights_from_disk", json={"model_path": "/nonexistent"}).status_code == 400
+    assert client.get("/health").status_code == 200  # still serving
+
+
+def test_api_key(engine):
+    with TestClient(create_app(engine, api_key="sekrit")) as c:
+        assert c.get("/health").status_code == 200
+        assert c.get("/model_info").status_code == 401
+        assert c.get("/model_info", headers={"Authorization": "Bearer sekrit"}).status_code == 200
