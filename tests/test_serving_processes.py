@@ -1,0 +1,87 @@
+"""Server and router as real processes on loopback: concurrency, pass-through, failover."""
+
+import json
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from processes import engine_process, router_process
+from support_replay import support_logprobs, wire
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_checkpoint):
+    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+
+
+def ask(url, ids, seed, max_new_tokens=12, **extra):
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 1.0, "top_k": 32, "top_p": 0.85, "max_new_tokens": max_new_tokens, "seed": seed},
+        "return_sampling_mask": True,
+        **extra,
+    }
+    r = httpx.post(url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_concurrent_requests_through_the_router(tiny_checkpoint, reference_model):
+    (eng_a, url_a), (eng_b, url_b) = engine_process(tiny_checkpoint), engine_process(tiny_checkpoint)
+    with eng_a, eng_b:
+        ctx, router_url = router_process([url_a, url_b])
+        with ctx:
+            prompts = [[5 + i, 40 + i, 77, 120 + 3 * i] for i in range(16)]
+            with ThreadPoolExecutor(16) as pool:
+                outs = list(pool.map(lambda i: ask(router_url, prompts[i], seed=i), range(16)))
+            vocab = reference_model.config.vocab_size
+            for ids, out in zip(prompts, outs):
+                table, logmu = wire.from_sglang_meta_info(out["meta_info"], out["output_ids"], vocab)
+                full = torch.tensor([ids + out["output_ids"]])
+                with torch.no_grad():
+                    logits = reference_model(full).logits[0, len(ids) - 1 : -1].float()
+                again = support_logprobs(logits, torch.tensor(out["output_ids"]), table, 1.0)
+                torch.testing.assert_close(again, torch.from_numpy(logmu), atol=1e-4, rtol=0)
+            workers = httpx.get(router_url + "/workers").json()
+            assert sum(w["served"] for w in workers) == 16 and all(w["served"] > 0 for w in workers)
+            # unknown fields pass through the router untouched: the engine reacts to them
+            binary = ask(router_url, prompts[0], seed=0, sampling_mask_format="binary")
+            assert isinstance(binary["meta_info"]["output_token_sampling_mask"], str)
+            # weight updates are broadcast to every engine
+            r = httpx.post(router_url + "/update_weights_from_disk", json={"model_path": str(tiny_checkpoint)}, timeout=60)
+            assert r.status_code == 200 and r.json()["success"] and len(r.json()["engines"]) == 2
+            # capacity overflow: 400, and the engine keeps serving
+            r = httpx.post(router_url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"top_k": 5000}, "return_sampling_mask": True})
+            assert r.status_code == 400 and "sampling_mask_max_tokens" in r.text
+            assert ask(router_url, prompts[1], seed=1)["meta_info"]["completion_tokens"] == 12
+
+
+def test_router_retries_when_an_engine_dies_mid_request(tiny_checkpoint):
+    (eng_a, url_a), (eng_b, url_b) = engine_process(tiny_checkpoint), engine_process(tiny_checkpoint)
+    with eng_a as proc_a, eng_b:
+        ctx, router_url = router_process([url_a, url_b], health_interval=30)
+        with ctx:
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(ask, router_url, [5, 6, 7], 3, 400, sampling_params={
+                    "temperature": 1.0, "top_k": 8, "max_new_tokens": 400, "ignore_eos": True, "seed": 3})
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    workers = {w["url"]: w for w in httpx.get(router_url + "/workers").json()}
+                    if workers[url_a]["outstanding"] == 1:
+                        break
+                    time.sleep(0.02)
+                assert workers[url_a]["outstanding"] == 1, workers
+                proc_a.send_signal(signal.SIGKILL)
+                out = pending.result(timeout=120)
+            assert out["meta_info"]["completion_tokens"] == 400
+            assert len(json.loads(json.dumps(out["meta_info"]["output_token_sampling_mask"]))) == 400
+            workers = {w["url"]: w for w in httpx.get(router_url + "/workers").json()}
+            assert workers[url_a]["failures"] == 1 and workers[url_a]["served"] == 0
+            assert workers[url_b]["served"] == 1  # served once, elsewhere: nothing lost or duplicated
