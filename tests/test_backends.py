@@ -35,12 +35,12 @@ def test_sglang_backend_reads_native_fields():
 
     def handler(request):
         seen.update(json.loads(request.content))
-        return httpx.Response(200, json=[sglang_item([[7, 9, 1], [3]], [math.log(0.6), 0.0])])
+        return httpx.Response(200, json=sglang_item([[7, 9, 1], [3]], [math.log(0.6), 0.0]))
 
     b = SGLangBackend("http://sglang", VOCAB, transport=mock(handler))
     (c,) = b.generate([req()])
-    assert seen["return_sampling_mask"] is True and seen["sampling_params"][0]["top_k"] == 4
-    assert seen["sampling_params"][0]["sampling_seed"] == 1
+    assert seen["return_sampling_mask"] is True and seen["sampling_params"]["top_k"] == 4
+    assert seen["sampling_params"]["sampling_seed"] == 1
     assert c.output_ids == [7, 3] and c.support.to_lists() == [[1, 7, 9], [3]]
     assert c.logprobs.tolist() == pytest.approx([math.log(0.6), 0.0])
 
@@ -55,7 +55,7 @@ def test_sglang_backend_reads_native_fields():
     (sglang_item([[7, 9], [3]], [-0.5, -0.3]), "singleton support but log mu"),
 ])
 def test_sglang_backend_fails_closed(item, message):
-    b = SGLangBackend("http://sglang", VOCAB, transport=mock(lambda r: httpx.Response(200, content=json.dumps([item]))))
+    b = SGLangBackend("http://sglang", VOCAB, transport=mock(lambda r: httpx.Response(200, content=json.dumps(item))))
     with pytest.raises(WireError, match=message):
         b.generate([req()])
 
@@ -142,7 +142,7 @@ def test_engine_backend_and_http_backend_agree(tiny_checkpoint):
                 assert (x.support is None) == (y.support is None)
                 if x.support is not None:
                     assert x.support == y.support
-                    # batches differ (the HTTP client splits capture from evaluation requests),
+                    # batches differ (HTTP requests reach the engine one by one),
                     # so logits may differ in the last bit until the engine is batch-invariant
                     np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
     engine.shutdown()

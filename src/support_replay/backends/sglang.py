@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import numpy as np
 
@@ -31,10 +33,12 @@ def sampling_params_json(req: GenerateRequest) -> dict:
 
 
 class SGLangBackend:
-    """``POST /generate`` with the whole batch in one request.
+    """One ``POST /generate`` per request, sent concurrently (the engine batches them).
 
-    ``binary_mask=True`` asks our server for the compact wire form of the support; SGLang
-    itself ignores the field and answers with lists, which are read just the same.
+    One request per call keeps typed routers (sglang-router declares a single
+    ``sampling_params`` object) on the path working. ``binary_mask=True`` asks our server
+    for the compact wire form of the support; SGLang ignores the field and answers with
+    lists, which are read just the same.
     """
 
     def __init__(
@@ -45,6 +49,7 @@ class SGLangBackend:
         api_key: str | None = None,
         timeout: float | None = 600.0,
         binary_mask: bool = False,
+        concurrency: int = 64,
         transport: httpx.BaseTransport | None = None,
     ):
         self.url = url.rstrip("/")
@@ -52,35 +57,32 @@ class SGLangBackend:
         self.binary_mask = binary_mask
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0), headers=headers, transport=transport)
+        self.pool = ThreadPoolExecutor(concurrency)
 
-    def generate(self, requests: list[GenerateRequest]) -> list[Completion]:
-        if not requests:
-            return []
-        capture = {r.return_sampling_mask for r in requests}
-        if len(capture) != 1:
-            # return_sampling_mask is one flag per /generate call: split mixed batches
-            mixed = [None] * len(requests)
-            for flag in (True, False):
-                idx = [i for i, r in enumerate(requests) if r.return_sampling_mask == flag]
-                for i, c in zip(idx, self.generate([requests[i] for i in idx])):
-                    mixed[i] = c
-            return mixed
+    def body(self, req: GenerateRequest) -> dict:
         body = {
-            "input_ids": [list(r.input_ids) for r in requests],
-            "sampling_params": [sampling_params_json(r) for r in requests],
-            "return_logprob": [r.return_logprob for r in requests],
+            "input_ids": list(req.input_ids),
+            "sampling_params": sampling_params_json(req),
+            "return_logprob": req.return_logprob,
         }
-        if requests[0].return_sampling_mask:
+        if req.return_sampling_mask:
             body["return_sampling_mask"] = True
             if self.binary_mask:
                 body["sampling_mask_format"] = "binary"
-        reply = self.client.post(self.url + "/generate", json=body)
+        return body
+
+    def generate(self, requests: list[GenerateRequest]) -> list[Completion]:
+        futures = [self.pool.submit(self._one, req, i) for i, req in enumerate(requests)]
+        return [f.result() for f in futures]
+
+    def _one(self, req: GenerateRequest, index: int) -> Completion:
+        reply = self.client.post(self.url + "/generate", json=self.body(req))
         if reply.status_code != 200:
-            raise WireError(f"{self.url}/generate answered HTTP {reply.status_code}: {reply.text[:500]}")
-        items = reply.json()
-        if not isinstance(items, list) or len(items) != len(requests):
-            raise WireError(f"{self.url}/generate: expected {len(requests)} results, got {type(items).__name__}")
-        return [self._completion(item, req, i) for i, (item, req) in enumerate(zip(items, requests))]
+            raise WireError(f"request {index}: {self.url}/generate answered HTTP {reply.status_code}: {reply.text[:500]}")
+        item = reply.json()
+        if not isinstance(item, dict):
+            raise WireError(f"request {index}: {self.url}/generate returned {type(item).__name__}, expected an object")
+        return self._completion(item, req, index)
 
     def _completion(self, item: dict, req: GenerateRequest, index: int) -> Completion:
         try:
