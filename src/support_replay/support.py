@@ -103,6 +103,14 @@ class SupportTable:
         return cls(cols.to(torch.int32).cpu().numpy(), offsets)
 
     @classmethod
+    def from_rows(cls, rows: Sequence[np.ndarray]) -> SupportTable:
+        """From canonical (ascending, int32) id arrays, one per row, without re-sorting."""
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(r) for r in rows], out=offsets[1:])
+        ids = np.concatenate(rows).astype(np.int32, copy=False) if rows else np.zeros(0, np.int32)
+        return cls(ids, offsets)
+
+    @classmethod
     def singleton(cls, tokens) -> SupportTable:
         """Support ``{a_t}`` for every row: inserted (environment, tool) tokens, greedy steps."""
         tokens = _as_int_array(tokens, "tokens", np.int32)

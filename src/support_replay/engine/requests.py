@@ -79,7 +79,7 @@ class _Sequence:
     generator: torch.Generator
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    supports: list[SupportTable] = field(default_factory=list)
+    supports: list = field(default_factory=list)  # one canonical id array per token
     full_logprobs: list[float] = field(default_factory=list)
     support_logprob_rows: list[list[float]] = field(default_factory=list)
     position: int = 0  # position id of the next token fed to the model

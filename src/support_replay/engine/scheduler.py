@@ -233,12 +233,13 @@ class Engine:
             capture=[s.request.return_sampling_mask for s in seqs],
         )
         full = self._full_logprobs(seqs, logits, out.tokens)
-        captured = {int(r): i for i, r in enumerate(out.captured)}
-        sizes = out.support.sizes()
+        captured = dict(zip(out.captured.tolist(), range(len(out.captured))))
+        sizes, offsets, ids = out.support.sizes(), out.support.offsets, out.support.ids
+        logprobs, tokens = out.logprobs.tolist(), out.tokens.tolist()
         for row, seq in enumerate(seqs):
-            token = int(out.tokens[row])
-            if row in captured:
-                i = captured[row]
+            token = tokens[row]
+            i = captured.get(row)
+            if i is not None:
                 if sizes[i] > self.capacity:
                     seq.finish_reason = {"type": "abort"}
                     seq.future.set_exception(
@@ -248,11 +249,10 @@ class Engine:
                         )
                     )
                     continue
-                row_support = out.support.select([i])
-                seq.supports.append(row_support)
-                seq.logprobs.append(float(out.logprobs[i]))
+                seq.supports.append(ids[offsets[i] : offsets[i + 1]])
+                seq.logprobs.append(logprobs[i])
                 if seq.request.support_logprobs:
-                    seq.support_logprob_rows.append(self._support_row_logprobs(logits[row], row_support, seq.request.params))
+                    seq.support_logprob_rows.append(self._support_row_logprobs(logits[row], seq.supports[-1], seq.request.params))
             if full is not None and row in full:
                 seq.full_logprobs.append(full[row])
             seq.output_ids.append(token)
@@ -260,11 +260,11 @@ class Engine:
         self._retire()
 
     @staticmethod
-    def _support_row_logprobs(logits_row: torch.Tensor, support: SupportTable, params) -> list[float]:
+    def _support_row_logprobs(logits_row: torch.Tensor, row_ids: np.ndarray, params) -> list[float]:
         """log mu of every id of the support, by the same function as the selected token's."""
-        ids = torch.from_numpy(support.ids.astype(np.int64))
+        ids = torch.from_numpy(row_ids.astype(np.int64))
         n = len(ids)
-        table = SupportTable(np.tile(support.ids, n), np.arange(n + 1) * n)
+        table = SupportTable(np.tile(row_ids, n), np.arange(n + 1) * n)
         values = support_logprobs(logits_row.expand(n, -1), ids, table, params.temperature or 1.0)
         return values.tolist()
 
@@ -313,7 +313,7 @@ class Engine:
             output_ids=list(seq.output_ids),
             finish_reason=seq.finish_reason,
             logprobs=list(seq.logprobs) if req.return_sampling_mask else None,
-            support=SupportTable.concat(seq.supports) if req.return_sampling_mask else None,
+            support=SupportTable.from_rows(seq.supports) if req.return_sampling_mask else None,
             full_logprobs=list(seq.full_logprobs) if req.return_logprob else None,
             support_logprob_rows=list(seq.support_logprob_rows) if req.support_logprobs else None,
             weight_version=self.weight_version,
