@@ -4,8 +4,10 @@
 
 For batch 1, 8 and 32: completion tokens/s with the support captured for every token and
 without (evaluation requests). Then 16 concurrent requests of 64 new tokens against
-Hugging Face ``generate`` with the same sampling (temperature 1, top_k 32, top_p 0.8), EOS
-ignored on both sides so every token is real.
+Hugging Face ``generate`` with the same sampling (temperature 1, top_k 32, top_p 0.8): once
+with EOS ignored on both sides (pure decode), once stopping at EOS, counting real
+completion tokens (``generate`` keeps stepping finished rows until the longest is done;
+the engine retires them).
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ def prompt_ids(engine: Engine) -> list[int]:
     return tok(PROMPT)["input_ids"]
 
 
-def engine_rate(engine: Engine, ids, batch: int, new_tokens: int, capture: bool, repeats: int) -> float:
+def engine_rate(engine: Engine, ids, batch: int, new_tokens: int, capture: bool, repeats: int, ignore_eos: bool = True) -> float:
     reqs = [
-        GenerateRequest(ids, SamplingParams(seed=i, **PARAMS), max_new_tokens=new_tokens, ignore_eos=True, return_sampling_mask=capture)
+        GenerateRequest(ids, SamplingParams(seed=i, **PARAMS), max_new_tokens=new_tokens, ignore_eos=ignore_eos, return_sampling_mask=capture)
         for i in range(batch)
     ]
     best = 0.0
@@ -60,20 +62,28 @@ def engine_rate(engine: Engine, ids, batch: int, new_tokens: int, capture: bool,
     return best
 
 
-def hf_rate(path: Path, tokenizer, ids, batch: int, new_tokens: int, repeats: int) -> float:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def hf_rate(model, tokenizer, ids, batch: int, new_tokens: int, repeats: int, ignore_eos: bool = True) -> float:
+    """Real completion tokens/s of ``generate``: tokens up to and including EOS, no padding after it."""
     inputs = torch.tensor([ids] * batch)
     mask = torch.ones_like(inputs)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    extra = {"min_new_tokens": new_tokens} if ignore_eos else {}
     best = 0.0
-    for _ in range(repeats):
+    for seed in range(repeats):
+        torch.manual_seed(seed)
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(
-                input_ids=inputs, attention_mask=mask, do_sample=True, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                pad_token_id=tokenizer.pad_token_id or 0, **PARAMS,
+                input_ids=inputs, attention_mask=mask, do_sample=True, max_new_tokens=new_tokens,
+                pad_token_id=tokenizer.pad_token_id or 0, **PARAMS, **extra,
             )
-        real = (out.shape[1] - inputs.shape[1]) * batch
-        best = max(best, real / (time.perf_counter() - start))
+        elapsed = time.perf_counter() - start
+        real = 0
+        for row in out[:, inputs.shape[1] :].tolist():
+            stop = next((i + 1 for i, t in enumerate(row) if t in eos), len(row)) if not ignore_eos else len(row)
+            real += stop
+        best = max(best, real / elapsed)
     return best
 
 
@@ -84,14 +94,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--deterministic", action="store_true", help="engine in deterministic mode (when available)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="engine weights and activations")
     args = ap.parse_args()
 
     path = resolve_model(args.model)
-    engine = Engine.from_pretrained(path).start()
+    engine = Engine.from_pretrained(path, dtype=getattr(torch, args.dtype)).start()
     ids = prompt_ids(engine)
     engine_rate(engine, ids, 2, 4, True, 1)  # warm-up
-    print(f"model={args.model} prompt={len(ids)} tokens, new={args.new_tokens}, threads={torch.get_num_threads()}, sampling={PARAMS}")
+    print(f"model={args.model} dtype={args.dtype} prompt={len(ids)} tokens, new={args.new_tokens}, threads={torch.get_num_threads()}, sampling={PARAMS}")
     print("\n| batch | capture off tok/s | capture on tok/s | capture cost |")
     print("|---:|---:|---:|---:|")
     for b in [int(x) for x in args.batches.split(",")]:
@@ -100,12 +110,15 @@ def main() -> None:
         print(f"| {b} | {off:.1f} | {on:.1f} | {100 * (off - on) / off:+.1f}% |")
     if not args.skip_hf:
         ours = engine_rate(engine, ids, 16, args.new_tokens, True, args.repeats)
+        ours_eos = engine_rate(engine, ids, 16, args.new_tokens, True, args.repeats, ignore_eos=False)
         engine.shutdown()
-        hf = hf_rate(path, engine.tokenizer, ids, 16, args.new_tokens, args.repeats)
-        print("\n| 16 concurrent x 64 new tokens | completion tok/s |")
-        print("|---|---:|")
-        print(f"| Hugging Face generate (batch 16) | {hf:.1f} |")
-        print(f"| support-replay engine, capture on | {ours:.1f} ({ours / hf:.2f}x) |")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf = hf_rate(model, engine.tokenizer, ids, 16, args.new_tokens, args.repeats)
+        hf_eos = hf_rate(model, engine.tokenizer, ids, 16, args.new_tokens, args.repeats, ignore_eos=False)
+        print(f"\n| 16 concurrent x {args.new_tokens} new tokens | EOS ignored: tok/s | stop at EOS: real tok/s |")
+        print("|---|---:|---:|")
+        print(f"| Hugging Face generate (batch 16) | {hf:.1f} | {hf_eos:.1f} |")
+        print(f"| support-replay engine, capture on | {ours:.1f} ({ours / hf:.2f}x) | {ours_eos:.1f} ({ours_eos / hf_eos:.2f}x) |")
     else:
         engine.shutdown()
 
