@@ -1,5 +1,6 @@
 """``support-replay`` command line.
 
+  train    GRPO on the replayed support (no flags: the SmolLM2 arithmetic demo)
   serve    the embedded engine behind an SGLang-compatible /generate and an OpenAI-compatible
            /v1/chat/completions, capturing S_t and log mu on request
   router   forwards raw request bodies over several engines
@@ -72,6 +73,23 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from .config import config_from_args
+    from .train import train
+
+    cfg = config_from_args(args)
+    print(
+        f"support-replay train: replay={'on' if cfg.use_sampling_support_replay else 'off'} "
+        f"(top_p={cfg.rollout_top_p}, top_k={cfg.rollout_top_k}, min_p={cfg.rollout_min_p}, T={cfg.rollout_temperature}), "
+        f"{cfg.num_rollout} rollouts of {cfg.rollout_batch_size}x{cfg.n_samples_per_prompt}, output {cfg.output_dir}",
+        flush=True,
+    )
+    rows = train(cfg)
+    if rows:
+        print(f"done: metrics in {cfg.output_dir}/metrics.jsonl, plot in {cfg.output_dir}/metrics.png")
+    return 0
+
+
 def _router(args: argparse.Namespace) -> int:
     from .router import run_router
 
@@ -94,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--semantics", nargs="+", choices=SEMANTICS, default=list(SEMANTICS))
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
+
+    tr = sub.add_parser("train", help="GRPO with sampling-support replay (no flags: the built-in demo)")
+    from .config import add_run_flags
+
+    add_run_flags(tr)
+    tr.set_defaults(func=_train)
 
     srv = sub.add_parser("serve", help="run the engine server (SGLang /generate, OpenAI chat completions)")
     srv.add_argument("--hf-checkpoint", required=True, help="Hugging Face checkpoint directory (safetensors)")

@@ -48,6 +48,17 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool 
     return centered.reshape(-1)
 
 
+def ppo_token_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_low: float = 0.2, clip_high: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``-min(r A, clip(r, 1-lo, 1+hi) A)`` and whether the clipped branch was taken."""
+    clip_high = clip_low if clip_high is None else clip_high
+    ratio = torch.exp(logp - old_logp)
+    surr = ratio * advantages
+    surr_clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
+    return -torch.minimum(surr, surr_clipped), (surr_clipped < surr).detach()
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -64,21 +75,17 @@ def policy_loss(
     ``advantages`` is ``[B]`` (one per sequence) or ``[B, L]``. ``importance_weights``
     (``[B, L]``, e.g. truncated IS against the rollout log mu) multiply the per-token loss.
     """
-    clip_high = clip_low if clip_high is None else clip_high
     if advantages.ndim == 1:
         advantages = advantages[:, None].expand_as(logp)
-    ratio = torch.exp(logp - old_logp)
-    surr = ratio * advantages
-    surr_clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
-    per_token = -torch.minimum(surr, surr_clipped)
+    per_token, clipped = ppo_token_loss(logp, old_logp, advantages, clip_low, clip_high)
     if importance_weights is not None:
         per_token = per_token * importance_weights.detach()
     loss = aggregate(per_token, mask, aggregation)
     with torch.no_grad():
         m = mask.bool()
-        clipped = (surr_clipped < surr) & m
+        ratio = torch.exp(logp - old_logp)
         metrics = {
-            "clip_fraction": float(clipped.sum() / m.sum().clamp_min(1)),
+            "clip_fraction": float((clipped & m).sum() / m.sum().clamp_min(1)),
             "ratio_mean": float(ratio[m].mean()) if m.any() else 1.0,
             "ratio_max": float(ratio[m].max()) if m.any() else 1.0,
         }

@@ -176,8 +176,7 @@ class Engine:
             future.set_exception(exc if isinstance(exc, EngineError) else EngineError(f"update_weights: {exc}"))
 
     def _load_state(self, state: dict[str, torch.Tensor]) -> None:
-        params = dict(self.runner.model.named_parameters())
-        params.update(dict(self.runner.model.named_buffers()))
+        params = self.runner.model.state_dict(keep_vars=True)  # tied weights appear under every name
         unknown = [k for k in state if k not in params]
         if unknown:
             raise RequestError(f"unknown parameter {unknown[0]!r} ({len(unknown)} in all)")

@@ -1,0 +1,217 @@
+"""RunConfig: every setting of a training run, its flag, and the fail-closed checks (SPEC section 3).
+
+Flags follow the RL frameworks of the field (slime / Miles style): each field ``foo_bar``
+is ``--foo-bar`` on the command line; booleans are switches. A YAML file (``--config``)
+gives defaults that flags override. ``use_sampling_support_replay`` is derived once from
+the rollout sampling settings and never set by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import SupportReplayError
+
+
+class ConfigError(SupportReplayError):
+    """A run setting that is invalid or that replay cannot honour faithfully."""
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+    # ---- model and data -------------------------------------------------------------
+    hf_checkpoint: str | None = Field(None, description="Hugging Face checkpoint directory; default: SmolLM2-135M-Instruct from the packaged GGUF")
+    prompt_data: str | None = Field(None, description="JSONL or Parquet prompts; default: the built-in arithmetic task")
+    input_key: str = Field("prompt", description="field holding the prompt (a string, or a list of chat messages)")
+    label_key: str = Field("label", description="field holding the reference answer")
+    apply_chat_template: bool = Field(False, description="render prompts with the tokenizer's chat template")
+    rm_type: Literal["math"] | None = Field("math", description="built-in reward: math = final-answer check")
+    custom_rm_path: str | None = Field(None, description="custom reward 'module:function(prompt, response, label) -> float'")
+
+    # ---- rollout --------------------------------------------------------------------
+    num_rollout: int = Field(4, ge=1, description="number of rollout + update steps")
+    rollout_batch_size: int = Field(4, ge=1, description="prompts per rollout")
+    n_samples_per_prompt: int = Field(4, ge=1, description="responses per prompt (the GRPO group)")
+    rollout_max_response_len: int = Field(64, ge=1, description="max new tokens per response")
+    rollout_temperature: float = Field(1.0, description="sampling temperature; the trainer divides actor logits by it")
+    rollout_top_p: float = Field(0.8, description="top-p of rollout sampling, in (0, 1]")
+    rollout_top_k: int = Field(32, description="top-k of rollout sampling, -1 or >= 1")
+    rollout_min_p: float = Field(0.0, description="min-p of rollout sampling")
+    rollout_frequency_penalty: float = Field(0.0, description="rejected with replay unless 0")
+    rollout_presence_penalty: float = Field(0.0, description="rejected with replay unless 0")
+    rollout_repetition_penalty: float = Field(1.0, description="rejected with replay unless 1")
+    rollout_seed: int = Field(42, description="seeds every rollout request (by rollout and sample index)")
+    sampling_semantics: Literal["sglang", "vllm", "hf"] = Field("sglang", description="filter semantics of the embedded engine")
+    sampling_mask_max_tokens: int = Field(4096, ge=1, description="largest support the engine may capture")
+    rollout_url: str | None = Field(None, description="rollout through this engine/router URL (/generate) instead of the in-process engine")
+    recompute_prefill_logprobs: bool = Field(False, description="recompute prompt log-probs in the engine (rejected with replay)")
+
+    # ---- training -------------------------------------------------------------------
+    global_batch_size: int = Field(16, ge=1, description="samples per optimizer step")
+    micro_batch_size: int = Field(4, ge=1, description="samples per forward/backward on one rank")
+    lr: float = Field(1e-6, gt=0, description="learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9)
+    adam_beta2: float = Field(0.98)
+    clip_grad: float = Field(1.0, description="max global gradient norm (0: off)")
+    advantage_estimator: Literal["grpo"] = Field("grpo")
+    disable_grpo_std_normalization: bool = Field(False, description="GRPO advantages without dividing by the group std")
+    eps_clip: float = Field(0.2, gt=0, description="PPO clip range (low side)")
+    eps_clip_high: float | None = Field(None, description="PPO clip range, high side (default: eps_clip)")
+    loss_aggregation: Literal["token", "sequence"] = Field("token")
+    kl_coef: float = Field(0.0, ge=0, description="KL(actor || reference) penalty subtracted from the reward")
+    use_kl_loss: bool = Field(False, description="add KL(actor || reference) to the loss")
+    kl_loss_coef: float = Field(0.0, ge=0, description="weight of the KL loss")
+    kl_loss_type: Literal["k1", "k2", "k3"] = Field("k3")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus (full-vocabulary entropy)")
+    use_rollout_logprobs: bool = Field(False, description="old log-probs from the rollout log mu instead of recomputing them")
+    use_tis: bool = Field(False, description="truncated importance sampling against the rollout log mu")
+    tis_cap: float = Field(2.0, gt=0)
+    seed: int = Field(1234, description="trainer seed (initialisation, shuffling)")
+
+    # ---- checks, evaluation, output -------------------------------------------------
+    ci_test: bool = Field(False, description="fail unless the trainer's support log-probs match the rollout log mu on every token")
+    ci_test_tolerance: float = Field(1e-3, ge=0, description="per-token max |log pi - log mu| allowed by --ci-test")
+    true_on_policy_mode: bool = Field(False, description="bitwise-equal rollout and trainer log-probs")
+    eval_interval: int | None = Field(None, ge=1, description="evaluate every N rollouts")
+    eval_prompt_data: str | None = Field(None, description="evaluation prompts (default: held-out built-in task)")
+    n_eval_prompts: int = Field(16, ge=1)
+    n_samples_per_eval_prompt: int = Field(1, ge=1)
+    eval_temperature: float = Field(0.0, ge=0)
+    eval_top_p: float = Field(1.0)
+    eval_top_k: int = Field(-1)
+    eval_max_response_len: int | None = Field(None, ge=1)
+    output_dir: str = Field("runs/latest", description="metrics, effective config, plot")
+    save: str | None = Field(None, description="checkpoint directory")
+    save_interval: int | None = Field(None, ge=1, description="checkpoint every N rollouts")
+    resume: bool = Field(False, description="continue from the latest checkpoint in --save")
+    progress: bool = Field(True, description="progress bar on the console")
+
+    use_sampling_support_replay: bool = Field(False, description="derived: rollout top_p < 1, top_k > 0 or min_p > 0")
+
+    @model_validator(mode="after")
+    def _derive(self):
+        object.__setattr__(
+            self, "use_sampling_support_replay", self.rollout_top_p < 1 or self.rollout_top_k > 0 or self.rollout_min_p > 0
+        )
+        return self
+
+    # ---- fail closed ----------------------------------------------------------------
+
+    def check(self) -> RunConfig:
+        """SPEC section 3 and cross-field rules; raise ConfigError naming the flag and the value."""
+        def bad(flag: str, value, why: str):
+            raise ConfigError(f"--{flag.replace('_', '-')}={value!r}: {why}")
+
+        if not 0 < self.rollout_top_p <= 1:
+            bad("rollout_top_p", self.rollout_top_p, "must be in (0, 1]")
+        if not (self.rollout_top_k == -1 or self.rollout_top_k >= 1):
+            bad("rollout_top_k", self.rollout_top_k, "must be -1 (off) or >= 1")
+        if not 0 <= self.rollout_min_p <= 1:
+            bad("rollout_min_p", self.rollout_min_p, "must be in [0, 1]")
+        replay = self.use_sampling_support_replay
+        if self.rollout_temperature <= 0:
+            bad("rollout_temperature", self.rollout_temperature, "must be > 0 (the trainer divides the actor logits by it)")
+        if replay and self.rollout_top_k <= 0:
+            knob = ("rollout_top_p", self.rollout_top_p) if self.rollout_top_p < 1 else ("rollout_min_p", self.rollout_min_p)
+            bad(knob[0], knob[1], "a finite top-p or min-p needs a positive --rollout-top-k (the support would be unbounded)")
+        if replay and self.rollout_top_k > self.sampling_mask_max_tokens:
+            bad("rollout_top_k", self.rollout_top_k, f"exceeds --sampling-mask-max-tokens={self.sampling_mask_max_tokens}")
+        for name, neutral in (("rollout_frequency_penalty", 0.0), ("rollout_presence_penalty", 0.0), ("rollout_repetition_penalty", 1.0)):
+            if replay and getattr(self, name) != neutral:
+                bad(name, getattr(self, name), "the trainer cannot replay this logit transform; it would score a different policy")
+        if replay and self.recompute_prefill_logprobs:
+            bad("recompute_prefill_logprobs", True, "prefill log-prob recomputation is not supported with sampling-support replay")
+        if self.true_on_policy_mode:
+            bad("true_on_policy_mode", True, "not available yet: the engine has no batch-invariant deterministic mode")
+        total = self.rollout_batch_size * self.n_samples_per_prompt
+        if total % self.global_batch_size:
+            bad("global_batch_size", self.global_batch_size, f"must divide rollout_batch_size x n_samples_per_prompt = {total}")
+        if self.global_batch_size % self.micro_batch_size:
+            bad("micro_batch_size", self.micro_batch_size, f"must divide --global-batch-size={self.global_batch_size}")
+        if self.use_kl_loss and self.kl_loss_coef <= 0:
+            bad("kl_loss_coef", self.kl_loss_coef, "must be > 0 with --use-kl-loss")
+        if self.custom_rm_path and ":" not in self.custom_rm_path:
+            bad("custom_rm_path", self.custom_rm_path, "expected 'module:function'")
+        if self.rm_type is None and not self.custom_rm_path:
+            bad("rm_type", None, "give a reward: --rm-type math or --custom-rm-path module:function")
+        if self.resume and not self.save:
+            bad("resume", True, "needs --save DIR to resume from")
+        return self
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0 or self.use_kl_loss
+
+    def save_effective(self, directory: str | Path) -> Path:
+        path = Path(directory) / "config.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.model_dump(), indent=2) + "\n")
+        os.replace(tmp, path)
+        return path
+
+
+# ---- flags -----------------------------------------------------------------------------
+
+
+def _field_type(annotation):
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and args:
+        return _field_type(args[0])
+    if typing.get_origin(annotation) is Literal:
+        return str
+    return annotation
+
+
+def _choices(annotation) -> tuple | None:
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    for arg in typing.get_args(annotation):
+        if typing.get_origin(arg) is Literal:
+            return typing.get_args(arg)
+    return None
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML file of settings (flags override it)")
+    for name, field in RunConfig.model_fields.items():
+        if name == "use_sampling_support_replay":
+            continue
+        flag = "--" + name.replace("_", "-")
+        kind = _field_type(field.annotation)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
+        else:
+            parser.add_argument(flag, type=kind, default=None, choices=_choices(field.annotation), help=f"{field.description or ''} (default: {field.default})")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    values: dict = {}
+    if getattr(args, "config", None):
+        import yaml
+
+        loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config {args.config}: expected a mapping of settings")
+        values.update({k.replace("-", "_"): v for k, v in loaded.items()})
+    for name in RunConfig.model_fields:
+        value = getattr(args, name, None)
+        if value is not None:
+            values[name] = value
+    values.pop("use_sampling_support_replay", None)
+    try:
+        return RunConfig(**values).check()
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        flag = "--" + str(err["loc"][0]).replace("_", "-") if err.get("loc") else "config"
+        raise ConfigError(f"{flag}={err.get('input')!r}: {err['msg']}") from exc

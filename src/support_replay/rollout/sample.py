@@ -1,0 +1,82 @@
+"""The training sample and the checks every sample passes before it trains (SPEC section 3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import SupportError, SupportReplayError
+from ..support import SupportTable
+
+
+class SampleError(SupportReplayError):
+    """A sample whose replay metadata is missing or inconsistent; the message names it."""
+
+
+@dataclass
+class Sample:
+    """One response to one prompt, token level.
+
+    ``loss_mask[t]`` is 1 for tokens the model sampled and 0 for inserted ones
+    (environment, tool); inserted tokens carry the singleton support ``{a_t}`` and log mu 0.
+    """
+
+    index: int
+    group: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: np.ndarray  # int8 [R]
+    reward: float = 0.0
+    status: str = "completed"  # completed | truncated | aborted
+    rollout_logprobs: np.ndarray | None = None  # log mu per response token (float32)
+    rollout_full_logprobs: np.ndarray | None = None
+    support: SupportTable | None = None
+    temperature: float = 1.0
+    label: str | None = None
+    prompt_text: str = ""
+    response_text: str = ""
+    weight_version: int | None = None
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+
+def validate_sample(sample: Sample, vocab_size: int, *, replay: bool, temperature: float) -> Sample:
+    """Raise ``SampleError`` naming the sample, the token and the rule, or return the sample."""
+    name = f"sample {sample.index}"
+    n = sample.response_length
+    if n == 0:
+        raise SampleError(f"{name}: empty response")
+    if len(sample.loss_mask) != n:
+        raise SampleError(f"{name}: loss mask of {len(sample.loss_mask)} for {n} response tokens")
+    if sample.temperature != temperature:
+        raise SampleError(f"{name}: sampled at temperature {sample.temperature}, but the rollout temperature is {temperature}")
+    ids = np.asarray(sample.prompt_ids + sample.response_ids)
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise SampleError(f"{name}: token {int(ids[(ids < 0) | (ids >= vocab_size)][0])} outside the vocabulary [0, {vocab_size})")
+    if not replay:
+        return sample
+    if sample.support is None or sample.rollout_logprobs is None:
+        raise SampleError(f"{name}: replay is on but the sample carries no support / rollout log mu")
+    if sample.support.num_rows != n:
+        raise SampleError(f"{name}: support has {sample.support.num_rows} rows for {n} response tokens")
+    if len(sample.rollout_logprobs) != n:
+        raise SampleError(f"{name}: {len(sample.rollout_logprobs)} rollout log-probs for {n} response tokens")
+    try:
+        sample.support.validate(vocab_size, sample.response_ids, name=name + " support")
+    except SupportError as exc:
+        raise SampleError(str(exc)) from exc
+    lp = np.asarray(sample.rollout_logprobs, np.float64)
+    bad = ~np.isfinite(lp)
+    if bad.any():
+        raise SampleError(f"{name} token {int(np.flatnonzero(bad)[0])}: rollout log mu {lp[bad][0]} is not finite")
+    inserted = np.asarray(sample.loss_mask) == 0
+    sizes = sample.support.sizes()
+    wrong = inserted & ((sizes != 1) | (lp != 0))
+    if wrong.any():
+        t = int(np.flatnonzero(wrong)[0])
+        raise SampleError(f"{name} token {t}: an inserted token needs the singleton support and log mu 0 (|S|={int(sizes[t])}, log mu={lp[t]})")
+    return sample

@@ -1,0 +1,68 @@
+"""Process group setup: torchrun ranks, or a one-rank group for a plain process (gloo on CPU, NCCL on GPU)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world: int
+    device: torch.device
+    owns_group: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> DistContext:
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    owns = False
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:  # a plain process: a group of one, so FSDP2 and the collectives work unchanged
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        owns = True
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return DistContext(rank, dist.get_world_size(), device, owns)
+
+
+def close_distributed(ctx: DistContext) -> None:
+    if ctx.owns_group and dist.is_initialized():
+        dist.barrier()  # without it a rank sometimes aborts at exit
+        dist.destroy_process_group()
+
+
+def broadcast_object(obj, ctx: DistContext):
+    """rank 0's ``obj`` on every rank."""
+    if ctx.world == 1:
+        return obj
+    box = [obj if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
+    if ctx.world == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device if ctx.device.type == "cuda" else "cpu")
+    dist.all_reduce(t)
+    return t.tolist()
