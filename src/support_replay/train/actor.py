@@ -46,12 +46,15 @@ class Actor:
         for layer in self.model.get_decoder().layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
-        # losses are normalised by the global token count already: sum, do not average, over ranks
-        self.model.set_gradient_divide_factor(1.0)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
 
     def score(self, samples: list[Sample], temperature: float, *, replay: bool, full: bool, entropy: bool = False) -> Scores:
         return score_samples(self.model, samples, temperature, replay=replay, full=full, entropy=entropy, device=self.ctx.device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Losses are normalised by the global token count already; FSDP averages gradients
+        over ranks, so scale by the world size to get their sum (gloo has no PREMUL_SUM)."""
+        (loss * self.ctx.world).backward()
 
     def clip_and_step(self, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else float("inf"))

@@ -134,7 +134,10 @@ class Trainer:
         for start in range(0, len(samples), cfg.global_batch_size):
             batch = list(range(start, start + cfg.global_batch_size))
             n_tokens = sum(int(samples[i].loss_mask.sum()) for i in batch)
-            mine = batch[ctx.rank :: ctx.world]
+            # contiguous shards: with as many micro-batches per rank, the ranks compute exactly
+            # the micro-batches one process would, and the summed gradients agree
+            per_rank = -(-len(batch) // ctx.world)
+            mine = batch[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
             sums = np.zeros(5)
             for m in range(0, len(mine), cfg.micro_batch_size):
                 idx = mine[m : m + cfg.micro_batch_size]
@@ -172,7 +175,7 @@ class Trainer:
         else:
             weights = torch.cat([torch.full((s.response_length,), 1.0 / (max(float(s.loss_mask.sum()), 1.0) * n_samples)) for s in chunk]) * mask
         loss = (per_token * weights).sum()
-        loss.backward()
+        self.actor.backward(loss)
         with torch.no_grad():
             ent = sc.entropy if sc.entropy is not None else torch.zeros_like(per_token)
             return np.array([float(loss), float((clipped.float() * mask).sum()), float((kl * mask).sum()), float((ent * mask).sum()), float(mask.sum())])

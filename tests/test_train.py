@@ -1,0 +1,152 @@
+"""End-to-end GRPO runs on the tiny model: --ci-test, KL, the regression harness, resume, FSDP2."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from processes import engine_process, free_port
+from support_replay import full_logprobs
+from support_replay.config import RunConfig
+from support_replay.train import CITestError, train
+from support_replay.train import trainer as trainer_module
+
+pytestmark = pytest.mark.slow
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def run_config(checkpoint, tmp_path, **overrides) -> RunConfig:
+    values = dict(
+        hf_checkpoint=str(checkpoint), num_rollout=5, rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=4,
+        micro_batch_size=2, rollout_max_response_len=10, lr=1e-3, custom_rm_path="rewards_for_tests:digit_share",
+        output_dir=str(tmp_path / "out"), progress=False, ci_test=True, rollout_top_p=0.8, rollout_top_k=32,
+    )
+    values.update(overrides)
+    return RunConfig(**values).check()
+
+
+def test_five_updates_through_the_http_engine_pass_ci_test(tiny_checkpoint, tmp_path):
+    ctx, url = engine_process(tiny_checkpoint)
+    with ctx:
+        rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url))
+        import httpx
+
+        assert httpx.get(url + "/model_info").json()["weight_version"] == 5  # synced after every update
+    assert [r["rollout"] for r in rows] == list(range(5))
+    for r in rows:
+        assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and 0.999 < r["replay_ratio_mean"] < 1.001
+    # before the policy sharpens, top-p truncates: full-vocabulary scoring would be off by the kept mass
+    assert rows[0]["support_mean"] > 1 and rows[0]["full_vocab_ratio_mean"] < 0.95
+    assert any(abs(r["loss"]) > 0 for r in rows) and (tmp_path / "out" / "metrics.png").exists()
+    assert len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()) == 5
+
+
+def test_kl_loss_equals_an_independent_full_vocabulary_computation(tiny_checkpoint, tmp_path, monkeypatch):
+    captured = {}
+    original = trainer_module.Trainer.rollout
+
+    def keep(self, r):
+        samples = original(self, r)
+        captured[r] = samples
+        return samples
+
+    monkeypatch.setattr(trainer_module.Trainer, "rollout", keep)
+    cfg = run_config(tiny_checkpoint, tmp_path, num_rollout=2, global_batch_size=8, micro_batch_size=4, use_kl_loss=True,
+                     kl_loss_coef=0.5, save=str(tmp_path / "ckpt"), save_interval=1)
+    rows = train(cfg)
+    # rollout 1 is scored with the weights after update 0, which checkpoint rollout_000001 holds
+    actor = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float64)
+    actor.load_state_dict({k: v.double() for k, v in load_file(str(tmp_path / "ckpt" / "rollout_000001" / "model.safetensors")).items()}, strict=False)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float64)
+    kls = []
+    for s in captured[1]:
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        p0 = len(s.prompt_ids) - 1
+        with torch.no_grad():
+            lp = torch.log_softmax(actor(ids).logits[0, p0 : p0 + s.response_length], -1)
+            lr = torch.log_softmax(ref(ids).logits[0, p0 : p0 + s.response_length], -1)
+        t = torch.tensor(s.response_ids)[:, None]
+        x = lp.gather(1, t) - lr.gather(1, t)
+        kls.append(torch.exp(-x) + x - 1)
+    independent = float(torch.cat(kls).mean())
+    assert independent > 1e-6  # the actor has moved away from the reference
+    assert rows[1]["kl_loss"] == pytest.approx(independent, rel=1e-4, abs=1e-7)
+
+
+def test_regression_full_vocabulary_scoring_fails_ci_test(tiny_checkpoint, tmp_path, monkeypatch):
+    from support_replay.train import actor
+
+    monkeypatch.setattr(actor, "support_logprobs", lambda rows, targets, support, t: full_logprobs(rows, targets, t))
+    with pytest.raises(CITestError, match=r"--ci-test failed at rollout 0, sample \d+, response position \d+"):
+        train(run_config(tiny_checkpoint, tmp_path))
+
+
+def test_regression_one_corrupted_support_position_fails_ci_test(tiny_checkpoint, tmp_path, monkeypatch):
+    original = trainer_module.Trainer.rollout
+    where = {}
+
+    def corrupt(self, r):
+        samples = original(self, r)
+        if r == 2:
+            s = next(x for x in samples if (x.support.sizes() > 1).any())
+            t = int(np.flatnonzero(s.support.sizes() > 1)[0])
+            rows = s.support.to_lists()
+            rows[t] = [s.response_ids[t]]  # still passes validation: only --ci-test can see it
+            s.support = type(s.support).from_lists(rows)
+            where["t"], where["sample"] = t, s.index
+        return samples
+
+    monkeypatch.setattr(trainer_module.Trainer, "rollout", corrupt)
+    with pytest.raises(CITestError) as err:
+        train(run_config(tiny_checkpoint, tmp_path))
+    assert f"rollout 2, sample {where['sample']}, response position {where['t']}:" in str(err.value)
+    assert "1 tokens over" in str(err.value)
+
+
+def test_resume_continues_exactly(tiny_checkpoint, tmp_path):
+    full = run_config(tiny_checkpoint, tmp_path / "a", num_rollout=4, save=str(tmp_path / "a" / "ckpt"), save_interval=2)
+    train(full)
+    first = run_config(tiny_checkpoint, tmp_path / "b", num_rollout=2, save=str(tmp_path / "b" / "ckpt"), save_interval=2)
+    train(first)
+    resumed = run_config(tiny_checkpoint, tmp_path / "b", num_rollout=4, save=str(tmp_path / "b" / "ckpt"), save_interval=2, resume=True)
+    rows = train(resumed)
+    assert [r["rollout"] for r in rows] == [0, 1, 2, 3]
+    a = load_file(str(tmp_path / "a" / "ckpt" / "rollout_000004" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "ckpt" / "rollout_000004" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+    ra = [json.loads(x) for x in (tmp_path / "a" / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward_mean"] for r in ra] == [r["reward_mean"] for r in rows]
+
+
+def _fsdp_worker(rank, world, port, checkpoint, out, results):
+    # Gradient clipping off: its global norm is reduced in another order over shards, which
+    # moves the result by an ulp that Adam then amplifies (to ~2e-6 after 3 updates).
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.path.insert(0, str(Path(__file__).parent))
+    cfg = run_config(checkpoint, Path(out), num_rollout=3, save=str(Path(out) / "ckpt"), save_interval=3, clip_grad=0.0)
+    rows = train(cfg)
+    results[rank] = [r["loss"] for r in rows] if rank == 0 else "ok"
+
+
+def test_two_fsdp_ranks_equal_one(tiny_checkpoint, tmp_path):
+    manager = mp.Manager()
+    results = {}
+    for world in (1, 2):
+        res = manager.dict()
+        mp.spawn(_fsdp_worker, args=(world, free_port(), str(tiny_checkpoint), str(tmp_path / f"w{world}"), res), nprocs=world, join=True)
+        results[world] = dict(res)
+    np.testing.assert_allclose(results[2][0], results[1][0], atol=1e-6, rtol=0)
+    one = load_file(str(tmp_path / "w1" / "ckpt" / "rollout_000003" / "model.safetensors"))
+    two = load_file(str(tmp_path / "w2" / "ckpt" / "rollout_000003" / "model.safetensors"))
+    for k in one:
+        # contiguous shards make each rank compute the micro-batches one process would: equal bit for bit
+        assert torch.equal(two[k], one[k]), k
