@@ -37,7 +37,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
 run: setup
-	$(VENV)/bin/support-replay demo
+	$(VENV)/bin/support-replay train
 
 bench: setup
 	$(PY) bench/wire.py

@@ -84,8 +84,18 @@ def test_regression_full_vocabulary_scoring_fails_ci_test(tiny_checkpoint, tmp_p
     from support_replay.train import actor
 
     monkeypatch.setattr(actor, "support_logprobs", lambda rows, targets, support, t: full_logprobs(rows, targets, t))
+    monkeypatch.setattr(actor.ScoringModel, "__init__", _without_sparse_head(actor.ScoringModel.__init__))
+    # global batch = the whole rollout: the update's own forward is the scored one (fused)
     with pytest.raises(CITestError, match=r"--ci-test failed at rollout 0, sample \d+, response position \d+"):
-        train(run_config(tiny_checkpoint, tmp_path))
+        train(run_config(tiny_checkpoint, tmp_path, global_batch_size=8))
+
+
+def _without_sparse_head(init):
+    def patched(self, hf):
+        init(self, hf)
+        self.plain_head = False  # route scoring through dense logits, where the patch applies
+
+    return patched
 
 
 def test_regression_one_corrupted_support_position_fails_ci_test(tiny_checkpoint, tmp_path, monkeypatch):
@@ -127,26 +137,32 @@ def test_resume_continues_exactly(tiny_checkpoint, tmp_path):
     assert [r["reward_mean"] for r in ra] == [r["reward_mean"] for r in rows]
 
 
-def _fsdp_worker(rank, world, port, checkpoint, out, results):
+def _fsdp_worker(rank, world, port, checkpoint, out, results, global_batch, micro_batch):
     # Gradient clipping off: its global norm is reduced in another order over shards, which
     # moves the result by an ulp that Adam then amplifies (to ~2e-6 after 3 updates).
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     sys.path.insert(0, str(Path(__file__).parent))
-    cfg = run_config(checkpoint, Path(out), num_rollout=3, save=str(Path(out) / "ckpt"), save_interval=3, clip_grad=0.0)
+    cfg = run_config(checkpoint, Path(out), num_rollout=3, save=str(Path(out) / "ckpt"), save_interval=3, clip_grad=0.0, global_batch_size=global_batch, micro_batch_size=micro_batch)
     rows = train(cfg)
     results[rank] = [r["loss"] for r in rows] if rank == 0 else "ok"
 
 
-def test_two_fsdp_ranks_equal_one(tiny_checkpoint, tmp_path):
+# two optimizer steps per rollout; or one, with the old-policy scoring fused into it
+@pytest.mark.parametrize("global_batch, micro_batch", [(4, 2), (8, 4)])
+def test_two_fsdp_ranks_equal_one(tiny_checkpoint, tmp_path, global_batch, micro_batch):
     manager = mp.Manager()
     results = {}
     for world in (1, 2):
         res = manager.dict()
-        mp.spawn(_fsdp_worker, args=(world, free_port(), str(tiny_checkpoint), str(tmp_path / f"w{world}"), res), nprocs=world, join=True)
+        args = (world, free_port(), str(tiny_checkpoint), str(tmp_path / f"w{world}"), res, global_batch, micro_batch)
+        mp.spawn(_fsdp_worker, args=args, nprocs=world, join=True)
         results[world] = dict(res)
     np.testing.assert_allclose(results[2][0], results[1][0], atol=1e-6, rtol=0)
     one = load_file(str(tmp_path / "w1" / "ckpt" / "rollout_000003" / "model.safetensors"))
     two = load_file(str(tmp_path / "w2" / "ckpt" / "rollout_000003" / "model.safetensors"))
     for k in one:
-        # contiguous shards make each rank compute the micro-batches one process would: equal bit for bit
+        # each rank runs exactly one of the single process's micro-batches, so the summed
+        # gradients, hence the weights, are equal bit for bit. (With several micro-batches
+        # per rank the sum associates differently, (g0+g1)+(g2+g3) against ((g0+g1)+g2)+g3,
+        # and Adam amplifies that last-bit difference: about 2e-5 after 3 updates.)
         assert torch.equal(two[k], one[k]), k

@@ -1,8 +1,10 @@
 """The actor: a Hugging Face causal LM sharded with FSDP2, scoring samples two ways.
 
 Per response token the actor yields the support-normalised log-prob (the policy ratio
-under replay, ``support_logprobs`` on the captured S_t) and, when asked, the
-full-vocabulary log-prob and entropy (KL to the reference, entropy bonus, metrics).
+under replay, on the captured S_t) and, when asked, the full-vocabulary log-prob and
+entropy (KL to the reference, entropy bonus, metrics). Only response positions reach the
+LM head; when no full-vocabulary score is needed the head is applied to the support rows
+of its weight alone (``sparse_head_support_logprobs``), never forming ``[T, V]``.
 """
 
 from __future__ import annotations
@@ -10,13 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
-from ..logprobs import full_logprobs_and_entropy, support_logprobs
+from ..logprobs import full_logprobs_and_entropy, sparse_head_support_logprobs, support_logprobs
 from ..rollout.sample import Sample
 from ..support import SupportTable
+
+_PREFIX = "hf."
 
 
 @dataclass
@@ -32,18 +38,72 @@ class Scores:
         return list(torch.split(values, self.lengths))
 
 
-def load_causal_lm(path, device) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    model.config.use_cache = False
-    return model
+class ScoringModel(nn.Module):
+    """A causal LM whose forward returns per-token scores of chosen positions.
+
+    One module, so that FSDP2 can make it the root: the embeddings, the final norm and
+    the LM head weight are unsharded inside this forward, gradients included.
+    """
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf
+        head = hf.get_output_embeddings()
+        cfg = hf.config
+        # the sparse head computes h . W_j: only valid for a plain bias-free linear head
+        self.plain_head = (
+            isinstance(head, nn.Linear) and head.bias is None
+            and not getattr(cfg, "final_logit_softcapping", None) and getattr(cfg, "logit_scale", 1.0) in (None, 1.0)
+        )
+
+    def forward(self, input_ids, attention_mask, rows_b, rows_t, targets, support, temperature, *, replay: bool, full: bool, entropy: bool):
+        hidden = self.hf.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        h = hidden[rows_b, rows_t]
+        need_logits = full or entropy or not replay or not self.plain_head
+        full_lp = ent = None
+        if need_logits:
+            logits = self.hf.get_output_embeddings()(h)
+            full_lp, ent = full_logprobs_and_entropy(logits, targets, temperature)
+            logp = support_logprobs(logits, targets, support, temperature) if replay else full_lp
+        else:
+            logp = sparse_head_support_logprobs(h, self.hf.get_output_embeddings().weight, targets, support, temperature)
+        return logp, full_lp, ent
+
+
+def load_scoring_model(path, device) -> ScoringModel:
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    hf.config.use_cache = False
+    return ScoringModel(hf)
+
+
+def score_samples(model: ScoringModel, samples: list[Sample], temperature: float, *, replay: bool, full: bool, entropy: bool = False, device="cpu") -> Scores:
+    """One forward over right-padded sequences, scoring the rows that predict response tokens."""
+    lengths = [s.response_length for s in samples]
+    width = max(len(s.prompt_ids) + s.response_length for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    mask = torch.zeros(len(samples), width, dtype=torch.long)
+    rows_b, rows_t = [], []
+    for i, s in enumerate(samples):
+        seq = s.prompt_ids + s.response_ids
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = 1
+        rows_b += [i] * s.response_length
+        rows_t += range(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + s.response_length)
+    targets = torch.tensor([t for s in samples for t in s.response_ids], device=device)
+    support = SupportTable.concat([s.support for s in samples]).to_padded(device=device) if replay else None
+    logp, full_lp, ent = model(
+        ids.to(device), mask.to(device), torch.tensor(rows_b, device=device), torch.tensor(rows_t, device=device),
+        targets, support, temperature, replay=replay, full=full, entropy=entropy,
+    )
+    return Scores(logp=logp, full=full_lp if full else None, entropy=ent if entropy else None, lengths=lengths)
 
 
 class Actor:
     def __init__(self, path, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float):
         self.ctx = ctx
-        self.model = load_causal_lm(path, ctx.device)
+        self.model = load_scoring_model(path, ctx.device)
         mesh = init_device_mesh(ctx.device.type, (ctx.world,))
-        for layer in self.model.get_decoder().layers:
+        for layer in self.model.hf.get_decoder().layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
@@ -63,26 +123,10 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded CPU weights under the Hugging Face names, on rank 0 (every rank must call it)."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k.removeprefix(_PREFIX): v for k, v in state.items()}
 
-def score_samples(model, samples: list[Sample], temperature: float, *, replay: bool, full: bool, entropy: bool = False, device="cpu") -> Scores:
-    """One forward over right-padded sequences; rows that predict each response token."""
-    lengths = [s.response_length for s in samples]
-    seqs = [s.prompt_ids + s.response_ids for s in samples]
-    width = max(len(x) for x in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, x in enumerate(seqs):
-        ids[i, : len(x)] = torch.tensor(x)
-        mask[i, : len(x)] = 1
-    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
-    rows = torch.cat([logits[i, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + n] for i, (s, n) in enumerate(zip(samples, lengths))])
-    targets = torch.tensor([t for s in samples for t in s.response_ids], device=rows.device)
-    full_lp = ent = None
-    if full or entropy or not replay:
-        full_lp, ent = full_logprobs_and_entropy(rows, targets, temperature)
-    if replay:
-        support = SupportTable.concat([s.support for s in samples])
-        logp = support_logprobs(rows, targets, support, temperature)
-    else:
-        logp = full_lp
-    return Scores(logp=logp, full=full_lp if full else None, entropy=ent if entropy else None, lengths=lengths)
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        set_model_state_dict(self.model, {_PREFIX + k: v for k, v in state.items()}, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
-from .weights import full_state_dict, save_safetensors
+from .weights import save_safetensors
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -31,7 +31,7 @@ def _set_rng_state(state: dict) -> None:
 
 def save_checkpoint(directory: Path, rollout: int, actor, ctx, extra: dict) -> Path | None:
     """``directory/rollout_{rollout}`` written atomically by rank 0 (all ranks must call it)."""
-    model_state = full_state_dict(actor.model)
+    model_state = actor.full_state_dict()
     optim_state = get_optimizer_state_dict(actor.model, actor.optimizer, options=_FULL)
     target = Path(directory) / f"rollout_{rollout:06d}"
     if ctx.is_main:
@@ -56,8 +56,7 @@ def latest_checkpoint(directory: Path) -> Path | None:
 
 def load_checkpoint(path: Path, actor) -> dict:
     """Load model, optimizer and RNG on every rank; returns the saved state.json."""
-    model_state = load_file(str(path / "model.safetensors"))
-    set_model_state_dict(actor.model, model_state, options=StateDictOptions(full_state_dict=True, strict=False))
+    actor.load_full_state_dict(load_file(str(path / "model.safetensors")))
     trainer = torch.load(path / "trainer.pt", weights_only=False)
     set_optimizer_state_dict(actor.model, actor.optimizer, trainer["optimizer"], options=StateDictOptions(full_state_dict=True))
     _set_rng_state(trainer["rng"])

@@ -14,7 +14,7 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .dist import close_distributed, init_distributed
 from .metrics import MetricsLog
 from .trainer import CITestError, Trainer
-from .weights import WeightSync, full_state_dict
+from .weights import WeightSync
 
 __all__ = ["CITestError", "train"]
 
@@ -44,10 +44,11 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
     for r in range(start, cfg.num_rollout):
         t0, timings = time.perf_counter(), {}
         samples = trainer.timed("generate", timings, trainer.rollout, r)  # validated (SPEC section 3)
-        scores = trainer.timed("score", timings, trainer.score_old, samples)
-        check = trainer.ci_check(r, samples, scores["old"])  # raises under --ci-test on any mismatch
+        scores = trainer.timed("score", timings, trainer.score_old, samples)  # fused into the update when it can be
         advantages, adv_stats = trainer.advantages(samples, scores)
-        update = trainer.timed("update", timings, trainer.update, samples, scores, advantages)
+        # --ci-test raises on any mismatch, before the optimizer takes its first step
+        check = {}
+        update = trainer.timed("update", timings, trainer.update, samples, scores, advantages, lambda old: check.update(trainer.ci_check(r, samples, old)))
         trainer.timed("sync", timings, push, sync, trainer, ctx)
         row = {"rollout": r, **trainer.rollout_metrics(samples, scores), **check, **adv_stats, **update, **timings}
         if cfg.eval_interval and (r + 1) % cfg.eval_interval == 0:
@@ -65,6 +66,6 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
 
 def push(sync: WeightSync | None, trainer: Trainer, ctx) -> None:
     """Gather the unsharded weights (every rank) and hand them to the engine (rank 0)."""
-    state = full_state_dict(trainer.actor.model)
+    state = trainer.actor.full_state_dict()
     if ctx.is_main and sync is not None:
         sync.push(state)

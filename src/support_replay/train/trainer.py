@@ -18,12 +18,23 @@ from ..models import smollm2_checkpoint
 from ..rollout import generate_samples, load_prompts, load_reward, validate_sample
 from ..rollout.data import ArithmeticTask
 from ..sampling import SamplingParams
-from .actor import Actor, load_causal_lm, score_samples
+from .actor import Actor, load_scoring_model, score_samples
 from .dist import all_reduce_sum, broadcast_object
 
 
 class CITestError(SupportReplayError):
     """--ci-test found a token whose trainer log-prob differs from the rollout log mu."""
+
+
+def gather_by_index(local: dict, n: int, ctx) -> list:
+    """Per-sample tensors held by different ranks, as one list in sample order on every rank."""
+    if ctx.world > 1:
+        import torch.distributed as dist
+
+        parts = [None] * ctx.world
+        dist.all_gather_object(parts, {i: t.cpu() for i, t in local.items()})
+        local = {i: t for part in parts for i, t in part.items()}
+    return [local[i] for i in range(n)]
 
 
 class Trainer:
@@ -34,10 +45,10 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint_path)
         torch.manual_seed(cfg.seed)
         self.actor = Actor(self.checkpoint_path, ctx, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
-        self.vocab_size = self.actor.model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = self.actor.model.hf.get_output_embeddings().weight.shape[0]
         self.reference = None
         if cfg.needs_reference:
-            self.reference = load_causal_lm(self.checkpoint_path, ctx.device).eval().requires_grad_(False)
+            self.reference = load_scoring_model(self.checkpoint_path, ctx.device).eval().requires_grad_(False)
         self.replay = cfg.use_sampling_support_replay
         self.params = SamplingParams(temperature=cfg.rollout_temperature, top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, min_p=cfg.rollout_min_p)
         self.prompts = load_prompts(cfg.prompt_data, cfg.input_key, cfg.label_key, seed=cfg.seed)
@@ -83,20 +94,28 @@ class Trainer:
 
     # ---- scoring before the update ----------------------------------------------------
 
+    @property
+    def fused(self) -> bool:
+        """One optimizer step per rollout and no KL reward: the update's own forward, taken
+        before the step, gives the old log-probs, so no separate scoring pass is needed."""
+        cfg = self.cfg
+        return cfg.global_batch_size == cfg.rollout_batch_size * cfg.n_samples_per_prompt and cfg.kl_coef == 0
+
     @torch.no_grad()
     def score_old(self, samples) -> dict:
-        """Trainer scores of the data before any update: old log-probs, reference, ci-test."""
+        """Scores of the data before any update: old log-probs (unless fused), reference."""
         cfg, mb = self.cfg, self.cfg.micro_batch_size
         old, full, ref = [], [], []
         for i in range(0, len(samples), mb):
             chunk = samples[i : i + mb]
-            sc = self.actor.score(chunk, cfg.rollout_temperature, replay=self.replay, full=True)
-            old += sc.split(sc.logp)
-            full += sc.split(sc.full)
+            if not self.fused:
+                sc = self.actor.score(chunk, cfg.rollout_temperature, replay=self.replay, full=True)
+                old += sc.split(sc.logp)
+                full += sc.split(sc.full)
             if self.reference is not None:
                 rs = score_samples(self.reference, chunk, cfg.rollout_temperature, replay=False, full=True, device=self.ctx.device)
                 ref += rs.split(rs.full)
-        return {"old": old, "full": full, "ref": ref or None}
+        return {"old": old or None, "full": full or None, "ref": ref or None}
 
     def ci_check(self, r: int, samples, old) -> dict:
         """Per-token comparison of the trainer's support log-probs with the rollout log mu."""
@@ -126,11 +145,17 @@ class Trainer:
         adv = grpo_advantages(rewards, self.cfg.n_samples_per_prompt, normalize_std=not self.cfg.disable_grpo_std_normalization)
         return adv, stats
 
-    def update(self, samples, scores, advantages) -> dict:
-        """Optimizer steps over the rollout in global batches; each rank takes its share."""
+    def update(self, samples, scores, advantages, on_old_scores=None) -> dict:
+        """Optimizer steps over the rollout in global batches; each rank takes its share.
+
+        ``on_old_scores(old)`` receives the pre-update support log-probs of every sample
+        before the first optimizer step (the --ci-test hook).
+        """
         cfg, ctx = self.cfg, self.ctx
         totals = {"loss": 0.0, "clip_fraction": 0.0, "kl_loss": 0.0, "entropy": 0.0, "grad_norm": 0.0}
         steps = 0
+        if not self.fused and on_old_scores is not None:
+            on_old_scores(scores["old"])
         for start in range(0, len(samples), cfg.global_batch_size):
             batch = list(range(start, start + cfg.global_batch_size))
             n_tokens = sum(int(samples[i].loss_mask.sum()) for i in batch)
@@ -138,10 +163,14 @@ class Trainer:
             # the micro-batches one process would, and the summed gradients agree
             per_rank = -(-len(batch) // ctx.world)
             mine = batch[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
-            sums = np.zeros(5)
+            sums, fresh = np.zeros(5), {}
             for m in range(0, len(mine), cfg.micro_batch_size):
                 idx = mine[m : m + cfg.micro_batch_size]
-                sums += self._micro_step([samples[i] for i in idx], scores, advantages, idx, n_tokens, len(batch))
+                sums += self._micro_step([samples[i] for i in idx], scores, advantages, idx, n_tokens, len(batch), fresh)
+            if self.fused:
+                scores["old"] = gather_by_index(fresh, len(samples), ctx)
+                if on_old_scores is not None:
+                    on_old_scores(scores["old"])
             sums = np.array(all_reduce_sum(list(sums), ctx))
             norm = self.actor.clip_and_step(cfg.clip_grad)
             totals["loss"] += sums[0]
@@ -152,10 +181,12 @@ class Trainer:
             steps += 1
         return {k: v / steps for k, v in totals.items()}
 
-    def _micro_step(self, chunk, scores, advantages, idx, n_tokens: int, n_samples: int) -> np.ndarray:
+    def _micro_step(self, chunk, scores, advantages, idx, n_tokens: int, n_samples: int, fresh: dict) -> np.ndarray:
         cfg = self.cfg
-        need_full = cfg.use_kl_loss
-        sc = self.actor.score(chunk, cfg.rollout_temperature, replay=self.replay, full=need_full, entropy=cfg.entropy_coef > 0)
+        sc = self.actor.score(chunk, cfg.rollout_temperature, replay=self.replay, full=cfg.use_kl_loss, entropy=cfg.entropy_coef > 0)
+        if self.fused:  # this forward runs before any step of this rollout: it is the old policy
+            fresh.update(zip(idx, (x.detach() for x in sc.split(sc.logp))))
+            scores = {**scores, "old": {i: fresh[i] for i in idx}}
         old = torch.cat([self._old(scores, chunk, i, j) for j, i in enumerate(idx)])
         mask = torch.cat([torch.from_numpy(s.loss_mask.astype(np.float32)) for s in chunk])
         adv = torch.cat([advantages[i].expand(s.response_length) for i, s in zip(idx, chunk)])
@@ -197,11 +228,11 @@ class Trainer:
         if self.replay:
             out.update(support_size_metrics(np.concatenate([s.support.sizes() for s in samples])))
             rollout = torch.cat([torch.from_numpy(s.rollout_logprobs) for s in samples])
-            full = torch.cat(scores["full"])
             ones = torch.ones_like(rollout)
-            m = logprob_mismatch_metrics(full[None], rollout[None], ones[None])
-            out["full_vocab_ratio_mean"] = m["ratio_mean"]
-            out["full_vocab_ratio_outside_10pct"] = m["ratio_outside_10pct"]
+            if scores["full"] is not None:  # what a full-vocabulary scorer would have made of the ratio
+                m = logprob_mismatch_metrics(torch.cat(scores["full"])[None], rollout[None], ones[None])
+                out["full_vocab_ratio_mean"] = m["ratio_mean"]
+                out["full_vocab_ratio_outside_10pct"] = m["ratio_outside_10pct"]
             replay = logprob_mismatch_metrics(torch.cat(scores["old"])[None], rollout[None], ones[None])
             out["replay_ratio_mean"] = replay["ratio_mean"]
             out["mismatch_kl"] = replay["mismatch_kl"]

@@ -9,14 +9,8 @@ from pathlib import Path
 import httpx
 import torch
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from ..errors import SupportReplayError
-
-
-def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """Unsharded CPU tensors on rank 0 (empty elsewhere); every rank must call it."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def save_safetensors(state: dict[str, torch.Tensor], directory: Path) -> Path:
