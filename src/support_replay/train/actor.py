@@ -102,10 +102,11 @@ class Actor:
     def __init__(self, path, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float):
         self.ctx = ctx
         self.model = load_scoring_model(path, ctx.device)
-        mesh = init_device_mesh(ctx.device.type, (ctx.world,))
-        for layer in self.model.hf.get_decoder().layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+        if ctx.world > 1:  # one rank has nothing to shard: plain parameters, no DTensor overhead
+            mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+            for layer in self.model.hf.get_decoder().layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
 
     def score(self, samples: list[Sample], temperature: float, *, replay: bool, full: bool, entropy: bool = False) -> Scores:

@@ -1,0 +1,96 @@
+"""GRPO step time on SmolLM2-135M-Instruct, broken into generate / score / update / sync,
+with TRL's GRPOTrainer doing the same work side by side when it is installed.
+
+    python bench/e2e.py [--steps 4] [--skip-trl]
+
+The work of one step: 4 prompts x 4 samples of the built-in arithmetic task, up to 64 new
+tokens, temperature 1, top_p 0.8, top_k 32, one optimizer step (lr 1e-6). Ours runs with
+sampling-support replay and --ci-test on. The first step of each side is a warm-up and is
+left out of the means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from support_replay.config import RunConfig
+from support_replay.models import smollm2_checkpoint
+from support_replay.rollout import ArithmeticTask, math_reward
+from support_replay.train import train
+
+SETTINGS = dict(rollout_batch_size=4, n_samples_per_prompt=4, rollout_max_response_len=64, rollout_temperature=1.0, rollout_top_p=0.8, rollout_top_k=32)
+
+
+def ours(steps: int, micro_batch: int) -> list[dict]:
+    out = tempfile.mkdtemp(prefix="bench-e2e-")
+    cfg = RunConfig(num_rollout=steps, global_batch_size=16, micro_batch_size=micro_batch, lr=1e-6, ci_test=True, output_dir=out, progress=False, **SETTINGS).check()
+    return train(cfg)
+
+
+def trl_steps(steps: int) -> list[float] | None:
+    try:
+        from datasets import Dataset
+        from transformers import TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as exc:
+        print(f"TRL not measured: {exc}")
+        return None
+    task = ArithmeticTask(seed=1234)
+    rows = [{"prompt": task[i].content, "label": task[i].label} for i in range(4 * steps)]
+
+    def reward(completions, label, **_):
+        return [math_reward("", c[0]["content"] if isinstance(c, list) else c, lab) for c, lab in zip(completions, label)]
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.times, self.start = [], None
+
+        def on_step_begin(self, *args, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *args, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+
+    clock = Clock()
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-"), per_device_train_batch_size=16, num_generations=4,
+        max_completion_length=64, temperature=1.0, top_p=0.8, top_k=32, learning_rate=1e-6, max_steps=steps,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, beta=0.0, seed=0, dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(model=str(smollm2_checkpoint()), reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows), callbacks=[clock])
+    trainer.train()
+    return clock.times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {SETTINGS}")
+    rows = ours(args.steps, args.micro_batch_size)
+    print("\n| step | generate s | score s | update s | sync s | total s | response len | max abs(log pi - log mu) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['rollout']} | {r['time_generate']:.2f} | {r['time_score']:.2f} | {r['time_update']:.2f} | {r['time_sync']:.2f} | {r['time_step']:.2f} | {r['response_len_mean']:.1f} | {r['train_rollout_logprob_abs_diff_max']:.1e} |")
+    steady = rows[1:] or rows
+    mean = {k: statistics.mean(r[k] for r in steady) for k in ("time_generate", "time_score", "time_update", "time_sync", "time_step")}
+    print(f"| mean (steps 1+) | {mean['time_generate']:.2f} | {mean['time_score']:.2f} | {mean['time_update']:.2f} | {mean['time_sync']:.2f} | {mean['time_step']:.2f} | | |")
+    if not args.skip_trl:
+        times = trl_steps(args.steps)
+        if times:
+            trl_mean = statistics.mean(times[1:] or times)
+            print(f"\n| trainer | s per GRPO step (steps 1+) | ours faster by |")
+            print("|---|---:|---:|")
+            print(f"| TRL GRPOTrainer {__import__('trl').__version__} | {trl_mean:.2f} | |")
+            print(f"| support-replay (replay + --ci-test) | {mean['time_step']:.2f} | {trl_mean / mean['time_step']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
