@@ -56,7 +56,7 @@ class ScoringModel(nn.Module):
             and not getattr(cfg, "final_logit_softcapping", None) and getattr(cfg, "logit_scale", 1.0) in (None, 1.0)
         )
 
-    def forward(self, input_ids, attention_mask, rows_b, rows_t, targets, support, temperature, *, replay: bool, full: bool, entropy: bool):
+    def forward(self, input_ids, attention_mask, rows_b, rows_t, targets, support, temperature, *, replay: bool, full: bool, entropy: bool, full_detached: bool = False):
         hidden = self.hf.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         h = hidden[rows_b, rows_t]
         need_logits = full or entropy or not replay or not self.plain_head
@@ -67,6 +67,9 @@ class ScoringModel(nn.Module):
             logp = support_logprobs(logits, targets, support, temperature) if replay else full_lp
         else:
             logp = sparse_head_support_logprobs(h, self.hf.get_output_embeddings().weight, targets, support, temperature)
+            if full_detached:  # for metrics only: no graph, no [T, V] gradient
+                with torch.no_grad():
+                    full_lp, _ = full_logprobs_and_entropy(self.hf.get_output_embeddings()(h.detach()), targets, temperature)
         return logp, full_lp, ent
 
 
@@ -76,7 +79,9 @@ def load_scoring_model(path, device) -> ScoringModel:
     return ScoringModel(hf)
 
 
-def score_samples(model: ScoringModel, samples: list[Sample], temperature: float, *, replay: bool, full: bool, entropy: bool = False, device="cpu") -> Scores:
+def score_samples(
+    model: ScoringModel, samples: list[Sample], temperature: float, *, replay: bool, full: bool, entropy: bool = False, full_detached: bool = False, device="cpu"
+) -> Scores:
     """One forward over right-padded sequences, scoring the rows that predict response tokens."""
     lengths = [s.response_length for s in samples]
     width = max(len(s.prompt_ids) + s.response_length for s in samples)
@@ -93,9 +98,9 @@ def score_samples(model: ScoringModel, samples: list[Sample], temperature: float
     support = SupportTable.concat([s.support for s in samples]).to_padded(device=device) if replay else None
     logp, full_lp, ent = model(
         ids.to(device), mask.to(device), torch.tensor(rows_b, device=device), torch.tensor(rows_t, device=device),
-        targets, support, temperature, replay=replay, full=full, entropy=entropy,
+        targets, support, temperature, replay=replay, full=full, entropy=entropy, full_detached=full_detached,
     )
-    return Scores(logp=logp, full=full_lp if full else None, entropy=ent if entropy else None, lengths=lengths)
+    return Scores(logp=logp, full=full_lp if (full or full_detached) else None, entropy=ent if entropy else None, lengths=lengths)
 
 
 class Actor:
@@ -109,8 +114,8 @@ class Actor:
             fully_shard(self.model, mesh=mesh)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
 
-    def score(self, samples: list[Sample], temperature: float, *, replay: bool, full: bool, entropy: bool = False) -> Scores:
-        return score_samples(self.model, samples, temperature, replay=replay, full=full, entropy=entropy, device=self.ctx.device)
+    def score(self, samples: list[Sample], temperature: float, *, replay: bool, full: bool, entropy: bool = False, full_detached: bool = False) -> Scores:
+        return score_samples(self.model, samples, temperature, replay=replay, full=full, entropy=entropy, full_detached=full_detached, device=self.ctx.device)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Losses are normalised by the global token count already; FSDP averages gradients

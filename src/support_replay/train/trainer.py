@@ -32,7 +32,7 @@ def gather_by_index(local: dict, n: int, ctx) -> list:
         import torch.distributed as dist
 
         parts = [None] * ctx.world
-        dist.all_gather_object(parts, {i: t.cpu() for i, t in local.items()})
+        dist.all_gather_object(parts, {i: tuple(t.cpu() for t in v) for i, v in local.items()})
         local = {i: t for part in parts for i, t in part.items()}
     return [local[i] for i in range(n)]
 
@@ -168,7 +168,8 @@ class Trainer:
                 idx = mine[m : m + cfg.micro_batch_size]
                 sums += self._micro_step([samples[i] for i in idx], scores, advantages, idx, n_tokens, len(batch), fresh)
             if self.fused:
-                scores["old"] = gather_by_index(fresh, len(samples), ctx)
+                pairs = gather_by_index(fresh, len(samples), ctx)
+                scores["old"], scores["full"] = [p[0] for p in pairs], [p[1] for p in pairs]
                 if on_old_scores is not None:
                     on_old_scores(scores["old"])
             sums = np.array(all_reduce_sum(list(sums), ctx))
@@ -183,10 +184,13 @@ class Trainer:
 
     def _micro_step(self, chunk, scores, advantages, idx, n_tokens: int, n_samples: int, fresh: dict) -> np.ndarray:
         cfg = self.cfg
-        sc = self.actor.score(chunk, cfg.rollout_temperature, replay=self.replay, full=cfg.use_kl_loss, entropy=cfg.entropy_coef > 0)
+        sc = self.actor.score(
+            chunk, cfg.rollout_temperature, replay=self.replay, full=cfg.use_kl_loss, entropy=cfg.entropy_coef > 0, full_detached=self.fused and self.replay
+        )
         if self.fused:  # this forward runs before any step of this rollout: it is the old policy
-            fresh.update(zip(idx, (x.detach() for x in sc.split(sc.logp))))
-            scores = {**scores, "old": {i: fresh[i] for i in idx}}
+            full = sc.full if sc.full is not None else sc.logp  # without replay the score is the full one
+            fresh.update(zip(idx, zip((x.detach() for x in sc.split(sc.logp)), (x.detach() for x in sc.split(full)))))
+            scores = {**scores, "old": {i: fresh[i][0] for i in idx}}
         old = torch.cat([self._old(scores, chunk, i, j) for j, i in enumerate(idx)])
         mask = torch.cat([torch.from_numpy(s.loss_mask.astype(np.float32)) for s in chunk])
         adv = torch.cat([advantages[i].expand(s.response_length) for i, s in zip(idx, chunk)])
