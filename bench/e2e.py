@@ -86,7 +86,7 @@ def main() -> None:
         times = trl_steps(args.steps)
         if times:
             trl_mean = statistics.mean(times[1:] or times)
-            print(f"\n| trainer | s per GRPO step (steps 1+) | ours faster by |")
+            print("\n| trainer | s per GRPO step (steps 1+) | ours faster by |")
             print("|---|---:|---:|")
             print(f"| TRL GRPOTrainer {__import__('trl').__version__} | {trl_mean:.2f} | |")
             print(f"| support-replay (replay + --ci-test) | {mean['time_step']:.2f} | {trl_mean / mean['time_step']:.2f}x |")

@@ -122,7 +122,7 @@ def main() -> None:
         rows.append((k, cell))
         print(f"  done K={k}", file=sys.stderr)
 
-    print(f"\n| K (padded) | variant | fwd+bwd s | extra MB | speed-up | memory ratio |")
+    print("\n| K (padded) | variant | fwd+bwd s | extra MB | speed-up | memory ratio |")
     print("|---|---|---:|---:|---:|---:|")
     for k, cell in rows:
         label = f"{k} ({next(iter(cell.values()))['k_padded']})" if k == "spec" else k

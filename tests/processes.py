@@ -19,10 +19,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process for {url} exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
         try:
             if httpx.get(url + "/health", timeout=1.0).status_code == 200:

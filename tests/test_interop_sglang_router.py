@@ -1,12 +1,11 @@
 """The real native router (PyPI sglang-router) in front of our engine (SPEC section 6)."""
 
 import sys
-import time
 
 import httpx
 import pytest
 
-from processes import engine_process, free_port, process, router_process
+from processes import engine_process, free_port, process, router_process, wait_healthy
 from support_replay import SamplingParams, WireError
 from support_replay.backends import SGLangBackend
 from support_replay.engine import GenerateRequest
@@ -21,18 +20,6 @@ def sglang_router(worker_url: str):
     return process(args, url, health=False), url
 
 
-def wait_ready(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(url)
-
-
 def test_capture_survives_our_router_and_fails_closed_through_sglang_router(tiny_checkpoint):
     pytest.importorskip("sglang_router")
     ctx, engine_url = engine_process(tiny_checkpoint)
@@ -45,7 +32,7 @@ def test_capture_survives_our_router_and_fails_closed_through_sglang_router(tiny
             assert c.support.num_rows == 4
         native, native_url = sglang_router(engine_url)
         with native:
-            wait_ready(native_url)
+            wait_healthy(native_url, timeout=60)
             with pytest.raises(WireError, match="return_sampling_mask.*router on the path .* may have stripped it"):
                 SGLangBackend(native_url, vocab).generate([request])
             # what the router does to the body: the response comes back without any capture field

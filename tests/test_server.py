@@ -5,7 +5,7 @@ import math
 import pytest
 from fastapi.testclient import TestClient
 
-from support_replay import SupportTable, wire
+from support_replay import wire
 from support_replay.engine import Engine
 from support_replay.engine.server import create_app
 

@@ -5,7 +5,6 @@ or SUPPORT_REPLAY_VLLM_PYTHON pointing at a Python that has it. Skipped otherwis
 """
 
 import os
-import sys
 from pathlib import Path
 
 import numpy as np

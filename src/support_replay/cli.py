@@ -29,7 +29,7 @@ def _demo(args: argparse.Namespace) -> int:
         f"support-replay demo: {args.tokens} tokens, V={args.vocab}, temperature={params.temperature}, "
         f"top_k={params.top_k}, top_p={params.top_p}, min_p={params.min_p}"
     )
-    print(f"\n| semantics | mean |S| | singletons | wire B/token | ratio full-vocab | outside [0.9,1.1] | ratio replay | outside |")
+    print("\n| semantics | mean |S| | singletons | wire B/token | ratio full-vocab | outside [0.9,1.1] | ratio replay | outside |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for semantics in args.semantics:
         out = sample(logits, params, semantics, generator=gen)

@@ -130,20 +130,30 @@ class _FullLogProbsEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         logits, targets, temp, lse, ent = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for sl in _chunks(logits.shape[0], ctx.chunk_rows):
-            y = logits[sl].to(temp.dtype) / temp[sl]
-            p = torch.exp(y - lse[sl, None])
-            g = torch.zeros_like(p)
-            if grad_logp is not None:
-                gl = grad_logp[sl, None].to(temp.dtype)
-                g -= p * gl
-                g.scatter_add_(1, targets[sl, None], gl)
-            if grad_ent is not None:
-                # dH/dy_j = -p_j (log p_j + H)
-                g -= grad_ent[sl, None].to(temp.dtype) * p * ((y - lse[sl, None]) + ent[sl, None])
-            grad[sl] = (g / temp[sl]).to(logits.dtype)
+        grad = full_vocab_grad(logits, targets, None, temp, lse, ent, grad_logp, grad_ent, ctx.chunk_rows)
         return grad, None, None, None
+
+
+def full_vocab_grad(logits, targets, target_weight, temp, lse, ent, grad_logp, grad_ent, chunk_rows: int) -> torch.Tensor:
+    """Gradient of ``(log p[a_t], entropy)`` w.r.t. the logits, recomputing softmax chunk by chunk.
+
+    ``lse`` and ``ent`` are the (global) normalisers; ``target_weight`` (0/1 per row, or
+    None for all ones) says whether this logit shard holds the target, for vocab-parallel.
+    """
+    grad = torch.empty_like(logits)
+    for sl in _chunks(logits.shape[0], chunk_rows):
+        y = logits[sl].to(temp.dtype) / temp[sl]
+        p = torch.exp(y - lse[sl, None])
+        g = torch.zeros_like(p)
+        if grad_logp is not None:
+            gl = grad_logp[sl, None].to(temp.dtype)
+            g -= p * gl
+            g.scatter_add_(1, targets[sl, None], gl if target_weight is None else gl * target_weight[sl, None])
+        if grad_ent is not None:
+            # dH/dy_j = -p_j (log p_j + H)
+            g -= grad_ent[sl, None].to(temp.dtype) * p * ((y - lse[sl, None]) + ent[sl, None])
+        grad[sl] = (g / temp[sl]).to(logits.dtype)
+    return grad
 
 
 def full_logprobs_and_entropy(

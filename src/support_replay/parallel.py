@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import SupportError
-from .logprobs import _acc, _chunks, _padded, _temperature_column
+from .logprobs import _acc, _chunks, _padded, _temperature_column, full_vocab_grad
 
 
 def _shard_index(ids: torch.Tensor, vocab_start: int, vocab_local: int):
@@ -105,18 +105,7 @@ class _VocabParallelFullLogProbsEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         local_logits, local_t, t_inside, temp, lse, ent = ctx.saved_tensors
-        grad = torch.empty_like(local_logits)
-        for sl in _chunks(local_logits.shape[0], ctx.chunk_rows):
-            y = local_logits[sl].to(temp.dtype) / temp[sl]
-            p = torch.exp(y - lse[sl, None])
-            g = torch.zeros_like(p)
-            if grad_logp is not None:
-                gl = grad_logp[sl, None].to(temp.dtype)
-                g -= p * gl
-                g.scatter_add_(1, local_t[sl, None], gl * t_inside[sl, None])
-            if grad_ent is not None:
-                g -= grad_ent[sl, None].to(temp.dtype) * p * ((y - lse[sl, None]) + ent[sl, None])
-            grad[sl] = (g / temp[sl]).to(local_logits.dtype)
+        grad = full_vocab_grad(local_logits, local_t, t_inside, temp, lse, ent, grad_logp, grad_ent, ctx.chunk_rows)
         return grad, None, None, None, None, None
 
 

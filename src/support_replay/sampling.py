@@ -19,7 +19,6 @@ Whatever the semantics, S_t holds only tokens whose post-filter weight is > 0.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch

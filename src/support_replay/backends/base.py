@@ -26,6 +26,20 @@ class Completion:
     meta: dict = field(default_factory=dict)
 
 
+def post_json(client, url: str, body: dict, index: int):
+    """POST ``body``; the decoded JSON answer, or ``WireError`` naming the request and the status."""
+    reply = client.post(url, json=body)
+    if reply.status_code != 200:
+        raise WireError(f"request {index}: {url} answered HTTP {reply.status_code}: {reply.text[:500]}")
+    return reply.json()
+
+
+def fan_out(pool, fn, requests) -> list:
+    """``fn(request, index)`` for every request, concurrently; results in request order."""
+    futures = [pool.submit(fn, req, i) for i, req in enumerate(requests)]
+    return [f.result() for f in futures]
+
+
 class Backend(Protocol):
     vocab_size: int
 

@@ -10,7 +10,7 @@ import numpy as np
 from ..engine import GenerateRequest
 from ..errors import WireError
 from ..wire import from_sglang_meta_info
-from .base import Completion, validate_completion
+from .base import Completion, fan_out, post_json, validate_completion
 
 
 def sampling_params_json(req: GenerateRequest) -> dict:
@@ -72,14 +72,10 @@ class SGLangBackend:
         return body
 
     def generate(self, requests: list[GenerateRequest]) -> list[Completion]:
-        futures = [self.pool.submit(self._one, req, i) for i, req in enumerate(requests)]
-        return [f.result() for f in futures]
+        return fan_out(self.pool, self._one, requests)
 
     def _one(self, req: GenerateRequest, index: int) -> Completion:
-        reply = self.client.post(self.url + "/generate", json=self.body(req))
-        if reply.status_code != 200:
-            raise WireError(f"request {index}: {self.url}/generate answered HTTP {reply.status_code}: {reply.text[:500]}")
-        item = reply.json()
+        item = post_json(self.client, self.url + "/generate", self.body(req), index)
         if not isinstance(item, dict):
             raise WireError(f"request {index}: {self.url}/generate returned {type(item).__name__}, expected an object")
         return self._completion(item, req, index)

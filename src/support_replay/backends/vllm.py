@@ -21,7 +21,7 @@ import numpy as np
 from ..engine import GenerateRequest
 from ..errors import WireError
 from ..wire import from_vllm
-from .base import Completion, validate_completion
+from .base import Completion, fan_out, post_json, validate_completion
 
 _TOKEN_PREFIX = "token_id:"
 
@@ -92,14 +92,11 @@ class VLLMBackend:
                     f"request {i}: full-vocabulary log-probs are not available from a vLLM server that returns processed "
                     "log-probs; score them in the trainer"
                 )
-        futures = [self.pool.submit(self._one, req, i) for i, req in enumerate(requests)]
-        return [f.result() for f in futures]
+        return fan_out(self.pool, self._one, requests)
 
     def _one(self, req: GenerateRequest, index: int) -> Completion:
-        reply = self.client.post(self.url + "/v1/completions", json=self.body(req))
-        if reply.status_code != 200:
-            raise WireError(f"request {index}: {self.url}/v1/completions answered HTTP {reply.status_code}: {reply.text[:500]}")
-        return self.parse_choice(reply.json()["choices"][0], req, index)
+        answer = post_json(self.client, self.url + "/v1/completions", self.body(req), index)
+        return self.parse_choice(answer["choices"][0], req, index)
 
     def parse_choice(self, choice: dict, req: GenerateRequest, index: int = 0) -> Completion:
         where = f"completion {index}"

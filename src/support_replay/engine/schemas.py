@@ -15,6 +15,12 @@ from ..sampling import SamplingParams
 from .requests import GenerateRequest, RequestError
 
 
+def _reject_stream(stream: bool) -> bool:
+    if stream:
+        raise ValueError("streaming is not supported; send stream=false")
+    return stream
+
+
 class SamplingParamsIn(BaseModel):
     """SGLang's ``sampling_params`` object."""
 
@@ -94,12 +100,7 @@ class GenerateIn(BaseModel):
     sampling_mask_format: Literal["lists", "binary"] = "lists"
     stream: bool = False
 
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("streaming is not supported; send stream=false")
-        return v
+    _no_stream = field_validator("stream")(classmethod(lambda cls, v: _reject_stream(v)))
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -150,12 +151,7 @@ class ChatCompletionIn(BaseModel):
     sampling_logprobs_mode: Literal["selected", "support"] = "selected"
     sampling_mask_format: Literal["lists", "binary"] = "lists"
 
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("streaming is not supported; send stream=false")
-        return v
+    _no_stream = field_validator("stream")(classmethod(lambda cls, v: _reject_stream(v)))
 
     def sampling(self) -> SamplingParamsIn:
         if self.top_logprobs:
