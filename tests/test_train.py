@@ -35,7 +35,7 @@ def run_config(checkpoint, tmp_path, **overrides) -> RunConfig:
 def test_five_updates_through_the_http_engine_pass_ci_test(tiny_checkpoint, tmp_path):
     ctx, url = engine_process(tiny_checkpoint)
     with ctx:
-        rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url))
+        rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url, eval_interval=2, n_eval_prompts=3))
         import httpx
 
         assert httpx.get(url + "/model_info").json()["weight_version"] == 5  # synced after every update
@@ -45,6 +45,8 @@ def test_five_updates_through_the_http_engine_pass_ci_test(tiny_checkpoint, tmp_
     # before the policy sharpens, top-p truncates: full-vocabulary scoring would be off by the kept mass
     assert rows[0]["support_mean"] > 1 and rows[0]["full_vocab_ratio_mean"] < 0.95
     assert any(abs(r["loss"]) > 0 for r in rows) and (tmp_path / "out" / "metrics.png").exists()
+    # evaluation (capture off, greedy) every 2 rollouts, logged beside the training metrics
+    assert [r["rollout"] for r in rows if "eval_reward_mean" in r] == [1, 3]
     assert len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()) == 5
 
 
@@ -80,6 +82,11 @@ def test_kl_loss_equals_an_independent_full_vocabulary_computation(tiny_checkpoi
     assert rows[0]["full_vocab_ratio_mean"] < 0.95 and 0.999 < rows[0]["replay_ratio_mean"] < 1.001
     assert independent > 1e-6  # the actor has moved away from the reference
     assert rows[1]["kl_loss"] == pytest.approx(independent, rel=1e-4, abs=1e-7)
+
+
+def test_old_logprobs_from_the_rollout_and_tis(tiny_checkpoint, tmp_path):
+    rows = train(run_config(tiny_checkpoint, tmp_path, num_rollout=2, use_rollout_logprobs=True, use_tis=True, entropy_coef=0.01))
+    assert all(np.isfinite(r["loss"]) and r["entropy"] > 0 for r in rows)
 
 
 def test_regression_full_vocabulary_scoring_fails_ci_test(tiny_checkpoint, tmp_path, monkeypatch):
