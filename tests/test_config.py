@@ -31,7 +31,7 @@ def test_defaults_are_the_demo_and_derive_replay():
     (["--rollout-repetition-penalty", "1.1"], "--rollout-repetition-penalty=1.1: the trainer cannot replay"),
     (["--recompute-prefill-logprobs"], "--recompute-prefill-logprobs=True: prefill log-prob recomputation is not supported"),
     (["--rollout-top-k", "5000"], "--rollout-top-k=5000: exceeds --sampling-mask-max-tokens=4096"),
-    (["--true-on-policy-mode"], "--true-on-policy-mode=True: not available yet"),
+    (["--true-on-policy-mode", "--sampling-semantics", "hf"], "--sampling-semantics='hf': true-on-policy mode needs a deterministic sampler"),
     (["--global-batch-size", "5"], "--global-batch-size=5: must divide rollout_batch_size x n_samples_per_prompt = 16"),
     (["--micro-batch-size", "3"], "--micro-batch-size=3: must divide --global-batch-size=16"),
     (["--use-kl-loss"], "--kl-loss-coef=0.0: must be > 0 with --use-kl-loss"),

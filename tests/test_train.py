@@ -100,8 +100,8 @@ def test_regression_full_vocabulary_scoring_fails_ci_test(tiny_checkpoint, tmp_p
 
 
 def _without_sparse_head(init):
-    def patched(self, hf):
-        init(self, hf)
+    def patched(self, hf, batch_invariant=False):
+        init(self, hf, batch_invariant)
         self.plain_head = False  # route scoring through dense logits, where the patch applies
 
     return patched
@@ -127,6 +127,36 @@ def test_regression_one_corrupted_support_position_fails_ci_test(tiny_checkpoint
         train(run_config(tiny_checkpoint, tmp_path))
     assert f"rollout 2, sample {where['sample']}, response position {where['t']}:" in str(err.value)
     assert "1 tokens over" in str(err.value)
+
+
+def test_true_on_policy_five_updates_are_bitwise_equal(tiny_checkpoint, tmp_path):
+    rows = train(run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True))
+    assert len(rows) == 5
+    for r in rows:  # every token of every rollout, before each update
+        assert r["train_rollout_logprob_abs_diff_max"] == 0.0 and r["train_rollout_unequal_tokens"] == 0
+        assert r["replay_ratio_mean"] == 1.0
+
+
+def test_true_on_policy_catches_one_corrupted_position(tiny_checkpoint, tmp_path, monkeypatch):
+    original = trainer_module.Trainer.rollout
+    where = {}
+
+    def corrupt(self, r):
+        samples = original(self, r)
+        if r == 1:
+            s = next(x for x in samples if (x.support.sizes() > 1).any())
+            t = int(np.flatnonzero(s.support.sizes() > 1)[-1])
+            rows = s.support.to_lists()
+            rows[t] = [i for i in rows[t] if i != max(i for i in rows[t] if i != s.response_ids[t])]  # drop one id
+            s.support = type(s.support).from_lists(rows)
+            where.update(t=t, sample=s.index)
+        return samples
+
+    monkeypatch.setattr(trainer_module.Trainer, "rollout", corrupt)
+    with pytest.raises(CITestError) as err:
+        train(run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True, global_batch_size=8, micro_batch_size=4))
+    assert f"rollout 1, sample {where['sample']}, response position {where['t']}:" in str(err.value)
+    assert "> tolerance 0;" in str(err.value) and "1 tokens over" in str(err.value)
 
 
 def test_resume_continues_exactly(tiny_checkpoint, tmp_path):

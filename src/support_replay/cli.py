@@ -67,6 +67,7 @@ def _serve(args: argparse.Namespace) -> int:
         sampling_mask_max_tokens=args.sampling_mask_max_tokens,
         max_batch_size=args.max_batch_size,
         seed=args.seed,
+        deterministic=args.deterministic,
     )
     print(f"support-replay engine: {args.hf_checkpoint} on http://{args.host}:{args.port}", flush=True)
     serve(engine, args.host, args.port, api_key=args.api_key, max_request_bytes=args.max_request_bytes, model_name=str(args.hf_checkpoint))
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     srv.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024)
     srv.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed of their own")
+    srv.add_argument("--deterministic", action="store_true", help="batch-invariant forward: a sequence's logits do not depend on its batch (true-on-policy)")
     srv.set_defaults(func=_serve)
 
     rt = sub.add_parser("router", help="forward raw request bodies over several engines")

@@ -81,7 +81,7 @@ class RunConfig(BaseModel):
     # ---- checks, evaluation, output -------------------------------------------------
     ci_test: bool = Field(False, description="fail unless the trainer's support log-probs match the rollout log mu on every token")
     ci_test_tolerance: float = Field(1e-3, ge=0, description="per-token max |log pi - log mu| allowed by --ci-test")
-    true_on_policy_mode: bool = Field(False, description="bitwise-equal rollout and trainer log-probs")
+    true_on_policy_mode: bool = Field(False, description="batch-invariant engine and trainer: rollout and trainer log-probs equal bit for bit (--ci-test then demands it)")
     eval_interval: int | None = Field(None, ge=1, description="evaluate every N rollouts")
     eval_prompt_data: str | None = Field(None, description="evaluation prompts (default: held-out built-in task)")
     n_eval_prompts: int = Field(16, ge=1, description="prompts per evaluation")
@@ -131,8 +131,8 @@ class RunConfig(BaseModel):
                 bad(name, getattr(self, name), "the trainer cannot replay this logit transform; it would score a different policy")
         if replay and self.recompute_prefill_logprobs:
             bad("recompute_prefill_logprobs", True, "prefill log-prob recomputation is not supported with sampling-support replay")
-        if self.true_on_policy_mode:
-            bad("true_on_policy_mode", True, "not available yet: the engine has no batch-invariant deterministic mode")
+        if self.true_on_policy_mode and self.sampling_semantics == "hf":
+            bad("sampling_semantics", "hf", "true-on-policy mode needs a deterministic sampler (sglang or vllm); hf ties depend on the batch")
         total = self.rollout_batch_size * self.n_samples_per_prompt
         if total % self.global_batch_size:
             bad("global_batch_size", self.global_batch_size, f"must divide rollout_batch_size x n_samples_per_prompt = {total}")

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from ..batch_invariant import make_batch_invariant
 from ..logprobs import support_logprobs
 from ..sampling import sample
 from ..support import SupportTable
@@ -44,7 +45,11 @@ class Engine:
         max_batch_size: int = 64,
         seed: int = 0,
         device: str = "cpu",
+        deterministic: bool = False,
     ):
+        if deterministic:  # logits independent of batch, padding and prefill/decode split
+            make_batch_invariant(model)
+        self.deterministic = deterministic
         self.runner = ModelRunner(model, device)
         self.tokenizer = tokenizer
         self.semantics = semantics

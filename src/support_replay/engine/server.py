@@ -107,6 +107,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
             "semantics": engine.semantics,
             "sampling_mask_max_tokens": engine.capacity,
             "weight_version": engine.weight_version,
+            "deterministic": engine.deterministic,
         }
 
     @app.post("/generate")

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
+from ..batch_invariant import make_batch_invariant
 from ..logprobs import full_logprobs_and_entropy, sparse_head_support_logprobs, support_logprobs
 from ..rollout.sample import Sample
 from ..support import SupportTable
@@ -45,14 +46,17 @@ class ScoringModel(nn.Module):
     the LM head weight are unsharded inside this forward, gradients included.
     """
 
-    def __init__(self, hf: nn.Module):
+    def __init__(self, hf: nn.Module, batch_invariant: bool = False):
         super().__init__()
+        if batch_invariant:  # the engine's deterministic forward, so logits agree bit for bit
+            make_batch_invariant(hf)
         self.hf = hf
         head = hf.get_output_embeddings()
         cfg = hf.config
         # the sparse head computes h . W_j: only valid for a plain bias-free linear head
+        # (and not in true-on-policy mode, where the head must be the engine's own product)
         self.plain_head = (
-            isinstance(head, nn.Linear) and head.bias is None
+            not batch_invariant and isinstance(head, nn.Linear) and head.bias is None
             and not getattr(cfg, "final_logit_softcapping", None) and getattr(cfg, "logit_scale", 1.0) in (None, 1.0)
         )
 
@@ -73,10 +77,10 @@ class ScoringModel(nn.Module):
         return logp, full_lp, ent
 
 
-def load_scoring_model(path, device) -> ScoringModel:
+def load_scoring_model(path, device, batch_invariant: bool = False) -> ScoringModel:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     hf.config.use_cache = False
-    return ScoringModel(hf)
+    return ScoringModel(hf, batch_invariant)
 
 
 def score_samples(
@@ -104,9 +108,9 @@ def score_samples(
 
 
 class Actor:
-    def __init__(self, path, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float):
+    def __init__(self, path, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, batch_invariant: bool = False):
         self.ctx = ctx
-        self.model = load_scoring_model(path, ctx.device)
+        self.model = load_scoring_model(path, ctx.device, batch_invariant)
         if ctx.world > 1:  # one rank has nothing to shard: plain parameters, no DTensor overhead
             mesh = init_device_mesh(ctx.device.type, (ctx.world,))
             for layer in self.model.hf.get_decoder().layers:

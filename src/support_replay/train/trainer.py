@@ -37,6 +37,14 @@ def gather_by_index(local: dict, n: int, ctx) -> list:
     return [local[i] for i in range(n)]
 
 
+def _require_deterministic(url: str) -> None:
+    import httpx
+
+    info = httpx.get(url.rstrip("/") + "/model_info", timeout=30).json()
+    if not info.get("deterministic"):
+        raise SupportReplayError(f"--true-on-policy-mode: the engine at {url} is not deterministic; start it with `support-replay serve --deterministic`")
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, ctx):
         self.cfg, self.ctx = cfg, ctx
@@ -44,7 +52,10 @@ class Trainer:
         self.checkpoint_path = broadcast_object(self.checkpoint_path, ctx)
         self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint_path)
         torch.manual_seed(cfg.seed)
-        self.actor = Actor(self.checkpoint_path, ctx, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+        self.actor = Actor(
+            self.checkpoint_path, ctx, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
+            batch_invariant=cfg.true_on_policy_mode,
+        )
         self.vocab_size = self.actor.model.hf.get_output_embeddings().weight.shape[0]
         self.reference = None
         if cfg.needs_reference:
@@ -58,9 +69,12 @@ class Trainer:
         if ctx.is_main:
             if cfg.rollout_url:
                 self.backend = SGLangBackend(cfg.rollout_url, self.vocab_size)
+                if cfg.true_on_policy_mode:
+                    _require_deterministic(cfg.rollout_url)
             else:
                 self.engine = Engine.from_pretrained(
-                    self.checkpoint_path, semantics=cfg.sampling_semantics, sampling_mask_max_tokens=cfg.sampling_mask_max_tokens, seed=cfg.rollout_seed
+                    self.checkpoint_path, semantics=cfg.sampling_semantics, sampling_mask_max_tokens=cfg.sampling_mask_max_tokens,
+                    seed=cfg.rollout_seed, deterministic=cfg.true_on_policy_mode,
                 )
                 self.backend = EngineBackend(self.engine)
 
@@ -118,18 +132,20 @@ class Trainer:
         return {"old": old or None, "full": full or None, "ref": ref or None}
 
     def ci_check(self, r: int, samples, old) -> dict:
-        """Per-token comparison of the trainer's support log-probs with the rollout log mu."""
+        """Per-token comparison of the trainer's support log-probs with the rollout log mu
+        (bitwise in true-on-policy mode, within --ci-test-tolerance otherwise)."""
         diffs = [np.abs(o.double().cpu().numpy() - s.rollout_logprobs.astype(np.float64)) for s, o in zip(samples, old)]
         flat = np.concatenate(diffs)
         worst = int(np.argmax([d.max() for d in diffs]))
         t = int(np.argmax(diffs[worst]))
         stats = {"train_rollout_logprob_abs_diff_max": float(flat.max()), "train_rollout_logprob_abs_diff_mean": float(flat.mean()), "train_rollout_unequal_tokens": int((flat != 0).sum())}
-        if self.cfg.ci_test and flat.max() > self.cfg.ci_test_tolerance:
+        tolerance = 0.0 if self.cfg.true_on_policy_mode else self.cfg.ci_test_tolerance
+        if self.cfg.ci_test and flat.max() > tolerance:
             s = samples[worst]
             raise CITestError(
                 f"--ci-test failed at rollout {r}, sample {s.index}, response position {t}: trainer log pi "
                 f"{float(old[worst][t]):.6f} vs rollout log mu {float(s.rollout_logprobs[t]):.6f} "
-                f"(|diff| {diffs[worst][t]:.3e} > tolerance {self.cfg.ci_test_tolerance:g}; {int((flat > self.cfg.ci_test_tolerance).sum())} tokens over)"
+                f"(|diff| {diffs[worst][t]:.3e} > tolerance {tolerance:g}; {int((flat > tolerance).sum())} tokens over)"
             )
         return stats
 
