@@ -95,13 +95,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="engine weights and activations")
+    ap.add_argument("--deterministic", action="store_true", help="batch-invariant forward (true-on-policy mode)")
     args = ap.parse_args()
 
     path = resolve_model(args.model)
-    engine = Engine.from_pretrained(path, dtype=getattr(torch, args.dtype)).start()
+    engine = Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), deterministic=args.deterministic).start()
     ids = prompt_ids(engine)
     engine_rate(engine, ids, 2, 4, True, 1)  # warm-up
-    print(f"model={args.model} dtype={args.dtype} prompt={len(ids)} tokens, new={args.new_tokens}, threads={torch.get_num_threads()}, sampling={PARAMS}")
+    print(f"model={args.model} dtype={args.dtype} deterministic={args.deterministic} prompt={len(ids)} tokens, new={args.new_tokens}, threads={torch.get_num_threads()}, sampling={PARAMS}")
     print("\n| batch | capture off tok/s | capture on tok/s | capture cost |")
     print("|---:|---:|---:|---:|")
     for b in [int(x) for x in args.batches.split(",")]:

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, full_logprobs, support_logprobs
+from support_replay.batch_invariant import make_batch_invariant
 from support_replay.engine import Engine, GenerateRequest
 from support_replay.models import smollm2_checkpoint
 from support_replay.rollout import ArithmeticTask
@@ -33,13 +34,14 @@ SETTINGS = [
 
 
 def ratios(engine, model, prompts, params, samples, new_tokens):
+    """Per-token ratios of the full-vocabulary and the replayed scores, and how many log pi != log mu."""
     capture = params.replay_active
     reqs = [
         GenerateRequest(ids, SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=k * samples + j),
                         max_new_tokens=new_tokens, return_sampling_mask=capture, return_logprob=not capture)
         for k, ids in enumerate(prompts) for j in range(samples)
     ]
-    full_r, replay_r = [], []
+    full_r, replay_r, unequal = [], [], 0
     for req, res in zip(reqs, engine.generate(reqs)):
         ids = torch.tensor([req.input_ids + res.output_ids])
         with torch.no_grad():
@@ -50,7 +52,8 @@ def ratios(engine, model, prompts, params, samples, new_tokens):
         full_r.append(torch.exp(full - mu))
         replay = support_logprobs(logits, targets, res.support, params.temperature) if capture else full
         replay_r.append(torch.exp(replay - mu))
-    return torch.cat(full_r).double().numpy(), torch.cat(replay_r).double().numpy()
+        unequal += int((replay != mu).sum())
+    return torch.cat(full_r).double().numpy(), torch.cat(replay_r).double().numpy(), unequal
 
 
 def main() -> None:
@@ -58,19 +61,23 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--true-on-policy", action="store_true", help="deterministic engine and batch-invariant scorer")
     args = ap.parse_args()
     path = smollm2_checkpoint()
-    engine = Engine.from_pretrained(path).start()
+    engine = Engine.from_pretrained(path, deterministic=args.true_on_policy).start()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if args.true_on_policy:
+        make_batch_invariant(model)
     task = ArithmeticTask(seed=0)
     prompts = [render_prompt(engine.tokenizer, task[i], True)[0] for i in range(args.prompts)]
-    print(f"SmolLM2-135M-Instruct, {args.prompts} prompts x {args.samples} samples, up to {args.new_tokens} tokens, temperature 1, sglang semantics")
-    print("\n| rollout sampling | tokens | full vocab: mean ratio | outside [0.9, 1.1] | replay: mean ratio | outside [0.9, 1.1] |")
-    print("|---|---:|---:|---:|---:|---:|")
+    mode = "true-on-policy (deterministic engine, batch-invariant scorer)" if args.true_on_policy else "normal mode"
+    print(f"SmolLM2-135M-Instruct, {args.prompts} prompts x {args.samples} samples, up to {args.new_tokens} tokens, temperature 1, sglang semantics, {mode}")
+    print("\n| rollout sampling | tokens | full vocab: mean ratio | outside [0.9, 1.1] | replay: mean ratio | outside [0.9, 1.1] | log pi != log mu |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, kw in SETTINGS:
-        full, replay = ratios(engine, model, prompts, SamplingParams(temperature=1.0, **kw), args.samples, args.new_tokens)
+        full, replay, unequal = ratios(engine, model, prompts, SamplingParams(temperature=1.0, **kw), args.samples, args.new_tokens)
         out = lambda r: np.mean((r < 0.9) | (r > 1.1))  # noqa: E731
-        print(f"| {name} | {len(full)} | {full.mean():.3f} | {out(full):.1%} | {replay.mean():.4f} | {out(replay):.1%} |")
+        print(f"| {name} | {len(full)} | {full.mean():.3f} | {out(full):.1%} | {replay.mean():.4f} | {out(replay):.1%} | {unequal} |")
     engine.shutdown()
 
 

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..batch_invariant import make_batch_invariant
-from ..logprobs import support_logprobs
+from ..logprobs import full_logprobs, support_logprobs
 from ..sampling import sample
 from ..support import SupportTable
 from .model_runner import KVBatch, ModelRunner, load_model_and_tokenizer
@@ -278,8 +278,8 @@ class Engine:
             return None
         index = torch.tensor(rows)
         temps = torch.tensor([seqs[i].request.params.temperature or 1.0 for i in rows])
-        logp = torch.log_softmax(logits[index].float() / temps[:, None], dim=-1).gather(1, tokens[index][:, None])
-        return dict(zip(rows, logp.squeeze(1).tolist()))
+        logp = full_logprobs(logits[index], tokens[index], temps)  # the trainer's function, so they can agree bit for bit
+        return dict(zip(rows, logp.tolist()))
 
     def _check_finished(self, seq: _Sequence, token: int) -> None:
         req = seq.request
