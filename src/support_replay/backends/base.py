@@ -26,6 +26,18 @@ class Completion:
     meta: dict = field(default_factory=dict)
 
 
+def optional_fields(req: GenerateRequest, seed_key: str) -> dict:
+    """Seed and stop conditions of a request, only where it sets them (engines name the seed differently)."""
+    out = {}
+    if req.params.seed is not None:
+        out[seed_key] = req.params.seed
+    if req.stop:
+        out["stop"] = list(req.stop)
+    if req.stop_token_ids:
+        out["stop_token_ids"] = list(req.stop_token_ids)
+    return out
+
+
 def post_json(client, url: str, body: dict, index: int):
     """POST ``body``; the decoded JSON answer, or ``WireError`` naming the request and the status."""
     reply = client.post(url, json=body)

@@ -10,7 +10,7 @@ import numpy as np
 from ..engine import GenerateRequest
 from ..errors import WireError
 from ..wire import from_sglang_meta_info
-from .base import Completion, fan_out, post_json, validate_completion
+from .base import Completion, fan_out, optional_fields, post_json, validate_completion
 
 
 def sampling_params_json(req: GenerateRequest) -> dict:
@@ -22,13 +22,8 @@ def sampling_params_json(req: GenerateRequest) -> dict:
         "min_p": p.min_p,
         "max_new_tokens": req.max_new_tokens,
         "ignore_eos": req.ignore_eos,
+        **optional_fields(req, "sampling_seed"),
     }
-    if p.seed is not None:
-        body["sampling_seed"] = p.seed
-    if req.stop:
-        body["stop"] = list(req.stop)
-    if req.stop_token_ids:
-        body["stop_token_ids"] = list(req.stop_token_ids)
     return body
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from ..engine import GenerateRequest
 from ..errors import WireError
 from ..wire import from_vllm
-from .base import Completion, fan_out, post_json, validate_completion
+from .base import Completion, fan_out, optional_fields, post_json, validate_completion
 
 _TOKEN_PREFIX = "token_id:"
 
@@ -71,13 +71,8 @@ class VLLMBackend:
             "ignore_eos": req.ignore_eos,
             "return_tokens_as_token_ids": True,
             "logprobs": 0,
+            **optional_fields(req, "seed"),
         }
-        if p.seed is not None:
-            body["seed"] = p.seed
-        if req.stop:
-            body["stop"] = list(req.stop)
-        if req.stop_token_ids:
-            body["stop_token_ids"] = list(req.stop_token_ids)
         if req.return_sampling_mask:
             if self.mode == "native":
                 body["return_sampling_mask"] = True
