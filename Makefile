@@ -43,6 +43,8 @@ bench: setup
 	$(PY) bench/wire.py
 	$(PY) bench/kernels.py
 	$(PY) bench/engine.py
+	$(PY) bench/faithfulness.py
+	$(PY) bench/e2e.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info .pytest_cache
