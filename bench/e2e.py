@@ -71,7 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--skip-trl", action="store_true")
-    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--true-on-policy", action="store_true", help="batch-invariant engine and trainer, bitwise --ci-test")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {SETTINGS}")

@@ -57,7 +57,7 @@ class RunConfig(BaseModel):
 
     # ---- training -------------------------------------------------------------------
     global_batch_size: int = Field(16, ge=1, description="samples per optimizer step")
-    micro_batch_size: int = Field(4, ge=1, description="samples per forward/backward on one rank")
+    micro_batch_size: int = Field(8, ge=1, description="samples per forward/backward on one rank")
     lr: float = Field(1e-6, gt=0, description="learning rate (AdamW)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_beta1: float = Field(0.9, description="AdamW beta1")

@@ -173,7 +173,8 @@ class Trainer:
         if not self.fused and on_old_scores is not None:
             on_old_scores(scores["old"])
         for start in range(0, len(samples), cfg.global_batch_size):
-            batch = list(range(start, start + cfg.global_batch_size))
+            # longest first, so that each micro-batch pads its samples to similar lengths
+            batch = sorted(range(start, start + cfg.global_batch_size), key=lambda i: -len(samples[i].prompt_ids) - samples[i].response_length)
             n_tokens = sum(int(samples[i].loss_mask.sum()) for i in batch)
             # contiguous shards: with as many micro-batches per rank, the ranks compute exactly
             # the micro-batches one process would, and the summed gradients agree
