@@ -107,22 +107,32 @@ def _without_sparse_head(init):
     return patched
 
 
-def test_regression_one_corrupted_support_position_fails_ci_test(tiny_checkpoint, tmp_path, monkeypatch):
+def corrupt_one_position(monkeypatch, at_rollout: int, edit) -> dict:
+    """Rewrite one support row of one sample of one rollout; returns where (filled when it ran).
+
+    ``edit(row, selected) -> row`` must keep the selected token, so validation still passes
+    and only --ci-test can see the change.
+    """
     original = trainer_module.Trainer.rollout
     where = {}
 
     def corrupt(self, r):
         samples = original(self, r)
-        if r == 2:
+        if r == at_rollout:
             s = next(x for x in samples if (x.support.sizes() > 1).any())
             t = int(np.flatnonzero(s.support.sizes() > 1)[0])
             rows = s.support.to_lists()
-            rows[t] = [s.response_ids[t]]  # still passes validation: only --ci-test can see it
+            rows[t] = edit(rows[t], s.response_ids[t])
             s.support = type(s.support).from_lists(rows)
-            where["t"], where["sample"] = t, s.index
+            where.update(t=t, sample=s.index)
         return samples
 
     monkeypatch.setattr(trainer_module.Trainer, "rollout", corrupt)
+    return where
+
+
+def test_regression_one_corrupted_support_position_fails_ci_test(tiny_checkpoint, tmp_path, monkeypatch):
+    where = corrupt_one_position(monkeypatch, 2, lambda row, selected: [selected])  # truncate to the singleton
     with pytest.raises(CITestError) as err:
         train(run_config(tiny_checkpoint, tmp_path))
     assert f"rollout 2, sample {where['sample']}, response position {where['t']}:" in str(err.value)
@@ -138,21 +148,11 @@ def test_true_on_policy_five_updates_are_bitwise_equal(tiny_checkpoint, tmp_path
 
 
 def test_true_on_policy_catches_one_corrupted_position(tiny_checkpoint, tmp_path, monkeypatch):
-    original = trainer_module.Trainer.rollout
-    where = {}
+    def drop_one_id(row, selected):
+        dropped = max(i for i in row if i != selected)
+        return [i for i in row if i != dropped]
 
-    def corrupt(self, r):
-        samples = original(self, r)
-        if r == 1:
-            s = next(x for x in samples if (x.support.sizes() > 1).any())
-            t = int(np.flatnonzero(s.support.sizes() > 1)[-1])
-            rows = s.support.to_lists()
-            rows[t] = [i for i in rows[t] if i != max(i for i in rows[t] if i != s.response_ids[t])]  # drop one id
-            s.support = type(s.support).from_lists(rows)
-            where.update(t=t, sample=s.index)
-        return samples
-
-    monkeypatch.setattr(trainer_module.Trainer, "rollout", corrupt)
+    where = corrupt_one_position(monkeypatch, 1, drop_one_id)
     with pytest.raises(CITestError) as err:
         train(run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True, global_batch_size=8, micro_batch_size=4))
     assert f"rollout 1, sample {where['sample']}, response position {where['t']}:" in str(err.value)
