@@ -5,7 +5,7 @@ how the sequence was split between prefill and decode steps, so that the engine 
 left-padded batches) and the trainer (one right-padded forward) compute the same bits.
 Measured on this project's CPU (docs/true-on-policy.md): a row of ``F.linear`` is the same
 bits whatever the other rows hold and wherever it sits, once the row count is a multiple of
-16 (smaller or ragged row counts take other kernels); row reductions (RMSNorm) and
+16 (1, 2 or ragged row counts take other kernels); row reductions (RMSNorm) and
 elementwise ops (RoPE, SiLU, residuals) are per row already. Attention is the one place
 where shapes differ between the two sides; here every query row attends with a product of
 exactly its own key prefix, ``[heads, 1, d] x [heads, d, n]``, the same shapes on both sides.
