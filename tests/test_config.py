@@ -36,6 +36,7 @@ def test_defaults_are_the_demo_and_derive_replay():
     (["--micro-batch-size", "3"], "--micro-batch-size=3: must divide --global-batch-size=16"),
     (["--use-kl-loss"], "--kl-loss-coef=0.0: must be > 0 with --use-kl-loss"),
     (["--resume"], "--resume=True: needs --save"),
+    (["--colocate", "--rollout-url", "http://127.0.0.1:1"], "--colocate=True: the in-process engine and --rollout-url"),
     (["--custom-rm-path", "nocolon"], "--custom-rm-path='nocolon': expected 'module:function'"),
     (["--lr", "-1"], "--lr=-1.0: Input should be greater than 0"),
 ])

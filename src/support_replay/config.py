@@ -53,6 +53,7 @@ class RunConfig(BaseModel):
     sampling_semantics: Literal["sglang", "vllm", "hf"] = Field("sglang", description="filter semantics of the embedded engine")
     sampling_mask_max_tokens: int = Field(4096, ge=1, description="largest support the engine may capture")
     rollout_url: str | None = Field(None, description="rollout through this engine/router URL (/generate) instead of the in-process engine")
+    colocate: bool = Field(False, description="rollout engine in the trainer's process, weights synced in memory (the default without --rollout-url)")
     recompute_prefill_logprobs: bool = Field(False, description="recompute prompt log-probs in the engine (rejected with replay)")
 
     # ---- training -------------------------------------------------------------------
@@ -144,6 +145,8 @@ class RunConfig(BaseModel):
             bad("custom_rm_path", self.custom_rm_path, "expected 'module:function'")
         if self.rm_type is None and not self.custom_rm_path:
             bad("rm_type", None, "give a reward: --rm-type math or --custom-rm-path module:function")
+        if self.colocate and self.rollout_url:
+            bad("colocate", True, f"the in-process engine and --rollout-url={self.rollout_url!r} exclude each other")
         if self.resume and not self.save:
             bad("resume", True, "needs --save DIR to resume from")
         return self
