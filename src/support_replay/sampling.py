@@ -135,8 +135,7 @@ def _top_candidates(probs, width: int):
     return vals.gather(1, order), idx.gather(1, order)
 
 
-def _mask_sglang(y, top_k, top_p, min_p):
-    probs = torch.softmax(y, dim=-1)
+def _mask_sglang(y, probs, top_k, top_p, min_p):
     # Every row keeps at most its top_k ranks, so the max top_k largest probabilities
     # decide everything: a top-k selection replaces the full sort when it is narrow.
     width = int(top_k.max())
@@ -149,8 +148,7 @@ def _mask_sglang(y, top_k, top_p, min_p):
     return torch.zeros(y.shape, dtype=torch.bool, device=y.device).scatter_(1, order, keep)
 
 
-def _mask_vllm(y, top_k, top_p, min_p):
-    probs = torch.softmax(y, dim=-1)
+def _mask_vllm(y, probs, top_k, top_p, min_p):
     keep = probs >= min_p * probs.amax(dim=-1, keepdim=True)
     y = y.masked_fill(~keep, float("-inf"))
     y_sort, order = torch.sort(y, dim=-1, descending=False, stable=True)
@@ -164,7 +162,8 @@ def _mask_vllm(y, top_k, top_p, min_p):
     return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
 
 
-def _mask_hf(y, top_k, top_p, min_p):
+def _mask_hf(y, probs, top_k, top_p, min_p):
+    del probs  # the warpers renormalise their own processed scores
     # The exact operations of TopK-, TopP- and MinPLogitsWarper, batched with per-row settings.
     rows = y.shape[0]
     inf = float("-inf")
@@ -194,6 +193,19 @@ def _check_inputs(logits: torch.Tensor, semantics: str) -> None:
         raise SamplingParamsError(f"logits: expected [B, V] with V > 0, got shape {tuple(logits.shape)}")
 
 
+def _support(logits: torch.Tensor, plist: list[SamplingParams], semantics: str):
+    """``(mask [B, V], softmax(z/T) [B, V], T [B, 1], greedy [B])``, the softmax computed once."""
+    temp, top_k, top_p, min_p = _columns(plist, logits.shape[1], logits.device)
+    y = logits.float() / temp
+    probs = torch.softmax(y, dim=-1)
+    mask = _MASKS[semantics](y, probs, top_k, top_p, min_p)
+    greedy = torch.tensor([p.greedy for p in plist], device=logits.device)
+    if bool(greedy.any()):
+        argmax = torch.zeros_like(mask).scatter_(1, logits.argmax(-1, keepdim=True), True)
+        mask = torch.where(greedy[:, None], argmax, mask)
+    return mask, probs, temp, greedy
+
+
 def support_mask(logits: torch.Tensor, params, semantics: str = "sglang") -> torch.Tensor:
     """Boolean ``[B, V]``: the realized support of every row under ``semantics``.
 
@@ -201,15 +213,7 @@ def support_mask(logits: torch.Tensor, params, semantics: str = "sglang") -> tor
     (temperature 0) get the singleton ``{argmax}``.
     """
     _check_inputs(logits, semantics)
-    rows, vocab = logits.shape
-    plist = _per_row(params, rows)
-    temp, top_k, top_p, min_p = _columns(plist, vocab, logits.device)
-    mask = _MASKS[semantics](logits.float() / temp, top_k, top_p, min_p)
-    greedy = torch.tensor([p.greedy for p in plist], device=logits.device)
-    if bool(greedy.any()):
-        argmax = torch.zeros_like(mask).scatter_(1, logits.argmax(-1, keepdim=True), True)
-        mask = torch.where(greedy[:, None], argmax, mask)
-    return mask
+    return _support(logits, _per_row(params, logits.shape[0]), semantics)[0]
 
 
 def _exponential_noise(shape, generator, device) -> torch.Tensor:
@@ -237,14 +241,12 @@ def sample(logits: torch.Tensor, params, semantics: str = "sglang", generator=No
     """
     _check_inputs(logits, semantics)
     rows, vocab = logits.shape
-    plist = _per_row(params, rows)
-    mask = support_mask(logits, plist, semantics)
-    temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in plist], device=logits.device)
-    weights = torch.softmax(logits.float() / temp[:, None], dim=-1).masked_fill(~mask, 0.0)
+    mask, probs, temp, greedy = _support(logits, _per_row(params, rows), semantics)
+    weights = probs.masked_fill(~mask, 0.0)
     noise = _exponential_noise((rows, vocab), generator, logits.device)
     tokens = (weights / noise).argmax(dim=-1)
-    greedy = torch.tensor([p.greedy for p in plist], device=logits.device)
     tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    temp = temp.squeeze(1)
     flags = torch.full((rows,), capture) if isinstance(capture, bool) else torch.as_tensor(capture, dtype=torch.bool)
     if flags.shape != (rows,):
         raise SamplingParamsError(f"capture: expected a bool or {rows} flags, got shape {tuple(flags.shape)}")

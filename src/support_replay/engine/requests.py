@@ -44,8 +44,8 @@ class GenerateRequest:
     def __post_init__(self):
         if not self.input_ids:
             raise RequestError("input_ids: the prompt is empty")
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.input_ids):
-            bad = next(t for t in self.input_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0)
+        bad = next((t for t in self.input_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0), None)
+        if bad is not None:
             raise RequestError(f"input_ids: {bad!r} is not a token id")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise RequestError(f"max_new_tokens: must be an integer >= 1, got {self.max_new_tokens!r}")
