@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from support_replay.config import RunConfig
-from support_replay.models import smollm2_checkpoint
+from support_replay.train.config import RunConfig
+from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.rollout import ArithmeticTask, math_reward
 from support_replay.train import train
 
@@ -28,7 +28,7 @@ SETTINGS = dict(rollout_batch_size=4, n_samples_per_prompt=4, rollout_max_respon
 
 def ours(steps: int, micro_batch: int, true_on_policy: bool = False) -> list[dict]:
     out = tempfile.mkdtemp(prefix="bench-e2e-")
-    cfg = RunConfig(num_rollout=steps, global_batch_size=16, micro_batch_size=micro_batch, true_on_policy_mode=true_on_policy, lr=1e-6, ci_test=True, output_dir=out, progress=False, **SETTINGS).check()
+    cfg = RunConfig(num_rollout=steps, global_batch_size=16, micro_batch_size=micro_batch, true_on_policy_mode=true_on_policy, lr=1e-6, ci_test=True, output_dir=out, progress=False, **SETTINGS)
     return train(cfg)
 
 

@@ -22,8 +22,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams
-from support_replay.engine import Engine, GenerateRequest
-from support_replay.models import smollm2_checkpoint
+from support_replay.engine import Engine
+from support_replay.protocol import GenerateRequest
+from support_replay.modeling.checkpoints import smollm2_checkpoint
 
 PARAMS = dict(temperature=1.0, top_k=32, top_p=0.8)
 PROMPT = "What is 12 plus 7? Think step by step."

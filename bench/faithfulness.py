@@ -20,9 +20,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, full_logprobs, support_logprobs
-from support_replay.batch_invariant import make_batch_invariant
-from support_replay.engine import Engine, GenerateRequest
-from support_replay.models import smollm2_checkpoint
+from support_replay.modeling.batch_invariant import make_batch_invariant
+from support_replay.engine import Engine
+from support_replay.protocol import GenerateRequest
+from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.rollout import ArithmeticTask
 from support_replay.rollout.generate import render_prompt
 
@@ -48,7 +49,7 @@ def ratios(engine, model, prompts, params, samples, new_tokens):
             logits = model(ids).logits[0, len(req.input_ids) - 1 : -1].float()
         targets = torch.tensor(res.output_ids)
         full = full_logprobs(logits, targets, params.temperature)
-        mu = torch.tensor(res.logprobs if capture else res.full_logprobs)
+        mu = torch.from_numpy(res.log_mu if capture else res.full_logprobs)
         full_r.append(torch.exp(full - mu))
         replay = support_logprobs(logits, targets, res.support, params.temperature) if capture else full
         replay_r.append(torch.exp(replay - mu))

@@ -9,7 +9,8 @@ import pytest
 
 from support_replay import SamplingParams, WireError
 from support_replay.backends import EngineBackend, SGLangBackend, VLLMBackend
-from support_replay.engine import Engine, GenerateRequest
+from support_replay.engine import Engine
+from support_replay.protocol import GenerateRequest
 
 VOCAB = 50
 
@@ -26,7 +27,7 @@ def sglang_item(mask=None, logprobs=None, output_ids=(7, 3)):
     meta = {"finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 3, "completion_tokens": 2}
     if mask is not None:
         meta.update(output_token_sampling_mask=mask, output_token_sampling_logprobs=logprobs,
-                    output_token_sampling_mask_length=[len(r) for r in mask])
+                    output_token_sampling_mask_length=len(mask))
     return {"text": "xy", "output_ids": list(output_ids), "meta_info": meta}
 
 
@@ -42,7 +43,7 @@ def test_sglang_backend_reads_native_fields():
     assert seen["return_sampling_mask"] is True and seen["sampling_params"]["top_k"] == 4
     assert seen["sampling_params"]["sampling_seed"] == 1
     assert c.output_ids == [7, 3] and c.support.to_lists() == [[1, 7, 9], [3]]
-    assert c.logprobs.tolist() == pytest.approx([math.log(0.6), 0.0])
+    assert c.log_mu.tolist() == pytest.approx([math.log(0.6), 0.0])
 
 
 @pytest.mark.parametrize("item, message", [
@@ -51,7 +52,7 @@ def test_sglang_backend_reads_native_fields():
     (sglang_item([[7, 9], [3, 3]], [-0.5, -0.1]), "duplicate id 3"),
     (sglang_item([[7, 99], [3]], [-0.5, 0.0]), "outside the vocabulary"),
     (sglang_item([[7, 9]], [-0.5]), "1 support rows for 2 output tokens"),
-    (sglang_item([[7, 9], [3]], [-0.5, float("nan")]), "log-prob nan"),
+    (sglang_item([[7, 9], [3]], [-0.5, float("nan")]), "token 1: log mu nan is not a finite value"),
     (sglang_item([[7, 9], [3]], [-0.5, -0.3]), "singleton support but log mu"),
 ])
 def test_sglang_backend_fails_closed(item, message):
@@ -91,7 +92,7 @@ def test_vllm_processed_logprobs():
     b = VLLMBackend("http://vllm", "m", VOCAB, transport=mock(handler))
     (c,) = b.generate([req()])
     assert seen["logprobs"] == 5 and seen["return_tokens_as_token_ids"] is True and seen["top_k"] == 4
-    assert c.support.to_lists() == [[7, 9], [3]] and c.logprobs.tolist() == pytest.approx([math.log(0.7), 0.0])
+    assert c.support.to_lists() == [[7, 9], [3]] and c.log_mu.tolist() == pytest.approx([math.log(0.7), 0.0])
 
 
 def test_vllm_fails_closed_when_all_entries_finite():
@@ -111,7 +112,7 @@ def test_vllm_native_mask():
     b = VLLMBackend("http://vllm", "m", VOCAB, mode="native", transport=mock(handler))
     (c,) = b.generate([req()])
     assert seen["return_sampling_mask"] is True
-    assert c.support.to_lists() == [[2, 7], [3]] and c.logprobs.tolist() == pytest.approx([-0.4, 0.0])
+    assert c.support.to_lists() == [[2, 7], [3]] and c.log_mu.tolist() == pytest.approx([-0.4, 0.0])
     b = VLLMBackend("http://vllm", "m", VOCAB, mode="native", transport=mock(lambda r: httpx.Response(200, json=vllm_choice([{}, {}], sampled=[-0.4, 0.0]))))
     with pytest.raises(WireError, match="no sampling_mask in the response"):
         b.generate([req()])
@@ -126,7 +127,7 @@ def test_vllm_rejects_full_logprobs_request():
 def test_engine_backend_and_http_backend_agree(tiny_checkpoint):
     from fastapi.testclient import TestClient
 
-    from support_replay.engine.server import create_app
+    from support_replay.serving.server import create_app
 
     engine = Engine.from_pretrained(tiny_checkpoint)
     local = EngineBackend(engine)
@@ -135,8 +136,8 @@ def test_engine_backend_and_http_backend_agree(tiny_checkpoint):
     a = local.generate(reqs)
     with TestClient(create_app(engine)) as client:
         transport = httpx.MockTransport(lambda r: _relay(client, r))
-        for binary in (False, True):
-            b = SGLangBackend("http://testserver", engine.vocab_size, binary_mask=binary, transport=transport).generate(reqs)
+        for fmt in ("lists", "binary"):
+            b = SGLangBackend("http://testserver", engine.vocab_size, sampling_mask_format=fmt, transport=transport).generate(reqs)
             for x, y in zip(a, b):
                 assert x.output_ids == y.output_ids
                 assert (x.support is None) == (y.support is None)
@@ -144,7 +145,7 @@ def test_engine_backend_and_http_backend_agree(tiny_checkpoint):
                     assert x.support == y.support
                     # batches differ (HTTP requests reach the engine one by one),
                     # so logits may differ in the last bit until the engine is batch-invariant
-                    np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+                    np.testing.assert_allclose(x.log_mu, y.log_mu, atol=1e-5, rtol=0)
     engine.shutdown()
 
 

@@ -1,12 +1,14 @@
 """The deterministic forward: a sequence's logits are the same bits in the engine (left-padded
 batches, KV cache, prefill then decode) and in the trainer (one right-padded forward)."""
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, support_logprobs
-from support_replay.batch_invariant import make_batch_invariant
-from support_replay.engine import Engine, GenerateRequest
+from support_replay.modeling.batch_invariant import make_batch_invariant
+from support_replay.engine import Engine
+from support_replay.protocol import GenerateRequest
 from support_replay.engine.model_runner import ModelRunner
 
 
@@ -45,11 +47,11 @@ def test_deterministic_engine_output_does_not_depend_on_the_batch(tiny_checkpoin
         alone = engine.generate([req])[0]
         others = [GenerateRequest([9, 9, 9, 9, 9, 9][: 2 + i], SamplingParams(top_k=10, seed=i), max_new_tokens=5 + i) for i in range(3)]
         crowded = engine.generate(others[:2] + [req] + others[2:])[2]
-        assert alone.output_ids == crowded.output_ids and alone.logprobs == crowded.logprobs and alone.support == crowded.support
+        assert alone.output_ids == crowded.output_ids and np.array_equal(alone.log_mu, crowded.log_mu) and alone.support == crowded.support
         model = engine.runner.model
         with torch.no_grad():
             logits = model(torch.tensor([req.input_ids + alone.output_ids])).logits[0, 2:-1].float()
         again = support_logprobs(logits, torch.tensor(alone.output_ids), alone.support, 1.0)
-        assert again.tolist() == alone.logprobs  # bit for bit
+        assert torch.equal(again, torch.from_numpy(alone.log_mu))  # bit for bit
     finally:
         engine.shutdown()

@@ -1,9 +1,11 @@
-"""Every SPEC section 3 rule rejects with a message naming the flag and the value."""
+"""Every fail-closed rule (docs/contract.md) rejects, when the config is built, with a message
+naming the flag and the value."""
 
 import pytest
 
 from support_replay.cli import build_parser
-from support_replay.config import ConfigError, RunConfig, config_from_args
+from support_replay.errors import ConfigError
+from support_replay.train.config import RunConfig, config_from_args
 
 
 def cfg(*flags):
@@ -29,12 +31,16 @@ def test_defaults_are_the_demo_and_derive_replay():
     (["--rollout-frequency-penalty", "0.5"], "--rollout-frequency-penalty=0.5: the trainer cannot replay this logit transform"),
     (["--rollout-presence-penalty", "0.5"], "--rollout-presence-penalty=0.5: the trainer cannot replay"),
     (["--rollout-repetition-penalty", "1.1"], "--rollout-repetition-penalty=1.1: the trainer cannot replay"),
-    (["--recompute-prefill-logprobs"], "--recompute-prefill-logprobs=True: prefill log-prob recomputation is not supported"),
     (["--rollout-top-k", "5000"], "--rollout-top-k=5000: exceeds --sampling-mask-max-tokens=4096"),
     (["--true-on-policy-mode", "--sampling-semantics", "hf"], "--sampling-semantics='hf': true-on-policy mode needs a deterministic sampler"),
     (["--global-batch-size", "5"], "--global-batch-size=5: must divide rollout_batch_size x n_samples_per_prompt = 16"),
     (["--micro-batch-size", "3"], "--micro-batch-size=3: must divide --global-batch-size=16"),
     (["--use-kl-loss"], "--kl-loss-coef=0.0: must be > 0 with --use-kl-loss"),
+    (["--kl-loss-coef", "0.1"], "--kl-loss-coef=0.1: has no effect without --use-kl-loss"),
+    (["--use-tis", "--use-rollout-logprobs"], "--use-tis=True: with --use-rollout-logprobs the old policy is the rollout's own"),
+    (["--save-interval", "2"], "--save-interval=2: needs --save"),
+    (["--eval-prompt-data", "x.jsonl"], "--eval-prompt-data='x.jsonl': has no effect without --eval-interval"),
+    (["--rollout-top-p", "1", "--rollout-top-k", "-1", "--rollout-frequency-penalty", "0.5"], "--rollout-frequency-penalty=0.5: the rollout engines do not apply penalties yet"),
     (["--resume"], "--resume=True: needs --save"),
     (["--colocate", "--rollout-url", "http://127.0.0.1:1"], "--colocate=True: the in-process engine and --rollout-url"),
     (["--custom-rm-path", "nocolon"], "--custom-rm-path='nocolon': expected 'module:function'"),
@@ -45,9 +51,20 @@ def test_rejections(flags, message):
         cfg(*flags)
 
 
-def test_penalties_are_fine_without_replay():
-    c = cfg("--rollout-top-p", "1", "--rollout-top-k", "-1", "--rollout-frequency-penalty", "0.5")
-    assert not c.use_sampling_support_replay
+def test_rejections_also_hold_when_built_in_python():
+    """No separate check to forget: constructing the config is what validates it."""
+    with pytest.raises(ConfigError, match="--rollout-top-k=0: must be -1"):
+        RunConfig(rollout_top_k=0)
+    with pytest.raises(ConfigError, match="--micro-batch-size=3: must divide --global-batch-size=16"):
+        RunConfig(micro_batch_size=3)
+
+
+def test_micro_batch_default_divides_any_global_batch():
+    # a user who passes only --global-batch-size never hears about --micro-batch-size
+    for global_batch, micro in [(16, 8), (4, 4), (12, 6), (5, 5), (24, 8), (7, 7), (11, 1)]:
+        c = cfg("--rollout-batch-size", str(global_batch), "--n-samples-per-prompt", "1", "--global-batch-size", str(global_batch))
+        assert c.micro_batch == micro and global_batch % c.micro_batch == 0
+    assert cfg("--micro-batch-size", "2").micro_batch == 2
 
 
 def test_kl_is_allowed_under_replay_with_two_scores():
@@ -68,4 +85,14 @@ def test_yaml_config_and_flag_override(tmp_path):
 
 
 def test_derived_flag_cannot_be_set():
-    assert RunConfig(use_sampling_support_replay=False).use_sampling_support_replay is True
+    with pytest.raises(ConfigError, match="--use-sampling-support-replay=False: is derived from the rollout sampling settings"):
+        RunConfig(use_sampling_support_replay=False)
+
+
+def test_flag_table_in_the_docs_is_current():
+    from pathlib import Path
+
+    from support_replay.train.config import flag_table
+
+    docs = (Path(__file__).parent.parent / "docs" / "training.md").read_text()
+    assert flag_table() in docs, "docs/training.md: regenerate the flag table with support_replay.train.config.flag_table()"

@@ -7,7 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, support_logprobs
-from support_replay.engine import CapacityError, Engine, GenerateRequest, RequestError
+from support_replay.engine import Engine
+from support_replay.errors import CapacityError, RequestError
+from support_replay.protocol import GenerateRequest, VersionSpan
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +29,11 @@ def prompts(engine, n):
     return [engine.tokenizer(texts[i % len(texts)] * (1 + i % 3))["input_ids"] for i in range(n)]
 
 
-def rescore(model, result, temperature):
-    ids = torch.tensor([result.prompt_ids + result.output_ids])
+def rescore(model, prompt_ids, result, temperature):
+    ids = torch.tensor([prompt_ids + result.output_ids])
     with torch.no_grad():
         logits = model(ids).logits[0].float()
-    start = len(result.prompt_ids) - 1
+    start = len(prompt_ids) - 1
     scoring = logits[start : start + len(result.output_ids)]
     return support_logprobs(scoring, torch.tensor(result.output_ids), result.support, temperature)
 
@@ -49,13 +51,13 @@ def test_concurrent_capture_matches_a_fresh_forward(engine, reference_model):
         time.sleep(0.01)
     results = [f.result(timeout=60) for f in futures]
     for req, res in zip(reqs, results):
-        assert len(res.output_ids) == len(res.logprobs) == res.support.num_rows == len(res.full_logprobs)
+        assert len(res.output_ids) == len(res.log_mu) == res.support.num_rows == len(res.full_logprobs)
         res.support.validate(engine.vocab_size, selected=res.output_ids)
         assert max(res.support.sizes()) <= max(req.params.top_k, 1)
-        again = rescore(reference_model, res, req.params.temperature)
-        torch.testing.assert_close(again, torch.tensor(res.logprobs), atol=1e-4, rtol=0)
+        again = rescore(reference_model, req.input_ids, res, req.params.temperature)
+        torch.testing.assert_close(again, torch.tensor(res.log_mu), atol=1e-4, rtol=0)
         if req.params.top_k == 1:
-            assert res.support.sizes().tolist() == [1] * len(res.output_ids) and set(res.logprobs) == {0.0}
+            assert res.support.sizes().tolist() == [1] * len(res.output_ids) and set(res.log_mu) == {0.0}
     # supports actually vary: top-p binds somewhere
     sizes = torch.cat([torch.from_numpy(r.support.sizes()) for r in results])
     assert len(set(sizes.tolist())) > 3
@@ -70,7 +72,7 @@ def test_same_seed_same_batch_reproduces(engine):
 
 def test_evaluation_requests_capture_nothing(engine):
     res = engine.generate([GenerateRequest(prompts(engine, 1)[0], SamplingParams(top_p=0.9, top_k=10), max_new_tokens=4)])[0]
-    assert res.support is None and res.logprobs is None and len(res.output_ids) == 4
+    assert res.support is None and res.log_mu is None and len(res.output_ids) == 4
 
 
 def test_stop_token_and_stop_string(engine):
@@ -114,11 +116,14 @@ def test_weight_update_waits_and_bumps_version(tiny_checkpoint, tmp_path):
 
         save_file({"lm_head.weight": state["lm_head.weight"]}, str(tmp_path / "model.safetensors"))
         running = eng.submit(GenerateRequest(req.input_ids, req.params, max_new_tokens=20))
-        version = eng.update_weights_from_disk(tmp_path).result(timeout=30)
-        assert running.result(timeout=30).weight_version == 0  # finished under the old weights
+        version = eng.update_weights_from_disk(tmp_path, "step-1").result(timeout=30)
+        finished = running.result(timeout=30)  # under the old weights, all of it
+        assert finished.weight_versions == [VersionSpan("default", 0, len(finished.output_ids))]
         after = eng.generate([req])[0]
-        assert version == 1 and after.weight_version == 1 and after.output_ids != before.output_ids
-        with pytest.raises(Exception, match="unknown parameter"):
+        assert version == "step-1" and after.weight_version == "step-1" and after.output_ids != before.output_ids
+        # without a name the weights change and the version stays, as in SGLang
+        assert eng.update_weights_from_disk(tmp_path).result(timeout=30) == "step-1"
+        with pytest.raises(RequestError, match="unknown parameter 'nope'"):
             eng.update_weights({"nope": torch.zeros(1)}).result(timeout=30)
     finally:
         eng.shutdown()

@@ -8,7 +8,7 @@ import pytest
 from processes import engine_process, free_port, process, router_process, wait_healthy
 from support_replay import SamplingParams, WireError
 from support_replay.backends import SGLangBackend
-from support_replay.engine import GenerateRequest
+from support_replay.protocol import GenerateRequest
 
 pytestmark = pytest.mark.slow
 

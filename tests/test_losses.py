@@ -9,7 +9,8 @@ from support_replay.losses import (
     grpo_advantages,
     kl_estimate,
     logprob_mismatch_metrics,
-    policy_loss,
+    policy_token_loss,
+    token_weights,
     support_size_metrics,
     truncated_importance_weights,
 )
@@ -36,28 +37,44 @@ def test_grpo_advantages_by_hand():
         grpo_advantages(torch.ones(6), 4)
 
 
-def test_policy_loss_by_hand():
+def test_policy_token_loss_by_hand():
     # ratios 1.5 (clipped at 1.2 for A>0), 0.5 (clipped at 0.8 for A<0 -> pessimistic max), 1.0
-    old = torch.zeros(1, 3)
-    logp = torch.log(torch.tensor([[1.5, 0.5, 1.0]])).requires_grad_()
-    adv = torch.tensor([[2.0, -1.0, 3.0]])
-    mask = torch.ones(1, 3)
-    loss, metrics = policy_loss(logp, old, adv, mask, clip_low=0.2)
+    old = torch.zeros(3)
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.0])).requires_grad_()
+    adv = torch.tensor([2.0, -1.0, 3.0])
+    terms = policy_token_loss(logp, old, adv, clip_low=0.2)
     # token losses: -min(3.0, 2.4) = -2.4 ; -min(-0.5, -0.8) = 0.8 ; -3.0
-    assert loss.item() == pytest.approx((-2.4 + 0.8 - 3.0) / 3)
-    assert metrics["clip_fraction"] == pytest.approx(2 / 3)
+    assert terms.total.tolist() == pytest.approx([-2.4, 0.8, -3.0])
+    assert terms.clipped.tolist() == [True, True, False]
+    loss = (terms.total * token_weights(torch.ones(3), [3], "token", batch_tokens=3, batch_sequences=1)).sum()
     loss.backward()
     # clipped tokens get no gradient; the unclipped one gets -A * ratio / n
-    assert logp.grad[0].tolist() == pytest.approx([0.0, 0.0, -1.0])
+    assert logp.grad.tolist() == pytest.approx([0.0, 0.0, -1.0])
 
 
-def test_policy_loss_sequence_advantage_and_weights():
-    logp = torch.zeros(2, 2)
-    adv = torch.tensor([1.0, -2.0])
-    mask = torch.tensor([[1, 1], [1, 0]])
-    weights = torch.tensor([[0.5, 1.0], [2.0, 1.0]])
-    loss, _ = policy_loss(logp, logp, adv, mask, importance_weights=weights)
-    assert loss.item() == pytest.approx((-0.5 - 1.0 + 4.0) / 3)
+def test_policy_token_loss_importance_weights_kl_and_entropy():
+    logp = torch.zeros(3)
+    terms = policy_token_loss(
+        logp, logp, torch.tensor([1.0, 1.0, -2.0]), importance_weights=torch.tensor([0.5, 1.0, 2.0]),
+        kl=torch.tensor([0.1, 0.2, 0.3]), kl_coef=0.5, entropy=torch.tensor([1.0, 2.0, 3.0]), entropy_coef=0.1,
+    )
+    # -r A w + 0.5 kl - 0.1 H, with r = 1
+    assert terms.total.tolist() == pytest.approx([-0.5 + 0.05 - 0.1, -1.0 + 0.1 - 0.2, 4.0 + 0.15 - 0.3])
+
+
+def test_sequence_aggregation_against_a_hand_computation():
+    """Two micro-batches of one global batch, weighted by token_weights, give the mean over
+    sequences of each sequence's mean over its trained tokens, computed here by hand."""
+    values = [torch.tensor([1.0, 2.0, 3.0, 10.0, 0.0]), torch.tensor([4.0, 8.0, 7.0])]
+    masks = [torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0]), torch.tensor([0.0, 1.0, 0.0])]
+    lengths = [[3, 2], [1, 2]]  # sequences a (3 tokens), b (2), c (1, nothing trained), d (2)
+    # a: (1+2+3)/3 = 2; b: 10/1 = 10; c: left out; d: 8/1 = 8  -> (2 + 10 + 8) / 3
+    total = sum(
+        (v * token_weights(m, n, "sequence", batch_tokens=5, batch_sequences=3)).sum() for v, m, n in zip(values, masks, lengths)
+    )
+    assert total.item() == pytest.approx((2 + 10 + 8) / 3)
+    token = sum((v * token_weights(m, n, "token", batch_tokens=5, batch_sequences=3)).sum() for v, m, n in zip(values, masks, lengths))
+    assert token.item() == pytest.approx((1 + 2 + 3 + 10 + 8) / 5)
 
 
 def test_kl_estimators_by_hand():

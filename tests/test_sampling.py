@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from support_replay import SamplingParams, SamplingParamsError, SupportTable, sample, support_logprobs, support_mask
+from support_replay import SamplingParams, SamplingParamsError, SupportTable, sample_tokens, support_logprobs, support_mask
 
 
 def random_cases(n_batches, rows=64, vocab=40, seed=0):
@@ -129,21 +129,21 @@ def test_sample_captures_support_and_logmu(semantics):
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(256, 100, generator=g) * 2
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01)
-    out = sample(logits, params, semantics, generator=g)
+    out = sample_tokens(logits, params, semantics, generator=g)
     mask = support_mask(logits, params, semantics)
     assert out.support == SupportTable.from_mask(mask)
     out.support.validate(100, selected=out.tokens)
     dense = torch.log_softmax((logits.double() / 0.8).masked_fill(~mask, -math.inf), -1)
     expected = dense.gather(1, out.tokens[:, None]).squeeze(1)
-    torch.testing.assert_close(out.logprobs.double(), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.log_mu.double(), expected, atol=1e-6, rtol=0)
     # the trainer scores with the same function on the same logits: bit-identical
-    assert torch.equal(out.logprobs, support_logprobs(logits, out.tokens, out.support, 0.8))
+    assert torch.equal(out.log_mu, support_logprobs(logits, out.tokens, out.support, 0.8))
 
 
 def test_sample_frequencies_follow_the_renormalised_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]]).repeat(20000, 1)
     params = SamplingParams(top_k=3)
-    out = sample(logits, params, "sglang", generator=torch.Generator().manual_seed(0))
+    out = sample_tokens(logits, params, "sglang", generator=torch.Generator().manual_seed(0))
     freq = torch.bincount(out.tokens, minlength=5).double() / 20000
     expected = torch.softmax(torch.tensor([2.0, 1.0, 0.5]).double(), -1)
     torch.testing.assert_close(freq[:3], expected, atol=0.015, rtol=0)
@@ -154,18 +154,18 @@ def test_per_row_generators_are_reproducible_and_independent_of_the_batch():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(top_p=0.9, top_k=30)
     gens = [torch.Generator().manual_seed(s) for s in (10, 11, 12, 13)]
-    batch = sample(logits, params, generator=gens).tokens
-    alone = sample(logits[2:3], params, generator=[torch.Generator().manual_seed(12)]).tokens
+    batch = sample_tokens(logits, params, generator=gens).tokens
+    alone = sample_tokens(logits[2:3], params, generator=[torch.Generator().manual_seed(12)]).tokens
     assert batch[2] == alone[0]
 
 
 def test_greedy_rows_are_singletons_with_zero_logprob():
     logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(2))
     params = [SamplingParams(temperature=0.0)] * 3 + [SamplingParams(top_k=1)] * 3
-    out = sample(logits, params)
+    out = sample_tokens(logits, params)
     assert torch.equal(out.tokens, logits.argmax(-1))
     assert out.support.sizes().tolist() == [1] * 6
-    assert out.logprobs.tolist() == [0.0] * 6
+    assert out.log_mu.tolist() == [0.0] * 6
 
 
 def test_mixed_parameters_per_row_match_single_row_calls():
@@ -208,20 +208,20 @@ def test_bad_sample_inputs():
     with pytest.raises(SamplingParamsError, match="2 sampling settings for 1 rows"):
         support_mask(torch.zeros(1, 3), [SamplingParams()] * 2)
     with pytest.raises(SamplingParamsError, match="expected \\[B, V\\]"):
-        sample(torch.zeros(3), SamplingParams())
+        sample_tokens(torch.zeros(3), SamplingParams())
 
 
 def test_capture_flags_select_rows_and_keep_the_draws():
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(8))
     params = SamplingParams(top_k=10, top_p=0.9)
-    full = sample(logits, params, generator=[torch.Generator().manual_seed(i) for i in range(6)])
-    part = sample(logits, params, generator=[torch.Generator().manual_seed(i) for i in range(6)], capture=[1, 0, 0, 1, 0, 1])
+    full = sample_tokens(logits, params, generator=[torch.Generator().manual_seed(i) for i in range(6)])
+    part = sample_tokens(logits, params, generator=[torch.Generator().manual_seed(i) for i in range(6)], capture=[1, 0, 0, 1, 0, 1])
     assert torch.equal(full.tokens, part.tokens)
     assert part.captured.tolist() == [0, 3, 5]
     assert part.support == full.support.select([0, 3, 5])
-    assert torch.equal(part.logprobs, full.logprobs[[0, 3, 5]])
-    none = sample(logits, params, capture=False)
-    assert none.support.num_rows == 0 and none.logprobs.numel() == 0
+    assert torch.equal(part.log_mu, full.log_mu[[0, 3, 5]])
+    none = sample_tokens(logits, params, capture=False)
+    assert none.support.num_rows == 0 and none.log_mu.numel() == 0
 
 
 def test_sglang_top_k_fast_path_equals_the_full_sort(monkeypatch):

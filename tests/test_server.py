@@ -5,9 +5,9 @@ import math
 import pytest
 from fastapi.testclient import TestClient
 
-from support_replay import wire
+from support_replay.backends.sglang import parse_meta_info
 from support_replay.engine import Engine
-from support_replay.engine.server import create_app
+from support_replay.serving.server import create_app
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,10 @@ def test_generate_text_with_capture(client, engine):
     body = r.json()
     meta = body["meta_info"]
     assert len(body["output_ids"]) == meta["completion_tokens"] == 8
-    table, logmu = wire.from_sglang_meta_info(meta, output_ids=body["output_ids"], vocab_size=engine.vocab_size)
-    assert len(logmu) == 8 and meta["output_token_sampling_mask_length"] == table.sizes().tolist()
+    table, logmu, _ = parse_meta_info(meta, body["output_ids"], engine.vocab_size)
+    assert len(logmu) == 8 and meta["output_token_sampling_mask_length"] == 8  # SGLang's shape: the number of rows
+    assert isinstance(meta["output_token_sampling_mask"], list)  # lists unless the binary form was asked
+    assert meta["weight_version"] == "default" and meta["weight_versions"] == [{"version": "default", "start": 0, "end": 8}]
     assert [e[1] for e in meta["output_token_logprobs"]] == body["output_ids"]
     assert meta["finish_reason"] == {"type": "length", "length": 8}
 
@@ -52,7 +54,8 @@ def test_generate_batch_of_ids_binary_and_support_mode(client, engine):
     out = r.json()
     assert [len(o["output_ids"]) for o in out] == [5, 4]
     for o in out:
-        table, _ = wire.from_sglang_meta_info(o["meta_info"], o["output_ids"], engine.vocab_size)
+        table, _, _ = parse_meta_info(o["meta_info"], o["output_ids"], engine.vocab_size)
+        assert table.num_rows == len(o["output_ids"])
         assert isinstance(o["meta_info"]["output_token_sampling_mask"], str)
     r = client.post("/generate", json={
         "input_ids": ids, "sampling_params": {"top_k": 6, "max_new_tokens": 3, "seed": 5},
@@ -62,7 +65,7 @@ def test_generate_batch_of_ids_binary_and_support_mode(client, engine):
     rows = meta["output_token_sampling_logprobs"]
     for row, mask_row in zip(rows, meta["output_token_sampling_mask"]):
         assert len(row) == len(mask_row) and math.isclose(sum(math.exp(v) for v in row), 1.0, rel_tol=1e-5)
-    table, logmu = wire.from_sglang_meta_info(meta, r.json()["output_ids"], engine.vocab_size)
+    table, logmu, _ = parse_meta_info(meta, r.json()["output_ids"], engine.vocab_size)
     same = client.post("/generate", json={
         "input_ids": ids, "sampling_params": {"top_k": 6, "max_new_tokens": 3, "seed": 5}, "return_sampling_mask": True,
     }).json()["meta_info"]["output_token_sampling_logprobs"]
@@ -78,7 +81,7 @@ def test_chat_completions_with_meta_info(client, engine):
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     meta = choice["meta_info"]
-    table, _ = wire.from_sglang_meta_info(meta, meta["output_ids"], engine.vocab_size)
+    table, _ = parse_meta_info(meta, meta["output_ids"], engine.vocab_size)[:2]
     assert table.num_rows == r.json()["usage"]["completion_tokens"] == len(choice["logprobs"]["content"])
     # without return_meta_info the client sees a plain OpenAI response
     plain = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).json()

@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from processes import engine_process, router_process
-from support_replay import support_logprobs, wire
+from support_replay import support_logprobs
+from support_replay.backends.sglang import parse_meta_info
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +44,7 @@ def test_concurrent_requests_through_the_router(tiny_checkpoint, reference_model
                 outs = list(pool.map(lambda i: ask(router_url, prompts[i], seed=i), range(16)))
             vocab = reference_model.config.vocab_size
             for ids, out in zip(prompts, outs):
-                table, logmu = wire.from_sglang_meta_info(out["meta_info"], out["output_ids"], vocab)
+                table, logmu, _ = parse_meta_info(out["meta_info"], out["output_ids"], vocab)
                 full = torch.tensor([ids + out["output_ids"]])
                 with torch.no_grad():
                     logits = reference_model(full).logits[0, len(ids) - 1 : -1].float()

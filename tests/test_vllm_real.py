@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from processes import free_port, process
 from support_replay import SamplingParams, support_logprobs, support_mask
 from support_replay.backends import VLLMBackend
-from support_replay.engine import GenerateRequest
+from support_replay.protocol import GenerateRequest
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def test_vllm_processed_logprobs_capture_matches_the_model(tiny_checkpoint, tmp_
             with torch.no_grad():
                 logits = hf(ids).logits[0, len(req.input_ids) - 1 : -1].float()
             again = support_logprobs(logits, torch.tensor(c.output_ids), c.support, req.params.temperature)
-            np.testing.assert_allclose(again.numpy(), c.logprobs, atol=2e-4)
+            np.testing.assert_allclose(again.numpy(), c.log_mu, atol=2e-4)
             ours = support_mask(logits, req.params, "vllm")
             for t, row in enumerate(c.support.to_lists()):
                 mismatched_supports += ours[t].nonzero().flatten().tolist() != row

@@ -86,7 +86,7 @@ def test_vocab_mismatch_and_ids_out_of_range():
     header = list(struct.unpack("<4sBBIIIII", blob[:26]))
     header[4] = 6  # shrink the vocabulary below id 9
     forged = struct.pack("<4sBBIIIII", *header) + blob[26:]
-    with pytest.raises(WireError):
+    with pytest.raises(WireError, match=r"row 0: id 9 outside the vocabulary \[0, 6\)"):
         wire.decode(forged)
 
 

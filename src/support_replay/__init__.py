@@ -1,18 +1,22 @@
 """support-replay: bounded sampling-support replay for RL post-training.
 
-The core (this namespace) depends on torch and numpy alone.
+This namespace is the core, and it depends on torch and numpy alone: the support table,
+the wire codec, sampling with capture, log-probabilities, their parallel forms and the
+losses. The engine, the HTTP servers, the backends, rollouts and the trainer are
+subpackages built on it (``support_replay.engine``, ``.serving``, ``.backends``,
+``.rollout``, ``.train``).
 """
 
 from .errors import SamplingParamsError, SupportError, SupportReplayError, WireError
 from .logprobs import entropy, full_logprobs, full_logprobs_and_entropy, sparse_head_support_logprobs, support_logprobs
-from .sampling import SEMANTICS, SampleResult, SamplingParams, sample, support_mask
+from .sampling import SEMANTICS, SampledTokens, SamplingParams, sample_tokens, support_mask
 from .support import SupportTable
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SEMANTICS",
-    "SampleResult",
+    "SampledTokens",
     "SamplingParams",
     "SamplingParamsError",
     "SupportError",
@@ -22,7 +26,7 @@ __all__ = [
     "entropy",
     "full_logprobs",
     "full_logprobs_and_entropy",
-    "sample",
+    "sample_tokens",
     "sparse_head_support_logprobs",
     "support_logprobs",
     "support_mask",

@@ -16,12 +16,24 @@ import sys
 
 import torch
 
-from . import SEMANTICS, SamplingParams, SupportReplayError, full_logprobs, sample, support_logprobs, wire
+from . import SEMANTICS, SamplingParams, SupportReplayError, full_logprobs, sample_tokens, support_logprobs, wire
 from .losses import logprob_mismatch_metrics, support_size_metrics
+from .protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
+from .serving import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT
+
+
+def _dense_reference(logits: torch.Tensor, tokens: torch.Tensor, support, temperature: float) -> torch.Tensor:
+    """log mu by the definition, in float64 over a dense mask: an independent check of the sampler's value."""
+    z = logits.double() / temperature
+    rows = torch.repeat_interleave(torch.arange(support.num_rows), torch.from_numpy(support.sizes()))
+    mask = torch.zeros_like(z, dtype=torch.bool)
+    mask[rows, torch.from_numpy(support.ids).long()] = True
+    return torch.log_softmax(z.masked_fill(~mask, float("-inf")), dim=-1).gather(1, tokens[:, None]).squeeze(1)
 
 
 def _demo(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    temperature = params.temperature if params.temperature > 0 else 1.0
     gen = torch.Generator().manual_seed(args.seed)
     # peaked, heavy-tailed logits, as a language model's tend to be
     logits = torch.randn(args.tokens, args.vocab, generator=gen) * args.logit_scale
@@ -29,25 +41,30 @@ def _demo(args: argparse.Namespace) -> int:
         f"support-replay demo: {args.tokens} tokens, V={args.vocab}, temperature={params.temperature}, "
         f"top_k={params.top_k}, top_p={params.top_p}, min_p={params.min_p}"
     )
-    print("\n| semantics | mean |S| | singletons | wire B/token | ratio full-vocab | outside [0.9,1.1] | ratio replay | outside |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| semantics | mean |S| | singletons | wire B/token | ratio full-vocab | outside [0.9,1.1] | ratio replay | outside | log mu vs float64 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for semantics in args.semantics:
-        out = sample(logits, params, semantics, generator=gen)
+        out = sample_tokens(logits, params, semantics, generator=gen)
         blob = wire.encode(out.support, args.vocab, out.tokens)
         support = wire.decode(blob, out.tokens, vocab_size=args.vocab)  # what the trainer receives
-        assert support == out.support
+        if support != out.support:
+            raise SupportReplayError(f"{semantics}: the support changed on its way through the wire codec")
         mask = torch.ones(1, args.tokens)
-        replay = support_logprobs(logits, out.tokens, support, params.temperature if params.temperature > 0 else 1.0)
-        full = full_logprobs(logits, out.tokens, params.temperature if params.temperature > 0 else 1.0)
-        m_full = logprob_mismatch_metrics(full[None], out.logprobs[None], mask)
-        m_rep = logprob_mismatch_metrics(replay[None], out.logprobs[None], mask)
+        replay = support_logprobs(logits, out.tokens, support, temperature)  # the trainer's score, same logits
+        full = full_logprobs(logits, out.tokens, temperature)
+        error = float((out.log_mu.double() - _dense_reference(logits, out.tokens, support, temperature)).abs().max())
+        m_full = logprob_mismatch_metrics(full[None], out.log_mu[None], mask)
+        m_rep = logprob_mismatch_metrics(replay[None], out.log_mu[None], mask)
         sizes = support_size_metrics(support.sizes())
         print(
             f"| {semantics} | {sizes['support_mean']:.1f} | {sizes['singleton_share']:.0%} | "
             f"{len(blob) / args.tokens:.1f} | {m_full['ratio_mean']:.3f} | {m_full['ratio_outside_10pct']:.1%} | "
-            f"{m_rep['ratio_mean']:.3f} | {m_rep['ratio_outside_10pct']:.1%} |"
+            f"{m_rep['ratio_mean']:.3f} | {m_rep['ratio_outside_10pct']:.1%} | {error:.1e} |"
         )
-    print("\nreplay ratio = pi/mu on the captured support: exactly 1 when the trainer's logits equal the engine's.")
+    print(
+        "\nreplay ratio = pi/mu on the captured support: exactly 1 when the trainer's logits equal the engine's."
+        "\nlog mu vs float64: the sampler's log mu against log_softmax over the support computed densely in float64."
+    )
     return 0
 
 
@@ -55,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
     import logging
 
     from .engine import Engine
-    from .engine.server import serve
+    from .serving.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
@@ -75,7 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .config import config_from_args
+    from .train.config import config_from_args
     from .train import train
 
     cfg = config_from_args(args)
@@ -92,7 +109,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from .router import run_router
+    from .serving.router import run_router
 
     print(f"support-replay router on http://{args.host}:{args.port} over {len(args.engine)} engine(s)", flush=True)
     run_router(args.engine, args.host, args.port, args.health_interval)
@@ -115,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     tr = sub.add_parser("train", help="GRPO with sampling-support replay (no flags: the built-in demo)")
-    from .config import add_run_flags
+    from .train.config import add_run_flags
 
     add_run_flags(tr)
     tr.set_defaults(func=_train)
@@ -123,14 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="run the engine server (SGLang /generate, OpenAI chat completions)")
     srv.add_argument("--hf-checkpoint", required=True, help="Hugging Face checkpoint directory (safetensors)")
     srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=30000)
+    srv.add_argument("--port", type=int, default=DEFAULT_ENGINE_PORT)
     srv.add_argument("--semantics", choices=SEMANTICS, default="sglang", help="filter semantics of the sampler")
-    srv.add_argument("--sampling-mask-max-tokens", type=int, default=4096, help="largest support a request may capture")
+    srv.add_argument("--sampling-mask-max-tokens", type=int, default=DEFAULT_SAMPLING_MASK_MAX_TOKENS, help="largest support a request may capture")
     srv.add_argument("--max-batch-size", type=int, default=64)
     srv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     srv.add_argument("--device", default="cpu")
     srv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
-    srv.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024)
+    srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
     srv.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed of their own")
     srv.add_argument("--deterministic", action="store_true", help="batch-invariant forward: a sequence's logits do not depend on its batch (true-on-policy)")
     srv.set_defaults(func=_serve)
@@ -138,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt = sub.add_parser("router", help="forward raw request bodies over several engines")
     rt.add_argument("--engine", action="append", required=True, help="engine URL (repeat for more)")
     rt.add_argument("--host", default="127.0.0.1")
-    rt.add_argument("--port", type=int, default=30010)
+    rt.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT)
     rt.add_argument("--health-interval", type=float, default=5.0)
     rt.set_defaults(func=_router)
     return parser

@@ -1,13 +1,16 @@
-"""The exception types of support-replay.
+"""The exception types of support-replay, all in one place.
 
 Every rejection (bad support metadata, malformed wire bytes, unsupported sampling
-settings) raises a subclass of ``SupportReplayError`` whose message names the field,
-the sample or row, and the offending value.
+settings, a bad request, a bad run setting) raises a subclass of ``SupportReplayError``
+whose message names the field, the sample or row, and the offending value.
 """
 
 
 class SupportReplayError(ValueError):
     """Base class: input that the replay contract cannot accept."""
+
+
+# ---- the core ---------------------------------------------------------------------
 
 
 class SupportError(SupportReplayError):
@@ -20,3 +23,37 @@ class WireError(SupportReplayError):
 
 class SamplingParamsError(SupportReplayError):
     """Sampling settings that are invalid, or that replay cannot reproduce faithfully."""
+
+
+# ---- the engine and its server ------------------------------------------------------
+
+
+class EngineError(SupportReplayError):
+    """A request the engine cannot serve; ``status`` is the HTTP status it maps to."""
+
+    status = 500
+
+
+class RequestError(EngineError):
+    """Malformed or unsupported request (HTTP 400)."""
+
+    status = 400
+
+
+class CapacityError(RequestError):
+    """The realized support exceeded ``sampling_mask_max_tokens`` (HTTP 400, nothing committed)."""
+
+
+# ---- training -----------------------------------------------------------------------
+
+
+class ConfigError(SupportReplayError):
+    """A run setting that is invalid or that replay cannot honour faithfully."""
+
+
+class SampleError(SupportReplayError):
+    """A training sample whose replay metadata is missing or inconsistent; the message names it."""
+
+
+class CITestError(SupportReplayError):
+    """--ci-test found a token whose trainer log-prob differs from the rollout log mu."""

@@ -1,12 +1,15 @@
 """Policy-gradient losses, KL estimators and replay metrics (docs/math.md).
 
-Per-token tensors are padded ``[B, L]`` with a loss mask ``[B, L]`` (1 for tokens that
-train, 0 for prompt, padding and inserted environment/tool tokens). Under replay the
-policy ratio uses support-normalised scores, while KL and entropy use full-vocabulary
-ones: the two are separate arguments, never one slot.
+Per-token tensors come with a loss mask (1 for tokens that train, 0 for prompt, padding
+and inserted environment/tool tokens). Under replay the policy ratio uses
+support-normalised scores, while KL and entropy use full-vocabulary ones: the two are
+separate arguments, never one slot. ``token_weights`` is the one place where tokens and
+sequences are weighted into a loss.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,20 +20,37 @@ AGGREGATIONS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token") -> torch.Tensor:
-    """Masked mean: over all tokens (``"token"``) or per sequence then over sequences (``"sequence"``).
+def token_weights(mask: torch.Tensor, lengths, mode: str, *, batch_tokens: float, batch_sequences: float) -> torch.Tensor:
+    """Per-token weights of a loss, the one place where tokens and sequences are weighted.
 
-    Sequences without a single trained token are left out of the ``"sequence"`` mean.
+    ``mask`` is the flat loss mask of some sequences (``lengths`` tokens each), part of a
+    batch holding ``batch_tokens`` trained tokens in ``batch_sequences`` sequences that
+    train at all. Summing ``weights * values`` over every part of the batch gives:
+
+    - ``"token"``: the mean over all trained tokens of the batch;
+    - ``"sequence"``: the mean over sequences of each sequence's mean over its trained
+      tokens (sequences without a trained token are left out).
+
+    So micro-batching and data parallelism never change the loss.
     """
-    mask = mask.to(values.dtype)
+    mask = mask.to(torch.float32)
     if mode == "token":
-        return (values * mask).sum() / mask.sum().clamp_min(1)
+        return mask / max(float(batch_tokens), 1.0)
     if mode == "sequence":
-        counts = mask.sum(-1)
-        per_seq = (values * mask).sum(-1) / counts.clamp_min(1)
-        present = (counts > 0).to(values.dtype)
-        return (per_seq * present).sum() / present.sum().clamp_min(1)
+        lengths = torch.as_tensor(list(lengths), dtype=torch.long, device=mask.device)
+        counts = torch.stack([m.sum() for m in torch.split(mask, lengths.tolist())]) if len(lengths) else mask.new_zeros(0)
+        per_token_count = torch.repeat_interleave(counts.clamp_min(1), lengths)
+        return mask / per_token_count / max(float(batch_sequences), 1.0)
     raise SupportReplayError(f"aggregation: must be one of {AGGREGATIONS}, got {mode!r}")
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token") -> torch.Tensor:
+    """Masked mean of padded ``[B, L]`` values over one whole batch (``token_weights``' rule)."""
+    rows, width = mask.shape
+    weights = token_weights(
+        mask.reshape(-1), [width] * rows, mode, batch_tokens=float(mask.sum()), batch_sequences=float((mask.sum(-1) > 0).sum())
+    )
+    return (values.reshape(-1) * weights.to(values.dtype)).sum()
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -59,37 +79,44 @@ def ppo_token_loss(
     return -torch.minimum(surr, surr_clipped), (surr_clipped < surr).detach()
 
 
-def policy_loss(
+@dataclass
+class TokenLoss:
+    """The per-token loss of one micro-batch and the parts the metrics report."""
+
+    total: torch.Tensor  # the loss of every token, before weighting
+    clipped: torch.Tensor  # bool: the clipped branch of the PPO surrogate was taken
+    kl: torch.Tensor | None
+    entropy: torch.Tensor | None
+
+
+def policy_token_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
-    mask: torch.Tensor,
+    *,
     clip_low: float = 0.2,
     clip_high: float | None = None,
-    aggregation: str = "token",
     importance_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate ``-min(r A, clip(r, 1-lo, 1+hi) A)`` with ``r = exp(logp - old_logp)``.
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> TokenLoss:
+    """``-min(r A, clip(r, 1-lo, 1+hi) A) * w + kl_coef * KL - entropy_coef * H`` per token.
 
-    Under replay ``logp`` and ``old_logp`` are support-normalised scores on the same S_t.
-    ``advantages`` is ``[B]`` (one per sequence) or ``[B, L]``. ``importance_weights``
-    (``[B, L]``, e.g. truncated IS against the rollout log mu) multiply the per-token loss.
+    ``r = exp(logp - old_logp)``: under replay both are support-normalised scores on the
+    same S_t. ``importance_weights`` (e.g. truncated IS against the rollout log mu) are
+    detached; ``kl`` and ``entropy`` come from full-vocabulary scores. Weight the result
+    with ``token_weights``.
     """
-    if advantages.ndim == 1:
-        advantages = advantages[:, None].expand_as(logp)
-    per_token, clipped = ppo_token_loss(logp, old_logp, advantages, clip_low, clip_high)
+    total, clipped = ppo_token_loss(logp, old_logp, advantages, clip_low, clip_high)
     if importance_weights is not None:
-        per_token = per_token * importance_weights.detach()
-    loss = aggregate(per_token, mask, aggregation)
-    with torch.no_grad():
-        m = mask.bool()
-        ratio = torch.exp(logp - old_logp)
-        metrics = {
-            "clip_fraction": float((clipped & m).sum() / m.sum().clamp_min(1)),
-            "ratio_mean": float(ratio[m].mean()) if m.any() else 1.0,
-            "ratio_max": float(ratio[m].max()) if m.any() else 1.0,
-        }
-    return loss, metrics
+        total = total * importance_weights.detach()
+    if kl is not None:
+        total = total + kl_coef * kl
+    if entropy is not None:
+        total = total - entropy_coef * entropy
+    return TokenLoss(total=total, clipped=clipped, kl=kl, entropy=entropy)
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:

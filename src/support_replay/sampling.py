@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import SamplingParamsError
@@ -73,12 +74,12 @@ class SamplingParams:
 
 
 @dataclass
-class SampleResult:
-    """One sampled token per row; for the captured rows, their realized support and log mu."""
+class SampledTokens:
+    """One token per row and, for the captured rows, their realized support and log mu."""
 
-    tokens: torch.Tensor  # [B] int64
-    support: SupportTable  # one row per captured row, ids ascending
-    logprobs: torch.Tensor  # [C] fp32, log mu(a_t | s_t, S_t) of the captured rows
+    tokens: torch.Tensor  # [B] int64, on the logits' device
+    support: SupportTable  # host CSR, one row per captured row, ids ascending
+    log_mu: torch.Tensor  # [C] fp32, log mu(a_t | s_t, S_t) of the captured rows
     captured: torch.Tensor  # [C] int64: which rows were captured (all of them by default)
 
 
@@ -231,13 +232,32 @@ def _exponential_noise(shape, generator, device) -> torch.Tensor:
     return noise
 
 
-def sample(logits: torch.Tensor, params, semantics: str = "sglang", generator=None, capture=True) -> SampleResult:
+def _padded_rows(mask: torch.Tensor):
+    """``(ids[C, K], valid[C, K], cols, counts)`` of a boolean mask, ids ascending in every row.
+
+    ``cols`` (the ids of all rows, row after row) and ``counts`` are the CSR form of the
+    same support; the padded form feeds ``support_logprobs`` on the mask's own device, in
+    exactly the layout ``SupportTable.to_padded`` gives the trainer.
+    """
+    rows, cols = torch.nonzero(mask, as_tuple=True)
+    counts = mask.sum(-1)
+    width = int(counts.max()) if counts.numel() else 0
+    starts = torch.cumsum(counts, 0) - counts
+    within = torch.arange(len(cols), device=mask.device) - starts[rows]
+    ids = torch.zeros(mask.shape[0], max(width, 1), dtype=torch.long, device=mask.device)
+    ids[rows, within] = cols
+    valid = torch.arange(ids.shape[1], device=mask.device)[None, :] < counts[:, None]
+    return ids, valid, cols, counts
+
+
+def sample_tokens(logits: torch.Tensor, params, semantics: str = "sglang", generator=None, capture=True) -> SampledTokens:
     """Sample one token per row and capture ``(S_t, log mu)``.
 
     ``generator`` is None, one ``torch.Generator`` for the batch, or one per row.
     ``capture`` is True, False or one flag per row: rows without it (evaluation requests)
     are sampled with the same filter but build no support table and no log mu.
-    ``logprobs`` come from ``support_logprobs``, the function the trainer scores with.
+    ``log_mu`` comes from ``support_logprobs``, the function the trainer scores with, on
+    the same padded layout; the support leaves the device once, as CSR.
     """
     _check_inputs(logits, semantics)
     rows, vocab = logits.shape
@@ -246,13 +266,15 @@ def sample(logits: torch.Tensor, params, semantics: str = "sglang", generator=No
     noise = _exponential_noise((rows, vocab), generator, logits.device)
     tokens = (weights / noise).argmax(dim=-1)
     tokens = torch.where(greedy, logits.argmax(-1), tokens)
-    temp = temp.squeeze(1)
     flags = torch.full((rows,), capture) if isinstance(capture, bool) else torch.as_tensor(capture, dtype=torch.bool)
     if flags.shape != (rows,):
         raise SamplingParamsError(f"capture: expected a bool or {rows} flags, got shape {tuple(flags.shape)}")
     captured = flags.nonzero().squeeze(1)
     index = captured.to(logits.device)
-    support = SupportTable.from_mask(mask if len(captured) == rows else mask[index])
+    ids, valid, cols, counts = _padded_rows(mask if len(captured) == rows else mask[index])
     with torch.no_grad():
-        logprobs = support_logprobs(logits[index], tokens[index], support, temp[index])
-    return SampleResult(tokens=tokens, support=support, logprobs=logprobs, captured=captured)
+        log_mu = support_logprobs(logits[index], tokens[index], (ids, valid), temp.squeeze(1)[index])
+    offsets = np.zeros(len(captured) + 1, dtype=np.int64)
+    np.cumsum(counts.cpu().numpy(), out=offsets[1:])
+    support = SupportTable(cols.to(torch.int32).cpu().numpy(), offsets)
+    return SampledTokens(tokens=tokens, support=support, log_mu=log_mu, captured=captured)

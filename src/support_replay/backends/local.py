@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import numpy as np
-
-from ..engine import Engine, GenerateRequest
-from .base import Completion, validate_completion
+from ..engine import Engine
+from ..protocol import Completion, GenerateRequest, validate_completion
 
 
 class EngineBackend:
@@ -15,16 +13,5 @@ class EngineBackend:
         self.timeout = timeout
 
     def generate(self, requests: list[GenerateRequest]) -> list[Completion]:
-        out = []
-        for i, (req, res) in enumerate(zip(requests, self.engine.generate(requests, timeout=self.timeout))):
-            completion = Completion(
-                output_ids=res.output_ids,
-                logprobs=None if res.logprobs is None else np.asarray(res.logprobs, np.float32),
-                support=res.support,
-                full_logprobs=None if res.full_logprobs is None else np.asarray(res.full_logprobs, np.float32),
-                finish_reason=res.finish_reason,
-                text=res.text,
-                weight_version=res.weight_version,
-            )
-            out.append(validate_completion(completion, req, self.vocab_size, i))
-        return out
+        completions = self.engine.generate(requests, timeout=self.timeout)
+        return [validate_completion(c, req, self.vocab_size, i) for i, (req, c) in enumerate(zip(requests, completions))]

@@ -1,21 +1,38 @@
-"""SGLang >= 0.5.20 over HTTP; also our own server and router, which speak the same ``/generate``."""
+"""SGLang >= 0.5.20 over HTTP; also our own server and router, which speak the same ``/generate``.
+
+The response's ``meta_info`` is read as SGLang 0.5.23 writes it (docs/engines.md, read from
+the wheel: ``sglang/srt/managers/tokenizer_manager.py``): ``output_token_sampling_mask``
+(one id list per output token, ordered by descending weight), ``output_token_sampling_logprobs``
+(one float per token, or one list per token aligned with the mask in ``"support"`` mode),
+``output_token_sampling_mask_length`` (one integer: the number of mask rows), and the
+weights that sampled the tokens (``weight_versions`` spans, or only ``weight_version``).
+Our own server may send the mask in our base64 binary form instead, when asked.
+"""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 
-from ..engine import GenerateRequest
-from ..errors import WireError
-from ..wire import from_sglang_meta_info
-from .base import Completion, fan_out, optional_fields, post_json, validate_completion
+from ..errors import SupportError, WireError
+from ..protocol import Completion, GenerateRequest, parse_version_spans, single_version, validate_completion
+from ..support import SupportTable
+from ..wire import from_json
+from .base import fan_out, optional_fields, post_json
+
+MASK_FORMATS = ("binary", "lists")
+STRIPPED_HINT = (
+    "the request must set return_sampling_mask (and return_meta_info on chat completions); "
+    "if it did, a router on the path (sglang-router drops fields its schema does not declare) may have stripped it"
+)
 
 
 def sampling_params_json(req: GenerateRequest) -> dict:
     p = req.params
-    body = {
+    return {
         "temperature": p.temperature,
         "top_k": p.top_k,
         "top_p": p.top_p,
@@ -24,16 +41,98 @@ def sampling_params_json(req: GenerateRequest) -> dict:
         "ignore_eos": req.ignore_eos,
         **optional_fields(req, "sampling_seed"),
     }
-    return body
+
+
+# ---- meta_info -> (support, log mu) ------------------------------------------------------
+
+
+def _id_rows(rows, field: str) -> list[list[int]]:
+    if not isinstance(rows, list):
+        raise WireError(f"{field}: expected a list with one id list per token, got {type(rows).__name__}")
+    for t, row in enumerate(rows):
+        if not isinstance(row, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in row):
+            raise WireError(f"{field}[{t}]: expected a list of integer token ids, got {row!r:.80}")
+        if not row:
+            raise WireError(f"{field}[{t}]: empty support")
+    return rows
+
+
+def _float_list(values, field: str, count: int) -> np.ndarray:
+    if not isinstance(values, list) or len(values) != count:
+        n = len(values) if isinstance(values, list) else type(values).__name__
+        raise WireError(f"{field}: {n} entries for {count} tokens")
+    try:
+        return np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise WireError(f"{field}: expected one number per token: {exc}") from exc
+
+
+def _selected_in_support_mode(logprobs: list, rows: list[list[int]], output_ids: list[int]) -> list:
+    """``"support"`` mode sends log mu of every id of each row; keep the sampled token's."""
+    picked = []
+    for t, (row_lp, row_ids, tok) in enumerate(zip(logprobs, rows, output_ids)):
+        if not isinstance(row_lp, list) or len(row_lp) != len(row_ids):
+            raise WireError(f"output_token_sampling_logprobs[{t}]: expected {len(row_ids)} values aligned with the mask")
+        if tok not in row_ids:
+            raise WireError(f"output_token_sampling_mask[{t}]: selected token {tok} is not in its support")
+        picked.append(row_lp[row_ids.index(tok)])
+    return picked
+
+
+def parse_meta_info(meta: dict, output_ids: list[int], vocab_size: int) -> tuple[SupportTable, np.ndarray, int]:
+    """``(support, log mu float32[T], support bytes)`` from an SGLang ``meta_info``.
+
+    Parses only: the one full validation happens in ``validate_completion``.
+    """
+    mask = meta.get("output_token_sampling_mask")
+    if mask is None:
+        raise WireError(f"meta_info has no output_token_sampling_mask: {STRIPPED_HINT}")
+    logprobs = meta.get("output_token_sampling_logprobs")
+    if logprobs is None:
+        raise WireError("meta_info has output_token_sampling_mask but no output_token_sampling_logprobs")
+    n = len(output_ids)
+    rows = None
+    if isinstance(mask, str):  # our binary form, relative to the sampled tokens
+        support = from_json(mask, np.asarray(output_ids, np.int64), vocab_size)
+        size = len(mask)
+    else:
+        rows = _id_rows(mask, "output_token_sampling_mask")
+        try:
+            support = SupportTable.from_lists(rows)
+        except SupportError as exc:
+            raise WireError(f"output_token_sampling_mask: {exc}") from exc
+        size = len(json.dumps(mask, separators=(",", ":")))
+    if support.num_rows != n:
+        raise WireError(f"output_token_sampling_mask: {support.num_rows} support rows for {n} output tokens")
+    length = meta.get("output_token_sampling_mask_length")
+    if length is not None and (isinstance(length, bool) or length != support.num_rows):
+        raise WireError(f"output_token_sampling_mask_length={length!r:.80}: SGLang sends the number of mask rows, {support.num_rows}")
+    if isinstance(logprobs, list) and any(isinstance(v, list) for v in logprobs):
+        if rows is None:
+            raise WireError("output_token_sampling_logprobs in 'support' mode needs the mask as id lists")
+        logprobs = _selected_in_support_mode(logprobs, rows, output_ids)
+    log_mu = _float_list(logprobs, "output_token_sampling_logprobs", n)
+    return support, log_mu.astype(np.float32), size
+
+
+def parse_weight_versions(meta: dict, num_tokens: int, where: str):
+    if "weight_versions" in meta:
+        return parse_version_spans(meta["weight_versions"], num_tokens, where)
+    if meta.get("weight_version") is not None:
+        return single_version(str(meta["weight_version"]), num_tokens)
+    return []
+
+
+# ---- the backend ----------------------------------------------------------------------
 
 
 class SGLangBackend:
     """One ``POST /generate`` per request, sent concurrently (the engine batches them).
 
     One request per call keeps typed routers (sglang-router declares a single
-    ``sampling_params`` object) on the path working. ``binary_mask=True`` asks our server
-    for the compact wire form of the support; SGLang ignores the field and answers with
-    lists, which are read just the same.
+    ``sampling_params`` object) on the path working. ``sampling_mask_format="binary"``
+    asks our server for the compact wire form of the support; SGLang ignores the field and
+    answers with lists, which are read just the same.
     """
 
     def __init__(
@@ -43,13 +142,15 @@ class SGLangBackend:
         *,
         api_key: str | None = None,
         timeout: float | None = 600.0,
-        binary_mask: bool = False,
+        sampling_mask_format: str = "binary",
         concurrency: int = 64,
         transport: httpx.BaseTransport | None = None,
     ):
+        if sampling_mask_format not in MASK_FORMATS:
+            raise ValueError(f"sampling_mask_format: one of {MASK_FORMATS}, got {sampling_mask_format!r}")
         self.url = url.rstrip("/")
         self.vocab_size = vocab_size
-        self.binary_mask = binary_mask
+        self.sampling_mask_format = sampling_mask_format
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0), headers=headers, transport=transport)
         self.pool = ThreadPoolExecutor(concurrency)
@@ -62,7 +163,9 @@ class SGLangBackend:
         }
         if req.return_sampling_mask:
             body["return_sampling_mask"] = True
-            if self.binary_mask:
+            if req.sampling_logprobs_mode != "selected":
+                body["sampling_logprobs_mode"] = req.sampling_logprobs_mode
+            if self.sampling_mask_format == "binary":
                 body["sampling_mask_format"] = "binary"
         return body
 
@@ -70,34 +173,40 @@ class SGLangBackend:
         return fan_out(self.pool, self._one, requests)
 
     def _one(self, req: GenerateRequest, index: int) -> Completion:
-        item = post_json(self.client, self.url + "/generate", self.body(req), index)
+        item, _ = post_json(self.client, self.url + "/generate", self.body(req), index)
         if not isinstance(item, dict):
             raise WireError(f"request {index}: {self.url}/generate returned {type(item).__name__}, expected an object")
-        return self._completion(item, req, index)
+        return validate_completion(self.completion(item, req, index), req, self.vocab_size, index)
 
-    def _completion(self, item: dict, req: GenerateRequest, index: int) -> Completion:
+    def completion(self, item: dict, req: GenerateRequest, index: int = 0) -> Completion:
+        """The ``Completion`` of one ``/generate`` result object (not yet validated)."""
+        where = f"completion {index}"
         try:
             output_ids = [int(t) for t in item["output_ids"]]
             meta = item["meta_info"]
+            if not isinstance(meta, dict):
+                raise TypeError(f"meta_info is a {type(meta).__name__}")
         except (KeyError, TypeError, ValueError) as exc:
-            raise WireError(f"completion {index}: malformed /generate result ({exc})") from exc
-        support = logprobs = full = None
+            raise WireError(f"{where}: malformed /generate result ({exc})") from exc
+        support = log_mu = full = None
+        size = 0
         if req.return_sampling_mask:
             try:
-                support, logprobs = from_sglang_meta_info(meta, output_ids, self.vocab_size)
+                support, log_mu, size = parse_meta_info(meta, output_ids, self.vocab_size)
             except WireError as exc:
-                raise WireError(f"completion {index}: {exc}") from exc
+                raise WireError(f"{where}: {exc}") from exc
         if req.return_logprob:
-            entries = meta.get("output_token_logprobs") or []
+            entries = meta.get("output_token_logprobs")
+            if not isinstance(entries, list):
+                raise WireError(f"{where}: return_logprob was asked but meta_info has no output_token_logprobs")
             full = np.asarray([e[0] for e in entries], np.float32)
-        completion = Completion(
+        return Completion(
             output_ids=output_ids,
-            logprobs=logprobs,
+            finish_reason=meta.get("finish_reason") or {},
+            log_mu=log_mu,
             support=support,
             full_logprobs=full,
-            finish_reason=meta.get("finish_reason") or {},
-            text=item.get("text", ""),
-            weight_version=meta.get("weight_version"),
-            meta=meta,
+            weight_versions=parse_weight_versions(meta, len(output_ids), where),
+            text=item.get("text") or "",
+            support_bytes=size,
         )
-        return validate_completion(completion, req, self.vocab_size, index)

@@ -18,12 +18,68 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 
-from ..engine import GenerateRequest
-from ..errors import WireError
-from ..wire import from_vllm
-from .base import Completion, fan_out, optional_fields, post_json, validate_completion
+from ..errors import SupportError, WireError
+from ..protocol import Completion, GenerateRequest, validate_completion
+from ..support import SupportTable
+from .base import fan_out, optional_fields, post_json
 
 _TOKEN_PREFIX = "token_id:"
+_NEG_INF = -9999.0  # how vLLM serialises -inf over HTTP
+
+
+def _table(rows: list[list[int]], field: str) -> SupportTable:
+    try:
+        return SupportTable.from_lists(rows)
+    except SupportError as exc:
+        raise WireError(f"{field}: {exc}") from exc
+
+
+def parse_native_mask(output_ids: list[int], sampling_mask, sampled_logprobs) -> tuple[SupportTable, np.ndarray]:
+    """``(support, log mu)`` from a native ``sampling_mask`` (one id list per output token,
+    or ``{"token_ids": [...]}`` per token) and the processed log-probs of the sampled tokens."""
+    if not isinstance(sampling_mask, list):
+        raise WireError(f"sampling_mask: expected one id list per token, got {type(sampling_mask).__name__}")
+    rows = []
+    for t, row in enumerate(sampling_mask):
+        row = row.get("token_ids") if isinstance(row, dict) else row
+        if not isinstance(row, list) or not row or not all(isinstance(i, int) and not isinstance(i, bool) for i in row):
+            raise WireError(f"sampling_mask[{t}]: expected a non-empty list of integer token ids, got {row!r:.80}")
+        rows.append(row)
+    if len(rows) != len(output_ids):
+        raise WireError(f"sampling_mask: {len(rows)} support rows for {len(output_ids)} output tokens")
+    if sampled_logprobs is None or len(sampled_logprobs) != len(output_ids):
+        n = "none" if sampled_logprobs is None else len(sampled_logprobs)
+        raise WireError(f"logprobs: {n} processed log-probs for {len(output_ids)} output tokens")
+    return _table(rows, "sampling_mask"), np.asarray(sampled_logprobs, np.float32)
+
+
+def parse_processed_logprobs(output_ids: list[int], top_logprobs, requested: int) -> tuple[SupportTable, np.ndarray]:
+    """``(support, log mu)`` from ``processed_logprobs``: per token a mapping id -> log-prob
+    where the finite entries are the support (-inf arrives as -9999.0). When all ``requested``
+    entries of a token are finite the support may be larger than what came back: fail closed."""
+    if not top_logprobs:
+        raise WireError(
+            "the response carries no processed top_logprobs: ask logprobs=K with a server started with "
+            "--logprobs-mode processed_logprobs, or use a server with --return-sampling-mask"
+        )
+    if not isinstance(top_logprobs, list) or len(top_logprobs) != len(output_ids):
+        n = len(top_logprobs) if isinstance(top_logprobs, list) else type(top_logprobs).__name__
+        raise WireError(f"top_logprobs: {n} entries for {len(output_ids)} output tokens")
+    rows, picked = [], []
+    for t, (entries, tok) in enumerate(zip(top_logprobs, output_ids)):
+        if not isinstance(entries, dict):
+            raise WireError(f"top_logprobs[{t}]: expected a mapping token id -> log-prob")
+        finite = {int(i): float(v) for i, v in entries.items() if v is not None and float(v) > _NEG_INF / 2}
+        if requested > 0 and len(finite) >= requested:
+            raise WireError(
+                f"top_logprobs[{t}]: all {requested} returned entries are finite, so the support may be "
+                "larger than what was returned; raise logprobs to at least the top_k of the request"
+            )
+        if tok not in finite:
+            raise WireError(f"top_logprobs[{t}]: selected token {tok} has no finite processed log-prob")
+        rows.append(sorted(finite))
+        picked.append(finite[tok])
+    return _table(rows, "top_logprobs"), np.asarray(picked, np.float32)
 
 
 def _token_id(text: str, where: str) -> int:
@@ -90,17 +146,18 @@ class VLLMBackend:
         return fan_out(self.pool, self._one, requests)
 
     def _one(self, req: GenerateRequest, index: int) -> Completion:
-        answer = post_json(self.client, self.url + "/v1/completions", self.body(req), index)
-        return self.parse_choice(answer["choices"][0], req, index)
+        answer, _ = post_json(self.client, self.url + "/v1/completions", self.body(req), index)
+        return validate_completion(self.parse_choice(answer["choices"][0], req, index), req, self.vocab_size, index)
 
     def parse_choice(self, choice: dict, req: GenerateRequest, index: int = 0) -> Completion:
+        """The ``Completion`` of one ``/v1/completions`` choice (not yet validated)."""
         where = f"completion {index}"
         lp = choice.get("logprobs") or {}
         tokens = lp.get("tokens")
         if not tokens:
             raise WireError(f"{where}: no token ids in the response (logprobs.tokens); the request must ask logprobs")
         output_ids = [_token_id(t, where) for t in tokens]
-        support = logprobs = None
+        support = log_mu = None
         if req.return_sampling_mask:
             try:
                 if self.mode == "native":
@@ -109,28 +166,21 @@ class VLLMBackend:
                             "no sampling_mask in the response: the server needs --return-sampling-mask "
                             "(Model Runner V2), or a proxy on the path stripped return_sampling_mask"
                         )
-                    support, logprobs = from_vllm(
-                        output_ids, sampling_mask=choice["sampling_mask"], sampled_logprobs=lp.get("token_logprobs"), vocab_size=self.vocab_size
-                    )
+                    support, log_mu = parse_native_mask(output_ids, choice["sampling_mask"], lp.get("token_logprobs"))
                 else:
                     top = [{_token_id(k, where): v for k, v in (entry or {}).items()} for entry in lp.get("top_logprobs") or []]
-                    support, logprobs = from_vllm(
-                        output_ids, top_logprobs=top, requested_logprobs=self.requested_logprobs(req), vocab_size=self.vocab_size
-                    )
+                    support, log_mu = parse_processed_logprobs(output_ids, top, self.requested_logprobs(req))
             except WireError as exc:
                 raise WireError(f"{where}: {exc}") from exc
             sampled = np.asarray(lp.get("token_logprobs") or [], np.float64)
-            if len(sampled) == len(output_ids) and not np.allclose(sampled, logprobs, atol=1e-5):
-                t = int(np.argmax(np.abs(sampled - logprobs)))
-                raise WireError(f"{where} token {t}: sampled log-prob {sampled[t]} disagrees with its support entry {logprobs[t]}")
+            if len(sampled) == len(output_ids) and not np.allclose(sampled, log_mu, atol=1e-5):
+                t = int(np.argmax(np.abs(sampled - log_mu)))
+                raise WireError(f"{where} token {t}: sampled log-prob {sampled[t]} disagrees with its support entry {log_mu[t]}")
         finish = choice.get("finish_reason")
-        completion = Completion(
+        return Completion(
             output_ids=output_ids,
-            logprobs=logprobs,
-            support=support,
-            full_logprobs=None,
             finish_reason={"type": finish} if isinstance(finish, str) else (finish or {}),
-            text=choice.get("text", ""),
-            meta={"stop_reason": choice.get("stop_reason")},
+            log_mu=log_mu,
+            support=support,
+            text=choice.get("text") or "",
         )
-        return validate_completion(completion, req, self.vocab_size, index)

@@ -1,7 +1,6 @@
 """The embedded inference engine: a Hugging Face model, batched decoding with a KV cache,
-continuous batching, sampling through the replay core, and an SGLang/OpenAI-compatible server."""
+continuous batching, sampling through the replay core. Its HTTP server lives in ``serving/``."""
 
-from .requests import CapacityError, EngineError, GenerateRequest, GenerationResult, RequestError
-from .scheduler import Engine
+from .engine import Engine
 
-__all__ = ["CapacityError", "Engine", "EngineError", "GenerateRequest", "GenerationResult", "RequestError"]
+__all__ = ["Engine"]

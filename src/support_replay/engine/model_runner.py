@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from .requests import EngineError
+from ..errors import EngineError
 
 
 def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):

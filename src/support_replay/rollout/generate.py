@@ -1,10 +1,14 @@
-"""Single-turn rollouts through any backend: prompts in, validated-ready Samples out."""
+"""Single-turn rollouts through any backend: prompts in, Samples out.
+
+The backend validated every completion where it entered this process; the Samples built
+from them are trusted from here on.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..engine.requests import GenerateRequest
+from ..protocol import GenerateRequest
 from ..sampling import SamplingParams
 from .data import Prompt
 from .sample import Sample
@@ -61,14 +65,15 @@ def generate_samples(
                 loss_mask=np.ones(len(c.output_ids), np.int8),
                 reward=float(reward_fn(prompt_text, text, prompts[g].label)),
                 status="truncated" if c.finish_reason.get("type") == "length" else "completed",
-                rollout_logprobs=c.logprobs,
-                rollout_full_logprobs=c.full_logprobs,
+                log_mu=c.log_mu,
+                full_logprobs=c.full_logprobs,
                 support=c.support,
-                temperature=params.temperature,
+                temperature=req.params.temperature,
                 label=prompts[g].label,
                 prompt_text=prompt_text,
                 response_text=text,
-                weight_version=c.weight_version,
+                weight_versions=c.weight_versions,
+                support_bytes=c.support_bytes,
             )
         )
     return samples

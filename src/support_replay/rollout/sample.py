@@ -1,4 +1,9 @@
-"""The training sample and the checks every sample passes before it trains (SPEC section 3)."""
+"""The training sample, and the rule set a sample passes where it enters (docs/contract.md).
+
+Samples built from backend completions were validated as completions already
+(``protocol.validate_completion``); ``validate_sample`` is for samples that enter the
+trainer any other way (assembled by a session, handed in by user code).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import SupportError, SupportReplayError
+from ..errors import SampleError, SupportError
+from ..protocol import VersionSpan
 from ..support import SupportTable
-
-
-class SampleError(SupportReplayError):
-    """A sample whose replay metadata is missing or inconsistent; the message names it."""
 
 
 @dataclass
@@ -29,14 +31,15 @@ class Sample:
     loss_mask: np.ndarray  # int8 [R]
     reward: float = 0.0
     status: str = "completed"  # completed | truncated | aborted
-    rollout_logprobs: np.ndarray | None = None  # log mu per response token (float32)
-    rollout_full_logprobs: np.ndarray | None = None
+    log_mu: np.ndarray | None = None  # support-normalised rollout log-prob per response token (float32)
+    full_logprobs: np.ndarray | None = None  # the engine's full-vocabulary log-probs, when asked
     support: SupportTable | None = None
     temperature: float = 1.0
     label: str | None = None
     prompt_text: str = ""
     response_text: str = ""
-    weight_version: int | None = None
+    weight_versions: list[VersionSpan] = field(default_factory=list)
+    support_bytes: int = 0  # what the support cost on the wire
     metadata: dict = field(default_factory=dict)
 
     @property
@@ -59,17 +62,17 @@ def validate_sample(sample: Sample, vocab_size: int, *, replay: bool, temperatur
         raise SampleError(f"{name}: token {int(ids[(ids < 0) | (ids >= vocab_size)][0])} outside the vocabulary [0, {vocab_size})")
     if not replay:
         return sample
-    if sample.support is None or sample.rollout_logprobs is None:
+    if sample.support is None or sample.log_mu is None:
         raise SampleError(f"{name}: replay is on but the sample carries no support / rollout log mu")
     if sample.support.num_rows != n:
         raise SampleError(f"{name}: support has {sample.support.num_rows} rows for {n} response tokens")
-    if len(sample.rollout_logprobs) != n:
-        raise SampleError(f"{name}: {len(sample.rollout_logprobs)} rollout log-probs for {n} response tokens")
+    if len(sample.log_mu) != n:
+        raise SampleError(f"{name}: {len(sample.log_mu)} rollout log-probs for {n} response tokens")
     try:
         sample.support.validate(vocab_size, sample.response_ids, name=name + " support")
     except SupportError as exc:
         raise SampleError(str(exc)) from exc
-    lp = np.asarray(sample.rollout_logprobs, np.float64)
+    lp = np.asarray(sample.log_mu, np.float64)
     bad = ~np.isfinite(lp)
     if bad.any():
         raise SampleError(f"{name} token {int(np.flatnonzero(bad)[0])}: rollout log mu {lp[bad][0]} is not finite")

@@ -1,5 +1,7 @@
 """Training: the FSDP2 actor, its two scores per token, the GRPO recipe, weight sync, checkpoints."""
 
-from .loop import CITestError, train
+from ..errors import CITestError
+from .config import RunConfig
+from .loop import train
 
-__all__ = ["CITestError", "train"]
+__all__ = ["CITestError", "RunConfig", "train"]

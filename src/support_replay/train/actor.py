@@ -1,10 +1,16 @@
-"""The actor: a Hugging Face causal LM sharded with FSDP2, scoring samples two ways.
+"""The actor: a Hugging Face causal LM sharded with FSDP2, scoring micro-batches two ways.
 
-Per response token the actor yields the support-normalised log-prob (the policy ratio
-under replay, on the captured S_t) and, when asked, the full-vocabulary log-prob and
-entropy (KL to the reference, entropy bonus, metrics). Only response positions reach the
-LM head; when no full-vocabulary score is needed the head is applied to the support rows
-of its weight alone (``sparse_head_support_logprobs``), never forming ``[T, V]``.
+Per response token the actor yields the score of the policy ratio (support-normalised on
+the captured S_t under replay, full-vocabulary otherwise) and, when asked, the
+full-vocabulary log-prob and entropy (KL to the reference, entropy bonus, metrics). Only
+response positions reach the LM head.
+
+The ratio's score always comes from one path, fixed when the actor is built, so the old
+and the new log-probs of a PPO ratio are one function (docs/math.md, "which function
+scores"): the sparse head (``sparse_head_support_logprobs``, never forming ``[T, V]``)
+when the head is a plain linear layer, replay is on and nothing needs full-vocabulary
+scores with a gradient; otherwise the dense head and ``support_logprobs``, the engine's
+own function.
 """
 
 from __future__ import annotations
@@ -18,25 +24,29 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
-from ..batch_invariant import make_batch_invariant
 from ..logprobs import full_logprobs_and_entropy, sparse_head_support_logprobs, support_logprobs
-from ..rollout.sample import Sample
-from ..support import SupportTable
+from ..modeling.batch_invariant import make_batch_invariant
+from .batches import MicroBatch
 
 _PREFIX = "hf."
 
 
 @dataclass
-class Scores:
-    """Flat per-token scores of a list of samples, response tokens in sample order."""
+class BatchScores:
+    """Flat per-token scores of one micro-batch, response tokens in its sample order."""
 
-    logp: torch.Tensor  # support-normalised under replay, else full-vocabulary
-    full: torch.Tensor | None
-    entropy: torch.Tensor | None
-    lengths: list[int]
+    logp: torch.Tensor  # the ratio's score: support-normalised under replay, else full-vocabulary
+    full: torch.Tensor | None  # full-vocabulary log-prob
+    entropy: torch.Tensor | None  # full-vocabulary entropy
 
-    def split(self, values: torch.Tensor) -> list[torch.Tensor]:
-        return list(torch.split(values, self.lengths))
+
+def plain_linear_head(hf: nn.Module) -> bool:
+    """The sparse head computes ``h . W_j``: only valid for a bias-free linear head with no logit transform."""
+    head, cfg = hf.get_output_embeddings(), hf.config
+    return (
+        isinstance(head, nn.Linear) and head.bias is None
+        and not getattr(cfg, "final_logit_softcapping", None) and getattr(cfg, "logit_scale", 1.0) in (None, 1.0)
+    )
 
 
 class ScoringModel(nn.Module):
@@ -51,30 +61,33 @@ class ScoringModel(nn.Module):
         if batch_invariant:  # the engine's deterministic forward, so logits agree bit for bit
             make_batch_invariant(hf)
         self.hf = hf
-        head = hf.get_output_embeddings()
-        cfg = hf.config
-        # the sparse head computes h . W_j: only valid for a plain bias-free linear head
-        # (and not in true-on-policy mode, where the head must be the engine's own product)
-        self.plain_head = (
-            not batch_invariant and isinstance(head, nn.Linear) and head.bias is None
-            and not getattr(cfg, "final_logit_softcapping", None) and getattr(cfg, "logit_scale", 1.0) in (None, 1.0)
-        )
 
-    def forward(self, input_ids, attention_mask, rows_b, rows_t, targets, support, temperature, *, replay: bool, full: bool, entropy: bool, full_detached: bool = False):
+    def forward(self, input_ids, attention_mask, rows_b, rows_t, targets, support, temperature, *, sparse: bool, full: bool, entropy: bool, full_detached: bool):
+        """``(logp, full log-prob, entropy)`` of the chosen rows.
+
+        ``support`` is padded ``(ids, valid)`` under replay, None otherwise. ``sparse``
+        takes the sparse head for ``logp``; ``full`` / ``entropy`` ask for full-vocabulary
+        scores with a gradient, ``full_detached`` for a full-vocabulary log-prob without one
+        (metrics), which never changes ``logp``.
+        """
         hidden = self.hf.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         h = hidden[rows_b, rows_t]
-        need_logits = full or entropy or not replay or not self.plain_head
+        head = self.hf.get_output_embeddings()
         full_lp = ent = None
-        if need_logits:
-            logits = self.hf.get_output_embeddings()(h)
-            full_lp, ent = full_logprobs_and_entropy(logits, targets, temperature)
-            logp = support_logprobs(logits, targets, support, temperature) if replay else full_lp
-        else:
-            logp = sparse_head_support_logprobs(h, self.hf.get_output_embeddings().weight, targets, support, temperature)
-            if full_detached:  # for metrics only: no graph, no [T, V] gradient
+        if sparse:
+            logp = sparse_head_support_logprobs(h, head.weight, targets, support, temperature)
+            if full_detached:
                 with torch.no_grad():
-                    full_lp, _ = full_logprobs_and_entropy(self.hf.get_output_embeddings()(h.detach()), targets, temperature)
-        return logp, full_lp, ent
+                    full_lp, _ = full_logprobs_and_entropy(head(h.detach()), targets, temperature)
+            return logp, full_lp, ent
+        logits = head(h)
+        if full or entropy or support is None:
+            full_lp, ent = full_logprobs_and_entropy(logits, targets, temperature)
+        elif full_detached:
+            with torch.no_grad():
+                full_lp, _ = full_logprobs_and_entropy(logits.detach(), targets, temperature)
+        logp = support_logprobs(logits, targets, support, temperature) if support is not None else full_lp
+        return logp, full_lp, ent if entropy else None
 
 
 def load_scoring_model(path, device, batch_invariant: bool = False) -> ScoringModel:
@@ -83,34 +96,22 @@ def load_scoring_model(path, device, batch_invariant: bool = False) -> ScoringMo
     return ScoringModel(hf, batch_invariant)
 
 
-def score_samples(
-    model: ScoringModel, samples: list[Sample], temperature: float, *, replay: bool, full: bool, entropy: bool = False, full_detached: bool = False, device="cpu"
-) -> Scores:
-    """One forward over right-padded sequences, scoring the rows that predict response tokens."""
-    lengths = [s.response_length for s in samples]
-    width = max(len(s.prompt_ids) + s.response_length for s in samples)
-    ids = torch.zeros(len(samples), width, dtype=torch.long)
-    mask = torch.zeros(len(samples), width, dtype=torch.long)
-    rows_b, rows_t = [], []
-    for i, s in enumerate(samples):
-        seq = s.prompt_ids + s.response_ids
-        ids[i, : len(seq)] = torch.tensor(seq)
-        mask[i, : len(seq)] = 1
-        rows_b += [i] * s.response_length
-        rows_t += range(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + s.response_length)
-    targets = torch.tensor([t for s in samples for t in s.response_ids], device=device)
-    support = SupportTable.concat([s.support for s in samples]).to_padded(device=device) if replay else None
+def score_batch(model: ScoringModel, batch: MicroBatch, temperature: float, *, sparse: bool, full: bool = False, entropy: bool = False, full_detached: bool = False) -> BatchScores:
     logp, full_lp, ent = model(
-        ids.to(device), mask.to(device), torch.tensor(rows_b, device=device), torch.tensor(rows_t, device=device),
-        targets, support, temperature, replay=replay, full=full, entropy=entropy, full_detached=full_detached,
+        batch.input_ids, batch.attention_mask, batch.rows_b, batch.rows_t, batch.targets, batch.support, temperature,
+        sparse=sparse, full=full, entropy=entropy, full_detached=full_detached,
     )
-    return Scores(logp=logp, full=full_lp if (full or full_detached) else None, entropy=ent if entropy else None, lengths=lengths)
+    return BatchScores(logp=logp, full=full_lp, entropy=ent)
 
 
 class Actor:
-    def __init__(self, path, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, batch_invariant: bool = False):
+    """The trained model, its optimizer, and the one scoring path of its policy ratio."""
+
+    def __init__(self, path, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, replay: bool, full_with_grad: bool, batch_invariant: bool = False):
         self.ctx = ctx
         self.model = load_scoring_model(path, ctx.device, batch_invariant)
+        # true-on-policy needs the engine's own product for every logit, so never the sparse head
+        self.sparse_head = replay and not full_with_grad and not batch_invariant and plain_linear_head(self.model.hf)
         if ctx.world > 1:  # one rank has nothing to shard: plain parameters, no DTensor overhead
             mesh = init_device_mesh(ctx.device.type, (ctx.world,))
             for layer in self.model.hf.get_decoder().layers:
@@ -118,8 +119,12 @@ class Actor:
             fully_shard(self.model, mesh=mesh)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
 
-    def score(self, samples: list[Sample], temperature: float, *, replay: bool, full: bool, entropy: bool = False, full_detached: bool = False) -> Scores:
-        return score_samples(self.model, samples, temperature, replay=replay, full=full, entropy=entropy, full_detached=full_detached, device=self.ctx.device)
+    @property
+    def vocab_size(self) -> int:
+        return self.model.hf.get_output_embeddings().weight.shape[0]
+
+    def score(self, batch: MicroBatch, temperature: float, *, full: bool = False, entropy: bool = False, full_detached: bool = False) -> BatchScores:
+        return score_batch(self.model, batch, temperature, sparse=self.sparse_head, full=full, entropy=entropy, full_detached=full_detached)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Losses are normalised by the global token count already; FSDP averages gradients

@@ -66,3 +66,19 @@ def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=ctx.device if ctx.device.type == "cuda" else "cpu")
     dist.all_reduce(t)
     return t.tolist()
+
+
+def gather_by_index(local: dict, n: int, ctx: DistContext) -> list:
+    """Per-sample values (tensors, or tuples of tensors) held by different ranks, as one list
+    in sample order on every rank."""
+    if ctx.world > 1:
+        def cpu(v):
+            return tuple(t.cpu() for t in v) if isinstance(v, tuple) else v.cpu()
+
+        parts = [None] * ctx.world
+        dist.all_gather_object(parts, {i: cpu(v) for i, v in local.items()})
+        local = {i: v for part in parts for i, v in part.items()}
+    missing = [i for i in range(n) if i not in local]
+    if missing:
+        raise RuntimeError(f"gather_by_index: samples {missing[:5]} were scored by no rank")
+    return [local[i] for i in range(n)]

@@ -1,22 +1,35 @@
-"""The GRPO recipe with sampling-support replay: rollout, validate, score, update, sync, log.
+"""The GRPO recipe with sampling-support replay, top to bottom.
 
-Under replay the actor's policy ratio is computed on the support S_t the engine captured
-(SPEC section 1); the full-vocabulary score rides along for KL and metrics.
+rollout -> plan micro-batches -> score before the update -> --ci-test -> advantages ->
+loss, backward, optimizer step (per global batch) -> weights to the engine -> metrics.
+
+Under replay the policy ratio is computed on the support S_t the engine captured
+(docs/math.md); the full-vocabulary score rides along for KL and metrics.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
-from ..config import RunConfig
+from transformers import AutoTokenizer
+
+from ..modeling.checkpoints import smollm2_checkpoint
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .dist import close_distributed, init_distributed
-from .metrics import MetricsLog
-from .trainer import CITestError, Trainer
+from .checks import compare_with_rollout
+from .config import RunConfig
+from .dist import broadcast_object, close_distributed, init_distributed
+from .learner import Learner, UpdateMetrics
+from .metrics import MetricsLog, rollout_metrics
+from .rollouts import Rollouts
 from .weights import WeightSync
 
-__all__ = ["CITestError", "train"]
+
+def policy_version(updates: int) -> str:
+    """The name the trainer gives the weights after ``updates`` rollouts' updates."""
+    return str(updates)
 
 
 def train(cfg: RunConfig) -> list[dict]:
@@ -28,44 +41,66 @@ def train(cfg: RunConfig) -> list[dict]:
         close_distributed(ctx)
 
 
+class Timings(dict):
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self[f"time_{name}"] = time.perf_counter() - start
+
+
 def _run(cfg: RunConfig, ctx) -> list[dict]:
-    trainer = Trainer(cfg, ctx)
+    checkpoint = broadcast_object(Path(cfg.hf_checkpoint) if cfg.hf_checkpoint else (smollm2_checkpoint() if ctx.is_main else None), ctx)
+    learner = Learner(cfg, ctx, checkpoint)
+    rollouts = Rollouts(cfg, ctx, checkpoint, AutoTokenizer.from_pretrained(checkpoint), learner.vocab_size)
     out = Path(cfg.output_dir)
     if ctx.is_main:
         cfg.save_effective(out)
-    sync = WeightSync(engine=trainer.engine, url=cfg.rollout_url, staging=out / "weights") if ctx.is_main else None
-
+    sync = WeightSync(engine=rollouts.engine, url=cfg.rollout_url, staging=out / "weights") if ctx.is_main else None
     start = 0
-    if cfg.resume and (ckpt := latest_checkpoint(Path(cfg.save))) is not None:
-        start = load_checkpoint(ckpt, trainer.actor)["rollout"]
-        push(sync, trainer, ctx)  # the engine samples with the restored weights
+    if cfg.resume and (found := latest_checkpoint(Path(cfg.save))) is not None:
+        start = load_checkpoint(found, learner.actor)["rollout"]
+        push(sync, learner, ctx, policy_version(start))  # the engine samples with the restored weights
     log = MetricsLog(out, cfg.num_rollout, start, progress=cfg.progress, enabled=ctx.is_main)
+    tolerance = 0.0 if cfg.true_on_policy_mode else cfg.ci_test_tolerance
 
     for r in range(start, cfg.num_rollout):
-        t0, timings = time.perf_counter(), {}
-        samples = trainer.timed("generate", timings, trainer.rollout, r)  # validated (SPEC section 3)
-        scores = trainer.timed("score", timings, trainer.score_old, samples)  # fused into the update when it can be
-        advantages, adv_stats = trainer.advantages(samples, scores)
-        # --ci-test raises on any mismatch, before the optimizer takes its first step
+        t0, clock = time.perf_counter(), Timings()
+        with clock("generate"):
+            samples = rollouts.generate(r)  # every completion validated once, where it entered
+        steps = learner.plan(samples)  # micro-batches for every pass; supports padded once, on the device
+        with clock("score"):
+            old = learner.score_before_update(steps, len(samples))  # old log-probs (unless fused), reference
         check = {}
-        update = trainer.timed("update", timings, trainer.update, samples, scores, advantages, lambda old: check.update(trainer.ci_check(r, samples, old)))
-        trainer.timed("sync", timings, push, sync, trainer, ctx)
-        row = {"rollout": r, **trainer.rollout_metrics(samples, scores), **check, **adv_stats, **update, **timings}
+        if old.logp is not None:
+            check = compare_with_rollout(r, samples, old.logp, tolerance=tolerance, fail=cfg.ci_test)
+        advantages, adv_stats = learner.advantages(samples, old)
+        with clock("update"):
+            per_step = []
+            for step in steps:
+                result = learner.backward(step, samples, old, advantages)  # loss weighted by losses.token_weights
+                if old.logp is None:  # fused: that forward ran before any step, so it scored the old policy
+                    old = learner.with_fresh_old(old, result.scores, len(samples))
+                    check = compare_with_rollout(r, samples, old.logp, tolerance=tolerance, fail=cfg.ci_test)
+                per_step.append((result.sums, learner.optimizer_step()))
+        update = UpdateMetrics.mean(per_step)
+        with clock("sync"):
+            push(sync, learner, ctx, policy_version(r + 1))
+        row = {"rollout": r, **rollout_metrics(samples, old.logp, old.full, learner.replay), **check, **adv_stats, **asdict(update), **clock}
         if cfg.eval_interval and (r + 1) % cfg.eval_interval == 0:
-            row.update(trainer.evaluate(r))
+            row.update(rollouts.evaluate(r))
         if cfg.save and cfg.save_interval and (r + 1) % cfg.save_interval == 0:
-            save_checkpoint(Path(cfg.save), r + 1, trainer.actor, ctx, {"metrics": row})
+            save_checkpoint(Path(cfg.save), r + 1, learner.actor, ctx, {"metrics": row})
         row["time_step"] = time.perf_counter() - t0
         log.log(row)
 
     log.close()
-    if trainer.engine is not None:
-        trainer.engine.shutdown()
+    rollouts.close()
     return log.rows
 
 
-def push(sync: WeightSync | None, trainer: Trainer, ctx) -> None:
-    """Gather the unsharded weights (every rank) and hand them to the engine (rank 0)."""
-    state = trainer.actor.full_state_dict()
+def push(sync: WeightSync | None, learner: Learner, ctx, version: str) -> None:
+    """Gather the unsharded weights (every rank) and hand them to the engine as ``version`` (rank 0)."""
+    state = learner.actor.full_state_dict()
     if ctx.is_main and sync is not None:
-        sync.push(state)
+        sync.push(state, version)

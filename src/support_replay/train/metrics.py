@@ -1,9 +1,44 @@
-"""Run metrics: one JSON line per rollout, a console progress bar, a plot at the end."""
+"""Run metrics: what a rollout looked like, one JSON line per rollout, a console progress bar,
+a plot at the end."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..losses import logprob_mismatch_metrics, support_size_metrics
+from ..rollout.sample import Sample
+
+
+def rollout_metrics(samples: list[Sample], old_logp: list[torch.Tensor], old_full: list[torch.Tensor] | None, replay: bool) -> dict:
+    """Reward, lengths, and under replay: support sizes, bytes on the wire, and the ratio
+    pi/mu the trainer saw before its update, on the support and (what a full-vocabulary
+    scorer would have seen) on the full vocabulary."""
+    out = {
+        "reward_mean": float(np.mean([s.reward for s in samples])),
+        "response_len_mean": float(np.mean([s.response_length for s in samples])),
+        "truncated_share": float(np.mean([s.status == "truncated" for s in samples])),
+    }
+    if not replay:
+        return out
+    out.update(support_size_metrics(np.concatenate([s.support.sizes() for s in samples])))
+    tokens = sum(s.response_length for s in samples)
+    received = sum(s.support_bytes for s in samples)
+    if received:  # 0 in-process: nothing crossed a wire
+        out["support_bytes_per_token"] = received / tokens
+    log_mu = torch.cat([torch.from_numpy(s.log_mu) for s in samples])[None]
+    ones = torch.ones_like(log_mu)
+    if old_full is not None:
+        full = logprob_mismatch_metrics(torch.cat(old_full).cpu()[None], log_mu, ones)
+        out["full_vocab_ratio_mean"] = full["ratio_mean"]
+        out["full_vocab_ratio_outside_10pct"] = full["ratio_outside_10pct"]
+    replayed = logprob_mismatch_metrics(torch.cat(old_logp).cpu()[None], log_mu, ones)
+    out["replay_ratio_mean"] = replayed["ratio_mean"]
+    out["mismatch_kl"] = replayed["mismatch_kl"]
+    return out
 
 
 class MetricsLog:

@@ -28,14 +28,16 @@ class WeightSync:
     def __init__(self, *, engine=None, url: str | None = None, staging: Path | None = None):
         self.engine, self.url, self.staging = engine, url, staging
 
-    def push(self, state: dict[str, torch.Tensor]) -> int | None:
+    def push(self, state: dict[str, torch.Tensor], version: str) -> str | None:
+        """Load ``state`` into the engine(s) under the name ``version``; returns the version they report."""
         if self.engine is not None:
-            return self.engine.update_weights(state).result()
+            return self.engine.update_weights(state, version).result()
         if self.url is not None:
             if self.staging.exists():
                 shutil.rmtree(self.staging)
             save_safetensors(state, self.staging)
-            reply = httpx.post(self.url.rstrip("/") + "/update_weights_from_disk", json={"model_path": str(self.staging)}, timeout=600)
+            body = {"model_path": str(self.staging), "weight_version": version}
+            reply = httpx.post(self.url.rstrip("/") + "/update_weights_from_disk", json=body, timeout=600)
             if reply.status_code != 200:
                 raise SupportReplayError(f"weight sync to {self.url} failed: HTTP {reply.status_code} {reply.text[:300]}")
             body = reply.json()

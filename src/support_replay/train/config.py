@@ -1,9 +1,11 @@
-"""RunConfig: every setting of a training run, its flag, and the fail-closed checks (SPEC section 3).
+"""RunConfig: every setting of a training run, its flag, and the fail-closed rules (docs/contract.md).
 
 Flags follow the RL frameworks of the field (slime / Miles style): each field ``foo_bar``
 is ``--foo-bar`` on the command line; booleans are switches. A YAML file (``--config``)
-gives defaults that flags override. ``use_sampling_support_replay`` is derived once from
-the rollout sampling settings and never set by hand.
+gives defaults that flags override. A ``RunConfig`` is validated when it is built:
+constructing one with a setting that is invalid, or that replay cannot honour, raises
+``ConfigError`` naming the flag and the value. ``use_sampling_support_replay`` is derived
+from the rollout sampling settings and cannot be set.
 """
 
 from __future__ import annotations
@@ -16,17 +18,21 @@ import typing
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
-from .errors import SupportReplayError
+from ..errors import ConfigError
+from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
+
+MAX_DEFAULT_MICRO_BATCH = 8
+NEUTRAL_PENALTIES = {"rollout_frequency_penalty": 0.0, "rollout_presence_penalty": 0.0, "rollout_repetition_penalty": 1.0}
 
 
-class ConfigError(SupportReplayError):
-    """A run setting that is invalid or that replay cannot honour faithfully."""
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 class RunConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     # ---- model and data -------------------------------------------------------------
     hf_checkpoint: str | None = Field(None, description="Hugging Face checkpoint directory; default: SmolLM2-135M-Instruct from the packaged GGUF")
@@ -46,19 +52,19 @@ class RunConfig(BaseModel):
     rollout_top_p: float = Field(0.8, description="top-p of rollout sampling, in (0, 1]")
     rollout_top_k: int = Field(32, description="top-k of rollout sampling, -1 or >= 1")
     rollout_min_p: float = Field(0.0, description="min-p of rollout sampling")
-    rollout_frequency_penalty: float = Field(0.0, description="rejected with replay unless 0")
-    rollout_presence_penalty: float = Field(0.0, description="rejected with replay unless 0")
-    rollout_repetition_penalty: float = Field(1.0, description="rejected with replay unless 1")
+    rollout_frequency_penalty: float = Field(0.0, description="not applied by the engines yet: rejected unless 0")
+    rollout_presence_penalty: float = Field(0.0, description="not applied by the engines yet: rejected unless 0")
+    rollout_repetition_penalty: float = Field(1.0, description="not applied by the engines yet: rejected unless 1")
     rollout_seed: int = Field(42, description="seeds every rollout request (by rollout and sample index)")
     sampling_semantics: Literal["sglang", "vllm", "hf"] = Field("sglang", description="filter semantics of the embedded engine")
-    sampling_mask_max_tokens: int = Field(4096, ge=1, description="largest support the engine may capture")
+    sampling_mask_max_tokens: int = Field(DEFAULT_SAMPLING_MASK_MAX_TOKENS, ge=1, description="largest support the engine may capture")
     rollout_url: str | None = Field(None, description="rollout through this engine/router URL (/generate) instead of the in-process engine")
     colocate: bool = Field(False, description="rollout engine in the trainer's process, weights synced in memory (the default without --rollout-url)")
-    recompute_prefill_logprobs: bool = Field(False, description="recompute prompt log-probs in the engine (rejected with replay)")
+    sampling_mask_format: Literal["binary", "lists"] = Field("binary", description="how --rollout-url engines send the support: our compact binary form (SGLang ignores the ask and sends lists), or id lists")
 
     # ---- training -------------------------------------------------------------------
     global_batch_size: int = Field(16, ge=1, description="samples per optimizer step")
-    micro_batch_size: int = Field(8, ge=1, description="samples per forward/backward on one rank")
+    micro_batch_size: int | None = Field(None, ge=1, description=f"samples per forward/backward on one rank (default: the largest divisor of --global-batch-size up to {MAX_DEFAULT_MICRO_BATCH})")
     lr: float = Field(1e-6, gt=0, description="learning rate (AdamW)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_beta1: float = Field(0.9, description="AdamW beta1")
@@ -97,21 +103,32 @@ class RunConfig(BaseModel):
     resume: bool = Field(False, description="continue from the latest checkpoint in --save")
     progress: bool = Field(True, description="progress bar on the console")
 
-    use_sampling_support_replay: bool = Field(False, description="derived: rollout top_p < 1, top_k > 0 or min_p > 0")
+    def __init__(self, **values):
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc)) from None
 
-    @model_validator(mode="after")
-    def _derive(self):
-        object.__setattr__(
-            self, "use_sampling_support_replay", self.rollout_top_p < 1 or self.rollout_top_k > 0 or self.rollout_min_p > 0
-        )
-        return self
+    @computed_field(description="derived: rollout top_p < 1, top_k > 0 or min_p > 0")
+    @property
+    def use_sampling_support_replay(self) -> bool:
+        return self.rollout_top_p < 1 or self.rollout_top_k > 0 or self.rollout_min_p > 0
+
+    @property
+    def micro_batch(self) -> int:
+        """Samples per forward/backward: the flag, or the largest divisor of the global batch up to 8."""
+        if self.micro_batch_size is not None:
+            return self.micro_batch_size
+        return max(d for d in range(1, MAX_DEFAULT_MICRO_BATCH + 1) if self.global_batch_size % d == 0)
 
     # ---- fail closed ----------------------------------------------------------------
 
-    def check(self) -> RunConfig:
-        """SPEC section 3 and cross-field rules; raise ConfigError naming the flag and the value."""
+    @model_validator(mode="after")
+    def _fail_closed(self):
+        """docs/contract.md and the cross-field rules; each rejection names the flag and the value."""
+
         def bad(flag: str, value, why: str):
-            raise ConfigError(f"--{flag.replace('_', '-')}={value!r}: {why}")
+            raise ValueError(f"{_flag(flag)}={value!r}: {why}")
 
         if not 0 < self.rollout_top_p <= 1:
             bad("rollout_top_p", self.rollout_top_p, "must be in (0, 1]")
@@ -127,20 +144,27 @@ class RunConfig(BaseModel):
             bad(knob[0], knob[1], "a finite top-p or min-p needs a positive --rollout-top-k (the support would be unbounded)")
         if replay and self.rollout_top_k > self.sampling_mask_max_tokens:
             bad("rollout_top_k", self.rollout_top_k, f"exceeds --sampling-mask-max-tokens={self.sampling_mask_max_tokens}")
-        for name, neutral in (("rollout_frequency_penalty", 0.0), ("rollout_presence_penalty", 0.0), ("rollout_repetition_penalty", 1.0)):
-            if replay and getattr(self, name) != neutral:
-                bad(name, getattr(self, name), "the trainer cannot replay this logit transform; it would score a different policy")
-        if replay and self.recompute_prefill_logprobs:
-            bad("recompute_prefill_logprobs", True, "prefill log-prob recomputation is not supported with sampling-support replay")
+        for name, neutral in NEUTRAL_PENALTIES.items():
+            if getattr(self, name) != neutral:
+                why = (
+                    "the trainer cannot replay this logit transform; it would score a different policy"
+                    if replay
+                    else "the rollout engines do not apply penalties yet; rejected rather than silently ignored"
+                )
+                bad(name, getattr(self, name), why)
         if self.true_on_policy_mode and self.sampling_semantics == "hf":
             bad("sampling_semantics", "hf", "true-on-policy mode needs a deterministic sampler (sglang or vllm); hf ties depend on the batch")
         total = self.rollout_batch_size * self.n_samples_per_prompt
         if total % self.global_batch_size:
             bad("global_batch_size", self.global_batch_size, f"must divide rollout_batch_size x n_samples_per_prompt = {total}")
-        if self.global_batch_size % self.micro_batch_size:
+        if self.micro_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             bad("micro_batch_size", self.micro_batch_size, f"must divide --global-batch-size={self.global_batch_size}")
         if self.use_kl_loss and self.kl_loss_coef <= 0:
             bad("kl_loss_coef", self.kl_loss_coef, "must be > 0 with --use-kl-loss")
+        if self.kl_loss_coef > 0 and not self.use_kl_loss:
+            bad("kl_loss_coef", self.kl_loss_coef, "has no effect without --use-kl-loss")
+        if self.use_tis and self.use_rollout_logprobs:
+            bad("use_tis", True, "with --use-rollout-logprobs the old policy is the rollout's own, so pi_old / mu is 1 and there is nothing to correct")
         if self.custom_rm_path and ":" not in self.custom_rm_path:
             bad("custom_rm_path", self.custom_rm_path, "expected 'module:function'")
         if self.rm_type is None and not self.custom_rm_path:
@@ -149,6 +173,10 @@ class RunConfig(BaseModel):
             bad("colocate", True, f"the in-process engine and --rollout-url={self.rollout_url!r} exclude each other")
         if self.resume and not self.save:
             bad("resume", True, "needs --save DIR to resume from")
+        if self.save_interval and not self.save:
+            bad("save_interval", self.save_interval, "needs --save DIR to write checkpoints to")
+        if self.eval_prompt_data and not self.eval_interval:
+            bad("eval_prompt_data", self.eval_prompt_data, "has no effect without --eval-interval N")
         return self
 
     @property
@@ -188,9 +216,7 @@ def _choices(annotation) -> tuple | None:
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of settings (flags override it)")
     for name, field in RunConfig.model_fields.items():
-        if name == "use_sampling_support_replay":
-            continue
-        flag = "--" + name.replace("_", "-")
+        flag = _flag(name)
         kind = _field_type(field.annotation)
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
@@ -211,10 +237,28 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         value = getattr(args, name, None)
         if value is not None:
             values[name] = value
-    values.pop("use_sampling_support_replay", None)
-    try:
-        return RunConfig(**values).check()
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        flag = "--" + str(err["loc"][0]).replace("_", "-") if err.get("loc") else "config"
-        raise ConfigError(f"{flag}={err.get('input')!r}: {err['msg']}") from exc
+    return RunConfig(**values)
+
+
+def _describe(exc: ValidationError) -> str:
+    """The first error of a pydantic validation, as ``--flag=value: why``."""
+    err = exc.errors()[0]
+    if not err.get("loc"):  # a cross-field rule: its message already names the flag and the value
+        return str(err["ctx"]["error"]) if "error" in err.get("ctx", {}) else err["msg"]
+    name = str(err["loc"][0])
+    if err["type"] == "extra_forbidden":
+        why = "is derived from the rollout sampling settings and cannot be set" if name == "use_sampling_support_replay" else "unknown setting"
+        return f"{_flag(name)}={err.get('input')!r}: {why}"
+    return f"{_flag(name)}={err.get('input')!r}: {err['msg']}"
+
+
+def flag_table() -> str:
+    """The markdown table of every flag, its default and its meaning (docs/training.md holds it)."""
+    lines = ["| flag | default | meaning |", "|---|---|---|"]
+    for name, field in RunConfig.model_fields.items():
+        flag = _flag(name)
+        if _field_type(field.annotation) is bool:
+            flag = f"{flag} / --no-{name.replace('_', '-')}"
+        meaning = (field.description or "").replace("|", "/")
+        lines.append(f"| `{flag}` | `{field.default}` | {meaning} |")
+    return "\n".join(lines) + "\n"

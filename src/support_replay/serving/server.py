@@ -13,12 +13,12 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from .. import wire
-from ..errors import SupportReplayError
-from .requests import EngineError, GenerationResult, RequestError
-from .scheduler import Engine
+from ..engine import Engine
+from ..errors import EngineError, RequestError, SupportReplayError
+from ..protocol import Completion, GenerateRequest
+from . import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES
 from .schemas import ChatCompletionIn, GenerateIn, SamplingParamsIn, UpdateWeightsIn
 
-DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -33,23 +33,32 @@ def _validation_message(exc: ValidationError | RequestValidationError) -> str:
     return "; ".join(parts)
 
 
-def meta_info(result: GenerationResult, *, sampling_mask_format: str, vocab_size: int, support_mode: bool) -> dict:
-    """SGLang ``meta_info`` of one completion (SPEC section 6 field names)."""
+def meta_info(completion: Completion, request: GenerateRequest, *, sampling_mask_format: str, vocab_size: int) -> dict:
+    """SGLang's ``meta_info`` of one completion, in SGLang 0.5.23's shapes (docs/engines.md).
+
+    The support goes as id lists (SGLang's form) unless the client asked for our binary
+    form; ``output_token_sampling_mask_length`` is the number of rows, as SGLang sends it.
+    """
     meta = {
-        "finish_reason": result.finish_reason,
-        "prompt_tokens": len(result.prompt_ids),
-        "completion_tokens": result.completion_tokens,
-        "weight_version": result.weight_version,
+        "finish_reason": completion.finish_reason,
+        "prompt_tokens": len(request.input_ids),
+        "completion_tokens": completion.num_tokens,
+        "weight_version": completion.weight_version,
+        "weight_versions": [span.to_json() for span in completion.weight_versions],
     }
-    if result.full_logprobs is not None:
-        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.full_logprobs, result.output_ids)]
-    if result.support is not None:
+    if request.return_logprob:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(completion.full_logprobs.tolist(), completion.output_ids)]
+    if request.return_sampling_mask:
+        support = completion.support
         if sampling_mask_format == "binary":
-            meta["output_token_sampling_mask"] = wire.to_json(result.support, vocab_size, result.output_ids)
+            meta["output_token_sampling_mask"] = wire.to_json(support, vocab_size, completion.output_ids)
         else:
-            meta["output_token_sampling_mask"] = result.support.to_lists()
-        meta["output_token_sampling_mask_length"] = result.support.sizes().tolist()
-        meta["output_token_sampling_logprobs"] = result.support_logprob_rows if support_mode else result.logprobs
+            meta["output_token_sampling_mask"] = support.to_lists()
+        if request.sampling_logprobs_mode == "support":
+            meta["output_token_sampling_logprobs"] = [row.tolist() for row in completion.support_row_logprobs]
+        else:
+            meta["output_token_sampling_logprobs"] = completion.log_mu.tolist()
+        meta["output_token_sampling_mask_length"] = support.num_rows
     return meta
 
 
@@ -83,7 +92,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         except ValidationError as exc:
             raise RequestError(_validation_message(exc)) from exc
 
-    async def run(requests) -> list[GenerationResult]:
+    async def run(requests) -> list[Completion]:
         futures = [asyncio.wrap_future(engine.submit(r)) for r in requests]
         results = await asyncio.gather(*futures, return_exceptions=True)
         for r in results:
@@ -121,9 +130,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         rl = body.return_logprob if isinstance(body.return_logprob, list) else [body.return_logprob] * len(prompts)
         if len(sps) != len(prompts) or len(rl) != len(prompts):
             raise RequestError(f"sampling_params / return_logprob: {len(sps)} / {len(rl)} entries for {len(prompts)} prompts")
-        support_mode = body.sampling_logprobs_mode == "support"
         reqs = [
-            s.to_request(p, return_sampling_mask=body.return_sampling_mask, return_logprob=r, support_logprobs=support_mode and body.return_sampling_mask)
+            s.to_request(p, return_sampling_mask=body.return_sampling_mask, return_logprob=r, sampling_logprobs_mode=body.sampling_logprobs_mode)
             for p, s, r in zip(prompts, sps, rl)
         ]
         results = await run(reqs)
@@ -131,9 +139,9 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
             {
                 "text": res.text,
                 "output_ids": res.output_ids,
-                "meta_info": {"id": uuid.uuid4().hex, **meta_info(res, sampling_mask_format=body.sampling_mask_format, vocab_size=engine.vocab_size, support_mode=support_mode)},
+                "meta_info": {"id": uuid.uuid4().hex, **meta_info(res, req, sampling_mask_format=body.sampling_mask_format, vocab_size=engine.vocab_size)},
             }
-            for res in results
+            for req, res in zip(reqs, results)
         ]
         return out if body.batched else out[0]
 
@@ -146,18 +154,17 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         except Exception as exc:
             raise RequestError(f"messages: the chat template could not render them: {exc}") from exc
         ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        support_mode = body.sampling_logprobs_mode == "support"
-        req = body.sampling().to_request(ids, return_sampling_mask=body.return_sampling_mask, return_logprob=body.logprobs, support_logprobs=support_mode and body.return_sampling_mask)
+        req = body.sampling().to_request(ids, return_sampling_mask=body.return_sampling_mask, return_logprob=body.logprobs, sampling_logprobs_mode=body.sampling_logprobs_mode)
         res = (await run([req]))[0]
         finish = "length" if res.finish_reason["type"] == "length" else "stop"
         choice = {"index": 0, "message": {"role": "assistant", "content": res.text}, "finish_reason": finish}
         if body.logprobs:
             tokens = engine.tokenizer.convert_ids_to_tokens(res.output_ids)
-            choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in zip(tokens, res.full_logprobs)]}
+            choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in zip(tokens, res.full_logprobs.tolist())]}
         if body.return_meta_info:
             choice["meta_info"] = {
                 "output_ids": res.output_ids,
-                **meta_info(res, sampling_mask_format=body.sampling_mask_format, vocab_size=engine.vocab_size, support_mode=support_mode),
+                **meta_info(res, req, sampling_mask_format=body.sampling_mask_format, vocab_size=engine.vocab_size),
             }
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -165,13 +172,13 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
             "created": int(time.time()),
             "model": body.model or model_name,
             "choices": [choice],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": res.completion_tokens, "total_tokens": len(ids) + res.completion_tokens},
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": res.num_tokens, "total_tokens": len(ids) + res.num_tokens},
         }
 
     @app.post("/update_weights_from_disk")
     async def update_weights(request: Request):
         body = await parse(request, UpdateWeightsIn)
-        version = await asyncio.wrap_future(engine.update_weights_from_disk(body.model_path))
+        version = await asyncio.wrap_future(engine.update_weights_from_disk(body.model_path, body.weight_version))
         return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version}
 
     @app.post("/flush_cache")
@@ -182,7 +189,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
     return app
 
 
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 30000, **kwargs) -> None:
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_ENGINE_PORT, **kwargs) -> None:
     import uvicorn
 
     engine.start()

@@ -18,20 +18,39 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from ..batch_invariant import make_batch_invariant
+from ..errors import CapacityError, EngineError, RequestError
 from ..logprobs import full_logprobs, support_logprobs
-from ..sampling import sample
+from ..modeling.batch_invariant import make_batch_invariant
+from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest, single_version
+from ..sampling import sample_tokens
 from ..support import SupportTable
 from .model_runner import KVBatch, ModelRunner, load_model_and_tokenizer
-from .requests import CapacityError, EngineError, GenerateRequest, GenerationResult, RequestError, _Sequence
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SAMPLING_MASK_MAX_TOKENS = 4096
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one running request."""
+
+    request: GenerateRequest
+    future: Future
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    log_mu: list[float] = field(default_factory=list)
+    supports: list[np.ndarray] = field(default_factory=list)  # one canonical id array per token
+    full_logprobs: list[float] = field(default_factory=list)
+    support_row_logprobs: list[np.ndarray] = field(default_factory=list)
+    position: int = 0  # position id of the next token fed to the model
+    finish_reason: dict | None = None
+    text: str = ""
 
 
 class Engine:
@@ -46,6 +65,7 @@ class Engine:
         seed: int = 0,
         device: str = "cpu",
         deterministic: bool = False,
+        weight_version: str = DEFAULT_WEIGHT_VERSION,
     ):
         if deterministic:  # logits independent of batch, padding and prefill/decode split
             make_batch_invariant(model)
@@ -57,7 +77,7 @@ class Engine:
         self.max_batch_size = int(max_batch_size)
         self.vocab_size = self.runner.vocab_size
         self.eos_ids = self._eos_ids(model, tokenizer)
-        self.weight_version = 0
+        self.weight_version = str(weight_version)
         self._seed_source = torch.Generator().manual_seed(seed)
         self._inbox: queue.Queue = queue.Queue()  # ("generate" | "update", payload, future)
         self._update: tuple | None = None  # an update waiting for the batch to drain
@@ -98,7 +118,7 @@ class Engine:
 
     # ---- public API ---------------------------------------------------------------
 
-    def check(self, request: GenerateRequest) -> None:
+    def validate(self, request: GenerateRequest) -> None:
         """Reject what this engine cannot serve before it takes a slot (HTTP 400)."""
         bad = [t for t in request.input_ids if t >= self.vocab_size]
         if bad:
@@ -110,32 +130,36 @@ class Engine:
             )
 
     def submit(self, request: GenerateRequest) -> Future:
-        """Queue a request; the future resolves to a ``GenerationResult`` or raises ``EngineError``."""
+        """Queue a request; the future resolves to a ``Completion`` or raises ``EngineError``."""
         future: Future = Future()
         try:
-            self.check(request)
+            self.validate(request)
         except EngineError as exc:
             future.set_exception(exc)
             return future
         self._inbox.put(("generate", request, future))
         return future
 
-    def generate(self, requests: list[GenerateRequest], timeout: float | None = None) -> list[GenerationResult]:
+    def generate(self, requests: list[GenerateRequest], timeout: float | None = None) -> list[Completion]:
         """Blocking convenience: submit all, wait for all (starts the loop if needed)."""
         self.start()
         futures = [self.submit(r) for r in requests]
         return [f.result(timeout=timeout) for f in futures]
 
-    def update_weights_from_disk(self, path: str | Path) -> Future:
-        """Load safetensors weights once the running batch has drained; resolves to the new version."""
+    def update_weights_from_disk(self, path: str | Path, version: str | None = None) -> Future:
+        """Load safetensors weights once the running batch has drained; resolves to the version.
+
+        ``version`` names the new weights (the trainer's string); without one the engine
+        keeps its current name, as SGLang does.
+        """
         future: Future = Future()
-        self._inbox.put(("update", Path(path), future))
+        self._inbox.put(("update", (Path(path), version), future))
         return future
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> Future:
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: str | None = None) -> Future:
         """Same as ``update_weights_from_disk`` with tensors in memory (colocated trainer)."""
         future: Future = Future()
-        self._inbox.put(("update", state_dict, future))
+        self._inbox.put(("update", (state_dict, version), future))
         return future
 
     @property
@@ -172,10 +196,12 @@ class Engine:
             self._decode()
 
     def _apply_update(self, arg, future) -> None:
+        source, version = arg
         try:
-            state = _load_safetensors(arg) if isinstance(arg, Path) else arg
+            state = _load_safetensors(source) if isinstance(source, Path) else source
             self._load_state(state)
-            self.weight_version += 1
+            if version is not None:
+                self.weight_version = str(version)
             future.set_result(self.weight_version)
         except Exception as exc:
             future.set_exception(exc if isinstance(exc, EngineError) else EngineError(f"update_weights: {exc}"))
@@ -229,7 +255,7 @@ class Engine:
         self._sample_and_advance(self._running, logits)
 
     def _sample_and_advance(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
-        out = sample(
+        out = sample_tokens(
             logits,
             [s.request.params for s in seqs],
             self.semantics,
@@ -239,7 +265,7 @@ class Engine:
         full = self._full_logprobs(seqs, logits, out.tokens)
         captured = dict(zip(out.captured.tolist(), range(len(out.captured))))
         sizes, offsets, ids = out.support.sizes(), out.support.offsets, out.support.ids
-        logprobs, tokens = out.logprobs.tolist(), out.tokens.tolist()
+        log_mu, tokens = out.log_mu.tolist(), out.tokens.tolist()
         for row, seq in enumerate(seqs):
             token = tokens[row]
             i = captured.get(row)
@@ -254,9 +280,9 @@ class Engine:
                     )
                     continue
                 seq.supports.append(ids[offsets[i] : offsets[i + 1]])
-                seq.logprobs.append(logprobs[i])
-                if seq.request.support_logprobs:
-                    seq.support_logprob_rows.append(self._support_row_logprobs(logits[row], seq.supports[-1], seq.request.params))
+                seq.log_mu.append(log_mu[i])
+                if seq.request.sampling_logprobs_mode == "support":
+                    seq.support_row_logprobs.append(self._support_row_logprobs(logits[row], seq.supports[-1], seq.request.params))
             if full is not None and row in full:
                 seq.full_logprobs.append(full[row])
             seq.output_ids.append(token)
@@ -264,13 +290,12 @@ class Engine:
         self._retire()
 
     @staticmethod
-    def _support_row_logprobs(logits_row: torch.Tensor, row_ids: np.ndarray, params) -> list[float]:
+    def _support_row_logprobs(logits_row: torch.Tensor, row_ids: np.ndarray, params) -> np.ndarray:
         """log mu of every id of the support, by the same function as the selected token's."""
         ids = torch.from_numpy(row_ids.astype(np.int64))
         n = len(ids)
-        table = SupportTable(np.tile(row_ids, n), np.arange(n + 1) * n)
-        values = support_logprobs(logits_row.expand(n, -1), ids, table, params.temperature or 1.0)
-        return values.tolist()
+        padded = (ids.expand(n, n), torch.ones(n, n, dtype=torch.bool))
+        return support_logprobs(logits_row.expand(n, -1), ids, padded, params.temperature or 1.0).numpy()
 
     def _full_logprobs(self, seqs, logits, tokens) -> dict[int, float] | None:
         rows = [i for i, s in enumerate(seqs) if s.request.return_logprob]
@@ -307,21 +332,22 @@ class Engine:
         self._running = [self._running[i] for i in keep]
         self._batch = self.runner.keep(self._batch, keep)
 
-    def _result(self, seq: _Sequence) -> GenerationResult:
+    def _result(self, seq: _Sequence) -> Completion:
         req = seq.request
         text = seq.text if seq.finish_reason.get("type") == "stop" and isinstance(seq.finish_reason.get("matched"), str) else None
         if text is None:
             text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        return GenerationResult(
-            prompt_ids=list(req.input_ids),
+        capture = req.return_sampling_mask
+        return Completion(
             output_ids=list(seq.output_ids),
             finish_reason=seq.finish_reason,
-            logprobs=list(seq.logprobs) if req.return_sampling_mask else None,
-            support=SupportTable.from_rows(seq.supports) if req.return_sampling_mask else None,
-            full_logprobs=list(seq.full_logprobs) if req.return_logprob else None,
-            support_logprob_rows=list(seq.support_logprob_rows) if req.support_logprobs else None,
-            weight_version=self.weight_version,
+            log_mu=np.asarray(seq.log_mu, np.float32) if capture else None,
+            support=SupportTable.from_rows(seq.supports) if capture else None,
+            full_logprobs=np.asarray(seq.full_logprobs, np.float32) if req.return_logprob else None,
+            # an update waits for the running batch to drain: one version per response
+            weight_versions=single_version(self.weight_version, len(seq.output_ids)),
             text=text,
+            support_row_logprobs=list(seq.support_row_logprobs) if capture and req.sampling_logprobs_mode == "support" else None,
         )
 
 

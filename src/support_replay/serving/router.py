@@ -19,6 +19,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from . import DEFAULT_ROUTER_PORT
+
 log = logging.getLogger(__name__)
 
 BROADCAST_PATHS = ("/update_weights_from_disk", "/flush_cache")
@@ -140,7 +142,7 @@ def create_router_app(router: Router) -> FastAPI:
     return app
 
 
-def run_router(engine_urls: list[str], host: str = "127.0.0.1", port: int = 30010, health_interval: float = 5.0) -> None:
+def run_router(engine_urls: list[str], host: str = "127.0.0.1", port: int = DEFAULT_ROUTER_PORT, health_interval: float = 5.0) -> None:
     import uvicorn
 
     uvicorn.run(create_router_app(Router(engine_urls, health_interval)), host=host, port=port, log_level="warning")

@@ -1,0 +1,185 @@
+"""What a rollout client asks an engine for, and the one record every backend returns.
+
+The embedded engine, the HTTP backends, rollout and the trainer all import this module;
+it depends on the core alone (no engine, no model, no HTTP), so describing a request
+never loads a model.
+
+A ``Completion`` is validated once, where it enters the trainer's process
+(``validate_completion``, called by every backend); later stages trust it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from .errors import RequestError, SupportError, WireError
+from .sampling import SamplingParams
+from .support import SupportTable
+
+LOGPROBS_MODES = ("selected", "support")
+DEFAULT_SAMPLING_MASK_MAX_TOKENS = 4096  # SGLang's --sampling-mask-max-tokens default
+DEFAULT_WEIGHT_VERSION = "default"  # SGLang's name for the weights a server started with
+
+
+@dataclass
+class GenerateRequest:
+    """One prompt to complete, already tokenized.
+
+    ``return_sampling_mask`` asks for the realized support and log mu of every generated
+    token (replay); ``return_logprob`` for the full-vocabulary log-prob of every generated
+    token; ``sampling_logprobs_mode="support"`` also for log mu of every id of each
+    support (SGLang's field names).
+    """
+
+    input_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    return_sampling_mask: bool = False
+    return_logprob: bool = False
+    sampling_logprobs_mode: Literal["selected", "support"] = "selected"
+
+    def __post_init__(self):
+        if not self.input_ids:
+            raise RequestError("input_ids: the prompt is empty")
+        bad = next((t for t in self.input_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0), None)
+        if bad is not None:
+            raise RequestError(f"input_ids: {bad!r} is not a token id")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens: must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.sampling_logprobs_mode not in LOGPROBS_MODES:
+            raise RequestError(f"sampling_logprobs_mode: must be one of {LOGPROBS_MODES}, got {self.sampling_logprobs_mode!r}")
+
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """Output positions ``[start, end)`` were sampled by the weights named ``version``.
+
+    The version is a string set by whoever pushed the weights (the trainer), as in
+    SGLang's ``weight_versions`` and vLLM's ``weight_versions`` spans.
+    """
+
+    version: str
+    start: int
+    end: int
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "start": self.start, "end": self.end}
+
+
+def single_version(version: str, num_tokens: int) -> list[VersionSpan]:
+    """Every one of ``num_tokens`` output positions sampled by ``version``."""
+    return [VersionSpan(str(version), 0, num_tokens)]
+
+
+def versions_of(spans: list[VersionSpan]) -> list[str]:
+    """The distinct versions of a response, in the order they sampled."""
+    out: list[str] = []
+    for span in spans:
+        if not out or out[-1] != span.version:
+            out.append(span.version)
+    return out
+
+
+@dataclass
+class Completion:
+    """One generated response, with its replay metadata when capture was asked for.
+
+    ``log_mu[t]`` is the support-normalised log-prob of ``output_ids[t]`` under the
+    sampling policy, ``support`` its realized support (one row per token);
+    ``full_logprobs[t]`` the full-vocabulary log-prob when ``return_logprob`` was asked.
+    ``weight_versions`` covers ``[0, len(output_ids))`` with the weights that sampled each
+    token. ``support_bytes`` is what the support cost on the wire (0 in-process).
+    """
+
+    output_ids: list[int]
+    finish_reason: dict
+    log_mu: np.ndarray | None = None  # float32 [T]
+    support: SupportTable | None = None
+    full_logprobs: np.ndarray | None = None  # float32 [T]
+    weight_versions: list[VersionSpan] = field(default_factory=list)
+    text: str = ""
+    support_row_logprobs: list[np.ndarray] | None = None  # "support" mode: log mu of every id of each row
+    support_bytes: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def weight_version(self) -> str | None:
+        """The version that sampled the last token (SGLang's ``meta_info.weight_version``)."""
+        return self.weight_versions[-1].version if self.weight_versions else None
+
+
+def parse_version_spans(spans, num_tokens: int, where: str) -> list[VersionSpan]:
+    """Spans from JSON (``[{"version", "start", "end"}, ...]``); they must tile ``[0, num_tokens)``."""
+    if not isinstance(spans, list):
+        raise WireError(f"{where}: weight_versions must be a list of spans, got {type(spans).__name__}")
+    out = []
+    for i, span in enumerate(spans):
+        try:
+            version, start, end = span["version"], span["start"], span["end"]
+        except (KeyError, TypeError):
+            raise WireError(f"{where}: weight_versions[{i}] = {span!r:.80} is not a {{version, start, end}} span") from None
+        if not isinstance(start, int) or not isinstance(end, int) or isinstance(start, bool) or isinstance(end, bool):
+            raise WireError(f"{where}: weight_versions[{i}]: start and end must be integers, got {start!r}, {end!r}")
+        out.append(VersionSpan(str(version), start, end))
+    check_version_spans(out, num_tokens, where)
+    return out
+
+
+def check_version_spans(spans: list[VersionSpan], num_tokens: int, where: str) -> None:
+    position = 0
+    for i, span in enumerate(spans):
+        if span.start != position or span.end <= span.start:
+            raise WireError(f"{where}: weight_versions[{i}] = [{span.start}, {span.end}) does not continue at position {position}")
+        position = span.end
+    if position != num_tokens:
+        raise WireError(f"{where}: weight_versions cover {position} of {num_tokens} output tokens")
+
+
+def validate_completion(completion: Completion, request: GenerateRequest, vocab_size: int, index: int = 0) -> Completion:
+    """The full rule set on one response, once, where it enters: raise ``WireError`` naming
+    the completion, the token and the rule (docs/contract.md, "fail closed")."""
+    where = f"completion {index}"
+    n = completion.num_tokens
+    if n == 0:
+        raise WireError(f"{where}: empty response")
+    ids = np.asarray(completion.output_ids, dtype=np.int64)
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise WireError(f"{where}: output token {int(ids[(ids < 0) | (ids >= vocab_size)][0])} outside the vocabulary [0, {vocab_size})")
+    if completion.weight_versions:
+        check_version_spans(completion.weight_versions, n, where)
+    if request.return_sampling_mask:
+        if completion.support is None or completion.log_mu is None:
+            raise WireError(f"{where}: capture was requested but the response carries no support")
+        if completion.support.num_rows != n or len(completion.log_mu) != n:
+            raise WireError(f"{where}: {completion.support.num_rows} support rows and {len(completion.log_mu)} log-probs for {n} tokens")
+        try:
+            completion.support.validate(vocab_size, ids, name=where)
+        except SupportError as exc:
+            raise WireError(str(exc)) from exc
+        lp = np.asarray(completion.log_mu, dtype=np.float64)
+        bad = ~np.isfinite(lp) | (lp > 1e-5)  # a log-prob cannot be positive beyond rounding
+        if bad.any():
+            t = int(np.flatnonzero(bad)[0])
+            raise WireError(f"{where} token {t}: log mu {lp[t]} is not a finite value <= 0")
+        singleton = completion.support.sizes() == 1
+        wrong = singleton & (np.abs(lp) > 1e-6)  # log(1), up to an engine's rounding
+        if wrong.any():
+            t = int(np.flatnonzero(wrong)[0])
+            raise WireError(f"{where} token {t}: singleton support but log mu {lp[t]} != 0")
+    if request.return_logprob:
+        full = completion.full_logprobs
+        if full is None or len(full) != n:
+            raise WireError(f"{where}: full-vocabulary log-probs were requested but not returned for every token")
+        if not np.all(np.isfinite(full)):
+            t = int(np.flatnonzero(~np.isfinite(full))[0])
+            raise WireError(f"{where} token {t}: full-vocabulary log-prob {full[t]} is not finite")
+    return completion

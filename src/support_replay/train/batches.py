@@ -1,0 +1,104 @@
+"""How a rollout's samples are cut into optimizer steps and micro-batches, built once per rollout.
+
+Every scoring pass of a rollout (old policy, reference, the update itself) runs on the same
+micro-batches, so a token is scored by the same function on the same batch every time:
+before the first optimizer step its old and new log-probs are equal bit for bit. The
+support of a micro-batch is padded once, onto the trainer's device, when the plan is made.
+
+Layout: each optimizer step takes ``global_batch`` consecutive samples, sorted longest first
+so that a micro-batch pads its samples to similar lengths; each rank takes a contiguous
+share; each share is cut into micro-batches of ``micro_batch`` samples. With as many
+micro-batches per rank as one process has in all, the ranks compute exactly the
+micro-batches one process would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..rollout.sample import Sample
+from ..support import SupportTable
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward: right-padded sequences and the rows that score response tokens."""
+
+    indices: list[int]  # sample indices, in the order of the rows below
+    lengths: list[int]  # response tokens per sample
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    rows_b: torch.Tensor  # [N] batch row of every scored position
+    rows_t: torch.Tensor  # [N] position whose logits predict response token n
+    targets: torch.Tensor  # [N] the response tokens
+    support: tuple[torch.Tensor, torch.Tensor] | None  # padded (ids [N, K], valid [N, K]) under replay
+    loss_mask: torch.Tensor  # [N] float, 1 for tokens that train
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.targets)
+
+    def split(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Flat per-token values back into one tensor per sample."""
+        return list(torch.split(values, self.lengths))
+
+
+@dataclass
+class OptimizerStep:
+    """The micro-batches this rank runs for one optimizer step, and the step's normalisers."""
+
+    micro_batches: list[MicroBatch]
+    tokens: int  # trained tokens in the whole global batch (every rank)
+    sequences: int  # samples with at least one trained token in the whole global batch
+
+
+def build_micro_batch(samples: list[Sample], indices: list[int], replay: bool, device) -> MicroBatch:
+    chosen = [samples[i] for i in indices]
+    width = max(len(s.prompt_ids) + s.response_length for s in chosen)
+    ids = torch.zeros(len(chosen), width, dtype=torch.long)
+    mask = torch.zeros(len(chosen), width, dtype=torch.long)
+    rows_b, rows_t = [], []
+    for b, s in enumerate(chosen):
+        seq = s.prompt_ids + s.response_ids
+        ids[b, : len(seq)] = torch.tensor(seq)
+        mask[b, : len(seq)] = 1
+        rows_b += [b] * s.response_length
+        rows_t += range(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + s.response_length)
+    support = None
+    if replay:  # the one padding of the support on the trainer's side
+        support = SupportTable.concat([s.support for s in chosen]).to_padded(device=device)
+    return MicroBatch(
+        indices=list(indices),
+        lengths=[s.response_length for s in chosen],
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        rows_b=torch.tensor(rows_b, dtype=torch.long, device=device),
+        rows_t=torch.tensor(rows_t, dtype=torch.long, device=device),
+        targets=torch.tensor([t for s in chosen for t in s.response_ids], dtype=torch.long, device=device),
+        support=support,
+        loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in chosen]).astype(np.float32)).to(device),
+    )
+
+
+def plan_optimizer_steps(
+    samples: list[Sample], *, global_batch: int, micro_batch: int, rank: int, world: int, replay: bool, device
+) -> list[OptimizerStep]:
+    """This rank's micro-batches for every optimizer step of the rollout."""
+    steps = []
+    for start in range(0, len(samples), global_batch):
+        # longest first, so that each micro-batch pads its samples to similar lengths
+        batch = sorted(range(start, start + global_batch), key=lambda i: -len(samples[i].prompt_ids) - samples[i].response_length)
+        per_rank = -(-len(batch) // world)
+        mine = batch[rank * per_rank : (rank + 1) * per_rank]
+        masks = [samples[i].loss_mask for i in batch]
+        steps.append(
+            OptimizerStep(
+                micro_batches=[build_micro_batch(samples, mine[m : m + micro_batch], replay, device) for m in range(0, len(mine), micro_batch)],
+                tokens=int(sum(m.sum() for m in masks)),
+                sequences=int(sum(m.any() for m in masks)),
+            )
+        )
+    return steps

@@ -1,0 +1,198 @@
+"""The update side of a run: the actor and the reference, scoring before the update, the loss
+of every micro-batch (weighted by ``losses.py``), the optimizer step and its metrics.
+
+Every pass over a rollout uses the micro-batches planned once (``batches.py``) and the
+actor's one scoring path, so old and new log-probs of a ratio are the same function on the
+same batch. Results come back as values; nothing is mutated across calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass, fields, replace
+
+import torch
+
+from ..errors import ConfigError
+from ..losses import grpo_advantages, kl_estimate, policy_token_loss, token_weights, truncated_importance_weights
+from ..rollout.sample import Sample
+from .actor import Actor, load_scoring_model, score_batch
+from .batches import MicroBatch, OptimizerStep, plan_optimizer_steps
+from .config import RunConfig
+from .dist import all_reduce_sum, gather_by_index
+
+
+@dataclass(frozen=True)
+class OldScores:
+    """Per-sample scores before the rollout's first optimizer step (lists in sample order)."""
+
+    logp: list[torch.Tensor] | None  # the ratio's score; None until the fused forward ran
+    full: list[torch.Tensor] | None  # full-vocabulary log-probs (metrics, KL reward)
+    ref: list[torch.Tensor] | None  # the reference's full-vocabulary log-probs
+
+
+@dataclass
+class StepSums:
+    """Sums over one optimizer step's micro-batches (this rank's, then all ranks')."""
+
+    loss: float = 0.0
+    clipped_tokens: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    tokens: float = 0.0
+
+    def add(self, other: StepSums) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass(frozen=True)
+class UpdateMetrics:
+    """One rollout's update, averaged over its optimizer steps."""
+
+    loss: float
+    clip_fraction: float
+    kl_loss: float
+    entropy: float
+    grad_norm: float
+    optimizer_steps: int
+
+    @staticmethod
+    def mean(steps: list[tuple[StepSums, float]]) -> UpdateMetrics:
+        """From ``(sums, grad norm)`` per optimizer step: per-token means, averaged over steps."""
+        n = len(steps)
+        return UpdateMetrics(
+            loss=sum(s.loss for s, _ in steps) / n,
+            clip_fraction=sum(s.clipped_tokens / max(s.tokens, 1) for s, _ in steps) / n,
+            kl_loss=sum(s.kl / max(s.tokens, 1) for s, _ in steps) / n,
+            entropy=sum(s.entropy / max(s.tokens, 1) for s, _ in steps) / n,
+            grad_norm=sum(norm for _, norm in steps) / n,
+            optimizer_steps=n,
+        )
+
+
+@dataclass
+class BackwardResult:
+    sums: StepSums  # over every rank
+    scores: dict[int, tuple[torch.Tensor, torch.Tensor]]  # this rank's samples -> (logp, full) of this forward, detached
+
+
+class Learner:
+    def __init__(self, cfg: RunConfig, ctx, checkpoint_path):
+        self.cfg, self.ctx = cfg, ctx
+        self.replay = cfg.use_sampling_support_replay
+        if cfg.global_batch_size % ctx.world:
+            raise ConfigError(f"--global-batch-size={cfg.global_batch_size}: must be a multiple of the {ctx.world} ranks, so that every rank runs as many micro-batches")
+        torch.manual_seed(cfg.seed)
+        self.actor = Actor(
+            checkpoint_path, ctx, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
+            replay=self.replay, full_with_grad=cfg.use_kl_loss or cfg.entropy_coef > 0, batch_invariant=cfg.true_on_policy_mode,
+        )
+        self.reference = load_scoring_model(checkpoint_path, ctx.device).eval().requires_grad_(False) if cfg.needs_reference else None
+        self.temperature = cfg.rollout_temperature
+
+    @property
+    def vocab_size(self) -> int:
+        return self.actor.vocab_size
+
+    @property
+    def fused(self) -> bool:
+        """One optimizer step per rollout and no KL reward: the update's own forward, taken
+        before the step, gives the old log-probs, so no separate scoring pass is needed."""
+        cfg = self.cfg
+        return cfg.global_batch_size == cfg.rollout_batch_size * cfg.n_samples_per_prompt and cfg.kl_coef == 0
+
+    def plan(self, samples: list[Sample]) -> list[OptimizerStep]:
+        cfg, ctx = self.cfg, self.ctx
+        return plan_optimizer_steps(
+            samples, global_batch=cfg.global_batch_size, micro_batch=cfg.micro_batch, rank=ctx.rank, world=ctx.world,
+            replay=self.replay, device=ctx.device,
+        )
+
+    # ---- before the update --------------------------------------------------------------
+
+    @torch.no_grad()
+    def score_before_update(self, steps: list[OptimizerStep], num_samples: int) -> OldScores:
+        """Old log-probs (unless fused) and the reference's, on the planned micro-batches."""
+        old, ref = {}, {}
+        for batch in (mb for step in steps for mb in step.micro_batches):
+            if not self.fused:
+                sc = self.actor.score(batch, self.temperature, full_detached=self.replay)
+                full = sc.full if sc.full is not None else sc.logp
+                old.update(zip(batch.indices, zip(batch.split(sc.logp), batch.split(full))))
+            if self.reference is not None:
+                rs = score_batch(self.reference, batch, self.temperature, sparse=False, full=True)
+                ref.update(zip(batch.indices, batch.split(rs.full)))
+        pairs = gather_by_index(old, num_samples, self.ctx) if old else None
+        refs = gather_by_index(ref, num_samples, self.ctx) if ref else None
+        return OldScores(
+            logp=[p[0] for p in pairs] if pairs else None,
+            full=[p[1] for p in pairs] if pairs else None,
+            ref=refs,
+        )
+
+    def with_fresh_old(self, old: OldScores, scores: dict, num_samples: int) -> OldScores:
+        """The fused forward's own scores, from every rank, as the old policy's."""
+        pairs = gather_by_index(scores, num_samples, self.ctx)
+        return replace(old, logp=[p[0] for p in pairs], full=[p[1] for p in pairs])
+
+    def advantages(self, samples: list[Sample], old: OldScores) -> tuple[torch.Tensor, dict]:
+        """GRPO advantages, the reward reduced by ``--kl-coef`` x the summed k1 KL first."""
+        cfg = self.cfg
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        stats = {}
+        if cfg.kl_coef > 0:
+            kl = torch.stack([kl_estimate(f, r, "k1").sum() for f, r in zip(old.full, old.ref)])
+            rewards = rewards - cfg.kl_coef * kl
+            stats["kl_reward_penalty"] = float(kl.mean())
+        return grpo_advantages(rewards, cfg.n_samples_per_prompt, normalize_std=not cfg.disable_grpo_std_normalization), stats
+
+    # ---- the update ---------------------------------------------------------------------
+
+    def backward(self, step: OptimizerStep, samples: list[Sample], old: OldScores, advantages: torch.Tensor) -> BackwardResult:
+        """Forward and backward of this rank's micro-batches of one optimizer step."""
+        sums, scores = StepSums(), {}
+        for batch in step.micro_batches:
+            s, f = self._micro_batch(batch, step, samples, old, advantages)
+            sums.add(s)
+            scores.update(f)
+        return BackwardResult(StepSums(*all_reduce_sum(list(astuple(sums)), self.ctx)), scores)
+
+    def _micro_batch(self, batch: MicroBatch, step: OptimizerStep, samples, old: OldScores, advantages) -> tuple[StepSums, dict]:
+        cfg = self.cfg
+        sc = self.actor.score(batch, self.temperature, full=cfg.use_kl_loss, entropy=cfg.entropy_coef > 0, full_detached=self.fused and self.replay)
+        full = sc.full if sc.full is not None else sc.logp
+        fresh = dict(zip(batch.indices, zip((x.detach() for x in batch.split(sc.logp)), (x.detach() for x in batch.split(full)))))
+        if old.logp is None:  # fused: this forward runs before any step of the rollout, it is the old policy
+            old_logp = sc.logp.detach()
+        else:
+            old_logp = torch.cat([old.logp[i] for i in batch.indices]).to(sc.logp.device)
+        log_mu = torch.cat([torch.from_numpy(samples[i].log_mu) for i in batch.indices]).to(sc.logp.device) if self.replay else None
+        terms = policy_token_loss(
+            sc.logp,
+            log_mu if cfg.use_rollout_logprobs else old_logp,
+            torch.repeat_interleave(advantages[batch.indices].to(sc.logp.device), torch.tensor(batch.lengths, device=sc.logp.device)),
+            clip_low=cfg.eps_clip,
+            clip_high=cfg.eps_clip_high,
+            importance_weights=truncated_importance_weights(old_logp, log_mu, cfg.tis_cap) if cfg.use_tis else None,
+            kl=kl_estimate(sc.full, torch.cat([old.ref[i] for i in batch.indices]), cfg.kl_loss_type) if cfg.use_kl_loss else None,
+            kl_coef=cfg.kl_loss_coef,
+            entropy=sc.entropy,
+            entropy_coef=cfg.entropy_coef,
+        )
+        weights = token_weights(batch.loss_mask, batch.lengths, cfg.loss_aggregation, batch_tokens=step.tokens, batch_sequences=step.sequences)
+        loss = (terms.total * weights).sum()
+        self.actor.backward(loss)
+        with torch.no_grad():
+            mask = batch.loss_mask
+            sums = StepSums(
+                loss=float(loss),
+                clipped_tokens=float((terms.clipped.float() * mask).sum()),
+                kl=float((terms.kl * mask).sum()) if terms.kl is not None else 0.0,
+                entropy=float((terms.entropy * mask).sum()) if terms.entropy is not None else 0.0,
+                tokens=float(mask.sum()),
+            )
+        return sums, fresh
+
+    def optimizer_step(self) -> float:
+        """Clip, step, zero the gradients; returns the gradient norm before clipping."""
+        return self.actor.clip_and_step(self.cfg.clip_grad)

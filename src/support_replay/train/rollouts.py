@@ -1,0 +1,83 @@
+"""The rollout side of a run: prompts, reward, the backend that generates, evaluation.
+
+Rank 0 talks to the engine (in-process, or over HTTP to our server, a router or SGLang)
+and broadcasts the samples. Every completion was validated once by the backend, where it
+entered this process; the samples built from them are trusted from here on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import SupportReplayError
+from ..rollout import generate_samples, load_prompts, load_reward
+from ..rollout.data import ArithmeticTask
+from ..rollout.sample import Sample
+from ..sampling import SamplingParams
+from .config import RunConfig
+from .dist import broadcast_object
+
+
+def _require_deterministic(url: str) -> None:
+    import httpx
+
+    info = httpx.get(url.rstrip("/") + "/model_info", timeout=30).json()
+    if not info.get("deterministic"):
+        raise SupportReplayError(f"--true-on-policy-mode: the engine at {url} is not deterministic; start it with `support-replay serve --deterministic`")
+
+
+class Rollouts:
+    def __init__(self, cfg: RunConfig, ctx, checkpoint_path, tokenizer, vocab_size: int):
+        self.cfg, self.ctx, self.tokenizer = cfg, ctx, tokenizer
+        self.replay = cfg.use_sampling_support_replay
+        self.params = SamplingParams(temperature=cfg.rollout_temperature, top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, min_p=cfg.rollout_min_p)
+        self.prompts = load_prompts(cfg.prompt_data, cfg.input_key, cfg.label_key, seed=cfg.seed)
+        self.eval_prompts = load_prompts(cfg.eval_prompt_data, cfg.input_key, cfg.label_key, seed=cfg.seed + 1) if cfg.eval_interval else None
+        self.reward_fn = load_reward(cfg.rm_type, cfg.custom_rm_path)
+        self.engine = self.backend = None
+        if not ctx.is_main:
+            return
+        if cfg.rollout_url:
+            from ..backends.sglang import SGLangBackend
+
+            self.backend = SGLangBackend(cfg.rollout_url, vocab_size, sampling_mask_format=cfg.sampling_mask_format)
+            if cfg.true_on_policy_mode:
+                _require_deterministic(cfg.rollout_url)
+        else:  # the in-process engine: the only place the trainer imports it
+            from ..backends.local import EngineBackend
+            from ..engine import Engine
+
+            self.engine = Engine.from_pretrained(
+                checkpoint_path, semantics=cfg.sampling_semantics, sampling_mask_max_tokens=cfg.sampling_mask_max_tokens,
+                seed=cfg.rollout_seed, deterministic=cfg.true_on_policy_mode,
+            )
+            self.backend = EngineBackend(self.engine)
+
+    def _generate(self, prompts, params, n, max_new, capture, rollout, seed) -> list[Sample]:
+        samples = None
+        if self.ctx.is_main:
+            samples = generate_samples(
+                self.backend, self.tokenizer, prompts, params=params, n_samples=n, max_new_tokens=max_new, capture=capture,
+                reward_fn=self.reward_fn, rollout=rollout, seed=seed, apply_chat_template=self.cfg.apply_chat_template,
+            )
+        return broadcast_object(samples, self.ctx)
+
+    def generate(self, r: int) -> list[Sample]:
+        """Rollout ``r``: ``n_samples_per_prompt`` responses to each of its prompts, rewarded."""
+        cfg = self.cfg
+        prompts = [self.prompts[r * cfg.rollout_batch_size + i] for i in range(cfg.rollout_batch_size)]
+        return self._generate(prompts, self.params, cfg.n_samples_per_prompt, cfg.rollout_max_response_len, self.replay, r, cfg.rollout_seed)
+
+    def evaluate(self, r: int) -> dict:
+        """Mean reward on held-out prompts, capture off (greedy unless --eval-temperature)."""
+        cfg = self.cfg
+        task = self.eval_prompts
+        offset = 10**6 if isinstance(task, ArithmeticTask) else 0  # held-out questions
+        prompts = [task[offset + i] for i in range(min(cfg.n_eval_prompts, len(task)))]
+        params = SamplingParams(temperature=cfg.eval_temperature, top_k=cfg.eval_top_k, top_p=cfg.eval_top_p) if cfg.eval_temperature > 0 else SamplingParams(temperature=0.0)
+        samples = self._generate(prompts, params, cfg.n_samples_per_eval_prompt, cfg.eval_max_response_len or cfg.rollout_max_response_len, False, r, cfg.rollout_seed + 7)
+        return {"eval_reward_mean": float(np.mean([s.reward for s in samples])), "eval_response_len": float(np.mean([s.response_length for s in samples]))}
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()

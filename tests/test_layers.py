@@ -1,0 +1,58 @@
+"""The layers of the package: imports point downwards, and describing a request loads no model."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parent.parent / "src" / "support_replay"
+CORE = ("errors", "support", "wire", "sampling", "logprobs", "parallel", "losses")
+# the only places above the engine that run it in-process
+RUNS_THE_ENGINE = {"backends/local.py", "train/rollouts.py"}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Absolute names of the support_replay modules a file imports (relative imports resolved)."""
+    package = ["support_replay", *path.relative_to(PACKAGE).parent.parts]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n.startswith("support_replay")}
+
+
+def test_the_core_imports_torch_and_numpy_alone():
+    for name in CORE:
+        path = PACKAGE / f"{name}.py"
+        outside = [m for m in imported_modules(path) if m.split(".")[1] not in CORE]
+        assert not outside, f"{path.name} imports {outside}"
+        tree = ast.parse(path.read_text())
+        third_party = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        third_party |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module}
+        assert third_party <= {"torch", "numpy", "__future__", "math", "struct", "base64", "binascii", "dataclasses", "collections", "typing"}, (path.name, third_party)
+
+
+@pytest.mark.parametrize("layer", ["backends", "rollout", "train"])
+def test_only_the_in_process_paths_import_the_engine(layer):
+    for path in sorted((PACKAGE / layer).glob("*.py")):
+        rel = f"{layer}/{path.name}"
+        engine = [m for m in imported_modules(path) if m == "support_replay.engine" or m.startswith("support_replay.engine.")]
+        assert not engine or rel in RUNS_THE_ENGINE, f"{rel} imports {engine}"
+
+
+def test_an_http_backend_loads_neither_the_engine_nor_transformers():
+    code = (
+        "import sys, support_replay.backends.sglang, support_replay.backends.vllm, support_replay.rollout\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('transformers', 'support_replay.engine')))\n"
+        "print(bad)\n"
+        "sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
