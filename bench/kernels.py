@@ -2,7 +2,7 @@
 
     python bench/kernels.py [--tokens 2048] [--vocab 151936] [--hidden 1024] [--repeats 3]
 
-For K in {8, 64, 512} and the SPEC section 7 size distribution (padded to its largest
+For K in {8, 64, 512} and the support-size distribution of bench/support_stream.py (padded to its largest
 support), each cell runs in its own process so that the peak resident memory it reports
 (ru_maxrss after the run minus after the inputs were built) belongs to that kernel alone:
 

@@ -1,4 +1,4 @@
-"""Synthetic support streams drawn from the SPEC section 7 size distribution.
+"""Synthetic support streams drawn from a measured support-size distribution.
 
 Measured on a 1.5B reasoning model at top_p 0.97 / top_k 512: mean |S| about 8, median 2,
 p99 about 82, 45-48% singletons. Here: 46.5% singletons, otherwise 2 + floor(LogNormal(1.7, 1.3))

@@ -2,7 +2,7 @@
 
     python bench/wire.py [--tokens 200000] [--vocab 151936]
 
-Compares, on one stream from the SPEC section 7 size distribution: our codec (plain and
+Compares, on one stream from the support-size distribution of bench/support_stream.py: our codec (plain and
 relative to the selected tokens), int32 CSR (int32 ids + int64 offsets), the JSON
 list-of-lists that SGLang returns, and the information bound log2 C(V, |S|-1) per token.
 """

@@ -1,4 +1,4 @@
-"""Backends against response fixtures built from SPEC section 6, and against our own engine."""
+"""Backends against response fixtures written by hand, and against our own engine."""
 
 import json
 import math

@@ -1,4 +1,4 @@
-"""The real native router (PyPI sglang-router) in front of our engine (SPEC section 6)."""
+"""The real native router (PyPI sglang-router) in front of our engine (docs/engines.md)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""Every sample is checked before it trains (SPEC section 3), with its index in the message."""
+"""Every sample is checked where it enters (docs/contract.md), with its index in the message."""
 
 import numpy as np
 import pytest

@@ -60,7 +60,7 @@ def test_hf_semantics_match_transformers_warpers():
 
 
 def sglang_reference(logits_row, p: SamplingParams):
-    """SPEC section 6, written as plainly as possible, one row at a time."""
+    """SGLang's torch sampler (docs/math.md), written as plainly as possible, one row at a time."""
     probs = torch.softmax(logits_row.float() / p.temperature, dim=-1).numpy()
     order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
     k = p.top_k if p.top_k > 0 else len(probs)
@@ -77,7 +77,7 @@ def sglang_reference(logits_row, p: SamplingParams):
 
 
 def vllm_reference(logits_row, p: SamplingParams):
-    """SPEC section 6: temperature, min-p, top-k keeping ties, top-p on the renormalised rest."""
+    """vLLM (docs/math.md): temperature, min-p, top-k keeping ties, top-p on the renormalised rest."""
     y = (logits_row.float() / p.temperature).numpy()
     probs = np.exp(y.astype(np.float64) - y.max())
     probs /= probs.sum()

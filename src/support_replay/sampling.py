@@ -1,6 +1,6 @@
 """Sampling with an explicit filter semantics, capturing the realized support S_t and log mu.
 
-Three semantics, each the filter of one engine family (SPEC section 6, docs/math.md):
+Three semantics, each the filter of one engine family (docs/math.md, with the engine files each was read from):
 
 - ``"sglang"``: softmax(z/T) in fp32, sort descending, inclusive cumsum on the
   *unfiltered* sorted probabilities; keep ranks < k (exactly k, by rank), drop tokens

@@ -1,6 +1,6 @@
 """vLLM over HTTP (``/v1/completions`` with prompt token ids).
 
-Two ways to get the support (SPEC section 6):
+Two ways to get the support (docs/engines.md):
 
 - ``mode="native"``: servers with ``--return-sampling-mask`` (Model Runner V2) return
   ``choices[].sampling_mask``; log mu is the processed log-prob of the sampled token.
