@@ -9,7 +9,7 @@ TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 VLLM_VENV := .venv-vllm
 WITH_VLLM ?= 1
 
-.PHONY: setup test test-fast run bench clean vllm
+.PHONY: setup test test-fast run bench clean vllm fixtures flag-table
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,14 @@ test: setup $(if $(filter 1,$(WITH_VLLM)),vllm)
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# Engine payload fixtures from the engines' own code (SGLang's wheel, a real vLLM server).
+fixtures: setup vllm
+	$(PY) tests/engines/generate_fixtures.py
+
+# The flag table of docs/training.md, from RunConfig (a test checks that it is current).
+flag-table: setup
+	$(PY) -c "from pathlib import Path; from support_replay.train.config import flag_table; p = Path('docs/training.md'); s = p.read_text(); p.write_text(s[: s.index('| flag | default | meaning |')] + flag_table())"
 
 run: setup
 	$(VENV)/bin/support-replay train

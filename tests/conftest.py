@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -11,3 +12,29 @@ from tiny_model import build_tiny_checkpoint  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+VLLM_PYTHON = Path(os.environ.get("SUPPORT_REPLAY_VLLM_PYTHON", Path(__file__).parents[1] / ".venv-vllm" / "bin" / "python"))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_checkpoint, tmp_path_factory):
+    """One real vLLM CPU server for the session (about a minute to start): processed log-probs,
+    the token-in/token-out endpoint, and the dev-mode weight-reload routes. ``(url, checkpoint)``."""
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (make vllm)")
+    from processes import free_port, process
+    from test_vllm_real import vllm_checkpoint
+
+    ckpt = vllm_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("vllm-llama"))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--served-model-name", "tiny",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
+            "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--gpu-memory-utilization", "0.1", "--enable-scale-out"]
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    try:
+        with process(args, url, timeout=300):
+            yield url, ckpt
+    finally:
+        os.environ.pop("VLLM_SERVER_DEV_MODE", None)

@@ -7,8 +7,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 
@@ -19,11 +21,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 120.0) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 120.0, log=None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+            tail = Path(log.name).read_text()[-2000:] if log is not None else ""
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}: {tail}")
         try:
             if httpx.get(url + "/health", timeout=1.0).status_code == 200:
                 return
@@ -34,11 +37,13 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float 
 
 
 @contextmanager
-def process(args: list[str], url: str, health: bool = True):
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def process(args: list[str], url: str, health: bool = True, timeout: float = 120.0):
+    # output to a file, not a pipe: a chatty server (vLLM) would block once a pipe is full
+    log = tempfile.NamedTemporaryFile("w+", prefix="support-replay-proc-", suffix=".log", delete=False)
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         if health:
-            wait_healthy(url, proc)
+            wait_healthy(url, proc, timeout, log)
         yield proc
     finally:
         if proc.poll() is None:
@@ -48,6 +53,8 @@ def process(args: list[str], url: str, health: bool = True):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        log.close()
+        os.unlink(log.name)
 
 
 def engine_process(checkpoint, *extra: str):

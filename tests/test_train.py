@@ -14,7 +14,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from support_replay import SupportTable, full_logprobs
-from support_replay.errors import CITestError
+from support_replay.errors import CITestError, ConfigError, PolicyLagError
+from support_replay.protocol import GenerateRequest, VersionSpan
+from support_replay.rollout.generate import validate_request
+from support_replay.train import weights as weights_module
+from support_replay.train.checks import check_policy_lag
 from support_replay.train import actor as actor_module
 from support_replay.train import rollouts as rollouts_module
 from support_replay.train import train
@@ -52,7 +56,7 @@ def vary_loss_masks(samples):
 def parts(checkpoint, cfg):
     """The learner and the rollout side of a run, without the loop (one process, no process group)."""
     learner = Learner(cfg, ONE_RANK, checkpoint)
-    rollouts = Rollouts(cfg, ONE_RANK, checkpoint, AutoTokenizer.from_pretrained(checkpoint), learner.vocab_size)
+    rollouts = Rollouts(cfg, ONE_RANK, checkpoint, AutoTokenizer.from_pretrained(checkpoint), learner.vocab_size, "0")
     return learner, rollouts
 
 
@@ -265,6 +269,45 @@ def test_true_on_policy_catches_one_corrupted_position(tiny_checkpoint, tmp_path
         train(run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True, global_batch_size=8, micro_batch_size=4))
     assert f"rollout 1, sample {where['sample']}, response position {where['t']}:" in str(err.value)
     assert "> tolerance 0;" in str(err.value) and "1 tokens over" in str(err.value)
+
+
+# ---- weight versions and the policy lag -----------------------------------------------------
+
+
+def test_a_sample_from_stale_weights_fails_closed_at_lag_0(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(weights_module.InProcessSync, "push", lambda self, state, version: None)  # every update lost
+    with pytest.raises(PolicyLagError, match=(
+        r"rollout 1, sample 0: in-process engine sampled it with weights \['0'\], but the trainer pushed '1' last "
+        r"and --max-policy-lag=0 allows \['1'\]"
+    )):
+        train(run_config(tiny_checkpoint, tmp_path, num_rollout=2))
+    # one push of lag allowed: it trains (on the behaviour log mu; --ci-test would see the stale weights) and says so
+    rows = train(run_config(tiny_checkpoint, tmp_path / "lag1", num_rollout=2, max_policy_lag=1, ci_test=False))
+    assert [r["policy_lag_max"] for r in rows] == [0, 1]
+
+
+def test_policy_lag_names_unknown_and_missing_versions(tiny_checkpoint, tmp_path):
+    learner, rollouts = parts(tiny_checkpoint, run_config(tiny_checkpoint, tmp_path))
+    samples = rollouts.generate(0)
+    rollouts.close()
+    assert check_policy_lag(0, samples, ["0"], 0, "engine X") == {"policy_lag_max": 0}
+    samples[2].weight_versions = [VersionSpan("0", 0, 4), VersionSpan("elsewhere", 4, samples[2].response_length)]
+    with pytest.raises(PolicyLagError, match=r"sample 2: engine X sampled it with weights \['0', 'elsewhere'\].*\['elsewhere'\] were never pushed"):
+        check_policy_lag(0, samples, ["0"], 0, "engine X")
+    samples[2].weight_versions = []
+    with pytest.raises(PolicyLagError, match="sample 2: engine X reported no weight version"):
+        check_policy_lag(0, samples, ["0"], 3, "engine X")
+
+
+def test_a_request_at_another_temperature_is_refused_where_it_is_built():
+    from support_replay import SamplingParams
+
+    ok = GenerateRequest([1, 2], SamplingParams(temperature=1.0, top_k=8), return_sampling_mask=True)
+    assert validate_request(ok, 1.0, 0) is ok
+    evaluation = GenerateRequest([1, 2], SamplingParams(temperature=0.0))  # no capture: its own settings
+    assert validate_request(evaluation, 1.0, 1) is evaluation
+    with pytest.raises(ConfigError, match=r"request 3: temperature 0.7 differs from the rollout temperature 1.0"):
+        validate_request(GenerateRequest([1, 2], SamplingParams(temperature=0.7, top_k=8), return_sampling_mask=True), 1.0, 3)
 
 
 # ---- KL and resume ----------------------------------------------------------------------------

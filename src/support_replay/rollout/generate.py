@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..protocol import GenerateRequest
 from ..sampling import SamplingParams
 from .data import Prompt
@@ -21,6 +22,17 @@ def render_prompt(tokenizer, prompt: Prompt, apply_chat_template: bool) -> tuple
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"], text
     return tokenizer(prompt.content)["input_ids"], prompt.content
+
+
+def validate_request(req: GenerateRequest, rollout_temperature: float, index: int) -> GenerateRequest:
+    """A request that captures a support must sample at the run's rollout temperature: the
+    trainer divides the actor's logits by that one value (docs/contract.md)."""
+    if req.return_sampling_mask and req.params.temperature != rollout_temperature:
+        raise ConfigError(
+            f"request {index}: temperature {req.params.temperature} differs from the rollout temperature "
+            f"{rollout_temperature} the trainer scores with (--rollout-temperature)"
+        )
+    return req
 
 
 def request_seed(base: int, rollout: int, k: int) -> int:
@@ -49,7 +61,7 @@ def generate_samples(
         for j in range(n_samples):
             k = g * n_samples + j
             sp = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=request_seed(seed, rollout, k))
-            requests.append(GenerateRequest(list(ids), sp, max_new_tokens=max_new_tokens, return_sampling_mask=capture))
+            requests.append(validate_request(GenerateRequest(list(ids), sp, max_new_tokens=max_new_tokens, return_sampling_mask=capture), params.temperature, k))
     completions = backend.generate(requests)
     samples = []
     for k, (req, c) in enumerate(zip(requests, completions)):

@@ -182,6 +182,14 @@ class ChatCompletionIn(BaseModel):
         )
 
 
+class UpdateWeightVersionIn(BaseModel):
+    """SGLang's ``update_weight_version`` body."""
+
+    model_config = ConfigDict(extra="allow")
+
+    new_version: str
+
+
 class UpdateWeightsIn(BaseModel):
     """SGLang's ``update_weights_from_disk`` body; ``weight_version`` names the new weights."""
 

@@ -12,12 +12,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from .. import wire
+from .. import __version__, wire
 from ..engine import Engine
 from ..errors import EngineError, RequestError, SupportReplayError
 from ..protocol import Completion, GenerateRequest
 from . import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES
-from .schemas import ChatCompletionIn, GenerateIn, SamplingParamsIn, UpdateWeightsIn
+from .schemas import ChatCompletionIn, GenerateIn, SamplingParamsIn, UpdateWeightsIn, UpdateWeightVersionIn
 
 
 
@@ -107,6 +107,19 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
     async def health():
         return {"status": "ok", "running": engine.num_running, "waiting": engine.num_waiting}
 
+    started = int(time.time())
+
+    @app.get("/v1/models")
+    async def models():
+        # what OpenAI clients ask first; smg registers a worker only after a probe answers
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started, "owned_by": "support-replay", "root": model_name}]}
+
+    # SGLang's /server_info and no /version: smg 1.13 takes a worker with /version for vLLM
+    # and one with /server_info alone for SGLang, whose protocol this server speaks
+    @app.get("/server_info")
+    async def server_info():
+        return {**(await model_info()), "version": __version__, "max_batch_size": engine.max_batch_size}
+
     @app.get("/model_info")
     async def model_info():
         return {
@@ -180,6 +193,12 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         body = await parse(request, UpdateWeightsIn)
         version = await asyncio.wrap_future(engine.update_weights_from_disk(body.model_path, body.weight_version))
         return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        body = await parse(request, UpdateWeightVersionIn)
+        version = await asyncio.wrap_future(engine.update_weight_version(body.new_version))
+        return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
 
     @app.post("/flush_cache")
     async def flush_cache():

@@ -54,6 +54,11 @@ def latest_checkpoint(directory: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def saved_rollout(path: Path) -> int:
+    """How many rollouts the checkpoint at ``path`` had trained."""
+    return int(json.loads((Path(path) / "state.json").read_text())["rollout"])
+
+
 def load_checkpoint(path: Path, actor) -> dict:
     """Load model, optimizer and RNG on every rank; returns the saved state.json."""
     actor.load_full_state_dict(load_file(str(path / "model.safetensors")))

@@ -1,8 +1,11 @@
-"""``--ci-test``: the trainer's log-prob of every token against the log mu the engine recorded.
+"""Checks of a rollout before it trains.
 
-Run on every rollout before its first optimizer step, on the scores of the ratio's own
-path. In true-on-policy mode the tolerance is 0: one token that differs in its last bit
-fails the run.
+- ``check_policy_lag``: every token was sampled by weights the trainer pushed, at most
+  ``--max-policy-lag`` pushes ago.
+- ``compare_with_rollout`` (``--ci-test``): the trainer's log-prob of every token against the
+  log mu the engine recorded, on the scores of the ratio's own path, before the rollout's
+  first optimizer step. In true-on-policy mode the tolerance is 0: one token that differs in
+  its last bit fails the run.
 """
 
 from __future__ import annotations
@@ -10,8 +13,34 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import CITestError
+from ..errors import CITestError, PolicyLagError
+from ..protocol import versions_of
 from ..rollout.sample import Sample
+
+
+def check_policy_lag(rollout: int, samples: list[Sample], pushed: list[str], max_lag: int, engine: str) -> dict:
+    """Raise ``PolicyLagError`` naming the engine, the sample and the versions when a token was
+    sampled by weights older than ``max_lag`` pushes (``pushed``: the versions in push order,
+    the current one last) or by weights the trainer never pushed; returns the lag metrics."""
+    age = {version: len(pushed) - 1 - i for i, version in enumerate(pushed)}
+    worst = 0
+    for s in samples:
+        versions = versions_of(s.weight_versions)
+        if not versions:
+            raise PolicyLagError(
+                f"rollout {rollout}, sample {s.index}: {engine} reported no weight version, so the policy that "
+                "sampled it is unknown (vLLM's /v1/completions reports none unless /weight_info is mounted)"
+            )
+        unknown = [v for v in versions if v not in age]
+        stale = [v for v in versions if v in age and age[v] > max_lag]
+        if unknown or stale:
+            raise PolicyLagError(
+                f"rollout {rollout}, sample {s.index}: {engine} sampled it with weights {versions}, but the trainer "
+                f"pushed {pushed[-1]!r} last and --max-policy-lag={max_lag} allows "
+                f"{pushed[max(0, len(pushed) - 1 - max_lag):]}" + (f"; {unknown} were never pushed by this run" if unknown else "")
+            )
+        worst = max(worst, max(age[v] for v in versions))
+    return {"policy_lag_max": worst}
 
 
 def compare_with_rollout(rollout: int, samples: list[Sample], trainer_logp: list[torch.Tensor], *, tolerance: float, fail: bool) -> dict:

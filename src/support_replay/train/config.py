@@ -58,7 +58,11 @@ class RunConfig(BaseModel):
     rollout_seed: int = Field(42, description="seeds every rollout request (by rollout and sample index)")
     sampling_semantics: Literal["sglang", "vllm", "hf"] = Field("sglang", description="filter semantics of the embedded engine")
     sampling_mask_max_tokens: int = Field(DEFAULT_SAMPLING_MASK_MAX_TOKENS, ge=1, description="largest support the engine may capture")
-    rollout_url: str | None = Field(None, description="rollout through this engine/router URL (/generate) instead of the in-process engine")
+    rollout_url: str | None = Field(None, description="rollout through this engine/router URL instead of the in-process engine")
+    rollout_engine: Literal["sglang", "vllm"] = Field("sglang", description="protocol spoken at --rollout-url: sglang (SGLang, our serve and router, smg) or vllm")
+    vllm_endpoint: Literal["generate", "completions"] = Field("generate", description="vLLM endpoint: /inference/v1/generate (needs --enable-scale-out; reports weight versions) or /v1/completions")
+    vllm_capture: Literal["processed_logprobs", "native"] = Field("processed_logprobs", description="how vLLM reveals the support: processed log-probs (--logprobs-mode processed_logprobs) or its native sampling_mask (--return-sampling-mask)")
+    max_policy_lag: int = Field(0, ge=0, description="how many weight pushes old a sampled token may be; 0: every token from the weights just pushed")
     colocate: bool = Field(False, description="rollout engine in the trainer's process, weights synced in memory (the default without --rollout-url)")
     sampling_mask_format: Literal["binary", "lists"] = Field("binary", description="how --rollout-url engines send the support: our compact binary form (SGLang ignores the ask and sends lists), or id lists")
 
@@ -169,6 +173,10 @@ class RunConfig(BaseModel):
             bad("custom_rm_path", self.custom_rm_path, "expected 'module:function'")
         if self.rm_type is None and not self.custom_rm_path:
             bad("rm_type", None, "give a reward: --rm-type math or --custom-rm-path module:function")
+        if self.rollout_engine == "vllm" and not self.rollout_url:
+            bad("rollout_engine", "vllm", "needs --rollout-url of a running vLLM server (the in-process engine speaks for itself)")
+        if self.rollout_engine == "vllm" and self.true_on_policy_mode:
+            bad("rollout_engine", "vllm", "true-on-policy mode needs our batch-invariant engine (support-replay serve --deterministic)")
         if self.colocate and self.rollout_url:
             bad("colocate", True, f"the in-process engine and --rollout-url={self.rollout_url!r} exclude each other")
         if self.resume and not self.save:

@@ -1,7 +1,8 @@
 """The GRPO recipe with sampling-support replay, top to bottom.
 
-rollout -> plan micro-batches -> score before the update -> --ci-test -> advantages ->
-loss, backward, optimizer step (per global batch) -> weights to the engine -> metrics.
+rollout -> policy lag -> plan micro-batches -> score before the update -> --ci-test ->
+advantages -> loss, backward, optimizer step (per global batch) -> weights to the engine ->
+metrics.
 
 Under replay the policy ratio is computed on the support S_t the engine captured
 (docs/math.md); the full-vocabulary score rides along for KL and metrics.
@@ -17,14 +18,14 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from ..modeling.checkpoints import smollm2_checkpoint
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .checks import compare_with_rollout
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, saved_rollout
+from .checks import check_policy_lag, compare_with_rollout
 from .config import RunConfig
 from .dist import broadcast_object, close_distributed, init_distributed
 from .learner import Learner, UpdateMetrics
 from .metrics import MetricsLog, rollout_metrics
 from .rollouts import Rollouts
-from .weights import WeightSync
+from .weights import make_weight_sync
 
 
 def policy_version(updates: int) -> str:
@@ -52,15 +53,18 @@ class Timings(dict):
 def _run(cfg: RunConfig, ctx) -> list[dict]:
     checkpoint = broadcast_object(Path(cfg.hf_checkpoint) if cfg.hf_checkpoint else (smollm2_checkpoint() if ctx.is_main else None), ctx)
     learner = Learner(cfg, ctx, checkpoint)
-    rollouts = Rollouts(cfg, ctx, checkpoint, AutoTokenizer.from_pretrained(checkpoint), learner.vocab_size)
+    found = latest_checkpoint(Path(cfg.save)) if cfg.resume else None
+    start = saved_rollout(found) if found is not None else 0
+    pushed = [policy_version(start)]  # weight versions in push order, the engine's current one last
+    rollouts = Rollouts(cfg, ctx, checkpoint, AutoTokenizer.from_pretrained(checkpoint), learner.vocab_size, pushed[-1])
+    if found is not None:
+        load_checkpoint(found, learner.actor)
     out = Path(cfg.output_dir)
     if ctx.is_main:
         cfg.save_effective(out)
-    sync = WeightSync(engine=rollouts.engine, url=cfg.rollout_url, staging=out / "weights") if ctx.is_main else None
-    start = 0
-    if cfg.resume and (found := latest_checkpoint(Path(cfg.save))) is not None:
-        start = load_checkpoint(found, learner.actor)["rollout"]
-        push(sync, learner, ctx, policy_version(start))  # the engine samples with the restored weights
+    sync = make_weight_sync(engine=rollouts.engine, url=cfg.rollout_url, rollout_engine=cfg.rollout_engine, staging=out / "weights") if ctx.is_main else None
+    if cfg.rollout_url or start:  # an engine of its own, or a resume: it samples with exactly these weights, so named
+        push(sync, learner, ctx, pushed[-1])
     log = MetricsLog(out, cfg.num_rollout, start, progress=cfg.progress, enabled=ctx.is_main)
     tolerance = 0.0 if cfg.true_on_policy_mode else cfg.ci_test_tolerance
 
@@ -68,6 +72,7 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
         t0, clock = time.perf_counter(), Timings()
         with clock("generate"):
             samples = rollouts.generate(r)  # every completion validated once, where it entered
+        lag = check_policy_lag(r, samples, pushed, cfg.max_policy_lag, rollouts.engine_name)
         steps = learner.plan(samples)  # micro-batches for every pass; supports padded once, on the device
         with clock("score"):
             old = learner.score_before_update(steps, len(samples))  # old log-probs (unless fused), reference
@@ -85,8 +90,9 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
                 per_step.append((result.sums, learner.optimizer_step()))
         update = UpdateMetrics.mean(per_step)
         with clock("sync"):
-            push(sync, learner, ctx, policy_version(r + 1))
-        row = {"rollout": r, **rollout_metrics(samples, old.logp, old.full, learner.replay), **check, **adv_stats, **asdict(update), **clock}
+            pushed.append(policy_version(r + 1))
+            push(sync, learner, ctx, pushed[-1])
+        row = {"rollout": r, **rollout_metrics(samples, old.logp, old.full, learner.replay), **lag, **check, **adv_stats, **asdict(update), **clock}
         if cfg.eval_interval and (r + 1) % cfg.eval_interval == 0:
             row.update(rollouts.evaluate(r))
         if cfg.save and cfg.save_interval and (r + 1) % cfg.save_interval == 0:
@@ -99,7 +105,7 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
     return log.rows
 
 
-def push(sync: WeightSync | None, learner: Learner, ctx, version: str) -> None:
+def push(sync, learner: Learner, ctx, version: str) -> None:
     """Gather the unsharded weights (every rank) and hand them to the engine as ``version`` (rank 0)."""
     state = learner.actor.full_state_dict()
     if ctx.is_main and sync is not None:

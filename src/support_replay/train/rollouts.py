@@ -27,7 +27,9 @@ def _require_deterministic(url: str) -> None:
 
 
 class Rollouts:
-    def __init__(self, cfg: RunConfig, ctx, checkpoint_path, tokenizer, vocab_size: int):
+    """``engine_name`` says where samples come from, for messages: the URL and its protocol, or "in-process engine"."""
+
+    def __init__(self, cfg: RunConfig, ctx, checkpoint_path, tokenizer, vocab_size: int, weight_version: str):
         self.cfg, self.ctx, self.tokenizer = cfg, ctx, tokenizer
         self.replay = cfg.use_sampling_support_replay
         self.params = SamplingParams(temperature=cfg.rollout_temperature, top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, min_p=cfg.rollout_min_p)
@@ -35,9 +37,14 @@ class Rollouts:
         self.eval_prompts = load_prompts(cfg.eval_prompt_data, cfg.input_key, cfg.label_key, seed=cfg.seed + 1) if cfg.eval_interval else None
         self.reward_fn = load_reward(cfg.rm_type, cfg.custom_rm_path)
         self.engine = self.backend = None
+        self.engine_name = f"{cfg.rollout_engine} engine at {cfg.rollout_url}" if cfg.rollout_url else "in-process engine"
         if not ctx.is_main:
             return
-        if cfg.rollout_url:
+        if cfg.rollout_url and cfg.rollout_engine == "vllm":
+            from ..backends.vllm import VLLMBackend
+
+            self.backend = VLLMBackend(cfg.rollout_url, vocab_size, endpoint=cfg.vllm_endpoint, capture=cfg.vllm_capture)
+        elif cfg.rollout_url:
             from ..backends.sglang import SGLangBackend
 
             self.backend = SGLangBackend(cfg.rollout_url, vocab_size, sampling_mask_format=cfg.sampling_mask_format)
@@ -49,7 +56,7 @@ class Rollouts:
 
             self.engine = Engine.from_pretrained(
                 checkpoint_path, semantics=cfg.sampling_semantics, sampling_mask_max_tokens=cfg.sampling_mask_max_tokens,
-                seed=cfg.rollout_seed, deterministic=cfg.true_on_policy_mode,
+                seed=cfg.rollout_seed, deterministic=cfg.true_on_policy_mode, weight_version=weight_version,
             )
             self.backend = EngineBackend(self.engine)
 

@@ -1,4 +1,19 @@
-"""Weights out of the sharded actor: to the colocated engine, or to engines over HTTP."""
+"""Weights out of the actor into the rollout engine, under the version name the trainer gives them.
+
+- ``InProcessSync``: the colocated engine, tensors in memory.
+- ``SGLangSync``: our server, our router, SGLang or a router in front of them:
+  ``POST /update_weights_from_disk {"model_path", "weight_version"}`` (SGLang's route; our
+  router broadcasts it to every engine). smg 1.13 does not route it (404); with ``--enable-rl``
+  it fans it out as ``POST /v1/rl/engine/update_weights_from_disk?selector=engine=sglang``
+  (observed here), which the sync falls back to.
+- ``VLLMSync``: vLLM 0.32 on the CPU (docs/engines.md, observed on a running server): the
+  dev-mode routes of a server started with ``VLLM_SERVER_DEV_MODE=1``:
+  ``/pause?mode=wait`` (finish what runs, clear the prefix cache), ``/collective_rpc``
+  ``reload_weights`` from a directory, ``/update_weight_version``, ``/resume``.
+
+The HTTP syncs stage ``model.safetensors`` in a directory the engine can read (a shared
+filesystem); it is written beside its final name and renamed, never read half-written.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +27,8 @@ from safetensors.torch import save_file
 
 from ..errors import SupportReplayError
 
+SYNC_TIMEOUT = 600.0
+
 
 def save_safetensors(state: dict[str, torch.Tensor], directory: Path) -> Path:
     """Write ``model.safetensors`` atomically (tied weights are stored once per name)."""
@@ -22,24 +39,91 @@ def save_safetensors(state: dict[str, torch.Tensor], directory: Path) -> Path:
     return directory / "model.safetensors"
 
 
-class WeightSync:
-    """Push the actor's weights to the rollout engine(s) after each update."""
+def _post(url: str, path: str, what: str, **kwargs) -> httpx.Response:
+    try:
+        reply = httpx.post(url + path, timeout=SYNC_TIMEOUT, **kwargs)
+    except httpx.HTTPError as exc:
+        raise SupportReplayError(f"weight sync to {url}: {what} ({path}) failed: {type(exc).__name__}: {exc}") from exc
+    if reply.status_code != 200:
+        hint = ""
+        if reply.status_code == 404 and path in ("/collective_rpc", "/pause", "/update_weight_version"):
+            hint = "; start the vLLM server with VLLM_SERVER_DEV_MODE=1 so that it mounts its weight-reload routes"
+        raise SupportReplayError(f"weight sync to {url}: {what} ({path}) answered HTTP {reply.status_code}: {reply.text[:300]}{hint}")
+    return reply
 
-    def __init__(self, *, engine=None, url: str | None = None, staging: Path | None = None):
-        self.engine, self.url, self.staging = engine, url, staging
 
-    def push(self, state: dict[str, torch.Tensor], version: str) -> str | None:
-        """Load ``state`` into the engine(s) under the name ``version``; returns the version they report."""
-        if self.engine is not None:
-            return self.engine.update_weights(state, version).result()
-        if self.url is not None:
-            if self.staging.exists():
-                shutil.rmtree(self.staging)
-            save_safetensors(state, self.staging)
-            body = {"model_path": str(self.staging), "weight_version": version}
-            reply = httpx.post(self.url.rstrip("/") + "/update_weights_from_disk", json=body, timeout=600)
-            if reply.status_code != 200:
-                raise SupportReplayError(f"weight sync to {self.url} failed: HTTP {reply.status_code} {reply.text[:300]}")
-            body = reply.json()
-            return body.get("weight_version")
+class InProcessSync:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def push(self, state: dict[str, torch.Tensor], version: str) -> None:
+        self.engine.update_weights(state, version).result()
+
+
+class _StagedSync:
+    def __init__(self, url: str, staging: Path):
+        self.url, self.staging = url.rstrip("/"), Path(staging)
+
+    def stage(self, state: dict[str, torch.Tensor]) -> Path:
+        if self.staging.exists():
+            shutil.rmtree(self.staging)
+        save_safetensors(state, self.staging)
+        return self.staging
+
+
+SMG_FANOUT = "/v1/rl/engine/update_weights_from_disk"
+
+
+class SGLangSync(_StagedSync):
+    def push(self, state: dict[str, torch.Tensor], version: str) -> None:
+        body = {"model_path": str(self.stage(state)), "weight_version": version}
+        try:
+            reply = httpx.post(self.url + "/update_weights_from_disk", json=body, timeout=SYNC_TIMEOUT)
+        except httpx.HTTPError as exc:
+            raise SupportReplayError(f"weight sync to {self.url}: loading the weights failed: {type(exc).__name__}: {exc}") from exc
+        if reply.status_code == 404 and httpx.get(self.url + "/v1/rl/workers", timeout=30).status_code == 200:
+            return self._through_smg(body)  # smg: its RL control plane fans the call out
+        if reply.status_code == 404:
+            raise SupportReplayError(
+                f"weight sync to {self.url}: /update_weights_from_disk is not routed there (HTTP 404); "
+                "if it is smg, start it with --enable-rl so that its RL control plane can fan the call out"
+            )
+        if reply.status_code != 200:
+            raise SupportReplayError(f"weight sync to {self.url}: /update_weights_from_disk answered HTTP {reply.status_code}: {reply.text[:300]}")
+        _check_success(self.url, reply.json() if reply.content else {})
+
+    def _through_smg(self, body: dict) -> None:
+        reply = _post(self.url, SMG_FANOUT, "fanning the weights out through smg", params={"selector": "engine=sglang"}, json=body)
+        results = reply.json().get("results") or {}
+        if not results:
+            raise SupportReplayError(f"weight sync to {self.url}: smg found no engine to load the weights into")
+        for worker, result in results.items():
+            if result.get("status") != 200:
+                raise SupportReplayError(f"weight sync to {self.url}: engine {result.get('url', worker)} answered HTTP {result.get('status')}: {str(result.get('body'))[:300]}")
+            _check_success(result.get("url", worker), result.get("body") or {})
+
+
+def _check_success(where: str, answer) -> None:
+    """SGLang answers 200 with ``success: false`` when it could not load; our router lists every engine."""
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise SupportReplayError(f"weight sync to {where}: the engine refused the weights: {str(answer)[:300]}")
+
+
+class VLLMSync(_StagedSync):
+    def push(self, state: dict[str, torch.Tensor], version: str) -> None:
+        path = self.stage(state)
+        _post(self.url, "/pause", "pausing generation", params={"mode": "wait"})
+        try:
+            _post(self.url, "/collective_rpc", "reloading the weights", json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+            _post(self.url, "/update_weight_version", "naming the weights", json={"new_version": version})
+        finally:
+            _post(self.url, "/resume", "resuming generation")
+
+
+def make_weight_sync(*, engine=None, url: str | None = None, rollout_engine: str = "sglang", staging: Path | None = None):
+    """The sync for the run's rollout engine: in-process, or over HTTP to an SGLang- or vLLM-speaking URL."""
+    if engine is not None:
+        return InProcessSync(engine)
+    if url is None:
         return None
+    return (VLLMSync if rollout_engine == "vllm" else SGLangSync)(url, staging)
