@@ -39,6 +39,7 @@ def test_defaults_are_the_demo_and_derive_replay():
     (["--kl-loss-coef", "0.1"], "--kl-loss-coef=0.1: has no effect without --use-kl-loss"),
     (["--use-tis", "--use-rollout-logprobs"], "--use-tis=True: with --use-rollout-logprobs the old policy is the rollout's own"),
     (["--save-interval", "2"], "--save-interval=2: needs --save"),
+    (["--rollout-top-p", "1", "--rollout-top-k", "-1", "--ci-test"], "--ci-test=True: compares the trainer's log-probs with the rollout log mu, which only replay captures"),
     (["--eval-prompt-data", "x.jsonl"], "--eval-prompt-data='x.jsonl': has no effect without --eval-interval"),
     (["--rollout-top-p", "1", "--rollout-top-k", "-1", "--rollout-frequency-penalty", "0.5"], "--rollout-frequency-penalty=0.5: the rollout engines do not apply penalties yet"),
     (["--resume"], "--resume=True: needs --save"),

@@ -77,6 +77,12 @@ def test_ci_test_passes_and_metrics_are_named_fields(tiny_checkpoint, tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["use_sampling_support_replay"] is True
 
 
+def test_without_replay_the_recipe_trains_on_full_vocabulary_scores(tiny_checkpoint, tmp_path):
+    rows = train(run_config(tiny_checkpoint, tmp_path, num_rollout=2, rollout_top_p=1.0, rollout_top_k=-1, ci_test=False))
+    assert len(rows) == 2 and all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+    assert "replay_ratio_mean" not in rows[0] and "train_rollout_logprob_abs_diff_max" not in rows[0]
+
+
 # A fixed tiny run: 3 rollouts of 2 prompts x 4 samples, two optimizer steps each (the second
 # one off-policy, so its ratio and clipping move), lr 1e-3, an entropy bonus. Reviewed on the
 # project's CPU machine (2 cores, torch 2.13.0+cpu, fp32). A change that moves these numbers

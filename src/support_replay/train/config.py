@@ -156,6 +156,8 @@ class RunConfig(BaseModel):
                     else "the rollout engines do not apply penalties yet; rejected rather than silently ignored"
                 )
                 bad(name, getattr(self, name), why)
+        if self.ci_test and not replay:
+            bad("ci_test", True, "compares the trainer's log-probs with the rollout log mu, which only replay captures (rollout top_p < 1, top_k > 0 or min_p > 0)")
         if self.true_on_policy_mode and self.sampling_semantics == "hf":
             bad("sampling_semantics", "hf", "true-on-policy mode needs a deterministic sampler (sglang or vllm); hf ties depend on the batch")
         total = self.rollout_batch_size * self.n_samples_per_prompt
