@@ -58,9 +58,12 @@ def process(args: list[str], url: str, health: bool = True, timeout: float = 120
 
 
 def engine_process(checkpoint, *extra: str):
+    """``support-replay serve`` on a free port; weights load from anywhere under pytest's base
+    temporary directory (the checkpoint's parent), where the tests stage them."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = [sys.executable, "-m", "support_replay.cli", "serve", "--hf-checkpoint", str(checkpoint), "--port", str(port), *extra]
+    args = [sys.executable, "-m", "support_replay.cli", "serve", "--hf-checkpoint", str(checkpoint), "--port", str(port),
+            "--weights-dir", str(Path(checkpoint).parent), *extra]
     return process(args, url), url
 
 

@@ -7,6 +7,7 @@ from fastapi.testclient import TestClient
 
 from support_replay.backends.sglang import parse_meta_info
 from support_replay.engine import Engine
+from support_replay.serving.security import Keys
 from support_replay.serving.server import create_app
 
 
@@ -128,12 +129,12 @@ def test_malformed_bodies(client):
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3})
     assert r.status_code == 400
-    assert client.post("/update_weights_from_disk", json={"model_path": "/nonexistent"}).status_code == 400
+    assert client.post("/update_weights_from_disk", json={"model_path": "/nonexistent"}).status_code == 403  # no --weights-dir
     assert client.get("/health").status_code == 200  # still serving
 
 
 def test_api_key(engine):
-    with TestClient(create_app(engine, api_key="sekrit")) as c:
+    with TestClient(create_app(engine, keys=Keys(api="sekrit"))) as c:
         assert c.get("/health").status_code == 200
         assert c.get("/model_info").status_code == 401
         assert c.get("/model_info", headers={"Authorization": "Bearer sekrit"}).status_code == 200

@@ -19,6 +19,7 @@ import torch
 from . import SEMANTICS, SamplingParams, SupportReplayError, full_logprobs, sample_tokens, support_logprobs, wire
 from .losses import logprob_mismatch_metrics, support_size_metrics
 from .protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
+from .engine.limits import EngineLimits
 from .serving import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT
 
 
@@ -72,23 +73,46 @@ def _serve(args: argparse.Namespace) -> int:
     import logging
 
     from .engine import Engine
+    from .engine.limits import EngineLimits
+    from .serving.security import Keys
     from .serving.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    limits = EngineLimits(
+        max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, max_stop_strings=args.max_stop_strings,
+        max_stop_string_length=args.max_stop_string_length, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+    )
+    keys = _keys(args)
     engine = Engine.from_pretrained(
         args.hf_checkpoint,
         dtype=dtype,
         device=args.device,
         semantics=args.semantics,
         sampling_mask_max_tokens=args.sampling_mask_max_tokens,
-        max_batch_size=args.max_batch_size,
+        limits=limits,
         seed=args.seed,
         deterministic=args.deterministic,
     )
     print(f"support-replay engine: {args.hf_checkpoint} on http://{args.host}:{args.port}", flush=True)
-    serve(engine, args.host, args.port, api_key=args.api_key, max_request_bytes=args.max_request_bytes, model_name=str(args.hf_checkpoint))
+    serve(engine, args.host, args.port, keys=keys, max_request_bytes=args.max_request_bytes, model_name=str(args.hf_checkpoint),
+          weights_dir=args.weights_dir, allowed_hosts=args.allowed_host)
     return 0
+
+
+def _keys(args: argparse.Namespace):
+    from .serving.security import Keys
+
+    if getattr(args, "api_key", None):
+        print("support-replay: warning: --api-key shows in the process list; prefer --api-key-file or $SUPPORT_REPLAY_API_KEY", file=sys.stderr)
+    return Keys.load(args.api_key_file, args.admin_key_file, getattr(args, "api_key", None))
+
+
+def _add_key_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-key-file", default=None, help="generation routes need Authorization: Bearer KEY (also $SUPPORT_REPLAY_API_KEY)")
+    parser.add_argument("--admin-key-file", default=None, help="weight, version and cache routes need Authorization: Bearer KEY (also $SUPPORT_REPLAY_ADMIN_KEY)")
+    parser.add_argument("--allowed-host", action="append", default=None, help="Host header to answer (repeat; default: the loopback names when bound to loopback)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="largest request body, chunked or not (413 beyond)")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -112,7 +136,8 @@ def _router(args: argparse.Namespace) -> int:
     from .serving.router import run_router
 
     print(f"support-replay router on http://{args.host}:{args.port} over {len(args.engine)} engine(s)", flush=True)
-    run_router(args.engine, args.host, args.port, args.health_interval)
+    run_router(args.engine, args.host, args.port, args.health_interval, request_timeout=args.request_timeout, keys=_keys(args),
+               max_request_bytes=args.max_request_bytes, allowed_hosts=args.allowed_host)
     return 0
 
 
@@ -143,11 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=DEFAULT_ENGINE_PORT)
     srv.add_argument("--semantics", choices=SEMANTICS, default="sglang", help="filter semantics of the sampler")
     srv.add_argument("--sampling-mask-max-tokens", type=int, default=DEFAULT_SAMPLING_MASK_MAX_TOKENS, help="largest support a request may capture")
-    srv.add_argument("--max-batch-size", type=int, default=64)
+    defaults = EngineLimits()
+    srv.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help="sequences decoded together")
+    srv.add_argument("--max-queue", type=int, default=defaults.max_queue, help="requests waiting for a slot (503 with Retry-After beyond)")
+    srv.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="largest max_new_tokens a request may ask")
+    srv.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens, help="longest prompt (at most the model's context length)")
+    srv.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings)
+    srv.add_argument("--max-stop-string-length", type=int, default=defaults.max_stop_string_length)
+    srv.add_argument("--weights-dir", default=None, help="/update_weights_from_disk loads safetensors from under this directory only (off without it)")
     srv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     srv.add_argument("--device", default="cpu")
-    srv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
-    srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    srv.add_argument("--api-key", default=None, help="as --api-key-file, but visible in the process list")
+    _add_key_flags(srv)
     srv.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed of their own")
     srv.add_argument("--deterministic", action="store_true", help="batch-invariant forward: a sequence's logits do not depend on its batch (true-on-policy)")
     srv.set_defaults(func=_serve)
@@ -157,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--host", default="127.0.0.1")
     rt.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT)
     rt.add_argument("--health-interval", type=float, default=5.0)
+    rt.add_argument("--request-timeout", type=float, default=600.0, help="seconds one engine may take to answer; then the request goes elsewhere")
+    _add_key_flags(rt)
     rt.set_defaults(func=_router)
     return parser
 

@@ -44,6 +44,19 @@ class CapacityError(RequestError):
     """The realized support exceeded ``sampling_mask_max_tokens`` (HTTP 400, nothing committed)."""
 
 
+class OverloadedError(EngineError):
+    """The admission queue is full (HTTP 503); ``retry_after`` says when to try again, in seconds."""
+
+    status = 503
+    retry_after = 1
+
+
+class AbortedError(EngineError):
+    """The request was cancelled (its client went away) before it finished."""
+
+    status = 499
+
+
 # ---- training -----------------------------------------------------------------------
 
 

@@ -43,6 +43,7 @@ class GenerateRequest:
     return_sampling_mask: bool = False
     return_logprob: bool = False
     sampling_logprobs_mode: Literal["selected", "support"] = "selected"
+    rid: str | None = None  # idempotency key: the same id (with the same seed) is answered once
 
     def __post_init__(self):
         if not self.input_ids:
@@ -52,6 +53,8 @@ class GenerateRequest:
             raise RequestError(f"input_ids: {bad!r} is not a token id")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise RequestError(f"max_new_tokens: must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.rid is not None and (not isinstance(self.rid, str) or not 0 < len(self.rid) <= 256):
+            raise RequestError(f"rid: must be a string of 1 to 256 characters, got {self.rid!r:.80}")
         if self.sampling_logprobs_mode not in LOGPROBS_MODES:
             raise RequestError(f"sampling_logprobs_mode: must be one of {LOGPROBS_MODES}, got {self.sampling_logprobs_mode!r}")
 

@@ -55,8 +55,8 @@ class SamplingParams:
             raise SamplingParamsError(f"top_p: must be in (0, 1], got {p!r}")
         if not isinstance(mp, (int, float)) or not (0 <= mp <= 1):
             raise SamplingParamsError(f"min_p: must be in [0, 1], got {mp!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise SamplingParamsError(f"seed: must be None or an integer >= 0, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise SamplingParamsError(f"seed: must be None or an integer in [0, 2**64), got {self.seed!r}")
         if t == 0 and self.replay_active:
             raise SamplingParamsError(
                 f"temperature: must be > 0 when a support filter is active (top_k={k}, top_p={p}, min_p={mp}); "

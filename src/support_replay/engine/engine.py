@@ -3,11 +3,16 @@
 Each iteration admits waiting requests (prefilled together, merged into the running
 batch), runs one decode step for every running sequence, samples through the replay core
 (capturing S_t and log mu only for rows that asked), and finishes sequences that hit
-EOS, a stop token, a stop string or their token budget. A request whose realized support
-exceeds the capacity fails alone with ``CapacityError``; nothing of it is returned.
-Requests and weight updates share one FIFO: an update applies once every request
-submitted before it has finished, and requests submitted after it run on the new weights
-(docs/engines.md).
+EOS, a stop token, a stop string or their token budget. Requests and weight updates share
+one FIFO: an update applies once every request submitted before it has finished, and
+requests submitted after it run on the new weights (docs/engines.md).
+
+One request never takes others down (docs/reliability.md): a request outside the limits is
+refused before it takes a slot (400), a full queue answers 503, and an error while admitting,
+prefilling, sampling or capturing one request fails that request alone, the rows batched with
+it going on as if it had not been there. A request whose realized support exceeds the capacity
+fails alone with ``CapacityError``; nothing of it is returned. A request id (``rid``) seen
+again while its first copy runs, or shortly after it finished, gets that copy's answer.
 """
 
 from __future__ import annotations
@@ -15,26 +20,37 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future
-from pathlib import Path
-
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from ..errors import CapacityError, EngineError, RequestError
+from ..errors import AbortedError, CapacityError, EngineError, OverloadedError, RequestError
 from ..logprobs import full_logprobs, support_logprobs
 from ..modeling.batch_invariant import make_batch_invariant
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest, single_version
 from ..sampling import sample_tokens
 from ..support import SupportTable
+from .limits import EngineLimits
 from .model_runner import KVBatch, ModelRunner, load_model_and_tokenizer
 
 log = logging.getLogger(__name__)
 
+FINISHED_RIDS_KEPT = 4096  # answers kept for a request id sent again (a client or router retry)
 
+
+@dataclass
+class EngineStats:
+    """Counters for /metrics, updated under the engine's lock."""
+
+    requests: dict = field(default_factory=lambda: {"ok": 0, "refused": 0, "overloaded": 0, "failed": 0, "aborted": 0})
+    generated_tokens: int = 0
+    capture_failures: int = 0
+    duplicates: int = 0
 
 @dataclass
 class _Sequence:
@@ -61,7 +77,7 @@ class Engine:
         *,
         semantics: str = "sglang",
         sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS,
-        max_batch_size: int = 64,
+        limits: EngineLimits | None = None,
         seed: int = 0,
         device: str = "cpu",
         deterministic: bool = False,
@@ -74,7 +90,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.semantics = semantics
         self.capacity = int(sampling_mask_max_tokens)
-        self.max_batch_size = int(max_batch_size)
+        self.context_length = getattr(model.config, "max_position_embeddings", None)
+        limits = limits or EngineLimits()
+        if self.context_length and limits.max_prompt_tokens > self.context_length:
+            limits = EngineLimits(**{**limits.to_json(), "max_prompt_tokens": int(self.context_length)})
+        self.limits = limits
         self.vocab_size = self.runner.vocab_size
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.weight_version = str(weight_version)
@@ -85,6 +105,16 @@ class Engine:
         self._batch: KVBatch | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards the queue count, the request ids, the aborts and the stats
+        self._queued = 0
+        self._by_rid: dict[str, Future] = {}  # in flight
+        self._finished: OrderedDict[str, Completion] = OrderedDict()
+        self._aborted: set[int] = set()  # ids of futures whose client went away
+        self.stats = EngineStats()
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.limits.max_batch_size
 
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, device: str = "cpu", **kwargs) -> Engine:
@@ -128,17 +158,41 @@ class Engine:
             raise RequestError(
                 f"top_k={k} exceeds sampling_mask_max_tokens={self.capacity}: the support could not be captured"
             )
+        self.limits.validate(request, self.context_length)
 
     def submit(self, request: GenerateRequest) -> Future:
-        """Queue a request; the future resolves to a ``Completion`` or raises ``EngineError``."""
+        """Queue a request; the future resolves to a ``Completion`` or raises ``EngineError``
+        (400 refused, 503 queue full, 4xx/5xx when it failed)."""
         future: Future = Future()
         try:
             self.validate(request)
         except EngineError as exc:
+            self._count("refused")
             future.set_exception(exc)
             return future
+        with self._lock:
+            if request.rid is not None:
+                if request.rid in self._finished:  # answered already: the same answer again
+                    self.stats.duplicates += 1
+                    future.set_result(self._finished[request.rid])
+                    return future
+                if request.rid in self._by_rid:  # running: share its answer
+                    self.stats.duplicates += 1
+                    return self._by_rid[request.rid]
+            if self._queued >= self.limits.max_queue:
+                self.stats.requests["overloaded"] += 1
+                future.set_exception(OverloadedError(f"the admission queue is full ({self.limits.max_queue} waiting); retry later"))
+                return future
+            self._queued += 1
+            if request.rid is not None:
+                self._by_rid[request.rid] = future
         self._inbox.put(("generate", request, future))
         return future
+
+    def abort(self, future: Future) -> None:
+        """The client of ``future`` went away: drop its request, waiting or running."""
+        with self._lock:
+            self._aborted.add(id(future))
 
     def generate(self, requests: list[GenerateRequest], timeout: float | None = None) -> list[Completion]:
         """Blocking convenience: submit all, wait for all (starts the loop if needed)."""
@@ -174,7 +228,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return self._inbox.qsize()
+        return self._queued
 
     # ---- the loop -----------------------------------------------------------------
 
@@ -183,11 +237,10 @@ class Engine:
         while not self._stop.is_set():
             try:
                 self.step(block=True)
-            except Exception as exc:  # never let the loop die: fail what was running
+            except Exception as exc:  # a decode step of the whole batch failed: never let the loop die
                 log.exception("engine step failed")
                 for seq in self._running:
-                    if not seq.future.done():
-                        seq.future.set_exception(EngineError(f"internal engine error: {exc}"))
+                    self._finish_failed(seq.request, seq.future, EngineError(f"internal engine error during decode: {exc}"), "decode")
                 self._running, self._batch = [], None
 
     def step(self, block: bool = False) -> None:
@@ -236,23 +289,53 @@ class Engine:
             if kind == "update":
                 self._update = (payload, future)
                 break
-            if future.set_running_or_notify_cancel():
+            with self._lock:
+                self._queued -= 1
+                aborted = id(future) in self._aborted
+            if aborted:
+                self._finish_failed(payload, future, AbortedError("the client went away before the request started"), "aborted")
+            elif future.set_running_or_notify_cancel():
                 taken.append((payload, future))
         return taken
 
     def _admit(self, admitted) -> None:
+        """Prefill the new requests together; one that fails (its seed, its prompt) fails alone."""
         seqs = []
         for request, future in admitted:
-            seed = request.params.seed
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
-            seqs.append(_Sequence(request, future, torch.Generator().manual_seed(seed), position=len(request.input_ids)))
-        new_batch, logits = self.runner.prefill([s.request.input_ids for s in seqs])
-        self._batch = self.runner.merge(self._batch, new_batch)
-        self._running.extend(seqs)
-        self._sample_and_advance(seqs, logits)
+            try:
+                seed = request.params.seed
+                if seed is None:
+                    seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+                seqs.append(_Sequence(request, future, torch.Generator().manual_seed(seed), position=len(request.input_ids)))
+            except Exception as exc:
+                self._finish_failed(request, future, exc, "admission")
+        if not seqs:
+            return
+        try:
+            groups = [(seqs, *self.runner.prefill([s.request.input_ids for s in seqs]))]
+        except Exception:
+            log.exception("prefill of %d requests failed; prefilling them one by one", len(seqs))
+            groups = []
+            for seq in seqs:
+                try:
+                    groups.append(([seq], *self.runner.prefill([seq.request.input_ids])))
+                except Exception as exc:
+                    self._finish_failed(seq.request, seq.future, exc, "prefill")
+        for group, batch, logits in groups:
+            self._batch = self.runner.merge(self._batch, batch)
+            self._running.extend(group)
+            self._sample_and_advance(group, logits)
 
     def _decode(self) -> None:
+        with self._lock:
+            gone = [s for s in self._running if id(s.future) in self._aborted]
+        for seq in gone:  # cancelled by their clients: stop spending steps on them
+            seq.finish_reason = {"type": "abort"}
+            self._finish_failed(seq.request, seq.future, AbortedError("the client went away"), "aborted")
+        if gone:
+            self._retire()
+            if not self._running:
+                return
         last = torch.tensor([s.output_ids[-1] for s in self._running])
         positions = torch.tensor([s.position for s in self._running])
         logits = self.runner.decode(self._batch, last, positions)
@@ -261,6 +344,37 @@ class Engine:
         self._sample_and_advance(self._running, logits)
 
     def _sample_and_advance(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+        """Sample one token for every sequence and record it; a row that fails fails its request alone."""
+        try:
+            steps = self._draw(seqs, logits)
+        except Exception:
+            log.exception("sampling %d rows failed; sampling them one by one", len(seqs))
+            steps = []
+            for row, seq in enumerate(seqs):
+                try:
+                    steps += self._draw([seq], logits[row : row + 1])
+                except Exception as exc:
+                    steps.append(exc)
+        for seq, step in zip(seqs, steps):
+            if isinstance(step, Exception):
+                seq.finish_reason = {"type": "abort"}
+                self._finish_failed(seq.request, seq.future, step, "capture" if isinstance(step, CapacityError) else "sampling")
+                continue
+            token, support, log_mu, full, row_logprobs = step
+            if support is not None:
+                seq.supports.append(support)
+                seq.log_mu.append(log_mu)
+                if row_logprobs is not None:
+                    seq.support_row_logprobs.append(row_logprobs)
+            if full is not None:
+                seq.full_logprobs.append(full)
+            seq.output_ids.append(token)
+            self._check_finished(seq, token)
+        self._retire()
+
+    def _draw(self, seqs: list[_Sequence], logits: torch.Tensor) -> list:
+        """Per row: ``(token, support ids, log mu, full log-prob, support-mode log-probs)``, or the
+        exception that row's capture raised."""
         out = sample_tokens(
             logits,
             [s.request.params for s in seqs],
@@ -272,28 +386,22 @@ class Engine:
         captured = dict(zip(out.captured.tolist(), range(len(out.captured))))
         sizes, offsets, ids = out.support.sizes(), out.support.offsets, out.support.ids
         log_mu, tokens = out.log_mu.tolist(), out.tokens.tolist()
+        steps = []
         for row, seq in enumerate(seqs):
-            token = tokens[row]
             i = captured.get(row)
+            support = lp = row_logprobs = None
             if i is not None:
                 if sizes[i] > self.capacity:
-                    seq.finish_reason = {"type": "abort"}
-                    seq.future.set_exception(
-                        CapacityError(
-                            f"realized support of {int(sizes[i])} tokens at output position {len(seq.output_ids)} "
-                            f"exceeds sampling_mask_max_tokens={self.capacity}; nothing of this request is returned"
-                        )
-                    )
+                    steps.append(CapacityError(
+                        f"realized support of {int(sizes[i])} tokens at output position {len(seq.output_ids)} "
+                        f"exceeds sampling_mask_max_tokens={self.capacity}; nothing of this request is returned"
+                    ))
                     continue
-                seq.supports.append(ids[offsets[i] : offsets[i + 1]])
-                seq.log_mu.append(log_mu[i])
+                support, lp = ids[offsets[i] : offsets[i + 1]], log_mu[i]
                 if seq.request.sampling_logprobs_mode == "support":
-                    seq.support_row_logprobs.append(self._support_row_logprobs(logits[row], seq.supports[-1], seq.request.params))
-            if full is not None and row in full:
-                seq.full_logprobs.append(full[row])
-            seq.output_ids.append(token)
-            self._check_finished(seq, token)
-        self._retire()
+                    row_logprobs = self._support_row_logprobs(logits[row], support, seq.request.params)
+            steps.append((tokens[row], support, lp, None if full is None else full.get(row), row_logprobs))
+        return steps
 
     @staticmethod
     def _support_row_logprobs(logits_row: torch.Tensor, row_ids: np.ndarray, params) -> np.ndarray:
@@ -334,9 +442,42 @@ class Engine:
             return
         for seq in self._running:
             if seq.finish_reason is not None and not seq.future.done():
-                seq.future.set_result(self._result(seq))
+                self._finish_ok(seq.request, seq.future, self._result(seq))
         self._running = [self._running[i] for i in keep]
         self._batch = self.runner.keep(self._batch, keep)
+
+    # ---- answers ------------------------------------------------------------------
+
+    def _finish_ok(self, request: GenerateRequest, future: Future, completion: Completion) -> None:
+        with self._lock:
+            self.stats.requests["ok"] += 1
+            self.stats.generated_tokens += completion.num_tokens
+            if request.rid is not None:
+                self._by_rid.pop(request.rid, None)
+                self._finished[request.rid] = completion
+                while len(self._finished) > FINISHED_RIDS_KEPT:
+                    self._finished.popitem(last=False)
+            self._aborted.discard(id(future))
+        future.set_result(completion)
+
+    def _finish_failed(self, request: GenerateRequest, future: Future, exc: Exception, where: str) -> None:
+        """Fail one request, naming where; an unexpected error becomes a 500 that says so."""
+        if not isinstance(exc, EngineError):
+            log.warning("request failed at %s: %s", where, exc)
+            exc = EngineError(f"the request failed during {where}: {type(exc).__name__}: {exc}")
+        with self._lock:
+            kind = "aborted" if isinstance(exc, AbortedError) else "failed"
+            self.stats.requests[kind] += 1
+            self.stats.capture_failures += isinstance(exc, CapacityError)
+            if request.rid is not None:
+                self._by_rid.pop(request.rid, None)
+            self._aborted.discard(id(future))
+        if not future.done():
+            future.set_exception(exc)
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.stats.requests[kind] += 1
 
     def _result(self, seq: _Sequence) -> Completion:
         req = seq.request

@@ -1,11 +1,14 @@
 """A router over engines that forwards raw request bodies.
 
 Bytes in, bytes out: fields the router knows nothing about (``return_sampling_mask``,
-``sampling_logprobs_mode``, ...) reach the engine untouched, and the engine's response
+``sampling_logprobs_mode``, ``rid``, ...) reach the engine untouched, and the engine's response
 comes back as it was sent. Requests go to the healthy engine with the fewest outstanding
-requests; an engine that fails before answering (connection refused or dropped) is marked
-down and the request is retried on another one. Weight updates and cache flushes are
-broadcast to every engine. Health is checked periodically.
+requests; an engine that fails before answering (connection refused or dropped, or no answer
+within the request timeout) is marked down and the request is retried on another one with the
+same body, so the same ``rid`` and seed (an engine answers a repeated ``rid`` once). Weight
+updates, version changes and cache flushes are broadcast to every engine, with the admin key.
+Health is checked periodically. The body limit, the JSON-only rule and the Host check are the
+engine server's (``security.py``); ``/metrics`` counts answers, retries and unserved requests.
 """
 
 from __future__ import annotations
@@ -18,14 +21,20 @@ from dataclasses import dataclass
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from . import DEFAULT_ROUTER_PORT
+from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT
+from .metrics import render_router_metrics
+from .security import BodyLimit, JSONOnly, Keys
 
 log = logging.getLogger(__name__)
 
-BROADCAST_PATHS = ("/update_weights_from_disk", "/flush_cache")
-_FORWARD_HEADERS = ("content-type", "authorization", "accept")
-_RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectTimeout)
+BROADCAST_PATHS = ("/update_weights_from_disk", "/update_weight_version", "/flush_cache")
+OPEN_PATHS = ("/health", "/metrics")
+DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds for one engine to answer one request
+_FORWARD_HEADERS = ("content-type", "accept")
+_RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.TimeoutException)
 
 
 @dataclass
@@ -38,13 +47,17 @@ class Worker:
 
 
 class Router:
-    def __init__(self, engine_urls: list[str], health_interval: float = 5.0, request_timeout: float | None = None):
+    def __init__(self, engine_urls: list[str], health_interval: float = 5.0, request_timeout: float = DEFAULT_REQUEST_TIMEOUT, keys: Keys | None = None):
         if not engine_urls:
             raise ValueError("router: at least one --engine URL is needed")
         self.workers = [Worker(u.rstrip("/")) for u in engine_urls]
         self.health_interval = health_interval
         self.timeout = httpx.Timeout(request_timeout, connect=5.0)
+        self.keys = keys or Keys()  # checked on the way in, and sent on to the engines
         self.client: httpx.AsyncClient | None = None
+        self.answered: dict[tuple[str, int], int] = {}
+        self.retries = 0
+        self.unserved = 0
 
     def pick(self, exclude: set[str]) -> Worker | None:
         candidates = [w for w in self.workers if w.healthy and w.url not in exclude]
@@ -56,10 +69,12 @@ class Router:
         tried: set[str] = set()
         last_error = "no engine configured"
         while (worker := self.pick(tried)) is not None:
+            if tried:
+                self.retries += 1
             tried.add(worker.url)
             worker.outstanding += 1
             try:
-                reply = await self.client.request(method, worker.url + path, content=body, headers=headers)
+                reply = await self.client.request(method, worker.url + path, content=body, headers={**headers, **self.keys.header(admin=False)})
             except _RETRYABLE as exc:
                 worker.healthy, worker.failures = False, worker.failures + 1
                 last_error = f"{worker.url}: {type(exc).__name__}: {exc}"
@@ -68,13 +83,17 @@ class Router:
             finally:
                 worker.outstanding -= 1
             worker.served += 1
-            return Response(reply.content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
-        return JSONResponse({"error": {"message": f"no engine could serve the request ({last_error})", "code": 503}}, status_code=503)
+            key = (worker.url, reply.status_code)
+            self.answered[key] = self.answered.get(key, 0) + 1
+            headers_out = {"Retry-After": reply.headers["retry-after"]} if "retry-after" in reply.headers else None
+            return Response(reply.content, status_code=reply.status_code, media_type=reply.headers.get("content-type"), headers=headers_out)
+        self.unserved += 1
+        return JSONResponse({"error": {"message": f"no engine could serve the request ({last_error})", "code": 503}}, status_code=503, headers={"Retry-After": "1"})
 
     async def broadcast(self, method: str, path: str, body: bytes, headers: dict) -> Response:
         async def one(w: Worker):
             try:
-                r = await self.client.request(method, w.url + path, content=body, headers=headers)
+                r = await self.client.request(method, w.url + path, content=body, headers={**headers, **self.keys.header(admin=True)})
                 return {"engine": w.url, "status": r.status_code, "body": _json_or_text(r)}
             except httpx.HTTPError as exc:
                 w.healthy = False
@@ -107,7 +126,7 @@ def _json_or_text(reply: httpx.Response):
         return reply.text
 
 
-def create_router_app(router: Router) -> FastAPI:
+def create_router_app(router: Router, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_hosts: list[str] | None = None):
     @asynccontextmanager
     async def lifespan(_app):
         router.client = httpx.AsyncClient(timeout=router.timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
@@ -120,6 +139,18 @@ def create_router_app(router: Router) -> FastAPI:
             await router.client.aclose()
 
     app = FastAPI(title="support-replay router", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        path = request.url.path
+        if path not in OPEN_PATHS and not router.keys.allows(request.headers.get("authorization"), admin=path in BROADCAST_PATHS):
+            which = "admin" if path in BROADCAST_PATHS else "API"
+            return JSONResponse({"error": {"message": f"missing or wrong {which} key (Authorization: Bearer ...)", "code": 401}}, status_code=401)
+        return await call_next(request)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(render_router_metrics(router), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health():
@@ -139,10 +170,16 @@ def create_router_app(router: Router) -> FastAPI:
             return await router.broadcast(request.method, target, body, headers)
         return await router.forward(request.method, target, body, headers)
 
-    return app
+    return BodyLimit(TrustedHostMiddleware(JSONOnly(app), allowed_hosts=allowed_hosts or ["*"]), max_request_bytes)
 
 
-def run_router(engine_urls: list[str], host: str = "127.0.0.1", port: int = DEFAULT_ROUTER_PORT, health_interval: float = 5.0) -> None:
+def run_router(engine_urls: list[str], host: str = "127.0.0.1", port: int = DEFAULT_ROUTER_PORT, health_interval: float = 5.0, *,
+               request_timeout: float = DEFAULT_REQUEST_TIMEOUT, keys: Keys | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               allowed_hosts: list[str] | None = None) -> None:
     import uvicorn
 
-    uvicorn.run(create_router_app(Router(engine_urls, health_interval)), host=host, port=port, log_level="warning")
+    from .server import allowed_hosts_for
+
+    router = Router(engine_urls, health_interval, request_timeout, keys)
+    app = create_router_app(router, max_request_bytes=max_request_bytes, allowed_hosts=allowed_hosts_for(host, allowed_hosts))
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -51,7 +51,7 @@ class SamplingParamsIn(BaseModel):
             data = {k: v for k, v in data.items() if k != "sampling_seed"} | {"seed": data["sampling_seed"]}
         return data
 
-    def to_request(self, input_ids: list[int], *, return_sampling_mask: bool, return_logprob: bool, sampling_logprobs_mode: str) -> GenerateRequest:
+    def to_request(self, input_ids: list[int], *, return_sampling_mask: bool, return_logprob: bool, sampling_logprobs_mode: str, rid: str | None = None) -> GenerateRequest:
         unsupported = {
             "frequency_penalty": (self.frequency_penalty, 0.0),
             "presence_penalty": (self.presence_penalty, 0.0),
@@ -83,14 +83,16 @@ class SamplingParamsIn(BaseModel):
             return_sampling_mask=return_sampling_mask,
             return_logprob=return_logprob,
             sampling_logprobs_mode=sampling_logprobs_mode,
+            rid=rid,
         )
 
 
 class GenerateIn(BaseModel):
     """SGLang ``/generate``: one prompt or a batch, as text or token ids."""
 
-    model_config = ConfigDict(extra="allow")  # rid, stream=false, ... are accepted and ignored
+    model_config = ConfigDict(extra="allow")  # fields of SGLang's we do not use are accepted and ignored
 
+    rid: str | list[str] | None = None  # idempotency key(s): a repeated id gets the first answer
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SamplingParamsIn | list[SamplingParamsIn] | None = None

@@ -6,18 +6,25 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from .. import __version__, wire
 from ..engine import Engine
-from ..errors import EngineError, RequestError, SupportReplayError
+from ..errors import EngineError, OverloadedError, RequestError, SupportReplayError
 from ..protocol import Completion, GenerateRequest
 from . import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES
+from .metrics import render_metrics
 from .schemas import ChatCompletionIn, GenerateIn, SamplingParamsIn, UpdateWeightsIn, UpdateWeightVersionIn
+from .security import LOOPBACK_HOSTS, BodyLimit, JSONOnly, Keys
+
+DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there
 
 
 
@@ -62,20 +69,30 @@ def meta_info(completion: Completion, request: GenerateRequest, *, sampling_mask
     return meta
 
 
-def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, model_name: str = "support-replay") -> FastAPI:
+ADMIN_PATHS = ("/update_weights_from_disk", "/update_weight_version", "/flush_cache")
+OPEN_PATHS = ("/health", "/metrics")
+
+
+def create_app(
+    engine: Engine,
+    *,
+    keys: Keys | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    model_name: str = "support-replay",
+    weights_dir: str | Path | None = None,
+    allowed_hosts: list[str] | None = None,
+):
+    """The ASGI app: FastAPI routes inside the Host check, the body limit and the JSON-only rule."""
+    keys = keys or Keys()
+    weights_dir = Path(weights_dir).resolve() if weights_dir else None
     app = FastAPI(title="support-replay engine")
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
-        declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > max_request_bytes):
-            return _error(413, f"request body larger than {max_request_bytes} bytes")
-        body = await request.body()
-        if len(body) > max_request_bytes:
-            return _error(413, f"request body larger than {max_request_bytes} bytes")
+        path = request.url.path
+        if path not in OPEN_PATHS and not keys.allows(request.headers.get("authorization"), admin=path in ADMIN_PATHS):
+            which = "admin" if path in ADMIN_PATHS else "API"
+            return _error(401, f"missing or wrong {which} key (Authorization: Bearer ...)", "authentication_error")
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
@@ -84,7 +101,10 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
 
     @app.exception_handler(EngineError)
     async def on_engine_error(_, exc: EngineError):
-        return _error(exc.status, str(exc), "invalid_request_error" if exc.status < 500 else "server_error")
+        response = _error(exc.status, str(exc), "invalid_request_error" if exc.status < 500 else "server_error")
+        if isinstance(exc, OverloadedError):
+            response.headers["Retry-After"] = str(exc.retry_after)
+        return response
 
     async def parse(request: Request, model):
         try:
@@ -92,13 +112,19 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         except ValidationError as exc:
             raise RequestError(_validation_message(exc)) from exc
 
-    async def run(requests) -> list[Completion]:
-        futures = [asyncio.wrap_future(engine.submit(r)) for r in requests]
-        results = await asyncio.gather(*futures, return_exceptions=True)
-        for r in results:
+    async def run(requests, http_request: Request) -> list[Completion]:
+        """Submit, wait, and drop the requests from the engine if the client goes away meanwhile."""
+        futures = [engine.submit(r) for r in requests]
+        answers = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True))
+        while not answers.done():
+            await asyncio.wait({answers}, timeout=DISCONNECT_POLL)
+            if not answers.done() and await http_request.is_disconnected():
+                for f in futures:
+                    engine.abort(f)
+        for r in answers.result():
             if isinstance(r, BaseException):
                 raise r if isinstance(r, SupportReplayError) else EngineError(f"internal engine error: {r}")
-        return results
+        return answers.result()
 
     def tokenize_prompt(text: str) -> list[int]:
         return engine.tokenizer(text)["input_ids"]
@@ -106,6 +132,10 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
     @app.get("/health")
     async def health():
         return {"status": "ok", "running": engine.num_running, "waiting": engine.num_waiting}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(render_metrics(engine), media_type=CONTENT_TYPE_LATEST)
 
     started = int(time.time())
 
@@ -118,7 +148,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
     # and one with /server_info alone for SGLang, whose protocol this server speaks
     @app.get("/server_info")
     async def server_info():
-        return {**(await model_info()), "version": __version__, "max_batch_size": engine.max_batch_size}
+        return {**(await model_info()), "version": __version__}
 
     @app.get("/model_info")
     async def model_info():
@@ -130,6 +160,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
             "sampling_mask_max_tokens": engine.capacity,
             "weight_version": engine.weight_version,
             "deterministic": engine.deterministic,
+            "limits": engine.limits.to_json(),
         }
 
     @app.post("/generate")
@@ -143,11 +174,16 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         rl = body.return_logprob if isinstance(body.return_logprob, list) else [body.return_logprob] * len(prompts)
         if len(sps) != len(prompts) or len(rl) != len(prompts):
             raise RequestError(f"sampling_params / return_logprob: {len(sps)} / {len(rl)} entries for {len(prompts)} prompts")
+        rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
+        if len(rids) != len(prompts) or (body.rid is not None and not body.batched and isinstance(body.rid, list)):
+            raise RequestError(f"rid: {len(rids)} ids for {len(prompts)} prompts")
+        if body.batched and isinstance(body.rid, str):
+            rids = [f"{body.rid}-{i}" for i in range(len(prompts))]  # SGLang's rule for one id over a batch
         reqs = [
-            s.to_request(p, return_sampling_mask=body.return_sampling_mask, return_logprob=r, sampling_logprobs_mode=body.sampling_logprobs_mode)
-            for p, s, r in zip(prompts, sps, rl)
+            s.to_request(p, return_sampling_mask=body.return_sampling_mask, return_logprob=r, sampling_logprobs_mode=body.sampling_logprobs_mode, rid=i)
+            for p, s, r, i in zip(prompts, sps, rl, rids)
         ]
-        results = await run(reqs)
+        results = await run(reqs, request)
         out = [
             {
                 "text": res.text,
@@ -168,7 +204,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
             raise RequestError(f"messages: the chat template could not render them: {exc}") from exc
         ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         req = body.sampling().to_request(ids, return_sampling_mask=body.return_sampling_mask, return_logprob=body.logprobs, sampling_logprobs_mode=body.sampling_logprobs_mode)
-        res = (await run([req]))[0]
+        res = (await run([req], request))[0]
         finish = "length" if res.finish_reason["type"] == "length" else "stop"
         choice = {"index": 0, "message": {"role": "assistant", "content": res.text}, "finish_reason": finish}
         if body.logprobs:
@@ -191,7 +227,12 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
     @app.post("/update_weights_from_disk")
     async def update_weights(request: Request):
         body = await parse(request, UpdateWeightsIn)
-        version = await asyncio.wrap_future(engine.update_weights_from_disk(body.model_path, body.weight_version))
+        path = Path(body.model_path).resolve()
+        if weights_dir is None:
+            return _error(403, "weight loading is off: start the server with --weights-dir DIR to load safetensors from under DIR")
+        if not path.is_relative_to(weights_dir):
+            return _error(403, f"model_path {body.model_path!r} is not under the weights directory {str(weights_dir)!r}")
+        version = await asyncio.wrap_future(engine.update_weights_from_disk(path, body.weight_version))
         return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version}
 
     @app.post("/update_weight_version")
@@ -205,7 +246,8 @@ def create_app(engine: Engine, *, api_key: str | None = None, max_request_bytes:
         # The engine keeps no prefix cache between requests: there is nothing stale to drop.
         return {"success": True, "message": "no prefix cache to flush"}
 
-    return app
+    hosts = allowed_hosts or ["*"]
+    return BodyLimit(TrustedHostMiddleware(JSONOnly(app), allowed_hosts=hosts), max_request_bytes)
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_ENGINE_PORT, **kwargs) -> None:
@@ -213,6 +255,16 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_ENGINE_PO
 
     engine.start()
     try:
-        uvicorn.run(create_app(engine, **kwargs), host=host, port=port, log_level="warning")
+        uvicorn.run(create_app(engine, allowed_hosts=allowed_hosts_for(host, kwargs.pop("allowed_hosts", None)), **kwargs),
+                    host=host, port=port, log_level="warning")
     finally:
         engine.shutdown()
+
+
+def allowed_hosts_for(host: str, given: list[str] | None) -> list[str]:
+    """Host headers a server bound to ``host`` answers: the loopback names when it is loopback-only."""
+    if given:
+        return given
+    if host in ("0.0.0.0", "::"):
+        return ["*"]
+    return sorted({*LOOPBACK_HOSTS, host})

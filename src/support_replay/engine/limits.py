@@ -1,0 +1,48 @@
+"""What one engine accepts: bounds on every request and on its queue, checked before a request
+takes a slot, reported by ``/model_info``. A request outside them gets a 400 naming the field; a
+full queue answers 503."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..errors import RequestError
+from ..protocol import GenerateRequest
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_new_tokens: int = 4096
+    max_prompt_tokens: int = 32768  # lowered to the model's context length by the engine
+    max_stop_strings: int = 16
+    max_stop_string_length: int = 256
+    max_stop_token_ids: int = 64
+    max_batch_size: int = 64  # sequences decoded together
+    max_queue: int = 256  # requests waiting for a slot; beyond it: 503
+
+    def __post_init__(self):
+        for name, value in asdict(self).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def validate(self, request: GenerateRequest, context_length: int | None) -> None:
+        """Raise ``RequestError`` naming the field when ``request`` is outside the limits."""
+        n = len(request.input_ids)
+        if n > self.max_prompt_tokens:
+            raise RequestError(f"input_ids: {n} prompt tokens exceed the limit of {self.max_prompt_tokens}")
+        if request.max_new_tokens > self.max_new_tokens:
+            raise RequestError(f"max_new_tokens: {request.max_new_tokens} exceeds the limit of {self.max_new_tokens}")
+        if context_length is not None and n + request.max_new_tokens > context_length:
+            raise RequestError(
+                f"max_new_tokens: {n} prompt tokens + {request.max_new_tokens} new tokens exceed the context length {context_length}"
+            )
+        if len(request.stop) > self.max_stop_strings:
+            raise RequestError(f"stop: {len(request.stop)} stop strings exceed the limit of {self.max_stop_strings}")
+        long = next((s for s in request.stop if len(s) > self.max_stop_string_length), None)
+        if long is not None:
+            raise RequestError(f"stop: a stop string of {len(long)} characters exceeds the limit of {self.max_stop_string_length}")
+        if len(request.stop_token_ids) > self.max_stop_token_ids:
+            raise RequestError(f"stop_token_ids: {len(request.stop_token_ids)} ids exceed the limit of {self.max_stop_token_ids}")

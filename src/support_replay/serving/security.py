@@ -1,0 +1,126 @@
+"""What the engine server and the router refuse before a handler runs (docs/reliability.md).
+
+- ``BodyLimit``: an ASGI middleware that counts the bytes of a request body as they arrive,
+  chunked or not, and answers 413 as soon as the limit is passed (nothing beyond it is read).
+- ``JSONOnly``: mutating routes take ``application/json`` only (415 otherwise), so a web page
+  cannot post a "simple" ``text/plain`` request across origins.
+- Host checking is starlette's ``TrustedHostMiddleware`` (``allowed_hosts``).
+- ``Keys``: a generation key and an admin key, from an environment variable or a file (a flag
+  value would show in ``ps``), compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+API_KEY_ENV = "SUPPORT_REPLAY_API_KEY"
+ADMIN_KEY_ENV = "SUPPORT_REPLAY_ADMIN_KEY"
+LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
+
+
+async def _send_error(send: Send, status: int, message: str, headers: list | None = None) -> None:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    """413 once a body passes ``max_bytes``, whether it declared its length or arrived chunked.
+
+    Past the limit the 413 goes out at once, the application sees the client disconnect, and
+    whatever it would still send is dropped: nothing more of the body is read.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, int(max_bytes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            return await _send_error(send, 413, f"request body larger than {self.max_bytes} bytes")
+        seen, refused = 0, False
+
+        async def counting() -> Message:
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    refused = True
+                    await _send_error(send, 413, f"request body larger than {self.max_bytes} bytes")
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded(message: Message) -> None:
+            if not refused:
+                await send(message)
+
+        try:
+            await self.app(scope, counting, guarded)
+        except Exception:  # the app reacting to the disconnect we made up: the 413 is out already
+            if not refused:
+                raise
+
+
+class JSONOnly:
+    """415 for a POST whose content type is not ``application/json``.
+
+    A POST with neither a body nor a content type (``/flush_cache`` as SGLang clients call it)
+    passes: there is nothing in it for a handler to read.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = dict(scope.get("headers") or [])
+            ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            empty = b"content-type" not in headers and headers.get(b"content-length", b"0") == b"0" and b"transfer-encoding" not in headers
+            if ctype != b"application/json" and not empty:
+                return await _send_error(send, 415, f"content-type must be application/json, got {ctype.decode(errors='replace') or 'none'}")
+        return await self.app(scope, receive, send)
+
+
+def read_key(env: str, file: str | None) -> str | None:
+    """A key from ``file`` (first line) or the environment variable ``env``; None when neither is set."""
+    if file:
+        text = Path(file).read_text().strip()
+        if not text:
+            raise ValueError(f"key file {file} is empty")
+        return text
+    return os.environ.get(env) or None
+
+
+@dataclass(frozen=True)
+class Keys:
+    """``api`` guards generation, ``admin`` guards weights, cache and version routes."""
+
+    api: str | None = None
+    admin: str | None = None
+
+    @classmethod
+    def load(cls, api_key_file: str | None = None, admin_key_file: str | None = None, api_key: str | None = None) -> Keys:
+        return cls(api=api_key or read_key(API_KEY_ENV, api_key_file), admin=read_key(ADMIN_KEY_ENV, admin_key_file))
+
+    def allows(self, authorization: str | None, *, admin: bool) -> bool:
+        """Constant-time comparison of ``Authorization: Bearer KEY`` with the key the route needs."""
+        needed = self.admin if admin else self.api
+        if needed is None:
+            return True
+        given = (authorization or "").removeprefix("Bearer ").encode()
+        return hmac.compare_digest(given, needed.encode())
+
+    def header(self, *, admin: bool) -> dict:
+        key = self.admin if admin else self.api
+        return {"Authorization": f"Bearer {key}"} if key else {}
