@@ -180,3 +180,92 @@ def test_metrics_count_outcomes(guarded):
     assert 'support_replay_requests_total{status="ok"} 1.0' in text
     assert 'support_replay_requests_total{status="refused"} 1.0' in text
     assert "support_replay_generated_tokens_total 3.0" in text and "support_replay_queue_depth 0.0" in text
+
+
+# ---- the trainer: durable checkpoints, no NaN pushed, failed responses never train ------------
+
+from support_replay.errors import EngineUnavailable, NonFiniteError  # noqa: E402
+from support_replay.train import learner as learner_module  # noqa: E402
+from support_replay.train import train  # noqa: E402
+from support_replay.train.checkpoint import latest_checkpoint, verify_checkpoint  # noqa: E402
+from support_replay.train.metrics import read_rows  # noqa: E402
+from test_train import run_config  # noqa: E402
+
+
+def test_resume_skips_a_damaged_checkpoint_and_a_torn_metrics_line(tiny_checkpoint, tmp_path):
+    cfg = dict(num_rollout=2, save=str(tmp_path / "ckpt"), save_interval=1)
+    train(run_config(tiny_checkpoint, tmp_path, **cfg))
+    ckpt = tmp_path / "ckpt"
+    assert verify_checkpoint(ckpt / "rollout_000002") is None and latest_checkpoint(ckpt).name == "rollout_000002"
+    with (ckpt / "rollout_000002" / "model.safetensors").open("r+b") as f:  # one flipped byte
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert "model.safetensors does not match its checksum" in verify_checkpoint(ckpt / "rollout_000002")
+    assert latest_checkpoint(ckpt).name == "rollout_000001"
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"rollout": 2, "rew')  # the run died mid-line
+    assert len(read_rows(metrics)) == 2
+    rows = train(run_config(tiny_checkpoint, tmp_path, resume=True, **{**cfg, "num_rollout": 3}))
+    assert [r["rollout"] for r in rows] == [0, 1, 2]  # resumed from 1: rollout 1 again, then 2
+
+
+def test_a_nan_reward_stops_the_run_before_anything_is_saved(tiny_checkpoint, tmp_path, monkeypatch):
+    import rewards_for_tests
+
+    monkeypatch.setattr(rewards_for_tests, "digit_share", lambda prompt, response, label: float("nan"))
+    with pytest.raises(NonFiniteError, match=r"rollout 0, sample 0: the reward function returned nan"):
+        train(run_config(tiny_checkpoint, tmp_path, save=str(tmp_path / "ckpt"), save_interval=1))
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())
+
+
+def test_a_nan_loss_stops_the_run_before_the_step(tiny_checkpoint, tmp_path, monkeypatch):
+    original = learner_module.Learner.advantages
+
+    def poisoned(self, samples, old):
+        adv, stats = original(self, samples, old)
+        adv[5] = float("nan")
+        return adv, stats
+
+    monkeypatch.setattr(learner_module.Learner, "advantages", poisoned)
+    with pytest.raises(NonFiniteError, match=r"rollout 0, sample 5, response position 0: the loss is nan"):
+        train(run_config(tiny_checkpoint, tmp_path, save=str(tmp_path / "ckpt"), save_interval=1))
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())
+
+
+def flaky_backend(monkeypatch, failures: dict):
+    """The first answers of some requests (by sample index and attempt) never come."""
+    from support_replay.backends.local import EngineBackend
+
+    original = EngineBackend.generate
+
+    def generate(self, requests, *, return_exceptions=False):
+        out = original(self, requests, return_exceptions=return_exceptions)
+        for i, req in enumerate(requests):
+            _, rollout, k, attempt = req.rid.rsplit("/", 3)
+            if (int(rollout), int(k), int(attempt)) in failures:
+                out[i] = EngineUnavailable(f"completion {i}: injected: engine gone")
+        return out
+
+    monkeypatch.setattr(EngineBackend, "generate", generate)
+
+
+def test_a_failed_response_regenerates_its_group(tiny_checkpoint, tmp_path, monkeypatch):
+    flaky_backend(monkeypatch, {(0, 5, 0)})  # rollout 0, sample 5 (group 1), first attempt
+    rows = train(run_config(tiny_checkpoint, tmp_path, num_rollout=2))
+    assert (rows[0]["failed_samples"], rows[0]["regenerated_groups"], rows[0]["dropped_groups"]) == (1, 1, 0)
+    assert rows[1]["failed_samples"] == 0 and rows[0]["train_rollout_logprob_abs_diff_max"] < 1e-3
+
+
+def test_a_failed_response_drops_its_group_and_keeps_batches_whole(tiny_checkpoint, tmp_path, monkeypatch):
+    flaky_backend(monkeypatch, {(0, 5, 0), (1, 0, 0), (1, 4, 0)})
+    rows = train(run_config(tiny_checkpoint, tmp_path, num_rollout=2, failed_group_policy="drop"))
+    assert rows[0]["dropped_groups"] == 1 and rows[0]["optimizer_steps"] == 1  # 4 samples left: one global batch of 4
+    assert rows[1]["skipped"] is True and rows[1]["dropped_groups"] == 2  # both groups gone: nothing trains
+
+
+def test_regeneration_gives_up_and_names_the_group(tiny_checkpoint, tmp_path, monkeypatch):
+    flaky_backend(monkeypatch, {(0, 5, a) for a in range(3)})
+    with pytest.raises(EngineUnavailable, match=r"rollout 0, group 1: no complete answer after 3 attempts"):
+        train(run_config(tiny_checkpoint, tmp_path, num_rollout=1))

@@ -113,11 +113,11 @@ def test_old_and_new_logprobs_are_bitwise_equal_before_the_first_step(tiny_check
     cfg = run_config(tiny_checkpoint, tmp_path, global_batch_size=4, micro_batch_size=2, entropy_coef=0.0 if sparse else 0.01)
     learner, rollouts = parts(tiny_checkpoint, cfg)
     assert learner.actor.sparse_head is sparse and not learner.fused
-    samples = rollouts.generate(0)
+    samples = rollouts.generate(0)[0]
     steps = learner.plan(samples)
     old = learner.score_before_update(steps, len(samples))
     advantages, _ = learner.advantages(samples, old)
-    first = learner.backward(steps[0], samples, old, advantages)
+    first = learner.backward(0, steps[0], samples, old, advantages)
     assert first.scores
     for i, (logp, _) in first.scores.items():
         assert torch.equal(logp, old.logp[i]), i
@@ -127,7 +127,7 @@ def test_old_and_new_logprobs_are_bitwise_equal_before_the_first_step(tiny_check
 def test_sparse_head_and_dense_scores_agree_within_rounding(tiny_checkpoint, tmp_path):
     """docs/math.md: the two paths are the same math, not the same bits."""
     learner, rollouts = parts(tiny_checkpoint, run_config(tiny_checkpoint, tmp_path))
-    samples = rollouts.generate(0)
+    samples = rollouts.generate(0)[0]
     batch = learner.plan(samples)[0].micro_batches[0]
     with torch.no_grad():
         sparse = learner.actor.score(batch, 1.0).logp
@@ -165,11 +165,11 @@ def test_first_step_loss_equals_a_hand_computation(tiny_checkpoint, tmp_path, ag
     cfg = run_config(tiny_checkpoint, tmp_path, global_batch_size=8, micro_batch_size=4, loss_aggregation=aggregation)
     learner, rollouts = parts(tiny_checkpoint, cfg)
     assert learner.fused
-    samples = vary_loss_masks(rollouts.generate(0))
+    samples = vary_loss_masks(rollouts.generate(0)[0])
     steps = learner.plan(samples)
     old = learner.score_before_update(steps, len(samples))
     advantages, _ = learner.advantages(samples, old)
-    result = learner.backward(steps[0], samples, old, advantages)
+    result = learner.backward(0, steps[0], samples, old, advantages)
     trained = np.array([s.loss_mask.sum() for s in samples], dtype=np.float64)
     adv = advantages.double().numpy()
     expected = -(adv * trained).sum() / trained.sum() if aggregation == "token" else -adv[trained > 0].mean()
@@ -184,7 +184,7 @@ def first_step(tiny_checkpoint, tmp_path, shift_log_mu: float, *, singletons_too
     ``shift_log_mu`` on every token with a choice (|S| > 1), or on every token."""
     cfg = run_config(tiny_checkpoint, tmp_path, global_batch_size=8, micro_batch_size=4, **overrides)
     learner, rollouts = parts(tiny_checkpoint, cfg)
-    samples = vary_loss_masks(rollouts.generate(0))
+    samples = vary_loss_masks(rollouts.generate(0)[0])
     rollouts.close()
     for s in samples:  # the learner trusts its samples: it does not validate them again
         lowered = np.ones(s.response_length, bool) if singletons_too else s.support.sizes() > 1
@@ -192,7 +192,7 @@ def first_step(tiny_checkpoint, tmp_path, shift_log_mu: float, *, singletons_too
     steps = learner.plan(samples)
     old = learner.score_before_update(steps, len(samples))
     advantages, _ = learner.advantages(samples, old)
-    return learner.backward(steps[0], samples, old, advantages).sums, samples
+    return learner.backward(0, steps[0], samples, old, advantages).sums, samples
 
 
 def test_use_rollout_logprobs_anchors_the_ratio_on_log_mu(tiny_checkpoint, tmp_path):
@@ -235,7 +235,7 @@ def corrupt_one_position(monkeypatch, at_rollout: int, edit) -> dict:
     where = {}
 
     def corrupt(self, r):
-        samples = original(self, r)
+        samples, stats = original(self, r)
         if r == at_rollout:
             s = next(x for x in samples if (x.support.sizes() > 1).any())
             t = int(np.flatnonzero(s.support.sizes() > 1)[0])
@@ -243,7 +243,7 @@ def corrupt_one_position(monkeypatch, at_rollout: int, edit) -> dict:
             rows[t] = edit(rows[t], s.response_ids[t])
             s.support = SupportTable.from_lists(rows)
             where.update(t=t, sample=s.index)
-        return samples
+        return samples, stats
 
     monkeypatch.setattr(rollouts_module.Rollouts, "generate", corrupt)
     return where
@@ -294,7 +294,7 @@ def test_a_sample_from_stale_weights_fails_closed_at_lag_0(tiny_checkpoint, tmp_
 
 def test_policy_lag_names_unknown_and_missing_versions(tiny_checkpoint, tmp_path):
     learner, rollouts = parts(tiny_checkpoint, run_config(tiny_checkpoint, tmp_path))
-    samples = rollouts.generate(0)
+    samples = rollouts.generate(0)[0]
     rollouts.close()
     assert check_policy_lag(0, samples, ["0"], 0, "engine X") == {"policy_lag_max": 0}
     samples[2].weight_versions = [VersionSpan("0", 0, 4), VersionSpan("elsewhere", 4, samples[2].response_length)]
@@ -324,8 +324,9 @@ def test_kl_loss_equals_an_independent_full_vocabulary_computation(tiny_checkpoi
     original = rollouts_module.Rollouts.generate
 
     def keep(self, r):
-        captured[r] = original(self, r)
-        return captured[r]
+        samples, stats = original(self, r)
+        captured[r] = samples
+        return samples, stats
 
     monkeypatch.setattr(rollouts_module.Rollouts, "generate", keep)
     cfg = run_config(tiny_checkpoint, tmp_path, num_rollout=2, global_batch_size=8, micro_batch_size=4, use_kl_loss=True,

@@ -21,6 +21,12 @@ class WireError(SupportReplayError):
     """Encoded support bytes or an engine payload are malformed or incomplete."""
 
 
+class EngineUnavailable(WireError):
+    """No answer from the engine after the retries: it is down, overloaded (503) or broke (5xx),
+    or it aborted the request. The response never trains; its GRPO group is regenerated or
+    dropped (``--failed-group-policy``)."""
+
+
 class SamplingParamsError(SupportReplayError):
     """Sampling settings that are invalid, or that replay cannot reproduce faithfully."""
 
@@ -70,6 +76,10 @@ class SampleError(SupportReplayError):
 
 class CITestError(SupportReplayError):
     """--ci-test found a token whose trainer log-prob differs from the rollout log mu."""
+
+
+class NonFiniteError(SupportReplayError):
+    """A reward, a loss or a gradient is NaN or infinite; the run stops before anything is pushed or saved."""
 
 
 class PolicyLagError(SupportReplayError):

@@ -1,18 +1,45 @@
-"""What every HTTP backend shares: the client interface, optional request fields, the POST and
-the concurrent fan-out. The record they return and its validation live in ``protocol.py``."""
+"""What every HTTP backend shares: the client interface, optional request fields, the POST with
+its retries, and the concurrent fan-out. The record they return and its validation live in
+``protocol.py``.
+
+A request is retried, with the same body (the same ``rid`` and seed, so an engine that already
+has it answers once), when the engine cannot be reached, takes longer than the timeout, or
+answers 502/503/504 (``Retry-After`` respected); after the last try it is ``EngineUnavailable``.
+A 4xx is the request's own fault and fails closed at once.
+"""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Protocol
 
-from ..errors import WireError
+import httpx
+
+from ..errors import EngineUnavailable, WireError
 from ..protocol import Completion, GenerateRequest
+
+RETRIES = 3  # tries after the first
+RETRY_STATUSES = (502, 503, 504)
+MAX_BACKOFF = 10.0
 
 
 class Backend(Protocol):
     vocab_size: int
+    retries: int  # requests sent again so far
 
-    def generate(self, requests: list[GenerateRequest]) -> list[Completion]: ...
+    def generate(self, requests: list[GenerateRequest], *, return_exceptions: bool = False) -> list: ...
+
+
+class RetryCounter:
+    """How many requests were sent again, for the metrics (thread-safe)."""
+
+    def __init__(self):
+        self._lock, self.value = threading.Lock(), 0
+
+    def add(self) -> None:
+        with self._lock:
+            self.value += 1
 
 
 def optional_fields(req: GenerateRequest, seed_key: str) -> dict:
@@ -27,18 +54,44 @@ def optional_fields(req: GenerateRequest, seed_key: str) -> dict:
     return out
 
 
-def post_json(client, url: str, body: dict, index: int):
-    """POST ``body``; ``(decoded JSON answer, body size in bytes)``, or ``WireError`` naming the request and the status."""
-    reply = client.post(url, json=body)
-    if reply.status_code != 200:
-        raise WireError(f"request {index}: {url} answered HTTP {reply.status_code}: {reply.text[:500]}")
-    try:
-        return reply.json(), len(reply.content)
-    except ValueError as exc:
-        raise WireError(f"request {index}: {url} answered with a body that is not JSON: {exc}") from exc
+def post_json(client, url: str, body: dict, index: int, retries: RetryCounter | None = None, tries: int = RETRIES + 1):
+    """POST ``body``; ``(decoded JSON answer, body size in bytes)``. ``WireError`` naming the request
+    and the status for a refusal, ``EngineUnavailable`` when no try got an answer."""
+    problem = ""
+    for attempt in range(tries):
+        if attempt and retries is not None:
+            retries.add()
+        try:
+            reply = client.post(url, json=body)
+        except httpx.TransportError as exc:  # refused, dropped, or past the timeout
+            problem = f"{type(exc).__name__}: {exc}"
+            time.sleep(min(MAX_BACKOFF, 0.5 * 2**attempt))
+            continue
+        if reply.status_code in RETRY_STATUSES:
+            problem = f"HTTP {reply.status_code}: {reply.text[:300]}"
+            wait = reply.headers.get("retry-after", "")
+            time.sleep(min(MAX_BACKOFF, float(wait) if wait.replace(".", "", 1).isdigit() else 0.5 * 2**attempt))
+            continue
+        if reply.status_code != 200:
+            raise WireError(f"request {index}: {url} answered HTTP {reply.status_code}: {reply.text[:500]}")
+        try:
+            return reply.json(), len(reply.content)
+        except ValueError as exc:
+            raise WireError(f"request {index}: {url} answered with a body that is not JSON: {exc}") from exc
+    raise EngineUnavailable(f"request {index}: {url} gave no answer in {tries} tries ({problem})")
 
 
-def fan_out(pool, fn, requests) -> list:
-    """``fn(request, index)`` for every request, concurrently; results in request order."""
+def fan_out(pool, fn, requests, return_exceptions: bool = False) -> list:
+    """``fn(request, index)`` for every request, concurrently; results in request order. With
+    ``return_exceptions`` a request that failed with ``EngineUnavailable`` has it in its place."""
     futures = [pool.submit(fn, req, i) for i, req in enumerate(requests)]
-    return [f.result() for f in futures]
+    out = []
+    for f in futures:
+        try:
+            out.append(f.result())
+        except EngineUnavailable as exc:
+            if not return_exceptions:
+                raise
+            out.append(exc)
+    return out
+

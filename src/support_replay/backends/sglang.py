@@ -17,11 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 
-from ..errors import SupportError, WireError
+from ..errors import EngineUnavailable, SupportError, WireError
 from ..protocol import Completion, GenerateRequest, parse_version_spans, single_version, validate_completion
 from ..support import SupportTable
 from ..wire import from_json
-from .base import fan_out, optional_fields, post_json
+from .base import RetryCounter, fan_out, optional_fields, post_json
 
 MASK_FORMATS = ("binary", "lists")
 STRIPPED_HINT = (
@@ -161,6 +161,11 @@ class SGLangBackend:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0), headers=headers, transport=transport)
         self.pool = ThreadPoolExecutor(concurrency)
+        self._retries = RetryCounter()
+
+    @property
+    def retries(self) -> int:
+        return self._retries.value
 
     def body(self, req: GenerateRequest) -> dict:
         body = {
@@ -168,6 +173,8 @@ class SGLangBackend:
             "sampling_params": sampling_params_json(req),
             "return_logprob": req.return_logprob,
         }
+        if req.rid is not None:
+            body["rid"] = req.rid
         if req.return_sampling_mask:
             body["return_sampling_mask"] = True
             if req.sampling_logprobs_mode != "selected":
@@ -176,14 +183,19 @@ class SGLangBackend:
                 body["sampling_mask_format"] = "binary"
         return body
 
-    def generate(self, requests: list[GenerateRequest]) -> list[Completion]:
-        return fan_out(self.pool, self._one, requests)
+    def generate(self, requests: list[GenerateRequest], *, return_exceptions: bool = False) -> list:
+        """One ``Completion`` per request; with ``return_exceptions`` an ``EngineUnavailable`` in
+        the place of a request no engine answered (or that came back aborted)."""
+        return fan_out(self.pool, self._one, requests, return_exceptions)
 
     def _one(self, req: GenerateRequest, index: int) -> Completion:
-        item, _ = post_json(self.client, self.url + "/generate", self.body(req), index)
+        item, _ = post_json(self.client, self.url + "/generate", self.body(req), index, self._retries)
         if not isinstance(item, dict):
             raise WireError(f"request {index}: {self.url}/generate returned {type(item).__name__}, expected an object")
-        return validate_completion(self.completion(item, req, index), req, self.vocab_size, index)
+        completion = self.completion(item, req, index)
+        if completion.finish_reason.get("type") == "abort":
+            raise EngineUnavailable(f"completion {index}: the engine aborted it ({completion.finish_reason})")
+        return validate_completion(completion, req, self.vocab_size, index)
 
     def completion(self, item: dict, req: GenerateRequest, index: int = 0) -> Completion:
         """The ``Completion`` of one ``/generate`` result object (not yet validated)."""

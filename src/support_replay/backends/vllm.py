@@ -35,10 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 
-from ..errors import SupportError, WireError
+from ..errors import EngineUnavailable, SupportError, WireError
 from ..protocol import Completion, GenerateRequest, single_version, validate_completion, parse_version_spans
 from ..support import SupportTable
-from .base import fan_out, optional_fields, post_json
+from .base import RetryCounter, fan_out, optional_fields, post_json
 
 ENDPOINTS = ("generate", "completions")
 CAPTURES = ("processed_logprobs", "native")
@@ -140,7 +140,12 @@ class VLLMBackend:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0), headers=headers, transport=transport)
         self.pool = ThreadPoolExecutor(concurrency)
+        self._retries = RetryCounter()
         self.model = model or self._served_model()
+
+    @property
+    def retries(self) -> int:
+        return self._retries.value
 
     def _served_model(self) -> str:
         reply = self.client.get(self.url + "/v1/models")
@@ -171,10 +176,13 @@ class VLLMBackend:
     def body(self, req: GenerateRequest) -> dict:
         params = self.sampling_params(req)
         if self.endpoint == "generate":
-            return {"model": self.model, "token_ids": list(req.input_ids), "sampling_params": params, "output_mode": "tokens"}
+            body = {"model": self.model, "token_ids": list(req.input_ids), "sampling_params": params, "output_mode": "tokens"}
+            if req.rid is not None:
+                body["request_id"] = req.rid
+            return body
         return {"model": self.model, "prompt": list(req.input_ids), "return_tokens_as_token_ids": True, **params}
 
-    def generate(self, requests: list[GenerateRequest]) -> list[Completion]:
+    def generate(self, requests: list[GenerateRequest], *, return_exceptions: bool = False) -> list:
         for i, req in enumerate(requests):
             if req.return_logprob:
                 raise WireError(
@@ -182,14 +190,18 @@ class VLLMBackend:
                     "log-probs; score them in the trainer"
                 )
         if self.endpoint == "generate":
-            return fan_out(self.pool, self._one, requests)
+            return fan_out(self.pool, self._one, requests, return_exceptions)
         before = self._weight_version()
-        completions = fan_out(self.pool, self._one, requests)
+        completions = fan_out(self.pool, self._one, requests, return_exceptions)
         after = self._weight_version()
-        if before is not None and before == after:  # no update during the batch: one version sampled all
-            for c in completions:
-                c.weight_versions = single_version(before, c.num_tokens)
-        return [validate_completion(c, req, self.vocab_size, i) for i, (req, c) in enumerate(zip(requests, completions))]
+        out = []
+        for i, (req, c) in enumerate(zip(requests, completions)):
+            if isinstance(c, Completion):
+                if before is not None and before == after:  # no update during the batch: one version sampled all
+                    c.weight_versions = single_version(before, c.num_tokens)
+                c = validate_completion(c, req, self.vocab_size, i)
+            out.append(c)
+        return out
 
     def _weight_version(self) -> str | None:
         """``GET /weight_info`` (a dev-mode route); None where the server does not mount it."""
@@ -198,11 +210,13 @@ class VLLMBackend:
 
     def _one(self, req: GenerateRequest, index: int) -> Completion:
         path = "/inference/v1/generate" if self.endpoint == "generate" else "/v1/completions"
-        answer, _ = post_json(self.client, self.url + path, self.body(req), index)
+        answer, _ = post_json(self.client, self.url + path, self.body(req), index, self._retries)
         try:
             choice = answer["choices"][0]
         except (KeyError, IndexError, TypeError) as exc:
             raise WireError(f"completion {index}: {self.url}{path} answered without choices ({exc})") from exc
+        if choice.get("finish_reason") == "abort":
+            raise EngineUnavailable(f"completion {index}: the engine aborted it")
         if self.endpoint == "generate":
             return validate_completion(self.parse_generate_choice(choice, req, index), req, self.vocab_size, index)
         return self.parse_completions_choice(choice, req, index)  # validated once its version is known

@@ -6,9 +6,12 @@ from them are trusted from here on.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, EngineUnavailable, NonFiniteError
 from ..protocol import GenerateRequest
 from ..sampling import SamplingParams
 from .data import Prompt
@@ -35,9 +38,22 @@ def validate_request(req: GenerateRequest, rollout_temperature: float, index: in
     return req
 
 
-def request_seed(base: int, rollout: int, k: int) -> int:
-    """A seed per (run, rollout, sample): the same rollout draws the same tokens after a resume."""
-    return (base * 1_000_003 + rollout * 100_003 + k) % (2**62)
+def request_seed(base: int, rollout: int, k: int, attempt: int = 0) -> int:
+    """A seed per (run, rollout, sample, attempt): the same rollout draws the same tokens after a resume."""
+    return (base * 1_000_003 + rollout * 100_003 + k + attempt * 7_919_000_000) % (2**62)
+
+
+FAILED_GROUP_POLICIES = ("regenerate", "drop")
+
+
+@dataclass
+class RolloutStats:
+    """What went wrong on the way, for the metrics: responses that never came, and what was done."""
+
+    failed_samples: int = 0
+    regenerated_groups: int = 0
+    dropped_groups: int = 0
+    retries: int = 0
 
 
 def generate_samples(
@@ -53,39 +69,84 @@ def generate_samples(
     rollout: int,
     seed: int,
     apply_chat_template: bool = False,
-) -> list[Sample]:
-    """``n_samples`` responses per prompt, grouped prompt by prompt, rewarded."""
+    rid_prefix: str | None = None,
+    failed_group_policy: str = "regenerate",
+    max_regenerations: int = 2,
+) -> tuple[list[Sample], RolloutStats]:
+    """``n_samples`` responses per prompt, grouped prompt by prompt, rewarded.
+
+    A response the engine never gave (down, overloaded, aborted: ``EngineUnavailable``) never
+    trains: its whole GRPO group is generated again with fresh seeds (up to
+    ``max_regenerations`` times, then the run stops) or dropped, by ``failed_group_policy``.
+    Every request carries an id ``{rid_prefix}/{rollout}/{sample}/{attempt}``, so an engine
+    that receives it twice answers once.
+    """
+    if failed_group_policy not in FAILED_GROUP_POLICIES:
+        raise ConfigError(f"failed_group_policy: one of {FAILED_GROUP_POLICIES}, got {failed_group_policy!r}")
     rendered = [render_prompt(tokenizer, p, apply_chat_template) for p in prompts]
-    requests = []
-    for g, (ids, _) in enumerate(rendered):
-        for j in range(n_samples):
-            k = g * n_samples + j
-            sp = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=request_seed(seed, rollout, k))
-            requests.append(validate_request(GenerateRequest(list(ids), sp, max_new_tokens=max_new_tokens, return_sampling_mask=capture), params.temperature, k))
-    completions = backend.generate(requests)
+    retries_before = backend.retries
+    stats = RolloutStats()
+    answered: dict[int, list] = {}
+    pending, attempt = list(range(len(prompts))), 0
+    while pending:
+        requests = [_request(rendered[g][0], params, seed, rollout, g * n_samples + j, attempt, max_new_tokens, capture, rid_prefix)
+                    for g in pending for j in range(n_samples)]
+        completions = backend.generate(requests, return_exceptions=True)
+        failed = []
+        for i, g in enumerate(pending):
+            group = list(zip(requests[i * n_samples : (i + 1) * n_samples], completions[i * n_samples : (i + 1) * n_samples]))
+            errors = [c for _, c in group if isinstance(c, Exception)]
+            stats.failed_samples += len(errors)
+            if errors:
+                failed.append((g, errors[0]))
+            else:
+                answered[g] = group
+        if not failed:
+            break
+        if failed_group_policy == "drop":
+            stats.dropped_groups += len(failed)
+            break
+        if attempt >= max_regenerations:
+            g, error = failed[0]
+            raise EngineUnavailable(f"rollout {rollout}, group {g}: no complete answer after {attempt + 1} attempts ({error})")
+        stats.regenerated_groups += len(failed)
+        pending, attempt = [g for g, _ in failed], attempt + 1
+    stats.retries = backend.retries - retries_before
     samples = []
-    for k, (req, c) in enumerate(zip(requests, completions)):
-        g = k // n_samples
-        text = tokenizer.decode(c.output_ids, skip_special_tokens=True)
-        prompt_text = rendered[g][1]
-        samples.append(
-            Sample(
-                index=k,
-                group=g,
-                prompt_ids=list(req.input_ids),
-                response_ids=list(c.output_ids),
-                loss_mask=np.ones(len(c.output_ids), np.int8),
-                reward=float(reward_fn(prompt_text, text, prompts[g].label)),
-                status="truncated" if c.finish_reason.get("type") == "length" else "completed",
-                log_mu=c.log_mu,
-                full_logprobs=c.full_logprobs,
-                support=c.support,
-                temperature=req.params.temperature,
-                label=prompts[g].label,
-                prompt_text=prompt_text,
-                response_text=text,
-                weight_versions=c.weight_versions,
-                support_bytes=c.support_bytes,
-            )
-        )
-    return samples
+    for position, g in enumerate(sorted(answered)):
+        for req, c in answered[g]:
+            samples.append(_sample(len(samples), position, req, c, rendered[g][1], prompts[g], tokenizer, reward_fn, rollout))
+    return samples, stats
+
+
+def _request(ids, params, seed, rollout, k, attempt, max_new_tokens, capture, rid_prefix) -> GenerateRequest:
+    sp = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                        seed=request_seed(seed, rollout, k, attempt))
+    rid = None if rid_prefix is None else f"{rid_prefix}/{rollout}/{k}/{attempt}"
+    req = GenerateRequest(list(ids), sp, max_new_tokens=max_new_tokens, return_sampling_mask=capture, rid=rid)
+    return validate_request(req, params.temperature, k)
+
+
+def _sample(index: int, group: int, req: GenerateRequest, c, prompt_text: str, prompt: Prompt, tokenizer, reward_fn, rollout: int) -> Sample:
+    text = tokenizer.decode(c.output_ids, skip_special_tokens=True)
+    reward = float(reward_fn(prompt_text, text, prompt.label))
+    if not math.isfinite(reward):
+        raise NonFiniteError(f"rollout {rollout}, sample {index}: the reward function returned {reward}; nothing of this rollout trains")
+    return Sample(
+        index=index,
+        group=group,
+        prompt_ids=list(req.input_ids),
+        response_ids=list(c.output_ids),
+        loss_mask=np.ones(len(c.output_ids), np.int8),
+        reward=reward,
+        status="truncated" if c.finish_reason.get("type") == "length" else "completed",
+        log_mu=c.log_mu,
+        full_logprobs=c.full_logprobs,
+        support=c.support,
+        temperature=req.params.temperature,
+        label=prompt.label,
+        prompt_text=prompt_text,
+        response_text=text,
+        weight_versions=c.weight_versions,
+        support_bytes=c.support_bytes,
+    )

@@ -15,6 +15,7 @@ own function.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -131,12 +132,16 @@ class Actor:
         over ranks, so scale by the world size to get their sum (gloo has no PREMUL_SUM)."""
         (loss * self.ctx.world).backward()
 
-    def clip_and_step(self, max_norm: float) -> float:
+    def clip_and_step(self, max_norm: float) -> float | None:
+        """The gradient norm after a clipped step, or None (no step, gradients dropped) when it is not finite."""
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else float("inf"))
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded CPU weights under the Hugging Face names, on rank 0 (every rank must call it)."""

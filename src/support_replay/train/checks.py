@@ -53,7 +53,7 @@ def compare_with_rollout(rollout: int, samples: list[Sample], trainer_logp: list
         "train_rollout_logprob_abs_diff_mean": float(flat.mean()),
         "train_rollout_unequal_tokens": int((flat != 0).sum()),
     }
-    if fail and flat.max() > tolerance:
+    if fail and not flat.max() <= tolerance:  # NaN compares false: it fails too
         worst = int(np.argmax([d.max() for d in diffs]))
         t = int(np.argmax(diffs[worst]))
         s = samples[worst]

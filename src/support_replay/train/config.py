@@ -63,6 +63,8 @@ class RunConfig(BaseModel):
     vllm_endpoint: Literal["generate", "completions"] = Field("generate", description="vLLM endpoint: /inference/v1/generate (needs --enable-scale-out; reports weight versions) or /v1/completions")
     vllm_capture: Literal["processed_logprobs", "native"] = Field("processed_logprobs", description="how vLLM reveals the support: processed log-probs (--logprobs-mode processed_logprobs) or its native sampling_mask (--return-sampling-mask)")
     max_policy_lag: int = Field(0, ge=0, description="how many weight pushes old a sampled token may be; 0: every token from the weights just pushed")
+    failed_group_policy: Literal["regenerate", "drop"] = Field("regenerate", description="a GRPO group with a response the engine never gave (down, overloaded, aborted): generate it again, or drop it")
+    max_regenerations: int = Field(2, ge=0, description="how many times a failed group is generated again before the run stops")
     colocate: bool = Field(False, description="rollout engine in the trainer's process, weights synced in memory (the default without --rollout-url)")
     sampling_mask_format: Literal["binary", "lists"] = Field("binary", description="how --rollout-url engines send the support: our compact binary form (SGLang ignores the ask and sends lists), or id lists")
 
@@ -165,6 +167,8 @@ class RunConfig(BaseModel):
             bad("global_batch_size", self.global_batch_size, f"must divide rollout_batch_size x n_samples_per_prompt = {total}")
         if self.micro_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             bad("micro_batch_size", self.micro_batch_size, f"must divide --global-batch-size={self.global_batch_size}")
+        if self.failed_group_policy == "drop" and self.global_batch_size % self.n_samples_per_prompt:
+            bad("failed_group_policy", "drop", f"drops whole groups, so --global-batch-size={self.global_batch_size} must be a multiple of --n-samples-per-prompt={self.n_samples_per_prompt}")
         if self.use_kl_loss and self.kl_loss_coef <= 0:
             bad("kl_loss_coef", self.kl_loss_coef, "must be > 0 with --use-kl-loss")
         if self.kl_loss_coef > 0 and not self.use_kl_loss:

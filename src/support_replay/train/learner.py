@@ -12,7 +12,7 @@ from dataclasses import astuple, dataclass, fields, replace
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, NonFiniteError
 from ..losses import grpo_advantages, kl_estimate, policy_token_loss, token_weights, truncated_importance_weights
 from ..rollout.sample import Sample
 from .actor import Actor, load_scoring_model, score_batch
@@ -148,16 +148,16 @@ class Learner:
 
     # ---- the update ---------------------------------------------------------------------
 
-    def backward(self, step: OptimizerStep, samples: list[Sample], old: OldScores, advantages: torch.Tensor) -> BackwardResult:
+    def backward(self, rollout: int, step: OptimizerStep, samples: list[Sample], old: OldScores, advantages: torch.Tensor) -> BackwardResult:
         """Forward and backward of this rank's micro-batches of one optimizer step."""
         sums, scores = StepSums(), {}
         for batch in step.micro_batches:
-            s, f = self._micro_batch(batch, step, samples, old, advantages)
+            s, f = self._micro_batch(rollout, batch, step, samples, old, advantages)
             sums.add(s)
             scores.update(f)
         return BackwardResult(StepSums(*all_reduce_sum(list(astuple(sums)), self.ctx)), scores)
 
-    def _micro_batch(self, batch: MicroBatch, step: OptimizerStep, samples, old: OldScores, advantages) -> tuple[StepSums, dict]:
+    def _micro_batch(self, rollout: int, batch: MicroBatch, step: OptimizerStep, samples, old: OldScores, advantages) -> tuple[StepSums, dict]:
         cfg = self.cfg
         sc = self.actor.score(batch, self.temperature, full=cfg.use_kl_loss, entropy=cfg.entropy_coef > 0, full_detached=self.fused and self.replay)
         full = sc.full if sc.full is not None else sc.logp
@@ -179,6 +179,15 @@ class Learner:
             entropy=sc.entropy,
             entropy_coef=cfg.entropy_coef,
         )
+        bad = ~torch.isfinite(terms.total) & (batch.loss_mask > 0)
+        if bool(bad.any()):  # before backward: nothing of it reaches the weights
+            n = int(bad.nonzero()[0])
+            ends = torch.cumsum(torch.tensor(batch.lengths), 0)
+            row = int((ends <= n).sum())
+            raise NonFiniteError(
+                f"rollout {rollout}, sample {batch.indices[row]}, response position {n - int(ends[row - 1] if row else 0)}: "
+                f"the loss is {float(terms.total[n].detach())}; the run stops before anything is pushed or saved"
+            )
         weights = token_weights(batch.loss_mask, batch.lengths, cfg.loss_aggregation, batch_tokens=step.tokens, batch_sequences=step.sequences)
         loss = (terms.total * weights).sum()
         self.actor.backward(loss)
@@ -193,6 +202,10 @@ class Learner:
             )
         return sums, fresh
 
-    def optimizer_step(self) -> float:
-        """Clip, step, zero the gradients; returns the gradient norm before clipping."""
-        return self.actor.clip_and_step(self.cfg.clip_grad)
+    def optimizer_step(self, rollout: int) -> float:
+        """Clip, step, zero the gradients; returns the gradient norm before clipping. A NaN or
+        infinite gradient stops the run before the step (nothing pushed or saved)."""
+        norm = self.actor.clip_and_step(self.cfg.clip_grad)
+        if norm is None:
+            raise NonFiniteError(f"rollout {rollout}: the gradient norm is not finite; the run stops before the optimizer step")
+        return norm

@@ -71,7 +71,10 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
     for r in range(start, cfg.num_rollout):
         t0, clock = time.perf_counter(), Timings()
         with clock("generate"):
-            samples = rollouts.generate(r)  # every completion validated once, where it entered
+            samples, failures = rollouts.generate(r)  # every completion validated once, where it entered
+        if not samples:  # every group dropped: nothing to learn from, nothing to push
+            log.log({"rollout": r, "skipped": True, **failures, **clock, "time_step": time.perf_counter() - t0})
+            continue
         lag = check_policy_lag(r, samples, pushed, cfg.max_policy_lag, rollouts.engine_name)
         steps = learner.plan(samples)  # micro-batches for every pass; supports padded once, on the device
         with clock("score"):
@@ -83,17 +86,17 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
         with clock("update"):
             per_step = []
             for step in steps:
-                result = learner.backward(step, samples, old, advantages)  # loss weighted by losses.token_weights
+                result = learner.backward(r, step, samples, old, advantages)  # loss weighted by losses.token_weights
                 if old.logp is None:  # fused: that forward ran before any step, so it scored the old policy
                     old = learner.with_fresh_old(old, result.scores, len(samples))
                     if learner.replay:
                         check = compare_with_rollout(r, samples, old.logp, tolerance=tolerance, fail=cfg.ci_test)
-                per_step.append((result.sums, learner.optimizer_step()))
+                per_step.append((result.sums, learner.optimizer_step(r)))  # stops on a NaN gradient, before the step
         update = UpdateMetrics.mean(per_step)
         with clock("sync"):
             pushed.append(policy_version(r + 1))
             push(sync, learner, ctx, pushed[-1])
-        row = {"rollout": r, **rollout_metrics(samples, old.logp, old.full, learner.replay), **lag, **check, **adv_stats, **asdict(update), **clock}
+        row = {"rollout": r, **rollout_metrics(samples, old.logp, old.full, learner.replay), **failures, **lag, **check, **adv_stats, **asdict(update), **clock}
         if cfg.eval_interval and (r + 1) % cfg.eval_interval == 0:
             row.update(rollouts.evaluate(r))
         if cfg.save and cfg.save_interval and (r + 1) % cfg.save_interval == 0:

@@ -41,6 +41,20 @@ def rollout_metrics(samples: list[Sample], old_logp: list[torch.Tensor], old_ful
     return out
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a metrics file; a torn last line (the run died while writing it) is dropped."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = []
+    for n, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if n == len(lines) - 1:
+                break
+            raise
+    return rows
+
+
 class MetricsLog:
     def __init__(self, directory: Path, total: int, start: int = 0, progress: bool = True, enabled: bool = True):
         self.path = Path(directory) / "metrics.jsonl"
@@ -52,8 +66,7 @@ class MetricsLog:
             if start == 0 and self.path.exists():
                 self.path.unlink()
             elif self.path.exists():  # resume: keep what came before the checkpoint
-                kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-                self.rows = [r for r in kept if r.get("rollout", 0) < start]
+                self.rows = [r for r in read_rows(self.path) if r.get("rollout", 0) < start]
                 self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
             if progress:
                 from tqdm import tqdm
@@ -66,6 +79,9 @@ class MetricsLog:
         self.rows.append(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        if row.get("skipped"):
+            print(f"step {row['rollout']}: skipped, every group dropped ({row.get('failed_samples', 0)} responses failed)", flush=True)
+            return
         line = (
             f"step {row['rollout']}: reward {row['reward_mean']:.3f}  |S| {row.get('support_mean', float('nan')):.1f}  "
             f"max|dlogp| {row.get('train_rollout_logprob_abs_diff_max', float('nan')):.2e}  loss {row.get('loss', float('nan')):.4f}  "
@@ -91,6 +107,7 @@ def plot(rows: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if not r.get("skipped")]
     steps = [r["rollout"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     a.plot(steps, [r["reward_mean"] for r in rows], marker="o")

@@ -7,6 +7,9 @@ entered this process; the samples built from them are trusted from here on.
 
 from __future__ import annotations
 
+import uuid
+from dataclasses import asdict
+
 import numpy as np
 
 from ..errors import SupportReplayError
@@ -14,6 +17,7 @@ from ..rollout import generate_samples, load_prompts, load_reward
 from ..rollout.data import ArithmeticTask
 from ..rollout.sample import Sample
 from ..sampling import SamplingParams
+from ..serving.security import Keys
 from .config import RunConfig
 from .dist import broadcast_object
 
@@ -38,16 +42,18 @@ class Rollouts:
         self.reward_fn = load_reward(cfg.rm_type, cfg.custom_rm_path)
         self.engine = self.backend = None
         self.engine_name = f"{cfg.rollout_engine} engine at {cfg.rollout_url}" if cfg.rollout_url else "in-process engine"
+        self.run_id = uuid.uuid4().hex[:12]  # request ids of this run: {run}/{rollout}/{sample}/{attempt}
         if not ctx.is_main:
             return
+        keys = Keys.load()
         if cfg.rollout_url and cfg.rollout_engine == "vllm":
             from ..backends.vllm import VLLMBackend
 
-            self.backend = VLLMBackend(cfg.rollout_url, vocab_size, endpoint=cfg.vllm_endpoint, capture=cfg.vllm_capture)
+            self.backend = VLLMBackend(cfg.rollout_url, vocab_size, endpoint=cfg.vllm_endpoint, capture=cfg.vllm_capture, api_key=keys.api)
         elif cfg.rollout_url:
             from ..backends.sglang import SGLangBackend
 
-            self.backend = SGLangBackend(cfg.rollout_url, vocab_size, sampling_mask_format=cfg.sampling_mask_format)
+            self.backend = SGLangBackend(cfg.rollout_url, vocab_size, sampling_mask_format=cfg.sampling_mask_format, api_key=keys.api)
             if cfg.true_on_policy_mode:
                 _require_deterministic(cfg.rollout_url)
         else:  # the in-process engine: the only place the trainer imports it
@@ -60,20 +66,29 @@ class Rollouts:
             )
             self.backend = EngineBackend(self.engine)
 
-    def _generate(self, prompts, params, n, max_new, capture, rollout, seed) -> list[Sample]:
-        samples = None
+    def _generate(self, prompts, params, n, max_new, capture, rollout, seed) -> tuple[list[Sample], dict]:
+        result = None
         if self.ctx.is_main:
-            samples = generate_samples(
+            samples, stats = generate_samples(
                 self.backend, self.tokenizer, prompts, params=params, n_samples=n, max_new_tokens=max_new, capture=capture,
                 reward_fn=self.reward_fn, rollout=rollout, seed=seed, apply_chat_template=self.cfg.apply_chat_template,
+                rid_prefix=f"{self.run_id}/{'train' if capture else 'eval'}", failed_group_policy=self.cfg.failed_group_policy,
+                max_regenerations=self.cfg.max_regenerations,
             )
-        return broadcast_object(samples, self.ctx)
+            result = (samples, asdict(stats))
+        return broadcast_object(result, self.ctx)
 
-    def generate(self, r: int) -> list[Sample]:
-        """Rollout ``r``: ``n_samples_per_prompt`` responses to each of its prompts, rewarded."""
+    def generate(self, r: int) -> tuple[list[Sample], dict]:
+        """Rollout ``r``: ``n_samples_per_prompt`` responses to each of its prompts, rewarded, and
+        what failed on the way. Dropped groups leave a multiple of the global batch size."""
         cfg = self.cfg
         prompts = [self.prompts[r * cfg.rollout_batch_size + i] for i in range(cfg.rollout_batch_size)]
-        return self._generate(prompts, self.params, cfg.n_samples_per_prompt, cfg.rollout_max_response_len, self.replay, r, cfg.rollout_seed)
+        samples, stats = self._generate(prompts, self.params, cfg.n_samples_per_prompt, cfg.rollout_max_response_len, self.replay, r, cfg.rollout_seed)
+        whole = len(samples) - len(samples) % cfg.global_batch_size
+        if whole < len(samples):  # a dropped group broke the batch: drop whole groups from the end
+            stats["dropped_groups"] += (len(samples) - whole) // cfg.n_samples_per_prompt
+            samples = samples[:whole]
+        return samples, stats
 
     def evaluate(self, r: int) -> dict:
         """Mean reward on held-out prompts, capture off (greedy unless --eval-temperature)."""
@@ -82,7 +97,7 @@ class Rollouts:
         offset = 10**6 if isinstance(task, ArithmeticTask) else 0  # held-out questions
         prompts = [task[offset + i] for i in range(min(cfg.n_eval_prompts, len(task)))]
         params = SamplingParams(temperature=cfg.eval_temperature, top_k=cfg.eval_top_k, top_p=cfg.eval_top_p) if cfg.eval_temperature > 0 else SamplingParams(temperature=0.0)
-        samples = self._generate(prompts, params, cfg.n_samples_per_eval_prompt, cfg.eval_max_response_len or cfg.rollout_max_response_len, False, r, cfg.rollout_seed + 7)
+        samples, _ = self._generate(prompts, params, cfg.n_samples_per_eval_prompt, cfg.eval_max_response_len or cfg.rollout_max_response_len, False, r, cfg.rollout_seed + 7)
         return {"eval_reward_mean": float(np.mean([s.reward for s in samples])), "eval_response_len": float(np.mean([s.response_length for s in samples]))}
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import SupportReplayError
+from ..serving.security import Keys
 
 SYNC_TIMEOUT = 600.0
 
@@ -41,7 +42,7 @@ def save_safetensors(state: dict[str, torch.Tensor], directory: Path) -> Path:
 
 def _post(url: str, path: str, what: str, **kwargs) -> httpx.Response:
     try:
-        reply = httpx.post(url + path, timeout=SYNC_TIMEOUT, **kwargs)
+        reply = httpx.post(url + path, timeout=SYNC_TIMEOUT, headers=Keys.load().header(admin=True), **kwargs)
     except httpx.HTTPError as exc:
         raise SupportReplayError(f"weight sync to {url}: {what} ({path}) failed: {type(exc).__name__}: {exc}") from exc
     if reply.status_code != 200:
@@ -78,10 +79,10 @@ class SGLangSync(_StagedSync):
     def push(self, state: dict[str, torch.Tensor], version: str) -> None:
         body = {"model_path": str(self.stage(state)), "weight_version": version}
         try:
-            reply = httpx.post(self.url + "/update_weights_from_disk", json=body, timeout=SYNC_TIMEOUT)
+            reply = httpx.post(self.url + "/update_weights_from_disk", json=body, timeout=SYNC_TIMEOUT, headers=Keys.load().header(admin=True))
         except httpx.HTTPError as exc:
             raise SupportReplayError(f"weight sync to {self.url}: loading the weights failed: {type(exc).__name__}: {exc}") from exc
-        if reply.status_code == 404 and httpx.get(self.url + "/v1/rl/workers", timeout=30).status_code == 200:
+        if reply.status_code == 404 and httpx.get(self.url + "/v1/rl/workers", timeout=30, headers=Keys.load().header(admin=True)).status_code == 200:
             return self._through_smg(body)  # smg: its RL control plane fans the call out
         if reply.status_code == 404:
             raise SupportReplayError(
