@@ -36,6 +36,7 @@ FLAG_SELECTED_RELATIVE = 0x01
 _HEADER = struct.Struct("<4sBBIIIII")
 _MAX_VARINT_BYTES = 5  # counts are < 2**35
 _MAX_VOCAB = 2**31 - 1
+MAX_STREAM_BYTES = 1 << 24  # decoding takes at most ~180x its input in memory (docs/reliability.md)
 
 
 # ---- varint (LEB128) ---------------------------------------------------------------
@@ -157,6 +158,8 @@ def encode(table: SupportTable, vocab_size: int, selected=None) -> bytes:
 
 def decode(data: bytes, selected=None, vocab_size: int | None = None) -> SupportTable:
     """Decode bytes from ``encode``. ``selected`` is required when the stream was encoded with it."""
+    if len(data) > MAX_STREAM_BYTES:
+        raise WireError(f"stream of {len(data)} bytes exceeds the {MAX_STREAM_BYTES}-byte limit")
     buf = np.frombuffer(bytes(data), dtype=np.uint8) if not isinstance(data, np.ndarray) else data
     if len(buf) < _HEADER.size:
         raise WireError(f"truncated: {len(buf)} bytes is shorter than the {_HEADER.size}-byte header")

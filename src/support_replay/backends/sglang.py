@@ -216,8 +216,9 @@ class SGLangBackend:
                 raise WireError(f"{where}: {exc}") from exc
         if req.return_logprob:
             entries = meta.get("output_token_logprobs")
-            if not isinstance(entries, list):
-                raise WireError(f"{where}: return_logprob was asked but meta_info has no output_token_logprobs")
+            ok = isinstance(entries, list) and all(isinstance(e, list) and e and isinstance(e[0], (int, float)) and not isinstance(e[0], bool) for e in entries)
+            if not ok:
+                raise WireError(f"{where}: return_logprob was asked but meta_info has no output_token_logprobs [[logprob, id, text], ...]")
             full = np.asarray([e[0] for e in entries], np.float32)
         return Completion(
             output_ids=output_ids,
@@ -226,6 +227,6 @@ class SGLangBackend:
             support=support,
             full_logprobs=full,
             weight_versions=parse_weight_versions(meta, len(output_ids), where),
-            text=item.get("text") or "",
+            text=item["text"] if isinstance(item.get("text"), str) else "",
             support_bytes=size,
         )

@@ -47,6 +47,20 @@ _TOKEN_PREFIX = "token_id:"
 _NEG_INF = -9999.0  # how vLLM serialises -inf over HTTP (serving.py: _clamp_logprob)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _numbers(values, field: str, count: int) -> list:
+    if not isinstance(values, list) or len(values) != count or not all(_is_number(v) for v in values):
+        raise WireError(f"{field}: expected {count} numbers, got {values!r:.80}")
+    return values
+
+
 def _table(rows: list[list[int]], field: str) -> SupportTable:
     try:
         return SupportTable.from_lists(rows)
@@ -67,10 +81,8 @@ def parse_native_mask(output_ids: list[int], sampling_mask, sampled_logprobs) ->
         rows.append(row)
     if len(rows) != len(output_ids):
         raise WireError(f"sampling_mask: {len(rows)} support rows for {len(output_ids)} output tokens")
-    if sampled_logprobs is None or len(sampled_logprobs) != len(output_ids):
-        n = "none" if sampled_logprobs is None else len(sampled_logprobs)
-        raise WireError(f"logprobs: {n} processed log-probs for {len(output_ids)} output tokens")
-    return _table(rows, "sampling_mask"), np.asarray(sampled_logprobs, np.float32)
+    sampled = _numbers(sampled_logprobs, "logprobs of the sampled tokens", len(output_ids))
+    return _table(rows, "sampling_mask"), np.asarray(sampled, np.float32)
 
 
 def parse_processed_logprobs(output_ids: list[int], top_logprobs, requested: int) -> tuple[SupportTable, np.ndarray]:
@@ -87,9 +99,9 @@ def parse_processed_logprobs(output_ids: list[int], top_logprobs, requested: int
         raise WireError(f"top_logprobs: {n} entries for {len(output_ids)} output tokens")
     rows, picked = [], []
     for t, (entries, tok) in enumerate(zip(top_logprobs, output_ids)):
-        if not isinstance(entries, dict):
-            raise WireError(f"top_logprobs[{t}]: expected a mapping token id -> log-prob")
-        finite = {int(i): float(v) for i, v in entries.items() if v is not None and float(v) > _NEG_INF / 2}
+        if not isinstance(entries, dict) or not all(_is_int(i) and (v is None or _is_number(v)) for i, v in entries.items()):
+            raise WireError(f"top_logprobs[{t}]: expected a mapping token id -> log-prob, got {entries!r:.80}")
+        finite = {i: float(v) for i, v in entries.items() if v is not None and float(v) > _NEG_INF / 2}
         if requested > 0 and len(finite) >= requested:
             raise WireError(
                 f"top_logprobs[{t}]: all {requested} returned entries are finite, so the support may be "
@@ -103,17 +115,42 @@ def parse_processed_logprobs(output_ids: list[int], top_logprobs, requested: int
 
 
 def _token_id(text: str, where: str) -> int:
-    if not isinstance(text, str) or not text.startswith(_TOKEN_PREFIX):
-        raise WireError(f"{where}: token {text!r} is not in 'token_id:N' form; send return_tokens_as_token_ids=true")
-    return int(text[len(_TOKEN_PREFIX) :])
+    digits = text[len(_TOKEN_PREFIX) :] if isinstance(text, str) and text.startswith(_TOKEN_PREFIX) else ""
+    if not digits.isdigit():
+        raise WireError(f"{where}: token {text!r:.40} is not in 'token_id:N' form; send return_tokens_as_token_ids=true")
+    return int(digits)
 
 
-def _finish(choice: dict) -> dict:
-    finish = choice.get("finish_reason")
-    out = {"type": finish} if isinstance(finish, str) else {}
-    if choice.get("stop_reason") is not None:
-        out["matched"] = choice["stop_reason"]
+def _finish(choice: dict, where: str) -> dict:
+    finish, stop = choice.get("finish_reason"), choice.get("stop_reason")
+    if finish is not None and not isinstance(finish, str):
+        raise WireError(f"{where}: finish_reason {finish!r:.40} is not a string")
+    out = {"type": finish} if finish is not None else {}
+    if stop is not None:
+        if not isinstance(stop, (str, int)) or isinstance(stop, bool):
+            raise WireError(f"{where}: stop_reason {stop!r:.40} is neither a string nor a token id")
+        out["matched"] = stop
     return out
+
+
+def _generate_logprobs(choice: dict, count: int, where: str) -> tuple[list | None, list[dict]]:
+    """``(sampled log-probs, top log-probs per token)`` of a /inference/v1/generate choice."""
+    lp = choice.get("logprobs")
+    if lp is None:
+        return None, []
+    content = lp.get("content") if isinstance(lp, dict) else None
+    if not isinstance(content, list):
+        raise WireError(f"{where}: logprobs.content is not a list, got {content!r:.80}")
+    sampled, top = [], []
+    for t, entry in enumerate(content):
+        tops = entry.get("top_logprobs", []) if isinstance(entry, dict) else None
+        ok = isinstance(entry, dict) and _is_int(entry.get("token_id")) and _is_number(entry.get("logprob")) and isinstance(tops, list)
+        ok = ok and all(isinstance(e, dict) and _is_int(e.get("token_id")) and _is_number(e.get("logprob")) for e in tops)
+        if not ok:
+            raise WireError(f"{where}: logprobs.content[{t}] is not {{token_id, logprob, top_logprobs}}: {entry!r:.80}")
+        sampled.append(entry["logprob"])
+        top.append({e["token_id"]: e["logprob"] for e in tops})
+    return (sampled if len(sampled) == count else None), top
 
 
 class VLLMBackend:
@@ -234,7 +271,7 @@ class VLLMBackend:
                 support, log_mu = parse_processed_logprobs(output_ids, top, self.requested_logprobs(req))
         except WireError as exc:
             raise WireError(f"{where}: {exc}") from exc
-        sampled = np.asarray(sampled if sampled is not None else [], np.float64)
+        sampled = np.asarray(sampled if sampled is not None and all(_is_number(v) for v in sampled) else [], np.float64)
         if len(sampled) == len(output_ids) and not np.allclose(sampled, log_mu, atol=1e-5):
             t = int(np.argmax(np.abs(sampled - log_mu)))
             raise WireError(f"{where} token {t}: sampled log-prob {sampled[t]} disagrees with its support entry {log_mu[t]}")
@@ -243,19 +280,19 @@ class VLLMBackend:
     def parse_generate_choice(self, choice: dict, req: GenerateRequest, index: int = 0) -> Completion:
         """The ``Completion`` of one ``/inference/v1/generate`` choice (not yet validated)."""
         where = f"completion {index}"
+        if not isinstance(choice, dict):
+            raise WireError(f"{where}: the choice is not an object")
         output_ids = choice.get("token_ids")
-        if not isinstance(output_ids, list):
-            raise WireError(f"{where}: the choice has no token_ids")
+        if not isinstance(output_ids, list) or not all(_is_int(t) for t in output_ids):
+            raise WireError(f"{where}: token_ids is not a list of token ids, got {output_ids!r:.80}")
         support = log_mu = None
         if req.return_sampling_mask:
-            content = (choice.get("logprobs") or {}).get("content") or []
-            sampled = [e.get("logprob") for e in content] if len(content) == len(output_ids) else None
-            top = [{e["token_id"]: e["logprob"] for e in entry.get("top_logprobs") or []} for entry in content]
+            sampled, top = _generate_logprobs(choice, len(output_ids), where)
             support, log_mu = self._capture(choice, output_ids, sampled, top, req, where)
         spans = choice.get("weight_versions")
         return Completion(
-            output_ids=[int(t) for t in output_ids],
-            finish_reason=_finish(choice),
+            output_ids=list(output_ids),
+            finish_reason=_finish(choice, where),
             log_mu=log_mu,
             support=support,
             weight_versions=parse_version_spans(spans, len(output_ids), where) if spans is not None else [],
@@ -264,19 +301,23 @@ class VLLMBackend:
     def parse_completions_choice(self, choice: dict, req: GenerateRequest, index: int = 0) -> Completion:
         """The ``Completion`` of one ``/v1/completions`` choice (not yet validated)."""
         where = f"completion {index}"
-        lp = choice.get("logprobs") or {}
-        tokens = lp.get("tokens")
-        if not tokens:
+        lp = choice.get("logprobs") if isinstance(choice, dict) else None
+        tokens = lp.get("tokens") if isinstance(lp, dict) else None
+        if not isinstance(tokens, list) or not tokens:
             raise WireError(f"{where}: no token ids in the response (logprobs.tokens); the request must ask logprobs")
         output_ids = [_token_id(t, where) for t in tokens]
         support = log_mu = None
         if req.return_sampling_mask:
-            top = [{_token_id(k, where): v for k, v in (entry or {}).items()} for entry in lp.get("top_logprobs") or []]
+            entries = lp.get("top_logprobs") or []
+            if not isinstance(entries, list) or not all(e is None or isinstance(e, dict) for e in entries):
+                raise WireError(f"{where}: logprobs.top_logprobs is not a list of mappings")
+            top = [{_token_id(k, where): v for k, v in (entry or {}).items()} for entry in entries]
             support, log_mu = self._capture(choice, output_ids, lp.get("token_logprobs"), top, req, where)
+        text = choice.get("text")
         return Completion(
             output_ids=output_ids,
-            finish_reason=_finish(choice),
+            finish_reason=_finish(choice, where),
             log_mu=log_mu,
             support=support,
-            text=choice.get("text") or "",
+            text=text if isinstance(text, str) else "",
         )

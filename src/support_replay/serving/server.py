@@ -106,12 +106,6 @@ def create_app(
             response.headers["Retry-After"] = str(exc.retry_after)
         return response
 
-    async def parse(request: Request, model):
-        try:
-            return model.model_validate_json(await request.body())
-        except ValidationError as exc:
-            raise RequestError(_validation_message(exc)) from exc
-
     async def run(requests, http_request: Request) -> list[Completion]:
         """Submit, wait, and drop the requests from the engine if the client goes away meanwhile."""
         futures = [engine.submit(r) for r in requests]
@@ -164,8 +158,7 @@ def create_app(
         }
 
     @app.post("/generate")
-    async def generate(request: Request):
-        body = await parse(request, GenerateIn)
+    async def generate(request: Request, body: GenerateIn):
         prompts = body.text if body.text is not None else body.input_ids
         prompts = prompts if body.batched else [prompts]
         prompts = [tokenize_prompt(p) if isinstance(p, str) else p for p in prompts]
@@ -195,8 +188,7 @@ def create_app(
         return out if body.batched else out[0]
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = await parse(request, ChatCompletionIn)
+    async def chat(request: Request, body: ChatCompletionIn):
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -225,8 +217,7 @@ def create_app(
         }
 
     @app.post("/update_weights_from_disk")
-    async def update_weights(request: Request):
-        body = await parse(request, UpdateWeightsIn)
+    async def update_weights(body: UpdateWeightsIn):
         path = Path(body.model_path).resolve()
         if weights_dir is None:
             return _error(403, "weight loading is off: start the server with --weights-dir DIR to load safetensors from under DIR")
@@ -236,8 +227,7 @@ def create_app(
         return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version}
 
     @app.post("/update_weight_version")
-    async def update_weight_version(request: Request):
-        body = await parse(request, UpdateWeightVersionIn)
+    async def update_weight_version(body: UpdateWeightVersionIn):
         version = await asyncio.wrap_future(engine.update_weight_version(body.new_version))
         return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
 
