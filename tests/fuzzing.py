@@ -111,7 +111,8 @@ def fuzz_wire(n: int, measure_memory: bool = False, relative: bool | None = None
                 worst[0] = max(worst[0], peak)
         seen["decoded"] += 1
         header_vocab = int.from_bytes(data[10:14], "little")
-        again = wire.decode(wire.encode(table, header_vocab, selected), selected)
+        relative = selected if data[5] & wire.FLAG_SELECTED_RELATIVE else None  # as the (maybe mutated) header says
+        again = wire.decode(wire.encode(table, header_vocab, relative), relative)
         assert again == table, "a decoded table did not re-encode to itself"
 
     one()
