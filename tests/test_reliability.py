@@ -269,3 +269,22 @@ def test_regeneration_gives_up_and_names_the_group(tiny_checkpoint, tmp_path, mo
     flaky_backend(monkeypatch, {(0, 5, a) for a in range(3)})
     with pytest.raises(EngineUnavailable, match=r"rollout 0, group 1: no complete answer after 3 attempts"):
         train(run_config(tiny_checkpoint, tmp_path, num_rollout=1))
+
+
+def test_poison_requests_get_4xx_and_the_batch_beside_them_is_unchanged(deterministic_engine):
+    from poison import POISONS, send_with
+
+    with TestClient(create_app(deterministic_engine)) as client:
+        def post(body):
+            if isinstance(body, bytes):
+                r = client.post("/generate", content=body, headers={"content-type": "application/json"})
+            else:
+                r = client.post("/generate", json=body)
+            return r.status_code, r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+
+        baseline, _ = send_with(post, 8)
+        assert all(status == 200 for status, _, _ in baseline)
+        for name, poison in POISONS.items():
+            goods, (status, _seconds) = send_with(post, 8, poison)
+            assert 400 <= status < 500, (name, status)
+            assert goods == baseline, name  # every good answer bit-identical to the run without the poison
