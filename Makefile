@@ -53,6 +53,10 @@ bench: setup
 	$(PY) bench/engine.py
 	$(PY) bench/faithfulness.py
 	$(PY) bench/e2e.py
+	$(PY) bench/poison.py
+	$(PY) bench/load.py
+	$(PY) bench/faults.py
+	$(PY) bench/fuzz.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -133,22 +133,27 @@ def chunked_body(checkpoint: Path) -> dict:
         def rss():
             return int(next(line for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines() if line.startswith("VmRSS")).split()[1])
 
-        for _ in range(3):  # warm up the handlers, so only the body can make memory grow
-            httpx.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}, timeout=60)
-            httpx.post(url + "/generate", content=b"x" * (9 << 20), headers={"content-type": "application/json"}, timeout=60)
+        def chunked(mib: int):
+            def chunks():
+                block = b"x" * (1 << 20)
+                for _ in range(mib):
+                    yield block
+
+            try:
+                return httpx.post(url + "/generate", content=chunks(), headers={"content-type": "application/json"}, timeout=60).status_code
+            except httpx.HTTPError as exc:  # the server may close the connection once it has answered
+                return f"closed ({type(exc).__name__})"
+
+        httpx.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        first_before = rss()
+        chunked(64)  # the first 413 of the process also loads its code path
         before = rss()
-
-        def chunks():
-            block = b"x" * (1 << 20)
-            for _ in range(64):
-                yield block
-
-        try:
-            status = httpx.post(url + "/generate", content=chunks(), headers={"content-type": "application/json"}, timeout=60).status_code
-        except httpx.HTTPError as exc:  # the server may close the connection once it has answered
-            status = f"closed ({type(exc).__name__})"
+        status = chunked(64)
         after = rss()
-    return {"status": status, "rss_growth_MiB": round((after - before) / 1024, 2)}
+        chunked(256)
+        after_256 = rss()
+    return {"status": status, "first_413_growth_MiB": round((before - first_before) / 1024, 2),
+            "rss_growth_MiB": round((after - before) / 1024, 2), "after_256_MiB_more": round((after_256 - after) / 1024, 2)}
 
 
 def main() -> None:
@@ -156,9 +161,12 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--kill-every", type=float, default=30.0)
     ap.add_argument("--trainer-kills", type=int, default=20)
+    ap.add_argument("--only-body", action="store_true", help="only the chunked-body measurement")
     args = ap.parse_args()
     checkpoint = build_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny")
     print("chunked 64 MiB body:", chunked_body(checkpoint), flush=True)
+    if args.only_body:
+        return
     print(f"engines killed every {args.kill_every:.0f} s for {args.minutes} min under load:", engines_killed_under_load(checkpoint, args.minutes, args.kill_every), flush=True)
     print(f"trainer killed at {args.trainer_kills} random moments:", trainer_killed(checkpoint, args.trainer_kills), flush=True)
 
