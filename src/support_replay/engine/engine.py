@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,28 +28,17 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from ..errors import AbortedError, CapacityError, EngineError, OverloadedError, RequestError
+from ..errors import AbortedError, CapacityError, EngineError, RequestError
 from ..logprobs import full_logprobs, support_logprobs
 from ..modeling.batch_invariant import make_batch_invariant
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest, single_version
 from ..sampling import sample_tokens
 from ..support import SupportTable
+from .ledger import Ledger
 from .limits import EngineLimits
 from .model_runner import KVBatch, ModelRunner, load_model_and_tokenizer
 
 log = logging.getLogger(__name__)
-
-FINISHED_RIDS_KEPT = 4096  # answers kept for a request id sent again (a client or router retry)
-
-
-@dataclass
-class EngineStats:
-    """Counters for /metrics, updated under the engine's lock."""
-
-    requests: dict = field(default_factory=lambda: {"ok": 0, "refused": 0, "overloaded": 0, "failed": 0, "aborted": 0})
-    generated_tokens: int = 0
-    capture_failures: int = 0
-    duplicates: int = 0
 
 @dataclass
 class _Sequence:
@@ -105,12 +93,7 @@ class Engine:
         self._batch: KVBatch | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()  # guards the queue count, the request ids, the aborts and the stats
-        self._queued = 0
-        self._by_rid: dict[str, Future] = {}  # in flight
-        self._finished: OrderedDict[str, Completion] = OrderedDict()
-        self._aborted: set[int] = set()  # ids of futures whose client went away
-        self.stats = EngineStats()
+        self.ledger = Ledger(self.limits.max_queue)  # queue count, request ids, aborts, counters
 
     @property
     def max_batch_size(self) -> int:
@@ -167,32 +150,22 @@ class Engine:
         try:
             self.validate(request)
         except EngineError as exc:
-            self._count("refused")
+            self.ledger.count("refused")
             future.set_exception(exc)
             return future
-        with self._lock:
-            if request.rid is not None:
-                if request.rid in self._finished:  # answered already: the same answer again
-                    self.stats.duplicates += 1
-                    future.set_result(self._finished[request.rid])
-                    return future
-                if request.rid in self._by_rid:  # running: share its answer
-                    self.stats.duplicates += 1
-                    return self._by_rid[request.rid]
-            if self._queued >= self.limits.max_queue:
-                self.stats.requests["overloaded"] += 1
-                future.set_exception(OverloadedError(f"the admission queue is full ({self.limits.max_queue} waiting); retry later"))
-                return future
-            self._queued += 1
-            if request.rid is not None:
-                self._by_rid[request.rid] = future
+        answered = self.ledger.enqueue(request, future)
+        if answered is not None:  # a copy of the same rid, or a full queue
+            return answered
         self._inbox.put(("generate", request, future))
         return future
 
     def abort(self, future: Future) -> None:
         """The client of ``future`` went away: drop its request, waiting or running."""
-        with self._lock:
-            self._aborted.add(id(future))
+        self.ledger.abort(future)
+
+    @property
+    def stats(self):
+        return self.ledger.stats
 
     def generate(self, requests: list[GenerateRequest], timeout: float | None = None) -> list[Completion]:
         """Blocking convenience: submit all, wait for all (starts the loop if needed)."""
@@ -228,7 +201,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return self._queued
+        return self.ledger.queued
 
     # ---- the loop -----------------------------------------------------------------
 
@@ -289,10 +262,7 @@ class Engine:
             if kind == "update":
                 self._update = (payload, future)
                 break
-            with self._lock:
-                self._queued -= 1
-                aborted = id(future) in self._aborted
-            if aborted:
+            if not self.ledger.dequeue(future):
                 self._finish_failed(payload, future, AbortedError("the client went away before the request started"), "aborted")
             elif future.set_running_or_notify_cancel():
                 taken.append((payload, future))
@@ -327,8 +297,8 @@ class Engine:
             self._sample_and_advance(group, logits)
 
     def _decode(self) -> None:
-        with self._lock:
-            gone = [s for s in self._running if id(s.future) in self._aborted]
+        gone_futures = self.ledger.aborted([s.future for s in self._running])
+        gone = [s for s in self._running if s.future in gone_futures]
         for seq in gone:  # cancelled by their clients: stop spending steps on them
             seq.finish_reason = {"type": "abort"}
             self._finish_failed(seq.request, seq.future, AbortedError("the client went away"), "aborted")
@@ -449,15 +419,7 @@ class Engine:
     # ---- answers ------------------------------------------------------------------
 
     def _finish_ok(self, request: GenerateRequest, future: Future, completion: Completion) -> None:
-        with self._lock:
-            self.stats.requests["ok"] += 1
-            self.stats.generated_tokens += completion.num_tokens
-            if request.rid is not None:
-                self._by_rid.pop(request.rid, None)
-                self._finished[request.rid] = completion
-                while len(self._finished) > FINISHED_RIDS_KEPT:
-                    self._finished.popitem(last=False)
-            self._aborted.discard(id(future))
+        self.ledger.finished(request, future, completion)
         future.set_result(completion)
 
     def _finish_failed(self, request: GenerateRequest, future: Future, exc: Exception, where: str) -> None:
@@ -465,19 +427,9 @@ class Engine:
         if not isinstance(exc, EngineError):
             log.warning("request failed at %s: %s", where, exc)
             exc = EngineError(f"the request failed during {where}: {type(exc).__name__}: {exc}")
-        with self._lock:
-            kind = "aborted" if isinstance(exc, AbortedError) else "failed"
-            self.stats.requests[kind] += 1
-            self.stats.capture_failures += isinstance(exc, CapacityError)
-            if request.rid is not None:
-                self._by_rid.pop(request.rid, None)
-            self._aborted.discard(id(future))
+        self.ledger.failed(request, future, exc)
         if not future.done():
             future.set_exception(exc)
-
-    def _count(self, kind: str) -> None:
-        with self._lock:
-            self.stats.requests[kind] += 1
 
     def _result(self, seq: _Sequence) -> Completion:
         req = seq.request

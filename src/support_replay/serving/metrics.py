@@ -23,10 +23,7 @@ def _render(families) -> bytes:
 
 
 def render_metrics(engine) -> bytes:
-    with engine._lock:
-        stats = engine.stats
-        requests = dict(stats.requests)
-        tokens, capture, duplicates, queued = stats.generated_tokens, stats.capture_failures, stats.duplicates, engine.num_waiting
+    requests, tokens, capture, duplicates, queued = engine.ledger.snapshot()
     by_status = CounterMetricFamily("support_replay_requests", "generation requests by outcome", labels=["status"])
     for status, n in requests.items():
         by_status.add_metric([status], n)
