@@ -86,3 +86,16 @@ def test_router_retries_when_an_engine_dies_mid_request(tiny_checkpoint):
             workers = {w["url"]: w for w in httpx.get(router_url + "/workers").json()}
             assert workers[url_a]["failures"] == 1 and workers[url_a]["served"] == 0
             assert workers[url_b]["served"] == 1  # served once, elsewhere: nothing lost or duplicated
+
+
+def test_a_client_that_goes_away_frees_its_slot(tiny_checkpoint):
+    ctx, url = engine_process(tiny_checkpoint)
+    with ctx:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up on a long request
+            httpx.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}, timeout=0.3)
+        for _ in range(100):  # the server notices within its poll interval and drops the request
+            if httpx.get(url + "/health").json()["running"] == 0:
+                break
+            time.sleep(0.1)
+        assert httpx.get(url + "/health").json()["running"] == 0
+        assert 'support_replay_requests_total{status="aborted"} 1.0' in httpx.get(url + "/metrics").text

@@ -26,7 +26,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT
 from .metrics import render_router_metrics
-from .security import BodyLimit, JSONOnly, Keys
+from .security import BodyLimit, JSONOnly, KeyGuard, Keys
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +140,6 @@ def create_router_app(router: Router, *, max_request_bytes: int = DEFAULT_MAX_RE
 
     app = FastAPI(title="support-replay router", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        if path not in OPEN_PATHS and not router.keys.allows(request.headers.get("authorization"), admin=path in BROADCAST_PATHS):
-            which = "admin" if path in BROADCAST_PATHS else "API"
-            return JSONResponse({"error": {"message": f"missing or wrong {which} key (Authorization: Bearer ...)", "code": 401}}, status_code=401)
-        return await call_next(request)
-
     @app.get("/metrics")
     async def metrics():
         return Response(render_router_metrics(router), media_type=CONTENT_TYPE_LATEST)
@@ -170,7 +162,8 @@ def create_router_app(router: Router, *, max_request_bytes: int = DEFAULT_MAX_RE
             return await router.broadcast(request.method, target, body, headers)
         return await router.forward(request.method, target, body, headers)
 
-    return BodyLimit(TrustedHostMiddleware(JSONOnly(app), allowed_hosts=allowed_hosts or ["*"]), max_request_bytes)
+    guarded = KeyGuard(JSONOnly(app), router.keys, BROADCAST_PATHS, OPEN_PATHS)
+    return BodyLimit(TrustedHostMiddleware(guarded, allowed_hosts=allowed_hosts or ["*"]), max_request_bytes)
 
 
 def run_router(engine_urls: list[str], host: str = "127.0.0.1", port: int = DEFAULT_ROUTER_PORT, health_interval: float = 5.0, *,

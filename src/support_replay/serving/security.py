@@ -92,6 +92,24 @@ class JSONOnly:
         return await self.app(scope, receive, send)
 
 
+class KeyGuard:
+    """401 unless the request carries the key its route needs (``admin_paths`` the admin key, the
+    rest the API key, ``open_paths`` none). A plain ASGI middleware: it leaves ``receive`` alone,
+    so handlers still see their client disconnect."""
+
+    def __init__(self, app: ASGIApp, keys: Keys, admin_paths: tuple[str, ...], open_paths: tuple[str, ...]):
+        self.app, self.keys, self.admin_paths, self.open_paths = app, keys, admin_paths, open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            admin = scope["path"] in self.admin_paths
+            authorization = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            if not self.keys.allows(authorization, admin=admin):
+                which = "admin" if admin else "API"
+                return await _send_error(send, 401, f"missing or wrong {which} key (Authorization: Bearer ...)")
+        return await self.app(scope, receive, send)
+
+
 def read_key(env: str, file: str | None) -> str | None:
     """A key from ``file`` (first line) or the environment variable ``env``; None when neither is set."""
     if file:

@@ -22,7 +22,7 @@ from ..protocol import Completion, GenerateRequest
 from . import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES
 from .metrics import render_metrics
 from .schemas import ChatCompletionIn, GenerateIn, SamplingParamsIn, UpdateWeightsIn, UpdateWeightVersionIn
-from .security import LOOPBACK_HOSTS, BodyLimit, JSONOnly, Keys
+from .security import LOOPBACK_HOSTS, BodyLimit, JSONOnly, KeyGuard, Keys
 
 DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there
 
@@ -86,14 +86,6 @@ def create_app(
     keys = keys or Keys()
     weights_dir = Path(weights_dir).resolve() if weights_dir else None
     app = FastAPI(title="support-replay engine")
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        if path not in OPEN_PATHS and not keys.allows(request.headers.get("authorization"), admin=path in ADMIN_PATHS):
-            which = "admin" if path in ADMIN_PATHS else "API"
-            return _error(401, f"missing or wrong {which} key (Authorization: Bearer ...)", "authentication_error")
-        return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_, exc: RequestValidationError):
@@ -236,8 +228,8 @@ def create_app(
         # The engine keeps no prefix cache between requests: there is nothing stale to drop.
         return {"success": True, "message": "no prefix cache to flush"}
 
-    hosts = allowed_hosts or ["*"]
-    return BodyLimit(TrustedHostMiddleware(JSONOnly(app), allowed_hosts=hosts), max_request_bytes)
+    guarded = KeyGuard(JSONOnly(app), keys, ADMIN_PATHS, OPEN_PATHS)
+    return BodyLimit(TrustedHostMiddleware(guarded, allowed_hosts=allowed_hosts or ["*"]), max_request_bytes)
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_ENGINE_PORT, **kwargs) -> None:
