@@ -154,9 +154,10 @@ def validate_completion(completion: Completion, request: GenerateRequest, vocab_
     n = completion.num_tokens
     if n == 0:
         raise WireError(f"{where}: empty response")
+    bad = next((t for t in completion.output_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None or n != len(completion.output_ids):
+        raise WireError(f"{where}: output token {bad!r:.40} is not an id in the vocabulary [0, {vocab_size})")
     ids = np.asarray(completion.output_ids, dtype=np.int64)
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        raise WireError(f"{where}: output token {int(ids[(ids < 0) | (ids >= vocab_size)][0])} outside the vocabulary [0, {vocab_size})")
     if completion.weight_versions:
         check_version_spans(completion.weight_versions, n, where)
     if request.return_sampling_mask:

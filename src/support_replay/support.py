@@ -70,7 +70,11 @@ class SupportTable:
         sizes = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(sizes, out=offsets[1:])
-        flat = np.fromiter((int(i) for r in rows for i in r), dtype=np.int64, count=int(offsets[-1]))
+        try:
+            flat = np.fromiter((int(i) for r in rows for i in r), dtype=np.int64, count=int(offsets[-1]))
+        except OverflowError:
+            bad = next(int(i) for r in rows for i in r if not -(2**63) <= int(i) < 2**63)
+            raise SupportError(f"id {bad} is not a valid token id") from None
         if flat.size and (flat.min() < 0 or flat.max() > _ID_LIMIT):
             bad = int(flat[(flat < 0) | (flat > _ID_LIMIT)][0])
             row = int(np.searchsorted(offsets, np.flatnonzero((flat < 0) | (flat > _ID_LIMIT))[0], "right") - 1)

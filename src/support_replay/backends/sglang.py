@@ -201,7 +201,9 @@ class SGLangBackend:
         """The ``Completion`` of one ``/generate`` result object (not yet validated)."""
         where = f"completion {index}"
         try:
-            output_ids = [int(t) for t in item["output_ids"]]
+            output_ids = item["output_ids"]
+            if not isinstance(output_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in output_ids):
+                raise TypeError(f"output_ids is not a list of token ids: {output_ids!r:.80}")
             meta = item["meta_info"]
             if not isinstance(meta, dict):
                 raise TypeError(f"meta_info is a {type(meta).__name__}")

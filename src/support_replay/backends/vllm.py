@@ -271,7 +271,8 @@ class VLLMBackend:
                 support, log_mu = parse_processed_logprobs(output_ids, top, self.requested_logprobs(req))
         except WireError as exc:
             raise WireError(f"{where}: {exc}") from exc
-        sampled = np.asarray(sampled if sampled is not None and all(_is_number(v) for v in sampled) else [], np.float64)
+        usable = isinstance(sampled, list) and all(_is_number(v) for v in sampled)
+        sampled = np.asarray(sampled if usable else [], np.float64)
         if len(sampled) == len(output_ids) and not np.allclose(sampled, log_mu, atol=1e-5):
             t = int(np.argmax(np.abs(sampled - log_mu)))
             raise WireError(f"{where} token {t}: sampled log-prob {sampled[t]} disagrees with its support entry {log_mu[t]}")
