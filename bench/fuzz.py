@@ -45,7 +45,7 @@ def main() -> None:
     import tempfile
 
     engine = Engine.from_pretrained(build_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny"), limits=EngineLimits(max_new_tokens=8, max_prompt_tokens=128)).start()
-    run("HTTP endpoints (10 operations)", fuzz_http, create_app(engine), n(1_000))
+    run("HTTP endpoints (10 operations; the 4 with a body 2,500 each)", fuzz_http, create_app(engine), n(2_500))
     engine.shutdown()
     print("\n| target | inputs | outcome | s |")
     print("|---|---:|---|---:|")

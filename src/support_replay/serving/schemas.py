@@ -189,7 +189,7 @@ class UpdateWeightVersionIn(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    new_version: str
+    new_version: str = Field(min_length=1, max_length=256)
 
 
 class UpdateWeightsIn(BaseModel):
@@ -197,5 +197,5 @@ class UpdateWeightsIn(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model_path: str
-    weight_version: str | None = None
+    model_path: str = Field(min_length=1, max_length=4096, pattern=r"^[^\x00]*$")  # a NUL byte is no path
+    weight_version: str | None = Field(None, max_length=256)
