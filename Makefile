@@ -31,10 +31,10 @@ $(VLLM_VENV)/.installed:
 vllm: $(VLLM_VENV)/.installed
 
 test: setup $(if $(filter 1,$(WITH_VLLM)),vllm)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q --durations=15 -m "not slow"
 
 # Engine payload fixtures from the engines' own code (SGLang's wheel, a real vLLM server).
 fixtures: setup vllm
