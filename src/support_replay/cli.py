@@ -74,7 +74,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     from .engine import Engine
     from .engine.limits import EngineLimits
-    from .serving.security import Keys
     from .serving.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -17,7 +17,7 @@ from typing import Protocol
 import httpx
 
 from ..errors import EngineUnavailable, WireError
-from ..protocol import Completion, GenerateRequest
+from ..protocol import GenerateRequest
 
 RETRIES = 3  # tries after the first
 RETRY_STATUSES = (502, 503, 504)

@@ -6,7 +6,7 @@
   cannot post a "simple" ``text/plain`` request across origins.
 - Host checking is starlette's ``TrustedHostMiddleware`` (``allowed_hosts``).
 - ``Keys``: a generation key and an admin key, from an environment variable or a file (a flag
-  value would show in ``ps``), compared in constant time.
+  value would show in ``ps``), compared in constant time; ``KeyGuard`` asks for them per route.
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ from .security import LOOPBACK_HOSTS, BodyLimit, JSONOnly, KeyGuard, Keys
 DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there
 
 
-
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
