@@ -21,7 +21,7 @@ CORPUS = [
 ] * 20
 
 
-def build_tiny_checkpoint(path: Path, vocab_size: int = 384, seed: int = 0) -> Path:
+def build_tiny_checkpoint(path: Path, vocab_size: int = 384, seed: int = 0, max_positions: int = 512, chat_template: str = CHAT_TEMPLATE) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -33,7 +33,7 @@ def build_tiny_checkpoint(path: Path, vocab_size: int = 384, seed: int = 0) -> P
     )
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(path)
     torch.manual_seed(seed)
     config = Qwen3Config(
@@ -44,7 +44,7 @@ def build_tiny_checkpoint(path: Path, vocab_size: int = 384, seed: int = 0) -> P
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,

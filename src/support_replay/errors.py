@@ -63,6 +63,34 @@ class AbortedError(EngineError):
     status = 499
 
 
+# ---- sessions (multi-turn, agents) ---------------------------------------------------
+
+
+class SessionNotFound(EngineError):
+    """No session with that id (never made, deleted, or expired) (HTTP 404)."""
+
+    status = 404
+
+
+class SessionBusy(EngineError):
+    """A turn of this session is still running: a session is one linear trajectory (HTTP 409)."""
+
+    status = 409
+
+
+class HistoryMismatch(EngineError):
+    """The client's messages no longer extend what the session recorded, and the session
+    rejects such turns (``history_policy="reject"``) (HTTP 409)."""
+
+    status = 409
+
+
+class SessionFailed(EngineError):
+    """The engine of this session failed a turn; the episode ends and never trains (HTTP 502)."""
+
+    status = 502
+
+
 # ---- training -----------------------------------------------------------------------
 
 

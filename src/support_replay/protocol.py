@@ -21,6 +21,7 @@ from .support import SupportTable
 
 LOGPROBS_MODES = ("selected", "support")
 DEFAULT_SAMPLING_MASK_MAX_TOKENS = 4096  # SGLang's --sampling-mask-max-tokens default
+SESSION_HEADER = "X-Session-Id"  # a router keeps every request with the same value on one engine
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's name for the weights a server started with
 
 
@@ -44,6 +45,7 @@ class GenerateRequest:
     return_logprob: bool = False
     sampling_logprobs_mode: Literal["selected", "support"] = "selected"
     rid: str | None = None  # idempotency key: the same id (with the same seed) is answered once
+    routing_key: str | None = None  # a session's id: a router sends every turn to the same engine
 
     def __post_init__(self):
         if not self.input_ids:

@@ -17,7 +17,7 @@ from typing import Protocol
 import httpx
 
 from ..errors import EngineUnavailable, WireError
-from ..protocol import GenerateRequest
+from ..protocol import SESSION_HEADER, GenerateRequest
 
 RETRIES = 3  # tries after the first
 RETRY_STATUSES = (502, 503, 504)
@@ -54,7 +54,12 @@ def optional_fields(req: GenerateRequest, seed_key: str) -> dict:
     return out
 
 
-def post_json(client, url: str, body: dict, index: int, retries: RetryCounter | None = None, tries: int = RETRIES + 1):
+def session_headers(req: GenerateRequest) -> dict:
+    """The routing header of a session's turn (none for a single-turn request)."""
+    return {SESSION_HEADER: req.routing_key} if req.routing_key else {}
+
+
+def post_json(client, url: str, body: dict, index: int, retries: RetryCounter | None = None, tries: int = RETRIES + 1, headers: dict | None = None):
     """POST ``body``; ``(decoded JSON answer, body size in bytes)``. ``WireError`` naming the request
     and the status for a refusal, ``EngineUnavailable`` when no try got an answer."""
     problem = ""
@@ -62,7 +67,7 @@ def post_json(client, url: str, body: dict, index: int, retries: RetryCounter | 
         if attempt and retries is not None:
             retries.add()
         try:
-            reply = client.post(url, json=body)
+            reply = client.post(url, json=body, headers=headers)
         except httpx.TransportError as exc:  # refused, dropped, or past the timeout
             problem = f"{type(exc).__name__}: {exc}"
             time.sleep(min(MAX_BACKOFF, 0.5 * 2**attempt))

@@ -21,7 +21,7 @@ from ..errors import EngineUnavailable, SupportError, WireError
 from ..protocol import Completion, GenerateRequest, parse_version_spans, single_version, validate_completion
 from ..support import SupportTable
 from ..wire import from_json
-from .base import RetryCounter, fan_out, optional_fields, post_json
+from .base import RetryCounter, fan_out, optional_fields, post_json, session_headers
 
 MASK_FORMATS = ("binary", "lists")
 STRIPPED_HINT = (
@@ -189,7 +189,7 @@ class SGLangBackend:
         return fan_out(self.pool, self._one, requests, return_exceptions)
 
     def _one(self, req: GenerateRequest, index: int) -> Completion:
-        item, _ = post_json(self.client, self.url + "/generate", self.body(req), index, self._retries)
+        item, _ = post_json(self.client, self.url + "/generate", self.body(req), index, self._retries, headers=session_headers(req))
         if not isinstance(item, dict):
             raise WireError(f"request {index}: {self.url}/generate returned {type(item).__name__}, expected an object")
         completion = self.completion(item, req, index)

@@ -38,7 +38,7 @@ import numpy as np
 from ..errors import EngineUnavailable, SupportError, WireError
 from ..protocol import Completion, GenerateRequest, single_version, validate_completion, parse_version_spans
 from ..support import SupportTable
-from .base import RetryCounter, fan_out, optional_fields, post_json
+from .base import RetryCounter, fan_out, optional_fields, post_json, session_headers
 
 ENDPOINTS = ("generate", "completions")
 CAPTURES = ("processed_logprobs", "native")
@@ -247,7 +247,7 @@ class VLLMBackend:
 
     def _one(self, req: GenerateRequest, index: int) -> Completion:
         path = "/inference/v1/generate" if self.endpoint == "generate" else "/v1/completions"
-        answer, _ = post_json(self.client, self.url + path, self.body(req), index, self._retries)
+        answer, _ = post_json(self.client, self.url + path, self.body(req), index, self._retries, headers=session_headers(req))
         try:
             choice = answer["choices"][0]
         except (KeyError, IndexError, TypeError) as exc:

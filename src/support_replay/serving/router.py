@@ -5,7 +5,9 @@ Bytes in, bytes out: fields the router knows nothing about (``return_sampling_ma
 comes back as it was sent. Requests go to the healthy engine with the fewest outstanding
 requests; an engine that fails before answering (connection refused or dropped, or no answer
 within the request timeout) is marked down and the request is retried on another one with the
-same body, so the same ``rid`` and seed (an engine answers a repeated ``rid`` once). Weight
+same body, so the same ``rid`` and seed (an engine answers a repeated ``rid`` once). Requests
+of a session (header ``X-Session-Id``) all go to the engine its first turn went to and are not
+retried elsewhere: the session's context, and its prefix cache, live there. Weight
 updates, version changes and cache flushes are broadcast to every engine, with the admin key.
 Health is checked periodically. The body limit, the JSON-only rule and the Host check are the
 engine server's (``security.py``); ``/metrics`` counts answers, retries and unserved requests.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import httpx
@@ -24,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from ..protocol import SESSION_HEADER
 from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT
 from .metrics import render_router_metrics
 from .security import BodyLimit, JSONOnly, KeyGuard, Keys
@@ -33,7 +37,8 @@ log = logging.getLogger(__name__)
 BROADCAST_PATHS = ("/update_weights_from_disk", "/update_weight_version", "/flush_cache")
 OPEN_PATHS = ("/health", "/metrics")
 DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds for one engine to answer one request
-_FORWARD_HEADERS = ("content-type", "accept")
+_FORWARD_HEADERS = ("content-type", "accept", SESSION_HEADER.lower())
+MAX_SESSIONS = 100_000  # session -> engine entries kept, least recently used dropped first
 _RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.TimeoutException)
 
 
@@ -58,6 +63,20 @@ class Router:
         self.answered: dict[tuple[str, int], int] = {}
         self.retries = 0
         self.unserved = 0
+        self.affinity: OrderedDict[str, Worker] = OrderedDict()  # session id -> its engine, most recent last
+
+    def session_worker(self, session: str) -> Worker | None:
+        """The engine of a session: chosen on its first turn, kept for every later one."""
+        worker = self.affinity.get(session)
+        if worker is None:
+            worker = self.pick(set())
+            if worker is None:
+                return None
+            self.affinity[session] = worker
+            if len(self.affinity) > MAX_SESSIONS:
+                self.affinity.popitem(last=False)
+        self.affinity.move_to_end(session)
+        return worker
 
     def pick(self, exclude: set[str]) -> Worker | None:
         candidates = [w for w in self.workers if w.healthy and w.url not in exclude]
@@ -66,6 +85,9 @@ class Router:
         return min(candidates, key=lambda w: (w.outstanding, w.served)) if candidates else None
 
     async def forward(self, method: str, path: str, body: bytes, headers: dict) -> Response:
+        session = headers.get(SESSION_HEADER.lower())
+        if session:
+            return await self.forward_session(session, method, path, body, headers)
         tried: set[str] = set()
         last_error = "no engine configured"
         while (worker := self.pick(tried)) is not None:
@@ -89,6 +111,28 @@ class Router:
             return Response(reply.content, status_code=reply.status_code, media_type=reply.headers.get("content-type"), headers=headers_out)
         self.unserved += 1
         return JSONResponse({"error": {"message": f"no engine could serve the request ({last_error})", "code": 503}}, status_code=503, headers={"Retry-After": "1"})
+
+    async def forward_session(self, session: str, method: str, path: str, body: bytes, headers: dict) -> Response:
+        """Every turn of a session to its engine (its prefix cache stays warm); never elsewhere:
+        the session's context lives there, so a failed engine fails the turn (502)."""
+        worker = self.session_worker(session)
+        if worker is None:
+            self.unserved += 1
+            return JSONResponse({"error": {"message": "no engine configured", "code": 503}}, status_code=503)
+        worker.outstanding += 1
+        try:
+            reply = await self.client.request(method, worker.url + path, content=body, headers={**headers, **self.keys.header(admin=False)})
+        except _RETRYABLE as exc:
+            worker.healthy, worker.failures = False, worker.failures + 1
+            self.unserved += 1
+            message = f"session {session[:80]}: its engine {worker.url} failed ({type(exc).__name__}); a session's turns are not moved to another engine"
+            return JSONResponse({"error": {"message": message, "code": 502}}, status_code=502)
+        finally:
+            worker.outstanding -= 1
+        worker.served += 1
+        key = (worker.url, reply.status_code)
+        self.answered[key] = self.answered.get(key, 0) + 1
+        return Response(reply.content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
 
     async def broadcast(self, method: str, path: str, body: bytes, headers: dict) -> Response:
         async def one(w: Worker):

@@ -9,34 +9,21 @@ import uuid
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from .. import __version__, wire
 from ..engine import Engine
-from ..errors import EngineError, OverloadedError, RequestError, SupportReplayError
+from ..errors import EngineError, RequestError, SupportReplayError
 from ..protocol import Completion, GenerateRequest
 from . import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES
+from .http_errors import error_response, install_error_handlers
 from .metrics import render_metrics
 from .schemas import ChatCompletionIn, GenerateIn, SamplingParamsIn, UpdateWeightsIn, UpdateWeightVersionIn
 from .security import LOOPBACK_HOSTS, BodyLimit, JSONOnly, KeyGuard, Keys
 
 DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
-
-
-def _validation_message(exc: ValidationError | RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        parts.append(f"{loc or 'body'}: {err.get('msg')}")
-    return "; ".join(parts)
 
 
 def meta_info(completion: Completion, request: GenerateRequest, *, sampling_mask_format: str, vocab_size: int) -> dict:
@@ -86,16 +73,7 @@ def create_app(
     weights_dir = Path(weights_dir).resolve() if weights_dir else None
     app = FastAPI(title="support-replay engine")
 
-    @app.exception_handler(RequestValidationError)
-    async def on_validation(_, exc: RequestValidationError):
-        return _error(400, _validation_message(exc))
-
-    @app.exception_handler(EngineError)
-    async def on_engine_error(_, exc: EngineError):
-        response = _error(exc.status, str(exc), "invalid_request_error" if exc.status < 500 else "server_error")
-        if isinstance(exc, OverloadedError):
-            response.headers["Retry-After"] = str(exc.retry_after)
-        return response
+    install_error_handlers(app)
 
     async def run(requests, http_request: Request) -> list[Completion]:
         """Submit, wait, and drop the requests from the engine if the client goes away meanwhile."""
@@ -211,9 +189,9 @@ def create_app(
     async def update_weights(body: UpdateWeightsIn):
         path = Path(body.model_path).resolve()
         if weights_dir is None:
-            return _error(403, "weight loading is off: start the server with --weights-dir DIR to load safetensors from under DIR")
+            return error_response(403, "weight loading is off: start the server with --weights-dir DIR to load safetensors from under DIR")
         if not path.is_relative_to(weights_dir):
-            return _error(403, f"model_path {body.model_path!r} is not under the weights directory {str(weights_dir)!r}")
+            return error_response(403, f"model_path {body.model_path!r} is not under the weights directory {str(weights_dir)!r}")
         version = await asyncio.wrap_future(engine.update_weights_from_disk(path, body.weight_version))
         return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version}
 

@@ -5,7 +5,8 @@ micro-batches, so a token is scored by the same function on the same batch every
 before the first optimizer step its old and new log-probs are equal bit for bit. The
 support of a micro-batch is padded once, onto the trainer's device, when the plan is made.
 
-Layout: each optimizer step takes ``global_batch`` consecutive samples, sorted longest first
+Layout: each optimizer step takes ``global_batch`` consecutive samples (the last step fewer when
+agent episodes split into more samples than episodes), sorted longest first
 so that a micro-batch pads its samples to similar lengths; each rank takes a contiguous
 share; each share is cut into micro-batches of ``micro_batch`` samples. With as many
 micro-batches per rank as one process has in all, the ranks compute exactly the
@@ -90,7 +91,7 @@ def plan_optimizer_steps(
     steps = []
     for start in range(0, len(samples), global_batch):
         # longest first, so that each micro-batch pads its samples to similar lengths
-        batch = sorted(range(start, start + global_batch), key=lambda i: -len(samples[i].prompt_ids) - samples[i].response_length)
+        batch = sorted(range(start, min(start + global_batch, len(samples))), key=lambda i: -len(samples[i].prompt_ids) - samples[i].response_length)
         per_rank = -(-len(batch) // world)
         mine = batch[rank * per_rank : (rank + 1) * per_rank]
         masks = [samples[i].loss_mask for i in batch]

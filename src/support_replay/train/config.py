@@ -68,6 +68,15 @@ class RunConfig(BaseModel):
     colocate: bool = Field(False, description="rollout engine in the trainer's process, weights synced in memory (the default without --rollout-url)")
     sampling_mask_format: Literal["binary", "lists"] = Field("binary", description="how --rollout-url engines send the support: our compact binary form (SGLang ignores the ask and sends lists), or id lists")
 
+    # ---- agents (multi-turn, tools) -----------------------------------------------------
+    agent: Literal["calculator", "chain"] | None = Field(None, description="built-in agent environment: calculator (arithmetic with a calculator tool) or chain (a multi-turn arithmetic dialogue); each brings its own tasks")
+    agent_path: str | None = Field(None, description="your agent: 'module:function', async run(client, sample) -> reward, or Miles' run_agent(base_url, prompt, request_kwargs=None, ...) (alias --custom-agent-function-path)")
+    max_turns: int = Field(8, ge=1, description="model turns per episode; later turns get an empty answer with finish_reason length")
+    max_episode_tokens: int = Field(512, ge=1, description="response tokens per episode (model and inserted); a turn that would pass it ends the episode")
+    session_history_policy: Literal["split", "reject"] = Field("split", description="when an agent's messages stop extending the recorded trajectory: start a new sample there, or refuse the turn")
+    chat_template: str | None = Field(None, description="chat template for sessions: a Jinja file or a built-in name (hermes_tools); default: the tokenizer's (calculator: hermes_tools)")
+    agent_timeout: float = Field(600.0, gt=0, description="seconds one episode may take before it counts as failed")
+
     # ---- training -------------------------------------------------------------------
     global_batch_size: int = Field(16, ge=1, description="samples per optimizer step")
     micro_batch_size: int | None = Field(None, ge=1, description=f"samples per forward/backward on one rank (default: the largest divisor of --global-batch-size up to {MAX_DEFAULT_MICRO_BATCH})")
@@ -189,6 +198,12 @@ class RunConfig(BaseModel):
             bad("resume", True, "needs --save DIR to resume from")
         if self.save_interval and not self.save:
             bad("save_interval", self.save_interval, "needs --save DIR to write checkpoints to")
+        if self.agent and self.agent_path:
+            bad("agent_path", self.agent_path, f"and --agent={self.agent} exclude each other: one agent per run")
+        if self.agent_path and not (":" in self.agent_path or "." in self.agent_path):
+            bad("agent_path", self.agent_path, "expected 'module:function' (or Miles' 'module.function')")
+        if self.agent and self.prompt_data:
+            bad("prompt_data", self.prompt_data, f"the built-in agent {self.agent!r} brings its own tasks; use --agent-path for your own data")
         if self.eval_prompt_data and not self.eval_interval:
             bad("eval_prompt_data", self.eval_prompt_data, "has no effect without --eval-interval N")
         return self
@@ -207,6 +222,9 @@ class RunConfig(BaseModel):
 
 
 # ---- flags -----------------------------------------------------------------------------
+
+
+FLAG_ALIASES = {"agent_path": ("--custom-agent-function-path",)}  # the reference implementation's name
 
 
 def _field_type(annotation):
@@ -230,12 +248,12 @@ def _choices(annotation) -> tuple | None:
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of settings (flags override it)")
     for name, field in RunConfig.model_fields.items():
-        flag = _flag(name)
+        flags = [_flag(name), *FLAG_ALIASES.get(name, ())]
         kind = _field_type(field.annotation)
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
+            parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=field.description)
         else:
-            parser.add_argument(flag, type=kind, default=None, choices=_choices(field.annotation), help=f"{field.description or ''} (default: {field.default})")
+            parser.add_argument(*flags, dest=name, type=kind, default=None, choices=_choices(field.annotation), help=f"{field.description or ''} (default: {field.default})")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:

@@ -76,6 +76,12 @@ class BackwardResult:
     scores: dict[int, tuple[torch.Tensor, torch.Tensor]]  # this rank's samples -> (logp, full) of this forward, detached
 
 
+def episode_index(samples: list[Sample]) -> list[int] | None:
+    """The episode of every sample when some episode gave more than one sample, else None."""
+    episodes = [s.metadata.get("episode", s.index) for s in samples]
+    return episodes if len(set(episodes)) < len(samples) else None
+
+
 class Learner:
     def __init__(self, cfg: RunConfig, ctx, checkpoint_path):
         self.cfg, self.ctx = cfg, ctx
@@ -144,7 +150,13 @@ class Learner:
             kl = torch.stack([kl_estimate(f, r, "k1").sum() for f, r in zip(old.full, old.ref)])
             rewards = rewards - cfg.kl_coef * kl
             stats["kl_reward_penalty"] = float(kl.mean())
-        return grpo_advantages(rewards, cfg.n_samples_per_prompt, normalize_std=not cfg.disable_grpo_std_normalization), stats
+        episodes = episode_index(samples)
+        if episodes is None:
+            return grpo_advantages(rewards, cfg.n_samples_per_prompt, normalize_std=not cfg.disable_grpo_std_normalization), stats
+        # an agent episode split by a history rewrite is several samples: one advantage per episode
+        first = torch.tensor(sorted({e: i for i, e in reversed(list(enumerate(episodes)))}.values()))
+        per_episode = grpo_advantages(rewards[first], cfg.n_samples_per_prompt, normalize_std=not cfg.disable_grpo_std_normalization)
+        return per_episode[torch.tensor(episodes)], stats
 
     # ---- the update ---------------------------------------------------------------------
 

@@ -22,23 +22,38 @@ def rollout_metrics(samples: list[Sample], old_logp: list[torch.Tensor], old_ful
         "response_len_mean": float(np.mean([s.response_length for s in samples])),
         "truncated_share": float(np.mean([s.status == "truncated" for s in samples])),
     }
+    if any("turns" in s.metadata for s in samples):  # agent episodes
+        out.update(agent_metrics(samples))
     if not replay:
         return out
-    out.update(support_size_metrics(np.concatenate([s.support.sizes() for s in samples])))
+    # over the tokens the model sampled: inserted ones are singletons with a ratio of exactly 1
+    model = np.concatenate([s.loss_mask for s in samples]).astype(bool)
+    out.update(support_size_metrics(np.concatenate([s.support.sizes() for s in samples])[model]))
     tokens = sum(s.response_length for s in samples)
     received = sum(s.support_bytes for s in samples)
     if received:  # 0 in-process: nothing crossed a wire
         out["support_bytes_per_token"] = received / tokens
     log_mu = torch.cat([torch.from_numpy(s.log_mu) for s in samples])[None]
-    ones = torch.ones_like(log_mu)
+    mask = torch.from_numpy(model.astype(np.float32))[None]
     if old_full is not None:
-        full = logprob_mismatch_metrics(torch.cat(old_full).cpu()[None], log_mu, ones)
+        full = logprob_mismatch_metrics(torch.cat(old_full).cpu()[None], log_mu, mask)
         out["full_vocab_ratio_mean"] = full["ratio_mean"]
         out["full_vocab_ratio_outside_10pct"] = full["ratio_outside_10pct"]
-    replayed = logprob_mismatch_metrics(torch.cat(old_logp).cpu()[None], log_mu, ones)
+    replayed = logprob_mismatch_metrics(torch.cat(old_logp).cpu()[None], log_mu, mask)
     out["replay_ratio_mean"] = replayed["ratio_mean"]
     out["mismatch_kl"] = replayed["mismatch_kl"]
     return out
+
+
+def agent_metrics(samples: list[Sample]) -> dict:
+    """Turns per episode, the share of response tokens the model did not sample, splits."""
+    firsts = [s for s in samples if s.metadata.get("segment", 0) == 0]
+    tokens = sum(s.response_length for s in samples)
+    return {
+        "episode_turns_mean": float(np.mean([s.metadata.get("turns", 1) for s in firsts])),
+        "inserted_token_share": float(sum(int((s.loss_mask == 0).sum()) for s in samples) / max(tokens, 1)),
+        "split_samples": len(samples) - len(firsts),
+    }
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -8,12 +8,13 @@ entered this process; the samples built from them are trusted from here on.
 from __future__ import annotations
 
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 
 from ..errors import SupportReplayError
 from ..rollout import generate_samples, load_prompts, load_reward
+from ..rollout.episodes import generate_episodes
 from ..rollout.data import ArithmeticTask
 from ..rollout.sample import Sample
 from ..sampling import SamplingParams
@@ -43,6 +44,7 @@ class Rollouts:
         self.engine = self.backend = None
         self.engine_name = f"{cfg.rollout_engine} engine at {cfg.rollout_url}" if cfg.rollout_url else "in-process engine"
         self.run_id = uuid.uuid4().hex[:12]  # request ids of this run: {run}/{rollout}/{sample}/{attempt}
+        self.agent = self.sessions = None  # agents: set up on rank 0, which generates
         if not ctx.is_main:
             return
         keys = Keys.load()
@@ -65,10 +67,39 @@ class Rollouts:
                 seed=cfg.rollout_seed, deterministic=cfg.true_on_policy_mode, weight_version=weight_version,
             )
             self.backend = EngineBackend(self.engine)
+        if cfg.agent or cfg.agent_path:
+            self._start_sessions(cfg, tokenizer)
+
+    def _start_sessions(self, cfg: RunConfig, tokenizer) -> None:
+        """Agents: a session store over the backend, served on loopback for the agents' OpenAI clients."""
+        from ..rollout.agents import AgentRunner, load_agent
+        from ..rollout.chat import ChatRenderer, load_template
+        from ..rollout.session import SessionSettings, SessionStore
+        from ..serving.sessions import create_sessions_app
+        from ..serving.threaded import ThreadedServer
+
+        self.agent = load_agent(cfg.agent or cfg.agent_path)
+        if self.agent.tasks is not None:  # a built-in environment brings its tasks
+            self.prompts, self.eval_prompts = self.agent.tasks(cfg.seed), self.agent.tasks(cfg.seed + 1)
+        template = load_template(cfg.chat_template or self.agent.chat_template)
+        self.session_settings = SessionSettings(
+            self.params, capture=self.replay, max_turns=cfg.max_turns, max_episode_tokens=cfg.max_episode_tokens,
+            max_new_tokens=cfg.rollout_max_response_len, history_policy=cfg.session_history_policy,
+        )
+        self.sessions = SessionStore(self.backend, ChatRenderer(tokenizer, template), self.session_settings)
+        self.session_server = ThreadedServer(create_sessions_app(self.sessions)).start()
+        self.runner = AgentRunner(self.agent, self.sessions, self.session_server.url, reward_fn=self.reward_fn, timeout=cfg.agent_timeout)
 
     def _generate(self, prompts, params, n, max_new, capture, rollout, seed) -> tuple[list[Sample], dict]:
         result = None
-        if self.ctx.is_main:
+        if self.ctx.is_main and self.agent is not None:
+            settings = replace(self.session_settings, params=params, capture=capture, max_new_tokens=max_new)
+            samples, stats = generate_episodes(
+                self.runner, prompts, n_samples=n, settings=settings, rollout=rollout, seed=seed,
+                failed_group_policy=self.cfg.failed_group_policy, max_regenerations=self.cfg.max_regenerations,
+            )
+            result = (samples, asdict(stats))
+        elif self.ctx.is_main:
             samples, stats = generate_samples(
                 self.backend, self.tokenizer, prompts, params=params, n_samples=n, max_new_tokens=max_new, capture=capture,
                 reward_fn=self.reward_fn, rollout=rollout, seed=seed, apply_chat_template=self.cfg.apply_chat_template,
@@ -85,7 +116,7 @@ class Rollouts:
         prompts = [self.prompts[r * cfg.rollout_batch_size + i] for i in range(cfg.rollout_batch_size)]
         samples, stats = self._generate(prompts, self.params, cfg.n_samples_per_prompt, cfg.rollout_max_response_len, self.replay, r, cfg.rollout_seed)
         whole = len(samples) - len(samples) % cfg.global_batch_size
-        if whole < len(samples):  # a dropped group broke the batch: drop whole groups from the end
+        if whole < len(samples) and self.agent is None:  # a dropped group broke the batch: drop whole groups from the end
             stats["dropped_groups"] += (len(samples) - whole) // cfg.n_samples_per_prompt
             samples = samples[:whole]
         return samples, stats
@@ -101,5 +132,8 @@ class Rollouts:
         return {"eval_reward_mean": float(np.mean([s.reward for s in samples])), "eval_response_len": float(np.mean([s.response_length for s in samples]))}
 
     def close(self) -> None:
+        if self.sessions is not None:
+            self.session_server.stop()
+            self.sessions.close()
         if self.engine is not None:
             self.engine.shutdown()

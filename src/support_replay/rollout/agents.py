@@ -1,0 +1,129 @@
+"""Agents: user code that plays an episode through a session, and the runner that turns
+finished sessions into training samples (docs/agents.md).
+
+Two signatures are accepted, told apart by their parameters:
+
+- ours: ``async def run(client, sample) -> float``. ``client`` is an ``openai.AsyncOpenAI``
+  bound to the episode's session, ``sample`` an ``Episode``; the return value is the reward.
+- Miles' (the reference implementation, ``--custom-agent-function-path``):
+  ``async def run_agent(base_url, prompt, request_kwargs=None, metadata=None, agent_config=None)``.
+  ``base_url`` ends in ``/sessions/<id>``; the agent posts OpenAI chat requests to
+  ``base_url + "/v1/chat/completions"`` and returns nothing or a metadata dict; the run's
+  reward function scores the finished trajectory (the prompt, the last assistant message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError, NonFiniteError, SessionFailed
+from .sample import Sample
+from .session import SessionSettings, SessionStore
+
+
+@dataclass
+class Episode:
+    """What an agent is given: the task, and the bounds of the episode."""
+
+    index: int
+    group: int
+    prompt: str | list[dict]
+    label: str | None = None
+    metadata: dict = field(default_factory=dict)
+    max_turns: int = 8
+
+    @property
+    def messages(self) -> list[dict]:
+        return list(self.prompt) if isinstance(self.prompt, list) else [{"role": "user", "content": self.prompt}]
+
+
+@dataclass
+class Agent:
+    fn: object
+    style: str  # "client" | "base_url"
+    name: str
+    tasks: object = None  # a built-in environment's own task source
+    chat_template: str | None = None  # a built-in environment's template
+
+
+def load_agent(spec: str) -> Agent:
+    """``module:function`` (or ``module.function``), or the name of a built-in environment."""
+    from . import environments
+
+    if spec in environments.BUILTIN:
+        env = environments.BUILTIN[spec]
+        return Agent(env.run, "client", spec, tasks=env.Tasks, chat_template=env.CHAT_TEMPLATE)
+    module_name, sep, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"--agent-path={spec!r}: expected 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--agent-path={spec!r}: cannot load it ({type(exc).__name__}: {exc})") from exc
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"--agent-path={spec!r}: the agent must be an async function")
+    params = list(inspect.signature(fn).parameters)
+    style = "base_url" if params[:1] == ["base_url"] or "prompt" in params else "client"
+    if style == "client" and len(params) < 2:
+        raise ConfigError(f"--agent-path={spec!r}: expected async run(client, sample) or run_agent(base_url, prompt, ...), got ({', '.join(params)})")
+    return Agent(fn, style, spec)
+
+
+@dataclass
+class EpisodeResult:
+    samples: list[Sample]
+    error: Exception | None = None
+
+
+class AgentRunner:
+    """Plays episodes through a session server in front of ``store`` (at ``base_url``)."""
+
+    def __init__(self, agent: Agent, store: SessionStore, base_url: str, *, reward_fn, timeout: float, api_key: str | None = None):
+        self.agent, self.store, self.base_url = agent, store, base_url.rstrip("/")
+        self.reward_fn, self.timeout, self.api_key = reward_fn, timeout, api_key
+
+    async def episode(self, ep: Episode, *, seed: int, settings: SessionSettings, rollout: int) -> EpisodeResult:
+        """One episode; a failed one (engine, agent error, timeout) comes back with ``error`` set
+        and no samples: it never trains."""
+        session = self.store.create(seed=seed, metadata=dict(ep.metadata), settings=settings)
+        try:
+            reward, meta = await asyncio.wait_for(self._play(ep, session.id), self.timeout)
+            if session.failed:
+                raise SessionFailed(f"session {session.id}: {session.failed}")
+            if not session.trajectories():
+                raise SessionFailed(f"episode {ep.index}: the agent finished without a model turn")
+            session.metadata.update(meta)
+            if reward is None:  # Miles' style: the run's reward function scores the trajectory
+                reward = self.reward_fn(_prompt_text(ep), session.last_assistant_text(), ep.label)
+            reward = float(reward)
+            if not math.isfinite(reward):
+                raise NonFiniteError(f"rollout {rollout}, episode {ep.index}: the reward is {reward}; nothing of this rollout trains")
+            return EpisodeResult(session.to_samples(first_index=0, group=ep.group, reward=reward, label=ep.label, episode=ep.index))
+        except NonFiniteError:
+            raise
+        except Exception as exc:  # the episode failed: its group is regenerated or dropped
+            return EpisodeResult([], exc if not isinstance(exc, asyncio.TimeoutError) else SessionFailed(f"episode {ep.index}: no end after {self.timeout} s"))
+        finally:
+            self.store.discard(session.id)
+
+    async def _play(self, ep: Episode, sid: str):
+        url = f"{self.base_url}/sessions/{sid}"
+        if self.agent.style == "client":
+            import openai
+
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=self.api_key or "support-replay", max_retries=0, timeout=self.timeout) as client:
+                return await self.agent.fn(client, ep), {}
+        params = inspect.signature(self.agent.fn).parameters
+        kwargs = {"base_url": url, "prompt": ep.prompt}
+        optional = {"request_kwargs": {"max_tokens": self.store.settings.max_new_tokens}, "metadata": dict(ep.metadata), "agent_config": ep.metadata.get("agent_config")}
+        kwargs.update({k: v for k, v in optional.items() if k in params})
+        out = await self.agent.fn(**kwargs)
+        return None, (out if isinstance(out, dict) else {})
+
+
+def _prompt_text(ep: Episode) -> str:
+    return ep.prompt if isinstance(ep.prompt, str) else "\n".join(str(m.get("content", "")) for m in ep.prompt)

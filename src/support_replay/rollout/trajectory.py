@@ -1,0 +1,104 @@
+"""The token record of one multi-turn sample: the prompt, then model turns and inserted spans.
+
+Model tokens carry the support and log mu the engine captured; inserted tokens (tool output,
+environment and user messages, chat-template glue) carry the singleton support, log mu 0 and
+loss mask 0 (docs/contract.md). Nothing here re-tokenizes: spans are appended as ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..protocol import Completion, VersionSpan
+from ..support import SupportTable
+from .sample import Sample
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    prompt_text: str
+    capture: bool
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[np.ndarray] = field(default_factory=list)  # pieces, int8
+    log_mu: list[np.ndarray] = field(default_factory=list)  # pieces, float32
+    supports: list[SupportTable] = field(default_factory=list)  # pieces
+    spans: list[VersionSpan] = field(default_factory=list)
+    versions_known: bool = True
+    model_turns: int = 0
+    finish_reason: dict | None = None
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    def append_turn(self, inserted: list[int], completion: Completion) -> None:
+        """Inserted ids (empty on the first turn), then the model's output with its capture."""
+        start = len(self.response_ids)
+        if inserted:
+            self.response_ids += inserted
+            self.loss_mask.append(np.zeros(len(inserted), np.int8))
+            if self.capture:
+                self.log_mu.append(np.zeros(len(inserted), np.float32))
+                self.supports.append(SupportTable.singleton(inserted))
+        offset = len(self.response_ids)
+        self.response_ids += completion.output_ids
+        self.loss_mask.append(np.ones(completion.num_tokens, np.int8))
+        if self.capture:
+            self.log_mu.append(np.asarray(completion.log_mu, np.float32))
+            self.supports.append(completion.support)
+        self._add_spans(start, offset, completion.weight_versions)
+        self.model_turns += 1
+        self.finish_reason = completion.finish_reason
+
+    def _add_spans(self, start: int, offset: int, spans: list[VersionSpan]) -> None:
+        # inserted tokens are context of the turn that follows them: they take its first version
+        if not spans or not self.versions_known:
+            self.versions_known, self.spans = False, []
+            return
+        for i, s in enumerate(spans):
+            begin = start if i == 0 else offset + s.start
+            if self.spans and self.spans[-1].version == s.version and self.spans[-1].end == begin:
+                self.spans[-1] = VersionSpan(s.version, self.spans[-1].start, offset + s.end)
+            else:
+                self.spans.append(VersionSpan(s.version, begin, offset + s.end))
+
+    def to_json(self) -> dict:
+        """The token-level record for a trainer in another process (support as id lists)."""
+        sample = self.to_sample(0, 0, reward=0.0, temperature=1.0)
+        return {
+            "prompt_ids": sample.prompt_ids,
+            "response_ids": sample.response_ids,
+            "loss_mask": sample.loss_mask.tolist(),
+            "log_mu": sample.log_mu.tolist() if sample.log_mu is not None else None,
+            "support": sample.support.to_lists() if sample.support is not None else None,
+            "weight_versions": [s.to_json() for s in sample.weight_versions],
+            "finish_reason": self.finish_reason,
+            "model_turns": self.model_turns,
+        }
+
+    def to_sample(self, index: int, group: int, *, reward: float, temperature: float, label=None, response_text: str = "", metadata=None) -> Sample:
+        truncated = (self.finish_reason or {}).get("type") == "length"
+        return Sample(
+            index=index,
+            group=group,
+            prompt_ids=list(self.prompt_ids),
+            response_ids=list(self.response_ids),
+            loss_mask=np.concatenate(self.loss_mask) if self.loss_mask else np.zeros(0, np.int8),
+            reward=reward,
+            status="truncated" if truncated else "completed",
+            log_mu=np.concatenate(self.log_mu) if self.capture and self.log_mu else None,
+            support=SupportTable.concat(self.supports) if self.capture and self.supports else None,
+            temperature=temperature,
+            label=label,
+            prompt_text=self.prompt_text,
+            response_text=response_text,
+            weight_versions=list(self.spans) if self.versions_known else [],
+            metadata=dict(metadata or {}),
+        )

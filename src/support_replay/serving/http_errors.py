@@ -1,0 +1,36 @@
+"""How our exceptions and pydantic's become HTTP answers, in OpenAI's error shape; shared by
+the engine server and the session server."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from ..errors import EngineError, OverloadedError
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def validation_message(exc: ValidationError | RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+    return "; ".join(parts)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_, exc: RequestValidationError):
+        return error_response(400, validation_message(exc))
+
+    @app.exception_handler(EngineError)
+    async def on_engine_error(_, exc: EngineError):
+        response = error_response(exc.status, str(exc), "invalid_request_error" if exc.status < 500 else "server_error")
+        if isinstance(exc, OverloadedError):
+            response.headers["Retry-After"] = str(exc.retry_after)
+        return response

@@ -1,0 +1,181 @@
+"""The session endpoint: OpenAI chat completions bound to a recorded trajectory (docs/agents.md).
+
+    POST   /sessions                                   -> {"session_id": ...}
+    POST   /sessions/{id}/v1/chat/completions          one turn (OpenAI schema, stream too)
+    GET    /sessions/{id}                              turns, splits, state
+    POST   /sessions/{id}/finish                       reward and metadata; no more turns
+    GET    /sessions/{id}/trajectory                   the samples, token level, with replay data
+    DELETE /sessions/{id}
+
+Routes delegate to a ``SessionStore``; the trainer uses the same store in its own process.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import RequestError
+from ..rollout.session import ChatTurn, SessionStore, TurnResult
+from .http_errors import install_error_handlers
+from .openai_format import chat_choice, chat_response, chat_stream, token_logprobs
+
+NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+class SessionIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int | None = Field(None, ge=0, lt=2**62)
+    metadata: dict[str, Any] | None = None
+
+
+class FinishIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class SessionChatIn(BaseModel):
+    """OpenAI chat completions inside a session. Sampling fields are optional: left out, the
+    run's rollout settings apply; given, they must equal them."""
+
+    model_config = ConfigDict(extra="allow")  # OpenAI fields we do not use (user, metadata, ...) are ignored
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    return_meta_info: bool = False
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
+
+    def to_turn(self) -> ChatTurn:
+        if self.n != 1:
+            raise RequestError(f"n={self.n}: a session is one trajectory; send n=1 (or open a session per sample)")
+        for name, neutral in NEUTRAL.items():
+            if getattr(self, name) != neutral:
+                raise RequestError(f"{name}={getattr(self, name)!r}: the trainer cannot replay that logit transform")
+        if self.logit_bias:
+            raise RequestError("logit_bias: the trainer cannot replay that logit transform")
+        if self.stop:
+            raise RequestError("stop: stop strings are not taken inside a session (the turn ends at the model's end-of-turn token)")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise RequestError(f"response_format={self.response_format!r}: constrained decoding is not supported")
+        choice = self.tool_choice
+        if choice not in (None, "auto", "none"):
+            raise RequestError(f"tool_choice={choice!r}: only 'auto' and 'none' are supported (a forced call cannot be enforced while sampling)")
+        return ChatTurn(
+            messages=self.messages,
+            tools=self.tools if self.tools else None,
+            max_tokens=self.max_completion_tokens or self.max_tokens,
+            seed=self.seed,
+            sampling={k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p") if getattr(self, k) is not None},
+            logprobs=self.logprobs or bool(self.top_logprobs),
+            parse_tools=choice != "none",
+            top_logprobs=self.top_logprobs or 0,
+        )
+
+
+def turn_meta(store: SessionStore, sid: str, result: TurnResult) -> dict:
+    """Replay metadata of one turn, only when asked: what the model sampled and its support."""
+    c = result.completion
+    meta = {"session_id": sid, "turn": store.get(sid).turns - (1 if c is not None else 0), "split": result.split, "prompt_tokens": result.prompt_tokens}
+    if c is not None:
+        meta.update({"output_ids": c.output_ids, "finish_reason": c.finish_reason, "weight_versions": [s.to_json() for s in c.weight_versions]})
+        if c.support is not None:
+            meta.update({"output_token_sampling_mask": c.support.to_lists(), "output_token_sampling_logprobs": c.log_mu.tolist()})
+    return meta
+
+
+def session_routes(store: SessionStore, model_name: str = "support-replay") -> APIRouter:
+    routes = APIRouter()
+
+    @routes.post("/sessions")
+    async def create(body: SessionIn | None = None):
+        body = body or SessionIn()
+        session = store.create(seed=body.seed, metadata=body.metadata)
+        return {"session_id": session.id, "id": session.id}
+
+    @routes.post("/sessions/{sid}/v1/chat/completions")
+    async def chat(sid: str, body: SessionChatIn):
+        turn = body.to_turn()
+        result = await store.chat(sid, turn)
+        c = result.completion
+        logprobs = None
+        if turn.logprobs and c is not None:
+            logprobs = token_logprobs(c, store.renderer.decode, turn.top_logprobs)
+        meta = turn_meta(store, sid, result) if body.return_meta_info else None
+        response = chat_response(
+            [chat_choice(0, result.content, result.tool_calls, result.finish_reason, logprobs, meta)],
+            model=body.model or model_name, prompt_tokens=result.prompt_tokens, completion_tokens=c.num_tokens if c is not None else 0,
+        )
+        if body.stream:
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(chat_stream(response, usage), media_type="text/event-stream")
+        return response
+
+    @routes.get("/sessions/{sid}")
+    async def state(sid: str):
+        s = store.get(sid)
+        return {
+            "session_id": s.id, "turns": s.turns, "finished": s.finished, "failed": s.failed, "splits": s.splits,
+            "samples": len(s.trajectories()), "response_tokens": sum(t.response_length for t in s.trajectories()),
+            "metadata": s.metadata,
+        }
+
+    @routes.post("/sessions/{sid}/finish")
+    async def finish(sid: str, body: FinishIn | None = None):
+        body = body or FinishIn()
+        s = store.finish(sid, body.reward, body.metadata)
+        return {"session_id": s.id, "finished": True, "samples": len(s.trajectories())}
+
+    @routes.get("/sessions/{sid}/trajectory")
+    async def trajectory(sid: str):
+        s = store.get(sid)
+        return {"session_id": s.id, "finished": s.finished, "failed": s.failed, "reward": s.reward, "metadata": s.metadata,
+                "splits": s.splits, "samples": [t.to_json() for t in s.trajectories()]}
+
+    @routes.delete("/sessions/{sid}")
+    async def delete(sid: str):
+        store.delete(sid)
+        return {"session_id": sid, "deleted": True}
+
+    return routes
+
+
+def create_sessions_app(store: SessionStore, *, model_name: str = "support-replay") -> FastAPI:
+    app = FastAPI(title="support-replay sessions")
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "sessions": len(store)}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "support-replay"}]}
+
+    app.include_router(session_routes(store, model_name))
+    return app
