@@ -14,6 +14,12 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"))
 
 
+@pytest.fixture(scope="session")
+def tiny_agent_checkpoint(tmp_path_factory) -> Path:
+    """The tiny model with room for multi-turn episodes and a tool system prompt (2,048 positions)."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-agents"), max_positions=2048)
+
+
 VLLM_PYTHON = Path(os.environ.get("SUPPORT_REPLAY_VLLM_PYTHON", Path(__file__).parents[1] / ".venv-vllm" / "bin" / "python"))
 
 

@@ -239,7 +239,7 @@ class Session:
     def to_samples(self, *, first_index: int, group: int, reward: float, label=None, episode: int | None = None) -> list[Sample]:
         """One sample per segment (one in all unless the history was split), every one with the
         episode's reward; the segments of one episode share ``metadata["episode"]``."""
-        meta = {**self.metadata, "session": self.id, "turns": self.turns, "splits": list(self.splits)}
+        meta = {**self.metadata, "session": self.id, "turns": self.turns, "splits": list(self.splits), "final_message": self.last_assistant_text()}
         if episode is not None:
             meta["episode"] = episode
         out = []

@@ -28,6 +28,7 @@ class Trajectory:
     spans: list[VersionSpan] = field(default_factory=list)
     versions_known: bool = True
     model_turns: int = 0
+    support_bytes: int = 0  # what the model turns' supports cost on the wire
     finish_reason: dict | None = None
 
     @property
@@ -55,6 +56,7 @@ class Trajectory:
             self.supports.append(completion.support)
         self._add_spans(start, offset, completion.weight_versions)
         self.model_turns += 1
+        self.support_bytes += completion.support_bytes
         self.finish_reason = completion.finish_reason
 
     def _add_spans(self, start: int, offset: int, spans: list[VersionSpan]) -> None:
@@ -100,5 +102,6 @@ class Trajectory:
             prompt_text=self.prompt_text,
             response_text=response_text,
             weight_versions=list(self.spans) if self.versions_known else [],
+            support_bytes=self.support_bytes,
             metadata=dict(metadata or {}),
         )

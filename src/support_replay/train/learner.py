@@ -88,6 +88,12 @@ class Learner:
         self.replay = cfg.use_sampling_support_replay
         if cfg.global_batch_size % ctx.world:
             raise ConfigError(f"--global-batch-size={cfg.global_batch_size}: must be a multiple of the {ctx.world} ranks, so that every rank runs as many micro-batches")
+        if (cfg.agent or cfg.agent_path) and cfg.session_history_policy == "split" and ctx.world > 1:
+            raise ConfigError(
+                f"--session-history-policy=split with {ctx.world} ranks: split episodes make the number of samples vary, and "
+                "the ranks would run different numbers of micro-batches; use --session-history-policy reject with several ranks"
+            )
+        self._planned_steps = 1
         torch.manual_seed(cfg.seed)
         self.actor = Actor(
             checkpoint_path, ctx, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
@@ -105,14 +111,19 @@ class Learner:
         """One optimizer step per rollout and no KL reward: the update's own forward, taken
         before the step, gives the old log-probs, so no separate scoring pass is needed."""
         cfg = self.cfg
-        return cfg.global_batch_size == cfg.rollout_batch_size * cfg.n_samples_per_prompt and cfg.kl_coef == 0
+        one_step = cfg.global_batch_size == cfg.rollout_batch_size * cfg.n_samples_per_prompt and self._planned_steps == 1
+        return one_step and cfg.kl_coef == 0
 
     def plan(self, samples: list[Sample]) -> list[OptimizerStep]:
+        """This rank's micro-batches of the rollout; agent episodes split by a history rewrite can
+        make more samples, hence more optimizer steps, than the config alone says."""
         cfg, ctx = self.cfg, self.ctx
-        return plan_optimizer_steps(
+        steps = plan_optimizer_steps(
             samples, global_batch=cfg.global_batch_size, micro_batch=cfg.micro_batch, rank=ctx.rank, world=ctx.world,
             replay=self.replay, device=ctx.device,
         )
+        self._planned_steps = len(steps)
+        return steps
 
     # ---- before the update --------------------------------------------------------------
 

@@ -1,0 +1,76 @@
+"""Agents through real processes: GRPO with --ci-test through `support-replay serve` engines
+behind our router over HTTP, every turn of a session on one engine, and a session whose engine
+dies failing that episode cleanly."""
+
+import asyncio
+import signal
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from processes import engine_process, router_process
+from support_replay.backends.sglang import SGLangBackend
+from support_replay.errors import SessionFailed
+from support_replay.rollout.chat import ChatRenderer
+from support_replay.rollout.session import ChatTurn, SessionSettings, SessionStore
+from support_replay.sampling import SamplingParams
+from support_replay.train import train
+from test_agents_train import agent_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def two_engines_and_router(tiny_agent_checkpoint):
+    (a, url_a), (b, url_b) = engine_process(tiny_agent_checkpoint), engine_process(tiny_agent_checkpoint)
+    with a as proc_a, b as proc_b:
+        ctx, router_url = router_process([url_a, url_b])
+        with ctx:
+            yield router_url, {url_a: proc_a, url_b: proc_b}
+
+
+def served_counts(router_url: str) -> dict:
+    return {w["url"]: w["served"] for w in httpx.get(router_url + "/workers").json()}
+
+
+@pytest.mark.parametrize("agent", ["chain", "calculator"])
+def test_grpo_on_agents_through_serve_and_the_router(two_engines_and_router, tiny_agent_checkpoint, tmp_path, agent):
+    router_url, _ = two_engines_and_router
+    rows = train(agent_config(tiny_agent_checkpoint, tmp_path, agent=agent, rollout_url=router_url))
+    assert len(rows) == 2
+    for r in rows:
+        assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["failed_samples"] == 0 and r["policy_lag_max"] == 0
+        assert r["support_bytes_per_token"] > 0  # the support crossed the wire, in the binary form
+    if agent == "chain":
+        assert rows[0]["episode_turns_mean"] > 1
+
+
+def test_every_turn_of_a_session_goes_to_one_engine_and_a_dead_engine_fails_the_episode(two_engines_and_router, tiny_agent_checkpoint):
+    router_url, procs = two_engines_and_router
+    tokenizer = AutoTokenizer.from_pretrained(tiny_agent_checkpoint)
+    backend = SGLangBackend(router_url, len(tokenizer), timeout=30)
+    store = SessionStore(backend, ChatRenderer(tokenizer), SessionSettings(SamplingParams(temperature=1.0, top_k=32, top_p=0.8), max_new_tokens=6))
+
+    def play(sid, turns):
+        messages = [{"role": "user", "content": "Start from 3."}]
+        for k in range(turns):
+            reply = asyncio.run(store.chat(sid, ChatTurn(messages=messages)))
+            messages += [{"role": "assistant", "content": reply.content}, {"role": "user", "content": f"Add {k}."}]
+        return messages
+
+    for _ in range(4):  # one session at a time: each engine's count grows by whole sessions
+        before = served_counts(router_url)
+        play(store.create().id, 3)
+        grown = [served_counts(router_url)[u] - before[u] for u in before]
+        assert sorted(grown) == [0, 3], grown
+    sid = store.create().id
+    before = served_counts(router_url)
+    messages = play(sid, 1)
+    [home] = [u for u, n in served_counts(router_url).items() if n > before[u]]
+    procs[home].send_signal(signal.SIGKILL)
+    procs[home].wait()
+    with pytest.raises(SessionFailed, match="turn 1: the engine failed the turn; the episode ends"):
+        asyncio.run(store.chat(sid, ChatTurn(messages=messages)))
+    assert store.get(sid).failed and len(store.get(sid).trajectories()) == 1  # never moved, never half-extended
+    store.close()
