@@ -94,8 +94,10 @@ def _serve(args: argparse.Namespace) -> int:
         deterministic=args.deterministic,
     )
     print(f"support-replay engine: {args.hf_checkpoint} on http://{args.host}:{args.port}", flush=True)
+    from .rollout.chat import load_template
+
     serve(engine, args.host, args.port, keys=keys, max_request_bytes=args.max_request_bytes, model_name=str(args.hf_checkpoint),
-          weights_dir=args.weights_dir, allowed_hosts=args.allowed_host)
+          weights_dir=args.weights_dir, allowed_hosts=args.allowed_host, chat_template=load_template(args.chat_template))
     return 0
 
 
@@ -180,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="as --api-key-file, but visible in the process list")
     _add_key_flags(srv)
     srv.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed of their own")
+    srv.add_argument("--chat-template", default=None, help="Jinja file or built-in name (hermes_tools) for chat requests; default: the tokenizer's")
     srv.add_argument("--deterministic", action="store_true", help="batch-invariant forward: a sequence's logits do not depend on its batch (true-on-policy)")
     srv.set_defaults(func=_serve)
 

@@ -1,4 +1,5 @@
-"""HTTP request schemas of the engine server (SGLang ``/generate``, OpenAI chat completions).
+"""HTTP request schemas of the engine server's SGLang routes (``/generate``, weight updates);
+the OpenAI bodies live with their routes (``openai_routes.py``).
 
 Strict where silence would be wrong: unknown sampling parameters and logit transforms the
 trainer cannot replay (penalties, logit bias) are rejected, not ignored.
@@ -124,64 +125,6 @@ class GenerateIn(BaseModel):
         if self.text is not None:
             return isinstance(self.text, list)
         return bool(self.input_ids) and isinstance(self.input_ids[0], list)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatCompletionIn(BaseModel):
-    """OpenAI chat completions, plus SGLang's ``top_k``, ``min_p`` and replay fields."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    n: int = 1
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
-    stream: bool = False
-    return_sampling_mask: bool = False
-    return_meta_info: bool = False
-    sampling_logprobs_mode: Literal["selected", "support"] = "selected"
-    sampling_mask_format: Literal["lists", "binary"] = "lists"
-
-    _no_stream = field_validator("stream")(classmethod(lambda cls, v: _reject_stream(v)))
-
-    def sampling(self) -> SamplingParamsIn:
-        if self.top_logprobs:
-            raise RequestError("top_logprobs is not supported; use return_sampling_mask for the support")
-        return SamplingParamsIn(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            max_new_tokens=self.max_completion_tokens or self.max_tokens or 256,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            seed=self.seed,
-            n=self.n,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty,
-            logit_bias=self.logit_bias,
-        )
 
 
 class UpdateWeightVersionIn(BaseModel):

@@ -1,5 +1,6 @@
-"""FastAPI server over an ``Engine``: SGLang ``/generate``, OpenAI ``/v1/chat/completions``,
-health, model info, weight updates. Handlers parse, delegate to the engine, and format."""
+"""FastAPI server over an ``Engine``: SGLang ``/generate``, the OpenAI surface (``/v1/models``,
+``/v1/chat/completions``, ``/v1/completions``: ``openai_routes.py``), health, model info, weight
+updates. Handlers parse, delegate to the engine, and format."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from ..protocol import Completion, GenerateRequest
 from . import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES
 from .http_errors import error_response, install_error_handlers
 from .metrics import render_metrics
-from .schemas import ChatCompletionIn, GenerateIn, SamplingParamsIn, UpdateWeightsIn, UpdateWeightVersionIn
+from ..rollout.chat import ChatRenderer
+from .openai_routes import openai_routes
+from .schemas import GenerateIn, SamplingParamsIn, UpdateWeightsIn, UpdateWeightVersionIn
 from .security import LOOPBACK_HOSTS, BodyLimit, JSONOnly, KeyGuard, Keys
 
 DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there
@@ -67,6 +70,7 @@ def create_app(
     model_name: str = "support-replay",
     weights_dir: str | Path | None = None,
     allowed_hosts: list[str] | None = None,
+    chat_template: str | None = None,
 ):
     """The ASGI app: FastAPI routes inside the Host check, the body limit and the JSON-only rule."""
     keys = keys or Keys()
@@ -156,35 +160,6 @@ def create_app(
         ]
         return out if body.batched else out[0]
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request, body: ChatCompletionIn):
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:
-            raise RequestError(f"messages: the chat template could not render them: {exc}") from exc
-        ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        req = body.sampling().to_request(ids, return_sampling_mask=body.return_sampling_mask, return_logprob=body.logprobs, sampling_logprobs_mode=body.sampling_logprobs_mode)
-        res = (await run([req], request))[0]
-        finish = "length" if res.finish_reason["type"] == "length" else "stop"
-        choice = {"index": 0, "message": {"role": "assistant", "content": res.text}, "finish_reason": finish}
-        if body.logprobs:
-            tokens = engine.tokenizer.convert_ids_to_tokens(res.output_ids)
-            choice["logprobs"] = {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []} for t, lp in zip(tokens, res.full_logprobs.tolist())]}
-        if body.return_meta_info:
-            choice["meta_info"] = {
-                "output_ids": res.output_ids,
-                **meta_info(res, req, sampling_mask_format=body.sampling_mask_format, vocab_size=engine.vocab_size),
-            }
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body.model or model_name,
-            "choices": [choice],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": res.num_tokens, "total_tokens": len(ids) + res.num_tokens},
-        }
-
     @app.post("/update_weights_from_disk")
     async def update_weights(body: UpdateWeightsIn):
         path = Path(body.model_path).resolve()
@@ -205,6 +180,10 @@ def create_app(
         # The engine keeps no prefix cache between requests: there is nothing stale to drop.
         return {"success": True, "message": "no prefix cache to flush"}
 
+    renderer = ChatRenderer(engine.tokenizer, chat_template)
+    app.include_router(openai_routes(
+        engine, run, lambda c, req, fmt: meta_info(c, req, sampling_mask_format=fmt, vocab_size=engine.vocab_size), model_name, renderer,
+    ))
     guarded = KeyGuard(JSONOnly(app), keys, ADMIN_PATHS, OPEN_PATHS)
     return BodyLimit(TrustedHostMiddleware(guarded, allowed_hosts=allowed_hosts or ["*"]), max_request_bytes)
 

@@ -1,0 +1,160 @@
+"""The plain OpenAI surface of the engine server: ``/v1/chat/completions`` and ``/v1/completions``,
+with ``n``, ``stream``, ``logprobs``/``top_logprobs`` and tools (docs/agents.md).
+
+``logprobs`` are log mu: the log-prob of each sampled token under the policy that sampled it,
+normalised over its support (with no top-k/top-p/min-p filter that is the full-vocabulary
+value). ``top_logprobs`` lists at most the ids of that support, so it needs a filter. Tools are
+rendered by the chat template, or refused when the template cannot render them; tool calls in
+the output are parsed in the Hermes format. Answers are streamed once generated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import RequestError
+from ..protocol import Completion
+from ..rollout.chat import ChatRenderer, normalize_message, parse_tool_calls
+from .openai_format import chat_choice, chat_response, chat_stream, openai_finish, text_choice, text_stream, token_logprobs
+from .schemas import SamplingParamsIn
+
+MAX_N = 64
+
+
+class OpenAIIn(BaseModel):
+    """Fields both OpenAI endpoints share, plus SGLang's ``top_k``/``min_p`` and our replay fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    return_sampling_mask: bool = False
+    return_meta_info: bool = False
+    sampling_logprobs_mode: Literal["selected", "support"] = "selected"
+    sampling_mask_format: Literal["lists", "binary"] = "lists"
+
+    def sampling(self, max_tokens: int | None, default_max: int) -> SamplingParamsIn:
+        return SamplingParamsIn(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            max_new_tokens=max_tokens or default_max, stop=self.stop, stop_token_ids=self.stop_token_ids, seed=self.seed,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+        )
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+class ChatIn(OpenAIIn):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionIn(OpenAIIn):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+def requests_for(body: OpenAIIn, prompt_ids: list[int], sp: SamplingParamsIn, *, log_mu: bool, top: int) -> list:
+    """``n`` requests for one prompt (seeds ``seed + i`` when a seed is given)."""
+    if top and not body.filtered:
+        raise RequestError("top_logprobs: lists the ids of the sampled token's support, which needs top_k, top_p or min_p (the whole vocabulary is not a support)")
+    capture = body.return_sampling_mask or (log_mu and body.filtered)
+    mode = "support" if top else body.sampling_logprobs_mode
+    out = []
+    for i in range(body.n):
+        one = sp.model_copy(update={"seed": None if body.seed is None else body.seed + i})
+        out.append(one.to_request(list(prompt_ids), return_sampling_mask=capture, return_logprob=log_mu and not body.filtered, sampling_logprobs_mode=mode))
+    return out
+
+
+def as_log_mu(c: Completion) -> Completion:
+    """With no filter the support is the vocabulary and log mu the full-vocabulary log-prob."""
+    if c.log_mu is None and c.full_logprobs is not None:
+        c.log_mu = c.full_logprobs
+    return c
+
+
+def openai_routes(engine, run, meta_info, model_name: str, renderer: ChatRenderer) -> APIRouter:
+    """``run(requests, http_request)`` submits and waits; ``meta_info(completion, request)`` is
+    SGLang's replay metadata of one completion."""
+    routes = APIRouter()
+    decode = renderer.decode
+
+    @routes.post("/v1/chat/completions")
+    async def chat(request: Request, body: ChatIn):
+        choice = body.tool_choice
+        if choice not in (None, "auto", "none"):
+            raise RequestError(f"tool_choice={choice!r}: only 'auto' and 'none' are supported (a forced call cannot be enforced while sampling)")
+        messages = [normalize_message(m, i) for i, m in enumerate(body.messages)]
+        ids = renderer.encode(renderer.render(messages, body.tools, generation_prompt=True))
+        top = body.top_logprobs or 0
+        reqs = requests_for(body, ids, body.sampling(body.max_completion_tokens or body.max_tokens, 256), log_mu=body.logprobs or bool(top), top=top)
+        results = await run(reqs, request)
+        choices = []
+        for i, (req, c) in enumerate(zip(reqs, results)):
+            c = as_log_mu(c)
+            content, calls = parse_tool_calls(c.text) if body.tools and choice != "none" else (c.text, [])
+            finish = "tool_calls" if calls else openai_finish(c)
+            logprobs = token_logprobs(c, decode, top) if (body.logprobs or top) else None
+            meta = {"output_ids": c.output_ids, **meta_info(c, req, body.sampling_mask_format)} if body.return_meta_info else None
+            choices.append(chat_choice(i, content, calls, finish, logprobs, meta))
+        response = chat_response(choices, model=body.model or model_name, prompt_tokens=len(ids), completion_tokens=sum(c.num_tokens for c in results))
+        if body.stream:
+            return StreamingResponse(chat_stream(response, bool((body.stream_options or {}).get("include_usage"))), media_type="text/event-stream")
+        return response
+
+    @routes.post("/v1/completions")
+    async def completions(request: Request, body: CompletionIn):
+        if body.echo or body.suffix or (body.best_of not in (None, body.n)):
+            raise RequestError("echo, suffix and best_of are not supported")
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise RequestError("prompt: empty")
+        ids = [renderer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        top = body.logprobs or 0
+        sp = body.sampling(body.max_tokens, 16)  # OpenAI's default max_tokens for completions
+        reqs = [r for p in ids for r in requests_for(body, p, sp, log_mu=body.logprobs is not None, top=top)]
+        results = [as_log_mu(c) for c in await run(reqs, request)]
+        choices = []
+        for i, (req, c) in enumerate(zip(reqs, results)):
+            choice = text_choice(i, c.text, openai_finish(c), c, decode, body.logprobs)
+            if body.return_meta_info:
+                choice["meta_info"] = {"output_ids": c.output_ids, **meta_info(c, req, body.sampling_mask_format)}
+            choices.append(choice)
+        response = {**chat_response(choices, model=body.model or model_name, prompt_tokens=sum(len(p) for p in ids),
+                                    completion_tokens=sum(c.num_tokens for c in results)), "object": "text_completion"}
+        response["id"] = response["id"].replace("chatcmpl", "cmpl")
+        if body.stream:
+            return StreamingResponse(text_stream(response), media_type="text/event-stream")
+        return response
+
+    return routes
