@@ -3,6 +3,7 @@ behind our router over HTTP, every turn of a session on one engine, and a sessio
 dies failing that episode cleanly."""
 
 import asyncio
+import sys
 import signal
 
 import httpx
@@ -46,7 +47,32 @@ def test_grpo_on_agents_through_serve_and_the_router(two_engines_and_router, tin
         assert rows[0]["episode_turns_mean"] > 1
 
 
+def test_the_sessions_command_in_front_of_the_router(two_engines_and_router, tiny_agent_checkpoint, tmp_path):
+    import openai
+
+    from processes import free_port, process
+
+    router_url, _ = two_engines_and_router
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    key = tmp_path / "key"
+    key.write_text("sekrit\n")
+    args = [sys.executable, "-m", "support_replay.cli", "sessions", "--backend", router_url, "--tokenizer", str(tiny_agent_checkpoint),
+            "--port", str(port), "--max-new-tokens", "6", "--api-key-file", str(key)]
+    with process(args, url):
+        assert httpx.post(url + "/sessions", json={}).status_code == 401
+        sid = httpx.post(url + "/sessions", json={"seed": 4}, headers={"Authorization": "Bearer sekrit"}).json()["session_id"]
+        client = openai.OpenAI(base_url=f"{url}/sessions/{sid}/v1", api_key="sekrit", max_retries=0)
+        messages = [{"role": "user", "content": "Start from 3."}]
+        for k in range(2):
+            reply = client.chat.completions.create(model="m", messages=messages)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "Add 1."}]
+        [sample] = httpx.get(f"{url}/sessions/{sid}/trajectory", headers={"Authorization": "Bearer sekrit"}).json()["samples"]
+    assert sample["model_turns"] == 2 and 0 in sample["loss_mask"] and len(sample["support"]) == len(sample["response_ids"])
+
+
 def test_every_turn_of_a_session_goes_to_one_engine_and_a_dead_engine_fails_the_episode(two_engines_and_router, tiny_agent_checkpoint):
+    # the last test of the module: it kills one of the module's engines
     router_url, procs = two_engines_and_router
     tokenizer = AutoTokenizer.from_pretrained(tiny_agent_checkpoint)
     backend = SGLangBackend(router_url, len(tokenizer), timeout=30)

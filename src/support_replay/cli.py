@@ -4,6 +4,8 @@
   serve    the embedded engine behind an SGLang-compatible /generate and an OpenAI-compatible
            /v1/chat/completions, capturing S_t and log mu on request
   router   forwards raw request bodies over several engines
+  sessions multi-turn OpenAI chat sessions for agents, recorded token in, token out, in front of
+           any engine or router (support, log mu and loss mask per token)
   demo     sample with top-k / top-p / min-p, capture S_t and log mu, ship the support over the
            wire codec, score it back, and show why replay matters: the importance ratio of a
            full-vocabulary scorer against the replayed one
@@ -20,7 +22,7 @@ from . import SEMANTICS, SamplingParams, SupportReplayError, full_logprobs, samp
 from .losses import logprob_mismatch_metrics, support_size_metrics
 from .protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 from .engine.limits import EngineLimits
-from .serving import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT
+from .serving import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT, DEFAULT_SESSIONS_PORT
 
 
 def _dense_reference(logits: torch.Tensor, tokens: torch.Tensor, support, temperature: float) -> torch.Tensor:
@@ -142,6 +144,36 @@ def _router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sessions(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from .rollout.chat import ChatRenderer, load_template
+    from .rollout.session import SessionSettings, SessionStore
+    from .sampling import SamplingParams
+    from .serving.sessions import serve_sessions
+
+    keys = _keys(args)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    vocab = args.vocab_size or len(tokenizer)
+    if args.backend_engine == "vllm":
+        from .backends.vllm import VLLMBackend
+
+        backend = VLLMBackend(args.backend, vocab, endpoint=args.vllm_endpoint, capture=args.vllm_capture, api_key=keys.api)
+    else:
+        from .backends.sglang import SGLangBackend
+
+        backend = SGLangBackend(args.backend, vocab, api_key=keys.api)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    capture = not args.no_capture and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0)
+    settings = SessionSettings(params, capture=capture, max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens,
+                               max_new_tokens=args.max_new_tokens, history_policy=args.history_policy, ttl=args.ttl)
+    store = SessionStore(backend, ChatRenderer(tokenizer, load_template(args.chat_template)), settings)
+    print(f"support-replay sessions on http://{args.host}:{args.port} in front of {args.backend_engine} at {args.backend} "
+          f"(capture {'on' if capture else 'off'})", flush=True)
+    serve_sessions(store, args.host, args.port, keys=keys, max_request_bytes=args.max_request_bytes, allowed_hosts=args.allowed_host)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="support-replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,6 +217,30 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--chat-template", default=None, help="Jinja file or built-in name (hermes_tools) for chat requests; default: the tokenizer's")
     srv.add_argument("--deterministic", action="store_true", help="batch-invariant forward: a sequence's logits do not depend on its batch (true-on-policy)")
     srv.set_defaults(func=_serve)
+
+    ss = sub.add_parser("sessions", help="multi-turn OpenAI sessions recorded token in, token out, in front of any engine or router")
+    ss.add_argument("--backend", required=True, help="URL of the engine or router the sessions generate with")
+    ss.add_argument("--backend-engine", choices=["sglang", "vllm"], default="sglang", help="its protocol: sglang (SGLang, our serve and router, smg) or vllm")
+    ss.add_argument("--vllm-endpoint", choices=["generate", "completions"], default="generate")
+    ss.add_argument("--vllm-capture", choices=["processed_logprobs", "native"], default="processed_logprobs")
+    ss.add_argument("--tokenizer", required=True, help="Hugging Face checkpoint or tokenizer directory (renders and tokenizes messages)")
+    ss.add_argument("--vocab-size", type=int, default=None, help="the model's vocabulary size, when it exceeds the tokenizer's length")
+    ss.add_argument("--host", default="127.0.0.1")
+    ss.add_argument("--port", type=int, default=DEFAULT_SESSIONS_PORT)
+    ss.add_argument("--temperature", type=float, default=1.0, help="the run's rollout temperature (a turn asking another is refused)")
+    ss.add_argument("--top-p", type=float, default=0.8)
+    ss.add_argument("--top-k", type=int, default=32)
+    ss.add_argument("--min-p", type=float, default=0.0)
+    ss.add_argument("--no-capture", action="store_true", help="do not capture the support (evaluation)")
+    ss.add_argument("--max-turns", type=int, default=8)
+    ss.add_argument("--max-episode-tokens", type=int, default=1024)
+    ss.add_argument("--max-new-tokens", type=int, default=256, help="per turn, when a request gives no max_tokens")
+    ss.add_argument("--history-policy", choices=["split", "reject"], default="split")
+    ss.add_argument("--chat-template", default=None, help="Jinja file or built-in name (hermes_tools); default: the tokenizer's")
+    ss.add_argument("--ttl", type=float, default=900.0, help="seconds an unused session is kept")
+    ss.add_argument("--api-key", default=None, help="as --api-key-file, but visible in the process list")
+    _add_key_flags(ss)
+    ss.set_defaults(func=_sessions)
 
     rt = sub.add_parser("router", help="forward raw request bodies over several engines")
     rt.add_argument("--engine", action="append", required=True, help="engine URL (repeat for more)")

@@ -20,7 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import RequestError
 from ..rollout.session import ChatTurn, SessionStore, TurnResult
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SESSIONS_PORT
 from .http_errors import install_error_handlers
+from .security import BodyLimit, JSONOnly, KeyGuard, Keys
 from .openai_format import chat_choice, chat_response, chat_stream, token_logprobs
 
 NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
@@ -165,7 +169,10 @@ def session_routes(store: SessionStore, model_name: str = "support-replay") -> A
     return routes
 
 
-def create_sessions_app(store: SessionStore, *, model_name: str = "support-replay") -> FastAPI:
+def create_sessions_app(store: SessionStore, *, model_name: str = "support-replay", keys: Keys | None = None,
+                        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_hosts: list[str] | None = None):
+    """The ASGI app: session routes inside the same guards as the engine server's (Host check,
+    body limit, JSON only, the API key on everything but /health)."""
     app = FastAPI(title="support-replay sessions")
     install_error_handlers(app)
 
@@ -178,4 +185,17 @@ def create_sessions_app(store: SessionStore, *, model_name: str = "support-repla
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "support-replay"}]}
 
     app.include_router(session_routes(store, model_name))
-    return app
+    guarded = KeyGuard(JSONOnly(app), keys or Keys(), (), ("/health",))
+    return BodyLimit(TrustedHostMiddleware(guarded, allowed_hosts=allowed_hosts or ["*"]), max_request_bytes)
+
+
+def serve_sessions(store: SessionStore, host: str = "127.0.0.1", port: int = DEFAULT_SESSIONS_PORT, **kwargs) -> None:
+    import uvicorn
+
+    from .server import allowed_hosts_for
+
+    app = create_sessions_app(store, allowed_hosts=allowed_hosts_for(host, kwargs.pop("allowed_hosts", None)), **kwargs)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        store.close()
