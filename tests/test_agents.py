@@ -3,7 +3,6 @@ and whole answers give the same trajectory, 64 sessions at once do not mix, the 
 shapes (tool calls, logprobs, replay metadata) are what clients read."""
 
 import asyncio
-import json
 
 import httpx
 import numpy as np

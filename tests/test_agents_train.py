@@ -37,8 +37,9 @@ def scored(monkeypatch):
 
 @pytest.mark.parametrize("agent", ["chain", "calculator"])
 def test_grpo_on_a_builtin_environment_with_ci_test(tiny_agent_checkpoint, tmp_path, scored, agent):
-    rows = train(agent_config(tiny_agent_checkpoint, tmp_path, agent=agent))
+    rows = train(agent_config(tiny_agent_checkpoint, tmp_path, agent=agent, eval_interval=2, n_eval_prompts=2))
     assert len(rows) == 2 and all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
+    assert 0 <= rows[1]["eval_reward_mean"] <= 1 and "eval_reward_mean" not in rows[0]  # the same agent, capture off, greedy
     inserted_tokens = 0
     for samples, logp in scored:
         for s, lp in zip(samples, logp):

@@ -6,7 +6,6 @@ where it needs a real one."""
 import asyncio
 import json
 
-import httpx
 import numpy as np
 import pytest
 from transformers import AutoTokenizer

@@ -12,7 +12,7 @@ Routes delegate to a ``SessionStore``; the trainer uses the same store in its ow
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import StreamingResponse
