@@ -28,6 +28,17 @@ TOOLS = [
     }
 ]
 SYSTEM = "Solve the problem. Use the calculator tool for arithmetic, then reply with the final number only."
+
+
+def _shot(k: int, expression: str, result: int) -> list[dict]:
+    call = {"id": f"call_{k}", "type": "function", "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}
+    return [{"role": "user", "content": f"What is {expression}?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{k}", "content": json.dumps({"result": result})}, {"role": "assistant", "content": str(result)}]
+
+
+# two worked exchanges in every prompt: without them SmolLM2-135M never writes a tool call
+# (0 of 32 samples); with them about a quarter of its first answers do (8 of 32)
+DEMONSTRATION = _shot(0, "12 * 3 + 4", 40) + _shot(1, "7 + 8 * 2", 23)
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv, ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
@@ -43,7 +54,8 @@ class Tasks:
         op1, op2 = rng.choice("+-*"), rng.choice("+-")
         expression = f"{a} {op1} {b} {op2} {c}"
         value = evaluate(expression)
-        return Prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {expression}?"}], str(int(value)))
+        messages = [{"role": "system", "content": SYSTEM}, *DEMONSTRATION, {"role": "user", "content": f"What is {expression}?"}]
+        return Prompt(messages, str(int(value)))
 
     def __len__(self) -> int:
         return 2**31
