@@ -91,7 +91,7 @@ class AgentRunner:
         and no samples: it never trains."""
         session = self.store.create(seed=seed, metadata=dict(ep.metadata), settings=settings)
         try:
-            reward, meta = await asyncio.wait_for(self._play(ep, session.id), self.timeout)
+            reward, meta = await asyncio.wait_for(self._play(ep, session.id, settings), self.timeout)
             if session.failed:
                 raise SessionFailed(f"session {session.id}: {session.failed}")
             if not session.trajectories():
@@ -110,7 +110,7 @@ class AgentRunner:
         finally:
             self.store.discard(session.id)
 
-    async def _play(self, ep: Episode, sid: str):
+    async def _play(self, ep: Episode, sid: str, settings: SessionSettings):
         url = f"{self.base_url}/sessions/{sid}"
         if self.agent.style == "client":
             import openai
@@ -119,7 +119,7 @@ class AgentRunner:
                 return await self.agent.fn(client, ep), {}
         params = inspect.signature(self.agent.fn).parameters
         kwargs = {"base_url": url, "prompt": ep.prompt}
-        optional = {"request_kwargs": {"max_tokens": self.store.settings.max_new_tokens}, "metadata": dict(ep.metadata), "agent_config": ep.metadata.get("agent_config")}
+        optional = {"request_kwargs": {"max_tokens": settings.max_new_tokens}, "metadata": dict(ep.metadata), "agent_config": ep.metadata.get("agent_config")}
         kwargs.update({k: v for k, v in optional.items() if k in params})
         out = await self.agent.fn(**kwargs)
         return None, (out if isinstance(out, dict) else {})

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
-from ..errors import ConfigError, EngineUnavailable
 from .agents import AgentRunner, Episode
-from .generate import FAILED_GROUP_POLICIES, RolloutStats, request_seed
+from .generate import RolloutStats, complete_groups, request_seed
 from .sample import Sample
 from .session import SessionSettings
 
@@ -29,36 +28,17 @@ def generate_episodes(
 ) -> tuple[list[Sample], RolloutStats]:
     """Samples of every episode, group by group, indices in order; an episode split by a history
     rewrite gives several samples sharing ``metadata["episode"]`` (and its reward)."""
-    if failed_group_policy not in FAILED_GROUP_POLICIES:
-        raise ConfigError(f"failed_group_policy: one of {FAILED_GROUP_POLICIES}, got {failed_group_policy!r}")
-    stats = RolloutStats()
     retries_before = runner.store.backend.retries
-    answered: dict[int, list] = {}
-    pending, attempt = list(range(len(tasks))), 0
-    while pending:
+
+    def attempt_groups(pending: list[int], attempt: int) -> list[list]:
         episodes = [Episode(g * n_samples + j, g, tasks[g].content, tasks[g].label, max_turns=settings.max_turns)
                     for g in pending for j in range(n_samples)]
         seeds = [request_seed(seed, rollout, ep.index, attempt) for ep in episodes]
         results = asyncio.run(_play_all(runner, episodes, seeds, settings, rollout))
-        failed = []
-        for i, g in enumerate(pending):
-            group = results[i * n_samples : (i + 1) * n_samples]
-            errors = [r.error for r in group if r.error is not None]
-            stats.failed_samples += len(errors)
-            if errors:
-                failed.append((g, errors[0]))
-            else:
-                answered[g] = group
-        if not failed:
-            break
-        if failed_group_policy == "drop":
-            stats.dropped_groups += len(failed)
-            break
-        if attempt >= max_regenerations:
-            g, error = failed[0]
-            raise EngineUnavailable(f"rollout {rollout}, group {g}: no complete episode after {attempt + 1} attempts ({type(error).__name__}: {error})")
-        stats.regenerated_groups += len(failed)
-        pending, attempt = [g for g, _ in failed], attempt + 1
+        return [results[i * n_samples : (i + 1) * n_samples] for i in range(len(pending))]
+
+    answered, stats = complete_groups(len(tasks), attempt_groups, lambda result: result.error,
+                                      policy=failed_group_policy, max_regenerations=max_regenerations, rollout=rollout)
     stats.retries = runner.store.backend.retries - retries_before
     samples: list[Sample] = []
     episode = 0

@@ -56,6 +56,39 @@ class RolloutStats:
     retries: int = 0
 
 
+def complete_groups(num_groups: int, attempt_groups, error_of, *, policy: str, max_regenerations: int, rollout: int) -> tuple[dict, RolloutStats]:
+    """Every group answered in full, or regenerated / dropped by ``policy``.
+
+    ``attempt_groups(pending, attempt)`` plays the pending groups once and returns one list of
+    results per group; ``error_of(result)`` is the exception of a result that failed, or None.
+    Returns ``{group: results}`` of the complete groups and what was done on the way.
+    """
+    if policy not in FAILED_GROUP_POLICIES:
+        raise ConfigError(f"failed_group_policy: one of {FAILED_GROUP_POLICIES}, got {policy!r}")
+    stats, answered = RolloutStats(), {}
+    pending, attempt = list(range(num_groups)), 0
+    while pending:
+        failed = []
+        for g, group in zip(pending, attempt_groups(pending, attempt)):
+            errors = [e for e in map(error_of, group) if e is not None]
+            stats.failed_samples += len(errors)
+            if errors:
+                failed.append((g, errors[0]))
+            else:
+                answered[g] = group
+        if not failed:
+            break
+        if policy == "drop":
+            stats.dropped_groups += len(failed)
+            break
+        if attempt >= max_regenerations:
+            g, error = failed[0]
+            raise EngineUnavailable(f"rollout {rollout}, group {g}: no complete answer after {attempt + 1} attempts ({type(error).__name__}: {error})")
+        stats.regenerated_groups += len(failed)
+        pending, attempt = [g for g, _ in failed], attempt + 1
+    return answered, stats
+
+
 def generate_samples(
     backend,
     tokenizer,
@@ -81,36 +114,18 @@ def generate_samples(
     Every request carries an id ``{rid_prefix}/{rollout}/{sample}/{attempt}``, so an engine
     that receives it twice answers once.
     """
-    if failed_group_policy not in FAILED_GROUP_POLICIES:
-        raise ConfigError(f"failed_group_policy: one of {FAILED_GROUP_POLICIES}, got {failed_group_policy!r}")
     rendered = [render_prompt(tokenizer, p, apply_chat_template) for p in prompts]
     retries_before = backend.retries
-    stats = RolloutStats()
-    answered: dict[int, list] = {}
-    pending, attempt = list(range(len(prompts))), 0
-    while pending:
+
+    def attempt_groups(pending: list[int], attempt: int) -> list[list]:
         requests = [_request(rendered[g][0], params, seed, rollout, g * n_samples + j, attempt, max_new_tokens, capture, rid_prefix)
                     for g in pending for j in range(n_samples)]
         completions = backend.generate(requests, return_exceptions=True)
-        failed = []
-        for i, g in enumerate(pending):
-            group = list(zip(requests[i * n_samples : (i + 1) * n_samples], completions[i * n_samples : (i + 1) * n_samples]))
-            errors = [c for _, c in group if isinstance(c, Exception)]
-            stats.failed_samples += len(errors)
-            if errors:
-                failed.append((g, errors[0]))
-            else:
-                answered[g] = group
-        if not failed:
-            break
-        if failed_group_policy == "drop":
-            stats.dropped_groups += len(failed)
-            break
-        if attempt >= max_regenerations:
-            g, error = failed[0]
-            raise EngineUnavailable(f"rollout {rollout}, group {g}: no complete answer after {attempt + 1} attempts ({error})")
-        stats.regenerated_groups += len(failed)
-        pending, attempt = [g for g, _ in failed], attempt + 1
+        pairs = list(zip(requests, completions))
+        return [pairs[i * n_samples : (i + 1) * n_samples] for i in range(len(pending))]
+
+    answered, stats = complete_groups(len(prompts), attempt_groups, lambda pair: pair[1] if isinstance(pair[1], Exception) else None,
+                                      policy=failed_group_policy, max_regenerations=max_regenerations, rollout=rollout)
     stats.retries = backend.retries - retries_before
     samples = []
     for position, g in enumerate(sorted(answered)):

@@ -17,6 +17,7 @@ this). On a failed check the session either starts a new sample at that turn
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -24,9 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
-import asyncio
-
-from ..errors import EngineError, EngineUnavailable, HistoryMismatch, RequestError, SessionBusy, SessionFailed, SessionNotFound
+from ..errors import EngineError, HistoryMismatch, RequestError, SessionBusy, SessionFailed, SessionNotFound, WireError
 from ..protocol import Completion, GenerateRequest
 from ..sampling import SamplingParams
 from .chat import ChatRenderer, normalize_message, parse_tool_calls
@@ -147,7 +146,7 @@ class Session:
             completion = await generate(request)
         except RequestError:
             raise
-        except (EngineError, EngineUnavailable) as exc:
+        except (EngineError, WireError) as exc:  # down, overloaded, aborted, or a malformed answer
             self.failed = f"turn {self.turns}: {exc}"
             raise SessionFailed(f"session {self.id}, turn {self.turns}: the engine failed the turn; the episode ends ({exc})") from exc
         self._commit(plan, tools, completion)
