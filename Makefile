@@ -39,6 +39,7 @@ test-fast: setup
 # Engine payload fixtures from the engines' own code (SGLang's wheel, a real vLLM server).
 fixtures: setup vllm
 	$(PY) tests/engines/generate_fixtures.py
+	$(PY) tests/engines/generate_penalty_fixtures.py
 
 # The flag table of docs/training.md, from RunConfig (a test checks that it is current).
 flag-table: setup

@@ -95,6 +95,24 @@ def support_logprobs(logits: torch.Tensor, targets: torch.Tensor, support, tempe
     return _SupportLogProbs.apply(logits, targets.to(logits.device, torch.long), ids, valid, temp)
 
 
+def penalised_support_logprobs(logits: torch.Tensor, targets: torch.Tensor, support, temperature, transform) -> torch.Tensor:
+    """``support_logprobs`` on transformed logits: ``log pi(a_t | S_t) = z'(a_t)/T - logsumexp_{S_t} z'/T``
+    with ``z' = transform(z gathered at the support ids [T, K], ids)``, plain autograd (the
+    gradient flows through the transform to ``z``). The penalties and logit bias are such a
+    transform (``penalties.penalise``); it never sees more than the support's ids, so memory
+    stays O(T*K). The engine applies the same transform to whole rows before it samples and
+    calls ``support_logprobs`` on them: the values at the support ids, and so the result, are
+    the same bits.
+    """
+    rows = logits.shape[0]
+    ids, valid = _padded(support, logits.device)
+    temp = _temperature_column(temperature, rows, logits.device, _acc(logits.dtype))
+    column = _target_positions(ids, valid, targets.to(logits.device, torch.long))
+    z = transform(logits.gather(1, ids).to(temp.dtype), ids) / temp
+    lse, _ = _masked_logsumexp(z, valid)
+    return z.gather(1, column[:, None]).squeeze(1) - lse
+
+
 # ---- full vocabulary -----------------------------------------------------------------
 
 
