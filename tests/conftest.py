@@ -44,3 +44,19 @@ def vllm_server(tiny_checkpoint, tmp_path_factory):
             yield url, ckpt
     finally:
         os.environ.pop("VLLM_SERVER_DEV_MODE", None)
+
+
+@pytest.fixture
+def scored(monkeypatch):
+    """Every (samples, trainer log pi) pair the recipe checked."""
+    seen = []
+    from support_replay.train import loop as loop_module
+
+    original = loop_module.compare_with_rollout
+
+    def keep(r, samples, logp, **kw):
+        seen.append((samples, [x.clone() for x in logp]))
+        return original(r, samples, logp, **kw)
+
+    monkeypatch.setattr(loop_module, "compare_with_rollout", keep)
+    return seen

@@ -107,7 +107,7 @@ def test_openai_shapes_tool_calls_logprobs_and_replay_metadata(served):
         assert entry.top_logprobs[0].logprob >= entry.logprob  # the support's most likely id first
     assert meta["turn"] == 0 and meta["weight_versions"][0]["version"] == "default"
     for bad, why in [({"n": 2}, "n=2: a session is one trajectory"), ({"temperature": 0.5}, "differs from the run's rollout setting"),
-                     ({"presence_penalty": 0.5}, "cannot replay"), ({"tool_choice": "required", "tools": tools}, "tool_choice='required'")]:
+                     ({"presence_penalty": 0.5}, "presence_penalty=0.5 differs from the run's rollout setting 0.0"), ({"tool_choice": "required", "tools": tools}, "tool_choice='required'")]:
         with pytest.raises(openai.BadRequestError, match=why):
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], **bad)
     with pytest.raises(openai.NotFoundError, match="no such session"):

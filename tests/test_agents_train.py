@@ -6,7 +6,6 @@ episodes in the trainer."""
 import numpy as np
 import pytest
 
-from support_replay.train import loop as loop_module
 from support_replay.train import train
 from support_replay.train.config import RunConfig
 
@@ -19,20 +18,6 @@ def agent_config(checkpoint, tmp_path, **overrides) -> RunConfig:
     )
     values.update(overrides)
     return RunConfig(**values)
-
-
-@pytest.fixture
-def scored(monkeypatch):
-    """Every (samples, trainer log pi) pair the recipe checked."""
-    seen = []
-    original = loop_module.compare_with_rollout
-
-    def keep(r, samples, logp, **kw):
-        seen.append((samples, [x.clone() for x in logp]))
-        return original(r, samples, logp, **kw)
-
-    monkeypatch.setattr(loop_module, "compare_with_rollout", keep)
-    return seen
 
 
 @pytest.mark.parametrize("agent", ["chain", "calculator"])

@@ -80,5 +80,5 @@ def test_tools_are_rendered_or_refused_never_ignored(client, tool_client):
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     with pytest.raises(openai.BadRequestError, match="tool_choice="):
         tool_client.chat.completions.create(model="tiny", messages=messages, tools=tools, tool_choice="required", max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="cannot replay that logit transform"):
-        client.chat.completions.create(model="tiny", messages=messages, presence_penalty=0.5, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="repetition_penalty: must be > 0"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, extra_body={"repetition_penalty": -1})

@@ -16,6 +16,7 @@ from typing import Literal
 import numpy as np
 
 from .errors import RequestError, SupportError, WireError
+from .penalties import NO_PENALTIES, Penalties
 from .sampling import SamplingParams
 from .support import SupportTable
 
@@ -46,6 +47,7 @@ class GenerateRequest:
     sampling_logprobs_mode: Literal["selected", "support"] = "selected"
     rid: str | None = None  # idempotency key: the same id (with the same seed) is answered once
     routing_key: str | None = None  # a session's id: a router sends every turn to the same engine
+    penalties: Penalties = NO_PENALTIES  # repetition / frequency / presence penalties, logit bias
 
     def __post_init__(self):
         if not self.input_ids:

@@ -42,6 +42,16 @@ class RetryCounter:
             self.value += 1
 
 
+def penalty_fields(req: GenerateRequest) -> dict:
+    """The penalties, always explicit (a server fills omitted ones from the model's
+    generation_config.json), and the logit bias when the request has one."""
+    out = {"frequency_penalty": req.penalties.frequency, "presence_penalty": req.penalties.presence,
+           "repetition_penalty": req.penalties.repetition}
+    if req.penalties.logit_bias:
+        out["logit_bias"] = {str(i): b for i, b in req.penalties.logit_bias}
+    return out
+
+
 def optional_fields(req: GenerateRequest, seed_key: str) -> dict:
     """Seed and stop conditions of a request, only where it sets them (engines name the seed differently)."""
     out = {}

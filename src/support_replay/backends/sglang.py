@@ -21,7 +21,7 @@ from ..errors import EngineUnavailable, SupportError, WireError
 from ..protocol import Completion, GenerateRequest, parse_version_spans, single_version, validate_completion
 from ..support import SupportTable
 from ..wire import from_json
-from .base import RetryCounter, fan_out, optional_fields, post_json, session_headers
+from .base import RetryCounter, fan_out, optional_fields, penalty_fields, post_json, session_headers
 
 MASK_FORMATS = ("binary", "lists")
 STRIPPED_HINT = (
@@ -30,20 +30,19 @@ STRIPPED_HINT = (
 )
 
 
-NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 def sampling_params_json(req: GenerateRequest) -> dict:
     """Every sampling setting, sent explicitly: a server fills the ones left out from the
     model's generation_config.json (SGLang's default ``--sampling-defaults model``), which may
-    hold a repetition penalty the trainer would not replay."""
+    hold a repetition penalty the trainer would not know of."""
     p = req.params
     return {
         "temperature": p.temperature,
         "top_k": p.top_k,
         "top_p": p.top_p,
         "min_p": p.min_p,
-        **NEUTRAL,
+        **penalty_fields(req),
         "max_new_tokens": req.max_new_tokens,
         "ignore_eos": req.ignore_eos,
         **optional_fields(req, "sampling_seed"),

@@ -38,11 +38,10 @@ import numpy as np
 from ..errors import EngineUnavailable, SupportError, WireError
 from ..protocol import Completion, GenerateRequest, single_version, validate_completion, parse_version_spans
 from ..support import SupportTable
-from .base import RetryCounter, fan_out, optional_fields, post_json, session_headers
+from .base import RetryCounter, fan_out, optional_fields, penalty_fields, post_json, session_headers
 
 ENDPOINTS = ("generate", "completions")
 CAPTURES = ("processed_logprobs", "native")
-NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 _TOKEN_PREFIX = "token_id:"
 _NEG_INF = -9999.0  # how vLLM serialises -inf over HTTP (serving.py: _clamp_logprob)
 
@@ -203,7 +202,7 @@ class VLLMBackend:
             "top_p": p.top_p,
             "top_k": p.top_k,
             "min_p": p.min_p,
-            **NEUTRAL,
+            **penalty_fields(req),
             "max_tokens": req.max_new_tokens,
             "ignore_eos": req.ignore_eos,
             "logprobs": logprobs,

@@ -28,8 +28,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from ..errors import AbortedError, CapacityError, EngineError, RequestError
+from ..errors import AbortedError, CapacityError, EngineError, RequestError, SamplingParamsError
 from ..logprobs import full_logprobs, support_logprobs
+from ..penalties import dense_bias, dense_history, penalise
 from ..modeling.batch_invariant import make_batch_invariant
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest, single_version
 from ..sampling import sample_tokens
@@ -141,6 +142,10 @@ class Engine:
             raise RequestError(
                 f"top_k={k} exceeds sampling_mask_max_tokens={self.capacity}: the support could not be captured"
             )
+        try:
+            request.penalties.check(self.semantics, self.vocab_size)
+        except SamplingParamsError as exc:
+            raise RequestError(f"sampling_params: {exc} (engine semantics {self.semantics})") from exc
         self.limits.validate(request, self.context_length)
 
     def submit(self, request: GenerateRequest) -> Future:
@@ -345,6 +350,7 @@ class Engine:
     def _draw(self, seqs: list[_Sequence], logits: torch.Tensor) -> list:
         """Per row: ``(token, support ids, log mu, full log-prob, support-mode log-probs)``, or the
         exception that row's capture raised."""
+        logits = self._penalised(seqs, logits)
         out = sample_tokens(
             logits,
             [s.request.params for s in seqs],
@@ -372,6 +378,21 @@ class Engine:
                     row_logprobs = self._support_row_logprobs(logits[row], support, seq.request.params)
             steps.append((tokens[row], support, lp, None if full is None else full.get(row), row_logprobs))
         return steps
+
+    def _penalised(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Penalties and logit bias of the rows that have them, over each request's own history
+        (penalties.penalise, the trainer's transform); the filters and log mu see the result."""
+        rows = [i for i, s in enumerate(seqs) if s.request.penalties.active]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in rows:
+            req = seqs[i].request
+            counts, seen = dense_history(req.input_ids, seqs[i].output_ids, vocab, self.semantics, logits.device)
+            bias = dense_bias(req.penalties, vocab, logits.device)
+            logits[i] = penalise(logits[i].float(), counts, seen, bias, req.penalties, self.semantics).to(logits.dtype)
+        return logits
 
     @staticmethod
     def _support_row_logprobs(logits_row: torch.Tensor, row_ids: np.ndarray, params) -> np.ndarray:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError, EngineUnavailable, NonFiniteError
+from ..penalties import NO_PENALTIES, Penalties
 from ..protocol import GenerateRequest
 from ..sampling import SamplingParams
 from .data import Prompt
@@ -105,6 +106,7 @@ def generate_samples(
     rid_prefix: str | None = None,
     failed_group_policy: str = "regenerate",
     max_regenerations: int = 2,
+    penalties: Penalties = NO_PENALTIES,
 ) -> tuple[list[Sample], RolloutStats]:
     """``n_samples`` responses per prompt, grouped prompt by prompt, rewarded.
 
@@ -118,7 +120,7 @@ def generate_samples(
     retries_before = backend.retries
 
     def attempt_groups(pending: list[int], attempt: int) -> list[list]:
-        requests = [_request(rendered[g][0], params, seed, rollout, g * n_samples + j, attempt, max_new_tokens, capture, rid_prefix)
+        requests = [_request(rendered[g][0], params, seed, rollout, g * n_samples + j, attempt, max_new_tokens, capture, rid_prefix, penalties)
                     for g in pending for j in range(n_samples)]
         completions = backend.generate(requests, return_exceptions=True)
         pairs = list(zip(requests, completions))
@@ -134,11 +136,11 @@ def generate_samples(
     return samples, stats
 
 
-def _request(ids, params, seed, rollout, k, attempt, max_new_tokens, capture, rid_prefix) -> GenerateRequest:
+def _request(ids, params, seed, rollout, k, attempt, max_new_tokens, capture, rid_prefix, penalties) -> GenerateRequest:
     sp = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
                         seed=request_seed(seed, rollout, k, attempt))
     rid = None if rid_prefix is None else f"{rid_prefix}/{rollout}/{k}/{attempt}"
-    req = GenerateRequest(list(ids), sp, max_new_tokens=max_new_tokens, return_sampling_mask=capture, rid=rid)
+    req = GenerateRequest(list(ids), sp, max_new_tokens=max_new_tokens, return_sampling_mask=capture, rid=rid, penalties=penalties)
     return validate_request(req, params.temperature, k)
 
 
@@ -164,4 +166,5 @@ def _sample(index: int, group: int, req: GenerateRequest, c, prompt_text: str, p
         response_text=text,
         weight_versions=c.weight_versions,
         support_bytes=c.support_bytes,
+        penalties=req.penalties,
     )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import SampleError, SupportError
+from ..penalties import NO_PENALTIES, Penalties
 from ..protocol import VersionSpan
 from ..support import SupportTable
 
@@ -41,6 +42,8 @@ class Sample:
     weight_versions: list[VersionSpan] = field(default_factory=list)
     support_bytes: int = 0  # what the support cost on the wire
     metadata: dict = field(default_factory=dict)
+    penalties: Penalties = NO_PENALTIES  # the penalties and logit bias it was sampled with
+    output_starts: list[int] = field(default_factory=lambda: [0])  # response positions where an engine request began its output
 
     @property
     def response_length(self) -> int:

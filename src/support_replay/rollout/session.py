@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..errors import EngineError, HistoryMismatch, RequestError, SessionBusy, SessionFailed, SessionNotFound, WireError
+from ..penalties import NO_PENALTIES, Penalties
 from ..protocol import Completion, GenerateRequest
 from ..sampling import SamplingParams
 from .chat import ChatRenderer, normalize_message, parse_tool_calls
@@ -47,6 +48,7 @@ class SessionSettings:
     max_new_tokens: int = 256  # per turn, when the client gives no max_tokens
     history_policy: Literal["split", "reject"] = "split"
     ttl: float = 900.0  # seconds a session may stay unused before it is dropped
+    penalties: Penalties = NO_PENALTIES  # the run's; each turn is one engine request, its output history its own
 
     def __post_init__(self):
         if self.history_policy not in HISTORY_POLICIES:
@@ -141,6 +143,7 @@ class Session:
             sampling_logprobs_mode="support" if turn.top_logprobs else "selected",
             rid=f"{self.id}/{self.turns}",
             routing_key=self.id,
+            penalties=self.settings.penalties,
         )
         try:
             completion = await generate(request)
@@ -156,10 +159,11 @@ class Session:
 
     def _check_sampling(self, given: dict) -> None:
         params = self.settings.params
+        run = {**{f: getattr(params, f) for f in SAMPLING_FIELDS}, **self.settings.penalties.to_json()}
         for name, value in given.items():
-            if name in SAMPLING_FIELDS and value is not None and value != getattr(params, name):
+            if name in run and value is not None and value != run[name]:
                 raise RequestError(
-                    f"session {self.id}: {name}={value!r} differs from the run's rollout setting {getattr(params, name)!r}; "
+                    f"session {self.id}: {name}={value!r} differs from the run's rollout setting {run[name]!r}; "
                     "the trainer replays the run's settings, so a session samples with those only"
                 )
 
@@ -211,7 +215,7 @@ class Session:
             if plan.split:
                 self.splits.append({"turn": self.turns, "why": plan.split})
             text, ids = plan.new_prompt
-            self.current = Trajectory(list(ids), text, capture=self.settings.capture)
+            self.current = Trajectory(list(ids), text, capture=self.settings.capture, penalties=self.settings.penalties)
         self.current.append_turn(plan.inserted, completion)
         self.tools = tools
         self.turns += 1

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..penalties import NO_PENALTIES, Penalties
 from ..protocol import Completion, VersionSpan
 from ..support import SupportTable
 from .sample import Sample
@@ -29,6 +30,8 @@ class Trajectory:
     versions_known: bool = True
     model_turns: int = 0
     support_bytes: int = 0  # what the model turns' supports cost on the wire
+    penalties: Penalties = NO_PENALTIES
+    output_starts: list[int] = field(default_factory=list)  # response positions where each model turn began
     finish_reason: dict | None = None
 
     @property
@@ -49,6 +52,7 @@ class Trajectory:
                 self.log_mu.append(np.zeros(len(inserted), np.float32))
                 self.supports.append(SupportTable.singleton(inserted))
         offset = len(self.response_ids)
+        self.output_starts.append(offset)
         self.response_ids += completion.output_ids
         self.loss_mask.append(np.ones(completion.num_tokens, np.int8))
         if self.capture:
@@ -104,4 +108,6 @@ class Trajectory:
             weight_versions=list(self.spans) if self.versions_known else [],
             support_bytes=self.support_bytes,
             metadata=dict(metadata or {}),
+            penalties=self.penalties,
+            output_starts=list(self.output_starts) or [0],
         )

@@ -1,8 +1,8 @@
 """HTTP request schemas of the engine server's SGLang routes (``/generate``, weight updates);
 the OpenAI bodies live with their routes (``openai_routes.py``).
 
-Strict where silence would be wrong: unknown sampling parameters and logit transforms the
-trainer cannot replay (penalties, logit bias) are rejected, not ignored.
+Strict where silence would be wrong: unknown sampling parameters are rejected, not ignored.
+Penalties and logit bias are applied (and replayed by the trainer, ``penalties.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..errors import RequestError, SamplingParamsError
 from ..protocol import GenerateRequest
+from ..penalties import Penalties
 from ..sampling import SamplingParams
 
 
@@ -53,22 +54,14 @@ class SamplingParamsIn(BaseModel):
         return data
 
     def to_request(self, input_ids: list[int], *, return_sampling_mask: bool, return_logprob: bool, sampling_logprobs_mode: str, rid: str | None = None) -> GenerateRequest:
-        unsupported = {
-            "frequency_penalty": (self.frequency_penalty, 0.0),
-            "presence_penalty": (self.presence_penalty, 0.0),
-            "repetition_penalty": (self.repetition_penalty, 1.0),
-            "min_new_tokens": (self.min_new_tokens, 0),
-            "n": (self.n, 1),
-        }
-        for name, (value, default) in unsupported.items():
-            if value != default:
-                raise RequestError(
-                    f"sampling_params.{name}={value!r} is not supported: the trainer cannot replay that logit transform"
-                    if "penalty" in name
-                    else f"sampling_params.{name}={value!r} is not supported (only {default!r})"
-                )
-        if self.logit_bias:
-            raise RequestError("sampling_params.logit_bias is not supported: the trainer cannot replay that logit transform")
+        if self.n != 1:
+            raise RequestError(f"sampling_params.n={self.n!r} is not supported (only 1)")
+        if self.min_new_tokens != 0:
+            raise RequestError(f"sampling_params.min_new_tokens={self.min_new_tokens!r} is not supported (only 0)")
+        try:
+            penalties = Penalties.with_bias(self.frequency_penalty, self.presence_penalty, self.repetition_penalty, self.logit_bias)
+        except SamplingParamsError as exc:
+            raise RequestError(f"sampling_params.{exc}") from exc
         try:
             params = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed)
         except SamplingParamsError as exc:
@@ -85,6 +78,7 @@ class SamplingParamsIn(BaseModel):
             return_logprob=return_logprob,
             sampling_logprobs_mode=sampling_logprobs_mode,
             rid=rid,
+            penalties=penalties,
         )
 
 

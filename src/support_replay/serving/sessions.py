@@ -27,7 +27,7 @@ from .http_errors import install_error_handlers
 from .security import BodyLimit, JSONOnly, KeyGuard, Keys
 from .openai_format import chat_choice, chat_response, chat_stream, token_logprobs
 
-NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+SETTINGS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")
 
 
 class SessionIn(BaseModel):
@@ -66,9 +66,9 @@ class SessionChatIn(BaseModel):
     stream_options: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     return_meta_info: bool = False
@@ -78,11 +78,6 @@ class SessionChatIn(BaseModel):
     def to_turn(self) -> ChatTurn:
         if self.n != 1:
             raise RequestError(f"n={self.n}: a session is one trajectory; send n=1 (or open a session per sample)")
-        for name, neutral in NEUTRAL.items():
-            if getattr(self, name) != neutral:
-                raise RequestError(f"{name}={getattr(self, name)!r}: the trainer cannot replay that logit transform")
-        if self.logit_bias:
-            raise RequestError("logit_bias: the trainer cannot replay that logit transform")
         if self.stop:
             raise RequestError("stop: stop strings are not taken inside a session (the turn ends at the model's end-of-turn token)")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
@@ -95,7 +90,7 @@ class SessionChatIn(BaseModel):
             tools=self.tools if self.tools else None,
             max_tokens=self.max_completion_tokens or self.max_tokens,
             seed=self.seed,
-            sampling={k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p") if getattr(self, k) is not None},
+            sampling={k: getattr(self, k) for k in SETTINGS if getattr(self, k) is not None},
             logprobs=self.logprobs or bool(self.top_logprobs),
             parse_tools=choice != "none",
             top_logprobs=self.top_logprobs or 0,

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
-from ..logprobs import full_logprobs_and_entropy, sparse_head_support_logprobs, support_logprobs
+from ..logprobs import full_logprobs_and_entropy, penalised_support_logprobs, sparse_head_support_logprobs, support_logprobs
 from ..modeling.batch_invariant import make_batch_invariant
 from .batches import MicroBatch
 
@@ -63,13 +63,16 @@ class ScoringModel(nn.Module):
             make_batch_invariant(hf)
         self.hf = hf
 
-    def forward(self, input_ids, attention_mask, rows_b, rows_t, targets, support, temperature, *, sparse: bool, full: bool, entropy: bool, full_detached: bool):
+    def forward(self, input_ids, attention_mask, rows_b, rows_t, targets, support, temperature, *, sparse: bool, full: bool, entropy: bool,
+                full_detached: bool, transform=None):
         """``(logp, full log-prob, entropy)`` of the chosen rows.
 
         ``support`` is padded ``(ids, valid)`` under replay, None otherwise. ``sparse``
         takes the sparse head for ``logp``; ``full`` / ``entropy`` ask for full-vocabulary
         scores with a gradient, ``full_detached`` for a full-vocabulary log-prob without one
-        (metrics), which never changes ``logp``.
+        (metrics), which never changes ``logp``. ``transform`` (the rollout's penalties and
+        logit bias) applies to ``logp`` only: KL, entropy and metrics stay on the model's own
+        distribution.
         """
         hidden = self.hf.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         h = hidden[rows_b, rows_t]
@@ -87,7 +90,12 @@ class ScoringModel(nn.Module):
         elif full_detached:
             with torch.no_grad():
                 full_lp, _ = full_logprobs_and_entropy(logits.detach(), targets, temperature)
-        logp = support_logprobs(logits, targets, support, temperature) if support is not None else full_lp
+        if support is None:
+            logp = full_lp
+        elif transform is not None:
+            logp = penalised_support_logprobs(logits, targets, support, temperature, transform)
+        else:
+            logp = support_logprobs(logits, targets, support, temperature)
         return logp, full_lp, ent if entropy else None
 
 
@@ -98,9 +106,10 @@ def load_scoring_model(path, device, batch_invariant: bool = False) -> ScoringMo
 
 
 def score_batch(model: ScoringModel, batch: MicroBatch, temperature: float, *, sparse: bool, full: bool = False, entropy: bool = False, full_detached: bool = False) -> BatchScores:
+    transform = batch.penalty_transform(model.hf.get_output_embeddings().weight.shape[0]) if batch.support is not None else None
     logp, full_lp, ent = model(
         batch.input_ids, batch.attention_mask, batch.rows_b, batch.rows_t, batch.targets, batch.support, temperature,
-        sparse=sparse, full=full, entropy=entropy, full_detached=full_detached,
+        sparse=sparse and transform is None, full=full, entropy=entropy, full_detached=full_detached, transform=transform,
     )
     return BatchScores(logp=logp, full=full_lp, entropy=ent)
 
@@ -108,11 +117,13 @@ def score_batch(model: ScoringModel, batch: MicroBatch, temperature: float, *, s
 class Actor:
     """The trained model, its optimizer, and the one scoring path of its policy ratio."""
 
-    def __init__(self, path, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, replay: bool, full_with_grad: bool, batch_invariant: bool = False):
+    def __init__(self, path, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, replay: bool, full_with_grad: bool,
+                 batch_invariant: bool = False, penalties: bool = False):
         self.ctx = ctx
         self.model = load_scoring_model(path, ctx.device, batch_invariant)
         # true-on-policy needs the engine's own product for every logit, so never the sparse head
-        self.sparse_head = replay and not full_with_grad and not batch_invariant and plain_linear_head(self.model.hf)
+        # penalties transform the logits at the support ids: the dense head, so one path scores every pass
+        self.sparse_head = replay and not full_with_grad and not batch_invariant and not penalties and plain_linear_head(self.model.hf)
         if ctx.world > 1:  # one rank has nothing to shard: plain parameters, no DTensor overhead
             mesh = init_device_mesh(ctx.device.type, (ctx.world,))
             for layer in self.model.hf.get_decoder().layers:

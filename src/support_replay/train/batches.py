@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..penalties import NO_PENALTIES, Penalties, gathered_bias, history_counts, penalise, repetition_history_includes_prompt
 from ..rollout.sample import Sample
 from ..support import SupportTable
 
@@ -37,6 +38,24 @@ class MicroBatch:
     targets: torch.Tensor  # [N] the response tokens
     support: tuple[torch.Tensor, torch.Tensor] | None  # padded (ids [N, K], valid [N, K]) under replay
     loss_mask: torch.Tensor  # [N] float, 1 for tokens that train
+    penalties: Penalties = NO_PENALTIES  # the rollout's penalties and logit bias (one setting per run)
+    penalty_semantics: str = "sglang"  # whose penalties: the engine's that sampled
+    rows_start: torch.Tensor | None = None  # [N] position where the engine request of each row began its output
+
+    def penalty_transform(self, vocab: int):
+        """``(z at the support ids, ids) -> z'``: the engine's penalties over each row's own
+        history (penalties.penalise), or None when the rollout had none."""
+        if not self.penalties.active:
+            return None
+        lengths = self.attention_mask.sum(1)
+        rows_pos, p, semantics = self.rows_t + 1, self.penalties, self.penalty_semantics
+
+        def transform(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            out, before = history_counts(self.input_ids, lengths, self.rows_b, rows_pos, self.rows_start, ids, vocab)
+            seen = (out > 0) | (before > 0) if repetition_history_includes_prompt(semantics) else out > 0
+            return penalise(z, out, seen, gathered_bias(p, ids), p, semantics)
+
+        return transform
 
     @property
     def num_tokens(self) -> int:
@@ -56,18 +75,19 @@ class OptimizerStep:
     sequences: int  # samples with at least one trained token in the whole global batch
 
 
-def build_micro_batch(samples: list[Sample], indices: list[int], replay: bool, device) -> MicroBatch:
+def build_micro_batch(samples: list[Sample], indices: list[int], replay: bool, device, penalty_semantics: str = "sglang") -> MicroBatch:
     chosen = [samples[i] for i in indices]
     width = max(len(s.prompt_ids) + s.response_length for s in chosen)
     ids = torch.zeros(len(chosen), width, dtype=torch.long)
     mask = torch.zeros(len(chosen), width, dtype=torch.long)
-    rows_b, rows_t = [], []
+    rows_b, rows_t, rows_start = [], [], []
     for b, s in enumerate(chosen):
         seq = s.prompt_ids + s.response_ids
         ids[b, : len(seq)] = torch.tensor(seq)
         mask[b, : len(seq)] = 1
         rows_b += [b] * s.response_length
         rows_t += range(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + s.response_length)
+        rows_start += output_starts(s)
     support = None
     if replay:  # the one padding of the support on the trainer's side
         support = SupportTable.concat([s.support for s in chosen]).to_padded(device=device)
@@ -81,11 +101,26 @@ def build_micro_batch(samples: list[Sample], indices: list[int], replay: bool, d
         targets=torch.tensor([t for s in chosen for t in s.response_ids], dtype=torch.long, device=device),
         support=support,
         loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in chosen]).astype(np.float32)).to(device),
+        penalties=chosen[0].penalties,
+        penalty_semantics=penalty_semantics,
+        rows_start=torch.tensor(rows_start, dtype=torch.long, device=device),
     )
 
 
+def output_starts(s: Sample) -> list[int]:
+    """Per response token: the sequence position where its engine request began its output (a
+    session's turns are separate requests; the penalties' output history restarts at each)."""
+    starts = sorted(set(s.output_starts) | {0})
+    out, k = [], 0
+    for t in range(s.response_length):
+        while k + 1 < len(starts) and starts[k + 1] <= t:
+            k += 1
+        out.append(len(s.prompt_ids) + starts[k])
+    return out
+
+
 def plan_optimizer_steps(
-    samples: list[Sample], *, global_batch: int, micro_batch: int, rank: int, world: int, replay: bool, device
+    samples: list[Sample], *, global_batch: int, micro_batch: int, rank: int, world: int, replay: bool, device, penalty_semantics: str = "sglang"
 ) -> list[OptimizerStep]:
     """This rank's micro-batches for every optimizer step of the rollout."""
     steps = []
@@ -97,7 +132,8 @@ def plan_optimizer_steps(
         masks = [samples[i].loss_mask for i in batch]
         steps.append(
             OptimizerStep(
-                micro_batches=[build_micro_batch(samples, mine[m : m + micro_batch], replay, device) for m in range(0, len(mine), micro_batch)],
+                micro_batches=[build_micro_batch(samples, mine[m : m + micro_batch], replay, device, penalty_semantics)
+                               for m in range(0, len(mine), micro_batch)],
                 tokens=int(sum(m.sum() for m in masks)),
                 sequences=int(sum(m.any() for m in masks)),
             )

@@ -20,7 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
-from ..errors import ConfigError
+from ..errors import ConfigError, SamplingParamsError
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 
 MAX_DEFAULT_MICRO_BATCH = 8
@@ -52,9 +52,10 @@ class RunConfig(BaseModel):
     rollout_top_p: float = Field(0.8, description="top-p of rollout sampling, in (0, 1]")
     rollout_top_k: int = Field(32, description="top-k of rollout sampling, -1 or >= 1")
     rollout_min_p: float = Field(0.0, description="min-p of rollout sampling")
-    rollout_frequency_penalty: float = Field(0.0, description="not applied by the engines yet: rejected unless 0")
-    rollout_presence_penalty: float = Field(0.0, description="not applied by the engines yet: rejected unless 0")
-    rollout_repetition_penalty: float = Field(1.0, description="not applied by the engines yet: rejected unless 1")
+    rollout_frequency_penalty: float = Field(0.0, description="frequency penalty of rollout sampling, replayed by the trainer (needs replay)")
+    rollout_presence_penalty: float = Field(0.0, description="presence penalty of rollout sampling, replayed by the trainer (needs replay)")
+    rollout_repetition_penalty: float = Field(1.0, description="repetition penalty of rollout sampling, replayed by the trainer (needs replay)")
+    rollout_logit_bias: str | None = Field(None, description="JSON file {token id: bias} added to the rollout logits, replayed by the trainer (needs replay)")
     rollout_seed: int = Field(42, description="seeds every rollout request (by rollout and sample index)")
     sampling_semantics: Literal["sglang", "vllm", "hf"] = Field("sglang", description="filter semantics of the embedded engine")
     sampling_mask_max_tokens: int = Field(DEFAULT_SAMPLING_MASK_MAX_TOKENS, ge=1, description="largest support the engine may capture")
@@ -159,14 +160,16 @@ class RunConfig(BaseModel):
             bad(knob[0], knob[1], "a finite top-p or min-p needs a positive --rollout-top-k (the support would be unbounded)")
         if replay and self.rollout_top_k > self.sampling_mask_max_tokens:
             bad("rollout_top_k", self.rollout_top_k, f"exceeds --sampling-mask-max-tokens={self.sampling_mask_max_tokens}")
-        for name, neutral in NEUTRAL_PENALTIES.items():
-            if getattr(self, name) != neutral:
-                why = (
-                    "the trainer cannot replay this logit transform; it would score a different policy"
-                    if replay
-                    else "the rollout engines do not apply penalties yet; rejected rather than silently ignored"
-                )
-                bad(name, getattr(self, name), why)
+        try:
+            penalties = self.penalties
+        except (SamplingParamsError, OSError, ValueError) as exc:
+            bad("rollout_logit_bias" if self.rollout_logit_bias else "rollout_repetition_penalty", self.rollout_logit_bias or self.rollout_repetition_penalty, str(exc))
+        if penalties.active and not replay:
+            knob = next((n for n, v in NEUTRAL_PENALTIES.items() if getattr(self, n) != v), "rollout_logit_bias")
+            bad(knob, getattr(self, knob), "penalties and logit bias are replayed on the captured support only: turn replay on (rollout top_p < 1, top_k > 0 or min_p > 0)")
+        if penalties.active and self.sampling_semantics == "hf" and (penalties.frequency or penalties.presence):
+            knob = "rollout_frequency_penalty" if penalties.frequency else "rollout_presence_penalty"
+            bad(knob, getattr(self, knob), "the hf semantics have no frequency or presence penalty (transformers has no such processor)")
         if self.ci_test and not replay:
             bad("ci_test", True, "compares the trainer's log-probs with the rollout log mu, which only replay captures (rollout top_p < 1, top_k > 0 or min_p > 0)")
         if self.true_on_policy_mode and self.sampling_semantics == "hf":
@@ -207,6 +210,16 @@ class RunConfig(BaseModel):
         if self.eval_prompt_data and not self.eval_interval:
             bad("eval_prompt_data", self.eval_prompt_data, "has no effect without --eval-interval N")
         return self
+
+    @property
+    def penalties(self):
+        """The rollout's penalties and logit bias (``rollout_logit_bias`` read from its file)."""
+        from ..penalties import Penalties
+
+        bias = json.loads(Path(self.rollout_logit_bias).read_text()) if self.rollout_logit_bias else None
+        if bias is not None and not isinstance(bias, dict):
+            raise ValueError("expected a JSON object {token id: bias}")
+        return Penalties.with_bias(self.rollout_frequency_penalty, self.rollout_presence_penalty, self.rollout_repetition_penalty, bias)
 
     @property
     def needs_reference(self) -> bool:

@@ -98,7 +98,9 @@ class Learner:
         self.actor = Actor(
             checkpoint_path, ctx, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
             replay=self.replay, full_with_grad=cfg.use_kl_loss or cfg.entropy_coef > 0, batch_invariant=cfg.true_on_policy_mode,
+            penalties=cfg.penalties.active,
         )
+        self.penalty_semantics = cfg.sampling_semantics  # the engine's, set by the recipe once the rollout side knows it
         self.reference = load_scoring_model(checkpoint_path, ctx.device).eval().requires_grad_(False) if cfg.needs_reference else None
         self.temperature = cfg.rollout_temperature
 
@@ -120,7 +122,7 @@ class Learner:
         cfg, ctx = self.cfg, self.ctx
         steps = plan_optimizer_steps(
             samples, global_batch=cfg.global_batch_size, micro_batch=cfg.micro_batch, rank=ctx.rank, world=ctx.world,
-            replay=self.replay, device=ctx.device,
+            replay=self.replay, device=ctx.device, penalty_semantics=self.penalty_semantics,
         )
         self._planned_steps = len(steps)
         return steps

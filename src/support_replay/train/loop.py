@@ -57,6 +57,7 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
     start = saved_rollout(found) if found is not None else 0
     pushed = [policy_version(start)]  # weight versions in push order, the engine's current one last
     rollouts = Rollouts(cfg, ctx, checkpoint, AutoTokenizer.from_pretrained(checkpoint), learner.vocab_size, pushed[-1])
+    learner.penalty_semantics = rollouts.penalty_semantics  # penalties are replayed by the sampling engine's rules
     if found is not None:
         load_checkpoint(found, learner.actor)
     out = Path(cfg.output_dir)

@@ -12,8 +12,9 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
-from ..errors import SupportReplayError
+from ..errors import ConfigError, SupportReplayError
 from ..rollout import generate_samples, load_prompts, load_reward
+from ..penalties import NO_PENALTIES
 from ..rollout.episodes import generate_episodes
 from ..rollout.data import ArithmeticTask
 from ..rollout.sample import Sample
@@ -31,6 +32,32 @@ def _require_deterministic(url: str) -> None:
         raise SupportReplayError(f"--true-on-policy-mode: the engine at {url} is not deterministic; start it with `support-replay serve --deterministic`")
 
 
+SGLANG_PENALTY_VERSION = "0.5.23"
+VLLM_PENALTY_VERSION = "0.32."
+
+
+def penalty_semantics_of(url: str, protocol: str, penalties) -> str:
+    import httpx
+
+    base = url.rstrip("/")
+    setting = ", ".join(f"{k}={v}" for k, v in penalties.to_json().items() if v not in (0.0, 1.0, {}))
+    if protocol == "vllm":
+        version = httpx.get(base + "/version", timeout=30).json().get("version", "")
+        if not str(version).startswith(VLLM_PENALTY_VERSION):
+            raise ConfigError(f"vLLM {version} at {url}: penalties ({setting}) are replayed for vLLM {VLLM_PENALTY_VERSION}x only, whose code was read")
+        return "vllm"
+    info = httpx.get(base + "/server_info", timeout=30).json()
+    if "semantics" in info:  # our engine (serve, or a router in front of it) says its own
+        return info["semantics"]
+    version, overlap_off = info.get("version"), info.get("disable_overlap_schedule")
+    if version != SGLANG_PENALTY_VERSION or overlap_off is not True:
+        raise ConfigError(
+            f"SGLang {version} at {url} (disable_overlap_schedule={overlap_off}): penalties ({setting}) are replayed for SGLang "
+            f"{SGLANG_PENALTY_VERSION} started with --disable-overlap-schedule only (its overlap scheduler counts the history one token late)"
+        )
+    return "sglang"
+
+
 class Rollouts:
     """``engine_name`` says where samples come from, for messages: the URL and its protocol, or "in-process engine"."""
 
@@ -45,6 +72,8 @@ class Rollouts:
         self.engine_name = f"{cfg.rollout_engine} engine at {cfg.rollout_url}" if cfg.rollout_url else "in-process engine"
         self.run_id = uuid.uuid4().hex[:12]  # request ids of this run: {run}/{rollout}/{sample}/{attempt}
         self.agent = self.sessions = None  # agents: set up on rank 0, which generates
+        self.penalties = cfg.penalties
+        self.penalty_semantics = broadcast_object(self._penalty_semantics(cfg, vocab_size) if ctx.is_main else None, ctx)
         if not ctx.is_main:
             return
         keys = Keys.load()
@@ -70,6 +99,17 @@ class Rollouts:
         if cfg.agent or cfg.agent_path:
             self._start_sessions(cfg, tokenizer)
 
+    def _penalty_semantics(self, cfg: RunConfig, vocab_size: int) -> str:
+        """Whose penalty rules the trainer replays: the engine's that samples. Our engine says
+        its semantics; SGLang and vLLM are accepted at the versions whose code was read
+        (docs/math.md), or the run fails closed naming the engine and the setting."""
+        if not self.penalties.active or not cfg.rollout_url:
+            semantics = cfg.sampling_semantics
+        else:
+            semantics = penalty_semantics_of(cfg.rollout_url, cfg.rollout_engine, self.penalties)
+        self.penalties.check(semantics, vocab_size, where=f"{self.engine_name} penalties")
+        return semantics
+
     def _start_sessions(self, cfg: RunConfig, tokenizer) -> None:
         """Agents: a session store over the backend, served on loopback for the agents' OpenAI clients."""
         from ..rollout.agents import AgentRunner, load_agent
@@ -84,7 +124,7 @@ class Rollouts:
         template = load_template(cfg.chat_template or self.agent.chat_template)
         self.session_settings = SessionSettings(
             self.params, capture=self.replay, max_turns=cfg.max_turns, max_episode_tokens=cfg.max_episode_tokens,
-            max_new_tokens=cfg.rollout_max_response_len, history_policy=cfg.session_history_policy,
+            max_new_tokens=cfg.rollout_max_response_len, history_policy=cfg.session_history_policy, penalties=self.penalties,
         )
         self.sessions = SessionStore(self.backend, ChatRenderer(tokenizer, template), self.session_settings)
         self.session_server = ThreadedServer(create_sessions_app(self.sessions)).start()
@@ -93,7 +133,8 @@ class Rollouts:
     def _generate(self, prompts, params, n, max_new, capture, rollout, seed) -> tuple[list[Sample], dict]:
         result = None
         if self.ctx.is_main and self.agent is not None:
-            settings = replace(self.session_settings, params=params, capture=capture, max_new_tokens=max_new)
+            settings = replace(self.session_settings, params=params, capture=capture, max_new_tokens=max_new,
+                               penalties=self.penalties if capture else NO_PENALTIES)
             samples, stats = generate_episodes(
                 self.runner, prompts, n_samples=n, settings=settings, rollout=rollout, seed=seed,
                 failed_group_policy=self.cfg.failed_group_policy, max_regenerations=self.cfg.max_regenerations,
@@ -104,7 +145,7 @@ class Rollouts:
                 self.backend, self.tokenizer, prompts, params=params, n_samples=n, max_new_tokens=max_new, capture=capture,
                 reward_fn=self.reward_fn, rollout=rollout, seed=seed, apply_chat_template=self.cfg.apply_chat_template,
                 rid_prefix=f"{self.run_id}/{'train' if capture else 'eval'}", failed_group_policy=self.cfg.failed_group_policy,
-                max_regenerations=self.cfg.max_regenerations,
+                max_regenerations=self.cfg.max_regenerations, penalties=self.penalties if capture else NO_PENALTIES,
             )
             result = (samples, asdict(stats))
         return broadcast_object(result, self.ctx)
