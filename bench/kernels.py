@@ -10,6 +10,9 @@ support), each cell runs in its own process so that the peak resident memory it 
   (b) support_logprobs on the same logits
   (c) full LM head from hidden states + full-vocabulary log_softmax
   (d) sparse_head_support_logprobs from the same hidden states (never forms [T, V])
+  (e) penalised_support_logprobs on the logits of (b): repetition, frequency and presence
+      penalties and a 100-id logit bias (vLLM's rules), over a history of a 2048-token prompt
+      and the response so far; compared with (b)
 
 Extra memory includes the gradient of the input (logits for a/b; weight and hidden for c/d).
 """
@@ -33,13 +36,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from support_stream import support_stream  # noqa: E402
 
 from support_replay import SupportTable, sparse_head_support_logprobs, support_logprobs  # noqa: E402
+from support_replay.logprobs import penalised_support_logprobs  # noqa: E402
+from support_replay.penalties import Penalties, gathered_bias, history_counts, penalise  # noqa: E402
 
 VARIANTS = {
     "a": "dense mask + log_softmax",
     "b": "support_logprobs",
     "c": "full LM head + log_softmax",
     "d": "sparse_head_support_logprobs",
+    "e": "penalised_support_logprobs",
 }
+BASE = {"a": "a", "b": "a", "c": "c", "d": "c", "e": "b"}
 
 
 def build_support(k: str, tokens: int, vocab: int) -> tuple[SupportTable, torch.Tensor]:
@@ -54,11 +61,30 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def penalty_transform(targets: torch.Tensor, vocab: int, prompt_tokens: int = 2048):
+    """The trainer's transform for one sequence: a random prompt, then the response ``targets``."""
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen)
+    sequence = torch.cat([prompt, targets])[None]
+    tokens = len(targets)
+    rows_b = torch.zeros(tokens, dtype=torch.long)
+    rows_pos = prompt_tokens + torch.arange(tokens)
+    rows_start = torch.full((tokens,), prompt_tokens)
+    bias_ids = torch.randperm(vocab, generator=gen)[:100].tolist()
+    p = Penalties.with_bias(0.3, 0.2, 1.2, {i: 1.0 for i in bias_ids})
+
+    def transform(z, ids):
+        out, before = history_counts(sequence, torch.tensor([sequence.shape[1]]), rows_b, rows_pos, rows_start, ids, vocab)
+        return penalise(z, out, (out > 0) | (before > 0), gathered_bias(p, ids), p, "vllm")
+
+    return transform
+
+
 def run_one(variant: str, k: str, tokens: int, vocab: int, hidden: int, repeats: int) -> dict:
     torch.manual_seed(0)
     table, targets = build_support(k, tokens, vocab)
     ids, valid = table.to_padded()
-    if variant in "ab":
+    if variant in "abe":
         logits = torch.randn(tokens, vocab, requires_grad=True)
     else:
         h = torch.randn(tokens, hidden, requires_grad=True)
@@ -74,11 +100,16 @@ def run_one(variant: str, k: str, tokens: int, vocab: int, hidden: int, repeats:
         elif variant == "c":
             out = (h @ weight.T).log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
             out.sum().backward()
-        else:
+        elif variant == "d":
             sparse_head_support_logprobs(h, weight, targets, (ids, valid)).sum().backward()
+        else:
+            penalised_support_logprobs(logits, targets, (ids, valid), 1.0, transform).sum().backward()
+
+    if variant == "e":
+        transform = penalty_transform(targets, vocab)
 
     def clear():
-        for p in ([logits] if variant in "ab" else [h, weight]):
+        for p in ([logits] if variant in "abe" else [h, weight]):
             p.grad = None
         gc.collect()
 
@@ -103,7 +134,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ks", default="8,64,512,spec")
-    ap.add_argument("--variants", default="abcd", help="subset of a, b, c, d to run (speed-ups need a and c)")
+    ap.add_argument("--variants", default="abcde", help="subset of a-e to run (speed-ups need a, b and c)")
     ap.add_argument("--one", nargs=2, metavar=("VARIANT", "K"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -122,14 +153,14 @@ def main() -> None:
         rows.append((k, cell))
         print(f"  done K={k}", file=sys.stderr)
 
-    print("\n| K (padded) | variant | fwd+bwd s | extra MB | speed-up | memory ratio |")
+    print("\n| K (padded) | variant | fwd+bwd s | extra MB | speed-up | memory ratio |  (e: vs b; b: vs a; d: vs c)")
     print("|---|---|---:|---:|---:|---:|")
     for k, cell in rows:
         label = f"{k} ({next(iter(cell.values()))['k_padded']})" if k == "spec" else k
         for v, name in VARIANTS.items():
             if v not in cell:
                 continue
-            base = cell.get("a" if v in "ab" else "c")
+            base = cell.get(BASE[v])
             speed = f"{base['time_s'] / cell[v]['time_s']:.1f}x" if base else "-"
             mem = f"{base['extra_mb'] / max(cell[v]['extra_mb'], 1e-9):.1f}x" if base else "-"
             print(f"| {label} | ({v}) {name} | {cell[v]['time_s']:.3f} | {cell[v]['extra_mb']:.0f} | {speed} | {mem} |")

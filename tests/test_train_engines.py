@@ -81,3 +81,19 @@ def test_grpo_through_real_vllm_with_weight_sync(vllm_server, tmp_path):
         assert r["policy_lag_max"] == 0
     assert rows[0]["support_mean"] > 1
     assert any(abs(r["loss"]) > 0 for r in rows)
+
+
+def test_grpo_with_penalties_through_real_vllm(vllm_server, tmp_path):
+    """vLLM 0.32's own penalties and logit bias, replayed by the trainer with its rules."""
+    url, ckpt = vllm_server
+    bias = tmp_path / "bias.json"
+    bias.write_text('{"5": -2.0, "17": 1.5}')
+    try:
+        rows = train(run_config(ckpt, tmp_path, rollout_url=url, rollout_engine="vllm", num_rollout=2, rollout_max_response_len=24,
+                                rollout_repetition_penalty=1.3, rollout_frequency_penalty=0.4, rollout_presence_penalty=0.2, rollout_logit_bias=str(bias)))
+    finally:
+        from support_replay.train.weights import VLLMSync
+        from safetensors.torch import load_file
+
+        VLLMSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
