@@ -63,6 +63,17 @@ def test_sglang_fixtures_rerun_live():
     assert np.array_equal(live.view(np.int32), dict(np.load(FIXTURES / "penalties-sglang-0.5.23.npz"))["penalised"][:200].view(np.int32))
 
 
+@pytest.mark.slow
+def test_vllm_fixtures_rerun_live(tmp_path):
+    import generate_penalty_fixtures as gen
+
+    if not gen.VLLM_PYTHON.exists():
+        pytest.skip(f"no vLLM environment at {gen.VLLM_PYTHON} (make vllm)")
+    c = {k: v[:200] for k, v in gen.cases(1500, seed=1).items()}
+    live = gen.vllm_penalised(c, tmp_path)
+    assert np.array_equal(live.view(np.int32), dict(np.load(FIXTURES / "penalties-vllm-0.32.0.npz"))["penalised"][:200].view(np.int32))
+
+
 def test_hf_semantics_equal_transformers_processors():
     rng = np.random.default_rng(5)
     vocab = 48

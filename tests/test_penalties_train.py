@@ -89,5 +89,6 @@ def test_ci_test_passes_with_penalties_through_serve(tiny_checkpoint, tmp_path, 
     ctx, url = engine_process(tiny_checkpoint, "--semantics", "vllm")
     with ctx:
         rows = train(run_config(tiny_checkpoint, tmp_path, num_rollout=2, rollout_max_response_len=24, rollout_url=url, sampling_semantics="vllm",
-                                rollout_repetition_penalty=1.3, rollout_presence_penalty=0.4, rollout_logit_bias=bias_file))
+                                rollout_repetition_penalty=1.3, rollout_frequency_penalty=0.3, rollout_presence_penalty=0.4,
+                                rollout_logit_bias=bias_file))
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["support_bytes_per_token"] > 0 for r in rows)
