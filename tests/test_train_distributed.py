@@ -66,3 +66,20 @@ def test_two_fsdp_ranks_equal_one(tiny_checkpoint, tmp_path, global_batch, micro
         # per rank the sum associates differently, (g0+g1)+(g2+g3) against ((g0+g1)+g2)+g3,
         # and Adam amplifies that last-bit difference: about 2e-5 after 3 updates.)
         assert torch.equal(two[k], one[k]), k
+
+
+def _agent_worker(rank, world, port, checkpoint, out, results):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_agents_train import agent_config
+
+    cfg = agent_config(checkpoint, Path(out), agent="chain", session_history_policy="reject", num_rollout=2, rollout_repetition_penalty=1.2)
+    rows = train(cfg)
+    results[rank] = [(r["train_rollout_logprob_abs_diff_max"], r["episode_turns_mean"]) for r in rows] if rank == 0 else "ok"
+
+
+def test_agent_episodes_and_penalties_on_two_ranks(tiny_agent_checkpoint, tmp_path):
+    """Rank 0 plays the episodes through its session server and broadcasts them; both ranks train."""
+    results = mp.Manager().dict()
+    mp.spawn(_agent_worker, args=(2, free_port(), str(tiny_agent_checkpoint), str(tmp_path), results), nprocs=2, join=True)
+    assert results[1] == "ok" and len(results[0]) == 2 and all(diff <= 1e-3 and turns > 1 for diff, turns in results[0])

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import SampleError
 from ..penalties import NO_PENALTIES, Penalties, gathered_bias, history_counts, penalise, repetition_history_includes_prompt
 from ..rollout.sample import Sample
 from ..support import SupportTable
@@ -88,6 +89,8 @@ def build_micro_batch(samples: list[Sample], indices: list[int], replay: bool, d
         rows_b += [b] * s.response_length
         rows_t += range(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + s.response_length)
         rows_start += output_starts(s)
+    if any(s.penalties != chosen[0].penalties for s in chosen):  # one transform per micro-batch
+        raise SampleError(f"samples {indices}: sampled with different penalties; a run replays one setting")
     support = None
     if replay:  # the one padding of the support on the trainer's side
         support = SupportTable.concat([s.support for s in chosen]).to_padded(device=device)

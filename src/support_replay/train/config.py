@@ -21,6 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
 from ..errors import ConfigError, SamplingParamsError
+from ..penalties import Penalties
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 
 MAX_DEFAULT_MICRO_BATCH = 8
@@ -212,10 +213,8 @@ class RunConfig(BaseModel):
         return self
 
     @property
-    def penalties(self):
+    def penalties(self) -> Penalties:
         """The rollout's penalties and logit bias (``rollout_logit_bias`` read from its file)."""
-        from ..penalties import Penalties
-
         bias = json.loads(Path(self.rollout_logit_bias).read_text()) if self.rollout_logit_bias else None
         if bias is not None and not isinstance(bias, dict):
             raise ValueError("expected a JSON object {token id: bias}")

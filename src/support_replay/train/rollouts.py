@@ -157,7 +157,8 @@ class Rollouts:
         prompts = [self.prompts[r * cfg.rollout_batch_size + i] for i in range(cfg.rollout_batch_size)]
         samples, stats = self._generate(prompts, self.params, cfg.n_samples_per_prompt, cfg.rollout_max_response_len, self.replay, r, cfg.rollout_seed)
         whole = len(samples) - len(samples) % cfg.global_batch_size
-        if whole < len(samples) and self.agent is None:  # a dropped group broke the batch: drop whole groups from the end
+        # a dropped group broke the batch: drop whole groups from the end (agent runs plan a short last step instead)
+        if whole < len(samples) and not (cfg.agent or cfg.agent_path):
             stats["dropped_groups"] += (len(samples) - whole) // cfg.n_samples_per_prompt
             samples = samples[:whole]
         return samples, stats
