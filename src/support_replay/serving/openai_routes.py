@@ -10,6 +10,7 @@ the output are parsed in the Hermes format. Answers are streamed once generated.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -97,13 +98,13 @@ def requests_for(body: OpenAIIn, prompt_ids: list[int], sp: SamplingParamsIn, *,
 def as_log_mu(c: Completion) -> Completion:
     """With no filter the support is the vocabulary and log mu the full-vocabulary log-prob."""
     if c.log_mu is None and c.full_logprobs is not None:
-        c.log_mu = c.full_logprobs
+        return dataclasses.replace(c, log_mu=c.full_logprobs)  # a copy: the engine may keep the answer for a repeated rid
     return c
 
 
-def openai_routes(engine, run, meta_info, model_name: str, renderer: ChatRenderer) -> APIRouter:
-    """``run(requests, http_request)`` submits and waits; ``meta_info(completion, request)`` is
-    SGLang's replay metadata of one completion."""
+def openai_routes(run, meta_info, model_name: str, renderer: ChatRenderer) -> APIRouter:
+    """``run(requests, http_request)`` submits and waits; ``meta_info(completion, request,
+    sampling_mask_format)`` is SGLang's replay metadata of one completion."""
     routes = APIRouter()
     decode = renderer.decode
 

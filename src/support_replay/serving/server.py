@@ -182,7 +182,7 @@ def create_app(
 
     renderer = ChatRenderer(engine.tokenizer, chat_template)
     app.include_router(openai_routes(
-        engine, run, lambda c, req, fmt: meta_info(c, req, sampling_mask_format=fmt, vocab_size=engine.vocab_size), model_name, renderer,
+        run, lambda c, req, fmt: meta_info(c, req, sampling_mask_format=fmt, vocab_size=engine.vocab_size), model_name, renderer,
     ))
     guarded = KeyGuard(JSONOnly(app), keys, ADMIN_PATHS, OPEN_PATHS)
     return BodyLimit(TrustedHostMiddleware(guarded, allowed_hosts=allowed_hosts or ["*"]), max_request_bytes)
