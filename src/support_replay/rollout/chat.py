@@ -75,7 +75,12 @@ def normalize_message(message: dict, index: int) -> dict:
 def template_renders_tools(template: str | None, tokenizer) -> bool:
     """Whether the template reads ``tools`` at all: one that does not would drop them silently."""
     source = template if template is not None else getattr(tokenizer, "chat_template", None) or ""
-    return "tools" in source
+    try:
+        from jinja2 import Environment, meta
+
+        return "tools" in meta.find_undeclared_variables(Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source))
+    except Exception:  # a tag of transformers' own jinja environment: fall back to the text
+        return "tools" in source
 
 
 class ChatRenderer:
