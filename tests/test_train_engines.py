@@ -97,3 +97,19 @@ def test_grpo_with_penalties_through_real_vllm(vllm_server, tmp_path):
 
         VLLMSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
+
+
+def test_agent_episodes_through_real_vllm(vllm_server, tmp_path):
+    """Sessions in front of the real vLLM server: multi-turn chain episodes, --ci-test per token."""
+    from test_agents_train import agent_config
+
+    url, ckpt = vllm_server
+    try:
+        rows = train(agent_config(ckpt, tmp_path, agent="chain", rollout_url=url, rollout_engine="vllm", max_episode_tokens=120))
+    finally:
+        from support_replay.train.weights import VLLMSync
+        from safetensors.torch import load_file
+
+        VLLMSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0 for r in rows)
+    assert rows[0]["episode_turns_mean"] > 1 and rows[0]["inserted_token_share"] > 0
