@@ -55,3 +55,25 @@ def test_deterministic_engine_output_does_not_depend_on_the_batch(tiny_checkpoin
         assert torch.equal(again, torch.from_numpy(alone.log_mu))  # bit for bit
     finally:
         engine.shutdown()
+
+
+def test_a_grpo_group_is_prefilled_once_and_answers_as_if_alone(tiny_checkpoint, monkeypatch):
+    """4 prompts x 4 samples: one prefill row per distinct prompt; with the deterministic forward
+    every request's tokens, supports and log mu equal the same request sent alone."""
+    engine = Engine.from_pretrained(tiny_checkpoint, deterministic=True)
+    rows = []
+    original = engine.runner._prefill
+    monkeypatch.setattr(engine.runner, "_prefill", lambda prompts: rows.append(len(prompts)) or original(prompts))
+    engine.start()
+    try:
+        prompts = [[5, 6, 7], [11, 12, 13, 14], [20, 21], [30, 31, 32, 33, 34]]
+        reqs = [GenerateRequest(p, SamplingParams(top_k=20, top_p=0.9, seed=10 * g + j), max_new_tokens=6, return_sampling_mask=True)
+                for g, p in enumerate(prompts) for j in range(4)]
+        together = engine.generate(reqs)
+        assert rows == [4]  # 16 requests admitted at once, 4 prompts prefilled
+        for req, got in zip(reqs, together):
+            alone = engine.generate([req])[0]
+            assert got.output_ids == alone.output_ids and np.array_equal(got.log_mu, alone.log_mu) and got.support == alone.support
+        assert len({tuple(c.output_ids) for c in together}) > 4  # the group members sampled apart
+    finally:
+        engine.shutdown()

@@ -1,7 +1,7 @@
 """Batched prefill and decode of a Hugging Face causal LM over one left-padded KV cache.
 
 Rows of the batch are sequences of different lengths, left-padded to a common cache
-length; the 2-D attention mask hides the padding and explicit position ids keep every
+length (identical prompts admitted together are prefilled once and their rows copied); the 2-D attention mask hides the padding and explicit position ids keep every
 sequence's positions its own. New sequences are prefilled as a group and merged into the
 running cache between decode steps (continuous batching); finished ones are dropped and
 fully padded columns on the left are trimmed.
@@ -79,7 +79,23 @@ class ModelRunner:
         return out.logits[:, -1, :].float(), new_cache
 
     def prefill(self, prompts: list[list[int]]) -> tuple[KVBatch, torch.Tensor]:
-        """Run the prompts (left-padded together); returns their batch and last-position logits."""
+        """Run the prompts (left-padded together); returns their batch and last-position logits.
+
+        A prompt sent several times at once (a GRPO group) is prefilled once: its cache rows and
+        logits are copied to every request that has it. Each distinct prompt's rows are what an
+        unshared prefill computes in the batch of distinct prompts; with the batch-invariant
+        forward they are the same bits as any unshared prefill.
+        """
+        first: dict[tuple[int, ...], int] = {}
+        index = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        if len(first) == len(prompts):
+            return self._prefill(prompts)
+        batch, logits = self._prefill([list(p) for p in first])
+        rows = torch.tensor(index, dtype=torch.long, device=batch.mask.device)
+        layers = [(k[rows], v[rows]) for k, v in _layers(batch.cache)]
+        return KVBatch(DynamicCache(ddp_cache_data=layers), batch.mask[rows]), logits[rows]
+
+    def _prefill(self, prompts: list[list[int]]) -> tuple[KVBatch, torch.Tensor]:
         length = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), length, dtype=torch.long)
         mask = torch.zeros(len(prompts), length, dtype=torch.long)
