@@ -7,7 +7,9 @@ without (evaluation requests). Then 16 concurrent requests of 64 new tokens agai
 Hugging Face ``generate`` with the same sampling (temperature 1, top_k 32, top_p 0.8): once
 with EOS ignored on both sides (pure decode), once stopping at EOS, counting real
 completion tokens (``generate`` keeps stepping finished rows until the longest is done;
-the engine retires them).
+the engine retires them). Then requests shaped like a GRPO rollout (4 prompts x 4 samples)
+and 16 distinct prompts, with each prompt prefilled per request and with identical prompts
+prefilled once (the engine's default).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -61,6 +64,50 @@ def engine_rate(engine: Engine, ids, batch: int, new_tokens: int, capture: bool,
         rate = sum(len(r.output_ids) for r in results) / (time.perf_counter() - start)
         best = max(best, rate)
     return best
+
+
+QUESTIONS = ["What is 12 plus 7?", "Compute 3 times 4.", "What is 40 minus 13?", "What is 6 times 9?", "Add 25 and 17.", "What is 81 divided by 9?",
+             "Compute 14 plus 29.", "What is 7 times 8?", "Subtract 19 from 50.", "What is 11 times 11?", "Add 33 and 48.", "What is 90 minus 37?",
+             "Compute 5 times 13.", "What is 64 divided by 8?", "Add 120 and 45.", "What is 9 times 12?"]
+
+
+def shaped_rate(engine: Engine, prompts: int, per_prompt: int, new_tokens: int, repeats: int, share: bool) -> float:
+    """Completion tokens/s of ``prompts`` distinct chat prompts x ``per_prompt`` samples, EOS ignored;
+    ``share`` off prefills every request's prompt on its own row (as before prefix sharing)."""
+    tok = engine.tokenizer
+    ids = [tok(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+           for q in QUESTIONS[:prompts]]
+    runner = engine.runner
+    saved = runner.prefill
+    if not share:
+        runner.prefill = runner._prefill
+    try:
+        best = 0.0
+        for r in range(repeats):
+            reqs = [GenerateRequest(p, SamplingParams(seed=1000 * r + 10 * g + j, **PARAMS), max_new_tokens=new_tokens, ignore_eos=True, return_sampling_mask=True)
+                    for g, p in enumerate(ids) for j in range(per_prompt)]
+            start = time.perf_counter()
+            out = engine.generate(reqs)
+            best = max(best, sum(len(c.output_ids) for c in out) / (time.perf_counter() - start))
+        return best
+    finally:
+        runner.prefill = saved
+
+
+def prefill_ms(engine: Engine, prompts: int, per_prompt: int, repeats: int) -> tuple[float, float]:
+    """Median milliseconds of one prefill of the shaped batch: each request on its own row, and
+    identical prompts once (interleaved, so the machine's drift hits both alike)."""
+    tok = engine.tokenizer
+    ids = [tok(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+           for q in QUESTIONS[:prompts]]
+    batch = [p for p in ids for _ in range(per_prompt)]
+    alone, shared = [], []
+    for _ in range(repeats):
+        for fn, out in ((engine.runner._prefill, alone), (engine.runner.prefill, shared)):
+            start = time.perf_counter()
+            fn(batch)
+            out.append(1e3 * (time.perf_counter() - start))
+    return float(np.median(alone)), float(np.median(shared))
 
 
 def hf_rate(model, tokenizer, ids, batch: int, new_tokens: int, repeats: int, ignore_eos: bool = True) -> float:
@@ -110,6 +157,18 @@ def main() -> None:
         off = engine_rate(engine, ids, b, args.new_tokens, False, args.repeats)
         on = engine_rate(engine, ids, b, args.new_tokens, True, args.repeats)
         print(f"| {b} | {off:.1f} | {on:.1f} | {100 * (off - on) / off:+.1f}% |")
+    print(f"\n| 16 requests x {args.new_tokens} tokens, capture on | prefill per request tok/s | shared prefill tok/s | gain |")
+    print("|---|---:|---:|---:|")
+    shapes = [("GRPO shape: 4 prompts x 4 samples", 4, 4), ("16 distinct prompts", 16, 1)]
+    for name, prompts, per in shapes:
+        alone = shaped_rate(engine, prompts, per, args.new_tokens, args.repeats, share=False)
+        shared = shaped_rate(engine, prompts, per, args.new_tokens, args.repeats, share=True)
+        print(f"| {name} | {alone:.1f} | {shared:.1f} | {shared / alone:.2f}x |")
+    print("\n| prefill of the 16 requests alone (median of 15, interleaved) | per request ms | shared ms | gain |")
+    print("|---|---:|---:|---:|")
+    for name, prompts, per in shapes:
+        alone, shared = prefill_ms(engine, prompts, per, 15)
+        print(f"| {name} | {alone:.1f} | {shared:.1f} | {alone / shared:.2f}x |")
     if not args.skip_hf:
         ours = engine_rate(engine, ids, 16, args.new_tokens, True, args.repeats)
         ours_eos = engine_rate(engine, ids, 16, args.new_tokens, True, args.repeats, ignore_eos=False)
