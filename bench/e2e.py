@@ -26,9 +26,10 @@ from support_replay.train import train
 SETTINGS = dict(rollout_batch_size=4, n_samples_per_prompt=4, rollout_max_response_len=64, rollout_temperature=1.0, rollout_top_p=0.8, rollout_top_k=32)
 
 
-def ours(steps: int, micro_batch: int, true_on_policy: bool = False) -> list[dict]:
+def ours(steps: int, micro_batch: int, true_on_policy: bool = False, full_vocab_metrics_interval: int = 1) -> list[dict]:
     out = tempfile.mkdtemp(prefix="bench-e2e-")
-    cfg = RunConfig(num_rollout=steps, global_batch_size=16, micro_batch_size=micro_batch, true_on_policy_mode=true_on_policy, lr=1e-6, ci_test=True, output_dir=out, progress=False, **SETTINGS)
+    cfg = RunConfig(num_rollout=steps, global_batch_size=16, micro_batch_size=micro_batch, true_on_policy_mode=true_on_policy, lr=1e-6, ci_test=True, output_dir=out,
+                    progress=False, full_vocab_metrics_interval=full_vocab_metrics_interval, **SETTINGS)
     return train(cfg)
 
 
@@ -73,9 +74,10 @@ def main() -> None:
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--true-on-policy", action="store_true", help="batch-invariant engine and trainer, bitwise --ci-test")
+    ap.add_argument("--full-vocab-metrics-interval", type=int, default=1, help="the metrics-only full-vocabulary head every N rollouts")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {SETTINGS}")
-    rows = ours(args.steps, args.micro_batch_size, args.true_on_policy)
+    rows = ours(args.steps, args.micro_batch_size, args.true_on_policy, args.full_vocab_metrics_interval)
     print("\n| step | generate s | score s | update s | sync s | total s | response len | max abs(log pi - log mu) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -368,3 +368,19 @@ def test_resume_continues_exactly(tiny_checkpoint, tmp_path):
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
     ra = [json.loads(x) for x in (tmp_path / "a" / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward_mean"] for r in ra] == [r["reward_mean"] for r in rows]
+
+
+def test_full_vocabulary_metrics_every_n_rollouts(tiny_checkpoint, tmp_path, monkeypatch):
+    """The metrics-only full-vocabulary head runs on rollouts 0 and 2 of 3 with interval 2; the
+    loss and --ci-test are the same either way."""
+    calls = []
+    original = actor_module.full_logprobs_and_entropy
+    monkeypatch.setattr(actor_module, "full_logprobs_and_entropy", lambda *a, **k: calls.append(1) or original(*a, **k))
+    every = train(run_config(tiny_checkpoint, tmp_path / "every", global_batch_size=8, micro_batch_size=4))
+    n_every = len(calls)
+    calls.clear()
+    sparse = train(run_config(tiny_checkpoint, tmp_path / "sparse", global_batch_size=8, micro_batch_size=4, full_vocab_metrics_interval=2))
+    assert ["full_vocab_ratio_mean" in r for r in sparse] == [True, False, True]
+    assert len(calls) == n_every * 2 // 3 and n_every > 0
+    assert [r["loss"] for r in sparse] == [r["loss"] for r in every]
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in sparse)

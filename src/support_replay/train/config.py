@@ -104,6 +104,7 @@ class RunConfig(BaseModel):
 
     # ---- checks, evaluation, output -------------------------------------------------
     ci_test: bool = Field(False, description="fail unless the trainer's support log-probs match the rollout log mu on every token")
+    full_vocab_metrics_interval: int = Field(1, ge=1, description="under replay, score the full vocabulary for the metrics (full_vocab_ratio_*) every N rollouts only; the KL reward still takes it every rollout")
     ci_test_tolerance: float = Field(1e-3, ge=0, description="per-token max |log pi - log mu| allowed by --ci-test")
     true_on_policy_mode: bool = Field(False, description="batch-invariant engine and trainer: rollout and trainer log-probs equal bit for bit (--ci-test then demands it)")
     eval_interval: int | None = Field(None, ge=1, description="evaluate every N rollouts")

@@ -94,6 +94,7 @@ class Learner:
                 "the ranks would run different numbers of micro-batches; use --session-history-policy reject with several ranks"
             )
         self._planned_steps = 1
+        self.measure_full = True  # full-vocabulary scores for the metrics in this rollout
         torch.manual_seed(cfg.seed)
         self.actor = Actor(
             checkpoint_path, ctx, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
@@ -116,10 +117,12 @@ class Learner:
         one_step = cfg.global_batch_size == cfg.rollout_batch_size * cfg.n_samples_per_prompt and self._planned_steps == 1
         return one_step and cfg.kl_coef == 0
 
-    def plan(self, samples: list[Sample]) -> list[OptimizerStep]:
+    def plan(self, samples: list[Sample], rollout: int = 0) -> list[OptimizerStep]:
         """This rank's micro-batches of the rollout; agent episodes split by a history rewrite can
-        make more samples, hence more optimizer steps, than the config alone says."""
+        make more samples, hence more optimizer steps, than the config alone says. Decides too
+        whether this rollout pays for the metrics-only full-vocabulary head."""
         cfg, ctx = self.cfg, self.ctx
+        self.measure_full = not self.replay or cfg.kl_coef > 0 or rollout % cfg.full_vocab_metrics_interval == 0
         steps = plan_optimizer_steps(
             samples, global_batch=cfg.global_batch_size, micro_batch=cfg.micro_batch, rank=ctx.rank, world=ctx.world,
             replay=self.replay, device=ctx.device, penalty_semantics=self.penalty_semantics,
@@ -135,7 +138,7 @@ class Learner:
         old, ref = {}, {}
         for batch in (mb for step in steps for mb in step.micro_batches):
             if not self.fused:
-                sc = self.actor.score(batch, self.temperature, full_detached=self.replay)
+                sc = self.actor.score(batch, self.temperature, full_detached=self.replay and self.measure_full)
                 full = sc.full if sc.full is not None else sc.logp
                 old.update(zip(batch.indices, zip(batch.split(sc.logp), batch.split(full))))
             if self.reference is not None:
@@ -145,14 +148,14 @@ class Learner:
         refs = gather_by_index(ref, num_samples, self.ctx) if ref else None
         return OldScores(
             logp=[p[0] for p in pairs] if pairs else None,
-            full=[p[1] for p in pairs] if pairs else None,
+            full=[p[1] for p in pairs] if pairs and self.measure_full else None,
             ref=refs,
         )
 
     def with_fresh_old(self, old: OldScores, scores: dict, num_samples: int) -> OldScores:
         """The fused forward's own scores, from every rank, as the old policy's."""
         pairs = gather_by_index(scores, num_samples, self.ctx)
-        return replace(old, logp=[p[0] for p in pairs], full=[p[1] for p in pairs])
+        return replace(old, logp=[p[0] for p in pairs], full=[p[1] for p in pairs] if self.measure_full else None)
 
     def advantages(self, samples: list[Sample], old: OldScores) -> tuple[torch.Tensor, dict]:
         """GRPO advantages, the reward reduced by ``--kl-coef`` x the summed k1 KL first."""
@@ -184,7 +187,7 @@ class Learner:
 
     def _micro_batch(self, rollout: int, batch: MicroBatch, step: OptimizerStep, samples, old: OldScores, advantages) -> tuple[StepSums, dict]:
         cfg = self.cfg
-        sc = self.actor.score(batch, self.temperature, full=cfg.use_kl_loss, entropy=cfg.entropy_coef > 0, full_detached=self.fused and self.replay)
+        sc = self.actor.score(batch, self.temperature, full=cfg.use_kl_loss, entropy=cfg.entropy_coef > 0, full_detached=self.fused and self.replay and self.measure_full)
         full = sc.full if sc.full is not None else sc.logp
         fresh = dict(zip(batch.indices, zip((x.detach() for x in batch.split(sc.logp)), (x.detach() for x in batch.split(full)))))
         if old.logp is None:  # fused: this forward runs before any step of the rollout, it is the old policy

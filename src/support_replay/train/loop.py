@@ -77,7 +77,7 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
             log.log({"rollout": r, "skipped": True, **failures, **clock, "time_step": time.perf_counter() - t0})
             continue
         lag = check_policy_lag(r, samples, pushed, cfg.max_policy_lag, rollouts.engine_name)
-        steps = learner.plan(samples)  # micro-batches for every pass; supports padded once, on the device
+        steps = learner.plan(samples, r)  # micro-batches for every pass; supports padded once, on the device
         with clock("score"):
             old = learner.score_before_update(steps, len(samples))  # old log-probs (unless fused), reference
         check = {}
