@@ -58,7 +58,7 @@ def test_the_sessions_command_in_front_of_the_router(two_engines_and_router, tin
     key = tmp_path / "key"
     key.write_text("sekrit\n")
     args = [sys.executable, "-m", "support_replay.cli", "sessions", "--backend", router_url, "--tokenizer", str(tiny_agent_checkpoint),
-            "--port", str(port), "--max-new-tokens", "6", "--api-key-file", str(key)]
+            "--port", str(port), "--max-new-tokens", "6", "--api-key-file", str(key), "--repetition-penalty", "1.2"]
     with process(args, url):
         assert httpx.post(url + "/sessions", json={}).status_code == 401
         sid = httpx.post(url + "/sessions", json={"seed": 4}, headers={"Authorization": "Bearer sekrit"}).json()["session_id"]
@@ -69,6 +69,7 @@ def test_the_sessions_command_in_front_of_the_router(two_engines_and_router, tin
             messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "Add 1."}]
         [sample] = httpx.get(f"{url}/sessions/{sid}/trajectory", headers={"Authorization": "Bearer sekrit"}).json()["samples"]
     assert sample["model_turns"] == 2 and 0 in sample["loss_mask"] and len(sample["support"]) == len(sample["response_ids"])
+    assert sample["penalties"]["repetition_penalty"] == 1.2 and len(sample["output_starts"]) == 2  # what a trainer needs to replay them
 
 
 def test_every_turn_of_a_session_goes_to_one_engine_and_a_dead_engine_fails_the_episode(two_engines_and_router, tiny_agent_checkpoint):

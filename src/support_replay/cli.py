@@ -147,6 +147,10 @@ def _router(args: argparse.Namespace) -> int:
 def _sessions(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
+    import json
+    from pathlib import Path
+
+    from .penalties import Penalties
     from .rollout.chat import ChatRenderer, load_template
     from .rollout.session import SessionSettings, SessionStore
     from .sampling import SamplingParams
@@ -164,9 +168,11 @@ def _sessions(args: argparse.Namespace) -> int:
 
         backend = SGLangBackend(args.backend, vocab, api_key=keys.api)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    bias = json.loads(Path(args.logit_bias).read_text()) if args.logit_bias else None
+    penalties = Penalties.with_bias(args.frequency_penalty, args.presence_penalty, args.repetition_penalty, bias)
     capture = not args.no_capture and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0)
     settings = SessionSettings(params, capture=capture, max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens,
-                               max_new_tokens=args.max_new_tokens, history_policy=args.history_policy, ttl=args.ttl)
+                               max_new_tokens=args.max_new_tokens, history_policy=args.history_policy, ttl=args.ttl, penalties=penalties)
     store = SessionStore(backend, ChatRenderer(tokenizer, load_template(args.chat_template)), settings)
     print(f"support-replay sessions on http://{args.host}:{args.port} in front of {args.backend_engine} at {args.backend} "
           f"(capture {'on' if capture else 'off'})", flush=True)
@@ -232,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     ss.add_argument("--top-k", type=int, default=32)
     ss.add_argument("--min-p", type=float, default=0.0)
     ss.add_argument("--no-capture", action="store_true", help="do not capture the support (evaluation)")
+    ss.add_argument("--frequency-penalty", type=float, default=0.0, help="the run's penalties, sent with every turn (a client asking others is refused)")
+    ss.add_argument("--presence-penalty", type=float, default=0.0)
+    ss.add_argument("--repetition-penalty", type=float, default=1.0)
+    ss.add_argument("--logit-bias", default=None, help="JSON file {token id: bias}")
     ss.add_argument("--max-turns", type=int, default=8)
     ss.add_argument("--max-episode-tokens", type=int, default=1024)
     ss.add_argument("--max-new-tokens", type=int, default=256, help="per turn, when a request gives no max_tokens")
