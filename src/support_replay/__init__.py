@@ -1,20 +1,22 @@
 """support-replay: bounded sampling-support replay for RL post-training.
 
 This namespace is the core, and it depends on torch and numpy alone: the support table,
-the wire codec, sampling with capture, log-probabilities, their parallel forms and the
-losses. The engine, the HTTP servers, the backends, rollouts and the trainer are
+the wire codec, sampling with capture, penalties and logit bias, log-probabilities, their
+parallel forms and the losses. The engine, the HTTP servers, the backends, rollouts and the trainer are
 subpackages built on it (``support_replay.engine``, ``.serving``, ``.backends``,
 ``.rollout``, ``.train``).
 """
 
 from .errors import SamplingParamsError, SupportError, SupportReplayError, WireError
-from .logprobs import entropy, full_logprobs, full_logprobs_and_entropy, sparse_head_support_logprobs, support_logprobs
+from .logprobs import entropy, full_logprobs, full_logprobs_and_entropy, penalised_support_logprobs, sparse_head_support_logprobs, support_logprobs
+from .penalties import Penalties, penalise
 from .sampling import SEMANTICS, SampledTokens, SamplingParams, sample_tokens, support_mask
 from .support import SupportTable
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Penalties",
     "SEMANTICS",
     "SampledTokens",
     "SamplingParams",
@@ -26,6 +28,8 @@ __all__ = [
     "entropy",
     "full_logprobs",
     "full_logprobs_and_entropy",
+    "penalise",
+    "penalised_support_logprobs",
     "sample_tokens",
     "sparse_head_support_logprobs",
     "support_logprobs",
