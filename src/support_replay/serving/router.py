@@ -25,12 +25,11 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from ..protocol import SESSION_HEADER
 from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT
 from .metrics import render_router_metrics
-from .security import BodyLimit, JSONOnly, KeyGuard, Keys
+from .security import Keys, guarded
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +205,7 @@ def create_router_app(router: Router, *, max_request_bytes: int = DEFAULT_MAX_RE
             return await router.broadcast(request.method, target, body, headers)
         return await router.forward(request.method, target, body, headers)
 
-    guarded = KeyGuard(JSONOnly(app), router.keys, BROADCAST_PATHS, OPEN_PATHS)
-    return BodyLimit(TrustedHostMiddleware(guarded, allowed_hosts=allowed_hosts or ["*"]), max_request_bytes)
+    return guarded(app, router.keys, BROADCAST_PATHS, OPEN_PATHS, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes)
 
 
 def run_router(engine_urls: list[str], host: str = "127.0.0.1", port: int = DEFAULT_ROUTER_PORT, health_interval: float = 5.0, *,

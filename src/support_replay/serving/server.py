@@ -12,7 +12,6 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from .. import __version__, wire
 from ..engine import Engine
@@ -24,7 +23,7 @@ from .metrics import render_metrics
 from ..rollout.chat import ChatRenderer
 from .openai_routes import openai_routes
 from .schemas import GenerateIn, SamplingParamsIn, UpdateWeightsIn, UpdateWeightVersionIn
-from .security import LOOPBACK_HOSTS, BodyLimit, JSONOnly, KeyGuard, Keys
+from .security import LOOPBACK_HOSTS, Keys, guarded
 
 DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there
 
@@ -184,8 +183,7 @@ def create_app(
     app.include_router(openai_routes(
         run, lambda c, req, fmt: meta_info(c, req, sampling_mask_format=fmt, vocab_size=engine.vocab_size), model_name, renderer,
     ))
-    guarded = KeyGuard(JSONOnly(app), keys, ADMIN_PATHS, OPEN_PATHS)
-    return BodyLimit(TrustedHostMiddleware(guarded, allowed_hosts=allowed_hosts or ["*"]), max_request_bytes)
+    return guarded(app, keys, ADMIN_PATHS, OPEN_PATHS, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes)
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_ENGINE_PORT, **kwargs) -> None:

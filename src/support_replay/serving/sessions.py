@@ -20,11 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import RequestError
 from ..rollout.session import ChatTurn, SessionStore, TurnResult
-from starlette.middleware.trustedhost import TrustedHostMiddleware
-
 from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SESSIONS_PORT
 from .http_errors import install_error_handlers
-from .security import BodyLimit, JSONOnly, KeyGuard, Keys
+from .security import Keys, guarded
 from .openai_format import chat_choice, chat_response, chat_stream, token_logprobs
 
 SETTINGS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")
@@ -180,8 +178,7 @@ def create_sessions_app(store: SessionStore, *, model_name: str = "support-repla
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "support-replay"}]}
 
     app.include_router(session_routes(store, model_name))
-    guarded = KeyGuard(JSONOnly(app), keys or Keys(), (), ("/health",))
-    return BodyLimit(TrustedHostMiddleware(guarded, allowed_hosts=allowed_hosts or ["*"]), max_request_bytes)
+    return guarded(app, keys or Keys(), (), ("/health",), allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes)
 
 
 def serve_sessions(store: SessionStore, host: str = "127.0.0.1", port: int = DEFAULT_SESSIONS_PORT, **kwargs) -> None:
