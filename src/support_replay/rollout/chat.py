@@ -108,6 +108,14 @@ class ChatRenderer:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
+def parses_tool_calls(tool_choice) -> bool:
+    """OpenAI's ``tool_choice``: ``auto`` (or unset) parses tool calls out of the output, ``none``
+    shows the tools but parses none; a forced call cannot be enforced while sampling: refused."""
+    if tool_choice not in (None, "auto", "none"):
+        raise RequestError(f"tool_choice={tool_choice!r}: only 'auto' and 'none' are supported (a forced call cannot be enforced while sampling)")
+    return tool_choice != "none"
+
+
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     """``(content, tool_calls)`` from Hermes-style model text. Anything that does not parse as
     ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks stays plain content."""

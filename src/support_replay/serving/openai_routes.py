@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import RequestError
 from ..protocol import Completion
-from ..rollout.chat import ChatRenderer, normalize_message, parse_tool_calls
+from ..rollout.chat import ChatRenderer, normalize_message, parse_tool_calls, parses_tool_calls
 from .openai_format import chat_choice, chat_response, chat_stream, openai_finish, text_choice, text_stream, token_logprobs
 from .schemas import SamplingParamsIn
 
@@ -110,9 +110,7 @@ def openai_routes(run, meta_info, model_name: str, renderer: ChatRenderer) -> AP
 
     @routes.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatIn):
-        choice = body.tool_choice
-        if choice not in (None, "auto", "none"):
-            raise RequestError(f"tool_choice={choice!r}: only 'auto' and 'none' are supported (a forced call cannot be enforced while sampling)")
+        parse_tools = parses_tool_calls(body.tool_choice)
         messages = [normalize_message(m, i) for i, m in enumerate(body.messages)]
         ids = renderer.encode(renderer.render(messages, body.tools, generation_prompt=True))
         top = body.top_logprobs or 0
@@ -121,7 +119,7 @@ def openai_routes(run, meta_info, model_name: str, renderer: ChatRenderer) -> AP
         choices = []
         for i, (req, c) in enumerate(zip(reqs, results)):
             c = as_log_mu(c)
-            content, calls = parse_tool_calls(c.text) if body.tools and choice != "none" else (c.text, [])
+            content, calls = parse_tool_calls(c.text) if body.tools and parse_tools else (c.text, [])
             finish = "tool_calls" if calls else openai_finish(c)
             logprobs = token_logprobs(c, decode, top) if (body.logprobs or top) else None
             meta = {"output_ids": c.output_ids, **meta_info(c, req, body.sampling_mask_format)} if body.return_meta_info else None

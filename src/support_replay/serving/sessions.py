@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import RequestError
+from ..rollout.chat import parses_tool_calls
 from ..rollout.session import ChatTurn, SessionStore, TurnResult
 from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SESSIONS_PORT
 from .http_errors import install_error_handlers
@@ -80,9 +81,7 @@ class SessionChatIn(BaseModel):
             raise RequestError("stop: stop strings are not taken inside a session (the turn ends at the model's end-of-turn token)")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise RequestError(f"response_format={self.response_format!r}: constrained decoding is not supported")
-        choice = self.tool_choice
-        if choice not in (None, "auto", "none"):
-            raise RequestError(f"tool_choice={choice!r}: only 'auto' and 'none' are supported (a forced call cannot be enforced while sampling)")
+        parse_tools = parses_tool_calls(self.tool_choice)
         return ChatTurn(
             messages=self.messages,
             tools=self.tools if self.tools else None,
@@ -90,7 +89,7 @@ class SessionChatIn(BaseModel):
             seed=self.seed,
             sampling={k: getattr(self, k) for k in SETTINGS if getattr(self, k) is not None},
             logprobs=self.logprobs or bool(self.top_logprobs),
-            parse_tools=choice != "none",
+            parse_tools=parse_tools,
             top_logprobs=self.top_logprobs or 0,
         )
 
