@@ -15,7 +15,6 @@ Two signatures are accepted, told apart by their parameters:
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError, NonFiniteError, SessionFailed
 from .sample import Sample
 from .session import SessionSettings, SessionStore
+from .user_code import load_function
 
 
 @dataclass
@@ -57,13 +57,7 @@ def load_agent(spec: str) -> Agent:
     if spec in environments.BUILTIN:
         env = environments.BUILTIN[spec]
         return Agent(env.run, "client", spec, tasks=env.Tasks, chat_template=env.CHAT_TEMPLATE)
-    module_name, sep, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(f"--agent-path={spec!r}: expected 'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"--agent-path={spec!r}: cannot load it ({type(exc).__name__}: {exc})") from exc
+    fn = load_function(spec, "--agent-path")
     if not inspect.iscoroutinefunction(fn):
         raise ConfigError(f"--agent-path={spec!r}: the agent must be an async function")
     params = list(inspect.signature(fn).parameters)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
 import re
 
 from ..errors import SupportReplayError
+from .user_code import load_function
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -41,14 +41,7 @@ def math_reward(prompt: str, response: str, label) -> float:
 def load_reward(rm_type: str | None, custom_rm_path: str | None):
     """The reward function ``(prompt, response, label) -> float`` of a run."""
     if custom_rm_path:
-        module_name, _, attr = custom_rm_path.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise SupportReplayError(f"--custom-rm-path={custom_rm_path!r}: {exc}") from exc
-        if not callable(fn):
-            raise SupportReplayError(f"--custom-rm-path={custom_rm_path!r}: {attr} is not callable")
-        return fn
+        return load_function(custom_rm_path, "--custom-rm-path")
     if rm_type == "math":
         return math_reward
     raise SupportReplayError(f"--rm-type={rm_type!r}: unknown reward")
