@@ -26,7 +26,8 @@ from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, full_logprobs, support_logprobs
 from support_replay.logprobs import penalised_support_logprobs
-from support_replay.penalties import Penalties, gathered_bias, history_counts, penalise
+from support_replay.penalties import Penalties
+from support_replay.train.batches import penalty_rows
 from support_replay.modeling.batch_invariant import make_batch_invariant
 from support_replay.engine import Engine
 from support_replay.protocol import GenerateRequest
@@ -85,11 +86,8 @@ def penalty_ratios(engine, model, prompts, penalties, samples, new_tokens):
             logits = model(sequence).logits[0, len(req.input_ids) - 1 : -1].float()
         targets, mu = torch.tensor(res.output_ids), torch.from_numpy(res.log_mu)
         n, start = len(res.output_ids), len(req.input_ids)
-        rows_b, rows_pos, rows_start = torch.zeros(n, dtype=torch.long), start + torch.arange(n), torch.full((n,), start)
-
-        def transform(z, ids):
-            out, before = history_counts(sequence, torch.tensor([sequence.shape[1]]), rows_b, rows_pos, rows_start, ids, logits.shape[1])
-            return penalise(z, out, out > 0, gathered_bias(penalties, ids), penalties, engine.semantics)
+        transform = penalty_rows(penalties, engine.semantics, sequence, torch.ones_like(sequence), torch.zeros(n, dtype=torch.long),
+                                 start + torch.arange(n), torch.full((n,), start), res.support.to_padded()[0])  # the trainer's own
 
         full_r.append(torch.exp(full_logprobs(logits, targets, params.temperature) - mu))
         plain_r.append(torch.exp(support_logprobs(logits, targets, res.support, 1.0) - mu))

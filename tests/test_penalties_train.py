@@ -48,7 +48,7 @@ def test_true_on_policy_is_bitwise_with_penalties_and_bias(tiny_checkpoint, tmp_
 
 
 def test_replay_that_ignores_the_penalty_fails_the_check(tiny_checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setattr(batches_module.MicroBatch, "penalty_transform", lambda self, vocab: None)
+    monkeypatch.setattr(batches_module.PenaltyRows, "__call__", lambda self, z, ids: z)
     with pytest.raises(CITestError):
         train(run_config(tiny_checkpoint, tmp_path, rollout_max_response_len=24, rollout_repetition_penalty=2.0, rollout_frequency_penalty=1.0))
 

@@ -106,10 +106,9 @@ def load_scoring_model(path, device, batch_invariant: bool = False) -> ScoringMo
 
 
 def score_batch(model: ScoringModel, batch: MicroBatch, temperature: float, *, sparse: bool, full: bool = False, entropy: bool = False, full_detached: bool = False) -> BatchScores:
-    transform = batch.penalty_transform(model.hf.get_output_embeddings().weight.shape[0]) if batch.support is not None else None
     logp, full_lp, ent = model(
         batch.input_ids, batch.attention_mask, batch.rows_b, batch.rows_t, batch.targets, batch.support, temperature,
-        sparse=sparse and transform is None, full=full, entropy=entropy, full_detached=full_detached, transform=transform,
+        sparse=sparse and batch.penalty is None, full=full, entropy=entropy, full_detached=full_detached, transform=batch.penalty,
     )
     return BatchScores(logp=logp, full=full_lp, entropy=ent)
 

@@ -21,9 +21,32 @@ import numpy as np
 import torch
 
 from ..errors import SampleError
-from ..penalties import NO_PENALTIES, Penalties, gathered_bias, history_counts, penalise, repetition_history_includes_prompt
+from ..penalties import Penalties, gathered_bias, history_counts, penalise, repetition_history_includes_prompt
 from ..rollout.sample import Sample
 from ..support import SupportTable
+
+
+@dataclass
+class PenaltyRows:
+    """The rollout's penalties and logit bias at every support id of a micro-batch, over each
+    row's own history (docs/math.md): counted once when the batch is planned, applied on every
+    scoring pass as the ``transform`` of ``penalised_support_logprobs``."""
+
+    penalties: Penalties
+    semantics: str  # whose rules: the engine's that sampled
+    out_counts: torch.Tensor  # [N, K] occurrences of each support id in the row's output history
+    seen: torch.Tensor  # [N, K] the id is in the repetition penalty's history
+    bias: tuple[torch.Tensor, torch.Tensor] | None
+
+    def __call__(self, z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return penalise(z, self.out_counts, self.seen, self.bias, self.penalties, self.semantics)
+
+
+def penalty_rows(p: Penalties, semantics: str, input_ids, attention_mask, rows_b, rows_pos, rows_start, ids) -> PenaltyRows:
+    vocab = int(max(int(input_ids.max()), int(ids.max()))) + 1  # any bound above every id keeps the keys apart
+    out, before = history_counts(input_ids, attention_mask.sum(1), rows_b, rows_pos, rows_start, ids, vocab)
+    seen = (out > 0) | (before > 0) if repetition_history_includes_prompt(semantics) else out > 0
+    return PenaltyRows(p, semantics, out, seen, gathered_bias(p, ids))
 
 
 @dataclass
@@ -39,24 +62,7 @@ class MicroBatch:
     targets: torch.Tensor  # [N] the response tokens
     support: tuple[torch.Tensor, torch.Tensor] | None  # padded (ids [N, K], valid [N, K]) under replay
     loss_mask: torch.Tensor  # [N] float, 1 for tokens that train
-    penalties: Penalties = NO_PENALTIES  # the rollout's penalties and logit bias (one setting per run)
-    penalty_semantics: str = "sglang"  # whose penalties: the engine's that sampled
-    rows_start: torch.Tensor | None = None  # [N] position where the engine request of each row began its output
-
-    def penalty_transform(self, vocab: int):
-        """``(z at the support ids, ids) -> z'``: the engine's penalties over each row's own
-        history (penalties.penalise), or None when the rollout had none."""
-        if not self.penalties.active:
-            return None
-        lengths = self.attention_mask.sum(1)
-        rows_pos, p, semantics = self.rows_t + 1, self.penalties, self.penalty_semantics
-
-        def transform(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-            out, before = history_counts(self.input_ids, lengths, self.rows_b, rows_pos, self.rows_start, ids, vocab)
-            seen = (out > 0) | (before > 0) if repetition_history_includes_prompt(semantics) else out > 0
-            return penalise(z, out, seen, gathered_bias(p, ids), p, semantics)
-
-        return transform
+    penalty: PenaltyRows | None = None  # the rollout's penalties at the support ids, when it had any
 
     @property
     def num_tokens(self) -> int:
@@ -91,22 +97,25 @@ def build_micro_batch(samples: list[Sample], indices: list[int], replay: bool, d
         rows_start += output_starts(s)
     if any(s.penalties != chosen[0].penalties for s in chosen):  # one transform per micro-batch
         raise SampleError(f"samples {indices}: sampled with different penalties; a run replays one setting")
-    support = None
+    support = penalty = None
+    ids, mask = ids.to(device), mask.to(device)
+    rows_b, rows_t = torch.tensor(rows_b, dtype=torch.long, device=device), torch.tensor(rows_t, dtype=torch.long, device=device)
     if replay:  # the one padding of the support on the trainer's side
         support = SupportTable.concat([s.support for s in chosen]).to_padded(device=device)
+        if chosen[0].penalties.active:
+            starts = torch.tensor(rows_start, dtype=torch.long, device=device)
+            penalty = penalty_rows(chosen[0].penalties, penalty_semantics, ids, mask, rows_b, rows_t + 1, starts, support[0])
     return MicroBatch(
         indices=list(indices),
         lengths=[s.response_length for s in chosen],
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        rows_b=torch.tensor(rows_b, dtype=torch.long, device=device),
-        rows_t=torch.tensor(rows_t, dtype=torch.long, device=device),
+        input_ids=ids,
+        attention_mask=mask,
+        rows_b=rows_b,
+        rows_t=rows_t,
         targets=torch.tensor([t for s in chosen for t in s.response_ids], dtype=torch.long, device=device),
         support=support,
         loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in chosen]).astype(np.float32)).to(device),
-        penalties=chosen[0].penalties,
-        penalty_semantics=penalty_semantics,
-        rows_start=torch.tensor(rows_start, dtype=torch.long, device=device),
+        penalty=penalty,
     )
 
 
