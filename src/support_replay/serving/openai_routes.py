@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import RequestError
 from ..protocol import Completion
 from ..rollout.chat import ChatRenderer, normalize_message, parse_tool_calls, parses_tool_calls
-from .openai_format import chat_choice, chat_response, chat_stream, openai_finish, text_choice, text_stream, token_logprobs
+from .openai_format import chat_choice, chat_response, chat_stream, new_id, openai_finish, text_choice, text_stream, token_logprobs
 from .schemas import SamplingParamsIn
 
 MAX_N = 64
@@ -150,8 +150,7 @@ def openai_routes(run, meta_info, model_name: str, renderer: ChatRenderer) -> AP
                 choice["meta_info"] = {"output_ids": c.output_ids, **meta_info(c, req, body.sampling_mask_format)}
             choices.append(choice)
         response = {**chat_response(choices, model=body.model or model_name, prompt_tokens=sum(len(p) for p in ids),
-                                    completion_tokens=sum(c.num_tokens for c in results)), "object": "text_completion"}
-        response["id"] = response["id"].replace("chatcmpl", "cmpl")
+                                    completion_tokens=sum(c.num_tokens for c in results), rid=new_id("cmpl")), "object": "text_completion"}
         if body.stream:
             return StreamingResponse(text_stream(response), media_type="text/event-stream")
         return response
