@@ -101,7 +101,6 @@ class Learner:
             replay=self.replay, full_with_grad=cfg.use_kl_loss or cfg.entropy_coef > 0, batch_invariant=cfg.true_on_policy_mode,
             penalties=cfg.penalties.active,
         )
-        self.penalty_semantics = cfg.sampling_semantics  # the engine's, set by the recipe once the rollout side knows it
         self.reference = load_scoring_model(checkpoint_path, ctx.device).eval().requires_grad_(False) if cfg.needs_reference else None
         self.temperature = cfg.rollout_temperature
 
@@ -117,15 +116,17 @@ class Learner:
         one_step = cfg.global_batch_size == cfg.rollout_batch_size * cfg.n_samples_per_prompt and self._planned_steps == 1
         return one_step and cfg.kl_coef == 0
 
-    def plan(self, samples: list[Sample], rollout: int = 0) -> list[OptimizerStep]:
+    def plan(self, samples: list[Sample], rollout: int = 0, penalty_semantics: str | None = None) -> list[OptimizerStep]:
         """This rank's micro-batches of the rollout; agent episodes split by a history rewrite can
         make more samples, hence more optimizer steps, than the config alone says. Decides too
-        whether this rollout pays for the metrics-only full-vocabulary head."""
+        whether this rollout pays for the metrics-only full-vocabulary head. Penalties are
+        replayed by ``penalty_semantics``, the sampling engine's rules (default: the in-process
+        engine's, ``--sampling-semantics``)."""
         cfg, ctx = self.cfg, self.ctx
         self.measure_full = not self.replay or cfg.kl_coef > 0 or rollout % cfg.full_vocab_metrics_interval == 0
         steps = plan_optimizer_steps(
             samples, global_batch=cfg.global_batch_size, micro_batch=cfg.micro_batch, rank=ctx.rank, world=ctx.world,
-            replay=self.replay, device=ctx.device, penalty_semantics=self.penalty_semantics,
+            replay=self.replay, device=ctx.device, penalty_semantics=penalty_semantics or cfg.sampling_semantics,
         )
         self._planned_steps = len(steps)
         return steps

@@ -57,7 +57,6 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
     start = saved_rollout(found) if found is not None else 0
     pushed = [policy_version(start)]  # weight versions in push order, the engine's current one last
     rollouts = Rollouts(cfg, ctx, checkpoint, AutoTokenizer.from_pretrained(checkpoint), learner.vocab_size, pushed[-1])
-    learner.penalty_semantics = rollouts.penalty_semantics  # penalties are replayed by the sampling engine's rules
     if found is not None:
         load_checkpoint(found, learner.actor)
     out = Path(cfg.output_dir)
@@ -77,7 +76,7 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
             log.log({"rollout": r, "skipped": True, **failures, **clock, "time_step": time.perf_counter() - t0})
             continue
         lag = check_policy_lag(r, samples, pushed, cfg.max_policy_lag, rollouts.engine_name)
-        steps = learner.plan(samples, r)  # micro-batches for every pass; supports padded once, on the device
+        steps = learner.plan(samples, r, rollouts.penalty_semantics)  # micro-batches for every pass, planned once, on the device
         with clock("score"):
             old = learner.score_before_update(steps, len(samples))  # old log-probs (unless fused), reference
         check = {}
