@@ -37,7 +37,8 @@ from support_stream import support_stream  # noqa: E402
 
 from support_replay import SupportTable, sparse_head_support_logprobs, support_logprobs  # noqa: E402
 from support_replay.logprobs import penalised_support_logprobs  # noqa: E402
-from support_replay.penalties import Penalties, gathered_bias, history_counts, penalise  # noqa: E402
+from support_replay.penalties import Penalties  # noqa: E402
+from support_replay.train.batches import penalty_rows  # noqa: E402
 
 VARIANTS = {
     "a": "dense mask + log_softmax",
@@ -61,8 +62,9 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def penalty_transform(targets: torch.Tensor, vocab: int, prompt_tokens: int = 2048):
-    """The trainer's transform for one sequence: a random prompt, then the response ``targets``."""
+def penalty_inputs(targets: torch.Tensor, vocab: int, prompt_tokens: int = 2048):
+    """One sequence, a random prompt then the response ``targets``, and its rows: what the
+    trainer's ``penalty_rows`` counts the histories from (here inside every step)."""
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen)
     sequence = torch.cat([prompt, targets])[None]
@@ -72,12 +74,7 @@ def penalty_transform(targets: torch.Tensor, vocab: int, prompt_tokens: int = 20
     rows_start = torch.full((tokens,), prompt_tokens)
     bias_ids = torch.randperm(vocab, generator=gen)[:100].tolist()
     p = Penalties.with_bias(0.3, 0.2, 1.2, {i: 1.0 for i in bias_ids})
-
-    def transform(z, ids):
-        out, before = history_counts(sequence, torch.tensor([sequence.shape[1]]), rows_b, rows_pos, rows_start, ids, vocab)
-        return penalise(z, out, (out > 0) | (before > 0), gathered_bias(p, ids), p, "vllm")
-
-    return transform
+    return p, sequence, torch.ones_like(sequence), rows_b, rows_pos, rows_start
 
 
 def run_one(variant: str, k: str, tokens: int, vocab: int, hidden: int, repeats: int) -> dict:
@@ -103,10 +100,12 @@ def run_one(variant: str, k: str, tokens: int, vocab: int, hidden: int, repeats:
         elif variant == "d":
             sparse_head_support_logprobs(h, weight, targets, (ids, valid)).sum().backward()
         else:
+            p, sequence, mask, rows_b, rows_pos, rows_start = penalty
+            transform = penalty_rows(p, "vllm", sequence, mask, rows_b, rows_pos, rows_start, ids)
             penalised_support_logprobs(logits, targets, (ids, valid), 1.0, transform).sum().backward()
 
     if variant == "e":
-        transform = penalty_transform(targets, vocab)
+        penalty = penalty_inputs(targets, vocab)
 
     def clear():
         for p in ([logits] if variant in "abe" else [h, weight]):
