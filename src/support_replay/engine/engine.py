@@ -178,20 +178,26 @@ class Engine:
         futures = [self.submit(r) for r in requests]
         return [f.result(timeout=timeout) for f in futures]
 
-    def update_weights_from_disk(self, path: str | Path, version: str | None = None) -> Future:
+    def update_weights_from_disk(self, path: str | Path, version: str | None = None, *, abort_all_requests: bool = False) -> Future:
         """Load safetensors weights once the running batch has drained; resolves to the version.
 
         ``version`` names the new weights (the trainer's string); without one the engine
-        keeps its current name, as SGLang does.
+        keeps its current name, as SGLang does. ``abort_all_requests`` (SGLang's field) fails
+        every request queued or running now with ``AbortedError`` instead of letting them
+        finish on the old weights, so the update applies at the next step.
         """
-        future: Future = Future()
-        self._inbox.put(("update", (Path(path), version), future))
-        return future
+        return self._queue_update(Path(path), version, abort_all_requests)
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: str | None = None) -> Future:
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: str | None = None, *, abort_all_requests: bool = False) -> Future:
         """Same as ``update_weights_from_disk`` with tensors in memory (colocated trainer)."""
+        return self._queue_update(state_dict, version, abort_all_requests)
+
+    def _queue_update(self, source, version: str | None, abort_all_requests: bool) -> Future:
         future: Future = Future()
-        self._inbox.put(("update", (state_dict, version), future))
+        if abort_all_requests:
+            aborted = self.ledger.abort_all()
+            log.info("weight update to %s aborts %d requests", version, aborted)
+        self._inbox.put(("update", (source, version), future))
         return future
 
     def update_weight_version(self, version: str) -> Future:
@@ -267,8 +273,9 @@ class Engine:
             if kind == "update":
                 self._update = (payload, future)
                 break
-            if not self.ledger.dequeue(future):
-                self._finish_failed(payload, future, AbortedError("the client went away before the request started"), "aborted")
+            why = self.ledger.dequeue(future)
+            if why is not None:
+                self._finish_failed(payload, future, AbortedError(f"{why} before the request started"), "aborted")
             elif future.set_running_or_notify_cancel():
                 taken.append((payload, future))
         return taken
@@ -302,11 +309,11 @@ class Engine:
             self._sample_and_advance(group, logits)
 
     def _decode(self) -> None:
-        gone_futures = self.ledger.aborted([s.future for s in self._running])
-        gone = [s for s in self._running if s.future in gone_futures]
-        for seq in gone:  # cancelled by their clients: stop spending steps on them
+        why = self.ledger.aborted([s.future for s in self._running])
+        gone = [s for s in self._running if id(s.future) in why]
+        for seq in gone:  # cancelled by their clients or a weight update: stop spending steps on them
             seq.finish_reason = {"type": "abort"}
-            self._finish_failed(seq.request, seq.future, AbortedError("the client went away"), "aborted")
+            self._finish_failed(seq.request, seq.future, AbortedError(why[id(seq.future)]), "aborted")
         if gone:
             self._retire()
             if not self._running:

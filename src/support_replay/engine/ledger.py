@@ -34,7 +34,8 @@ class Ledger:
         self.stats = EngineStats()
         self._running_rids: dict[str, Future] = {}
         self._finished: OrderedDict[str, Completion] = OrderedDict()
-        self._aborted: set[int] = set()  # ids of futures whose client went away
+        self._aborted: dict[int, str] = {}  # ids of futures to stop -> why (the client went away, a weight update)
+        self._outstanding: dict[int, Future] = {}  # every future queued or running, for abort_all
 
     def enqueue(self, request: GenerateRequest, future: Future) -> Future | None:
         """Take ``request`` into the queue (returns None), or answer it now: the future of its
@@ -52,23 +53,32 @@ class Ledger:
                 future.set_exception(OverloadedError(f"the admission queue is full ({self.max_queue} waiting); retry later"))
                 return future
             self.queued += 1
+            self._outstanding[id(future)] = future
             if request.rid is not None:
                 self._running_rids[request.rid] = future
         return None
 
-    def dequeue(self, future: Future) -> bool:
-        """A request leaves the queue for a slot; False when its client went away meanwhile."""
+    def dequeue(self, future: Future) -> str | None:
+        """A request leaves the queue for a slot; returns why it was aborted meanwhile, or None."""
         with self.lock:
             self.queued -= 1
-            return id(future) not in self._aborted
+            return self._aborted.get(id(future))
 
-    def abort(self, future: Future) -> None:
+    def abort(self, future: Future, why: str = "the client went away") -> None:
         with self.lock:
-            self._aborted.add(id(future))
+            self._aborted.setdefault(id(future), why)
 
-    def aborted(self, futures) -> list[Future]:
+    def abort_all(self) -> int:
+        """Abort every request queued or running now (a weight update that does not wait); returns how many."""
         with self.lock:
-            return [f for f in futures if id(f) in self._aborted]
+            for key in self._outstanding:
+                self._aborted.setdefault(key, "a weight update aborted it (abort mode)")
+            return len(self._outstanding)
+
+    def aborted(self, futures) -> dict[int, str]:
+        """``{id(future): why}`` of those among ``futures`` to stop."""
+        with self.lock:
+            return {id(f): self._aborted[id(f)] for f in futures if id(f) in self._aborted}
 
     def count(self, kind: str) -> None:
         with self.lock:
@@ -83,7 +93,8 @@ class Ledger:
                 self._finished[request.rid] = completion
                 while len(self._finished) > FINISHED_RIDS_KEPT:
                     self._finished.popitem(last=False)
-            self._aborted.discard(id(future))
+            self._aborted.pop(id(future), None)
+            self._outstanding.pop(id(future), None)
 
     def failed(self, request: GenerateRequest, future: Future, exc: Exception) -> None:
         with self.lock:
@@ -91,7 +102,8 @@ class Ledger:
             self.stats.capture_failures += isinstance(exc, CapacityError)
             if request.rid is not None:
                 self._running_rids.pop(request.rid, None)
-            self._aborted.discard(id(future))
+            self._aborted.pop(id(future), None)
+            self._outstanding.pop(id(future), None)
 
     def snapshot(self) -> tuple[dict, int, int, int, int]:
         """``(requests by outcome, generated tokens, capture failures, duplicates, queued)``, consistent."""

@@ -136,3 +136,4 @@ class UpdateWeightsIn(BaseModel):
 
     model_path: str = Field(min_length=1, max_length=4096, pattern=r"^[^\x00]*$")  # a NUL byte is no path
     weight_version: str | None = Field(None, max_length=256)
+    abort_all_requests: bool = False  # SGLang's: abort what runs instead of letting it finish on the old weights

@@ -166,7 +166,7 @@ def create_app(
             return error_response(403, "weight loading is off: start the server with --weights-dir DIR to load safetensors from under DIR")
         if not path.is_relative_to(weights_dir):
             return error_response(403, f"model_path {body.model_path!r} is not under the weights directory {str(weights_dir)!r}")
-        version = await asyncio.wrap_future(engine.update_weights_from_disk(path, body.weight_version))
+        version = await asyncio.wrap_future(engine.update_weights_from_disk(path, body.weight_version, abort_all_requests=body.abort_all_requests))
         return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version}
 
     @app.post("/update_weight_version")

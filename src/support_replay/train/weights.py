@@ -11,6 +11,11 @@
   ``/pause?mode=wait`` (finish what runs, clear the prefix cache), ``/collective_rpc``
   ``reload_weights`` from a directory, ``/update_weight_version``, ``/resume``.
 
+Requests running when weights arrive either finish on the old weights first (``wait``, the
+default of every engine here) or are aborted so the weights apply at once (``abort``: SGLang's
+``abort_all_requests``, vLLM's ``/pause?mode=abort``); the aborted responses come back failed
+and their groups are regenerated or dropped by ``--failed-group-policy``.
+
 The HTTP syncs stage ``model.safetensors`` in a directory the engine can read (a shared
 filesystem); it is written beside its final name and renamed, never read half-written.
 """
@@ -53,17 +58,20 @@ def _post(url: str, path: str, what: str, **kwargs) -> httpx.Response:
     return reply
 
 
+WEIGHT_SYNC_MODES = ("wait", "abort")
+
+
 class InProcessSync:
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, mode: str = "wait"):
+        self.engine, self.abort = engine, mode == "abort"
 
     def push(self, state: dict[str, torch.Tensor], version: str) -> None:
-        self.engine.update_weights(state, version).result()
+        self.engine.update_weights(state, version, abort_all_requests=self.abort).result()
 
 
 class _StagedSync:
-    def __init__(self, url: str, staging: Path):
-        self.url, self.staging = url.rstrip("/"), Path(staging)
+    def __init__(self, url: str, staging: Path, mode: str = "wait"):
+        self.url, self.staging, self.abort = url.rstrip("/"), Path(staging), mode == "abort"
 
     def stage(self, state: dict[str, torch.Tensor]) -> Path:
         if self.staging.exists():
@@ -77,7 +85,7 @@ SMG_FANOUT = "/v1/rl/engine/update_weights_from_disk"
 
 class SGLangSync(_StagedSync):
     def push(self, state: dict[str, torch.Tensor], version: str) -> None:
-        body = {"model_path": str(self.stage(state)), "weight_version": version}
+        body = {"model_path": str(self.stage(state)), "weight_version": version, "abort_all_requests": self.abort}
         try:
             reply = httpx.post(self.url + "/update_weights_from_disk", json=body, timeout=SYNC_TIMEOUT, headers=Keys.load().header(admin=True))
         except httpx.HTTPError as exc:
@@ -113,7 +121,7 @@ def _check_success(where: str, answer) -> None:
 class VLLMSync(_StagedSync):
     def push(self, state: dict[str, torch.Tensor], version: str) -> None:
         path = self.stage(state)
-        _post(self.url, "/pause", "pausing generation", params={"mode": "wait"})
+        _post(self.url, "/pause", "pausing generation", params={"mode": "abort" if self.abort else "wait"})
         try:
             _post(self.url, "/collective_rpc", "reloading the weights", json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
             _post(self.url, "/update_weight_version", "naming the weights", json={"new_version": version})
@@ -121,10 +129,13 @@ class VLLMSync(_StagedSync):
             _post(self.url, "/resume", "resuming generation")
 
 
-def make_weight_sync(*, engine=None, url: str | None = None, rollout_engine: str = "sglang", staging: Path | None = None):
-    """The sync for the run's rollout engine: in-process, or over HTTP to an SGLang- or vLLM-speaking URL."""
+def make_weight_sync(*, engine=None, url: str | None = None, rollout_engine: str = "sglang", staging: Path | None = None, mode: str = "wait"):
+    """The sync for the run's rollout engine: in-process, or over HTTP to an SGLang- or vLLM-speaking
+    URL; ``mode`` (``WEIGHT_SYNC_MODES``) says what happens to requests in flight."""
+    if mode not in WEIGHT_SYNC_MODES:
+        raise SupportReplayError(f"weight sync mode: one of {WEIGHT_SYNC_MODES}, got {mode!r}")
     if engine is not None:
-        return InProcessSync(engine)
+        return InProcessSync(engine, mode)
     if url is None:
         return None
-    return (VLLMSync if rollout_engine == "vllm" else SGLangSync)(url, staging)
+    return (VLLMSync if rollout_engine == "vllm" else SGLangSync)(url, staging, mode)
