@@ -231,7 +231,7 @@ def corrupt_one_position(monkeypatch, at_rollout: int, edit) -> dict:
     ``edit(row, selected) -> row`` must keep the selected token, so validation still passes
     and only --ci-test can see the change.
     """
-    original = rollouts_module.Rollouts.generate
+    original = rollouts_module.Rollouts.produce
     where = {}
 
     def corrupt(self, r):
@@ -245,7 +245,7 @@ def corrupt_one_position(monkeypatch, at_rollout: int, edit) -> dict:
             where.update(t=t, sample=s.index)
         return samples, stats
 
-    monkeypatch.setattr(rollouts_module.Rollouts, "generate", corrupt)
+    monkeypatch.setattr(rollouts_module.Rollouts, "produce", corrupt)
     return where
 
 
@@ -296,7 +296,7 @@ def test_policy_lag_names_unknown_and_missing_versions(tiny_checkpoint, tmp_path
     learner, rollouts = parts(tiny_checkpoint, run_config(tiny_checkpoint, tmp_path))
     samples = rollouts.generate(0)[0]
     rollouts.close()
-    assert check_policy_lag(0, samples, ["0"], 0, "engine X") == {"policy_lag_max": 0}
+    assert check_policy_lag(0, samples, ["0"], 0, "engine X") == {"policy_lag_max": 0, "policy_lag_mean": 0.0}
     samples[2].weight_versions = [VersionSpan("0", 0, 4), VersionSpan("elsewhere", 4, samples[2].response_length)]
     with pytest.raises(PolicyLagError, match=r"sample 2: engine X sampled it with weights \['0', 'elsewhere'\].*\['elsewhere'\] were never pushed"):
         check_policy_lag(0, samples, ["0"], 0, "engine X")
@@ -321,14 +321,14 @@ def test_a_request_at_another_temperature_is_refused_where_it_is_built():
 
 def test_kl_loss_equals_an_independent_full_vocabulary_computation(tiny_checkpoint, tmp_path, monkeypatch):
     captured = {}
-    original = rollouts_module.Rollouts.generate
+    original = rollouts_module.Rollouts.produce
 
     def keep(self, r):
         samples, stats = original(self, r)
         captured[r] = samples
         return samples, stats
 
-    monkeypatch.setattr(rollouts_module.Rollouts, "generate", keep)
+    monkeypatch.setattr(rollouts_module.Rollouts, "produce", keep)
     cfg = run_config(tiny_checkpoint, tmp_path, num_rollout=2, global_batch_size=8, micro_batch_size=4, use_kl_loss=True,
                      kl_loss_coef=0.5, save=str(tmp_path / "ckpt"), save_interval=1)
     rows = train(cfg)

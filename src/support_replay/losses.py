@@ -9,9 +9,11 @@ sequences are weighted into a loss.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
+
 import torch
 
 from .errors import SupportReplayError
@@ -139,6 +141,34 @@ def truncated_importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Ten
     if cap <= 0:
         raise SupportReplayError(f"tis cap: must be > 0, got {cap}")
     return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()
+
+
+def masked_importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
+    """1 where ``pi_old / mu`` lies in ``[1/cap, cap]``, else 0, detached (masked IS): a token the
+    behaviour policy and the old policy disagree on too much is left out instead of down-weighted."""
+    if cap <= 1:
+        raise SupportReplayError(f"masked importance sampling cap: must be > 1, got {cap}")
+    log_ratio = (old_logp - rollout_logp).detach()
+    return (log_ratio.abs() <= math.log(cap)).to(old_logp.dtype)
+
+
+def importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mode: str, cap: float) -> torch.Tensor:
+    """The ``--use-tis`` weights: ``"truncate"`` (TIS) or ``"mask"`` (masked IS)."""
+    if mode == "truncate":
+        return truncated_importance_weights(old_logp, rollout_logp, cap)
+    if mode == "mask":
+        return masked_importance_weights(old_logp, rollout_logp, cap)
+    raise SupportReplayError(f"importance sampling mode: one of ('truncate', 'mask'), got {mode!r}")
+
+
+def support_mass(full_logp: torch.Tensor, support_logp: torch.Tensor) -> torch.Tensor:
+    """Per token, the probability mass the policy puts inside the support: ``Z_S / Z_V``.
+
+    Both scores are of the same token under the same logits and temperature, the one
+    normalised over the vocabulary and the other over the support, so their difference is
+    ``logsumexp_S - logsumexp_V``: no extra pass over the vocabulary.
+    """
+    return torch.exp((full_logp - support_logp).clamp(max=0.0))
 
 
 def logprob_mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

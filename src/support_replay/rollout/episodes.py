@@ -47,6 +47,7 @@ def generate_episodes(
             for s in result.samples:
                 s.index, s.group = len(samples), position
                 s.metadata["episode"] = episode
+                s.metadata["prompt"] = g
                 samples.append(s)
             episode += 1
     return samples, stats

@@ -133,6 +133,7 @@ def generate_samples(
     for position, g in enumerate(sorted(answered)):
         for req, c in answered[g]:
             samples.append(_sample(len(samples), position, req, c, rendered[g][1], prompts[g], tokenizer, reward_fn, rollout))
+            samples[-1].metadata["prompt"] = g  # which of ``prompts``: a stale group is generated again from it
     return samples, stats
 
 

@@ -18,12 +18,25 @@ from ..protocol import versions_of
 from ..rollout.sample import Sample
 
 
+def version_ages(pushed: list[str]) -> dict[str, int]:
+    """How many pushes old each version is (``pushed``: in push order, the current one last)."""
+    return {version: len(pushed) - 1 - i for i, version in enumerate(pushed)}
+
+
+def sample_age(sample: Sample, ages: dict[str, int]) -> int | None:
+    """The age of a sample's oldest token; None when a version is missing or was never pushed."""
+    versions = versions_of(sample.weight_versions)
+    if not versions or any(v not in ages for v in versions):
+        return None
+    return max(ages[v] for v in versions)
+
+
 def check_policy_lag(rollout: int, samples: list[Sample], pushed: list[str], max_lag: int, engine: str) -> dict:
     """Raise ``PolicyLagError`` naming the engine, the sample and the versions when a token was
     sampled by weights older than ``max_lag`` pushes (``pushed``: the versions in push order,
     the current one last) or by weights the trainer never pushed; returns the lag metrics."""
-    age = {version: len(pushed) - 1 - i for i, version in enumerate(pushed)}
-    worst = 0
+    ages = version_ages(pushed)
+    lags = []
     for s in samples:
         versions = versions_of(s.weight_versions)
         if not versions:
@@ -31,16 +44,16 @@ def check_policy_lag(rollout: int, samples: list[Sample], pushed: list[str], max
                 f"rollout {rollout}, sample {s.index}: {engine} reported no weight version, so the policy that "
                 "sampled it is unknown (vLLM's /v1/completions reports none unless /weight_info is mounted)"
             )
-        unknown = [v for v in versions if v not in age]
-        stale = [v for v in versions if v in age and age[v] > max_lag]
-        if unknown or stale:
+        age = sample_age(s, ages)
+        if age is None or age > max_lag:
+            unknown = [v for v in versions if v not in ages]
             raise PolicyLagError(
                 f"rollout {rollout}, sample {s.index}: {engine} sampled it with weights {versions}, but the trainer "
                 f"pushed {pushed[-1]!r} last and --max-policy-lag={max_lag} allows "
                 f"{pushed[max(0, len(pushed) - 1 - max_lag):]}" + (f"; {unknown} were never pushed by this run" if unknown else "")
             )
-        worst = max(worst, max(age[v] for v in versions))
-    return {"policy_lag_max": worst}
+        lags.append(age)
+    return {"policy_lag_max": max(lags), "policy_lag_mean": float(np.mean(lags))}
 
 
 def compare_with_rollout(rollout: int, samples: list[Sample], trainer_logp: list[torch.Tensor], *, tolerance: float, fail: bool) -> dict:

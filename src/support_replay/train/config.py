@@ -65,6 +65,10 @@ class RunConfig(BaseModel):
     vllm_endpoint: Literal["generate", "completions"] = Field("generate", description="vLLM endpoint: /inference/v1/generate (needs --enable-scale-out; reports weight versions) or /v1/completions")
     vllm_capture: Literal["processed_logprobs", "native"] = Field("processed_logprobs", description="how vLLM reveals the support: processed log-probs (--logprobs-mode processed_logprobs) or its native sampling_mask (--return-sampling-mask)")
     max_policy_lag: int = Field(0, ge=0, description="how many weight pushes old a sampled token may be; 0: every token from the weights just pushed")
+    async_rollout: bool = Field(False, description="generate the next rollout while the trainer updates on this one (needs --max-policy-lag >= 1)")
+    weight_sync_mode: Literal["wait", "abort"] = Field("wait", description="requests running when weights are pushed: finish them on the old weights, or abort them (their groups are regenerated or dropped by --failed-group-policy)")
+    stale_sample_policy: Literal["fail", "drop", "regenerate"] = Field("fail", description="a group with a token older than --max-policy-lag: stop the run, drop the group, or generate it again on the current weights")
+    min_support_mass: float = Field(0.0, ge=0, le=1, description="drop from the loss a stale sample (lag >= 1) whose mean current-policy mass inside its replayed supports is below this (0: off)")
     failed_group_policy: Literal["regenerate", "drop"] = Field("regenerate", description="a GRPO group with a response the engine never gave (down, overloaded, aborted): generate it again, or drop it")
     max_regenerations: int = Field(2, ge=0, description="how many times a failed group is generated again before the run stops")
     colocate: bool = Field(False, description="rollout engine in the trainer's process, weights synced in memory (the default without --rollout-url)")
@@ -100,6 +104,7 @@ class RunConfig(BaseModel):
     use_rollout_logprobs: bool = Field(False, description="old log-probs from the rollout log mu instead of recomputing them")
     use_tis: bool = Field(False, description="truncated importance sampling against the rollout log mu")
     tis_cap: float = Field(2.0, gt=0, description="truncation of the importance weight pi_old / mu")
+    tis_mode: Literal["truncate", "mask"] = Field("truncate", description="--use-tis weights: min(pi_old / mu, cap) (TIS), or 1 inside [1/cap, cap] and 0 outside (masked IS)")
     seed: int = Field(1234, description="trainer seed (initialisation, shuffling)")
 
     # ---- checks, evaluation, output -------------------------------------------------
@@ -187,6 +192,21 @@ class RunConfig(BaseModel):
             bad("kl_loss_coef", self.kl_loss_coef, "must be > 0 with --use-kl-loss")
         if self.kl_loss_coef > 0 and not self.use_kl_loss:
             bad("kl_loss_coef", self.kl_loss_coef, "has no effect without --use-kl-loss")
+        if self.async_rollout and self.max_policy_lag < 1:
+            bad("async_rollout", True, "samples the next rollout on the weights before this update: needs --max-policy-lag >= 1")
+        if self.async_rollout and self.weight_sync_mode == "abort" and (self.failed_group_policy == "drop" or self.max_regenerations < 1):
+            bad("weight_sync_mode", "abort", "with --async-rollout every push aborts the rollout in flight, whose groups must then be generated again: "
+                "needs --failed-group-policy regenerate and --max-regenerations >= 1")
+        if self.stale_sample_policy == "drop" and self.global_batch_size % self.n_samples_per_prompt:
+            bad("stale_sample_policy", "drop", f"drops whole groups, so --global-batch-size={self.global_batch_size} must be a multiple of --n-samples-per-prompt={self.n_samples_per_prompt}")
+        if self.min_support_mass > 0 and not replay:
+            bad("min_support_mass", self.min_support_mass, "measures the mass inside the replayed supports, which only replay captures")
+        if self.min_support_mass > 0 and penalties.active:
+            bad("min_support_mass", self.min_support_mass, "the support mass is measured on the model's own distribution; with penalties the support was filtered on penalised logits")
+        if self.tis_mode == "mask" and self.tis_cap <= 1:
+            bad("tis_cap", self.tis_cap, "masked IS keeps ratios inside [1/cap, cap]: needs a cap > 1")
+        if self.tis_mode != "truncate" and not self.use_tis:
+            bad("tis_mode", self.tis_mode, "has no effect without --use-tis")
         if self.use_tis and self.use_rollout_logprobs:
             bad("use_tis", True, "with --use-rollout-logprobs the old policy is the rollout's own, so pi_old / mu is 1 and there is nothing to correct")
         if self.custom_rm_path and ":" not in self.custom_rm_path:

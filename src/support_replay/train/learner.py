@@ -13,7 +13,7 @@ from dataclasses import astuple, dataclass, fields, replace
 import torch
 
 from ..errors import ConfigError, NonFiniteError
-from ..losses import grpo_advantages, kl_estimate, policy_token_loss, token_weights, truncated_importance_weights
+from ..losses import grpo_advantages, importance_weights, kl_estimate, policy_token_loss, token_weights
 from ..rollout.sample import Sample
 from .actor import Actor, load_scoring_model, score_batch
 from .batches import MicroBatch, OptimizerStep, plan_optimizer_steps
@@ -114,7 +114,7 @@ class Learner:
         before the step, gives the old log-probs, so no separate scoring pass is needed."""
         cfg = self.cfg
         one_step = cfg.global_batch_size == cfg.rollout_batch_size * cfg.n_samples_per_prompt and self._planned_steps == 1
-        return one_step and cfg.kl_coef == 0
+        return one_step and cfg.kl_coef == 0 and cfg.min_support_mass == 0  # the drift gate reads the old scores before the update
 
     def plan(self, samples: list[Sample], rollout: int = 0, penalty_semantics: str | None = None) -> list[OptimizerStep]:
         """This rank's micro-batches of the rollout; agent episodes split by a history rewrite can
@@ -123,7 +123,7 @@ class Learner:
         replayed by ``penalty_semantics``, the sampling engine's rules (default: the in-process
         engine's, ``--sampling-semantics``)."""
         cfg, ctx = self.cfg, self.ctx
-        self.measure_full = not self.replay or cfg.kl_coef > 0 or rollout % cfg.full_vocab_metrics_interval == 0
+        self.measure_full = not self.replay or cfg.kl_coef > 0 or cfg.min_support_mass > 0 or rollout % cfg.full_vocab_metrics_interval == 0
         steps = plan_optimizer_steps(
             samples, global_batch=cfg.global_batch_size, micro_batch=cfg.micro_batch, rank=ctx.rank, world=ctx.world,
             replay=self.replay, device=ctx.device, penalty_semantics=penalty_semantics or cfg.sampling_semantics,
@@ -202,7 +202,7 @@ class Learner:
             torch.repeat_interleave(advantages[batch.indices].to(sc.logp.device), torch.tensor(batch.lengths, device=sc.logp.device)),
             clip_low=cfg.eps_clip,
             clip_high=cfg.eps_clip_high,
-            importance_weights=truncated_importance_weights(old_logp, log_mu, cfg.tis_cap) if cfg.use_tis else None,
+            importance_weights=importance_weights(old_logp, log_mu, cfg.tis_mode, cfg.tis_cap) if cfg.use_tis else None,
             kl=kl_estimate(sc.full, torch.cat([old.ref[i] for i in batch.indices]), cfg.kl_loss_type) if cfg.use_kl_loss else None,
             kl_coef=cfg.kl_loss_coef,
             entropy=sc.entropy,

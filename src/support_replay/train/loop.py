@@ -19,11 +19,14 @@ from transformers import AutoTokenizer
 
 from ..modeling.checkpoints import smollm2_checkpoint
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, saved_rollout
-from .checks import check_policy_lag, compare_with_rollout
+from .checks import check_policy_lag, compare_with_rollout, sample_age, version_ages
 from .config import RunConfig
 from .dist import broadcast_object, close_distributed, init_distributed
+from .drift import drift_metrics, gate_stale, sample_masses
+from .lagged import LaggedScorer
 from .learner import Learner, UpdateMetrics
 from .metrics import MetricsLog, rollout_metrics
+from .producer import RolloutProducer
 from .rollouts import Rollouts
 from .weights import make_weight_sync
 
@@ -62,55 +65,84 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
     out = Path(cfg.output_dir)
     if ctx.is_main:
         cfg.save_effective(out)
-    sync = make_weight_sync(engine=rollouts.engine, url=cfg.rollout_url, rollout_engine=cfg.rollout_engine, staging=out / "weights") if ctx.is_main else None
-    if cfg.rollout_url or start:  # an engine of its own, or a resume: it samples with exactly these weights, so named
-        push(sync, learner, ctx, pushed[-1])
+    sync = make_weight_sync(engine=rollouts.engine, url=cfg.rollout_url, rollout_engine=cfg.rollout_engine, staging=out / "weights",
+                            mode=cfg.weight_sync_mode) if ctx.is_main else None
+    # --ci-test under a lag scores older tokens under the weights that sampled them, kept on rank 0
+    keeps_versions = bool(cfg.ci_test and cfg.max_policy_lag)
+    lagged = LaggedScorer(checkpoint, ctx.device, keep=cfg.max_policy_lag + 1, sparse=learner.actor.sparse_head, batch_invariant=cfg.true_on_policy_mode,
+                          temperature=cfg.rollout_temperature, micro_batch=cfg.micro_batch) if ctx.is_main and keeps_versions else None
+    if cfg.rollout_url or start or keeps_versions:  # an engine of its own, or a resume: it samples with exactly these weights, so named
+        push(sync if (cfg.rollout_url or start) else None, learner, ctx, pushed[-1], lagged)
     log = MetricsLog(out, cfg.num_rollout, start, progress=cfg.progress, enabled=ctx.is_main)
     tolerance = 0.0 if cfg.true_on_policy_mode else cfg.ci_test_tolerance
+    producer = RolloutProducer(rollouts, cfg, ctx)  # a rollout in flight at a crash is generated again on resume
+    try:
+        producer.start(start)
+        for r in range(start, cfg.num_rollout):
+            t0, clock = time.perf_counter(), Timings()
+            with clock("generate"):  # with --async-rollout: the wait for a rollout generated during the last update
+                samples, failures = producer.take(r, pushed)  # every completion validated once, where it entered
+            producer.start(r + 1)  # --async-rollout: on the current weights, while this rollout trains
+            if not samples:  # every group dropped: nothing to learn from, nothing to push
+                log.log({"rollout": r, "skipped": True, **failures, **clock, "time_step": time.perf_counter() - t0})
+                continue
+            lag = check_policy_lag(r, samples, pushed, cfg.max_policy_lag, rollouts.engine_name)
+            ages = [sample_age(s, version_ages(pushed)) for s in samples]
+            steps = learner.plan(samples, r, rollouts.penalty_semantics)  # micro-batches for every pass, planned once, on the device
+            with clock("score"):
+                old = learner.score_before_update(steps, len(samples))  # old log-probs (unless fused), reference
 
-    for r in range(start, cfg.num_rollout):
-        t0, clock = time.perf_counter(), Timings()
-        with clock("generate"):
-            samples, failures = rollouts.generate(r)  # every completion validated once, where it entered
-        if not samples:  # every group dropped: nothing to learn from, nothing to push
-            log.log({"rollout": r, "skipped": True, **failures, **clock, "time_step": time.perf_counter() - t0})
-            continue
-        lag = check_policy_lag(r, samples, pushed, cfg.max_policy_lag, rollouts.engine_name)
-        steps = learner.plan(samples, r, rollouts.penalty_semantics)  # micro-batches for every pass, planned once, on the device
-        with clock("score"):
-            old = learner.score_before_update(steps, len(samples))  # old log-probs (unless fused), reference
-        check = {}
-        if old.logp is not None and learner.replay:  # without replay there is no log mu to compare with
-            check = compare_with_rollout(r, samples, old.logp, tolerance=tolerance, fail=cfg.ci_test)
-        advantages, adv_stats = learner.advantages(samples, old)
-        with clock("update"):
-            per_step = []
-            for step in steps:
-                result = learner.backward(r, step, samples, old, advantages)  # loss weighted by losses.token_weights
-                if old.logp is None:  # fused: that forward ran before any step, so it scored the old policy
-                    old = learner.with_fresh_old(old, result.scores, len(samples))
-                    if learner.replay:
-                        check = compare_with_rollout(r, samples, old.logp, tolerance=tolerance, fail=cfg.ci_test)
-                per_step.append((result.sums, learner.optimizer_step(r)))  # stops on a NaN gradient, before the step
-        update = UpdateMetrics.mean(per_step)
-        with clock("sync"):
-            pushed.append(policy_version(r + 1))
-            push(sync, learner, ctx, pushed[-1])
-        row = {"rollout": r, **rollout_metrics(samples, old.logp, old.full, learner.replay), **failures, **lag, **check, **adv_stats, **asdict(update), **clock}
-        if cfg.eval_interval and (r + 1) % cfg.eval_interval == 0:
-            row.update(rollouts.evaluate(r))
-        if cfg.save and cfg.save_interval and (r + 1) % cfg.save_interval == 0:
-            save_checkpoint(Path(cfg.save), r + 1, learner.actor, ctx, {"metrics": row})
-        row["time_step"] = time.perf_counter() - t0
-        log.log(row)
+            def ci_check(logp: list) -> dict:  # per token against log mu, under the weights that sampled it
+                if not learner.replay:  # without replay there is no log mu to compare with
+                    return {}
+                if keeps_versions:
+                    logp = broadcast_object(lagged.by_sampling_version(samples, logp, pushed[-1], rollouts.penalty_semantics) if lagged else None, ctx)
+                return compare_with_rollout(r, samples, logp, tolerance=tolerance, fail=cfg.ci_test)
 
-    log.close()
-    rollouts.close()
+            check = ci_check(old.logp) if old.logp is not None else {}
+            drift, trained = {}, samples
+            if old.logp is not None and old.full is not None and learner.replay and not samples[0].penalties.active:
+                masses = sample_masses(samples, old.logp, old.full)
+                drift = drift_metrics(masses, ages)
+                if cfg.min_support_mass > 0:  # stale samples whose supports lost the policy's mass leave the loss
+                    trained, drift["drift_gated_samples"] = gate_stale(samples, masses, ages, cfg.min_support_mass)
+                    if drift["drift_gated_samples"]:
+                        steps = learner.plan(trained, r, rollouts.penalty_semantics)  # same batches, new loss normalisers
+            advantages, adv_stats = learner.advantages(samples, old)
+            with clock("update"):
+                per_step = []
+                for step in steps:
+                    result = learner.backward(r, step, trained, old, advantages)  # loss weighted by losses.token_weights
+                    if old.logp is None:  # fused: that forward ran before any step, so it scored the old policy
+                        old = learner.with_fresh_old(old, result.scores, len(samples))
+                        check = ci_check(old.logp)
+                        if old.full is not None and learner.replay and not samples[0].penalties.active:
+                            drift = drift_metrics(sample_masses(samples, old.logp, old.full), ages)
+                    per_step.append((result.sums, learner.optimizer_step(r)))  # stops on a NaN gradient, before the step
+            update = UpdateMetrics.mean(per_step)
+            with clock("sync"):
+                pushed.append(policy_version(r + 1))
+                push(sync, learner, ctx, pushed[-1], lagged)
+            row = {"rollout": r, **rollout_metrics(samples, old.logp, old.full, learner.replay), **failures, **lag, **check, **drift,
+                   **adv_stats, **asdict(update), **clock}
+            if cfg.eval_interval and (r + 1) % cfg.eval_interval == 0:
+                row.update(rollouts.evaluate(r))
+            if cfg.save and cfg.save_interval and (r + 1) % cfg.save_interval == 0:
+                save_checkpoint(Path(cfg.save), r + 1, learner.actor, ctx, {"metrics": row})
+            row["time_step"] = time.perf_counter() - t0
+            log.log(row)
+    finally:
+        producer.close()
+        log.close()
+        rollouts.close()
     return log.rows
 
 
-def push(sync, learner: Learner, ctx, version: str) -> None:
-    """Gather the unsharded weights (every rank) and hand them to the engine as ``version`` (rank 0)."""
+def push(sync, learner: Learner, ctx, version: str, lagged: LaggedScorer | None = None) -> None:
+    """Gather the unsharded weights (every rank) and hand them to the engine as ``version`` (rank 0,
+    when there is a ``sync``); ``lagged`` keeps a copy for --ci-test under a policy lag."""
     state = learner.actor.full_state_dict()
     if ctx.is_main and sync is not None:
         sync.push(state, version)
+    if lagged is not None:
+        lagged.add(version, state)

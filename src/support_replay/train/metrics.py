@@ -18,6 +18,7 @@ def rollout_metrics(samples: list[Sample], old_logp: list[torch.Tensor], old_ful
     pi/mu the trainer saw before its update, on the support and (what a full-vocabulary
     scorer would have seen) on the full vocabulary."""
     out = {
+        "samples": len(samples),
         "reward_mean": float(np.mean([s.reward for s in samples])),
         "response_len_mean": float(np.mean([s.response_length for s in samples])),
         "truncated_share": float(np.mean([s.status == "truncated" for s in samples])),

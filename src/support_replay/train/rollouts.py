@@ -7,6 +7,7 @@ entered this process; the samples built from them are trusted from here on.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from dataclasses import asdict, replace
 
@@ -32,6 +33,7 @@ def _require_deterministic(url: str) -> None:
         raise SupportReplayError(f"--true-on-policy-mode: the engine at {url} is not deterministic; start it with `support-replay serve --deterministic`")
 
 
+REGENERATION_SEED_STRIDE = 1_000_003  # a stale group generated again draws with other seeds than the first time
 SGLANG_PENALTY_VERSION = "0.5.23"
 VLLM_PENALTY_VERSION = "0.32."
 
@@ -73,6 +75,7 @@ class Rollouts:
         self.run_id = uuid.uuid4().hex[:12]  # request ids of this run: {run}/{rollout}/{sample}/{attempt}
         self.agent = self.sessions = None  # agents: set up on rank 0, which generates
         self.penalties = cfg.penalties
+        self._lock = threading.Lock()  # one generation at a time: an evaluation waits for a rollout in flight
         self.penalty_semantics = broadcast_object(self._penalty_semantics(cfg, vocab_size) if ctx.is_main else None, ctx)
         if not ctx.is_main:
             return
@@ -130,47 +133,75 @@ class Rollouts:
         self.session_server = ThreadedServer(create_sessions_app(self.sessions)).start()
         self.runner = AgentRunner(self.agent, self.sessions, self.session_server.url, reward_fn=self.reward_fn, timeout=cfg.agent_timeout)
 
-    def _generate(self, prompts, params, n, max_new, capture, rollout, seed) -> tuple[list[Sample], dict]:
-        result = None
-        if self.ctx.is_main and self.agent is not None:
-            settings = replace(self.session_settings, params=params, capture=capture, max_new_tokens=max_new,
-                               penalties=self.penalties if capture else NO_PENALTIES)
-            samples, stats = generate_episodes(
-                self.runner, prompts, n_samples=n, settings=settings, rollout=rollout, seed=seed,
-                failed_group_policy=self.cfg.failed_group_policy, max_regenerations=self.cfg.max_regenerations,
-            )
-            result = (samples, asdict(stats))
-        elif self.ctx.is_main:
-            samples, stats = generate_samples(
-                self.backend, self.tokenizer, prompts, params=params, n_samples=n, max_new_tokens=max_new, capture=capture,
-                reward_fn=self.reward_fn, rollout=rollout, seed=seed, apply_chat_template=self.cfg.apply_chat_template,
-                rid_prefix=f"{self.run_id}/{'train' if capture else 'eval'}", failed_group_policy=self.cfg.failed_group_policy,
-                max_regenerations=self.cfg.max_regenerations, penalties=self.penalties if capture else NO_PENALTIES,
-            )
-            result = (samples, asdict(stats))
-        return broadcast_object(result, self.ctx)
+    def _produce(self, prompts, params, n, max_new, capture, rollout, seed, tag) -> tuple[list[Sample], dict]:
+        """Rank 0: the samples and what failed. No collective here: with --async-rollout it runs
+        on a background thread, one generation at a time (evaluation waits for the rollout)."""
+        with self._lock:
+            if self.agent is not None:
+                settings = replace(self.session_settings, params=params, capture=capture, max_new_tokens=max_new,
+                                   penalties=self.penalties if capture else NO_PENALTIES)
+                samples, stats = generate_episodes(
+                    self.runner, prompts, n_samples=n, settings=settings, rollout=rollout, seed=seed,
+                    failed_group_policy=self.cfg.failed_group_policy, max_regenerations=self.cfg.max_regenerations,
+                )
+            else:
+                samples, stats = generate_samples(
+                    self.backend, self.tokenizer, prompts, params=params, n_samples=n, max_new_tokens=max_new, capture=capture,
+                    reward_fn=self.reward_fn, rollout=rollout, seed=seed, apply_chat_template=self.cfg.apply_chat_template,
+                    rid_prefix=f"{self.run_id}/{tag}", failed_group_policy=self.cfg.failed_group_policy,
+                    max_regenerations=self.cfg.max_regenerations, penalties=self.penalties if capture else NO_PENALTIES,
+                )
+        return samples, asdict(stats)
+
+    def rollout_prompts(self, r: int) -> list:
+        cfg = self.cfg
+        return [self.prompts[r * cfg.rollout_batch_size + i] for i in range(cfg.rollout_batch_size)]
+
+    def produce(self, r: int) -> tuple[list[Sample], dict]:
+        """Rank 0: rollout ``r``, ``n_samples_per_prompt`` responses to each of its prompts,
+        rewarded, and what failed on the way."""
+        cfg = self.cfg
+        samples, stats = self._produce(self.rollout_prompts(r), self.params, cfg.n_samples_per_prompt, cfg.rollout_max_response_len,
+                                       self.replay, r, cfg.rollout_seed, "train")
+        return self.whole_batches(samples, stats)
 
     def generate(self, r: int) -> tuple[list[Sample], dict]:
-        """Rollout ``r``: ``n_samples_per_prompt`` responses to each of its prompts, rewarded, and
-        what failed on the way. Dropped groups leave a multiple of the global batch size."""
+        """Rollout ``r`` on every rank, generated now (the producer adds lag handling and --async-rollout)."""
+        return broadcast_object(self.produce(r) if self.ctx.is_main else None, self.ctx)
+
+    def regenerate(self, r: int, prompts: list[int], round_: int) -> tuple[list[Sample], dict]:
+        """Rank 0: the groups of rollout ``r``'s ``prompts`` (indices) generated again, with fresh
+        seeds and request ids; ``metadata["prompt"]`` keeps the index in the rollout."""
         cfg = self.cfg
-        prompts = [self.prompts[r * cfg.rollout_batch_size + i] for i in range(cfg.rollout_batch_size)]
-        samples, stats = self._generate(prompts, self.params, cfg.n_samples_per_prompt, cfg.rollout_max_response_len, self.replay, r, cfg.rollout_seed)
+        every = self.rollout_prompts(r)
+        samples, stats = self._produce([every[g] for g in prompts], self.params, cfg.n_samples_per_prompt, cfg.rollout_max_response_len,
+                                       self.replay, r, cfg.rollout_seed + REGENERATION_SEED_STRIDE * round_, f"train-again{round_}")
+        for s in samples:
+            s.metadata["prompt"] = prompts[s.metadata["prompt"]]
+        return samples, stats
+
+    def whole_batches(self, samples: list[Sample], stats: dict) -> tuple[list[Sample], dict]:
+        """Dropped groups can break the global batch: whole groups go from the end until it is
+        whole (agent runs plan a short last step instead)."""
+        cfg = self.cfg
         whole = len(samples) - len(samples) % cfg.global_batch_size
-        # a dropped group broke the batch: drop whole groups from the end (agent runs plan a short last step instead)
         if whole < len(samples) and not (cfg.agent or cfg.agent_path):
             stats["dropped_groups"] += (len(samples) - whole) // cfg.n_samples_per_prompt
             samples = samples[:whole]
         return samples, stats
 
     def evaluate(self, r: int) -> dict:
-        """Mean reward on held-out prompts, capture off (greedy unless --eval-temperature)."""
+        """Mean reward on held-out prompts, capture off (greedy unless --eval-temperature); every rank gets it."""
+        result = self._evaluate(r) if self.ctx.is_main else None
+        return broadcast_object(result, self.ctx)
+
+    def _evaluate(self, r: int) -> dict:
         cfg = self.cfg
         task = self.eval_prompts
         offset = 10**6 if isinstance(task, ArithmeticTask) else 0  # held-out questions
         prompts = [task[offset + i] for i in range(min(cfg.n_eval_prompts, len(task)))]
         params = SamplingParams(temperature=cfg.eval_temperature, top_k=cfg.eval_top_k, top_p=cfg.eval_top_p) if cfg.eval_temperature > 0 else SamplingParams(temperature=0.0)
-        samples, _ = self._generate(prompts, params, cfg.n_samples_per_eval_prompt, cfg.eval_max_response_len or cfg.rollout_max_response_len, False, r, cfg.rollout_seed + 7)
+        samples, _ = self._produce(prompts, params, cfg.n_samples_per_eval_prompt, cfg.eval_max_response_len or cfg.rollout_max_response_len, False, r, cfg.rollout_seed + 7, "eval")
         return {"eval_reward_mean": float(np.mean([s.reward for s in samples])), "eval_response_len": float(np.mean([s.response_length for s in samples]))}
 
     def close(self) -> None:
