@@ -153,3 +153,27 @@ def test_the_drift_gate_takes_stale_samples_out_of_the_loss(tiny_checkpoint, tmp
     rows = train(run_config(tiny_checkpoint, tmp_path, min_support_mass=1.0, **ASYNC))  # every stale sample has mass < 1
     assert [r["drift_gated_samples"] for r in rows] == [0, 8, 8]
     assert rows[1]["loss"] == 0.0 and rows[0]["loss"] != 0.0  # nothing of the gated rollout trains
+
+
+def test_a_resumed_async_run_generates_the_rollout_that_was_in_flight_again(tiny_checkpoint, tmp_path):
+    save = dict(save=str(tmp_path / "ckpt"), save_interval=1, async_rollout=True, max_policy_lag=1)
+    first = train(run_config(tiny_checkpoint, tmp_path, num_rollout=2, **save))
+    resumed = train(run_config(tiny_checkpoint, tmp_path, num_rollout=3, resume=True, **save))
+    assert [r["rollout"] for r in first] == [0, 1] and [r["rollout"] for r in resumed] == [0, 1, 2]  # the log continues
+    # rollout 2 would have been generated on weights '1' during update 1; it restarts on the saved weights '2'
+    assert resumed[-1]["policy_lag_max"] == 0 and resumed[-1]["train_rollout_logprob_abs_diff_max"] <= 1e-3
+
+
+@pytest.mark.slow
+def test_async_grpo_through_serve_over_http(tiny_checkpoint, tmp_path):
+    import httpx
+
+    from processes import engine_process
+
+    ctx, url = engine_process(tiny_checkpoint)
+    with ctx:
+        rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url, weight_sync_mode="abort", rollout_max_response_len=16, **ASYNC))
+        assert httpx.get(url + "/model_info").json()["weight_version"] == "3"
+    assert [r["policy_lag_max"] for r in rows] == [0, 1, 1]
+    for r in rows:  # per token against the log mu the engine sent, under the weights that sampled it
+        assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["support_bytes_per_token"] > 0
