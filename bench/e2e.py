@@ -2,6 +2,12 @@
 with TRL's GRPOTrainer doing the same work side by side when it is installed.
 
     python bench/e2e.py [--steps 4] [--skip-trl]
+    python bench/e2e.py --async-compare [--steps 4]
+
+``--async-compare`` runs the same work twice through ``support-replay serve`` over HTTP, with
+the engine pinned to core 0 and the trainer to core 1 (one thread each): synchronous, then
+``--async-rollout --max-policy-lag 1``; and estimates, from the synchronous run's phase times,
+the step of an asynchronous run whose engine and trainer sit on separate devices.
 
 The work of one step: 4 prompts x 4 samples of the built-in arithmetic task, up to 64 new
 tokens, temperature 1, top_p 0.8, top_k 32, one optimizer step (lr 1e-6). Ours runs with
@@ -31,6 +37,64 @@ def ours(steps: int, micro_batch: int, true_on_policy: bool = False, full_vocab_
     cfg = RunConfig(num_rollout=steps, global_batch_size=16, micro_batch_size=micro_batch, true_on_policy_mode=true_on_policy, lr=1e-6, ci_test=True, output_dir=out,
                     progress=False, full_vocab_metrics_interval=full_vocab_metrics_interval, **SETTINGS)
     return train(cfg)
+
+
+def pinned_runs(steps: int) -> dict[str, list[dict]]:
+    """Synchronous and asynchronous GRPO through a serve process on core 0, the trainer on core 1."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from processes import free_port, wait_healthy
+
+    root = Path(tempfile.mkdtemp(prefix="bench-async-"))
+    checkpoint = smollm2_checkpoint()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log = open(root / "serve.log", "w")
+    engine = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-m", "support_replay.cli", "serve", "--hf-checkpoint", str(checkpoint),
+                               "--port", str(port), "--weights-dir", str(root)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    os.sched_setaffinity(0, {1})
+    torch.set_num_threads(1)
+    runs = {}
+    try:
+        wait_healthy(url, engine, timeout=300)
+        lag = dict(async_rollout=True, max_policy_lag=1)
+        for name, extra in (("synchronous", {}), ("async, lag 1", lag), ("async, lag 1, no --ci-test", dict(lag, ci_test=False))):
+            cfg = RunConfig(num_rollout=steps, global_batch_size=16, micro_batch_size=8, lr=1e-6, output_dir=str(root / name.replace(" ", "").replace(",", "-")),
+                            progress=False, rollout_url=url, **{"ci_test": True, **SETTINGS, **extra})
+            runs[name] = train(cfg)
+    finally:
+        engine.terminate()
+        engine.wait(timeout=30)
+        log.close()
+    return runs
+
+
+def print_async_compare(runs: dict[str, list[dict]]) -> None:
+    print("\n| run (engine core 0, trainer core 1) | generate s | wait for rollout s | score s | update s | of which lagged --ci-test s | sync s | step s | lag max | max abs(log pi - log mu) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    means = {}
+    for name, rows in runs.items():
+        steady = rows[1:] or rows
+        m = {k: statistics.mean(r.get(k, 0.0) for r in steady)
+             for k in ("time_generation", "time_generate", "time_score", "time_update", "time_ci_test_lagged", "time_sync", "time_step")}
+        means[name] = m
+        lag = max(r["policy_lag_max"] for r in rows)
+        diff = max(r["train_rollout_logprob_abs_diff_max"] for r in rows)
+        print(f"| {name} | {m['time_generation']:.2f} | {m['time_generate']:.2f} | {m['time_score']:.2f} | {m['time_update']:.2f} | "
+              f"{m['time_ci_test_lagged']:.2f} | {m['time_sync']:.2f} | {m['time_step']:.2f} | {lag} | {diff:.1e} |")
+    sync = means["synchronous"]
+    for name, m in means.items():
+        if name != "synchronous":
+            print(f"\n{name}: step {m['time_step']:.2f} s vs synchronous {sync['time_step']:.2f} s: {sync['time_step'] / m['time_step']:.2f}x (measured, steps 1+)")
+    train_phase = sync["time_score"] + sync["time_update"]
+    estimate = max(sync["time_generation"], train_phase) + sync["time_sync"]
+    print(f"separate devices (estimate from the synchronous phases): max(generate {sync['time_generation']:.2f}, score + update {train_phase:.2f}) "
+          f"+ sync {sync['time_sync']:.2f} = {estimate:.2f} s per step vs {sync['time_step']:.2f} s synchronous ({sync['time_step'] / estimate:.2f}x)")
 
 
 def trl_steps(steps: int) -> list[float] | None:
@@ -75,8 +139,12 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--true-on-policy", action="store_true", help="batch-invariant engine and trainer, bitwise --ci-test")
     ap.add_argument("--full-vocab-metrics-interval", type=int, default=1, help="the metrics-only full-vocabulary head every N rollouts")
+    ap.add_argument("--async-compare", action="store_true", help="synchronous vs --async-rollout through serve, engine and trainer on separate cores")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {SETTINGS}")
+    if args.async_compare:
+        print_async_compare(pinned_runs(args.steps))
+        return
     rows = ours(args.steps, args.micro_batch_size, args.true_on_policy, args.full_vocab_metrics_interval)
     print("\n| step | generate s | score s | update s | sync s | total s | response len | max abs(log pi - log mu) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")

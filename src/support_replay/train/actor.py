@@ -21,13 +21,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from ..logprobs import full_logprobs_and_entropy, penalised_support_logprobs, sparse_head_support_logprobs, support_logprobs
 from ..modeling.batch_invariant import make_batch_invariant
+from ..modeling.context_parallel import ContextShard, assemble_rows, make_context_parallel
+from ..modeling.tensor_parallel import VocabShard, parallelize_tensor
+from ..parallel import context_parallel_positions, vocab_parallel_full_logprobs_and_entropy, vocab_parallel_support_logprobs
 from .batches import MicroBatch
+from .layout import ParallelLayout
 
 _PREFIX = "hf."
 
@@ -62,6 +66,9 @@ class ScoringModel(nn.Module):
         if batch_invariant:  # the engine's deterministic forward, so logits agree bit for bit
             make_batch_invariant(hf)
         self.hf = hf
+        self.vocab: VocabShard | None = None  # tensor parallel: this rank's LM head rows
+        self.tp_group = None
+        self.context: tuple | None = None  # context parallel: (group, rank, size, layout)
 
     def forward(self, input_ids, attention_mask, rows_b, rows_t, targets, support, temperature, *, sparse: bool, full: bool, entropy: bool,
                 full_detached: bool, transform=None):
@@ -72,10 +79,44 @@ class ScoringModel(nn.Module):
         scores with a gradient, ``full_detached`` for a full-vocabulary log-prob without one
         (metrics), which never changes ``logp``. ``transform`` (the rollout's penalties and
         logit bias) applies to ``logp`` only: KL, entropy and metrics stay on the model's own
-        distribution.
+        distribution. Under context parallelism each rank scores the rows whose logit position
+        it holds and every rank gets all rows back.
         """
-        hidden = self.hf.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        h = hidden[rows_b, rows_t]
+        h, mine = self._hidden_rows(input_ids, attention_mask, rows_b, rows_t)
+        if mine is None:
+            return self._score_rows(h, targets, support, temperature, sparse, full, entropy, full_detached, transform)
+        local_support = (support[0][mine], support[1][mine]) if support is not None else None
+        scores = self._score_rows(h, targets[mine], local_support, temperature, sparse, full, entropy, full_detached, transform)
+        group = self.context[0]
+        return tuple(assemble_rows(x, mine, group) if x is not None else None for x in scores)
+
+    def _hidden_rows(self, input_ids, attention_mask, rows_b, rows_t):
+        """The final hidden state at every chosen row (CP: at this rank's rows, and which those are)."""
+        decoder = self.hf.get_decoder()
+        if self.context is None:
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            return hidden[rows_b, rows_t], None
+        group, rank, size, layout = self.context
+        batch, length = input_ids.shape
+        unit = size * (2 if layout == "zigzag" else 1)  # every rank the same number of positions
+        extra = -length % unit
+        if extra:
+            input_ids = torch.nn.functional.pad(input_ids, (0, extra))
+            attention_mask = torch.nn.functional.pad(attention_mask, (0, extra))
+        padded = length + extra
+        device = input_ids.device
+        held = [torch.from_numpy(context_parallel_positions(padded, r, size, layout)).to(device) for r in range(size)]
+        positions = held[rank]
+        shard = ContextShard(group, positions, torch.argsort(torch.cat(held)), attention_mask.bool())
+        hidden = decoder(input_ids=input_ids[:, positions], position_ids=positions[None].expand(batch, -1),
+                         attention_mask={"full_attention": None}, context_shard=shard).last_hidden_state
+        local = torch.full((padded,), -1, dtype=torch.long, device=device)
+        local[positions] = torch.arange(len(positions), device=device)
+        index = local[rows_t]
+        mine = index >= 0
+        return hidden[rows_b[mine], index[mine]], mine
+
+    def _score_rows(self, h, targets, support, temperature, sparse, full, entropy, full_detached, transform):
         head = self.hf.get_output_embeddings()
         full_lp = ent = None
         if sparse:
@@ -84,7 +125,9 @@ class ScoringModel(nn.Module):
                 with torch.no_grad():
                     full_lp, _ = full_logprobs_and_entropy(head(h.detach()), targets, temperature)
             return logp, full_lp, ent
-        logits = head(h)
+        logits = head(h)  # tensor parallel: this rank's vocabulary columns only
+        if self.vocab is not None:
+            return self._vocab_parallel(logits, targets, support, temperature, full, entropy, full_detached)
         if full or entropy or support is None:
             full_lp, ent = full_logprobs_and_entropy(logits, targets, temperature)
         elif full_detached:
@@ -96,6 +139,17 @@ class ScoringModel(nn.Module):
             logp = penalised_support_logprobs(logits, targets, support, temperature, transform)
         else:
             logp = support_logprobs(logits, targets, support, temperature)
+        return logp, full_lp, ent if entropy else None
+
+    def _vocab_parallel(self, local_logits, targets, support, temperature, full, entropy, full_detached):
+        start, group = self.vocab.start, self.tp_group
+        full_lp = ent = None
+        if full or entropy or support is None:
+            full_lp, ent = vocab_parallel_full_logprobs_and_entropy(local_logits, targets, temperature, start, group)
+        elif full_detached:
+            with torch.no_grad():
+                full_lp, _ = vocab_parallel_full_logprobs_and_entropy(local_logits.detach(), targets, temperature, start, group)
+        logp = full_lp if support is None else vocab_parallel_support_logprobs(local_logits, targets, support, temperature, start, group)
         return logp, full_lp, ent if entropy else None
 
 
@@ -113,6 +167,27 @@ def score_batch(model: ScoringModel, batch: MicroBatch, temperature: float, *, s
     return BatchScores(logp=logp, full=full_lp, entropy=ent)
 
 
+def clip_gradients(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` over parameters that may live on different device meshes (FSDP2 alone
+    shards the norms and embeddings over ``dp``; with TP the layers sit on ``dp x tp``): the
+    norm of each mesh's gradients in full, then one global norm and one clip coefficient."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(isinstance(g, DTensor) for g in grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in by_mesh.values():  # one mesh per call: DTensor multiplies within a mesh only
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
 def adamw(params, **settings) -> torch.optim.AdamW:
     """AdamW with the fused kernel where the parameters' device has one (CPU and CUDA here: about
     4x faster per step than the loop on this machine), else the default implementation."""
@@ -127,15 +202,25 @@ class Actor:
     """The trained model, its optimizer, and the one scoring path of its policy ratio."""
 
     def __init__(self, path, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, replay: bool, full_with_grad: bool,
-                 batch_invariant: bool = False, penalties: bool = False):
+                 batch_invariant: bool = False, penalties: bool = False, layout: ParallelLayout | None = None):
         self.ctx = ctx
+        self.layout = layout or ParallelLayout()
         self.model = load_scoring_model(path, ctx.device, batch_invariant)
+        hf = self.model.hf
         # true-on-policy needs the engine's own product for every logit, so never the sparse head
         # penalties transform the logits at the support ids: the dense head, so one path scores every pass
-        self.sparse_head = replay and not full_with_grad and not batch_invariant and not penalties and plain_linear_head(self.model.hf)
+        # tensor parallel: the vocab-parallel dense head (the sparse head would gather rows across ranks)
+        self.sparse_head = (replay and not full_with_grad and not batch_invariant and not penalties and plain_linear_head(hf)
+                            and self.layout.tp == 1)
+        if self.layout.tp > 1:
+            self.model.vocab = parallelize_tensor(hf, self.layout.mesh["tp"])
+            self.model.tp_group = self.layout.group("tp")
+        if self.layout.cp > 1:
+            make_context_parallel(hf, self.layout.cp)
+            self.model.context = (self.layout.group("cp"), self.layout.cp_rank, self.layout.cp, self.layout.cp_layout)
         if ctx.world > 1:  # one rank has nothing to shard: plain parameters, no DTensor overhead
-            mesh = init_device_mesh(ctx.device.type, (ctx.world,))
-            for layer in self.model.hf.get_decoder().layers:
+            mesh = self.layout.fsdp_mesh
+            for layer in hf.get_decoder().layers:
                 fully_shard(layer, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
         self.optimizer = adamw(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
@@ -149,13 +234,12 @@ class Actor:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Losses are normalised by the global token count already; FSDP averages gradients
-        over ranks, so scale by the world size to get their sum (gloo has no PREMUL_SUM)."""
-        (loss * self.ctx.world).backward()
+        over its ranks, so scale by their number to get the sum (gloo has no PREMUL_SUM)."""
+        (loss * self.layout.gradient_scale()).backward()
 
     def clip_and_step(self, max_norm: float) -> float | None:
         """The gradient norm after a clipped step, or None (no step, gradients dropped) when it is not finite."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else float("inf"))
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        norm = float(clip_gradients(list(self.model.parameters()), max_norm if max_norm > 0 else float("inf")))
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             return None

@@ -85,6 +85,9 @@ class RunConfig(BaseModel):
 
     # ---- training -------------------------------------------------------------------
     global_batch_size: int = Field(16, ge=1, description="samples per optimizer step")
+    tensor_model_parallel_size: int = Field(1, ge=1, description="trainer ranks that split each layer's heads, MLP and vocabulary (DTensor; the LM head scored vocab-parallel)")
+    context_parallel_size: int = Field(1, ge=1, description="trainer ranks that split each sequence by position (attention all-gathers keys and values)")
+    context_parallel_layout: Literal["zigzag", "contiguous"] = Field("zigzag", description="how --context-parallel-size splits a sequence: zigzag (2 chunks per rank, balanced causal work) or contiguous")
     micro_batch_size: int | None = Field(None, ge=1, description=f"samples per forward/backward on one rank (default: the largest divisor of --global-batch-size up to {MAX_DEFAULT_MICRO_BATCH})")
     lr: float = Field(1e-6, gt=0, description="learning rate (AdamW)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
@@ -192,6 +195,12 @@ class RunConfig(BaseModel):
             bad("kl_loss_coef", self.kl_loss_coef, "must be > 0 with --use-kl-loss")
         if self.kl_loss_coef > 0 and not self.use_kl_loss:
             bad("kl_loss_coef", self.kl_loss_coef, "has no effect without --use-kl-loss")
+        split = self.tensor_model_parallel_size > 1 or self.context_parallel_size > 1
+        knob = "tensor_model_parallel_size" if self.tensor_model_parallel_size > 1 else "context_parallel_size"
+        if split and penalties.active:
+            bad(knob, getattr(self, knob), "penalties are replayed on whole support rows of one rank; tensor and context parallelism do not split them yet")
+        if split and self.true_on_policy_mode:
+            bad(knob, getattr(self, knob), "true-on-policy mode needs the engine's batch-invariant kernels, which run on one rank")
         if self.async_rollout and self.max_policy_lag < 1:
             bad("async_rollout", True, "samples the next rollout on the weights before this update: needs --max-policy-lag >= 1")
         if self.async_rollout and self.weight_sync_mode == "abort" and (self.failed_group_policy == "drop" or self.max_regenerations < 1):

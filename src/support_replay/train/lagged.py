@@ -8,7 +8,7 @@ scoring function (``score_batch``, same head, same support, same penalties) on a
 the model; each token takes the score of its own version span. The check stays exact: the
 per-token comparison is the one ``compare_with_rollout`` makes without a lag.
 
-Cost (docs/async.md): up to ``N`` extra full state dicts in CPU memory plus one model copy, and
+Cost (docs/scaling.md): up to ``N`` extra full state dicts in CPU memory plus one model copy, and
 per rollout one extra scoring forward over the stale samples for each older version present.
 """
 

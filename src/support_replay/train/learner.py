@@ -19,6 +19,7 @@ from .actor import Actor, load_scoring_model, score_batch
 from .batches import MicroBatch, OptimizerStep, plan_optimizer_steps
 from .config import RunConfig
 from .dist import all_reduce_sum, gather_by_index
+from .layout import parallel_layout
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,13 @@ class Learner:
     def __init__(self, cfg: RunConfig, ctx, checkpoint_path):
         self.cfg, self.ctx = cfg, ctx
         self.replay = cfg.use_sampling_support_replay
-        if cfg.global_batch_size % ctx.world:
-            raise ConfigError(f"--global-batch-size={cfg.global_batch_size}: must be a multiple of the {ctx.world} ranks, so that every rank runs as many micro-batches")
-        if (cfg.agent or cfg.agent_path) and cfg.session_history_policy == "split" and ctx.world > 1:
+        self.layout = parallel_layout(ctx, tp=cfg.tensor_model_parallel_size, cp=cfg.context_parallel_size, cp_layout=cfg.context_parallel_layout)
+        dp = self.layout.dp
+        if cfg.global_batch_size % dp:
+            raise ConfigError(f"--global-batch-size={cfg.global_batch_size}: must be a multiple of the {dp} data-parallel ranks, so that every rank runs as many micro-batches")
+        if (cfg.agent or cfg.agent_path) and cfg.session_history_policy == "split" and dp > 1:
             raise ConfigError(
-                f"--session-history-policy=split with {ctx.world} ranks: split episodes make the number of samples vary, and "
+                f"--session-history-policy=split with {dp} data-parallel ranks: split episodes make the number of samples vary, and "
                 "the ranks would run different numbers of micro-batches; use --session-history-policy reject with several ranks"
             )
         self._planned_steps = 1
@@ -99,7 +102,7 @@ class Learner:
         self.actor = Actor(
             checkpoint_path, ctx, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
             replay=self.replay, full_with_grad=cfg.use_kl_loss or cfg.entropy_coef > 0, batch_invariant=cfg.true_on_policy_mode,
-            penalties=cfg.penalties.active,
+            penalties=cfg.penalties.active, layout=self.layout,
         )
         self.reference = load_scoring_model(checkpoint_path, ctx.device).eval().requires_grad_(False) if cfg.needs_reference else None
         self.temperature = cfg.rollout_temperature
@@ -125,7 +128,7 @@ class Learner:
         cfg, ctx = self.cfg, self.ctx
         self.measure_full = not self.replay or cfg.kl_coef > 0 or cfg.min_support_mass > 0 or rollout % cfg.full_vocab_metrics_interval == 0
         steps = plan_optimizer_steps(
-            samples, global_batch=cfg.global_batch_size, micro_batch=cfg.micro_batch, rank=ctx.rank, world=ctx.world,
+            samples, global_batch=cfg.global_batch_size, micro_batch=cfg.micro_batch, rank=self.layout.dp_rank, world=self.layout.dp,
             replay=self.replay, device=ctx.device, penalty_semantics=penalty_semantics or cfg.sampling_semantics,
         )
         self._planned_steps = len(steps)
@@ -184,7 +187,9 @@ class Learner:
             s, f = self._micro_batch(rollout, batch, step, samples, old, advantages)
             sums.add(s)
             scores.update(f)
-        return BackwardResult(StepSums(*all_reduce_sum(list(astuple(sums)), self.ctx)), scores)
+        # the CP and TP ranks of a micro-batch hold the same loss: count it once
+        total = [v / self.layout.replicas for v in all_reduce_sum(list(astuple(sums)), self.ctx)]
+        return BackwardResult(StepSums(*total), scores)
 
     def _micro_batch(self, rollout: int, batch: MicroBatch, step: OptimizerStep, samples, old: OldScores, advantages) -> tuple[StepSums, dict]:
         cfg = self.cfg

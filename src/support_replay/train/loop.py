@@ -96,7 +96,8 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
                 if not learner.replay:  # without replay there is no log mu to compare with
                     return {}
                 if keeps_versions:
-                    logp = broadcast_object(lagged.by_sampling_version(samples, logp, pushed[-1], rollouts.penalty_semantics) if lagged else None, ctx)
+                    with clock("ci_test_lagged"):  # the extra forward of older tokens under their own weights
+                        logp = broadcast_object(lagged.by_sampling_version(samples, logp, pushed[-1], rollouts.penalty_semantics) if lagged else None, ctx)
                 return compare_with_rollout(r, samples, logp, tolerance=tolerance, fail=cfg.ci_test)
 
             check = ci_check(old.logp) if old.logp is not None else {}
