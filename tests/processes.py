@@ -4,36 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 120.0, log=None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            tail = Path(log.name).read_text()[-2000:] if log is not None else ""
-            raise RuntimeError(f"process for {url} exited with {proc.returncode}: {tail}")
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy after {timeout} s")
+from support_replay.launch import free_port, wait_healthy  # the package's own, shared with local-run
 
 
 @contextmanager
@@ -43,7 +20,7 @@ def process(args: list[str], url: str, health: bool = True, timeout: float = 120
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         if health:
-            wait_healthy(url, proc, timeout, log)
+            wait_healthy(url, proc, timeout, Path(log.name))
         yield proc
     finally:
         if proc.poll() is None:

@@ -165,15 +165,20 @@ def test_a_resumed_async_run_generates_the_rollout_that_was_in_flight_again(tiny
 
 
 @pytest.mark.slow
-def test_async_grpo_through_serve_over_http(tiny_checkpoint, tmp_path):
+def test_async_grpo_through_serve_over_http(tiny_checkpoint, tmp_path, monkeypatch):
+    """Both directions over HTTP only: rollouts from serve, weights in the request body (no shared
+    filesystem), each push aborting what runs."""
     import httpx
 
     from processes import engine_process
 
+    monkeypatch.setenv("SUPPORT_REPLAY_ADMIN_KEY", "admin-secret")  # serve and the trainer's sync read it
     ctx, url = engine_process(tiny_checkpoint)
     with ctx:
-        rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url, weight_sync_mode="abort", rollout_max_response_len=16, **ASYNC))
+        rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url, weight_sync_mode="abort", weight_transport="http",
+                                rollout_max_response_len=16, **ASYNC))
         assert httpx.get(url + "/model_info").json()["weight_version"] == "3"
+    assert not (tmp_path / "out" / "weights").exists()  # nothing staged on disk
     assert [r["policy_lag_max"] for r in rows] == [0, 1, 1]
     for r in rows:  # per token against the log mu the engine sent, under the weights that sampled it
         assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["support_bytes_per_token"] > 0

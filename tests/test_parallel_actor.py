@@ -106,7 +106,8 @@ def _train_worker(rank, world, ports, checkpoint, out, results):
 
     for i, spec in enumerate(LAYOUTS):
         os.environ["MASTER_PORT"] = str(ports[i])  # each run sets up and tears down its own process group
-        cfg = run_config(checkpoint, Path(out) / str(i), num_rollout=2, global_batch_size=8, micro_batch_size=2, tensor_model_parallel_size=spec.get("tp", 1),
+        cfg = run_config(checkpoint, Path(out) / str(i), num_rollout=2, global_batch_size=8, micro_batch_size=2, save=str(Path(out) / str(i) / "ckpt"),
+                         save_interval=2, tensor_model_parallel_size=spec.get("tp", 1),
                          context_parallel_size=spec.get("cp", 1), context_parallel_layout=spec.get("cp_layout", "zigzag"))
         rows = train(cfg)  # --ci-test on: rollout 1 was sampled with the weights gathered from this layout
         if rank == 0:
@@ -125,3 +126,7 @@ def test_grpo_with_ci_test_in_each_layout(tiny_checkpoint, tmp_path):
         for (loss, norm, diff), r in zip(results[i], ref):
             assert diff <= 1e-3, spec
             assert loss == pytest.approx(r["loss"], abs=1e-6) and norm == pytest.approx(r["grad_norm"], rel=1e-4), spec
+    # a checkpoint saved by TP=2 x DP=2 resumes in one process: weights and optimizer state are saved whole
+    resumed = train(run_config(tiny_checkpoint, tmp_path / "0", num_rollout=3, global_batch_size=8, micro_batch_size=2,
+                               save=str(tmp_path / "0" / "ckpt"), resume=True))
+    assert resumed[-1]["rollout"] == 2 and resumed[-1]["train_rollout_logprob_abs_diff_max"] <= 1e-3

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from support_replay.backends.sglang import parse_meta_info
@@ -138,3 +139,28 @@ def test_api_key(engine):
         assert c.get("/health").status_code == 200
         assert c.get("/model_info").status_code == 401
         assert c.get("/model_info", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+
+
+def test_weights_in_the_body_need_the_admin_key_and_a_safetensors_file(engine):
+    from safetensors.torch import save
+
+    state = {k: v.clone() for k, v in engine.runner.model.state_dict().items()}
+    body = save(state)
+    binary = {"Content-Type": "application/octet-stream"}
+    with TestClient(create_app(engine)) as open_server:  # no admin key: a web page could post this
+        r = open_server.post("/update_weights_from_safetensors", content=body, headers=binary)
+        assert r.status_code == 403 and "--admin-key-file" in r.json()["error"]["message"]
+    admin = {"Authorization": "Bearer root", **binary}
+    with TestClient(create_app(engine, keys=Keys(admin="root"), max_weights_bytes=len(body))) as c:
+        assert c.post("/update_weights_from_safetensors", content=body, headers=binary).status_code == 401
+        r = c.post("/update_weights_from_safetensors", content=body, headers={**admin, "Content-Type": "application/json"})
+        assert r.status_code == 415
+        r = c.post("/update_weights_from_safetensors", content=b"not a safetensors file", headers=admin)
+        assert r.status_code == 400 and "not a safetensors file" in r.json()["error"]["message"]
+        r = c.post("/update_weights_from_safetensors", content=save({"no.such.weight": torch.zeros(2)}), headers=admin)
+        assert r.status_code == 400 and "no.such.weight" in r.json()["error"]["message"]
+        assert c.post("/update_weights_from_safetensors", content=body + b"x", headers=admin).status_code == 413
+        r = c.post("/update_weights_from_safetensors", content=body, params={"weight_version": "w7"}, headers=admin)
+        assert r.status_code == 200 and r.json()["weight_version"] == "w7"
+        assert c.get("/model_info").json()["weight_version"] == "w7"
+    engine.update_weight_version("default").result()  # the module's engine as the other tests found it

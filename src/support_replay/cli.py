@@ -23,6 +23,7 @@ from .losses import logprob_mismatch_metrics, support_size_metrics
 from .protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 from .engine.limits import EngineLimits
 from .serving import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT, DEFAULT_SESSIONS_PORT
+from .serving.security import DEFAULT_MAX_WEIGHTS_BYTES
 
 
 def _dense_reference(logits: torch.Tensor, tokens: torch.Tensor, support, temperature: float) -> torch.Tensor:
@@ -99,7 +100,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .rollout.chat import load_template
 
     serve(engine, args.host, args.port, keys=keys, max_request_bytes=args.max_request_bytes, model_name=str(args.hf_checkpoint),
-          weights_dir=args.weights_dir, allowed_hosts=args.allowed_host, chat_template=load_template(args.chat_template))
+          weights_dir=args.weights_dir, allowed_hosts=args.allowed_host, chat_template=load_template(args.chat_template),
+          max_weights_bytes=args.max_weights_bytes)
     return 0
 
 
@@ -215,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings)
     srv.add_argument("--max-stop-string-length", type=int, default=defaults.max_stop_string_length)
     srv.add_argument("--weights-dir", default=None, help="/update_weights_from_disk loads safetensors from under this directory only (off without it)")
+    srv.add_argument("--max-weights-bytes", type=int, default=DEFAULT_MAX_WEIGHTS_BYTES, help="largest body of /update_weights_from_safetensors (needs the admin key)")
     srv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     srv.add_argument("--device", default="cpu")
     srv.add_argument("--api-key", default=None, help="as --api-key-file, but visible in the process list")
@@ -260,7 +263,22 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--request-timeout", type=float, default=600.0, help="seconds one engine may take to answer; then the request goes elsewhere")
     _add_key_flags(rt)
     rt.set_defaults(func=_router)
+
+    lr = sub.add_parser("local-run", help="engines, a router and torchrun trainer ranks as local processes (testing a multi-process run)",
+                        description="support-replay local-run --engines 2 --nproc-per-node 2 -- [train flags]")
+    lr.add_argument("--engines", type=int, default=2, help="support-replay serve processes behind the router")
+    lr.add_argument("--nproc-per-node", type=int, default=2, help="trainer ranks (torchrun)")
+    lr.add_argument("--serve-arg", action="append", default=[], help="one more flag for every serve process (repeat)")
+    lr.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: the trainer's flags (train's own)")
+    lr.set_defaults(func=_local_run)
     return parser
+
+
+def _local_run(args) -> int:
+    from .launch import local_run
+
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    return local_run(train_args, engines=args.engines, nproc_per_node=args.nproc_per_node, serve_args=args.serve_arg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,11 +29,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..protocol import SESSION_HEADER
 from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT
 from .metrics import render_router_metrics
-from .security import Keys, guarded
+from .security import DEFAULT_MAX_WEIGHTS_BYTES, WEIGHTS_OVER_HTTP, Keys, guarded
 
 log = logging.getLogger(__name__)
 
-BROADCAST_PATHS = ("/update_weights_from_disk", "/update_weight_version", "/flush_cache")
+BROADCAST_PATHS = ("/update_weights_from_disk", WEIGHTS_OVER_HTTP, "/update_weight_version", "/flush_cache")
 OPEN_PATHS = ("/health", "/metrics")
 DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds for one engine to answer one request
 _FORWARD_HEADERS = ("content-type", "accept", SESSION_HEADER.lower())
@@ -205,7 +205,8 @@ def create_router_app(router: Router, *, max_request_bytes: int = DEFAULT_MAX_RE
             return await router.broadcast(request.method, target, body, headers)
         return await router.forward(request.method, target, body, headers)
 
-    return guarded(app, router.keys, BROADCAST_PATHS, OPEN_PATHS, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes)
+    return guarded(app, router.keys, BROADCAST_PATHS, OPEN_PATHS, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes,
+                   binary_paths={WEIGHTS_OVER_HTTP: DEFAULT_MAX_WEIGHTS_BYTES})
 
 
 def run_router(engine_urls: list[str], host: str = "127.0.0.1", port: int = DEFAULT_ROUTER_PORT, health_interval: float = 5.0, *,

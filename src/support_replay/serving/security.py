@@ -24,6 +24,10 @@ ADMIN_KEY_ENV = "SUPPORT_REPLAY_ADMIN_KEY"
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
 
 
+WEIGHTS_OVER_HTTP = "/update_weights_from_safetensors"  # ours: the weights in the body, no shared filesystem
+DEFAULT_MAX_WEIGHTS_BYTES = 64 * 2**30
+
+
 async def _send_error(send: Send, status: int, message: str, headers: list | None = None) -> None:
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
     await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"), *(headers or [])]})
@@ -37,15 +41,16 @@ class BodyLimit:
     whatever it would still send is dropped: nothing more of the body is read.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, int(max_bytes)
+    def __init__(self, app: ASGIApp, max_bytes: int, per_path: dict[str, int] | None = None):
+        self.app, self.default_bytes, self.per_path = app, int(max_bytes), dict(per_path or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        max_bytes = self.per_path.get(scope["path"], self.default_bytes)
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            return await _send_error(send, 413, f"request body larger than {self.max_bytes} bytes")
+        if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
+            return await _send_error(send, 413, f"request body larger than {max_bytes} bytes")
         seen, refused = 0, False
 
         async def counting() -> Message:
@@ -55,9 +60,9 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > max_bytes:
                     refused = True
-                    await _send_error(send, 413, f"request body larger than {self.max_bytes} bytes")
+                    await _send_error(send, 413, f"request body larger than {max_bytes} bytes")
                     return {"type": "http.disconnect"}
             return message
 
@@ -76,13 +81,22 @@ class JSONOnly:
     """415 for a POST whose content type is not ``application/json``.
 
     A POST with neither a body nor a content type (``/flush_cache`` as SGLang clients call it)
-    passes: there is nothing in it for a handler to read.
+    passes: there is nothing in it for a handler to read. ``binary_paths`` take
+    ``application/octet-stream`` instead, and only behind a key: a web page can post such a body
+    across origins without asking, so without a key to stop it they answer 403.
     """
 
-    def __init__(self, app: ASGIApp):
-        self.app = app
+    def __init__(self, app: ASGIApp, binary_paths: tuple[str, ...] = (), keyed: bool = False):
+        self.app, self.binary_paths, self.keyed = app, tuple(binary_paths), keyed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.binary_paths:
+            ctype = dict(scope.get("headers") or []).get(b"content-type", b"").split(b";")[0].strip().lower()
+            if not self.keyed:
+                return await _send_error(send, 403, f"{scope['path']} takes a binary body, so it needs the admin key: start the server with --admin-key-file")
+            if ctype != b"application/octet-stream":
+                return await _send_error(send, 415, f"content-type must be application/octet-stream, got {ctype.decode(errors='replace') or 'none'}")
+            return await self.app(scope, receive, send)
         if scope["type"] == "http" and scope["method"] == "POST":
             headers = dict(scope.get("headers") or [])
             ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
@@ -144,10 +158,13 @@ class Keys:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def guarded(app: ASGIApp, keys: Keys, admin_paths, open_paths, *, allowed_hosts: list[str] | None, max_request_bytes: int) -> ASGIApp:
+def guarded(app: ASGIApp, keys: Keys, admin_paths, open_paths, *, allowed_hosts: list[str] | None, max_request_bytes: int,
+            binary_paths: dict[str, int] | None = None) -> ASGIApp:
     """An app inside every guard of this module, in the one order the servers use: the body
-    limit first (nothing past it is read), then the Host check, the keys, JSON only."""
+    limit first (nothing past it is read), then the Host check, the keys, JSON only.
+    ``binary_paths``: admin routes taking an octet-stream body, with their own size limit."""
     from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-    inner = KeyGuard(JSONOnly(app), keys, tuple(admin_paths), tuple(open_paths))
-    return BodyLimit(TrustedHostMiddleware(inner, allowed_hosts=allowed_hosts or ["*"]), max_request_bytes)
+    binary = dict(binary_paths or {})
+    inner = KeyGuard(JSONOnly(app, tuple(binary), keyed=keys.admin is not None), keys, tuple(admin_paths), tuple(open_paths))
+    return BodyLimit(TrustedHostMiddleware(inner, allowed_hosts=allowed_hosts or ["*"]), max_request_bytes, binary)

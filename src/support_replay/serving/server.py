@@ -9,7 +9,7 @@ import time
 import uuid
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Query
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -23,7 +23,7 @@ from .metrics import render_metrics
 from ..rollout.chat import ChatRenderer
 from .openai_routes import openai_routes
 from .schemas import GenerateIn, SamplingParamsIn, UpdateWeightsIn, UpdateWeightVersionIn
-from .security import LOOPBACK_HOSTS, Keys, guarded
+from .security import DEFAULT_MAX_WEIGHTS_BYTES, LOOPBACK_HOSTS, WEIGHTS_OVER_HTTP, Keys, guarded
 
 DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there
 
@@ -57,7 +57,7 @@ def meta_info(completion: Completion, request: GenerateRequest, *, sampling_mask
     return meta
 
 
-ADMIN_PATHS = ("/update_weights_from_disk", "/update_weight_version", "/flush_cache")
+ADMIN_PATHS = ("/update_weights_from_disk", WEIGHTS_OVER_HTTP, "/update_weight_version", "/flush_cache")
 OPEN_PATHS = ("/health", "/metrics")
 
 
@@ -70,6 +70,7 @@ def create_app(
     weights_dir: str | Path | None = None,
     allowed_hosts: list[str] | None = None,
     chat_template: str | None = None,
+    max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES,
 ):
     """The ASGI app: FastAPI routes inside the Host check, the body limit and the JSON-only rule."""
     keys = keys or Keys()
@@ -169,6 +170,22 @@ def create_app(
         version = await asyncio.wrap_future(engine.update_weights_from_disk(path, body.weight_version, abort_all_requests=body.abort_all_requests))
         return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version}
 
+    @app.post(WEIGHTS_OVER_HTTP)
+    async def update_weights_from_safetensors(request: Request, weight_version: str | None = Query(None, max_length=256), abort_all_requests: bool = False):
+        """The weights as one safetensors file in the body (no pickle: nothing in it runs), for a
+        trainer that shares no filesystem with the engine; admin key required, checked like
+        ``update_weights_from_disk`` (names and shapes) before anything is loaded."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load as load_safetensors
+
+        body = await request.body()
+        try:
+            state = load_safetensors(body)
+        except (SafetensorError, ValueError) as exc:
+            return error_response(400, f"body: not a safetensors file ({len(body)} bytes): {exc}")
+        version = await asyncio.wrap_future(engine.update_weights(state, weight_version, abort_all_requests=abort_all_requests))
+        return {"success": True, "message": f"loaded {len(state)} tensors ({len(body)} bytes)", "weight_version": version}
+
     @app.post("/update_weight_version")
     async def update_weight_version(body: UpdateWeightVersionIn):
         version = await asyncio.wrap_future(engine.update_weight_version(body.new_version))
@@ -183,7 +200,8 @@ def create_app(
     app.include_router(openai_routes(
         run, lambda c, req, fmt: meta_info(c, req, sampling_mask_format=fmt, vocab_size=engine.vocab_size), model_name, renderer,
     ))
-    return guarded(app, keys, ADMIN_PATHS, OPEN_PATHS, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes)
+    return guarded(app, keys, ADMIN_PATHS, OPEN_PATHS, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes,
+                   binary_paths={WEIGHTS_OVER_HTTP: max_weights_bytes})
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_ENGINE_PORT, **kwargs) -> None:

@@ -67,6 +67,7 @@ class RunConfig(BaseModel):
     max_policy_lag: int = Field(0, ge=0, description="how many weight pushes old a sampled token may be; 0: every token from the weights just pushed")
     async_rollout: bool = Field(False, description="generate the next rollout while the trainer updates on this one (needs --max-policy-lag >= 1)")
     weight_sync_mode: Literal["wait", "abort"] = Field("wait", description="requests running when weights are pushed: finish them on the old weights, or abort them (their groups are regenerated or dropped by --failed-group-policy)")
+    weight_transport: Literal["disk", "http"] = Field("disk", description="how weights reach a --rollout-url engine: a safetensors directory it can read (shared filesystem), or the body of POST /update_weights_from_safetensors (our serve and router, no shared filesystem)")
     stale_sample_policy: Literal["fail", "drop", "regenerate"] = Field("fail", description="a group with a token older than --max-policy-lag: stop the run, drop the group, or generate it again on the current weights")
     min_support_mass: float = Field(0.0, ge=0, le=1, description="drop from the loss a stale sample (lag >= 1) whose mean current-policy mass inside its replayed supports is below this (0: off)")
     failed_group_policy: Literal["regenerate", "drop"] = Field("regenerate", description="a GRPO group with a response the engine never gave (down, overloaded, aborted): generate it again, or drop it")
@@ -206,6 +207,9 @@ class RunConfig(BaseModel):
         if self.async_rollout and self.weight_sync_mode == "abort" and (self.failed_group_policy == "drop" or self.max_regenerations < 1):
             bad("weight_sync_mode", "abort", "with --async-rollout every push aborts the rollout in flight, whose groups must then be generated again: "
                 "needs --failed-group-policy regenerate and --max-regenerations >= 1")
+        if self.weight_transport == "http" and (self.rollout_engine == "vllm" or not self.rollout_url):
+            bad("weight_transport", "http", "sends the weights to support-replay serve or router at --rollout-url; vLLM loads from a directory"
+                if self.rollout_url else "needs --rollout-url (the in-process engine takes the tensors in memory)")
         if self.stale_sample_policy == "drop" and self.global_batch_size % self.n_samples_per_prompt:
             bad("stale_sample_policy", "drop", f"drops whole groups, so --global-batch-size={self.global_batch_size} must be a multiple of --n-samples-per-prompt={self.n_samples_per_prompt}")
         if self.min_support_mass > 0 and not replay:

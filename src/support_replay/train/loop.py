@@ -66,7 +66,7 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
     if ctx.is_main:
         cfg.save_effective(out)
     sync = make_weight_sync(engine=rollouts.engine, url=cfg.rollout_url, rollout_engine=cfg.rollout_engine, staging=out / "weights",
-                            mode=cfg.weight_sync_mode) if ctx.is_main else None
+                            mode=cfg.weight_sync_mode, transport=cfg.weight_transport) if ctx.is_main else None
     # --ci-test under a lag scores older tokens under the weights that sampled them, kept on rank 0
     keeps_versions = bool(cfg.ci_test and cfg.max_policy_lag)
     lagged = LaggedScorer(checkpoint, ctx.device, keep=cfg.max_policy_lag + 1, sparse=learner.actor.sparse_head, batch_invariant=cfg.true_on_policy_mode,

@@ -17,7 +17,10 @@ default of every engine here) or are aborted so the weights apply at once (``abo
 and their groups are regenerated or dropped by ``--failed-group-policy``.
 
 The HTTP syncs stage ``model.safetensors`` in a directory the engine can read (a shared
-filesystem); it is written beside its final name and renamed, never read half-written.
+filesystem); it is written beside its final name and renamed, never read half-written. Without
+a shared filesystem (``--weight-transport http``), ``BodySync`` sends the same safetensors file
+as the body of ``POST /update_weights_from_safetensors`` (our ``serve`` and router, admin key
+required): one copy of the weights per push over the network, no pickle.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import SupportReplayError
-from ..serving.security import Keys
+from ..serving.security import WEIGHTS_OVER_HTTP, Keys
 
 SYNC_TIMEOUT = 600.0
 
@@ -118,6 +121,30 @@ def _check_success(where: str, answer) -> None:
         raise SupportReplayError(f"weight sync to {where}: the engine refused the weights: {str(answer)[:300]}")
 
 
+class BodySync:
+    """The weights in the request body (our serve, or our router, which sends them to every engine)."""
+
+    def __init__(self, url: str, mode: str = "wait"):
+        self.url, self.abort = url.rstrip("/"), mode == "abort"
+
+    def push(self, state: dict[str, torch.Tensor], version: str) -> None:
+        from safetensors.torch import save
+
+        body = save({k: v.detach().contiguous() for k, v in state.items()})
+        headers = {**Keys.load().header(admin=True), "Content-Type": "application/octet-stream"}
+        params = {"weight_version": version, "abort_all_requests": str(self.abort).lower()}
+        try:
+            reply = httpx.post(self.url + WEIGHTS_OVER_HTTP, content=body, params=params, headers=headers, timeout=SYNC_TIMEOUT)
+        except httpx.HTTPError as exc:
+            raise SupportReplayError(f"weight sync to {self.url}: sending {len(body)} bytes of weights failed: {type(exc).__name__}: {exc}") from exc
+        if reply.status_code == 404:
+            raise SupportReplayError(f"weight sync to {self.url}: {WEIGHTS_OVER_HTTP} is not served there (HTTP 404): --weight-transport http needs "
+                                     "support-replay serve or router; SGLang and vLLM load from a directory (--weight-transport disk)")
+        if reply.status_code != 200:
+            raise SupportReplayError(f"weight sync to {self.url}: {WEIGHTS_OVER_HTTP} answered HTTP {reply.status_code}: {reply.text[:300]}")
+        _check_success(self.url, reply.json() if reply.content else {})
+
+
 class VLLMSync(_StagedSync):
     def push(self, state: dict[str, torch.Tensor], version: str) -> None:
         path = self.stage(state)
@@ -129,13 +156,17 @@ class VLLMSync(_StagedSync):
             _post(self.url, "/resume", "resuming generation")
 
 
-def make_weight_sync(*, engine=None, url: str | None = None, rollout_engine: str = "sglang", staging: Path | None = None, mode: str = "wait"):
+def make_weight_sync(*, engine=None, url: str | None = None, rollout_engine: str = "sglang", staging: Path | None = None, mode: str = "wait",
+                     transport: str = "disk"):
     """The sync for the run's rollout engine: in-process, or over HTTP to an SGLang- or vLLM-speaking
-    URL; ``mode`` (``WEIGHT_SYNC_MODES``) says what happens to requests in flight."""
+    URL; ``mode`` (``WEIGHT_SYNC_MODES``) says what happens to requests in flight, ``transport``
+    whether the weights go through a shared directory (``disk``) or the request body (``http``)."""
     if mode not in WEIGHT_SYNC_MODES:
         raise SupportReplayError(f"weight sync mode: one of {WEIGHT_SYNC_MODES}, got {mode!r}")
     if engine is not None:
         return InProcessSync(engine, mode)
     if url is None:
         return None
+    if transport == "http":
+        return BodySync(url, mode)
     return (VLLMSync if rollout_engine == "vllm" else SGLangSync)(url, staging, mode)

@@ -1,0 +1,108 @@
+"""``support-replay local-run``: engines, a router and torchrun trainer ranks as local processes.
+
+For testing on one machine exactly what a run on several machines starts by hand:
+``support-replay serve`` per engine, one ``support-replay router --engine URL ...`` in front of
+them, and ``torchrun ... -m support_replay.cli train --rollout-url ROUTER`` for the trainer
+ranks (docs/scaling.md). Here they all listen on loopback ports, their logs go to
+``OUTPUT_DIR/logs``, and everything stops when the trainer ends. Nothing else is orchestrated.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+
+from .errors import SupportReplayError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 120.0, log: Path | None = None) -> None:
+    """Until ``url/health`` answers 200; fails naming the process's last output if it exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-2000:] if log is not None and log.exists() else ""
+            raise SupportReplayError(f"process for {url} exited with {proc.returncode}: {tail}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SupportReplayError(f"{url} not healthy after {timeout} s")
+
+
+@contextmanager
+def process(args: list[str], url: str | None, log: Path, timeout: float = 120.0, env: dict | None = None):
+    """A child process (output to ``log``, never a pipe that could fill), healthy before the block,
+    terminated after it."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        try:
+            if url is not None:
+                wait_healthy(url, proc, timeout, log)
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def local_run(train_args: list[str], *, engines: int, nproc_per_node: int, serve_args: list[str] | None = None) -> int:
+    """``engines`` serve processes behind a router and ``nproc_per_node`` torchrun trainer ranks
+    running ``train train_args --rollout-url ROUTER``; returns the trainer's exit status."""
+    if engines < 1 or nproc_per_node < 1:
+        raise SupportReplayError(f"local-run: --engines={engines} and --nproc-per-node={nproc_per_node} must be >= 1")
+    if _flag_value(train_args, "--rollout-url"):
+        raise SupportReplayError("local-run: --rollout-url is the router local-run starts; leave it out of the trainer's flags")
+    checkpoint = _flag_value(train_args, "--hf-checkpoint")
+    if checkpoint is None:
+        from .modeling.checkpoints import smollm2_checkpoint
+
+        checkpoint = str(smollm2_checkpoint())
+    output = Path(_flag_value(train_args, "--output-dir") or "runs/latest").resolve()
+    output.mkdir(parents=True, exist_ok=True)
+    logs = output / "logs"
+    cli = [sys.executable, "-m", "support_replay.cli"]
+    with ExitStack() as stack:
+        urls = []
+        for i in range(engines):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            stack.enter_context(process([*cli, "serve", "--hf-checkpoint", checkpoint, "--port", str(port), "--weights-dir", str(output),
+                                         *(serve_args or [])], url, logs / f"engine{i}.log", timeout=600))
+            urls.append(url)
+        port = free_port()
+        router = f"http://127.0.0.1:{port}"
+        stack.enter_context(process([*cli, "router", "--port", str(port), *(a for u in urls for a in ("--engine", u))], router, logs / "router.log"))
+        print(f"local-run: {engines} engine(s) {urls} behind the router {router}; {nproc_per_node} trainer rank(s); logs in {logs}", flush=True)
+        trainer = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
+                   "-m", "support_replay.cli", "train", *train_args, "--rollout-url", router]
+        return subprocess.run(trainer, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
