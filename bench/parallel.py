@@ -1,8 +1,8 @@
 """Memory and time of the actor's scoring step per rank as tensor / context parallelism grow.
 
-    python bench/parallel.py [--layouts 1,tp2,tp4,cp2] [--tokens 256] [--samples 8]
+    python bench/parallel.py [--layouts 1,tp3,cp2,cp4] [--tokens 256] [--samples 8]
 
-SmolLM2-135M-Instruct (vocabulary 49,152), fp32, one micro-batch of ``--samples`` sequences of
+SmolLM2-135M-Instruct (vocabulary 49,152; 9 heads, 3 key/value heads, so TP 1 or 3), fp32, one micro-batch of ``--samples`` sequences of
 ``--tokens`` response tokens (prompt 32), scored with full-vocabulary log-probs and entropy
 with a gradient (what a KL loss or an entropy bonus asks for), forward and backward. Peak
 memory is the resident set's rise over the step on each rank (sampled every millisecond; the
@@ -106,7 +106,7 @@ def _worker(rank, world, port, spec, args, results):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layouts", default="1,tp2,tp4,cp2", help="comma list: 1 (one process), tpN, cpN")
+    ap.add_argument("--layouts", default="1,tp3,cp2,cp4", help="comma list: 1 (one process), tpN, cpN")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--samples", type=int, default=8)
     args = ap.parse_args()

@@ -3,35 +3,26 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from support_replay.launch import free_port, wait_healthy  # the package's own, shared with local-run
+from support_replay.launch import free_port, wait_healthy  # noqa: F401  (the package's own, shared with local-run)
+from support_replay.launch import process as launch_process
 
 
 @contextmanager
 def process(args: list[str], url: str, health: bool = True, timeout: float = 120.0):
-    # output to a file, not a pipe: a chatty server (vLLM) would block once a pipe is full
-    log = tempfile.NamedTemporaryFile("w+", prefix="support-replay-proc-", suffix=".log", delete=False)
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    """``launch.process`` with its output in a temporary file, removed afterwards."""
+    fd, name = tempfile.mkstemp(prefix="support-replay-proc-", suffix=".log")
+    os.close(fd)
+    log = Path(name)
     try:
-        if health:
-            wait_healthy(url, proc, timeout, Path(log.name))
-        yield proc
+        with launch_process(args, url if health else None, log, timeout) as proc:
+            yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
-        os.unlink(log.name)
+        log.unlink(missing_ok=True)
 
 
 def engine_process(checkpoint, *extra: str):

@@ -4,7 +4,6 @@ the support-drift metric and gate, masked IS, and the engine's abort-on-update m
 import math
 import time
 
-import numpy as np
 import pytest
 import torch
 

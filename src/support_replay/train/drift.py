@@ -51,3 +51,17 @@ def gate_stale(samples: list[Sample], masses: list[np.ndarray], ages: list[int |
         else:
             out.append(s)
     return out, gated
+
+
+def support_drift(samples: list[Sample], logp, full, ages: list[int | None], replay: bool, min_mass: float = 0.0) -> tuple[dict, list[Sample]]:
+    """The drift metrics of a rollout and the samples that train (the gate applied when
+    ``min_mass`` > 0): nothing to measure without replay, without the full-vocabulary scores of
+    this rollout, or with penalties (the support was filtered on penalised logits)."""
+    if not replay or logp is None or full is None or samples[0].penalties.active:
+        return {}, samples
+    masses = sample_masses(samples, logp, full)
+    metrics = drift_metrics(masses, ages)
+    if min_mass <= 0:
+        return metrics, samples
+    trained, metrics["drift_gated_samples"] = gate_stale(samples, masses, ages, min_mass)
+    return metrics, trained if metrics["drift_gated_samples"] else samples

@@ -1,8 +1,9 @@
 """The GRPO recipe with sampling-support replay, top to bottom.
 
-rollout -> policy lag -> plan micro-batches -> score before the update -> --ci-test ->
-advantages -> loss, backward, optimizer step (per global batch) -> weights to the engine ->
-metrics.
+rollout (with --async-rollout, generated during the previous update) -> policy lag -> plan
+micro-batches -> score before the update -> --ci-test (under the weights that sampled each
+token) -> support drift -> advantages -> loss, backward, optimizer step (per global batch) ->
+weights to the engine -> metrics.
 
 Under replay the policy ratio is computed on the support S_t the engine captured
 (docs/math.md); the full-vocabulary score rides along for KL and metrics.
@@ -22,7 +23,7 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, sav
 from .checks import check_policy_lag, compare_with_rollout, sample_age, version_ages
 from .config import RunConfig
 from .dist import broadcast_object, close_distributed, init_distributed
-from .drift import drift_metrics, gate_stale, sample_masses
+from .drift import support_drift
 from .lagged import LaggedScorer
 from .learner import Learner, UpdateMetrics
 from .metrics import MetricsLog, rollout_metrics
@@ -101,14 +102,9 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
                 return compare_with_rollout(r, samples, logp, tolerance=tolerance, fail=cfg.ci_test)
 
             check = ci_check(old.logp) if old.logp is not None else {}
-            drift, trained = {}, samples
-            if old.logp is not None and old.full is not None and learner.replay and not samples[0].penalties.active:
-                masses = sample_masses(samples, old.logp, old.full)
-                drift = drift_metrics(masses, ages)
-                if cfg.min_support_mass > 0:  # stale samples whose supports lost the policy's mass leave the loss
-                    trained, drift["drift_gated_samples"] = gate_stale(samples, masses, ages, cfg.min_support_mass)
-                    if drift["drift_gated_samples"]:
-                        steps = learner.plan(trained, r, rollouts.penalty_semantics)  # same batches, new loss normalisers
+            drift, trained = support_drift(samples, old.logp, old.full, ages, learner.replay, cfg.min_support_mass)
+            if trained is not samples:  # stale samples whose supports lost the policy's mass left the loss
+                steps = learner.plan(trained, r, rollouts.penalty_semantics)  # same batches, new loss normalisers
             advantages, adv_stats = learner.advantages(samples, old)
             with clock("update"):
                 per_step = []
@@ -117,8 +113,7 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
                     if old.logp is None:  # fused: that forward ran before any step, so it scored the old policy
                         old = learner.with_fresh_old(old, result.scores, len(samples))
                         check = ci_check(old.logp)
-                        if old.full is not None and learner.replay and not samples[0].penalties.active:
-                            drift = drift_metrics(sample_masses(samples, old.logp, old.full), ages)
+                        drift, _ = support_drift(samples, old.logp, old.full, ages, learner.replay)  # no gate: it is never fused
                     per_step.append((result.sums, learner.optimizer_step(r)))  # stops on a NaN gradient, before the step
             update = UpdateMetrics.mean(per_step)
             with clock("sync"):
