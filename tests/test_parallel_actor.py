@@ -62,39 +62,52 @@ def one_step(actor: Actor, samples, rank: int, world: int, ctx) -> tuple[list, d
     return gather_by_index(scores, len(samples), ctx), grads, actor.full_state_dict()
 
 
-def _worker(rank, world, port, checkpoint, results):
+def _worker(rank, world, port, checkpoints, results):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     sys.path.insert(0, str(Path(__file__).parent))
     torch.set_num_threads(1)
     ctx = init_distributed()
-    for i, spec in enumerate(LAYOUTS):
-        layout = parallel_layout(ctx, **spec)
-        torch.manual_seed(0)
-        actor = Actor(checkpoint, ctx, lr=LR, betas=(0.9, 0.98), weight_decay=0.0, replay=True, full_with_grad=True, layout=layout)
-        scores, grads, state = one_step(actor, make_samples(actor.vocab_size), layout.dp_rank, layout.dp, ctx)
-        if rank == 0:
-            results[i] = (scores, {k: v.cpu() for k, v in grads.items()}, state)
+    for name, checkpoint in checkpoints.items():
+        for i, spec in enumerate(LAYOUTS):
+            layout = parallel_layout(ctx, **spec)
+            torch.manual_seed(0)
+            actor = Actor(checkpoint, ctx, lr=LR, betas=(0.9, 0.98), weight_decay=0.0, replay=True, full_with_grad=True, layout=layout)
+            scores, grads, state = one_step(actor, make_samples(actor.vocab_size), layout.dp_rank, layout.dp, ctx)
+            if rank == 0:
+                results[name, i] = (scores, {k: v.cpu() for k, v in grads.items()}, state)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def test_four_ranks_in_each_layout_give_one_rank_s_scores_gradients_and_weights(tiny_checkpoint):
-    one = DistContext(rank=0, world=1, device=torch.device("cpu"), owns_group=False)
-    actor = Actor(tiny_checkpoint, one, lr=LR, betas=(0.9, 0.98), weight_decay=0.0, replay=True, full_with_grad=True)
-    ref_scores, ref_grads, _ = one_step(actor, make_samples(actor.vocab_size), 0, 1, one)
-    ref_state = {k.removeprefix("hf."): v for k, v in actor.model.state_dict().items()}
+@pytest.fixture(scope="module")
+def tiny_llama_tied(tmp_path_factory):
+    from tiny_model import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama-tied"), llama_tied=True)
+
+
+def test_four_ranks_in_each_layout_give_one_rank_s_scores_gradients_and_weights(tiny_checkpoint, tiny_llama_tied):
+    """Qwen3 (per-head norms, untied head) and Llama with a tied embedding (SmolLM2's shape)."""
+    checkpoints = {"qwen3": str(tiny_checkpoint), "llama-tied": str(tiny_llama_tied)}
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(4, free_port(), str(tiny_checkpoint), results), nprocs=4, join=True)
-    for i, spec in enumerate(LAYOUTS):
-        scores, grads, state = results[i]
-        for (lp, f), (ref_lp, ref_f) in zip(scores, ref_scores):
-            torch.testing.assert_close(lp, ref_lp, rtol=1e-6, atol=1e-6, msg=lambda m: f"{spec}: support log-probs: {m}")
-            torch.testing.assert_close(f, ref_f, rtol=1e-6, atol=1e-6, msg=lambda m: f"{spec}: full-vocabulary log-probs: {m}")
-        for name, g in ref_grads.items():  # elementwise sums that cancel: measured against the tensor's scale
-            err = float((grads[name] - g).abs().max() / g.abs().max())
-            assert err <= 1e-5, f"{spec}: gradient of {name}: max error {err:.2e} of its largest element"
-        for name, w in state.items():  # one AdamW step: lr x g / (|g| + eps) moves each weight by about lr
-            torch.testing.assert_close(w, ref_state[name], rtol=0, atol=LR * 1e-2, msg=lambda m: f"{spec}: updated {name}: {m}")
+    mp.spawn(_worker, args=(4, free_port(), checkpoints, results), nprocs=4, join=True)
+    one = DistContext(rank=0, world=1, device=torch.device("cpu"), owns_group=False)
+    for name, checkpoint in checkpoints.items():
+        actor = Actor(checkpoint, one, lr=LR, betas=(0.9, 0.98), weight_decay=0.0, replay=True, full_with_grad=True)
+        ref_scores, ref_grads, _ = one_step(actor, make_samples(actor.vocab_size), 0, 1, one)
+        ref_state = {k.removeprefix("hf."): v for k, v in actor.model.state_dict().items()}
+        for i, spec in enumerate(LAYOUTS):
+            spec = {"model": name, **spec}
+            scores, grads, state = results[name, i]
+            for (lp, f), (ref_lp, ref_f) in zip(scores, ref_scores):
+                torch.testing.assert_close(lp, ref_lp, rtol=1e-6, atol=1e-6, msg=lambda m: f"{spec}: support log-probs: {m}")
+                torch.testing.assert_close(f, ref_f, rtol=1e-6, atol=1e-6, msg=lambda m: f"{spec}: full-vocabulary log-probs: {m}")
+            assert grads.keys() == ref_grads.keys(), spec  # a tied embedding stays one parameter
+            for key, g in ref_grads.items():  # elementwise sums that cancel: measured against the tensor's scale
+                err = float((grads[key] - g).abs().max() / g.abs().max())
+                assert err <= 1e-5, f"{spec}: gradient of {key}: max error {err:.2e} of its largest element"
+            for key, w in state.items():  # one AdamW step: lr x g / (|g| + eps) moves each weight by about lr
+                torch.testing.assert_close(w, ref_state[key], rtol=0, atol=LR * 1e-2, msg=lambda m: f"{spec}: updated {key}: {m}")
 
 
 def _train_worker(rank, world, ports, checkpoint, out, results):

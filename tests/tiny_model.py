@@ -1,4 +1,5 @@
-"""A tiny random Qwen3 checkpoint with a tokenizer trained offline: what engine tests run on."""
+"""A tiny random Qwen3 checkpoint with a tokenizer trained offline: what engine tests run on
+(or a Llama one with tied embeddings, SmolLM2's shape)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -21,7 +22,8 @@ CORPUS = [
 ] * 20
 
 
-def build_tiny_checkpoint(path: Path, vocab_size: int = 384, seed: int = 0, max_positions: int = 512, chat_template: str = CHAT_TEMPLATE) -> Path:
+def build_tiny_checkpoint(path: Path, vocab_size: int = 384, seed: int = 0, max_positions: int = 512, chat_template: str = CHAT_TEMPLATE,
+                          llama_tied: bool = False) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -36,7 +38,7 @@ def build_tiny_checkpoint(path: Path, vocab_size: int = 384, seed: int = 0, max_
     fast.chat_template = chat_template
     fast.save_pretrained(path)
     torch.manual_seed(seed)
-    config = Qwen3Config(
+    config = (LlamaConfig if llama_tied else Qwen3Config)(
         vocab_size=len(fast),
         hidden_size=64,
         intermediate_size=128,
@@ -45,11 +47,11 @@ def build_tiny_checkpoint(path: Path, vocab_size: int = 384, seed: int = 0, max_
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=False,
+        tie_word_embeddings=llama_tied,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
     )
-    model = Qwen3ForCausalLM(config)
+    model = (LlamaForCausalLM if llama_tied else Qwen3ForCausalLM)(config)
     with torch.no_grad():  # a sharper distribution than the init, so supports vary in size
         model.lm_head.weight.mul_(25)
     model.save_pretrained(path, safe_serialization=True)

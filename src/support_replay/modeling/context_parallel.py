@@ -91,9 +91,11 @@ def context_parallel_attention(module, query, key, value, attention_mask, scalin
 def make_context_parallel(hf: nn.Module, cp: int) -> None:
     """Switch ``hf`` to the context-parallel attention (in place)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     layer_types = getattr(hf.config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         raise ConfigError(f"--context-parallel-size={cp}: the model has {sorted(set(layer_types) - {'full_attention'})} layers; only full attention is split here")
     AttentionInterface.register(ATTENTION, context_parallel_attention)
+    AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)  # the attention builds its own from ContextShard
     hf.set_attn_implementation(ATTENTION)

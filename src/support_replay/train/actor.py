@@ -109,7 +109,7 @@ class ScoringModel(nn.Module):
         positions = held[rank]
         shard = ContextShard(group, positions, torch.argsort(torch.cat(held)), attention_mask.bool())
         hidden = decoder(input_ids=input_ids[:, positions], position_ids=positions[None].expand(batch, -1),
-                         attention_mask={"full_attention": None}, context_shard=shard).last_hidden_state
+                         attention_mask=None, context_shard=shard).last_hidden_state
         local = torch.full((padded,), -1, dtype=torch.long, device=device)
         local[positions] = torch.arange(len(positions), device=device)
         index = local[rows_t]
