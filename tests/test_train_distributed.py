@@ -37,27 +37,27 @@ def test_updates_through_the_http_engine_pass_ci_test(tiny_checkpoint, tmp_path)
     assert [r["rollout"] for r in rows if "eval_reward_mean" in r] == [1]
 
 
-def _fsdp_worker(rank, world, port, checkpoint, out, results, global_batch, micro_batch, asynchronous):
+def _fsdp_worker(rank, world, port, checkpoint, out, results, global_batch, micro_batch, extra):
     # Gradient clipping off: its global norm is reduced in another order over shards, which
     # moves the result by an ulp that Adam then amplifies (to ~2e-6 after 3 updates).
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     sys.path.insert(0, str(Path(__file__).parent))
-    lag = dict(async_rollout=True, max_policy_lag=1) if asynchronous else {}
     cfg = run_config(checkpoint, Path(out), num_rollout=3, save=str(Path(out) / "ckpt"), save_interval=3, clip_grad=0.0, global_batch_size=global_batch,
-                     micro_batch_size=micro_batch, **lag)
+                     micro_batch_size=micro_batch, **extra)
     rows = train(cfg)
     results[rank] = [r["loss"] for r in rows] if rank == 0 else "ok"
 
 
 # two optimizer steps per rollout; or one, with the old-policy scoring fused into it; or that with
 # asynchronous rollouts (rank 0 generates during the update, --ci-test under the lag)
-@pytest.mark.parametrize("global_batch, micro_batch, asynchronous", [(4, 2, False), (8, 4, False), (8, 4, True)])
-def test_two_fsdp_ranks_equal_one(tiny_checkpoint, tmp_path, global_batch, micro_batch, asynchronous):
+@pytest.mark.parametrize("global_batch, micro_batch, extra", [(4, 2, {}), (8, 4, {}), (8, 4, dict(async_rollout=True, max_policy_lag=1))],
+                         ids=["two-steps", "fused", "async"])
+def test_two_fsdp_ranks_equal_one(tiny_checkpoint, tmp_path, global_batch, micro_batch, extra):
     manager = mp.Manager()
     results = {}
     for world in (1, 2):
         res = manager.dict()
-        args = (world, free_port(), str(tiny_checkpoint), str(tmp_path / f"w{world}"), res, global_batch, micro_batch, asynchronous)
+        args = (world, free_port(), str(tiny_checkpoint), str(tmp_path / f"w{world}"), res, global_batch, micro_batch, extra)
         mp.spawn(_fsdp_worker, args=args, nprocs=world, join=True)
         results[world] = dict(res)
     np.testing.assert_allclose(results[2][0], results[1][0], atol=1e-6, rtol=0)
@@ -86,3 +86,16 @@ def test_agent_episodes_and_penalties_on_two_ranks(tiny_agent_checkpoint, tmp_pa
     results = mp.Manager().dict()
     mp.spawn(_agent_worker, args=(2, free_port(), str(tiny_agent_checkpoint), str(tmp_path), results), nprocs=2, join=True)
     assert results[1] == "ok" and len(results[0]) == 2 and all(diff <= 1e-3 and turns > 1 for diff, turns in results[0])
+
+
+def test_two_ranks_under_a_token_budget_match_one(tiny_checkpoint, tmp_path):
+    # the plans differ (one share cut by the budget, or two shares cut to equal counts), so the
+    # sums associate differently: equal to rounding, not bit for bit
+    manager = mp.Manager()
+    results = {}
+    for world in (1, 2):
+        res = manager.dict()
+        args = (world, free_port(), str(tiny_checkpoint), str(tmp_path / f"w{world}"), res, 8, None, dict(max_tokens_per_micro_batch=45))
+        mp.spawn(_fsdp_worker, args=args, nprocs=world, join=True)
+        results[world] = dict(res)
+    np.testing.assert_allclose(results[2][0], results[1][0], atol=1e-5, rtol=0)

@@ -8,8 +8,10 @@ support of a micro-batch is padded once, onto the trainer's device, when the pla
 Layout: each optimizer step takes ``global_batch`` consecutive samples (the last step fewer when
 agent episodes split into more samples than episodes), sorted longest first
 so that a micro-batch pads its samples to similar lengths; each rank takes a contiguous
-share; each share is cut into micro-batches of ``micro_batch`` samples. With as many
-micro-batches per rank as one process has in all, the ranks compute exactly the
+share; each share is cut into micro-batches of ``micro_batch`` samples, or by a token budget
+(``--max-tokens-per-micro-batch``: as many samples as fit that many padded tokens, so short
+responses travel many to a batch and long ones few, the same count on every rank). With as
+many micro-batches per rank as one process has in all, the ranks compute exactly the
 micro-batches one process would.
 """
 
@@ -132,22 +134,57 @@ def output_starts(s: Sample) -> list[int]:
 
 
 def plan_optimizer_steps(
-    samples: list[Sample], *, global_batch: int, micro_batch: int, rank: int, world: int, replay: bool, device, penalty_semantics: str = "sglang"
+    samples: list[Sample], *, global_batch: int, micro_batch: int, rank: int, world: int, replay: bool, device, penalty_semantics: str = "sglang",
+    max_tokens: int | None = None,
 ) -> list[OptimizerStep]:
-    """This rank's micro-batches for every optimizer step of the rollout."""
+    """This rank's micro-batches for every optimizer step of the rollout: ``micro_batch`` samples
+    each, or under ``max_tokens`` as many as fit that many padded tokens (``token_budget_split``)."""
     steps = []
     for start in range(0, len(samples), global_batch):
         # longest first, so that each micro-batch pads its samples to similar lengths
         batch = sorted(range(start, min(start + global_batch, len(samples))), key=lambda i: -len(samples[i].prompt_ids) - samples[i].response_length)
         per_rank = -(-len(batch) // world)
-        mine = batch[rank * per_rank : (rank + 1) * per_rank]
+        shares = [batch[r * per_rank : (r + 1) * per_rank] for r in range(world)]
+        if max_tokens is None:
+            parts = [shares[rank][m : m + micro_batch] for m in range(0, len(shares[rank]), micro_batch)]
+        else:
+            parts = token_budget_split(samples, shares, max_tokens)[rank]
         masks = [samples[i].loss_mask for i in batch]
         steps.append(
             OptimizerStep(
-                micro_batches=[build_micro_batch(samples, mine[m : m + micro_batch], replay, device, penalty_semantics)
-                               for m in range(0, len(mine), micro_batch)],
+                micro_batches=[build_micro_batch(samples, part, replay, device, penalty_semantics) for part in parts],
                 tokens=int(sum(m.sum() for m in masks)),
                 sequences=int(sum(m.any() for m in masks)),
             )
         )
     return steps
+
+
+def _padded_tokens(samples: list[Sample], part: list[int]) -> int:
+    return len(part) * max(len(samples[i].prompt_ids) + samples[i].response_length for i in part)
+
+
+def token_budget_split(samples: list[Sample], shares: list[list[int]], max_tokens: int) -> list[list[list[int]]]:
+    """Every rank's share (longest first) cut into micro-batches of consecutive samples whose
+    padded size (samples x longest) stays within ``max_tokens``; a sample longer than the budget
+    goes alone. Then every rank gets as many micro-batches as the rank with most (the largest
+    ones split in two): FSDP's collectives need the same number of forwards on every rank.
+    Every rank computes every rank's plan, so they agree without talking."""
+    plans = []
+    for share in shares:
+        parts: list[list[int]] = []
+        for i in share:
+            if parts and _padded_tokens(samples, parts[-1] + [i]) <= max_tokens:
+                parts[-1].append(i)
+            else:
+                parts.append([i])
+        plans.append(parts)
+    target = max(len(p) for p in plans)
+    for r, parts in enumerate(plans):
+        if len(shares[r]) < target:
+            raise SampleError(f"token budget {max_tokens}: rank {r} holds {len(shares[r])} samples, fewer than the {target} micro-batches another rank needs")
+        while len(parts) < target:
+            k = max((j for j in range(len(parts)) if len(parts[j]) > 1), key=lambda j: _padded_tokens(samples, parts[j]))
+            half = len(parts[k]) // 2
+            parts[k : k + 1] = [parts[k][:half], parts[k][half:]]
+    return plans

@@ -89,7 +89,8 @@ class RunConfig(BaseModel):
     tensor_model_parallel_size: int = Field(1, ge=1, description="trainer ranks that split each layer's heads, MLP and vocabulary (DTensor; the LM head scored vocab-parallel)")
     context_parallel_size: int = Field(1, ge=1, description="trainer ranks that split each sequence by position (attention all-gathers keys and values)")
     context_parallel_layout: Literal["zigzag", "contiguous"] = Field("zigzag", description="how --context-parallel-size splits a sequence: zigzag (2 chunks per rank, balanced causal work) or contiguous")
-    micro_batch_size: int | None = Field(None, ge=1, description=f"samples per forward/backward on one rank (default: the largest divisor of --global-batch-size up to {MAX_DEFAULT_MICRO_BATCH})")
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="padded tokens (samples x longest prompt + response) per forward/backward on one rank: short samples batch many, long ones few")
+    micro_batch_size: int | None = Field(None, ge=1, description=f"the older way: samples per forward/backward on one rank (default without a token budget: the largest divisor of --global-batch-size up to {MAX_DEFAULT_MICRO_BATCH})")
     lr: float = Field(1e-6, gt=0, description="learning rate (AdamW)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_beta1: float = Field(0.9, description="AdamW beta1")
@@ -188,6 +189,8 @@ class RunConfig(BaseModel):
         total = self.rollout_batch_size * self.n_samples_per_prompt
         if total % self.global_batch_size:
             bad("global_batch_size", self.global_batch_size, f"must divide rollout_batch_size x n_samples_per_prompt = {total}")
+        if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
+            bad("micro_batch_size", self.micro_batch_size, f"counts samples, --max-tokens-per-micro-batch={self.max_tokens_per_micro_batch} tokens: give one of them")
         if self.micro_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             bad("micro_batch_size", self.micro_batch_size, f"must divide --global-batch-size={self.global_batch_size}")
         if self.failed_group_policy == "drop" and self.global_batch_size % self.n_samples_per_prompt:
