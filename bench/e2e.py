@@ -3,6 +3,7 @@ with TRL's GRPOTrainer doing the same work side by side when it is installed.
 
     python bench/e2e.py [--steps 4] [--skip-trl]
     python bench/e2e.py --async-compare [--steps 4]
+    python bench/e2e.py --dtype bfloat16 --skip-trl
 
 ``--async-compare`` runs the same work twice through ``support-replay serve`` over HTTP, with
 the engine pinned to core 0 and the trainer to core 1 (one thread each): synchronous, then
@@ -32,10 +33,10 @@ from support_replay.train import train
 SETTINGS = dict(rollout_batch_size=4, n_samples_per_prompt=4, rollout_max_response_len=64, rollout_temperature=1.0, rollout_top_p=0.8, rollout_top_k=32)
 
 
-def ours(steps: int, micro_batch: int, true_on_policy: bool = False, full_vocab_metrics_interval: int = 1) -> list[dict]:
+def ours(steps: int, micro_batch: int, true_on_policy: bool = False, full_vocab_metrics_interval: int = 1, dtype: str = "float32") -> list[dict]:
     out = tempfile.mkdtemp(prefix="bench-e2e-")
     cfg = RunConfig(num_rollout=steps, global_batch_size=16, micro_batch_size=micro_batch, true_on_policy_mode=true_on_policy, lr=1e-6, ci_test=True, output_dir=out,
-                    progress=False, full_vocab_metrics_interval=full_vocab_metrics_interval, **SETTINGS)
+                    progress=False, full_vocab_metrics_interval=full_vocab_metrics_interval, rollout_dtype=dtype, train_dtype=dtype, **SETTINGS)
     return train(cfg)
 
 
@@ -139,13 +140,14 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--true-on-policy", action="store_true", help="batch-invariant engine and trainer, bitwise --ci-test")
     ap.add_argument("--full-vocab-metrics-interval", type=int, default=1, help="the metrics-only full-vocabulary head every N rollouts")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="--rollout-dtype and --train-dtype of our run")
     ap.add_argument("--async-compare", action="store_true", help="synchronous vs --async-rollout through serve, engine and trainer on separate cores")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {SETTINGS}")
     if args.async_compare:
         print_async_compare(pinned_runs(args.steps))
         return
-    rows = ours(args.steps, args.micro_batch_size, args.true_on_policy, args.full_vocab_metrics_interval)
+    rows = ours(args.steps, args.micro_batch_size, args.true_on_policy, args.full_vocab_metrics_interval, args.dtype)
     print("\n| step | generate s | score s | update s | sync s | total s | response len | max abs(log pi - log mu) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

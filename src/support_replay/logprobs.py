@@ -226,7 +226,7 @@ class _SparseHeadSupportLogProbs(torch.autograd.Function):
         z = torch.zeros(ids.shape, dtype=temp.dtype, device=hidden.device)
         for rows, width in _size_buckets(valid, chunk_size):
             w = weight[ids[rows, :width]].to(temp.dtype)  # [c, width, H]
-            z[rows, :width] = torch.einsum("ch,ckh->ck", hidden[rows].to(temp.dtype), w)
+            z[rows, :width] = torch.einsum("ch,ckh->ck", hidden[rows].to(temp.dtype), w).to(z.dtype)  # bf16 under autocast
         z = z / temp
         lse, probs = _masked_logsumexp(z, valid)
         out = z.gather(1, tpos[:, None]).squeeze(1) - lse

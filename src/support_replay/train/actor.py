@@ -61,11 +61,12 @@ class ScoringModel(nn.Module):
     the LM head weight are unsharded inside this forward, gradients included.
     """
 
-    def __init__(self, hf: nn.Module, batch_invariant: bool = False):
+    def __init__(self, hf: nn.Module, batch_invariant: bool = False, compute_dtype: torch.dtype = torch.float32):
         super().__init__()
         if batch_invariant:  # the engine's deterministic forward, so logits agree bit for bit
             make_batch_invariant(hf)
         self.hf = hf
+        self.compute_dtype = compute_dtype  # bf16: autocast over fp32 weights
         self.vocab: VocabShard | None = None  # tensor parallel: this rank's LM head rows
         self.tp_group = None
         self.context: tuple | None = None  # context parallel: (group, rank, size, layout)
@@ -82,11 +83,12 @@ class ScoringModel(nn.Module):
         distribution. Under context parallelism each rank scores the rows whose logit position
         it holds and every rank gets all rows back.
         """
-        h, mine = self._hidden_rows(input_ids, attention_mask, rows_b, rows_t)
-        if mine is None:
-            return self._score_rows(h, targets, support, temperature, sparse, full, entropy, full_detached, transform)
-        local_support = (support[0][mine], support[1][mine]) if support is not None else None
-        scores = self._score_rows(h, targets[mine], local_support, temperature, sparse, full, entropy, full_detached, transform)
+        with torch.autocast(input_ids.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            h, mine = self._hidden_rows(input_ids, attention_mask, rows_b, rows_t)
+            if mine is None:
+                return self._score_rows(h, targets, support, temperature, sparse, full, entropy, full_detached, transform)
+            local_support = (support[0][mine], support[1][mine]) if support is not None else None
+            scores = self._score_rows(h, targets[mine], local_support, temperature, sparse, full, entropy, full_detached, transform)
         group = self.context[0]
         return tuple(assemble_rows(x, mine, group) if x is not None else None for x in scores)
 
@@ -153,10 +155,10 @@ class ScoringModel(nn.Module):
         return logp, full_lp, ent if entropy else None
 
 
-def load_scoring_model(path, device, batch_invariant: bool = False) -> ScoringModel:
+def load_scoring_model(path, device, batch_invariant: bool = False, compute_dtype: torch.dtype = torch.float32) -> ScoringModel:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     hf.config.use_cache = False
-    return ScoringModel(hf, batch_invariant)
+    return ScoringModel(hf, batch_invariant, compute_dtype)
 
 
 def score_batch(model: ScoringModel, batch: MicroBatch, temperature: float, *, sparse: bool, full: bool = False, entropy: bool = False, full_detached: bool = False) -> BatchScores:
@@ -202,10 +204,11 @@ class Actor:
     """The trained model, its optimizer, and the one scoring path of its policy ratio."""
 
     def __init__(self, path, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, replay: bool, full_with_grad: bool,
-                 batch_invariant: bool = False, penalties: bool = False, layout: ParallelLayout | None = None):
+                 batch_invariant: bool = False, penalties: bool = False, layout: ParallelLayout | None = None,
+                 compute_dtype: torch.dtype = torch.float32):
         self.ctx = ctx
         self.layout = layout or ParallelLayout()
-        self.model = load_scoring_model(path, ctx.device, batch_invariant)
+        self.model = load_scoring_model(path, ctx.device, batch_invariant, compute_dtype)
         hf = self.model.hf
         # true-on-policy needs the engine's own product for every logit, so never the sparse head
         # penalties transform the logits at the support ids: the dense head, so one path scores every pass

@@ -25,6 +25,8 @@ from ..penalties import Penalties
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 
 MAX_DEFAULT_MICRO_BATCH = 8
+FP32_CI_TOLERANCE = 1e-3  # docs/training.md, "--ci-test": 40x the largest fp32 difference measured
+BF16_CI_TOLERANCE = 0.5  # docs/training.md: bf16 logits carry 8 bits of mantissa; measured below 0.3 on SmolLM2
 NEUTRAL_PENALTIES = {"rollout_frequency_penalty": 0.0, "rollout_presence_penalty": 0.0, "rollout_repetition_penalty": 1.0}
 
 
@@ -115,7 +117,9 @@ class RunConfig(BaseModel):
     # ---- checks, evaluation, output -------------------------------------------------
     ci_test: bool = Field(False, description="fail unless the trainer's support log-probs match the rollout log mu on every token")
     full_vocab_metrics_interval: int = Field(1, ge=1, description="under replay, score the full vocabulary for the metrics (full_vocab_ratio_*) every N rollouts only; the KL reward still takes it every rollout")
-    ci_test_tolerance: float = Field(1e-3, ge=0, description="per-token max |log pi - log mu| allowed by --ci-test")
+    ci_test_tolerance: float | None = Field(None, ge=0, description=f"per-token max |log pi - log mu| allowed by --ci-test (default: {FP32_CI_TOLERANCE:g} in fp32, {BF16_CI_TOLERANCE:g} when either side runs bf16; 0 in true-on-policy mode)")
+    rollout_dtype: Literal["float32", "bfloat16"] = Field("float32", description="the in-process engine's weights and compute (a --rollout-url engine runs its own: say it here for the --ci-test tolerance)")
+    train_dtype: Literal["float32", "bfloat16"] = Field("float32", description="the trainer's compute (autocast; weights, gradients and optimizer state stay fp32)")
     true_on_policy_mode: bool = Field(False, description="batch-invariant engine and trainer: rollout and trainer log-probs equal bit for bit (--ci-test then demands it)")
     eval_interval: int | None = Field(None, ge=1, description="evaluate every N rollouts")
     eval_prompt_data: str | None = Field(None, description="evaluation prompts (default: held-out built-in task)")
@@ -141,6 +145,15 @@ class RunConfig(BaseModel):
     @property
     def use_sampling_support_replay(self) -> bool:
         return self.rollout_top_p < 1 or self.rollout_top_k > 0 or self.rollout_min_p > 0
+
+    @property
+    def ci_tolerance(self) -> float:
+        """What --ci-test allows per token: the flag, or what the dtypes of the two sides allow."""
+        if self.true_on_policy_mode:
+            return 0.0
+        if self.ci_test_tolerance is not None:
+            return self.ci_test_tolerance
+        return BF16_CI_TOLERANCE if "bfloat16" in (self.rollout_dtype, self.train_dtype) else FP32_CI_TOLERANCE
 
     @property
     def micro_batch(self) -> int:
@@ -184,6 +197,9 @@ class RunConfig(BaseModel):
             bad(knob, getattr(self, knob), "the hf semantics have no frequency or presence penalty (transformers has no such processor)")
         if self.ci_test and not replay:
             bad("ci_test", True, "compares the trainer's log-probs with the rollout log mu, which only replay captures (rollout top_p < 1, top_k > 0 or min_p > 0)")
+        if self.true_on_policy_mode and "bfloat16" in (self.rollout_dtype, self.train_dtype):
+            knob = "rollout_dtype" if self.rollout_dtype == "bfloat16" else "train_dtype"
+            bad(knob, "bfloat16", "true-on-policy mode runs the batch-invariant fp32 kernels on both sides; bf16 would need kernels of their own")
         if self.true_on_policy_mode and self.sampling_semantics == "hf":
             bad("sampling_semantics", "hf", "true-on-policy mode needs a deterministic sampler (sglang or vllm); hf ties depend on the batch")
         total = self.rollout_batch_size * self.n_samples_per_prompt

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer
 
 from ..modeling.checkpoints import smollm2_checkpoint
@@ -71,12 +72,15 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
     # --ci-test under a lag scores older tokens under the weights that sampled them, kept on rank 0
     keeps_versions = bool(cfg.ci_test and cfg.max_policy_lag)
     lagged = LaggedScorer(checkpoint, ctx.device, keep=cfg.max_policy_lag + 1, sparse=learner.actor.sparse_head, batch_invariant=cfg.true_on_policy_mode,
+                          compute_dtype=getattr(torch, cfg.train_dtype),
                           temperature=cfg.rollout_temperature, micro_batch=cfg.micro_batch, max_tokens=cfg.max_tokens_per_micro_batch,
                           ) if ctx.is_main and keeps_versions else None
     if cfg.rollout_url or start or keeps_versions:  # an engine of its own, or a resume: it samples with exactly these weights, so named
         push(sync if (cfg.rollout_url or start) else None, learner, ctx, pushed[-1], lagged)
     log = MetricsLog(out, cfg.num_rollout, start, progress=cfg.progress, enabled=ctx.is_main)
-    tolerance = 0.0 if cfg.true_on_policy_mode else cfg.ci_test_tolerance
+    tolerance = cfg.ci_tolerance
+    if ctx.is_main and cfg.ci_test:
+        print(f"--ci-test: every token within {tolerance:g} of its log mu (rollout {cfg.rollout_dtype}, trainer {cfg.train_dtype})", flush=True)
     producer = RolloutProducer(rollouts, cfg, ctx)  # a rollout in flight at a crash is generated again on resume
     try:
         producer.start(start)

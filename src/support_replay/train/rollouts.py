@@ -12,6 +12,7 @@ import uuid
 from dataclasses import asdict, replace
 
 import numpy as np
+import torch
 
 from ..errors import ConfigError, SupportReplayError
 from ..rollout import generate_samples, load_prompts, load_reward
@@ -95,7 +96,7 @@ class Rollouts:
             from ..engine import Engine
 
             self.engine = Engine.from_pretrained(
-                checkpoint_path, semantics=cfg.sampling_semantics, sampling_mask_max_tokens=cfg.sampling_mask_max_tokens,
+                checkpoint_path, dtype=getattr(torch, cfg.rollout_dtype), semantics=cfg.sampling_semantics, sampling_mask_max_tokens=cfg.sampling_mask_max_tokens,
                 seed=cfg.rollout_seed, deterministic=cfg.true_on_policy_mode, weight_version=weight_version,
             )
             self.backend = EngineBackend(self.engine)
