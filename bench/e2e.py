@@ -33,10 +33,12 @@ from support_replay.train import train
 SETTINGS = dict(rollout_batch_size=4, n_samples_per_prompt=4, rollout_max_response_len=64, rollout_temperature=1.0, rollout_top_p=0.8, rollout_top_k=32)
 
 
-def ours(steps: int, micro_batch: int, true_on_policy: bool = False, full_vocab_metrics_interval: int = 1, dtype: str = "float32") -> list[dict]:
+def ours(steps: int, micro_batch: int | None, true_on_policy: bool = False, full_vocab_metrics_interval: int = 1, dtype: str = "float32",
+         max_tokens: int | None = None) -> list[dict]:
     out = tempfile.mkdtemp(prefix="bench-e2e-")
-    cfg = RunConfig(num_rollout=steps, global_batch_size=16, micro_batch_size=micro_batch, true_on_policy_mode=true_on_policy, lr=1e-6, ci_test=True, output_dir=out,
-                    progress=False, full_vocab_metrics_interval=full_vocab_metrics_interval, rollout_dtype=dtype, train_dtype=dtype, **SETTINGS)
+    cfg = RunConfig(num_rollout=steps, global_batch_size=16, micro_batch_size=None if max_tokens else micro_batch, max_tokens_per_micro_batch=max_tokens,
+                    true_on_policy_mode=true_on_policy, lr=1e-6, ci_test=True, output_dir=out, progress=False,
+                    full_vocab_metrics_interval=full_vocab_metrics_interval, rollout_dtype=dtype, train_dtype=dtype, **SETTINGS)
     return train(cfg)
 
 
@@ -140,6 +142,7 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--true-on-policy", action="store_true", help="batch-invariant engine and trainer, bitwise --ci-test")
     ap.add_argument("--full-vocab-metrics-interval", type=int, default=1, help="the metrics-only full-vocabulary head every N rollouts")
+    ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None, help="a token budget instead of --micro-batch-size")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="--rollout-dtype and --train-dtype of our run")
     ap.add_argument("--async-compare", action="store_true", help="synchronous vs --async-rollout through serve, engine and trainer on separate cores")
     args = ap.parse_args()
@@ -147,7 +150,7 @@ def main() -> None:
     if args.async_compare:
         print_async_compare(pinned_runs(args.steps))
         return
-    rows = ours(args.steps, args.micro_batch_size, args.true_on_policy, args.full_vocab_metrics_interval, args.dtype)
+    rows = ours(args.steps, args.micro_batch_size, args.true_on_policy, args.full_vocab_metrics_interval, args.dtype, args.max_tokens_per_micro_batch)
     print("\n| step | generate s | score s | update s | sync s | total s | response len | max abs(log pi - log mu) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

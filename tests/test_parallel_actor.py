@@ -38,8 +38,10 @@ def make_samples(vocab: int, n: int = 8, seed: int = 0) -> list[Sample]:
     rng = np.random.default_rng(seed)
     samples = []
     for i in range(n):
-        prompt = rng.integers(0, vocab, int(rng.integers(3, 9))).tolist()
-        response = rng.integers(0, vocab, int(rng.integers(2, 12))).tolist()
+        prompt = rng.integers(0, vocab, int(rng.integers(3, 9)) if i > 1 else 40).tolist()
+        # samples 0 and 1 (one micro-batch): long prompts, short responses, so that in the contiguous
+        # layout one CP rank holds no response row of that micro-batch at all
+        response = rng.integers(0, vocab, int(rng.integers(2, 12)) if i > 1 else 2).tolist()
         rows = [sorted({t, *rng.integers(0, vocab, int(rng.integers(0, 6))).tolist()}) for t in response]
         mask = np.ones(len(response), np.int8)
         mask[: i % 3] = 0  # some tokens out of the loss

@@ -97,7 +97,8 @@ class RolloutProducer:
             stats["stale_groups_regenerated"] += len(prompts)
             for key in ("failed_samples", "regenerated_groups", "dropped_groups", "retries"):
                 stats[key] = stats.get(key, 0) + more.get(key, 0)
-            samples = renumbered(sorted(kept + again, key=lambda s: s.metadata["prompt"]))
+            # a group the engine failed to answer again may be dropped (--failed-group-policy): whole batches only
+            samples, stats = self.rollouts.whole_batches(renumbered(sorted(kept + again, key=lambda s: s.metadata["prompt"])), stats)
         worst = stale[0]
         raise PolicyLagError(
             f"rollout {r}, prompt {worst.metadata['prompt']}: still sampled by weights {[v.version for v in worst.weight_versions]} "
