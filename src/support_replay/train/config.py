@@ -26,7 +26,7 @@ from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 
 MAX_DEFAULT_MICRO_BATCH = 8
 FP32_CI_TOLERANCE = 1e-3  # docs/training.md, "--ci-test": 40x the largest fp32 difference measured
-BF16_CI_TOLERANCE = 0.5  # docs/training.md: bf16 logits carry 8 bits of mantissa; measured below 0.3 on SmolLM2
+BF16_CI_TOLERANCE = 1.0  # docs/training.md: bf16 logits carry 8 bits of mantissa; up to 0.34 measured on SmolLM2
 NEUTRAL_PENALTIES = {"rollout_frequency_penalty": 0.0, "rollout_presence_penalty": 0.0, "rollout_repetition_penalty": 1.0}
 
 
