@@ -71,20 +71,24 @@ def test_two_fsdp_ranks_equal_one(tiny_checkpoint, tmp_path, global_batch, micro
         assert torch.equal(two[k], one[k]), k
 
 
-def _agent_worker(rank, world, port, checkpoint, out, results):
+def _agent_worker(rank, world, port, checkpoint, out, results, extra):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     sys.path.insert(0, str(Path(__file__).parent))
     from test_agents_train import agent_config
 
-    cfg = agent_config(checkpoint, Path(out), agent="chain", session_history_policy="reject", num_rollout=2, rollout_repetition_penalty=1.2)
+    cfg = agent_config(checkpoint, Path(out), agent="chain", session_history_policy="reject", num_rollout=2, **extra)
     rows = train(cfg)
     results[rank] = [(r["train_rollout_logprob_abs_diff_max"], r["episode_turns_mean"]) for r in rows] if rank == 0 else "ok"
 
 
-def test_agent_episodes_and_penalties_on_two_ranks(tiny_agent_checkpoint, tmp_path):
+# data parallel with penalties; multi-turn loss masks (inserted tokens out of the loss) with the
+# sequence split by context parallelism, and with the layers split by tensor parallelism
+@pytest.mark.parametrize("extra", [dict(rollout_repetition_penalty=1.2), dict(context_parallel_size=2, context_parallel_layout="contiguous"),
+                                   dict(tensor_model_parallel_size=2)], ids=["dp-penalties", "cp", "tp"])
+def test_agent_episodes_on_two_ranks(tiny_agent_checkpoint, tmp_path, extra):
     """Rank 0 plays the episodes through its session server and broadcasts them; both ranks train."""
     results = mp.Manager().dict()
-    mp.spawn(_agent_worker, args=(2, free_port(), str(tiny_agent_checkpoint), str(tmp_path), results), nprocs=2, join=True)
+    mp.spawn(_agent_worker, args=(2, free_port(), str(tiny_agent_checkpoint), str(tmp_path), results, extra), nprocs=2, join=True)
     assert results[1] == "ok" and len(results[0]) == 2 and all(diff <= 1e-3 and turns > 1 for diff, turns in results[0])
 
 
