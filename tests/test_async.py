@@ -154,13 +154,28 @@ def test_the_drift_gate_takes_stale_samples_out_of_the_loss(tiny_checkpoint, tmp
     assert rows[1]["loss"] == 0.0 and rows[0]["loss"] != 0.0  # nothing of the gated rollout trains
 
 
-def test_a_resumed_async_run_generates_the_rollout_that_was_in_flight_again(tiny_checkpoint, tmp_path):
+def test_a_crash_with_a_rollout_in_flight_resumes_losing_nothing_trained(tiny_checkpoint, tmp_path, monkeypatch):
+    from support_replay.errors import NonFiniteError
+    from support_replay.train import learner as learner_module
+
     save = dict(save=str(tmp_path / "ckpt"), save_interval=1, async_rollout=True, max_policy_lag=1)
-    first = train(run_config(tiny_checkpoint, tmp_path, num_rollout=2, **save))
-    resumed = train(run_config(tiny_checkpoint, tmp_path, num_rollout=3, resume=True, **save))
-    assert [r["rollout"] for r in first] == [0, 1] and [r["rollout"] for r in resumed] == [0, 1, 2]  # the log continues
-    # rollout 2 would have been generated on weights '1' during update 1; it restarts on the saved weights '2'
-    assert resumed[-1]["policy_lag_max"] == 0 and resumed[-1]["train_rollout_logprob_abs_diff_max"] <= 1e-3
+    original = learner_module.Learner.optimizer_step
+
+    def crash_at_rollout_2(self, rollout):
+        if rollout == 2:  # rollout 3 is being generated meanwhile
+            raise NonFiniteError("a crash in the middle of rollout 2's update")
+        return original(self, rollout)
+
+    monkeypatch.setattr(learner_module.Learner, "optimizer_step", crash_at_rollout_2)
+    with pytest.raises(NonFiniteError):
+        train(run_config(tiny_checkpoint, tmp_path, num_rollout=4, **save))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["rollout_000001", "rollout_000002"]  # updates 0 and 1 kept
+    monkeypatch.setattr(learner_module.Learner, "optimizer_step", original)
+    resumed = train(run_config(tiny_checkpoint, tmp_path, num_rollout=4, resume=True, **save))
+    # rollout 2 (its update lost) and 3 (in flight) are generated again: 2 on the saved weights '2', 3 one push behind
+    assert [r["rollout"] for r in resumed][-2:] == [2, 3]
+    assert [r["policy_lag_max"] for r in resumed][-2:] == [0, 1]
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in resumed[-2:])
 
 
 @pytest.mark.slow
