@@ -41,8 +41,10 @@ class VocabShard:
 def check_tensor_parallel(hf: nn.Module, tp: int) -> None:
     """Refuse, naming the setting, a model whose heads or MLP do not split over ``tp`` ranks."""
     cfg = hf.config
-    layers = hf.get_decoder().layers
-    missing = [name for name in COLUMNS + ROWS if not isinstance(layers[0].get_submodule(name), nn.Linear)] if layers else []
+    layers = getattr(hf.get_decoder(), "layers", None)
+    if not layers:
+        raise ConfigError(f"--tensor-model-parallel-size={tp}: {type(hf).__name__} has no Llama-style decoder layers to split")
+    missing = [name for name in COLUMNS + ROWS if not (_has(layers[0], name) and isinstance(layers[0].get_submodule(name), nn.Linear))]
     if missing:
         raise ConfigError(f"--tensor-model-parallel-size={tp}: {type(hf).__name__} has no Llama-style {missing[0]} linear layer")
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
