@@ -113,7 +113,7 @@ def test_old_and_new_logprobs_are_bitwise_equal_before_the_first_step(tiny_check
     cfg = run_config(tiny_checkpoint, tmp_path, global_batch_size=4, micro_batch_size=2, entropy_coef=0.0 if sparse else 0.01)
     learner, rollouts = parts(tiny_checkpoint, cfg)
     assert learner.actor.sparse_head is sparse and not learner.fused
-    samples = rollouts.generate(0)[0]
+    samples = rollouts.produce(0)[0]
     steps = learner.plan(samples)
     old = learner.score_before_update(steps, len(samples))
     advantages, _ = learner.advantages(samples, old)
@@ -127,7 +127,7 @@ def test_old_and_new_logprobs_are_bitwise_equal_before_the_first_step(tiny_check
 def test_sparse_head_and_dense_scores_agree_within_rounding(tiny_checkpoint, tmp_path):
     """docs/math.md: the two paths are the same math, not the same bits."""
     learner, rollouts = parts(tiny_checkpoint, run_config(tiny_checkpoint, tmp_path))
-    samples = rollouts.generate(0)[0]
+    samples = rollouts.produce(0)[0]
     batch = learner.plan(samples)[0].micro_batches[0]
     with torch.no_grad():
         sparse = learner.actor.score(batch, 1.0).logp
@@ -165,7 +165,7 @@ def test_first_step_loss_equals_a_hand_computation(tiny_checkpoint, tmp_path, ag
     cfg = run_config(tiny_checkpoint, tmp_path, global_batch_size=8, micro_batch_size=4, loss_aggregation=aggregation)
     learner, rollouts = parts(tiny_checkpoint, cfg)
     assert learner.fused
-    samples = vary_loss_masks(rollouts.generate(0)[0])
+    samples = vary_loss_masks(rollouts.produce(0)[0])
     steps = learner.plan(samples)
     old = learner.score_before_update(steps, len(samples))
     advantages, _ = learner.advantages(samples, old)
@@ -184,7 +184,7 @@ def first_step(tiny_checkpoint, tmp_path, shift_log_mu: float, *, singletons_too
     ``shift_log_mu`` on every token with a choice (|S| > 1), or on every token."""
     cfg = run_config(tiny_checkpoint, tmp_path, global_batch_size=8, micro_batch_size=4, **overrides)
     learner, rollouts = parts(tiny_checkpoint, cfg)
-    samples = vary_loss_masks(rollouts.generate(0)[0])
+    samples = vary_loss_masks(rollouts.produce(0)[0])
     rollouts.close()
     for s in samples:  # the learner trusts its samples: it does not validate them again
         lowered = np.ones(s.response_length, bool) if singletons_too else s.support.sizes() > 1
@@ -294,9 +294,9 @@ def test_a_sample_from_stale_weights_fails_closed_at_lag_0(tiny_checkpoint, tmp_
 
 def test_policy_lag_names_unknown_and_missing_versions(tiny_checkpoint, tmp_path):
     learner, rollouts = parts(tiny_checkpoint, run_config(tiny_checkpoint, tmp_path))
-    samples = rollouts.generate(0)[0]
+    samples = rollouts.produce(0)[0]
     rollouts.close()
-    assert check_policy_lag(0, samples, ["0"], 0, "engine X") == {"policy_lag_max": 0, "policy_lag_mean": 0.0}
+    assert check_policy_lag(0, samples, ["0"], 0, "engine X") == ({"policy_lag_max": 0, "policy_lag_mean": 0.0}, [0] * len(samples))
     samples[2].weight_versions = [VersionSpan("0", 0, 4), VersionSpan("elsewhere", 4, samples[2].response_length)]
     with pytest.raises(PolicyLagError, match=r"sample 2: engine X sampled it with weights \['0', 'elsewhere'\].*\['elsewhere'\] were never pushed"):
         check_policy_lag(0, samples, ["0"], 0, "engine X")

@@ -30,8 +30,6 @@ STRIPPED_HINT = (
 )
 
 
-
-
 def sampling_params_json(req: GenerateRequest) -> dict:
     """Every sampling setting, sent explicitly: a server fills the ones left out from the
     model's generation_config.json (SGLang's default ``--sampling-defaults model``), which may

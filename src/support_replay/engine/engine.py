@@ -56,6 +56,7 @@ class _Sequence:
     position: int = 0  # position id of the next token fed to the model
     finish_reason: dict | None = None
     text: str = ""
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # the request's logit bias as a row, built once at admission
 
 
 class Engine:
@@ -288,7 +289,8 @@ class Engine:
                 seed = request.params.seed
                 if seed is None:
                     seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
-                seqs.append(_Sequence(request, future, torch.Generator().manual_seed(seed), position=len(request.input_ids)))
+                bias = dense_bias(request.penalties, self.vocab_size, self.runner.device)
+                seqs.append(_Sequence(request, future, torch.Generator().manual_seed(seed), position=len(request.input_ids), bias=bias))
             except Exception as exc:
                 self._finish_failed(request, future, exc, "admission")
         if not seqs:
@@ -397,8 +399,7 @@ class Engine:
         for i in rows:
             req = seqs[i].request
             counts, seen = dense_history(req.input_ids, seqs[i].output_ids, vocab, self.semantics, logits.device)
-            bias = dense_bias(req.penalties, vocab, logits.device)
-            logits[i] = penalise(logits[i].float(), counts, seen, bias, req.penalties, self.semantics).to(logits.dtype)
+            logits[i] = penalise(logits[i].float(), counts, seen, seqs[i].bias, req.penalties, self.semantics).to(logits.dtype)
         return logits
 
     @staticmethod

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -128,31 +129,27 @@ class ScoringModel(nn.Module):
                     full_lp, _ = full_logprobs_and_entropy(head(h.detach()), targets, temperature)
             return logp, full_lp, ent
         logits = head(h)  # tensor parallel: this rank's vocabulary columns only
-        if self.vocab is not None:
-            return self._vocab_parallel(logits, targets, support, temperature, full, entropy, full_detached)
+        full_fn, support_fn = self._head_functions()
         if full or entropy or support is None:
-            full_lp, ent = full_logprobs_and_entropy(logits, targets, temperature)
+            full_lp, ent = full_fn(logits, targets, temperature)
         elif full_detached:
             with torch.no_grad():
-                full_lp, _ = full_logprobs_and_entropy(logits.detach(), targets, temperature)
+                full_lp, _ = full_fn(logits.detach(), targets, temperature)
         if support is None:
             logp = full_lp
-        elif transform is not None:
+        elif transform is not None:  # refused with tensor parallelism (train/config.py)
             logp = penalised_support_logprobs(logits, targets, support, temperature, transform)
         else:
-            logp = support_logprobs(logits, targets, support, temperature)
+            logp = support_fn(logits, targets, support, temperature)
         return logp, full_lp, ent if entropy else None
 
-    def _vocab_parallel(self, local_logits, targets, support, temperature, full, entropy, full_detached):
-        start, group = self.vocab.start, self.tp_group
-        full_lp = ent = None
-        if full or entropy or support is None:
-            full_lp, ent = vocab_parallel_full_logprobs_and_entropy(local_logits, targets, temperature, start, group)
-        elif full_detached:
-            with torch.no_grad():
-                full_lp, _ = vocab_parallel_full_logprobs_and_entropy(local_logits.detach(), targets, temperature, start, group)
-        logp = full_lp if support is None else vocab_parallel_support_logprobs(local_logits, targets, support, temperature, start, group)
-        return logp, full_lp, ent if entropy else None
+    def _head_functions(self):
+        """``(full-vocabulary log-probs and entropy, support log-probs)`` of the logits the head
+        returns: the core's, or their vocab-parallel forms over this rank's vocabulary columns."""
+        if self.vocab is None:
+            return full_logprobs_and_entropy, support_logprobs
+        shard = {"vocab_start": self.vocab.start, "group": self.tp_group}
+        return partial(vocab_parallel_full_logprobs_and_entropy, **shard), partial(vocab_parallel_support_logprobs, **shard)
 
 
 def load_scoring_model(path, device, batch_invariant: bool = False, compute_dtype: torch.dtype = torch.float32) -> ScoringModel:

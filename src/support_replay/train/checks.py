@@ -31,10 +31,11 @@ def sample_age(sample: Sample, ages: dict[str, int]) -> int | None:
     return max(ages[v] for v in versions)
 
 
-def check_policy_lag(rollout: int, samples: list[Sample], pushed: list[str], max_lag: int, engine: str) -> dict:
+def check_policy_lag(rollout: int, samples: list[Sample], pushed: list[str], max_lag: int, engine: str) -> tuple[dict, list[int]]:
     """Raise ``PolicyLagError`` naming the engine, the sample and the versions when a token was
     sampled by weights older than ``max_lag`` pushes (``pushed``: the versions in push order,
-    the current one last) or by weights the trainer never pushed; returns the lag metrics."""
+    the current one last) or by weights the trainer never pushed; returns the lag metrics and
+    every sample's age."""
     ages = version_ages(pushed)
     lags = []
     for s in samples:
@@ -53,7 +54,7 @@ def check_policy_lag(rollout: int, samples: list[Sample], pushed: list[str], max
                 f"{pushed[max(0, len(pushed) - 1 - max_lag):]}" + (f"; {unknown} were never pushed by this run" if unknown else "")
             )
         lags.append(age)
-    return {"policy_lag_max": max(lags), "policy_lag_mean": float(np.mean(lags))}
+    return {"policy_lag_max": max(lags), "policy_lag_mean": float(np.mean(lags))}, lags
 
 
 def compare_with_rollout(rollout: int, samples: list[Sample], trainer_logp: list[torch.Tensor], *, tolerance: float, fail: bool) -> dict:

@@ -16,12 +16,11 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from transformers import AutoTokenizer
 
 from ..modeling.checkpoints import smollm2_checkpoint
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, saved_rollout
-from .checks import check_policy_lag, compare_with_rollout, sample_age, version_ages
+from .checks import check_policy_lag, compare_with_rollout
 from .config import RunConfig
 from .dist import broadcast_object, close_distributed, init_distributed
 from .drift import support_drift
@@ -72,7 +71,7 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
     # --ci-test under a lag scores older tokens under the weights that sampled them, kept on rank 0
     keeps_versions = bool(cfg.ci_test and cfg.max_policy_lag)
     lagged = LaggedScorer(checkpoint, ctx.device, keep=cfg.max_policy_lag + 1, sparse=learner.actor.sparse_head, batch_invariant=cfg.true_on_policy_mode,
-                          compute_dtype=getattr(torch, cfg.train_dtype),
+                          compute_dtype=learner.actor.model.compute_dtype,
                           temperature=cfg.rollout_temperature, micro_batch=cfg.micro_batch, max_tokens=cfg.max_tokens_per_micro_batch,
                           ) if ctx.is_main and keeps_versions else None
     if cfg.rollout_url or start or keeps_versions:  # an engine of its own, or a resume: it samples with exactly these weights, so named
@@ -92,8 +91,7 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
             if not samples:  # every group dropped: nothing to learn from, nothing to push
                 log.log({"rollout": r, "skipped": True, **failures, **clock, "time_step": time.perf_counter() - t0})
                 continue
-            lag = check_policy_lag(r, samples, pushed, cfg.max_policy_lag, rollouts.engine_name)
-            ages = [sample_age(s, version_ages(pushed)) for s in samples]
+            lag, ages = check_policy_lag(r, samples, pushed, cfg.max_policy_lag, rollouts.engine_name)
             steps = learner.plan(samples, r, rollouts.penalty_semantics)  # micro-batches for every pass, planned once, on the device
             with clock("score"):
                 old = learner.score_before_update(steps, len(samples))  # old log-probs (unless fused), reference

@@ -166,10 +166,6 @@ class Rollouts:
                                        self.replay, r, cfg.rollout_seed, "train")
         return self.whole_batches(samples, stats)
 
-    def generate(self, r: int) -> tuple[list[Sample], dict]:
-        """Rollout ``r`` on every rank, generated now (the producer adds lag handling and --async-rollout)."""
-        return broadcast_object(self.produce(r) if self.ctx.is_main else None, self.ctx)
-
     def regenerate(self, r: int, prompts: list[int], round_: int) -> tuple[list[Sample], dict]:
         """Rank 0: the groups of rollout ``r``'s ``prompts`` (indices) generated again, with fresh
         seeds and request ids; ``metadata["prompt"]`` keeps the index in the rollout."""
