@@ -2,24 +2,77 @@
 batches, KV cache, prefill then decode) and in the trainer (one right-padded forward)."""
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, support_logprobs
-from support_replay.modeling.batch_invariant import make_batch_invariant
+from support_replay.modeling.batch_invariant import batch_invariant_attention, make_batch_invariant
 from support_replay.engine import Engine
 from support_replay.protocol import GenerateRequest
 from support_replay.engine.model_runner import ModelRunner
 
 
-def test_engine_and_trainer_logits_are_bitwise_equal(tiny_checkpoint):
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """The engine and the trainer at the same thread count, 1 and 2 (the machine's cores)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
+def _reference_attention(q, k, v, allowed):
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None]).transpose(1, 2)
+
+
+def test_block_attention_decode_equals_full_forward_for_key_lengths_63_to_129(threads):
+    """One query over a left-padded cache (random padding, a neighbour row of noise) gets the
+    same bits as the same query in a right-padded causal forward, for every key count from 63 to
+    129 (across the 64-key block edges); the forward is attention (sdpa to 1e-6) and its
+    gradient is attention's."""
+    gen = torch.Generator().manual_seed(threads)
+    heads, kv_heads, dim, length = 4, 2, 16, 130
+    q = torch.randn(2, heads, length, dim, generator=gen, requires_grad=True)
+    k = torch.randn(2, kv_heads, length, dim, generator=gen, requires_grad=True)
+    v = torch.randn(2, kv_heads, length, dim, generator=gen, requires_grad=True)
+    allowed = torch.ones(length, length, dtype=torch.bool).tril()[None].repeat(2, 1, 1)
+    allowed[1, :, 100:] = False  # row 1 right-padded after 100 tokens
+    allowed[1, 100:] = False
+    full, _ = batch_invariant_attention(None, q, k, v, allowed[:, None], scaling=dim**-0.5)
+    expected = _reference_attention(q, k, v, allowed)
+    assert torch.allclose(full[0], expected[0], atol=1e-5) and torch.allclose(full[1, :100], expected[1, :100], atol=1e-5)
+    assert not full[1, 100:].any()  # padding queries: zeros, never NaN
+    grads = torch.autograd.grad(full[0].sum() + full[1, :100].sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected[0].sum() + expected[1, :100].sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads):
+        assert torch.allclose(got, want, atol=1e-4)
+    with torch.no_grad():
+        for n in range(63, 130):  # the query at position n - 1 sees n keys
+            pad = int(torch.randint(0, 70, (1,), generator=gen))
+            width = pad + n + int(torch.randint(0, 3, (1,), generator=gen))  # a cache column or two past it: masked
+            cache_k = torch.randn(2, kv_heads, width, dim, generator=gen)
+            cache_v = torch.randn(2, kv_heads, width, dim, generator=gen)
+            cache_k[0, :, pad : pad + n], cache_v[0, :, pad : pad + n] = k[0, :, :n], v[0, :, :n]
+            seen = torch.zeros(2, 1, 1, width, dtype=torch.bool)
+            seen[0, 0, 0, pad : pad + n] = True
+            seen[1] = True
+            query = torch.stack([q[0, :, n - 1 : n], torch.randn(heads, 1, dim, generator=gen)])
+            out, _ = batch_invariant_attention(None, query, cache_k, cache_v, seen, scaling=dim**-0.5)
+            assert torch.equal(out[0, 0], full[0, n - 1]), n
+
+
+def test_engine_and_trainer_logits_are_bitwise_equal(tiny_checkpoint, threads):
     model = make_batch_invariant(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval())
     runner = ModelRunner(model)
-    prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22]]
+    # decode steps cross the 64- and 128-key block edges; prompts of different lengths pad the cache
+    prompts = [[5 + i % 50 for i in range(61)], [11, 12], [20 + i % 30 for i in range(125)]]
     batch, logits = runner.prefill(prompts)
     steps, seqs = [logits], [list(p) for p in prompts]
     nxt, pos = logits.argmax(-1), torch.tensor([len(p) for p in prompts])
-    for _ in range(5):
+    for _ in range(6):
         for s, x in zip(seqs, nxt.tolist()):
             s.append(x)
         logits = runner.decode(batch, nxt, pos)

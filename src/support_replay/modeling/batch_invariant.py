@@ -7,8 +7,9 @@ Measured on this project's CPU (docs/true-on-policy.md): a row of ``F.linear`` i
 bits whatever the other rows hold and wherever it sits, once the row count is a multiple of
 16 (1, 2 or ragged row counts take other kernels); row reductions (RMSNorm) and
 elementwise ops (RoPE, SiLU, residuals) are per row already. Attention is the one place
-where shapes differ between the two sides; here every query row attends with a product of
-exactly its own key prefix, ``[heads, 1, d] x [heads, d, n]``, the same shapes on both sides.
+where shapes differ between the two sides; here it runs in tiles of one fixed shape, keys in
+blocks counted from the sequence start, block results added in position order, so a query
+row gets the same bits in a decode step over a left-padded cache as in a full forward.
 
 ``make_batch_invariant(model)`` switches a loaded model to this forward in place.
 """
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 ATTENTION = "support_replay_batch_invariant"
-ROW_BLOCK = 16
+ROW_BLOCK = 16  # rows of every product: linear layers and attention tiles
+KEY_BLOCK = 64  # keys per attention block, counted from the sequence start
 
 
 def _padded_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -34,8 +36,38 @@ def _padded_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out[: out.shape[0] - extra].reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _aligned_keys(key, value, allowed):
+    """Keys, values and the mask shifted per row so that index j holds sequence position j
+    (the engine's cache is left-padded, the trainer's batch right-padded), padded to whole
+    key blocks; a row's start is its first key any query may see."""
+    batch, heads, k_len, dim = key.shape
+    seen = allowed.any(1)  # [B, L]
+    start = torch.where(seen.any(1), seen.int().argmax(1), 0)
+    width = -(-int((k_len - start).max()) // KEY_BLOCK) * KEY_BLOCK
+    if bool((start == 0).all()):  # already aligned (the trainer's case): no gather
+        extra = max(width - k_len, 0)
+        key, value, allowed = F.pad(key, (0, 0, 0, extra)), F.pad(value, (0, 0, 0, extra)), F.pad(allowed, (0, extra))
+        return key[:, :, :width], value[:, :, :width], allowed[:, :, :width]
+    index = start[:, None] + torch.arange(width, device=key.device)[None]
+    inside = index < k_len
+    index = index.clamp_max(k_len - 1)
+    rows = index[:, None, :, None].expand(batch, heads, width, dim)
+    gathered = allowed.gather(2, index[:, None, :].expand(-1, allowed.shape[1], -1)) & inside[:, None, :]
+    return key.gather(2, rows), value.gather(2, rows), gathered
+
+
 def batch_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention row by row over each query's own allowed keys; returns ``[B, q, H, d]``."""
+    """Attention in fixed-shape tiles with a fixed reduction order; returns ``[B, q, H, d]``.
+
+    Keys are cut into blocks of ``KEY_BLOCK`` positions counted from the sequence start and
+    queries into tiles of ``ROW_BLOCK`` rows, so every product is ``[16, d] x [d, 64]`` or
+    ``[16, 64] x [64, d]`` whatever the batch, the padding or the prefill/decode split (a
+    batched product of one fixed shape gives each row the same bits whatever the batch count
+    and the row's place: measured, tests/test_batch_invariant.py). A key sits at the same
+    place of the same block on both sides; masked keys weigh exactly 0; the softmax runs over
+    the position-aligned row, and the blocks' partial outputs are added in position order.
+    Autograd gives the backward.
+    """
     batch, heads, q_len, dim = query.shape
     repeat = heads // key.shape[1]
     if repeat > 1:
@@ -47,19 +79,24 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
     else:
         mask = attention_mask[:, 0]
         allowed = mask if mask.dtype == torch.bool else mask == 0
-    rows = []
-    for b in range(batch):
-        out_b = []
-        for i in range(q_len):
-            keys = allowed[b, i].nonzero().squeeze(1)
-            if len(keys) == 0:  # a padding query: nothing to attend, nothing reads it
-                out_b.append(query.new_zeros(heads, dim))
-                continue
-            scores = torch.matmul(query[b, :, i : i + 1], key[b, :, keys].transpose(-1, -2)) * scale
-            probs = torch.softmax(scores, dim=-1)
-            out_b.append(torch.matmul(probs, value[b, :, keys])[:, 0])
-        rows.append(torch.stack(out_b))
-    return torch.stack(rows), None
+    key, value, allowed = _aligned_keys(key, value, allowed)
+    width = key.shape[2]
+    blocks = width // KEY_BLOCK
+    q_extra = -q_len % ROW_BLOCK
+    tiles = (q_len + q_extra) // ROW_BLOCK
+    q_tiles = F.pad(query, (0, 0, 0, q_extra)).reshape(batch, heads, tiles, 1, ROW_BLOCK, dim)
+    k_blocks = key.reshape(batch, heads, 1, blocks, KEY_BLOCK, dim).transpose(-1, -2)
+    scores = torch.matmul(q_tiles, k_blocks)  # [B, H, tiles, blocks, 16, 64]
+    scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(batch, heads, tiles * ROW_BLOCK, width)[:, :, :q_len] * scale
+    live = allowed.any(-1)[:, None, :, None]  # a padding query sees nothing: zeros, never NaN
+    scores = scores.masked_fill(~allowed[:, None], float("-inf")).masked_fill(~live, 0.0)
+    probs = torch.softmax(scores, dim=-1).masked_fill(~allowed[:, None], 0.0)
+    p_tiles = F.pad(probs, (0, 0, 0, q_extra)).reshape(batch, heads, tiles, ROW_BLOCK, blocks, KEY_BLOCK).transpose(3, 4)
+    parts = torch.matmul(p_tiles, value.reshape(batch, heads, 1, blocks, KEY_BLOCK, dim))  # [B, H, tiles, blocks, 16, d]
+    out = parts[:, :, :, 0]
+    for b in range(1, blocks):  # position order, the same on both sides; empty blocks add exact zeros
+        out = out + parts[:, :, :, b]
+    return out.reshape(batch, heads, tiles * ROW_BLOCK, dim)[:, :, :q_len].transpose(1, 2), None
 
 
 def _register() -> None:
