@@ -30,6 +30,16 @@ def test_sglang_backend_http_error():
         b.generate([req()])
 
 
+def test_a_request_aborted_by_a_weight_update_is_unavailable_not_a_wire_error():
+    """serve answers 499 for a request a weight update (abort mode) dropped before it ran: the
+    rollout treats it as no answer (the group is generated again), never as a malformed reply."""
+    from support_replay.errors import EngineUnavailable
+
+    aborted = lambda r: httpx.Response(499, json={"error": {"message": "a weight update aborted it (abort mode)", "code": 499}})  # noqa: E731
+    with pytest.raises(EngineUnavailable, match="aborted it \\(HTTP 499"):
+        SGLangBackend("http://sglang", VOCAB, transport=mock(aborted)).generate([req()])
+
+
 def test_sglang_sends_every_sampling_setting_explicitly():
     seen = {}
 

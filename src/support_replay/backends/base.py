@@ -16,11 +16,12 @@ from typing import Protocol
 
 import httpx
 
-from ..errors import EngineUnavailable, WireError
+from ..errors import AbortedError, EngineUnavailable, WireError
 from ..protocol import SESSION_HEADER, GenerateRequest
 
 RETRIES = 3  # tries after the first
 RETRY_STATUSES = (502, 503, 504)
+ABORTED_STATUS = AbortedError.status  # our serve's answer for a request a weight update aborted before it ran
 MAX_BACKOFF = 10.0
 
 
@@ -87,6 +88,8 @@ def post_json(client, url: str, body: dict, index: int, retries: RetryCounter | 
             wait = reply.headers.get("retry-after", "")
             time.sleep(min(MAX_BACKOFF, float(wait) if wait.replace(".", "", 1).isdigit() else 0.5 * 2**attempt))
             continue
+        if reply.status_code == ABORTED_STATUS:  # a weight update (abort mode) or a cancel: no answer, like a drop
+            raise EngineUnavailable(f"request {index}: {url} aborted it (HTTP {ABORTED_STATUS}: {reply.text[:300]})")
         if reply.status_code != 200:
             raise WireError(f"request {index}: {url} answered HTTP {reply.status_code}: {reply.text[:500]}")
         try:

@@ -13,6 +13,11 @@ share; each share is cut into micro-batches of ``micro_batch`` samples, or by a 
 responses travel many to a batch and long ones few, the same count on every rank). With as
 many micro-batches per rank as one process has in all, the ranks compute exactly the
 micro-batches one process would.
+
+Packed (``--packed-scoring``): the samples of one prompt (a GRPO group) are planned together and
+scored as one row, the prompt once and every response after it, each response attending to the
+prompt and to itself (``build_packed_micro_batch``): a group of 4 with a 44-token prompt and
+35-token answers is 184 tokens instead of 4 x 79 = 316, with no padding inside the row.
 """
 
 from __future__ import annotations
@@ -58,13 +63,14 @@ class MicroBatch:
     indices: list[int]  # sample indices, in the order of the rows below
     lengths: list[int]  # response tokens per sample
     input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L] long, or [B, 1, L, L] bool when packed (True: the query sees the key)
     rows_b: torch.Tensor  # [N] batch row of every scored position
     rows_t: torch.Tensor  # [N] position whose logits predict response token n
     targets: torch.Tensor  # [N] the response tokens
     support: tuple[torch.Tensor, torch.Tensor] | None  # padded (ids [N, K], valid [N, K]) under replay
     loss_mask: torch.Tensor  # [N] float, 1 for tokens that train
     penalty: PenaltyRows | None = None  # the rollout's penalties at the support ids, when it had any
+    position_ids: torch.Tensor | None = None  # [B, L] when packed: every response continues its prompt's positions
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +90,71 @@ class OptimizerStep:
     sequences: int  # samples with at least one trained token in the whole global batch
 
 
-def build_micro_batch(samples: list[Sample], indices: list[int], replay: bool, device, penalty_semantics: str = "sglang") -> MicroBatch:
+def prompt_groups(samples: list[Sample], part: list[int]) -> list[list[int]]:
+    """``part``'s samples grouped by identical prompt tokens, in order of first appearance: the
+    rows of a packed micro-batch."""
+    rows: dict[tuple[int, ...], list[int]] = {}
+    for i in part:
+        rows.setdefault(tuple(samples[i].prompt_ids), []).append(i)
+    return list(rows.values())
+
+
+def _packed_length(samples: list[Sample], row: list[int]) -> int:
+    return len(samples[row[0]].prompt_ids) + sum(samples[i].response_length for i in row)
+
+
+def build_packed_micro_batch(samples: list[Sample], indices: list[int], replay: bool, device) -> MicroBatch:
+    """One row per distinct prompt: the prompt once, then each response after it. A response
+    attends to the prompt and to its own earlier tokens only, at the positions it had alone, so
+    every score and gradient is the unpacked one's math; the prompt is computed once per group.
+    Samples keep ``indices``' order in the scored rows (``split`` returns them as given)."""
+    rows = prompt_groups(samples, indices)
+    indices = [i for row in rows for i in row]  # the scored rows' order (the planner's already, when it planned for packing)
+    width = max(_packed_length(samples, row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    segment = torch.full((len(rows), width), -2, dtype=torch.long)  # -1: the prompt, j >= 0: response j, -2: padding
+    rows_b, rows_t = [], []
+    for b, row in enumerate(rows):
+        prompt = samples[row[0]].prompt_ids
+        n = len(prompt)
+        ids[b, :n] = torch.tensor(prompt)
+        positions[b, :n] = torch.arange(n)
+        segment[b, :n] = -1
+        at = n
+        for j, i in enumerate(row):
+            r = samples[i].response_length
+            ids[b, at : at + r] = torch.tensor(samples[i].response_ids)
+            positions[b, at : at + r] = torch.arange(n, n + r)
+            segment[b, at : at + r] = j
+            rows_b += [b] * r
+            rows_t += [n - 1] + list(range(at, at + r - 1))  # the first token is predicted by the prompt's last position
+            at += r
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    q_seg, k_seg = segment[:, :, None], segment[:, None, :]
+    sees = causal & (((k_seg == -1) & (q_seg != -2)) | ((q_seg == k_seg) & (q_seg >= 0)))
+    sees |= torch.eye(width, dtype=torch.bool)  # a padding position sees itself: no row of the softmax is empty
+    chosen = [samples[i] for i in indices]
+    rows_b_t = torch.tensor(rows_b, dtype=torch.long, device=device)
+    return MicroBatch(
+        indices=list(indices),
+        lengths=[s.response_length for s in chosen],
+        input_ids=ids.to(device),
+        attention_mask=sees[:, None].to(device),
+        rows_b=rows_b_t,
+        rows_t=torch.tensor(rows_t, dtype=torch.long, device=device),
+        targets=torch.tensor([t for s in chosen for t in s.response_ids], dtype=torch.long, device=device),
+        support=SupportTable.concat([s.support for s in chosen]).to_padded(device=device) if replay else None,
+        loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in chosen]).astype(np.float32)).to(device),
+        position_ids=positions.to(device),
+    )
+
+
+def build_micro_batch(samples: list[Sample], indices: list[int], replay: bool, device, penalty_semantics: str = "sglang", pack: bool = False) -> MicroBatch:
+    if pack:
+        if samples[indices[0]].penalties.active:  # refused by the run config; a guard for direct callers
+            raise SampleError(f"samples {indices}: packed scoring does not replay penalties (their history is one sequence per row)")
+        return build_packed_micro_batch(samples, indices, replay, device)
     chosen = [samples[i] for i in indices]
     width = max(len(s.prompt_ids) + s.response_length for s in chosen)
     ids = torch.zeros(len(chosen), width, dtype=torch.long)
@@ -135,24 +205,24 @@ def output_starts(s: Sample) -> list[int]:
 
 def plan_optimizer_steps(
     samples: list[Sample], *, global_batch: int, micro_batch: int, rank: int, world: int, replay: bool, device, penalty_semantics: str = "sglang",
-    max_tokens: int | None = None,
+    max_tokens: int | None = None, pack: bool = False,
 ) -> list[OptimizerStep]:
     """This rank's micro-batches for every optimizer step of the rollout: ``micro_batch`` samples
-    each, or under ``max_tokens`` as many as fit that many padded tokens (``token_budget_split``)."""
+    each, or under ``max_tokens`` as many as fit that many padded tokens (``token_budget_split``).
+    ``pack``: the samples of a prompt stay together, scored as one packed row per prompt."""
     steps = []
     for start in range(0, len(samples), global_batch):
-        # longest first, so that each micro-batch pads its samples to similar lengths
-        batch = sorted(range(start, min(start + global_batch, len(samples))), key=lambda i: -len(samples[i].prompt_ids) - samples[i].response_length)
+        batch = _longest_first(samples, range(start, min(start + global_batch, len(samples))), pack)
         per_rank = -(-len(batch) // world)
         shares = [batch[r * per_rank : (r + 1) * per_rank] for r in range(world)]
         if max_tokens is None:
             parts = [shares[rank][m : m + micro_batch] for m in range(0, len(shares[rank]), micro_batch)]
         else:
-            parts = token_budget_split(samples, shares, max_tokens)[rank]
+            parts = token_budget_split(samples, shares, max_tokens, pack)[rank]
         masks = [samples[i].loss_mask for i in batch]
         steps.append(
             OptimizerStep(
-                micro_batches=[build_micro_batch(samples, part, replay, device, penalty_semantics) for part in parts],
+                micro_batches=[build_micro_batch(samples, part, replay, device, penalty_semantics, pack) for part in parts],
                 tokens=int(sum(m.sum() for m in masks)),
                 sequences=int(sum(m.any() for m in masks)),
             )
@@ -160,13 +230,28 @@ def plan_optimizer_steps(
     return steps
 
 
-def _padded_tokens(samples: list[Sample], part: list[int]) -> int:
+def _longest_first(samples: list[Sample], batch, pack: bool) -> list[int]:
+    """Longest first, so that a micro-batch pads its rows to similar lengths; packed, by the
+    length of the prompt's packed row, its samples together (longest first within)."""
+    own = {i: len(samples[i].prompt_ids) + samples[i].response_length for i in batch}
+    if not pack:
+        return sorted(batch, key=lambda i: -own[i])
+    rows = prompt_groups(samples, list(batch))
+    rows.sort(key=lambda row: -_packed_length(samples, row))
+    return [i for row in rows for i in sorted(row, key=lambda i: -own[i])]
+
+
+def _padded_tokens(samples: list[Sample], part: list[int], pack: bool = False) -> int:
+    if pack:
+        rows = prompt_groups(samples, part)
+        return len(rows) * max(_packed_length(samples, row) for row in rows)
     return len(part) * max(len(samples[i].prompt_ids) + samples[i].response_length for i in part)
 
 
-def token_budget_split(samples: list[Sample], shares: list[list[int]], max_tokens: int) -> list[list[list[int]]]:
+def token_budget_split(samples: list[Sample], shares: list[list[int]], max_tokens: int, pack: bool = False) -> list[list[list[int]]]:
     """Every rank's share (longest first) cut into micro-batches of consecutive samples whose
-    padded size (samples x longest) stays within ``max_tokens``; a sample longer than the budget
+    padded size (rows x longest row; a row is a sample, or packed a prompt and its responses)
+    stays within ``max_tokens``; a sample longer than the budget
     goes alone. Then every rank gets as many micro-batches as the rank with most (the largest
     ones split in two): FSDP's collectives need the same number of forwards on every rank.
     Every rank computes every rank's plan, so they agree without talking."""
@@ -174,7 +259,7 @@ def token_budget_split(samples: list[Sample], shares: list[list[int]], max_token
     for share in shares:
         parts: list[list[int]] = []
         for i in share:
-            if parts and _padded_tokens(samples, parts[-1] + [i]) <= max_tokens:
+            if parts and _padded_tokens(samples, parts[-1] + [i], pack) <= max_tokens:
                 parts[-1].append(i)
             else:
                 parts.append([i])
@@ -184,7 +269,7 @@ def token_budget_split(samples: list[Sample], shares: list[list[int]], max_token
         if len(shares[r]) < target:
             raise SampleError(f"token budget {max_tokens}: rank {r} holds {len(shares[r])} samples, fewer than the {target} micro-batches another rank needs")
         while len(parts) < target:
-            k = max((j for j in range(len(parts)) if len(parts[j]) > 1), key=lambda j: _padded_tokens(samples, parts[j]))
+            k = max((j for j in range(len(parts)) if len(parts[j]) > 1), key=lambda j: _padded_tokens(samples, parts[j], pack))
             half = len(parts[k]) // 2
             parts[k : k + 1] = [parts[k][:half], parts[k][half:]]
     return plans

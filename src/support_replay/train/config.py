@@ -92,6 +92,7 @@ class RunConfig(BaseModel):
     context_parallel_size: int = Field(1, ge=1, description="trainer ranks that split each sequence by position (attention all-gathers keys and values)")
     context_parallel_layout: Literal["zigzag", "contiguous"] = Field("zigzag", description="how --context-parallel-size splits a sequence: zigzag (2 chunks per rank, balanced causal work) or contiguous")
     max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="padded tokens (samples x longest prompt + response) per forward/backward on one rank: short samples batch many, long ones few")
+    packed_scoring: Literal["auto", "on", "off"] = Field("auto", description="score a prompt's samples as one packed row, the prompt once and each response attending to it and to itself (same math, fewer tokens); auto: on unless penalties, context parallelism or true-on-policy mode need rows of their own")
     micro_batch_size: int | None = Field(None, ge=1, description=f"the older way: samples per forward/backward on one rank (default without a token budget: the largest divisor of --global-batch-size up to {MAX_DEFAULT_MICRO_BATCH})")
     lr: float = Field(1e-6, gt=0, description="learning rate (AdamW)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
@@ -154,6 +155,21 @@ class RunConfig(BaseModel):
         if self.ci_test_tolerance is not None:
             return self.ci_test_tolerance
         return BF16_CI_TOLERANCE if "bfloat16" in (self.rollout_dtype, self.train_dtype) else FP32_CI_TOLERANCE
+
+    @property
+    def pack_groups(self) -> bool:
+        """Packed scoring: asked for, or by default wherever it composes (see ``_packing_conflict``)."""
+        return self.packed_scoring == "on" or (self.packed_scoring == "auto" and self._packing_conflict() is None)
+
+    def _packing_conflict(self) -> str | None:
+        """Why packed rows cannot serve this run, or None."""
+        if self.penalties.active:
+            return "penalties and logit bias are replayed over each sequence's own history, one sequence per row"
+        if self.context_parallel_size > 1:
+            return "context parallelism splits one sequence per row by position"
+        if self.true_on_policy_mode:
+            return "the batch-invariant attention counts key blocks from the start of one sequence per row"
+        return None
 
     @property
     def micro_batch(self) -> int:
@@ -221,6 +237,8 @@ class RunConfig(BaseModel):
             bad(knob, getattr(self, knob), "penalties are replayed on whole support rows of one rank; tensor and context parallelism do not split them yet")
         if split and self.true_on_policy_mode:
             bad(knob, getattr(self, knob), "true-on-policy mode needs the engine's batch-invariant kernels, which run on one rank")
+        if self.packed_scoring == "on" and self._packing_conflict():
+            bad("packed_scoring", "on", f"{self._packing_conflict()}: use --packed-scoring off or auto")
         if self.async_rollout and self.max_policy_lag < 1:
             bad("async_rollout", True, "samples the next rollout on the weights before this update: needs --max-policy-lag >= 1")
         if self.async_rollout and self.weight_sync_mode == "abort" and (self.failed_group_policy == "drop" or self.max_regenerations < 1):

@@ -27,9 +27,9 @@ from .batches import plan_optimizer_steps
 
 class LaggedScorer:
     def __init__(self, checkpoint, device, *, keep: int, sparse: bool, batch_invariant: bool, temperature: float, micro_batch: int,
-                 max_tokens: int | None = None, compute_dtype: torch.dtype = torch.float32):
+                 max_tokens: int | None = None, compute_dtype: torch.dtype = torch.float32, pack: bool = False):
         self.keep, self.sparse, self.temperature, self.device = keep, sparse, temperature, device
-        self.micro_batch, self.max_tokens = micro_batch, max_tokens
+        self.micro_batch, self.max_tokens, self.pack = micro_batch, max_tokens, pack
         self.states: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self.model = load_scoring_model(checkpoint, device, batch_invariant, compute_dtype).eval().requires_grad_(False)
 
@@ -60,7 +60,7 @@ class LaggedScorer:
     def _score(self, samples: list[Sample], state: dict[str, torch.Tensor], semantics: str) -> list[torch.Tensor]:
         self.model.hf.load_state_dict(state, strict=True)
         steps = plan_optimizer_steps(samples, global_batch=len(samples), micro_batch=self.micro_batch, rank=0, world=1, replay=True,
-                                     device=self.device, penalty_semantics=semantics, max_tokens=self.max_tokens)
+                                     device=self.device, penalty_semantics=semantics, max_tokens=self.max_tokens, pack=self.pack)
         scores: dict[int, torch.Tensor] = {}
         for batch in (mb for step in steps for mb in step.micro_batches):
             logp = score_batch(self.model, batch, self.temperature, sparse=self.sparse).logp

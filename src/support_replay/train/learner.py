@@ -130,7 +130,7 @@ class Learner:
         steps = plan_optimizer_steps(
             samples, global_batch=cfg.global_batch_size, micro_batch=cfg.micro_batch, rank=self.layout.dp_rank, world=self.layout.dp,
             replay=self.replay, device=ctx.device, penalty_semantics=penalty_semantics or cfg.sampling_semantics,
-            max_tokens=cfg.max_tokens_per_micro_batch,
+            max_tokens=cfg.max_tokens_per_micro_batch, pack=cfg.pack_groups,
         )
         self._planned_steps = len(steps)
         return steps

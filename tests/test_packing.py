@@ -1,0 +1,88 @@
+"""Packed group scoring: a prompt's samples scored as one row (the prompt once, each response
+attending to the prompt and to itself) give the unpacked scores and gradients."""
+
+import numpy as np
+import pytest
+import torch
+
+from support_replay.errors import ConfigError
+from support_replay.rollout.sample import Sample
+from support_replay.support import SupportTable
+from support_replay.train import train
+from support_replay.train.actor import load_scoring_model, score_batch
+from support_replay.train.batches import build_micro_batch, plan_optimizer_steps
+from test_train import run_config
+
+
+def group_samples(seed=0, vocab=384):
+    """Two prompts x 3 samples of different lengths, a support per token, one multi-turn loss mask."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for g, plen in enumerate((9, 14)):
+        prompt = rng.integers(5, vocab, plen).tolist()
+        for j, rlen in enumerate((7, 3, 11)[: 3]):
+            response = rng.integers(5, vocab, rlen).tolist()
+            rows = [np.unique(np.append(rng.integers(0, vocab, 6), t)).astype(np.int32) for t in response]
+            mask = np.ones(rlen, np.int8)
+            if j == 2:
+                mask[4:8] = 0  # a tool's output inside the response: scored, not trained
+            samples.append(Sample(index=len(samples), group=g, prompt_ids=prompt, response_ids=response, loss_mask=mask,
+                                  log_mu=np.zeros(rlen, np.float32), support=SupportTable.from_rows(rows)))
+    return samples
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse-head", "dense-head"])
+def test_packed_scores_and_gradients_equal_unpacked(tiny_checkpoint, sparse):
+    samples = group_samples()
+    order = [3, 0, 4, 1, 5, 2]  # groups interleaved: packing regroups them
+    model = load_scoring_model(tiny_checkpoint, "cpu")
+    results = {}
+    for pack in (False, True):
+        batch = build_micro_batch(samples, order, True, "cpu", pack=pack)
+        if pack:
+            assert batch.input_ids.shape == (2, 14 + 21) and sorted(batch.indices) == sorted(order)
+        model.zero_grad()
+        sc = score_batch(model, batch, 0.9, sparse=sparse, full=not sparse, entropy=not sparse)
+        per_sample = dict(zip(batch.indices, batch.split(sc.logp)))
+        weights = torch.cat([torch.from_numpy(samples[i].loss_mask).float() * (i + 1) for i in batch.indices])
+        (sc.logp * weights).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        extra = None if sparse else dict(zip(batch.indices, zip(batch.split(sc.full), batch.split(sc.entropy))))
+        results[pack] = (per_sample, grads, extra)
+    (flat, flat_grads, flat_extra), (packed, packed_grads, packed_extra) = results[False], results[True]
+    for i in order:
+        assert torch.allclose(flat[i], packed[i], atol=2e-5), i
+        if not sparse:
+            assert torch.allclose(flat_extra[i][0], packed_extra[i][0], atol=2e-5) and torch.allclose(flat_extra[i][1], packed_extra[i][1], atol=2e-5)
+    assert flat_grads.keys() == packed_grads.keys()
+    for name, g in flat_grads.items():
+        assert float((g - packed_grads[name]).abs().max()) <= 1e-5 * float(g.abs().max()), name  # float rounding of sums of ~1e3
+
+
+def test_the_planner_keeps_a_prompts_samples_together():
+    samples = group_samples()
+    samples = samples[:3] + samples[3:]
+    steps = plan_optimizer_steps(samples, global_batch=6, micro_batch=3, rank=0, world=1, replay=True, device="cpu", pack=True)
+    parts = [mb.indices for mb in steps[0].micro_batches]
+    assert sorted(map(sorted, parts)) == [[0, 1, 2], [3, 4, 5]]  # one packed row each
+    assert all(mb.input_ids.shape[0] == 1 for mb in steps[0].micro_batches)
+    budget = plan_optimizer_steps(samples, global_batch=6, micro_batch=3, rank=0, world=1, replay=True, device="cpu", pack=True, max_tokens=2 * 35)
+    assert [mb.input_ids.shape[0] for mb in budget[0].micro_batches] == [2]  # two packed rows of at most 35 fit 70 tokens
+
+
+def test_a_packed_run_trains_as_an_unpacked_one(tiny_checkpoint, tmp_path):
+    packed = train(run_config(tiny_checkpoint, tmp_path / "p", num_rollout=2, packed_scoring="on"))
+    flat = train(run_config(tiny_checkpoint, tmp_path / "f", num_rollout=2, packed_scoring="off"))
+    for a, b in zip(packed, flat):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["train_rollout_logprob_abs_diff_max"] < 1e-3  # --ci-test on both
+
+
+def test_packing_with_what_needs_rows_of_their_own_is_refused(tiny_checkpoint, tmp_path):
+    with pytest.raises(ConfigError, match="--packed-scoring='on': penalties and logit bias are replayed over each sequence's own history"):
+        run_config(tiny_checkpoint, tmp_path, packed_scoring="on", rollout_repetition_penalty=1.2)
+    with pytest.raises(ConfigError, match="--packed-scoring='on': the batch-invariant attention"):
+        run_config(tiny_checkpoint, tmp_path, packed_scoring="on", true_on_policy_mode=True)
+    assert not run_config(tiny_checkpoint, tmp_path, rollout_repetition_penalty=1.2).pack_groups  # auto: rows of their own
+    assert run_config(tiny_checkpoint, tmp_path).pack_groups
