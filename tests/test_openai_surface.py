@@ -42,7 +42,8 @@ def test_models_and_text_completions_with_n_and_logprobs(client):
     for c in r.choices:  # top_logprobs asked: meta_info carries log mu of every support id, row by row
         meta = c.model_extra["meta_info"]
         for lp, top, row, row_lp in zip(c.logprobs.token_logprobs, c.logprobs.top_logprobs, meta["output_token_sampling_mask"], meta["output_token_sampling_logprobs"]):
-            assert lp in row_lp and len(top) == min(2, len(row)) and sorted(top.values(), reverse=True) == sorted(row_lp, reverse=True)[:2]
+            # the completions API keys top_logprobs by text: two byte tokens that decode alike ("\ufffd") share one key
+            assert lp in row_lp and 1 <= len(top) <= min(2, len(row)) and set(top.values()) <= set(sorted(row_lp, reverse=True)[:2])
     plain = client.completions.create(model="tiny", prompt="What is 12 plus 7?", max_tokens=6, seed=3, top_p=0.8, logprobs=0,
                                       extra_body={**FILTER, "return_meta_info": True}).choices[0]
     assert plain.logprobs.token_logprobs == plain.model_extra["meta_info"]["output_token_sampling_logprobs"]  # log mu, as sampled

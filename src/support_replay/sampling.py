@@ -217,17 +217,19 @@ def support_mask(logits: torch.Tensor, params, semantics: str = "sglang") -> tor
     return _support(logits, _per_row(params, logits.shape[0]), semantics)[0]
 
 
-def _exponential_noise(shape, generator, device) -> torch.Tensor:
-    """Exp(1) noise; argmax(w / noise) draws a token with probability proportional to w."""
-    rows, vocab = shape
+def _exponential_noise(shape, generator, device, counts: list[int]) -> torch.Tensor:
+    """Exp(1) noise; argmax(w / noise) draws a token with probability proportional to w. With one
+    generator per row, row i draws exactly ``counts[i]`` values (its own support's size, not the
+    batch's widest), so a request's tokens do not depend on its neighbours."""
+    rows = shape[0]
     if generator is None or isinstance(generator, torch.Generator):
         return torch.empty(shape, device=device).exponential_(generator=generator).clamp_min_(1e-30)
     generators = list(generator)
     if len(generators) != rows:
         raise SamplingParamsError(f"generator: {len(generators)} generators for {rows} rows")
-    noise = torch.empty(shape, device=device)
+    noise = torch.ones(shape, device=device)  # padding columns weigh 0 whatever their noise
     for i, g in enumerate(generators):
-        noise[i].exponential_(generator=g)
+        noise[i, : counts[i]].exponential_(generator=g)
     noise.clamp_min_(1e-30)  # a zero draw would turn w / noise into inf or nan
     return noise
 
@@ -262,16 +264,20 @@ def sample_tokens(logits: torch.Tensor, params, semantics: str = "sglang", gener
     _check_inputs(logits, semantics)
     rows, vocab = logits.shape
     mask, probs, temp, greedy = _support(logits, _per_row(params, rows), semantics)
-    weights = probs.masked_fill(~mask, 0.0)
-    noise = _exponential_noise((rows, vocab), generator, logits.device)
-    tokens = (weights / noise).argmax(dim=-1)
-    tokens = torch.where(greedy, logits.argmax(-1), tokens)
     flags = torch.full((rows,), capture) if isinstance(capture, bool) else torch.as_tensor(capture, dtype=torch.bool)
     if flags.shape != (rows,):
         raise SamplingParamsError(f"capture: expected a bool or {rows} flags, got shape {tuple(flags.shape)}")
+    # the draw runs on the padded support rows [B, K], not on [B, V]: past the filter, no pass over the vocabulary
+    ids, valid, cols, counts = _padded_rows(mask)
+    weights = probs.gather(1, ids).masked_fill_(~valid, 0.0)
+    noise = _exponential_noise(tuple(ids.shape), generator, logits.device, counts.tolist())
+    tokens = ids.gather(1, (weights / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+    tokens = torch.where(greedy, logits.argmax(-1), tokens)
     captured = flags.nonzero().squeeze(1)
     index = captured.to(logits.device)
-    ids, valid, cols, counts = _padded_rows(mask if len(captured) == rows else mask[index])
+    if len(captured) < rows:  # evaluation rows: no support table, no log mu
+        ids, valid, counts = ids[index], valid[index], counts[index]
+        cols = ids[valid]
     with torch.no_grad():
         log_mu = support_logprobs(logits[index], tokens[index], (ids, valid), temp.squeeze(1)[index])
     offsets = np.zeros(len(captured) + 1, dtype=np.int64)
