@@ -4,6 +4,8 @@ with TRL's GRPOTrainer doing the same work side by side when it is installed.
     python bench/e2e.py [--steps 4] [--skip-trl]
     python bench/e2e.py --async-compare [--steps 4]
     python bench/e2e.py --dtype bfloat16 --skip-trl
+    python bench/e2e.py --with-bf16            # ours fp32, ours bf16 and TRL, one sitting
+    python bench/e2e.py --true-on-policy-compare --skip-trl   # the normal step, then true-on-policy
 
 ``--async-compare`` runs the same work twice through ``support-replay serve`` over HTTP, with
 the engine pinned to core 0 and the trainer to core 1 (one thread each): synchronous, then
@@ -34,12 +36,27 @@ SETTINGS = dict(rollout_batch_size=4, n_samples_per_prompt=4, rollout_max_respon
 
 
 def ours(steps: int, micro_batch: int | None, true_on_policy: bool = False, full_vocab_metrics_interval: int = 1, dtype: str = "float32",
-         max_tokens: int | None = None) -> list[dict]:
+         max_tokens: int | None = None, packed: str = "auto") -> list[dict]:
     out = tempfile.mkdtemp(prefix="bench-e2e-")
     cfg = RunConfig(num_rollout=steps, global_batch_size=16, micro_batch_size=None if max_tokens else micro_batch, max_tokens_per_micro_batch=max_tokens,
-                    true_on_policy_mode=true_on_policy, lr=1e-6, ci_test=True, output_dir=out, progress=False,
+                    true_on_policy_mode=true_on_policy, lr=1e-6, ci_test=True, output_dir=out, progress=False, packed_scoring=packed,
                     full_vocab_metrics_interval=full_vocab_metrics_interval, rollout_dtype=dtype, train_dtype=dtype, **SETTINGS)
     return train(cfg)
+
+
+PHASES = ("time_generate", "time_score", "time_update", "time_sync", "time_step")
+
+
+def print_steps(name: str, rows: list[dict]) -> dict[str, float]:
+    """The per-step table of one run; returns the means of steps 1+ (step 0 is the warm-up)."""
+    print(f"\n{name}\n\n| step | generate s | score s | update s | sync s | total s | response len | max abs(log pi - log mu) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['rollout']} | {r['time_generate']:.2f} | {r['time_score']:.2f} | {r['time_update']:.2f} | {r['time_sync']:.2f} | {r['time_step']:.2f} | {r['response_len_mean']:.1f} | {r['train_rollout_logprob_abs_diff_max']:.1e} |")
+    steady = rows[1:] or rows
+    mean = {k: statistics.mean(r[k] for r in steady) for k in PHASES}
+    print(f"| mean (steps 1+) | {mean['time_generate']:.2f} | {mean['time_score']:.2f} | {mean['time_update']:.2f} | {mean['time_sync']:.2f} | {mean['time_step']:.2f} | | |")
+    return mean
 
 
 def pinned_runs(steps: int) -> dict[str, list[dict]]:
@@ -144,28 +161,39 @@ def main() -> None:
     ap.add_argument("--full-vocab-metrics-interval", type=int, default=1, help="the metrics-only full-vocabulary head every N rollouts")
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None, help="a token budget instead of --micro-batch-size")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="--rollout-dtype and --train-dtype of our run")
+    ap.add_argument("--packed-scoring", choices=["auto", "on", "off"], default="auto", help="our --packed-scoring")
+    ap.add_argument("--with-bf16", action="store_true", help="a bf16 run of ours beside the fp32 one")
+    ap.add_argument("--true-on-policy-compare", action="store_true", help="the normal run, then --true-on-policy-mode, and their ratio")
     ap.add_argument("--async-compare", action="store_true", help="synchronous vs --async-rollout through serve, engine and trainer on separate cores")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {SETTINGS}")
     if args.async_compare:
         print_async_compare(pinned_runs(args.steps))
         return
-    rows = ours(args.steps, args.micro_batch_size, args.true_on_policy, args.full_vocab_metrics_interval, args.dtype, args.max_tokens_per_micro_batch)
-    print("\n| step | generate s | score s | update s | sync s | total s | response len | max abs(log pi - log mu) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['rollout']} | {r['time_generate']:.2f} | {r['time_score']:.2f} | {r['time_update']:.2f} | {r['time_sync']:.2f} | {r['time_step']:.2f} | {r['response_len_mean']:.1f} | {r['train_rollout_logprob_abs_diff_max']:.1e} |")
-    steady = rows[1:] or rows
-    mean = {k: statistics.mean(r[k] for r in steady) for k in ("time_generate", "time_score", "time_update", "time_sync", "time_step")}
-    print(f"| mean (steps 1+) | {mean['time_generate']:.2f} | {mean['time_score']:.2f} | {mean['time_update']:.2f} | {mean['time_sync']:.2f} | {mean['time_step']:.2f} | | |")
+    run = dict(steps=args.steps, micro_batch=args.micro_batch_size, full_vocab_metrics_interval=args.full_vocab_metrics_interval,
+               max_tokens=args.max_tokens_per_micro_batch, packed=args.packed_scoring)
+    if args.true_on_policy_compare:
+        normal = print_steps("normal (fp32)", ours(**run))
+        exact = print_steps("true-on-policy (batch-invariant engine and trainer, --ci-test at tolerance 0)", ours(**run, true_on_policy=True))
+        print("\n| phase (mean of steps 1+) | normal s | true-on-policy s | ratio |")
+        print("|---|---:|---:|---:|")
+        for k in ("time_generate", "time_update", "time_step"):
+            print(f"| {k.removeprefix('time_')} | {normal[k]:.2f} | {exact[k]:.2f} | {exact[k] / normal[k]:.2f}x |")
+        return
+    mean = print_steps(f"support-replay, {args.dtype}, packed scoring {args.packed_scoring}",
+                       ours(**run, true_on_policy=args.true_on_policy, dtype=args.dtype))
+    bf16 = print_steps("support-replay, bfloat16 rollout and training", ours(**run, dtype="bfloat16")) if args.with_bf16 else None
     if not args.skip_trl:
         times = trl_steps(args.steps)
         if times:
             trl_mean = statistics.mean(times[1:] or times)
+            print(f"\nTRL steps: {', '.join(f'{t:.2f}' for t in times)} s")
             print("\n| trainer | s per GRPO step (steps 1+) | ours faster by |")
             print("|---|---:|---:|")
-            print(f"| TRL GRPOTrainer {__import__('trl').__version__} | {trl_mean:.2f} | |")
-            print(f"| support-replay (replay + --ci-test) | {mean['time_step']:.2f} | {trl_mean / mean['time_step']:.2f}x |")
+            print(f"| TRL GRPOTrainer {__import__('trl').__version__} (fp32, its defaults) | {trl_mean:.2f} | |")
+            print(f"| support-replay, {args.dtype} (replay + --ci-test) | {mean['time_step']:.2f} | {trl_mean / mean['time_step']:.2f}x |")
+            if bf16:
+                print(f"| support-replay, bfloat16 (replay + --ci-test) | {bf16['time_step']:.2f} | {trl_mean / bf16['time_step']:.2f}x |")
 
 
 if __name__ == "__main__":

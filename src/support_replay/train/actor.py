@@ -26,6 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from ..errors import ConfigError
 from ..logprobs import full_logprobs_and_entropy, penalised_support_logprobs, sparse_head_support_logprobs, support_logprobs
 from ..modeling.batch_invariant import make_batch_invariant
 from ..modeling.context_parallel import ContextShard, assemble_rows, make_context_parallel
