@@ -71,7 +71,7 @@ QUESTIONS = ["What is 12 plus 7?", "Compute 3 times 4.", "What is 40 minus 13?",
              "Compute 5 times 13.", "What is 64 divided by 8?", "Add 120 and 45.", "What is 9 times 12?"]
 
 
-def shaped_rate(engine: Engine, prompts: int, per_prompt: int, new_tokens: int, repeats: int, share: bool) -> float:
+def shaped_rate(engine: Engine, prompts: int, per_prompt: int, new_tokens: int, repeats: int, share: bool, seed_base: int = 0) -> float:
     """Completion tokens/s of ``prompts`` distinct chat prompts x ``per_prompt`` samples, EOS ignored;
     ``share`` off prefills every request's prompt on its own row (as before prefix sharing)."""
     tok = engine.tokenizer
@@ -84,7 +84,7 @@ def shaped_rate(engine: Engine, prompts: int, per_prompt: int, new_tokens: int, 
     try:
         best = 0.0
         for r in range(repeats):
-            reqs = [GenerateRequest(p, SamplingParams(seed=1000 * r + 10 * g + j, **PARAMS), max_new_tokens=new_tokens, ignore_eos=True, return_sampling_mask=True)
+            reqs = [GenerateRequest(p, SamplingParams(seed=seed_base + 1000 * r + 10 * g + j, **PARAMS), max_new_tokens=new_tokens, ignore_eos=True, return_sampling_mask=True)
                     for g, p in enumerate(ids) for j in range(per_prompt)]
             start = time.perf_counter()
             out = engine.generate(reqs)
@@ -108,6 +108,65 @@ def prefill_ms(engine: Engine, prompts: int, per_prompt: int, repeats: int) -> t
             fn(batch)
             out.append(1e3 * (time.perf_counter() - start))
     return float(np.median(alone)), float(np.median(shared))
+
+
+class LinearClock:
+    """Wall time spent inside the ``nn.Linear`` layers of a model (forward pre/post hooks)."""
+
+    def __init__(self, model):
+        self.seconds, self._start = 0.0, 0.0
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        self._hooks = [h for m in linears for h in (m.register_forward_pre_hook(self._pre), m.register_forward_hook(self._post))]
+
+    def _pre(self, *_):
+        self._start = time.perf_counter()
+
+    def _post(self, *_):
+        self.seconds += time.perf_counter() - self._start
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def shaped_prompts(tokenizer, prompts: int) -> list[list[int]]:
+    return [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)["input_ids"] for q in QUESTIONS[:prompts]]
+
+
+def hf_shaped(model, tokenizer, prompts: int, per_prompt: int, new_tokens: int, repeats: int) -> tuple[float, float]:
+    """``generate`` on ``prompts`` distinct chat prompts (left-padded) x ``per_prompt`` return sequences,
+    EOS ignored: ``(best tokens/s, share of that run's time in the linear layers)``."""
+    ids = shaped_prompts(tokenizer, prompts)
+    width = max(map(len, ids))
+    inputs = torch.tensor([[0] * (width - len(p)) + p for p in ids])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
+    best, share = 0.0, 0.0
+    for seed in range(repeats):
+        torch.manual_seed(seed)
+        clock = LinearClock(model)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=inputs, attention_mask=mask, do_sample=True, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           num_return_sequences=per_prompt, pad_token_id=tokenizer.pad_token_id or 0, **PARAMS)
+        elapsed = time.perf_counter() - start
+        clock.close()
+        rate = prompts * per_prompt * new_tokens / elapsed
+        if rate > best:
+            best, share = rate, clock.seconds / elapsed
+    return best, share
+
+
+def ours_shaped(engine: Engine, prompts: int, per_prompt: int, new_tokens: int, repeats: int) -> tuple[float, float]:
+    """The engine on the same work, capture on: ``(best tokens/s, linear-layer seconds of that run)``."""
+    best, linear = 0.0, 0.0
+    for r in range(repeats):
+        clock = LinearClock(engine.runner.model)
+        rate = shaped_rate(engine, prompts, per_prompt, new_tokens, 1, share=True, seed_base=1000 * r)
+        clock.close()
+        if rate > best:
+            best, linear = rate, clock.seconds
+    return best, linear
 
 
 def hf_rate(model, tokenizer, ids, batch: int, new_tokens: int, repeats: int, ignore_eos: bool = True) -> float:
@@ -170,16 +229,28 @@ def main() -> None:
         alone, shared = prefill_ms(engine, prompts, per, 15)
         print(f"| {name} | {alone:.1f} | {shared:.1f} | {alone / shared:.2f}x |")
     if not args.skip_hf:
+        shaped = {name: ours_shaped(engine, prompts, per, args.new_tokens, args.repeats) for name, prompts, per in shapes}
         ours = engine_rate(engine, ids, 16, args.new_tokens, True, args.repeats)
         ours_eos = engine_rate(engine, ids, 16, args.new_tokens, True, args.repeats, ignore_eos=False)
         engine.shutdown()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # the fp32 table first, then in the engine's dtype
         hf = hf_rate(model, engine.tokenizer, ids, 16, args.new_tokens, args.repeats)
         hf_eos = hf_rate(model, engine.tokenizer, ids, 16, args.new_tokens, args.repeats, ignore_eos=False)
         print(f"\n| 16 concurrent x {args.new_tokens} new tokens | EOS ignored: tok/s | stop at EOS: real tok/s |")
         print("|---|---:|---:|")
         print(f"| Hugging Face generate (batch 16) | {hf:.1f} | {hf_eos:.1f} |")
         print(f"| support-replay engine, capture on | {ours:.1f} ({ours / hf:.2f}x) | {ours_eos:.1f} ({ours_eos / hf_eos:.2f}x) |")
+        model = model.to(getattr(torch, args.dtype))
+        print(f"\n| {args.dtype}, 16 requests x {args.new_tokens} tokens, EOS ignored | HF generate tok/s | HF time in linear layers | ours tok/s | ratio | "
+              "bound from the linear layers | ratio / bound |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for name, prompts, per in shapes:
+            rate, share = hf_shaped(model, engine.tokenizer, prompts, per, args.new_tokens, args.repeats)
+            ours_rate, ours_linear = shaped[name]
+            # our linear layers alone, at our own rows, are the least time we can take
+            work = prompts * per * args.new_tokens
+            bound = (work / rate) / ours_linear
+            print(f"| {name} | {rate:.1f} | {100 * share:.0f}% | {ours_rate:.1f} | {ours_rate / rate:.2f}x | {bound:.2f}x | {ours_rate / rate / bound:.2f} |")
     else:
         engine.shutdown()
 

@@ -128,7 +128,7 @@ def build_packed_micro_batch(samples: list[Sample], indices: list[int], replay: 
             positions[b, at : at + r] = torch.arange(n, n + r)
             segment[b, at : at + r] = j
             rows_b += [b] * r
-            rows_t += [n - 1] + list(range(at, at + r - 1))  # the first token is predicted by the prompt's last position
+            rows_t += ([n - 1] + list(range(at, at + r - 1)))[:r]  # the first token is predicted by the prompt's last position
             at += r
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     q_seg, k_seg = segment[:, :, None], segment[:, None, :]
