@@ -32,7 +32,7 @@ from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.rollout import ArithmeticTask, math_reward
 from support_replay.train import train
 
-SETTINGS = dict(rollout_batch_size=4, n_samples_per_prompt=4, rollout_max_response_len=64, rollout_temperature=1.0, rollout_top_p=0.8, rollout_top_k=32)
+SETTINGS = dict(task_max_operand=20, rollout_batch_size=4, n_samples_per_prompt=4, rollout_max_response_len=64, rollout_temperature=1.0, rollout_top_p=0.8, rollout_top_k=32)
 
 
 def ours(steps: int, micro_batch: int | None, true_on_policy: bool = False, full_vocab_metrics_interval: int = 1, dtype: str = "float32",

@@ -1,6 +1,7 @@
 """Decode throughput of the embedded engine, capture on vs off, and against HF generate.
 
-    python bench/engine.py [--model smollm2|tiny|PATH] [--new-tokens 64]
+    python bench/engine.py [--model smollm2|tiny|PATH] [--new-tokens 64] [--dtype bfloat16]
+    python bench/engine.py --deterministic-compare [--batches 1,8,32]
 
 For batch 1, 8 and 32: completion tokens/s with the support captured for every token and
 without (evaluation requests). Then 16 concurrent requests of 64 new tokens against
@@ -9,7 +10,11 @@ with EOS ignored on both sides (pure decode), once stopping at EOS, counting rea
 completion tokens (``generate`` keeps stepping finished rows until the longest is done;
 the engine retires them). Then requests shaped like a GRPO rollout (4 prompts x 4 samples)
 and 16 distinct prompts, with each prompt prefilled per request and with identical prompts
-prefilled once (the engine's default).
+prefilled once (the engine's default). Then both shapes against ``generate`` (left-padded prompts,
+``num_return_sequences``) in the engine's dtype, with the share of ``generate``'s time spent in
+the linear layers and the bound that sets: no engine on the same weights can take less time
+than its own linear layers, so ``generate``'s time over our linear-layer time bounds the ratio.
+``--deterministic-compare``: the normal and the batch-invariant engine side by side.
 """
 
 from __future__ import annotations
@@ -194,6 +199,24 @@ def hf_rate(model, tokenizer, ids, batch: int, new_tokens: int, repeats: int, ig
     return best
 
 
+def compare_deterministic(path: Path, args) -> None:
+    """Tokens/s of the normal and the deterministic (batch-invariant) engine, capture on, alternating
+    per batch size so the machine's drift hits both alike."""
+    engines = {mode: Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), deterministic=mode).start() for mode in (False, True)}
+    ids = prompt_ids(engines[False])
+    for e in engines.values():
+        engine_rate(e, ids, 2, 4, True, 1)  # warm-up
+    print(f"model={args.model} dtype={args.dtype} prompt={len(ids)} tokens, new={args.new_tokens}, threads={torch.get_num_threads()}, best of {args.repeats}")
+    print("\n| batch | normal tok/s | deterministic tok/s | deterministic / normal |")
+    print("|---:|---:|---:|---:|")
+    for b in [int(x) for x in args.batches.split(",")]:
+        normal = engine_rate(engines[False], ids, b, args.new_tokens, True, args.repeats)
+        exact = engine_rate(engines[True], ids, b, args.new_tokens, True, args.repeats)
+        print(f"| {b} | {normal:.1f} | {exact:.1f} | {exact / normal:.2f}x |")
+    for e in engines.values():
+        e.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="smollm2, tiny, or a checkpoint directory")
@@ -203,9 +226,13 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="engine weights and activations")
     ap.add_argument("--deterministic", action="store_true", help="batch-invariant forward (true-on-policy mode)")
+    ap.add_argument("--deterministic-compare", action="store_true", help="normal and deterministic engines, capture on, one sitting")
     args = ap.parse_args()
 
     path = resolve_model(args.model)
+    if args.deterministic_compare:
+        compare_deterministic(path, args)
+        return
     engine = Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), deterministic=args.deterministic).start()
     ids = prompt_ids(engine)
     engine_rate(engine, ids, 2, 4, True, 1)  # warm-up

@@ -33,8 +33,8 @@ def test_defaults_are_the_demo_and_derive_replay():
     (["--rollout-logit-bias", "/nonexistent.json"], "--rollout-logit-bias='/nonexistent.json': .*No such file"),
     (["--rollout-top-k", "5000"], "--rollout-top-k=5000: exceeds --sampling-mask-max-tokens=4096"),
     (["--true-on-policy-mode", "--sampling-semantics", "hf"], "--sampling-semantics='hf': true-on-policy mode needs a deterministic sampler"),
-    (["--global-batch-size", "5"], "--global-batch-size=5: must divide rollout_batch_size x n_samples_per_prompt = 16"),
-    (["--micro-batch-size", "3"], "--micro-batch-size=3: must divide --global-batch-size=16"),
+    (["--global-batch-size", "5"], "--global-batch-size=5: must divide rollout_batch_size x n_samples_per_prompt = 32"),
+    (["--micro-batch-size", "3"], "--micro-batch-size=3: must divide --global-batch-size=32"),
     (["--use-kl-loss"], "--kl-loss-coef=0.0: must be > 0 with --use-kl-loss"),
     (["--kl-loss-coef", "0.1"], "--kl-loss-coef=0.1: has no effect without --use-kl-loss"),
     (["--use-tis", "--use-rollout-logprobs"], "--use-tis=True: with --use-rollout-logprobs the old policy is the rollout's own"),
@@ -56,7 +56,7 @@ def test_rejections_also_hold_when_built_in_python():
     """No separate check to forget: constructing the config is what validates it."""
     with pytest.raises(ConfigError, match="--rollout-top-k=0: must be -1"):
         RunConfig(rollout_top_k=0)
-    with pytest.raises(ConfigError, match="--micro-batch-size=3: must divide --global-batch-size=16"):
+    with pytest.raises(ConfigError, match="--micro-batch-size=3: must divide --global-batch-size=32"):
         RunConfig(micro_batch_size=3)
 
 

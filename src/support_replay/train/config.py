@@ -40,6 +40,7 @@ class RunConfig(BaseModel):
     # ---- model and data -------------------------------------------------------------
     hf_checkpoint: str | None = Field(None, description="Hugging Face checkpoint directory; default: SmolLM2-135M-Instruct from the packaged GGUF")
     prompt_data: str | None = Field(None, description="JSONL or Parquet prompts; default: the built-in arithmetic task")
+    task_max_operand: int = Field(10, ge=1, description="the built-in arithmetic task's largest operand (its difficulty); ignored with --prompt-data")
     input_key: str = Field("prompt", description="field holding the prompt (a string, or a list of chat messages)")
     label_key: str = Field("label", description="field holding the reference answer")
     apply_chat_template: bool = Field(False, description="render prompts with the tokenizer's chat template")
@@ -47,10 +48,10 @@ class RunConfig(BaseModel):
     custom_rm_path: str | None = Field(None, description="custom reward 'module:function(prompt, response, label) -> float'")
 
     # ---- rollout --------------------------------------------------------------------
-    num_rollout: int = Field(4, ge=1, description="number of rollout + update steps")
-    rollout_batch_size: int = Field(4, ge=1, description="prompts per rollout")
+    num_rollout: int = Field(20, ge=1, description="number of rollout + update steps")
+    rollout_batch_size: int = Field(8, ge=1, description="prompts per rollout")
     n_samples_per_prompt: int = Field(4, ge=1, description="responses per prompt (the GRPO group)")
-    rollout_max_response_len: int = Field(64, ge=1, description="max new tokens per response")
+    rollout_max_response_len: int = Field(32, ge=1, description="max new tokens per response")
     rollout_temperature: float = Field(1.0, description="sampling temperature; the trainer divides actor logits by it")
     rollout_top_p: float = Field(0.8, description="top-p of rollout sampling, in (0, 1]")
     rollout_top_k: int = Field(32, description="top-k of rollout sampling, -1 or >= 1")
@@ -87,14 +88,14 @@ class RunConfig(BaseModel):
     agent_timeout: float = Field(600.0, gt=0, description="seconds one episode may take before it counts as failed")
 
     # ---- training -------------------------------------------------------------------
-    global_batch_size: int = Field(16, ge=1, description="samples per optimizer step")
+    global_batch_size: int = Field(32, ge=1, description="samples per optimizer step")
     tensor_model_parallel_size: int = Field(1, ge=1, description="trainer ranks that split each layer's heads, MLP and vocabulary (DTensor; the LM head scored vocab-parallel)")
     context_parallel_size: int = Field(1, ge=1, description="trainer ranks that split each sequence by position (attention all-gathers keys and values)")
     context_parallel_layout: Literal["zigzag", "contiguous"] = Field("zigzag", description="how --context-parallel-size splits a sequence: zigzag (2 chunks per rank, balanced causal work) or contiguous")
     max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="padded tokens (samples x longest prompt + response) per forward/backward on one rank: short samples batch many, long ones few")
     packed_scoring: Literal["auto", "on", "off"] = Field("auto", description="score a prompt's samples as one packed row, the prompt once and each response attending to it and to itself (same math, fewer tokens); auto: on unless penalties, context parallelism or true-on-policy mode need rows of their own")
     micro_batch_size: int | None = Field(None, ge=1, description=f"the older way: samples per forward/backward on one rank (default without a token budget: the largest divisor of --global-batch-size up to {MAX_DEFAULT_MICRO_BATCH})")
-    lr: float = Field(1e-6, gt=0, description="learning rate (AdamW)")
+    lr: float = Field(2e-5, gt=0, description="learning rate (AdamW); the default suits the built-in demo (a 135M model, 20 updates), large models train at about 1e-6")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_beta1: float = Field(0.9, description="AdamW beta1")
     adam_beta2: float = Field(0.98, description="AdamW beta2")

@@ -68,8 +68,9 @@ class Rollouts:
         self.cfg, self.ctx, self.tokenizer = cfg, ctx, tokenizer
         self.replay = cfg.use_sampling_support_replay
         self.params = SamplingParams(temperature=cfg.rollout_temperature, top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, min_p=cfg.rollout_min_p)
-        self.prompts = load_prompts(cfg.prompt_data, cfg.input_key, cfg.label_key, seed=cfg.seed)
-        self.eval_prompts = load_prompts(cfg.eval_prompt_data, cfg.input_key, cfg.label_key, seed=cfg.seed + 1) if cfg.eval_interval else None
+        self.prompts = load_prompts(cfg.prompt_data, cfg.input_key, cfg.label_key, seed=cfg.seed, max_operand=cfg.task_max_operand)
+        self.eval_prompts = load_prompts(cfg.eval_prompt_data, cfg.input_key, cfg.label_key, seed=cfg.seed + 1,
+                                         max_operand=cfg.task_max_operand) if cfg.eval_interval else None
         self.reward_fn = load_reward(cfg.rm_type, cfg.custom_rm_path)
         self.engine = self.backend = None
         self.engine_name = f"{cfg.rollout_engine} engine at {cfg.rollout_url}" if cfg.rollout_url else "in-process engine"
