@@ -79,13 +79,9 @@ QUESTIONS = ["What is 12 plus 7?", "Compute 3 times 4.", "What is 40 minus 13?",
 def shaped_rate(engine: Engine, prompts: int, per_prompt: int, new_tokens: int, repeats: int, share: bool, seed_base: int = 0) -> float:
     """Completion tokens/s of ``prompts`` distinct chat prompts x ``per_prompt`` samples, EOS ignored;
     ``share`` off prefills every request's prompt on its own row (as before prefix sharing)."""
-    tok = engine.tokenizer
-    ids = [tok(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
-           for q in QUESTIONS[:prompts]]
+    ids = shaped_prompts(engine.tokenizer, prompts)
     runner = engine.runner
-    saved = runner.prefill
-    if not share:
-        runner.prefill = runner._prefill
+    runner.share_prompts = share
     try:
         best = 0.0
         for r in range(repeats):
@@ -96,22 +92,21 @@ def shaped_rate(engine: Engine, prompts: int, per_prompt: int, new_tokens: int, 
             best = max(best, sum(len(c.output_ids) for c in out) / (time.perf_counter() - start))
         return best
     finally:
-        runner.prefill = saved
+        runner.share_prompts = True
 
 
 def prefill_ms(engine: Engine, prompts: int, per_prompt: int, repeats: int) -> tuple[float, float]:
     """Median milliseconds of one prefill of the shaped batch: each request on its own row, and
     identical prompts once (interleaved, so the machine's drift hits both alike)."""
-    tok = engine.tokenizer
-    ids = [tok(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
-           for q in QUESTIONS[:prompts]]
-    batch = [p for p in ids for _ in range(per_prompt)]
+    batch = [p for p in shaped_prompts(engine.tokenizer, prompts) for _ in range(per_prompt)]
     alone, shared = [], []
     for _ in range(repeats):
-        for fn, out in ((engine.runner._prefill, alone), (engine.runner.prefill, shared)):
+        for share, out in ((False, alone), (True, shared)):
+            engine.runner.share_prompts = share
             start = time.perf_counter()
-            fn(batch)
+            engine.runner.prefill(batch)
             out.append(1e3 * (time.perf_counter() - start))
+    engine.runner.share_prompts = True
     return float(np.median(alone)), float(np.median(shared))
 
 

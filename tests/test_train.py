@@ -87,12 +87,12 @@ def test_without_replay_the_recipe_trains_on_full_vocabulary_scores(tiny_checkpo
 # one off-policy, so its ratio and clipping move), lr 1e-3, an entropy bonus. Reviewed on the
 # project's CPU machine (2 cores, torch 2.13.0+cpu, fp32). A change that moves these numbers
 # on purpose (packing, bf16, a new default) re-pins them in a commit of its own that says why.
-PINNED = {  # re-pinned 2026-11-30: the sampler now draws on the support rows, so the same seeds draw other tokens
-    "loss": [0.14274340867996216, -0.0027505606412887573, -0.009055934846401215],
-    "grad_norm": [35.69161605834961, 14.558386325836182, 5.80452873557806],
-    "clip_fraction": [0.18421052631578946, 0.0, 0.05],
-    "entropy": [1.9987677498867638, 0.3607722640037537, 0.1556164264678955],
-    "reward_mean": [0.03606951871657754, 0.11522393048128342, 0.015625],
+PINNED = {  # re-pinned 2026-11-30: the engine's slot cache rounds decode attention otherwise, so some draws differ
+    "loss": [0.15894950181245804, 0.0620810417458415, 0.03858380392193794],
+    "grad_norm": [24.61355495452881, 6.0412070751190186, 13.889572620391846],
+    "clip_fraction": [0.1625, 0.1, 0.0875],
+    "entropy": [1.8685821056365968, 1.4077431440353394, 1.5351585149765015],
+    "reward_mean": [0.026049522373051786, 0.008620689655172414, 0.03003472222222222],
 }
 
 
@@ -212,7 +212,7 @@ def test_tis_weights_tokens_by_the_truncated_ratio(tiny_checkpoint, tmp_path):
     uncapped, _ = first_step(tiny_checkpoint, tmp_path, 0.5, singletons_too=True, use_tis=True, tis_cap=2.0)
     capped, _ = first_step(tiny_checkpoint, tmp_path, 0.5, singletons_too=True, use_tis=True, tis_cap=1.5)
     assert uncapped.loss == pytest.approx(np.exp(0.5) * plain.loss, rel=1e-4)
-    assert capped.loss == pytest.approx(1.5 * plain.loss, rel=1e-6)
+    assert capped.loss == pytest.approx(1.5 * plain.loss, rel=1e-5)  # fp32 sums of ~100 terms, scaled before or after
 
 
 # ---- --ci-test and its regression harness -------------------------------------------------

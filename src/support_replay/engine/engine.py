@@ -37,7 +37,8 @@ from ..sampling import sample_tokens
 from ..support import SupportTable
 from .ledger import Ledger
 from .limits import EngineLimits
-from .model_runner import KVBatch, ModelRunner, load_model_and_tokenizer
+from .model_runner import ModelRunner, load_model_and_tokenizer
+from .slot_cache import SlotCache
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class _Sequence:
     finish_reason: dict | None = None
     text: str = ""
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # the request's logit bias as a row, built once at admission
+    failure: tuple[Exception, str] | None = None  # why it stopped early, answered once its row has left the batch
 
 
 class Engine:
@@ -92,7 +94,7 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()  # ("generate" | "update", payload, future)
         self._update: tuple | None = None  # an update waiting for the batch to drain
         self._running: list[_Sequence] = []
-        self._batch: KVBatch | None = None
+        self._batch: SlotCache | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.ledger = Ledger(self.limits.max_queue)  # queue count, request ids, aborts, counters
@@ -224,9 +226,9 @@ class Engine:
                 self.step(block=True)
             except Exception as exc:  # a decode step of the whole batch failed: never let the loop die
                 log.exception("engine step failed")
-                for seq in self._running:
+                failed, self._running, self._batch = self._running, [], None
+                for seq in failed:
                     self._finish_failed(seq.request, seq.future, EngineError(f"internal engine error during decode: {exc}"), "decode")
-                self._running, self._batch = [], None
 
     def step(self, block: bool = False) -> None:
         """One iteration: a drained weight update, admissions, one decode step."""
@@ -314,8 +316,7 @@ class Engine:
         why = self.ledger.aborted([s.future for s in self._running])
         gone = [s for s in self._running if id(s.future) in why]
         for seq in gone:  # cancelled by their clients or a weight update: stop spending steps on them
-            seq.finish_reason = {"type": "abort"}
-            self._finish_failed(seq.request, seq.future, AbortedError(why[id(seq.future)]), "aborted")
+            seq.finish_reason, seq.failure = {"type": "abort"}, (AbortedError(why[id(seq.future)]), "aborted")
         if gone:
             self._retire()
             if not self._running:
@@ -341,8 +342,7 @@ class Engine:
                     steps.append(exc)
         for seq, step in zip(seqs, steps):
             if isinstance(step, Exception):
-                seq.finish_reason = {"type": "abort"}
-                self._finish_failed(seq.request, seq.future, step, "capture" if isinstance(step, CapacityError) else "sampling")
+                seq.finish_reason, seq.failure = {"type": "abort"}, (step, "capture" if isinstance(step, CapacityError) else "sampling")
                 continue
             token, support, log_mu, full, row_logprobs = step
             if support is not None:
@@ -439,11 +439,14 @@ class Engine:
         keep = [i for i, s in enumerate(self._running) if s.finish_reason is None]
         if len(keep) == len(self._running):
             return
-        for seq in self._running:
-            if seq.finish_reason is not None and not seq.future.done():
+        done = [s for s in self._running if s.finish_reason is not None]
+        self._batch, order = self.runner.keep(self._batch, keep)  # a leaving row's slot takes the last row
+        self._running = [self._running[i] for i in order]
+        for seq in done:  # answered after their rows left: a client that hears back sees the slot free
+            if seq.failure is not None:
+                self._finish_failed(seq.request, seq.future, *seq.failure)
+            elif not seq.future.done():
                 self._finish_ok(seq.request, seq.future, self._result(seq))
-        self._running = [self._running[i] for i in keep]
-        self._batch = self.runner.keep(self._batch, keep)
 
     # ---- answers ------------------------------------------------------------------
 

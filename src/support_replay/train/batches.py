@@ -107,7 +107,7 @@ def build_packed_micro_batch(samples: list[Sample], indices: list[int], replay: 
     """One row per distinct prompt: the prompt once, then each response after it. A response
     attends to the prompt and to its own earlier tokens only, at the positions it had alone, so
     every score and gradient is the unpacked one's math; the prompt is computed once per group.
-    Samples keep ``indices``' order in the scored rows (``split`` returns them as given)."""
+    The batch's ``indices`` list the samples grouped by prompt, the order ``split`` returns them in."""
     rows = prompt_groups(samples, indices)
     indices = [i for row in rows for i in row]  # the scored rows' order (the planner's already, when it planned for packing)
     width = max(_packed_length(samples, row) for row in rows)
@@ -135,13 +135,12 @@ def build_packed_micro_batch(samples: list[Sample], indices: list[int], replay: 
     sees = causal & (((k_seg == -1) & (q_seg != -2)) | ((q_seg == k_seg) & (q_seg >= 0)))
     sees |= torch.eye(width, dtype=torch.bool)  # a padding position sees itself: no row of the softmax is empty
     chosen = [samples[i] for i in indices]
-    rows_b_t = torch.tensor(rows_b, dtype=torch.long, device=device)
     return MicroBatch(
         indices=list(indices),
         lengths=[s.response_length for s in chosen],
         input_ids=ids.to(device),
         attention_mask=sees[:, None].to(device),
-        rows_b=rows_b_t,
+        rows_b=torch.tensor(rows_b, dtype=torch.long, device=device),
         rows_t=torch.tensor(rows_t, dtype=torch.long, device=device),
         targets=torch.tensor([t for s in chosen for t in s.response_ids], dtype=torch.long, device=device),
         support=SupportTable.concat([s.support for s in chosen]).to_padded(device=device) if replay else None,

@@ -1,0 +1,166 @@
+"""The engine's KV cache: preallocated buffers, one slot per running sequence, columns by position.
+
+Each layer holds keys and values as ``[slots, kv_heads, capacity, head_dim]``. Row b of the
+running batch lives in slot b, and its token at position p in column p, so a decode step
+writes one column per row in place (no concatenation of the whole cache at every step, as
+Hugging Face's dynamic cache does) and attends to a view of the first ``width`` columns. A
+sequence that joins is copied into the next free slot (its own rows only); one that leaves is
+replaced by the last slot's sequence (that row only). The buffers grow by doubling, so a long
+run reallocates a handful of times.
+
+It plugs into a Hugging Face model as its ``Cache``: the model calls ``update`` with each
+layer's new keys and values; the runner says beforehand where they go (``prepare_decode``)
+and passes its own ``[B, 1, 1, width]`` attention mask, so the library derives nothing from
+the cache's length.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..errors import EngineError
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's buffers; ``update`` writes the decode step's column of every row."""
+
+    is_sliding = False
+
+    def __init__(self):
+        super().__init__()
+        self.k: torch.Tensor | None = None  # [slots, kv_heads, capacity, head_dim]
+        self.v: torch.Tensor | None = None
+        self.owner: SlotCache | None = None
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # the buffers are made by SlotCache.reserve
+        raise EngineError("slot cache: a layer was written before its buffers were reserved")
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        owner = self.owner
+        rows, columns = owner.rows_index, owner.write_columns
+        self.k[rows, :, columns] = key_states[:, :, 0]
+        self.v[rows, :, columns] = value_states[:, :, 0]
+        return self.k[: owner.size, :, : owner.width], self.v[: owner.size, :, : owner.width]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.width, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.width - 1
+
+    def get_max_length(self) -> int:
+        return -1  # grows on demand
+
+
+class SlotCache(Cache):
+    """The running batch's keys and values, ``size`` rows in slots ``0..size-1``."""
+
+    def __init__(self, num_layers: int):
+        layers = [SlotLayer() for _ in range(num_layers)]
+        super().__init__(layers=layers)
+        for layer in layers:
+            layer.owner = self
+        self.size = 0  # running rows
+        self.lengths = torch.zeros(0, dtype=torch.long)  # tokens held per row (the next write column)
+        self.width = 0  # columns the current step attends to
+        self.rows_index = torch.zeros(0, dtype=torch.long)
+        self.write_columns = torch.zeros(0, dtype=torch.long)
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.layers[0].k is None else self.layers[0].k.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.layers[0].k is None else self.layers[0].k.shape[2]
+
+    def reserve(self, rows: int, columns: int, like: torch.Tensor) -> None:
+        """At least ``rows`` slots of ``columns`` positions (doubling), keeping what is held."""
+        if rows <= self.slots and columns <= self.capacity:
+            return
+        slots, capacity = max(rows, 2 * self.slots), max(columns, 2 * self.capacity)
+        for layer in self.layers:
+            shape = (slots, like.shape[1], capacity, like.shape[3])
+            k, v = like.new_zeros(shape), like.new_zeros(shape)
+            if layer.k is not None:
+                held = int(self.lengths.max()) if self.size else 0
+                k[: self.size, :, :held] = layer.k[: self.size, :, :held]
+                v[: self.size, :, :held] = layer.v[: self.size, :, :held]
+            layer.k, layer.v = k, v
+            layer.is_initialized = True
+
+    def append(self, per_layer: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int], sources: list[int] | None = None) -> None:
+        """New rows after the running ones, from a left-padded prefill: ``per_layer`` holds
+        ``[n, kv_heads, L, d]`` keys and values, new row i copies prefill row ``sources[i]`` (default
+        i), whose ``lengths[i]`` real tokens are its last columns."""
+        sources = list(range(len(lengths))) if sources is None else sources
+        self.reserve(self.size + len(lengths), max(lengths) + 1, per_layer[0][0])
+        for layer, (k, v) in zip(self.layers, per_layer):
+            width = k.shape[2]
+            for i, (src, length) in enumerate(zip(sources, lengths)):
+                layer.k[self.size + i, :, :length] = k[src, :, width - length :]
+                layer.v[self.size + i, :, :length] = v[src, :, width - length :]
+        self.lengths = torch.cat([self.lengths, torch.tensor(lengths, dtype=torch.long)])
+        self.size += len(lengths)
+
+    def extend(self, other: SlotCache) -> None:
+        """``other``'s rows after the running ones (a newly prefilled group joining)."""
+        if other.size == 0:
+            return
+        self.reserve(self.size + other.size, int(other.lengths.max()) + 1, other.layers[0].k)
+        for mine, theirs in zip(self.layers, other.layers):
+            for i in range(other.size):
+                held = int(other.lengths[i])
+                mine.k[self.size + i, :, :held] = theirs.k[i, :, :held]
+                mine.v[self.size + i, :, :held] = theirs.v[i, :, :held]
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        self.size += other.size
+
+    def keep(self, rows: list[int]) -> list[int]:
+        """Only ``rows`` stay; each leaving row's slot takes the last remaining row (copied alone).
+        Returns the kept rows' old indices in their new slot order."""
+        keep = set(rows)
+        order = list(range(self.size))
+        for hole in sorted(set(order) - keep):
+            while order and order[-1] not in keep:
+                order.pop()
+            if hole >= len(order):
+                continue
+            last = len(order) - 1
+            held = int(self.lengths[order[last]])
+            for layer in self.layers:
+                layer.k[hole, :, :held] = layer.k[last, :, :held]
+                layer.v[hole, :, :held] = layer.v[last, :, :held]
+            self.lengths[hole] = self.lengths[last]
+            order[hole] = order[last]
+            order.pop()
+        while order and order[-1] not in keep:
+            order.pop()
+        self.size = len(order)
+        self.lengths = self.lengths[: self.size].clone()
+        return order
+
+    def prepare_decode(self) -> torch.Tensor:
+        """Where this step's tokens go (column = each row's length) and the ``[B, 1, 1, width]`` mask."""
+        device = self.layers[0].k.device
+        columns = self.lengths.to(device)
+        self.width = int(self.lengths.max()) + 1
+        self.reserve(self.size, self.width, self.layers[0].k)
+        self.rows_index = torch.arange(self.size, device=device)
+        self.write_columns = columns
+        mask = torch.arange(self.width, device=device)[None, :] <= columns[:, None]
+        return mask[:, None, None, :]
+
+    def finish_decode(self) -> None:
+        self.lengths += 1
+
+    # what Hugging Face's generic code may ask of a Cache
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.width - 1, 0)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.width, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length(layer_idx)
