@@ -130,3 +130,30 @@ def test_a_grpo_group_is_prefilled_once_and_answers_as_if_alone(tiny_checkpoint,
         assert len({tuple(c.output_ids) for c in together}) > 4  # the group members sampled apart
     finally:
         engine.shutdown()
+
+
+def test_union_head_gives_the_engines_bits(threads):
+    """The trainer's union head (one product over the batch's support ids) against the engine's
+    full-vocabulary head on each row alone, padded to 16 rows: the same log-probs bit for bit; its
+    gradient is the dense path's to rounding."""
+    from support_replay.logprobs import union_head_support_logprobs
+    from support_replay.support import SupportTable
+
+    gen = torch.Generator().manual_seed(7)
+    rows, width, vocab = 37, 64, 384
+    hidden = torch.randn(rows, width, generator=gen, requires_grad=True)
+    weight = (0.1 * torch.randn(vocab, width, generator=gen)).requires_grad_()
+    support_rows = [np.unique(torch.randint(0, vocab, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).numpy()) for _ in range(rows)]
+    targets = torch.tensor([int(r[len(r) // 2]) for r in support_rows])
+    support = SupportTable.from_rows(support_rows)
+    got = union_head_support_logprobs(hidden, weight, targets, support, 0.7)
+    with torch.no_grad():
+        for r in range(rows):
+            padded = torch.cat([hidden[r : r + 1], hidden.new_zeros(15, width)])
+            logits = torch.nn.functional.linear(padded, weight)[:1]
+            one = support_logprobs(logits, targets[r : r + 1], SupportTable.from_rows([support_rows[r]]), 0.7)
+            assert torch.equal(got[r : r + 1], one), r
+    dense = support_logprobs(hidden @ weight.T, targets, support, 0.7)
+    grads = torch.autograd.grad(got.sum(), (hidden, weight))
+    for g, want in zip(grads, torch.autograd.grad(dense.sum(), (hidden, weight))):
+        torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5)

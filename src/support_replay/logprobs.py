@@ -278,3 +278,35 @@ def sparse_head_support_logprobs(
     temp = _temperature_column(temperature, rows, hidden.device, _acc(torch.promote_types(hidden.dtype, weight.dtype)))
     tpos = _target_positions(ids, valid, targets.to(hidden.device, torch.long))
     return _SparseHeadSupportLogProbs.apply(hidden, weight, ids, valid, tpos, temp, int(chunk_size))
+
+
+def union_head_support_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, support, temperature=1.0,
+                                row_block: int = 16) -> torch.Tensor:
+    """``support_logprobs(hidden @ weight.T, ...)`` reading only the head rows that some support
+    of the batch names, with the same bits as the full head where its products are invariant.
+
+    One product ``[rows padded to row_block, H] x [H, U]`` over the union U of the batch's
+    support ids (at least ``row_block`` of them): on this project's CPU a column of ``F.linear``
+    is the same bits whatever other columns are computed with it once there are 16 or more,
+    and a row the same bits once the row count is a multiple of 16 (docs/true-on-policy.md),
+    so these logits equal the engine's full-vocabulary ones at every support id, and
+    ``support_logprobs``, which reads nothing else, returns the engine's log mu. Autograd
+    gives the backward (the gradient reaches only the union's head rows).
+    """
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
+        raise SupportError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match")
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    ids, valid = _padded(support, hidden.device)
+    targets = targets.to(hidden.device, torch.long)
+    if ids.shape[0] != rows or targets.shape != (rows,):
+        raise SupportError(f"union head: {rows} hidden rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}")
+    union = torch.unique(torch.cat([ids[valid], targets]))
+    if len(union) < row_block:  # too few columns take another kernel: add unused ones
+        extra = torch.arange(min(vocab, len(union) + row_block), device=hidden.device)
+        union = torch.unique(torch.cat([union, extra]))
+    column = torch.zeros(vocab, dtype=torch.long, device=hidden.device)
+    column[union] = torch.arange(len(union), device=hidden.device)
+    pad = -rows % row_block
+    padded = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])]) if pad else hidden
+    logits = torch.nn.functional.linear(padded, weight[union])[:rows]
+    return support_logprobs(logits, column[targets], (column[ids.where(valid, union[0])], valid), temperature)

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from ..errors import ConfigError
-from ..logprobs import full_logprobs_and_entropy, penalised_support_logprobs, sparse_head_support_logprobs, support_logprobs
+from ..logprobs import full_logprobs_and_entropy, penalised_support_logprobs, sparse_head_support_logprobs, support_logprobs, union_head_support_logprobs
 from ..modeling.batch_invariant import make_batch_invariant
 from ..modeling.context_parallel import ContextShard, assemble_rows, make_context_parallel
 from ..modeling.tensor_parallel import VocabShard, parallelize_tensor
@@ -68,6 +68,7 @@ class ScoringModel(nn.Module):
         if batch_invariant:  # the engine's deterministic forward, so logits agree bit for bit
             make_batch_invariant(hf)
         self.hf = hf
+        self.batch_invariant = batch_invariant  # the sparse head then reads the batch's union of support ids in one product
         self.compute_dtype = compute_dtype  # bf16: autocast over fp32 weights
         self.vocab: VocabShard | None = None  # tensor parallel: this rank's LM head rows
         self.tp_group = None
@@ -127,7 +128,8 @@ class ScoringModel(nn.Module):
         head = self.hf.get_output_embeddings()
         full_lp = ent = None
         if sparse:
-            logp = sparse_head_support_logprobs(h, head.weight, targets, support, temperature)
+            scorer = union_head_support_logprobs if self.batch_invariant else sparse_head_support_logprobs
+            logp = scorer(h, head.weight, targets, support, temperature)
             if full_detached:
                 with torch.no_grad():
                     full_lp, _ = full_logprobs_and_entropy(head(h.detach()), targets, temperature)
@@ -212,11 +214,10 @@ class Actor:
         self.layout = layout or ParallelLayout()
         self.model = load_scoring_model(path, ctx.device, batch_invariant, compute_dtype)
         hf = self.model.hf
-        # true-on-policy needs the engine's own product for every logit, so never the sparse head
+        # true-on-policy: the union head, whose products are the engine's bits (logprobs.union_head_support_logprobs)
         # penalties transform the logits at the support ids: the dense head, so one path scores every pass
         # tensor parallel: the vocab-parallel dense head (the sparse head would gather rows across ranks)
-        self.sparse_head = (replay and not full_with_grad and not batch_invariant and not penalties and plain_linear_head(hf)
-                            and self.layout.tp == 1)
+        self.sparse_head = (replay and not full_with_grad and not penalties and plain_linear_head(hf) and self.layout.tp == 1)
         if self.layout.tp > 1:
             self.model.vocab = parallelize_tensor(hf, self.layout.mesh["tp"])
             self.model.tp_group = self.layout.group("tp")
