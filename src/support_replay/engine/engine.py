@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from ..errors import AbortedError, CapacityError, EngineError, RequestError, SamplingParamsError
 from ..logprobs import full_logprobs, support_logprobs
 from ..penalties import dense_bias, dense_history, penalise
-from ..modeling.batch_invariant import make_batch_invariant
+from ..modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest, single_version
 from ..sampling import sample_tokens
 from ..support import SupportTable
@@ -78,7 +78,7 @@ class Engine:
         if deterministic:  # logits independent of batch, padding and prefill/decode split
             make_batch_invariant(model)
         self.deterministic = deterministic
-        self.runner = ModelRunner(model, device)
+        self.runner = ModelRunner(model, device, key_block=KEY_BLOCK if deterministic else 1)
         self.tokenizer = tokenizer
         self.semantics = semantics
         self.capacity = int(sampling_mask_max_tokens)

@@ -31,9 +31,10 @@ def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype = torch.float3
 
 
 class ModelRunner:
-    def __init__(self, model, device: str = "cpu"):
+    def __init__(self, model, device: str = "cpu", key_block: int = 1):
         self.model = model
         self.device = device
+        self.key_block = key_block  # the slot cache attends to whole blocks of this many keys
         params = inspect.signature(model.forward).parameters
         # transformers 5 calls the cache argument `cache`; earlier releases `past_key_values`
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -72,7 +73,7 @@ class ModelRunner:
         index = [first.setdefault(tuple(p) if self.share_prompts else (i, *p), len(first)) for i, p in enumerate(prompts)]
         distinct = [list(p) for p in prompts] if not self.share_prompts else [list(p) for p in first]
         layers, logits = self._prefill(distinct)
-        cache = SlotCache(len(layers))
+        cache = SlotCache(len(layers), align=self.key_block)
         cache.append(layers, [len(p) for p in prompts], index)
         return cache, logits[torch.tensor(index, device=logits.device)] if len(distinct) < len(prompts) else logits
 

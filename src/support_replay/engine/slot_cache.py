@@ -56,7 +56,8 @@ class SlotLayer(CacheLayerMixin):
 class SlotCache(Cache):
     """The running batch's keys and values, ``size`` rows in slots ``0..size-1``."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, align: int = 1):
+        self.align = align  # the attended width is a multiple of this (the batch-invariant attention's key block)
         layers = [SlotLayer() for _ in range(num_layers)]
         super().__init__(layers=layers)
         for layer in layers:
@@ -145,7 +146,7 @@ class SlotCache(Cache):
         """Where this step's tokens go (column = each row's length) and the ``[B, 1, 1, width]`` mask."""
         device = self.layers[0].k.device
         columns = self.lengths.to(device)
-        self.width = int(self.lengths.max()) + 1
+        self.width = -(-(int(self.lengths.max()) + 1) // self.align) * self.align
         self.reserve(self.size, self.width, self.layers[0].k)
         self.rows_index = torch.arange(self.size, device=device)
         self.write_columns = columns

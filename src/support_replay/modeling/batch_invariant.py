@@ -44,9 +44,10 @@ def _aligned_keys(key, value, allowed):
     seen = allowed.any(1)  # [B, L]
     start = torch.where(seen.any(1), seen.int().argmax(1), 0)
     width = -(-int((k_len - start).max()) // KEY_BLOCK) * KEY_BLOCK
-    if bool((start == 0).all()):  # already aligned (the trainer's case): no gather
-        extra = max(width - k_len, 0)
-        key, value, allowed = F.pad(key, (0, 0, 0, extra)), F.pad(value, (0, 0, 0, extra)), F.pad(allowed, (0, extra))
+    if bool((start == 0).all()):  # already aligned (the trainer's batch; the engine's slot cache, whole blocks wide): no gather
+        extra = width - k_len
+        if extra > 0:
+            key, value, allowed = F.pad(key, (0, 0, 0, extra)), F.pad(value, (0, 0, 0, extra)), F.pad(allowed, (0, extra))
         return key[:, :, :width], value[:, :, :width], allowed[:, :, :width]
     index = start[:, None] + torch.arange(width, device=key.device)[None]
     inside = index < k_len
@@ -69,9 +70,8 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
     Autograd gives the backward.
     """
     batch, heads, q_len, dim = query.shape
-    repeat = heads // key.shape[1]
-    if repeat > 1:
-        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    groups = key.shape[1]
+    repeat = heads // groups  # query heads per key/value head (grouped-query attention)
     scale = dim**-0.5 if scaling is None else scaling
     k_len = key.shape[2]
     if attention_mask is None:  # plain causal, no padding
@@ -82,21 +82,26 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
     key, value, allowed = _aligned_keys(key, value, allowed)
     width = key.shape[2]
     blocks = width // KEY_BLOCK
-    q_extra = -q_len % ROW_BLOCK
-    tiles = (q_len + q_extra) // ROW_BLOCK
-    q_tiles = F.pad(query, (0, 0, 0, q_extra)).reshape(batch, heads, tiles, 1, ROW_BLOCK, dim)
-    k_blocks = key.reshape(batch, heads, 1, blocks, KEY_BLOCK, dim).transpose(-1, -2)
-    scores = torch.matmul(q_tiles, k_blocks)  # [B, H, tiles, blocks, 16, 64]
-    scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(batch, heads, tiles * ROW_BLOCK, width)[:, :, :q_len] * scale
-    live = allowed.any(-1)[:, None, :, None]  # a padding query sees nothing: zeros, never NaN
-    scores = scores.masked_fill(~allowed[:, None], float("-inf")).masked_fill(~live, 0.0)
-    probs = torch.softmax(scores, dim=-1).masked_fill(~allowed[:, None], 0.0)
-    p_tiles = F.pad(probs, (0, 0, 0, q_extra)).reshape(batch, heads, tiles, ROW_BLOCK, blocks, KEY_BLOCK).transpose(3, 4)
-    parts = torch.matmul(p_tiles, value.reshape(batch, heads, 1, blocks, KEY_BLOCK, dim))  # [B, H, tiles, blocks, 16, d]
+    # the rows of a key/value head: its query heads x positions, tiled 16 at a time (a decode step's
+    # heads share a tile); no key is copied per query head
+    rows = repeat * q_len
+    row_allowed = allowed[:, None].expand(batch, repeat, q_len, width).reshape(batch, 1, rows, width)
+    q_extra = -rows % ROW_BLOCK
+    tiles = (rows + q_extra) // ROW_BLOCK
+    q_tiles = F.pad(query.reshape(batch, groups, rows, dim), (0, 0, 0, q_extra)).reshape(batch, groups, tiles, 1, ROW_BLOCK, dim)
+    k_blocks = key.reshape(batch, groups, 1, blocks, KEY_BLOCK, dim).transpose(-1, -2)
+    scores = torch.matmul(q_tiles, k_blocks)  # [B, G, tiles, blocks, 16, 64]
+    scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(batch, groups, tiles * ROW_BLOCK, width)[:, :, :rows] * scale
+    live = row_allowed.any(-1, keepdim=True)  # a padding query sees nothing: zeros, never NaN
+    scores = scores.masked_fill(~row_allowed, float("-inf")).masked_fill(~live, 0.0)
+    probs = torch.softmax(scores, dim=-1).masked_fill(~row_allowed, 0.0)
+    p_tiles = F.pad(probs, (0, 0, 0, q_extra)).reshape(batch, groups, tiles, ROW_BLOCK, blocks, KEY_BLOCK).transpose(3, 4)
+    parts = torch.matmul(p_tiles, value.reshape(batch, groups, 1, blocks, KEY_BLOCK, dim))  # [B, G, tiles, blocks, 16, d]
     out = parts[:, :, :, 0]
     for b in range(1, blocks):  # position order, the same on both sides; empty blocks add exact zeros
         out = out + parts[:, :, :, b]
-    return out.reshape(batch, heads, tiles * ROW_BLOCK, dim)[:, :, :q_len].transpose(1, 2), None
+    out = out.reshape(batch, groups, tiles * ROW_BLOCK, dim)[:, :, :rows]
+    return out.reshape(batch, heads, q_len, dim).transpose(1, 2), None
 
 
 def _register() -> None:
