@@ -240,3 +240,25 @@ def test_sglang_top_k_fast_path_equals_the_full_sort(monkeypatch):
         full = torch.zeros_like(fast).scatter_(1, order, _keep_sglang(probs_sort, top_k, top_p, min_p))
         assert torch.equal(fast, full)
     assert sum(taken) >= 8  # the fast path ran (smooth and one-ulp cases), ties fell back
+
+
+def test_bf16_ties_at_the_top_k_cut_widen_the_selection_instead_of_sorting(monkeypatch):
+    """bf16 logits tie often at the k-th value: the selection widens to every tied id (no sort of
+    the whole vocabulary) and keeps exactly the full sort's support."""
+    from support_replay import sampling
+    from support_replay.sampling import _columns, _keep_sglang
+
+    taken = []
+    original = sampling._top_candidates
+    monkeypatch.setattr(sampling, "_top_candidates", lambda p, w: taken.append(original(p, w) is not None) or original(p, w))
+    gen = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(64, 4000, generator=gen)).bfloat16()
+    params = [SamplingParams(top_k=32, top_p=0.9)] * 64
+    fast = support_mask(logits, params, "sglang")
+    temp, top_k, top_p, min_p = _columns(params, logits.shape[1], logits.device)
+    probs = torch.softmax(logits.float() / temp, dim=-1)
+    top = torch.topk(probs, 33, dim=-1).values
+    assert bool((top[:, 32] == top[:, 31]).any())  # the case at hand: a tie straddles the cut
+    probs_sort, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    full = torch.zeros_like(fast).scatter_(1, order, _keep_sglang(probs_sort, top_k, top_p, min_p))
+    assert torch.equal(fast, full) and taken == [True]

@@ -119,17 +119,24 @@ def _keep_sglang(probs_sort, top_k, top_p, min_p):
 
 
 def _top_candidates(probs, width: int):
-    """The ``width`` largest probabilities of every row, ordered (prob desc, id asc).
+    """At least the ``width`` largest probabilities of every row, ordered (prob desc, id asc):
+    the full sort's first ``width`` entries of every row, and in the same order.
 
-    None when a tie straddles the cut (which tokens are in would then depend on ids
-    beyond it) or when the cut is not narrower than the vocabulary.
+    A tie that straddles the cut (frequent with bf16 logits) widens the selection to every id
+    tied with the ``width``-th largest value, so the ids beyond the cut that the tie order
+    brings in are there too. None when that is not narrower than a quarter of the vocabulary.
     """
-    if width + 1 >= probs.shape[-1]:
+    vocab = probs.shape[-1]
+    if width + 1 >= vocab:
         return None
     vals, idx = torch.topk(probs, width + 1, dim=-1)
     if bool((vals[:, width] == vals[:, width - 1]).any()):
-        return None
-    vals, idx = vals[:, :width], idx[:, :width]
+        wide = int((probs >= vals[:, width - 1 : width]).sum(-1).max())  # every id at or above each row's cut value
+        if wide * 4 > vocab:
+            return None
+        vals, idx = torch.topk(probs, wide, dim=-1)
+    else:
+        vals, idx = vals[:, :width], idx[:, :width]
     by_id = idx.argsort(dim=-1)
     vals, idx = vals.gather(1, by_id), idx.gather(1, by_id)
     order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
