@@ -1,6 +1,6 @@
 """GRPO step time and peak memory as the response length and the group size double.
 
-    python bench/scaling.py [--lengths 64,128,256,512] [--groups 4,8,16] [--steps 2]
+    python bench/scaling.py [--lengths 64,128,256,512] [--groups 4,8,16] [--steps 2] [--trl-lengths 64,128,256]
 
 SmolLM2-135M-Instruct, fp32, 4 prompts of the built-in arithmetic task, top_p 0.8 / top_k 32,
 replay and --ci-test on, one optimizer step per rollout. The task's answers end after about 35
@@ -8,6 +8,10 @@ tokens, so to make responses as long as asked the rollout bans the end-of-sequen
 a logit bias of -100 (``--rollout-logit-bias``, replayed by the trainer like any bias; it takes
 the dense LM head, as penalties do). Each configuration runs in a process of its own, so its peak
 resident memory (``ru_maxrss``) is its own; times are the mean of the steps after the first.
+
+TRL's GRPOTrainer (when installed) runs the same shapes at its defaults, fp32, its responses held
+to the asked length by ``min_new_tokens`` (``generation_kwargs``), for the lengths in
+``--trl-lengths`` and every group size.
 """
 
 from __future__ import annotations
@@ -38,6 +42,38 @@ keys = ("time_generate", "time_update", "time_step", "response_len_mean")
 print("RESULT", json.dumps({{**{{k: statistics.mean(r[k] for r in rows) for k in keys}}, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                           "diff": max(r["train_rollout_logprob_abs_diff_max"] for r in rows)}}))
 """
+    return _result(code)
+
+
+def run_trl(length: int, group: int, steps: int) -> dict:
+    code = f"""
+import json, resource, statistics, tempfile, time
+from datasets import Dataset
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+from support_replay.modeling.checkpoints import smollm2_checkpoint
+from support_replay.rollout import ArithmeticTask, math_reward
+task = ArithmeticTask(seed=1234)
+rows = [{{"prompt": task[i].content, "label": task[i].label}} for i in range(4 * {steps})]
+def reward(completions, label, **_):
+    return [math_reward("", c[0]["content"], lab) for c, lab in zip(completions, label)]
+class Clock(TrainerCallback):
+    times, start = [], 0.0
+    def on_step_begin(self, *a, **k):
+        self.start = time.perf_counter()
+    def on_step_end(self, *a, **k):
+        self.times.append(time.perf_counter() - self.start)
+clock = Clock()
+args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size={4 * group}, num_generations={group}, max_completion_length={length},
+                  generation_kwargs={{"min_new_tokens": {length}}}, temperature=1.0, top_p=0.8, top_k=32, learning_rate=1e-6, max_steps={steps},
+                  report_to=[], save_strategy="no", use_cpu=True, beta=0.0, seed=0, dataloader_num_workers=0, logging_steps=1)
+GRPOTrainer(model=str(smollm2_checkpoint()), reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows), callbacks=[clock]).train()
+print("RESULT", json.dumps({{"time_step": statistics.mean(clock.times[1:] or clock.times), "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+"""
+    return _result(code)
+
+
+def _result(code: str) -> dict:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
@@ -50,14 +86,23 @@ def main() -> None:
     ap.add_argument("--lengths", default="64,128,256,512")
     ap.add_argument("--groups", default="4,8,16")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--trl-lengths", default="64,128,256", help="lengths TRL runs at (its 512 takes minutes a step); empty: none")
     args = ap.parse_args()
     configs = [(int(n), 4) for n in args.lengths.split(",")] + [(64, int(g)) for g in args.groups.split(",") if int(g) != 4]
-    print("| response tokens | group size | samples | response len | generate s | update s | step s | peak memory MiB | max abs(log pi - log mu) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    trl_lengths = {int(n) for n in args.trl_lengths.split(",") if n}
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        trl_lengths = set()
+    print("| response tokens | group size | samples | response len | generate s | update s | step s | peak memory MiB | max abs(log pi - log mu) "
+          "| TRL step s | TRL peak MiB | ours faster by |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for length, group in configs:
         r = run_one(length, group, args.steps)
+        t = run_trl(length, group, args.steps) if length in trl_lengths else None
+        theirs = f"{t['time_step']:.2f} | {t['peak_mib']:.0f} | {t['time_step'] / r['time_step']:.2f}x" if t else "| |"
         print(f"| {length} | {group} | {4 * group} | {r['response_len_mean']:.0f} | {r['time_generate']:.2f} | {r['time_update']:.2f} | {r['time_step']:.2f} | "
-              f"{r['peak_mib']:.0f} | {r['diff']:.1e} |", flush=True)
+              f"{r['peak_mib']:.0f} | {r['diff']:.1e} | {theirs} |", flush=True)
 
 
 if __name__ == "__main__":
