@@ -128,8 +128,8 @@ class SlotCache(Cache):
                 order.pop()
             if hole >= len(order):
                 continue
-            last = len(order) - 1
-            held = int(self.lengths[order[last]])
+            last = len(order) - 1  # a tail slot: never a move's target, it still holds its own row
+            held = int(self.lengths[last])
             for layer in self.layers:
                 layer.k[hole, :, :held] = layer.k[last, :, :held]
                 layer.v[hole, :, :held] = layer.v[last, :, :held]
