@@ -60,13 +60,15 @@ def _aligned_keys(key, value, allowed):
 def batch_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention in fixed-shape tiles with a fixed reduction order; returns ``[B, q, H, d]``.
 
-    Keys are cut into blocks of ``KEY_BLOCK`` positions counted from the sequence start and
-    queries into tiles of ``ROW_BLOCK`` rows, so every product is ``[16, d] x [d, 64]`` or
-    ``[16, 64] x [64, d]`` whatever the batch, the padding or the prefill/decode split (a
-    batched product of one fixed shape gives each row the same bits whatever the batch count
-    and the row's place: measured, tests/test_batch_invariant.py). A key sits at the same
-    place of the same block on both sides; masked keys weigh exactly 0; the softmax runs over
-    the position-aligned row, and the blocks' partial outputs are added in position order.
+    Keys are aligned to the sequence start and cut into blocks of ``KEY_BLOCK`` positions;
+    queries into tiles of ``ROW_BLOCK`` rows. Scores are ``[16, d] x [d, width]`` per tile (a
+    score's bits depend on neither the other rows nor the number of key columns); the weighted
+    sum runs per block, ``[16, 64] x [64, d]``, so its reduction has one fixed shape whatever
+    the batch, the padding or the prefill/decode split (a batched product of one fixed shape
+    gives each row the same bits whatever the batch count and the row's place: measured,
+    tests/test_batch_invariant.py). A key sits at the same place of the same block on both
+    sides; masked keys weigh exactly 0; the softmax runs over the position-aligned row, and the
+    blocks' partial outputs are added in position order.
     Autograd gives the backward.
     """
     batch, heads, q_len, dim = query.shape
@@ -88,10 +90,11 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
     row_allowed = allowed[:, None].expand(batch, repeat, q_len, width).reshape(batch, 1, rows, width)
     q_extra = -rows % ROW_BLOCK
     tiles = (rows + q_extra) // ROW_BLOCK
-    q_tiles = F.pad(query.reshape(batch, groups, rows, dim), (0, 0, 0, q_extra)).reshape(batch, groups, tiles, 1, ROW_BLOCK, dim)
-    k_blocks = key.reshape(batch, groups, 1, blocks, KEY_BLOCK, dim).transpose(-1, -2)
-    scores = torch.matmul(q_tiles, k_blocks)  # [B, G, tiles, blocks, 16, 64]
-    scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(batch, groups, tiles * ROW_BLOCK, width)[:, :, :rows] * scale
+    q_tiles = F.pad(query.reshape(batch, groups, rows, dim), (0, 0, 0, q_extra)).reshape(batch, groups, tiles, ROW_BLOCK, dim)
+    # one [16, d] x [d, width] product per tile: a score's bits do not depend on how many key
+    # columns share the product (measured: equal to 64-key blocks, tests/test_batch_invariant.py)
+    scores = torch.matmul(q_tiles, key.transpose(-1, -2)[:, :, None])  # [B, G, tiles, 16, width]
+    scores = scores.reshape(batch, groups, tiles * ROW_BLOCK, width)[:, :, :rows] * scale
     live = row_allowed.any(-1, keepdim=True)  # a padding query sees nothing: zeros, never NaN
     scores = scores.masked_fill(~row_allowed, float("-inf")).masked_fill(~live, 0.0)
     probs = torch.softmax(scores, dim=-1).masked_fill(~row_allowed, 0.0)
