@@ -54,6 +54,7 @@ bench: setup
 	$(PY) bench/engine.py
 	$(PY) bench/faithfulness.py
 	$(PY) bench/e2e.py
+	$(PY) bench/demo.py
 	$(PY) bench/poison.py
 	$(PY) bench/load.py
 	$(PY) bench/faults.py
