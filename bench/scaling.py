@@ -2,12 +2,12 @@
 
     python bench/scaling.py [--lengths 64,128,256,512] [--groups 4,8,16] [--steps 2] [--trl-lengths 64,128,256]
 
-SmolLM2-135M-Instruct, fp32, 4 prompts of the built-in arithmetic task, top_p 0.8 / top_k 32,
-replay and --ci-test on, one optimizer step per rollout. The task's answers end after about 35
-tokens, so to make responses as long as asked the rollout bans the end-of-sequence tokens with
-a logit bias of -100 (``--rollout-logit-bias``, replayed by the trainer like any bias; it takes
-the dense LM head, as penalties do). Each configuration runs in a process of its own, so its peak
-resident memory (``ru_maxrss``) is its own; times are the mean of the steps after the first.
+SmolLM2-135M-Instruct, fp32, 4 prompts of the built-in arithmetic task (operands up to 20),
+top_p 0.8 / top_k 32, replay and --ci-test on, one optimizer step per rollout, lr 1e-6. The
+task's answers end after about 35 tokens, so every response runs to the asked length past
+end-of-sequence (``--rollout-ignore-eos``). Each configuration runs in a process of its own, so
+its peak resident memory (``ru_maxrss``) is its own; times are the mean of the steps after the
+first.
 
 TRL's GRPOTrainer (when installed) runs the same shapes at its defaults, fp32, its responses held
 to the asked length by ``min_new_tokens`` (``generation_kwargs``), for the lengths in
@@ -25,18 +25,11 @@ import sys
 def run_one(length: int, group: int, steps: int) -> dict:
     code = f"""
 import json, resource, statistics, tempfile
-from pathlib import Path
-from transformers import AutoTokenizer
-from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.train import train
 from support_replay.train.config import RunConfig
-ckpt = smollm2_checkpoint()
-tok = AutoTokenizer.from_pretrained(ckpt)
-banned = {{str(i): -100.0 for i in {{tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")}} if i is not None}}
-bias = Path(tempfile.mkdtemp()) / "bias.json"
-bias.write_text(json.dumps(banned))
 cfg = RunConfig(num_rollout={steps}, rollout_batch_size=4, n_samples_per_prompt={group}, global_batch_size={4 * group}, rollout_max_response_len={length},
-                rollout_top_p=0.8, rollout_top_k=32, lr=1e-6, ci_test=True, progress=False, output_dir=tempfile.mkdtemp(), rollout_logit_bias=str(bias))
+                rollout_ignore_eos=True, task_max_operand=20, rollout_top_p=0.8, rollout_top_k=32, lr=1e-6, ci_test=True, progress=False,
+                output_dir=tempfile.mkdtemp())
 rows = train(cfg)[1:]
 keys = ("time_generate", "time_update", "time_step", "response_len_mean")
 print("RESULT", json.dumps({{**{{k: statistics.mean(r[k] for r in rows) for k in keys}}, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

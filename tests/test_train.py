@@ -386,3 +386,18 @@ def test_full_vocabulary_metrics_every_n_rollouts(tiny_checkpoint, tmp_path, mon
     assert len(calls) == n_every * 2 // 3 and n_every > 0
     assert [r["loss"] for r in sparse] == [r["loss"] for r in every]
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in sparse)
+
+
+def test_ignore_eos_runs_every_response_to_the_length_limit(tiny_checkpoint, tmp_path):
+    import json
+
+    from transformers import AutoTokenizer
+
+    bias = tmp_path / "bias.json"  # end-of-sequence first, every time
+    bias.write_text(json.dumps({str(AutoTokenizer.from_pretrained(tiny_checkpoint).eos_token_id): 100.0}))
+    settings = dict(num_rollout=1, rollout_max_response_len=12, rollout_logit_bias=str(bias))
+    assert train(run_config(tiny_checkpoint, tmp_path / "ends", **settings))[0]["response_len_mean"] == 1
+    rows = train(run_config(tiny_checkpoint, tmp_path / "runs", rollout_ignore_eos=True, **settings))
+    assert rows[0]["response_len_mean"] == 12 and rows[0]["train_rollout_logprob_abs_diff_max"] <= 1e-3
+    with pytest.raises(ConfigError, match="--rollout-ignore-eos=True: an agent's turns end at end-of-sequence"):
+        run_config(tiny_checkpoint, tmp_path, rollout_ignore_eos=True, agent="chain")

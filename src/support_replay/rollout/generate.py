@@ -107,6 +107,7 @@ def generate_samples(
     failed_group_policy: str = "regenerate",
     max_regenerations: int = 2,
     penalties: Penalties = NO_PENALTIES,
+    ignore_eos: bool = False,
 ) -> tuple[list[Sample], RolloutStats]:
     """``n_samples`` responses per prompt, grouped prompt by prompt, rewarded.
 
@@ -120,7 +121,7 @@ def generate_samples(
     retries_before = backend.retries
 
     def attempt_groups(pending: list[int], attempt: int) -> list[list]:
-        requests = [_request(rendered[g][0], params, seed, rollout, g * n_samples + j, attempt, max_new_tokens, capture, rid_prefix, penalties)
+        requests = [_request(rendered[g][0], params, seed, rollout, g * n_samples + j, attempt, max_new_tokens, capture, rid_prefix, penalties, ignore_eos)
                     for g in pending for j in range(n_samples)]
         completions = backend.generate(requests, return_exceptions=True)
         pairs = list(zip(requests, completions))
@@ -137,11 +138,11 @@ def generate_samples(
     return samples, stats
 
 
-def _request(ids, params, seed, rollout, k, attempt, max_new_tokens, capture, rid_prefix, penalties) -> GenerateRequest:
+def _request(ids, params, seed, rollout, k, attempt, max_new_tokens, capture, rid_prefix, penalties, ignore_eos=False) -> GenerateRequest:
     sp = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
                         seed=request_seed(seed, rollout, k, attempt))
     rid = None if rid_prefix is None else f"{rid_prefix}/{rollout}/{k}/{attempt}"
-    req = GenerateRequest(list(ids), sp, max_new_tokens=max_new_tokens, return_sampling_mask=capture, rid=rid, penalties=penalties)
+    req = GenerateRequest(list(ids), sp, max_new_tokens=max_new_tokens, return_sampling_mask=capture, rid=rid, penalties=penalties, ignore_eos=ignore_eos)
     return validate_request(req, params.temperature, k)
 
 

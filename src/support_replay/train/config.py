@@ -52,6 +52,7 @@ class RunConfig(BaseModel):
     rollout_batch_size: int = Field(8, ge=1, description="prompts per rollout")
     n_samples_per_prompt: int = Field(4, ge=1, description="responses per prompt (the GRPO group)")
     rollout_max_response_len: int = Field(32, ge=1, description="max new tokens per response")
+    rollout_ignore_eos: bool = Field(False, description="every response runs to --rollout-max-response-len tokens, past end-of-sequence (the engines' ignore_eos): fixed-length benchmarks")
     rollout_temperature: float = Field(1.0, description="sampling temperature; the trainer divides actor logits by it")
     rollout_top_p: float = Field(0.8, description="top-p of rollout sampling, in (0, 1]")
     rollout_top_k: int = Field(32, description="top-k of rollout sampling, -1 or >= 1")
@@ -274,6 +275,8 @@ class RunConfig(BaseModel):
             bad("resume", True, "needs --save DIR to resume from")
         if self.save_interval and not self.save:
             bad("save_interval", self.save_interval, "needs --save DIR to write checkpoints to")
+        if self.rollout_ignore_eos and (self.agent or self.agent_path):
+            bad("rollout_ignore_eos", True, "an agent's turns end at end-of-sequence; fixed-length responses are for single-turn rollouts")
         if self.agent and self.agent_path:
             bad("agent_path", self.agent_path, f"and --agent={self.agent} exclude each other: one agent per run")
         if self.agent_path and not (":" in self.agent_path or "." in self.agent_path):

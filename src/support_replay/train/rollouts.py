@@ -152,6 +152,7 @@ class Rollouts:
                     reward_fn=self.reward_fn, rollout=rollout, seed=seed, apply_chat_template=self.cfg.apply_chat_template,
                     rid_prefix=f"{self.run_id}/{tag}", failed_group_policy=self.cfg.failed_group_policy,
                     max_regenerations=self.cfg.max_regenerations, penalties=self.penalties if capture else NO_PENALTIES,
+                    ignore_eos=self.cfg.rollout_ignore_eos and tag != "eval",  # evaluation answers end where the model ends them
                 )
         return samples, asdict(stats)
 
