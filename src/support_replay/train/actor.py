@@ -7,10 +7,11 @@ response positions reach the LM head.
 
 The ratio's score always comes from one path, fixed when the actor is built, so the old
 and the new log-probs of a PPO ratio are one function (docs/math.md, "which function
-scores"): the sparse head (``sparse_head_support_logprobs``, never forming ``[T, V]``)
-when the head is a plain linear layer, replay is on and nothing needs full-vocabulary
-scores with a gradient; otherwise the dense head and ``support_logprobs``, the engine's
-own function.
+scores"): the sparse head (``sparse_head_support_logprobs``, never forming ``[T, V]``;
+in true-on-policy mode ``union_head_support_logprobs``, the engine's bits) when the head
+is a plain linear layer, replay is on and nothing needs full-vocabulary scores with a
+gradient; otherwise the dense head and ``support_logprobs``, the engine's own function.
+Packed micro-batches (a prompt and its responses in one row) score the same way.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ class ScoringModel(nn.Module):
         (metrics), which never changes ``logp``. ``transform`` (the rollout's penalties and
         logit bias) applies to ``logp`` only: KL, entropy and metrics stay on the model's own
         distribution. A packed batch brings its own ``position_ids`` and a ``[B, 1, L, L]``
-        mask (``batches.build_packed_micro_batch``). Under context parallelism each rank scores the rows whose logit position
-        it holds and every rank gets all rows back.
+        mask (``batches.build_packed_micro_batch``). Under context parallelism each rank scores
+        the rows whose logit position it holds and every rank gets all rows back.
         """
         with torch.autocast(input_ids.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             h, mine = self._hidden_rows(input_ids, attention_mask, rows_b, rows_t, position_ids)
