@@ -86,13 +86,3 @@ def test_packing_with_what_needs_rows_of_their_own_is_refused(tiny_checkpoint, t
         run_config(tiny_checkpoint, tmp_path, packed_scoring="on", true_on_policy_mode=True)
     assert not run_config(tiny_checkpoint, tmp_path, rollout_repetition_penalty=1.2).pack_groups  # auto: rows of their own
     assert run_config(tiny_checkpoint, tmp_path).pack_groups
-
-
-def test_a_group_whose_prompt_saves_little_is_scored_one_sample_per_row():
-    """Packing saves the repeated prompts but attends over the whole row: a 4-token prompt before
-    three 40-token answers is not worth it (8 tokens saved of 120)."""
-    short_prompt = [Sample(index=i, group=0, prompt_ids=[5, 6, 7, 8], response_ids=[9] * 40, loss_mask=np.ones(40, np.int8)) for i in range(3)]
-    batch = build_micro_batch(short_prompt, [0, 1, 2], False, "cpu", pack=True)
-    assert batch.input_ids.shape == (3, 44)
-    long_prompt = [Sample(index=i, group=0, prompt_ids=list(range(5, 35)), response_ids=[9] * 40, loss_mask=np.ones(40, np.int8)) for i in range(3)]
-    assert build_micro_batch(long_prompt, [0, 1, 2], False, "cpu", pack=True).input_ids.shape == (1, 30 + 120)

@@ -99,36 +99,16 @@ def prompt_groups(samples: list[Sample], part: list[int]) -> list[list[int]]:
     return list(rows.values())
 
 
-PACK_MIN_SAVING = 0.25  # pack a group when its repeated prompts are at least this share of its response tokens
-
-
-def packed_rows(samples: list[Sample], part: list[int]) -> list[list[int]]:
-    """The rows of a packed micro-batch: a prompt's samples together, unless packing would cost
-    more than it saves. A packed row saves ``(n - 1) x prompt`` tokens of every linear layer but
-    attends over the whole row, responses masked from each other: measured on SmolLM2 (GRPO
-    groups of 4, 44-token prompts), packing wins with 30-128-token answers and loses with 256
-    (update 36.9 s packed against 33.9 s unpacked). A group whose repeated prompt tokens are
-    below ``PACK_MIN_SAVING`` of its response tokens is scored one sample per row."""
-    rows = []
-    for group in prompt_groups(samples, part):
-        saved = (len(group) - 1) * len(samples[group[0]].prompt_ids)
-        if len(group) > 1 and saved < PACK_MIN_SAVING * sum(samples[i].response_length for i in group):
-            rows += [[i] for i in group]
-        else:
-            rows.append(group)
-    return rows
-
-
 def _packed_length(samples: list[Sample], row: list[int]) -> int:
     return len(samples[row[0]].prompt_ids) + sum(samples[i].response_length for i in row)
 
 
 def build_packed_micro_batch(samples: list[Sample], indices: list[int], replay: bool, device) -> MicroBatch:
-    """One row per distinct prompt (``packed_rows``): the prompt once, then each response after it. A response
+    """One row per distinct prompt: the prompt once, then each response after it. A response
     attends to the prompt and to its own earlier tokens only, at the positions it had alone, so
     every score and gradient is the unpacked one's math; the prompt is computed once per group.
     The batch's ``indices`` list the samples grouped by prompt, the order ``split`` returns them in."""
-    rows = packed_rows(samples, indices)
+    rows = prompt_groups(samples, indices)
     indices = [i for row in rows for i in row]  # the scored rows' order (the planner's already, when it planned for packing)
     width = max(_packed_length(samples, row) for row in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -262,7 +242,7 @@ def _longest_first(samples: list[Sample], batch, pack: bool) -> list[int]:
 
 def _padded_tokens(samples: list[Sample], part: list[int], pack: bool = False) -> int:
     if pack:
-        rows = packed_rows(samples, part)
+        rows = prompt_groups(samples, part)
         return len(rows) * max(_packed_length(samples, row) for row in rows)
     return len(part) * max(len(samples[i].prompt_ids) + samples[i].response_length for i in part)
 
