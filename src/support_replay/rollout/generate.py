@@ -115,7 +115,8 @@ def generate_samples(
     trains: its whole GRPO group is generated again with fresh seeds (up to
     ``max_regenerations`` times, then the run stops) or dropped, by ``failed_group_policy``.
     Every request carries an id ``{rid_prefix}/{rollout}/{sample}/{attempt}``, so an engine
-    that receives it twice answers once.
+    that receives it twice answers once. ``ignore_eos``: every response runs to
+    ``max_new_tokens``, past end-of-sequence (fixed-length benchmarks).
     """
     rendered = [render_prompt(tokenizer, p, apply_chat_template) for p in prompts]
     retries_before = backend.retries
