@@ -69,9 +69,9 @@ class ModelRunner:
         an unshared prefill computes in the batch of distinct prompts; with the batch-invariant
         forward they are the same bits as any unshared prefill.
         """
-        first: dict[tuple[int, ...], int] = {}
-        index = [first.setdefault(tuple(p) if self.share_prompts else (i, *p), len(first)) for i, p in enumerate(prompts)]
-        distinct = [list(p) for p in prompts] if not self.share_prompts else [list(p) for p in first]
+        first: dict = {}  # key -> (prefill row, prompt)
+        index = [first.setdefault(tuple(p) if self.share_prompts else i, (len(first), p))[0] for i, p in enumerate(prompts)]
+        distinct = [list(p) for _, p in first.values()]
         layers, logits = self._prefill(distinct)
         cache = SlotCache(len(layers), align=self.key_block)
         cache.append(layers, [len(p) for p in prompts], index)

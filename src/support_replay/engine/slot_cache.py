@@ -47,7 +47,7 @@ class SlotLayer(CacheLayerMixin):
         return self.owner.width, 0
 
     def get_seq_length(self) -> int:
-        return self.owner.width - 1
+        return max(self.owner.width - 1, 0)
 
     def get_max_length(self) -> int:
         return -1  # grows on demand
@@ -155,13 +155,3 @@ class SlotCache(Cache):
 
     def finish_decode(self) -> None:
         self.lengths += 1
-
-    # what Hugging Face's generic code may ask of a Cache
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return max(self.width - 1, 0)
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self.width, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.get_seq_length(layer_idx)
