@@ -137,15 +137,12 @@ def build_packed_micro_batch(samples: list[Sample], indices: list[int], replay: 
     chosen = [samples[i] for i in indices]
     return MicroBatch(
         indices=list(indices),
-        lengths=[s.response_length for s in chosen],
         input_ids=ids.to(device),
         attention_mask=sees[:, None].to(device),
         rows_b=torch.tensor(rows_b, dtype=torch.long, device=device),
         rows_t=torch.tensor(rows_t, dtype=torch.long, device=device),
-        targets=torch.tensor([t for s in chosen for t in s.response_ids], dtype=torch.long, device=device),
-        support=SupportTable.concat([s.support for s in chosen]).to_padded(device=device) if replay else None,
-        loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in chosen]).astype(np.float32)).to(device),
         position_ids=positions.to(device),
+        **_token_fields(chosen, replay, device),
     )
 
 
@@ -168,25 +165,25 @@ def build_micro_batch(samples: list[Sample], indices: list[int], replay: bool, d
         rows_start += output_starts(s)
     if any(s.penalties != chosen[0].penalties for s in chosen):  # one transform per micro-batch
         raise SampleError(f"samples {indices}: sampled with different penalties; a run replays one setting")
-    support = penalty = None
+    penalty = None
     ids, mask = ids.to(device), mask.to(device)
     rows_b, rows_t = torch.tensor(rows_b, dtype=torch.long, device=device), torch.tensor(rows_t, dtype=torch.long, device=device)
-    if replay:  # the one padding of the support on the trainer's side
-        support = SupportTable.concat([s.support for s in chosen]).to_padded(device=device)
-        if chosen[0].penalties.active:
-            starts = torch.tensor(rows_start, dtype=torch.long, device=device)
-            penalty = penalty_rows(chosen[0].penalties, penalty_semantics, ids, mask, rows_b, rows_t + 1, starts, support[0])
-    return MicroBatch(
-        indices=list(indices),
+    fields = _token_fields(chosen, replay, device)
+    if replay and chosen[0].penalties.active:
+        starts = torch.tensor(rows_start, dtype=torch.long, device=device)
+        penalty = penalty_rows(chosen[0].penalties, penalty_semantics, ids, mask, rows_b, rows_t + 1, starts, fields["support"][0])
+    return MicroBatch(indices=list(indices), input_ids=ids, attention_mask=mask, rows_b=rows_b, rows_t=rows_t, penalty=penalty, **fields)
+
+
+def _token_fields(chosen: list[Sample], replay: bool, device) -> dict:
+    """What a micro-batch holds per response token, samples in order, in either layout: the
+    lengths, targets and loss mask, and under replay the support, padded once onto the
+    trainer's device (the one padding on the trainer's side)."""
+    return dict(
         lengths=[s.response_length for s in chosen],
-        input_ids=ids,
-        attention_mask=mask,
-        rows_b=rows_b,
-        rows_t=rows_t,
         targets=torch.tensor([t for s in chosen for t in s.response_ids], dtype=torch.long, device=device),
-        support=support,
+        support=SupportTable.concat([s.support for s in chosen]).to_padded(device=device) if replay else None,
         loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in chosen]).astype(np.float32)).to(device),
-        penalty=penalty,
     )
 
 

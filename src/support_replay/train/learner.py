@@ -106,6 +106,7 @@ class Learner:
         )
         self.reference = load_scoring_model(checkpoint_path, ctx.device, compute_dtype=self.actor.model.compute_dtype).eval().requires_grad_(False) if cfg.needs_reference else None
         self.temperature = cfg.rollout_temperature
+        self.pack = cfg.pack_groups  # decided once: the rule reads the rollout's penalties (a file for a logit bias)
 
     @property
     def vocab_size(self) -> int:
@@ -130,7 +131,7 @@ class Learner:
         steps = plan_optimizer_steps(
             samples, global_batch=cfg.global_batch_size, micro_batch=cfg.micro_batch, rank=self.layout.dp_rank, world=self.layout.dp,
             replay=self.replay, device=ctx.device, penalty_semantics=penalty_semantics or cfg.sampling_semantics,
-            max_tokens=cfg.max_tokens_per_micro_batch, pack=cfg.pack_groups,
+            max_tokens=cfg.max_tokens_per_micro_batch, pack=self.pack,
         )
         self._planned_steps = len(steps)
         return steps
