@@ -117,7 +117,9 @@ def print_async_compare(runs: dict[str, list[dict]]) -> None:
           f"+ sync {sync['time_sync']:.2f} = {estimate:.2f} s per step vs {sync['time_step']:.2f} s synchronous ({sync['time_step'] / estimate:.2f}x)")
 
 
-def trl_steps(steps: int) -> list[float] | None:
+def trl_steps(steps: int, length: int = 64, group: int = 4, fixed_length: bool = False) -> list[float] | None:
+    """Seconds of each of ``steps`` GRPOTrainer steps on 4 prompts x ``group`` samples of up to
+    ``length`` tokens (``fixed_length``: exactly ``length``, by ``min_new_tokens``); None without TRL."""
     try:
         from datasets import Dataset
         from transformers import TrainerCallback
@@ -143,9 +145,10 @@ def trl_steps(steps: int) -> list[float] | None:
 
     clock = Clock()
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench-trl-"), per_device_train_batch_size=16, num_generations=4,
-        max_completion_length=64, temperature=1.0, top_p=0.8, top_k=32, learning_rate=1e-6, max_steps=steps,
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-"), per_device_train_batch_size=4 * group, num_generations=group,
+        max_completion_length=length, temperature=1.0, top_p=0.8, top_k=32, learning_rate=1e-6, max_steps=steps,
         logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, beta=0.0, seed=0, dataloader_num_workers=0,
+        generation_kwargs={"min_new_tokens": length} if fixed_length else None,
     )
     trainer = GRPOTrainer(model=str(smollm2_checkpoint()), reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows), callbacks=[clock])
     trainer.train()

@@ -20,6 +20,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 
 def run_one(length: int, group: int, steps: int) -> dict:
@@ -40,28 +41,11 @@ print("RESULT", json.dumps({{**{{k: statistics.mean(r[k] for r in rows) for k in
 
 def run_trl(length: int, group: int, steps: int) -> dict:
     code = f"""
-import json, resource, statistics, tempfile, time
-from datasets import Dataset
-from transformers import TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
-from support_replay.modeling.checkpoints import smollm2_checkpoint
-from support_replay.rollout import ArithmeticTask, math_reward
-task = ArithmeticTask(seed=1234)
-rows = [{{"prompt": task[i].content, "label": task[i].label}} for i in range(4 * {steps})]
-def reward(completions, label, **_):
-    return [math_reward("", c[0]["content"], lab) for c, lab in zip(completions, label)]
-class Clock(TrainerCallback):
-    times, start = [], 0.0
-    def on_step_begin(self, *a, **k):
-        self.start = time.perf_counter()
-    def on_step_end(self, *a, **k):
-        self.times.append(time.perf_counter() - self.start)
-clock = Clock()
-args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size={4 * group}, num_generations={group}, max_completion_length={length},
-                  generation_kwargs={{"min_new_tokens": {length}}}, temperature=1.0, top_p=0.8, top_k=32, learning_rate=1e-6, max_steps={steps},
-                  report_to=[], save_strategy="no", use_cpu=True, beta=0.0, seed=0, dataloader_num_workers=0, logging_steps=1)
-GRPOTrainer(model=str(smollm2_checkpoint()), reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows), callbacks=[clock]).train()
-print("RESULT", json.dumps({{"time_step": statistics.mean(clock.times[1:] or clock.times), "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+import json, resource, statistics, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from e2e import trl_steps
+times = trl_steps({steps}, length={length}, group={group}, fixed_length=True)
+print("RESULT", json.dumps({{"time_step": statistics.mean(times[1:] or times), "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
 """
     return _result(code)
 
