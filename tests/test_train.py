@@ -6,6 +6,7 @@ test_train_distributed.py."""
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from support_replay import SupportTable, full_logprobs
-from support_replay.errors import CITestError, ConfigError, PolicyLagError
+from support_replay.errors import CITestError, ConfigError, PolicyLagError, SupportReplayError
 from support_replay.protocol import GenerateRequest, VersionSpan
 from support_replay.rollout.generate import validate_request
 from support_replay.train import weights as weights_module
@@ -257,14 +258,30 @@ def test_regression_one_corrupted_support_position_fails_ci_test(tiny_checkpoint
     assert "1 tokens over" in str(err.value)
 
 
-@pytest.mark.parametrize("entropy_coef", [0.0, 0.01], ids=["union-head", "dense-head"])
-def test_true_on_policy_updates_are_bitwise_equal(tiny_checkpoint, tmp_path, entropy_coef):
-    # without a full-vocabulary score in the loss the trainer reads only the support's head rows
-    rows = train(run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True, entropy_coef=entropy_coef))
+@pytest.mark.parametrize("entropy_coef,kernel", [(0.0, "auto"), (0.01, "auto"), (0.0, "torch")], ids=["union-head", "dense-head", "mkl-union-head"])
+def test_true_on_policy_updates_are_bitwise_equal(tiny_checkpoint, tmp_path, entropy_coef, kernel):
+    # without a full-vocabulary score in the loss the trainer reads only the support's head rows;
+    # auto: oneDNN's fp32 product on both sides where PyTorch has it, torch: MKL's
+    rows = train(run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True, entropy_coef=entropy_coef, linear_kernel=kernel))
     assert len(rows) == 3
     for r in rows:  # every token of every rollout, before each update
         assert r["train_rollout_logprob_abs_diff_max"] == 0.0 and r["train_rollout_unequal_tokens"] == 0
         assert r["replay_ratio_mean"] == 1.0
+
+
+def test_true_on_policy_refuses_an_engine_on_another_linear_kernel(monkeypatch):
+    import httpx
+
+    from support_replay.train.rollouts import _require_deterministic
+
+    info = {"deterministic": True, "linear_kernel": "torch"}
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: SimpleNamespace(json=lambda: info))
+    _require_deterministic("http://engine:1", "torch")
+    with pytest.raises(SupportReplayError, match="runs its linear layers on 'torch', this trainer on 'onednn'.*--linear-kernel onednn"):
+        _require_deterministic("http://engine:1", "onednn")
+    info["deterministic"] = False
+    with pytest.raises(SupportReplayError, match="is not deterministic"):
+        _require_deterministic("http://engine:1", "torch")
 
 
 def test_true_on_policy_catches_one_corrupted_position(tiny_checkpoint, tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ from . import SEMANTICS, SamplingParams, SupportReplayError, full_logprobs, samp
 from .losses import logprob_mismatch_metrics, support_size_metrics
 from .protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 from .engine.limits import EngineLimits
+from .modeling.linear_kernels import KERNELS, LINEAR_KERNEL_HELP
 from .serving import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT, DEFAULT_SESSIONS_PORT
 from .serving.security import DEFAULT_MAX_WEIGHTS_BYTES
 
@@ -95,6 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
         limits=limits,
         seed=args.seed,
         deterministic=args.deterministic,
+        linear_kernel=args.linear_kernel,
     )
     print(f"support-replay engine: {args.hf_checkpoint} on http://{args.host}:{args.port}", flush=True)
     from .rollout.chat import load_template
@@ -225,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed of their own")
     srv.add_argument("--chat-template", default=None, help="Jinja file or built-in name (hermes_tools) for chat requests; default: the tokenizer's")
     srv.add_argument("--deterministic", action="store_true", help="batch-invariant forward: a sequence's logits do not depend on its batch (true-on-policy)")
+    srv.add_argument("--linear-kernel", choices=KERNELS, default="auto", help=LINEAR_KERNEL_HELP)
     srv.set_defaults(func=_serve)
 
     ss = sub.add_parser("sessions", help="multi-turn OpenAI sessions recorded token in, token out, in front of any engine or router")

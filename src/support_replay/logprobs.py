@@ -281,7 +281,7 @@ def sparse_head_support_logprobs(
 
 
 def union_head_support_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, support, temperature=1.0,
-                                row_block: int = 16) -> torch.Tensor:
+                                row_block: int = 16, linear=torch.nn.functional.linear) -> torch.Tensor:
     """``support_logprobs(hidden @ weight.T, ...)`` reading only the head rows that some support
     of the batch names, with the same bits as the full head where its products are invariant.
 
@@ -291,7 +291,8 @@ def union_head_support_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targ
     and a row the same bits once the row count is a multiple of 16 (docs/true-on-policy.md),
     so these logits equal the engine's full-vocabulary ones at every support id, and
     ``support_logprobs``, which reads nothing else, returns the engine's log mu. Autograd
-    gives the backward (the gradient reaches only the union's head rows).
+    gives the backward (the gradient reaches only the union's head rows). ``linear(x, weight)`` is
+    the engine's product (``F.linear``, or oneDNN's, whose columns and rows keep their bits alike).
     """
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise SupportError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match")
@@ -308,5 +309,5 @@ def union_head_support_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targ
     column[union] = torch.arange(len(union), device=hidden.device)
     pad = -rows % row_block
     padded = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])]) if pad else hidden
-    logits = torch.nn.functional.linear(padded, weight[union])[:rows]
+    logits = linear(padded, weight[union])[:rows]
     return support_logprobs(logits, column[targets], (column[ids.where(valid, union[0])], valid), temperature)

@@ -32,6 +32,7 @@ from ..errors import AbortedError, CapacityError, EngineError, RequestError, Sam
 from ..logprobs import full_logprobs, support_logprobs
 from ..penalties import dense_bias, dense_history, penalise
 from ..modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
+from ..modeling.linear_kernels import linear_function, resolve_linear_kernel, use_linear
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest, single_version
 from ..sampling import sample_tokens
 from ..support import SupportTable
@@ -74,9 +75,14 @@ class Engine:
         device: str = "cpu",
         deterministic: bool = False,
         weight_version: str = DEFAULT_WEIGHT_VERSION,
+        linear_kernel: str = "auto",
     ):
+        dtype = next(model.parameters()).dtype
+        self.linear_kernel = resolve_linear_kernel(linear_kernel, dtype, device)
         if deterministic:  # logits independent of batch, padding and prefill/decode split
-            make_batch_invariant(model)
+            make_batch_invariant(model, self.linear_kernel)
+        else:
+            use_linear(model, linear_function(self.linear_kernel))
         self.deterministic = deterministic
         self.runner = ModelRunner(model, device, key_block=KEY_BLOCK if deterministic else 1)
         self.tokenizer = tokenizer

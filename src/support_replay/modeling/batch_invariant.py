@@ -5,7 +5,8 @@ how the sequence was split between prefill and decode steps, so that the engine 
 left-padded batches) and the trainer (one right-padded forward) compute the same bits.
 Measured on this project's CPU (docs/true-on-policy.md): a row of ``F.linear`` is the same
 bits whatever the other rows hold and wherever it sits, once the row count is a multiple of
-16 (1, 2 or ragged row counts take other kernels); row reductions (RMSNorm) and
+16 (1, 2 or ragged row counts take other kernels; the same holds for oneDNN's fp32 product,
+modeling/linear_kernels.py); row reductions (RMSNorm) and
 elementwise ops (RoPE, SiLU, residuals) are per row already. Attention is the one place
 where shapes differ between the two sides; here it runs in tiles of one fixed shape, keys in
 blocks counted from the sequence start, block results added in position order, so a query
@@ -16,24 +17,15 @@ row gets the same bits in a decode step over a left-padded cache as in a full fo
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear_kernels import linear_function, padded, use_linear
+
 ATTENTION = "support_replay_batch_invariant"
 ROW_BLOCK = 16  # rows of every product: linear layers and attention tiles
 KEY_BLOCK = 64  # keys per attention block, counted from the sequence start
-
-
-def _padded_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    extra = -rows.shape[0] % ROW_BLOCK
-    if extra:
-        rows = torch.cat([rows, rows.new_zeros(extra, rows.shape[1])])
-    out = F.linear(rows, self.weight, self.bias)
-    return out[: out.shape[0] - extra].reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _aligned_keys(key, value, allowed):
@@ -119,11 +111,16 @@ def _register() -> None:
     AttentionMaskInterface.register(ATTENTION, full_mask)
 
 
-def make_batch_invariant(model: nn.Module) -> nn.Module:
-    """Batch-invariant linears and attention for ``model`` (a Hugging Face causal LM), in place."""
+def batch_invariant_linear(kernel: str = "torch"):
+    """The linear product of this forward: ``kernel`` (a resolved name, modeling/linear_kernels.py)
+    over rows padded to whole tiles of ``ROW_BLOCK``."""
+    return padded(linear_function(kernel), ROW_BLOCK)
+
+
+def make_batch_invariant(model: nn.Module, kernel: str = "torch") -> nn.Module:
+    """Batch-invariant linears (on ``kernel``) and attention for ``model`` (a Hugging Face causal LM), in place.
+    The engine and the trainer of one run must pass the same kernel."""
     _register()
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            module.forward = types.MethodType(_padded_linear, module)
+    use_linear(model, batch_invariant_linear(kernel))
     model.set_attn_implementation(ATTENTION)
     return model

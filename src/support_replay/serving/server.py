@@ -127,6 +127,7 @@ def create_app(
             "sampling_mask_max_tokens": engine.capacity,
             "weight_version": engine.weight_version,
             "deterministic": engine.deterministic,
+            "linear_kernel": engine.linear_kernel,
             "limits": engine.limits.to_json(),
         }
 

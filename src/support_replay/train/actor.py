@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 from ..errors import ConfigError
 from ..logprobs import full_logprobs_and_entropy, penalised_support_logprobs, sparse_head_support_logprobs, support_logprobs, union_head_support_logprobs
 from ..modeling.batch_invariant import make_batch_invariant
+from ..modeling.linear_kernels import model_linear
 from ..modeling.context_parallel import ContextShard, assemble_rows, make_context_parallel
 from ..modeling.tensor_parallel import VocabShard, parallelize_tensor
 from ..parallel import context_parallel_positions, vocab_parallel_full_logprobs_and_entropy, vocab_parallel_support_logprobs
@@ -64,10 +65,10 @@ class ScoringModel(nn.Module):
     the LM head weight are unsharded inside this forward, gradients included.
     """
 
-    def __init__(self, hf: nn.Module, batch_invariant: bool = False, compute_dtype: torch.dtype = torch.float32):
+    def __init__(self, hf: nn.Module, batch_invariant: bool = False, compute_dtype: torch.dtype = torch.float32, linear_kernel: str = "torch"):
         super().__init__()
-        if batch_invariant:  # the engine's deterministic forward, so logits agree bit for bit
-            make_batch_invariant(hf)
+        if batch_invariant:  # the engine's deterministic forward on its linear kernel, so logits agree bit for bit
+            make_batch_invariant(hf, linear_kernel)
         self.hf = hf
         self.batch_invariant = batch_invariant  # the sparse head then reads the batch's union of support ids in one product
         self.compute_dtype = compute_dtype  # bf16: autocast over fp32 weights
@@ -130,7 +131,7 @@ class ScoringModel(nn.Module):
         full_lp = ent = None
         if sparse:
             scorer = union_head_support_logprobs if self.batch_invariant else sparse_head_support_logprobs
-            logp = scorer(h, head.weight, targets, support, temperature)
+            logp = scorer(h, head.weight, targets, support, temperature, linear=model_linear(self.hf)) if self.batch_invariant else scorer(h, head.weight, targets, support, temperature)
             if full_detached:
                 with torch.no_grad():
                     full_lp, _ = full_logprobs_and_entropy(head(h.detach()), targets, temperature)
@@ -159,10 +160,10 @@ class ScoringModel(nn.Module):
         return partial(vocab_parallel_full_logprobs_and_entropy, **shard), partial(vocab_parallel_support_logprobs, **shard)
 
 
-def load_scoring_model(path, device, batch_invariant: bool = False, compute_dtype: torch.dtype = torch.float32) -> ScoringModel:
+def load_scoring_model(path, device, batch_invariant: bool = False, compute_dtype: torch.dtype = torch.float32, linear_kernel: str = "torch") -> ScoringModel:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     hf.config.use_cache = False
-    return ScoringModel(hf, batch_invariant, compute_dtype)
+    return ScoringModel(hf, batch_invariant, compute_dtype, linear_kernel)
 
 
 def score_batch(model: ScoringModel, batch: MicroBatch, temperature: float, *, sparse: bool, full: bool = False, entropy: bool = False, full_detached: bool = False) -> BatchScores:
@@ -210,10 +211,10 @@ class Actor:
 
     def __init__(self, path, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, replay: bool, full_with_grad: bool,
                  batch_invariant: bool = False, penalties: bool = False, layout: ParallelLayout | None = None,
-                 compute_dtype: torch.dtype = torch.float32):
+                 compute_dtype: torch.dtype = torch.float32, linear_kernel: str = "torch"):
         self.ctx = ctx
         self.layout = layout or ParallelLayout()
-        self.model = load_scoring_model(path, ctx.device, batch_invariant, compute_dtype)
+        self.model = load_scoring_model(path, ctx.device, batch_invariant, compute_dtype, linear_kernel)
         hf = self.model.hf
         # true-on-policy: the union head, whose products are the engine's bits (logprobs.union_head_support_logprobs)
         # penalties transform the logits at the support ids: the dense head, so one path scores every pass

@@ -21,6 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
 from ..errors import ConfigError, SamplingParamsError
+from ..modeling.linear_kernels import LINEAR_KERNEL_HELP, resolve_linear_kernel
 from ..penalties import Penalties
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 
@@ -124,6 +125,7 @@ class RunConfig(BaseModel):
     rollout_dtype: Literal["float32", "bfloat16"] = Field("float32", description="the in-process engine's weights and compute (a --rollout-url engine runs its own: say it here for the --ci-test tolerance)")
     train_dtype: Literal["float32", "bfloat16"] = Field("float32", description="the trainer's compute (autocast; weights, gradients and optimizer state stay fp32)")
     true_on_policy_mode: bool = Field(False, description="batch-invariant engine and trainer: rollout and trainer log-probs equal bit for bit (--ci-test then demands it)")
+    linear_kernel: Literal["auto", "torch", "onednn"] = Field("auto", description=LINEAR_KERNEL_HELP)
     eval_interval: int | None = Field(None, ge=1, description="evaluate every N rollouts")
     eval_prompt_data: str | None = Field(None, description="evaluation prompts (default: held-out built-in task)")
     n_eval_prompts: int = Field(16, ge=1, description="prompts per evaluation")
@@ -157,6 +159,13 @@ class RunConfig(BaseModel):
         if self.ci_test_tolerance is not None:
             return self.ci_test_tolerance
         return BF16_CI_TOLERANCE if "bfloat16" in (self.rollout_dtype, self.train_dtype) else FP32_CI_TOLERANCE
+
+    def engine_linear_kernel(self, device) -> str:
+        """The in-process engine's linear kernel, resolved (fp32 on a CPU: oneDNN under ``auto``); the
+        true-on-policy trainer runs the same one (modeling/linear_kernels.py)."""
+        import torch
+
+        return resolve_linear_kernel(self.linear_kernel, getattr(torch, self.rollout_dtype), device)
 
     @property
     def pack_groups(self) -> bool:

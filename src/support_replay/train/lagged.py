@@ -27,11 +27,11 @@ from .batches import plan_optimizer_steps
 
 class LaggedScorer:
     def __init__(self, checkpoint, device, *, keep: int, sparse: bool, batch_invariant: bool, temperature: float, micro_batch: int,
-                 max_tokens: int | None = None, compute_dtype: torch.dtype = torch.float32, pack: bool = False):
+                 max_tokens: int | None = None, compute_dtype: torch.dtype = torch.float32, pack: bool = False, linear_kernel: str = "torch"):
         self.keep, self.sparse, self.temperature, self.device = keep, sparse, temperature, device
         self.micro_batch, self.max_tokens, self.pack = micro_batch, max_tokens, pack
         self.states: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
-        self.model = load_scoring_model(checkpoint, device, batch_invariant, compute_dtype).eval().requires_grad_(False)
+        self.model = load_scoring_model(checkpoint, device, batch_invariant, compute_dtype, linear_kernel).eval().requires_grad_(False)
 
     def add(self, version: str, state: dict[str, torch.Tensor]) -> None:
         """Keep ``version``'s weights (copied: the actor updates its own in place), dropping the

@@ -26,12 +26,16 @@ from .config import RunConfig
 from .dist import broadcast_object
 
 
-def _require_deterministic(url: str) -> None:
+def _require_deterministic(url: str, linear_kernel: str) -> None:
     import httpx
 
     info = httpx.get(url.rstrip("/") + "/model_info", timeout=30).json()
     if not info.get("deterministic"):
         raise SupportReplayError(f"--true-on-policy-mode: the engine at {url} is not deterministic; start it with `support-replay serve --deterministic`")
+    theirs = info.get("linear_kernel", "torch")
+    if theirs != linear_kernel:
+        raise SupportReplayError(f"--true-on-policy-mode: the engine at {url} runs its linear layers on {theirs!r}, this trainer on {linear_kernel!r}; "
+                                 f"their logits would differ in the last bits: start it with `--linear-kernel {linear_kernel}` or give this run `--linear-kernel {theirs}`")
 
 
 REGENERATION_SEED_STRIDE = 1_000_003  # a stale group generated again draws with other seeds than the first time
@@ -91,14 +95,14 @@ class Rollouts:
 
             self.backend = SGLangBackend(cfg.rollout_url, vocab_size, sampling_mask_format=cfg.sampling_mask_format, api_key=keys.api)
             if cfg.true_on_policy_mode:
-                _require_deterministic(cfg.rollout_url)
+                _require_deterministic(cfg.rollout_url, cfg.engine_linear_kernel("cpu"))
         else:  # the in-process engine: the only place the trainer imports it
             from ..backends.local import EngineBackend
             from ..engine import Engine
 
             self.engine = Engine.from_pretrained(
                 checkpoint_path, dtype=getattr(torch, cfg.rollout_dtype), semantics=cfg.sampling_semantics, sampling_mask_max_tokens=cfg.sampling_mask_max_tokens,
-                seed=cfg.rollout_seed, deterministic=cfg.true_on_policy_mode, weight_version=weight_version,
+                seed=cfg.rollout_seed, deterministic=cfg.true_on_policy_mode, weight_version=weight_version, linear_kernel=cfg.linear_kernel,
             )
             self.backend = EngineBackend(self.engine)
         if cfg.agent or cfg.agent_path:

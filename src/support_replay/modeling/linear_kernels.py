@@ -1,0 +1,119 @@
+"""The product every linear layer of the engine (and of the true-on-policy trainer) runs through.
+
+``torch``: ``F.linear`` as PyTorch dispatches it (MKL's sgemm for fp32 on a CPU, oneDNN for
+bf16, cuBLAS on a GPU). ``onednn``: oneDNN's matmul for fp32 on a CPU, through the op
+PyTorch's own compiler emits for it (``torch.ops.mkldnn._linear_pointwise``). On this
+project's CPU it takes 0.68x the time of MKL at the 8-32 rows of a decode step (measured:
+docs/benchmarks.md), and its rows, like MKL's, keep their bits whatever the other rows hold
+once the row count is a multiple of 16 (tests/test_linear_kernels.py). Its results differ
+from MKL's in the last bits, so the two sides of a true-on-policy run must use the same one.
+``auto`` picks ``onednn`` for fp32 on a CPU when PyTorch has it, else ``torch``.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KERNELS = ("auto", "torch", "onednn")
+LINEAR_KERNEL_HELP = ("the engine's linear-layer product: onednn (fp32 on a CPU, 0.68x MKL's time at decode sizes), torch (F.linear), "
+                      "auto (onednn where it runs); a true-on-policy trainer runs the engine's")
+
+
+@functools.cache
+def onednn_available() -> bool:
+    """PyTorch has oneDNN's linear op and it computes a linear layer (checked once on a small product)."""
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if op is None or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x, w = torch.randn(16, 32, generator=torch.Generator().manual_seed(0)), torch.randn(24, 32, generator=torch.Generator().manual_seed(1))
+        return bool(torch.allclose(op(x, w, None, "none", [None], ""), F.linear(x, w), rtol=1e-5, atol=1e-5))
+    except RuntimeError:
+        return False
+
+
+def resolve_linear_kernel(name: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> str:
+    """``auto`` made concrete for weights of ``dtype`` on ``device``; ``onednn`` where it cannot run is refused."""
+    from ..errors import ConfigError
+
+    if name not in KERNELS:
+        raise ConfigError(f"linear_kernel: {name!r} is not one of {list(KERNELS)}")
+    usable = torch.device(device).type == "cpu" and dtype == torch.float32 and onednn_available()
+    if name == "auto":
+        return "onednn" if usable else "torch"
+    if name == "onednn" and not usable:
+        raise ConfigError(f"linear_kernel: 'onednn' runs fp32 on a CPU with PyTorch's oneDNN ops (here: {dtype} on {device}, "
+                          f"oneDNN {'present' if onednn_available() else 'absent'})")
+    return name
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """oneDNN's forward; the backward as plain products (only the forward's bits are promised)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = (rows @ weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        grad_w = rows.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return _OneDNNLinear.apply(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+
+
+def linear_function(kernel: str) -> Callable:
+    """``f(x, weight, bias)`` of a resolved kernel name."""
+    return {"torch": F.linear, "onednn": onednn_linear}[kernel]
+
+
+def padded(linear: Callable, rows: int) -> Callable:
+    """``linear`` over row counts padded to a multiple of ``rows`` (zeros), so that every row takes
+    the kernel of a full tile: a row's bits then do not depend on how many rows share the product."""
+
+    def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        extra = -flat.shape[0] % rows
+        if extra:
+            flat = torch.cat([flat, flat.new_zeros(extra, flat.shape[1])])
+        out = linear(flat, weight, bias)
+        return out[: out.shape[0] - extra].reshape(*x.shape[:-1], out.shape[-1])
+
+    return product
+
+
+def use_linear(model: nn.Module, linear: Callable) -> nn.Module:
+    """Every ``nn.Linear`` of ``model`` computes ``linear(x, weight, bias)`` (in place; the module
+    stays an ``nn.Linear``, hooks and parameters unchanged); ``model_linear(model)`` returns it."""
+    model.__dict__["_support_replay_linear"] = linear  # a plain attribute: never in a state dict or config
+    if linear is F.linear:
+        return model
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.forward = types.MethodType(forward, module)
+    return model
+
+
+def model_linear(model: nn.Module) -> Callable:
+    """The product ``model``'s linear layers run through (``F.linear`` unless ``use_linear`` set one)."""
+    return model.__dict__.get("_support_replay_linear", F.linear)

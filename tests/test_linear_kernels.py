@@ -1,0 +1,96 @@
+"""The engine's linear kernels: oneDNN's fp32 product, its autograd, and the bit-level facts
+the batch-invariant forward and the union head rest on (modeling/linear_kernels.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from support_replay.errors import ConfigError
+from support_replay.logprobs import support_logprobs, union_head_support_logprobs
+from support_replay.modeling.linear_kernels import linear_function, model_linear, onednn_available, padded, resolve_linear_kernel, use_linear
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN linear op")
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
+def test_auto_picks_onednn_for_fp32_on_a_cpu_only():
+    assert resolve_linear_kernel("auto", torch.float32, "cpu") == ("onednn" if onednn_available() else "torch")
+    assert resolve_linear_kernel("auto", torch.bfloat16, "cpu") == "torch"
+    assert resolve_linear_kernel("torch", torch.float32, "cpu") == "torch"
+    with pytest.raises(ConfigError, match="linear_kernel: 'onednn' runs fp32 on a CPU .* torch.bfloat16 on cpu"):
+        resolve_linear_kernel("onednn", torch.bfloat16, "cpu")
+    with pytest.raises(ConfigError, match="linear_kernel: 'mkl' is not one of"):
+        resolve_linear_kernel("mkl", torch.float32, "cpu")
+
+
+@needs_onednn
+def test_onednn_product_and_its_gradients_match_f_linear():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 48, generator=gen, requires_grad=True)
+    w = torch.randn(40, 48, generator=gen, requires_grad=True)
+    b = torch.randn(40, generator=gen, requires_grad=True)
+    upstream = torch.randn(3, 5, 40, generator=gen)
+    ours = linear_function("onednn")(x, w, b)
+    grads = torch.autograd.grad((ours * upstream).sum(), (x, w, b))
+    ref = F.linear(x, w, b)
+    ref_grads = torch.autograd.grad((ref * upstream).sum(), (x, w, b))
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # no graph: the op alone
+        assert not linear_function("onednn")(x, w, b).requires_grad
+
+
+@needs_onednn
+def test_padded_onednn_rows_keep_their_bits_whatever_shares_the_product(threads):
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(200, 96, generator=gen)
+    rows = torch.randn(5, 96, generator=gen)
+    product = padded(linear_function("onednn"), 16)
+    alone = product(rows, w)
+    for others, at in [(0, 0), (3, 3), (11, 7), (27, 20), (300, 161)]:
+        batch = torch.randn(others + 5, 96, generator=gen)
+        batch[at : at + 5] = rows
+        assert torch.equal(product(batch, w)[at : at + 5], alone), (others, at)
+
+
+@needs_onednn
+def test_union_head_on_onednn_equals_the_full_head(threads):
+    gen = torch.Generator().manual_seed(2)
+    vocab, hidden = 3000, 64
+    w = torch.randn(vocab, hidden, generator=gen)
+    h = torch.randn(37, hidden, generator=gen)
+    ids = [torch.randperm(vocab, generator=gen)[: int(n)].sort().values for n in torch.randint(1, 40, (37,), generator=gen)]
+    targets = torch.stack([row[0] for row in ids])
+    width = max(len(r) for r in ids)
+    padded_ids = torch.stack([F.pad(r, (0, width - len(r))) for r in ids])
+    valid = torch.stack([torch.arange(width) < len(r) for r in ids])
+    product = padded(linear_function("onednn"), 16)
+    full = support_logprobs(product(h, w), targets, (padded_ids, valid))
+    union = union_head_support_logprobs(h, w, targets, (padded_ids, valid), linear=product)
+    assert torch.equal(union, full)
+
+
+def test_use_linear_routes_every_linear_and_changes_no_parameter():
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4, bias=False))
+    calls = []
+
+    def counting(x, weight, bias=None):
+        calls.append(tuple(weight.shape))
+        return F.linear(x, weight, bias)
+
+    keys = list(model.state_dict())
+    x = torch.randn(2, 8)
+    before = model(x)
+    use_linear(model, counting)
+    assert torch.equal(model(x), before) and calls == [(6, 8), (4, 6)]
+    assert list(model.state_dict()) == keys and model_linear(model) is counting
+    assert model_linear(nn.Linear(2, 2)) is F.linear
