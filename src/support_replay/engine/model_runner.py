@@ -6,19 +6,24 @@ the 2-D attention mask hides the padding and explicit position ids keep every se
 positions its own. Their keys and values then move into the running batch's preallocated
 ``SlotCache`` (engine/slot_cache.py), position by position, and every decode step writes one
 column per row in place and attends to a view of it (continuous batching: sequences join and
-leave between decode steps, each copying its own row only).
+leave between decode steps, each copying its own row only). For Llama-family models the decode
+step is one function over the cache (engine/fused_step.py), the same bits as the module tree.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from ..errors import EngineError
+from .fused_step import FusedDecoder, unsupported
 from .slot_cache import SlotCache
+
+log = logging.getLogger(__name__)
 
 
 def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
@@ -43,6 +48,11 @@ class ModelRunner:
         if layer_types != {"full_attention"} or getattr(model.config, "use_sliding_window", False):
             raise EngineError(f"model: layer types {sorted(layer_types)} (sliding window: {getattr(model.config, 'use_sliding_window', False)}); "
                               "the engine's slot cache serves full-attention layers only")
+        why = unsupported(model)
+        if why is not None:
+            log.info("decode through the model's modules: %s", why)
+        self.fused = FusedDecoder(model) if why is None else None  # one function per step, same bits
+        self.use_fused = self.fused is not None  # off: every step through the module tree (benchmarks, tests)
 
     @property
     def vocab_size(self) -> int:
@@ -92,6 +102,9 @@ class ModelRunner:
 
     def decode(self, batch: SlotCache, last_tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode step for every row: each row's key and value written at its own column."""
+        if self.use_fused:
+            self.fused.check()
+            return self.fused.step(batch, last_tokens.to(self.device), positions.to(self.device))
         mask = batch.prepare_decode()
         logits, _ = self._forward(last_tokens[:, None].to(self.device), mask, positions[:, None].to(self.device), batch)
         batch.finish_decode()

@@ -1,0 +1,151 @@
+"""The engine's decode step as one function over the slot cache, outside Hugging Face's module tree.
+
+A decode step of a small model on a CPU spends a quarter of its time outside the linear
+layers, most of it in module calls, keyword plumbing and mask building that a step of one
+token per row does not need (profiled: docs/benchmarks.md). This step runs the same
+operations as the Hugging Face forward of a Llama-family model, in the same order and with
+the same functions where the model has them (its RMSNorm and rotary code, its attention
+function: sdpa, or the batch-invariant tiles in true-on-policy mode), so its logits are the
+same bits (tests/test_fused_step.py). What it changes: the query, key and value projections
+are one product over one weight, and so are the gate and up projections (a product's output
+column has the same bits whatever other columns share it: measured, same test file); the
+separate projections' weights become views into the fused ones, so a weight update written
+into the model's parameters reaches the step without a copy.
+
+Models it does not know (other layer shapes, biases in some projections only, activations
+other than SiLU) keep the module-tree decode; ``unsupported(model)`` says why.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import EngineError
+from ..modeling.linear_kernels import model_linear
+from .slot_cache import SlotCache
+
+FAMILIES = {"llama", "qwen3", "qwen2", "mistral"}
+
+
+def unsupported(model) -> str | None:
+    """Why ``model`` cannot take the fused step (None when it can)."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"model type {config.model_type!r} (fused decode knows {sorted(FAMILIES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    if (getattr(config, "pretraining_tp", 1) or 1) != 1:
+        return f"pretraining_tp {config.pretraining_tp}"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+        for group in projections:
+            if len({p.bias is None for p in group}) != 1:
+                return "biases on some fused projections only"
+    return None
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for ``linears``; each linear's parameters become views into it."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = weight[start : start + rows]
+        if bias is not None:
+            lin.bias.data = bias[start : start + rows]
+        start += rows
+    return weight, bias
+
+
+class _Layer:
+    def __init__(self, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attn = attn
+        self.input_norm = layer.input_layernorm.forward
+        self.post_norm = layer.post_attention_layernorm.forward
+        self.q_norm = attn.q_norm.forward if hasattr(attn, "q_norm") else None
+        self.k_norm = attn.k_norm.forward if hasattr(attn, "k_norm") else None
+        self.projections = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
+        self.qkv, self.qkv_bias = _fuse(self.projections[:3])
+        self.gate_up, self.gate_up_bias = _fuse(self.projections[3:])
+        self.splits = [attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]]
+        self.intermediate = mlp.gate_proj.weight.shape[0]
+        self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+
+        self._views = [p.weight.data_ptr() for p in self.projections]
+
+    def fused(self) -> bool:
+        """The separate projections still view the fused weights (nothing replaced them)."""
+        return [p.weight.data_ptr() for p in self.projections] == self._views
+
+
+class FusedDecoder:
+    """One decode step of a Llama-family causal LM (``unsupported(model)`` is None) over a SlotCache.
+
+    Every projection runs through the product the model's linear layers use (``model_linear``:
+    ``F.linear``, oneDNN's, or the 16-row padded product of the batch-invariant forward); the
+    attention is the model's attention function, called as the model calls it.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary_emb
+        self.norm = inner.norm.forward
+        self.head = model.get_output_embeddings()
+        self.layers = [_Layer(layer) for layer in inner.layers]
+        self.linear = model_linear(model)
+        self.rope, self.attention = _model_functions(model)
+
+    def check(self) -> None:
+        """Refuses to run if a projection's weight was replaced instead of written in place."""
+        for i, layer in enumerate(self.layers):
+            if not layer.fused():
+                raise EngineError(f"fused decode: layer {i}'s projection weights were replaced, not written in place")
+
+    @torch.no_grad()  # not inference mode: buffers the cache grows here are moved later outside it
+    def step(self, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, V]`` (float32) of one new token per row; writes its keys and values at each row's column."""
+        mask = cache.prepare_decode()  # [B, 1, 1, width], True where a key is seen
+        linear, attention, rope = self.linear, self.attention, self.rope
+        x = self.embed.forward(tokens[:, None])
+        batch = x.shape[0]
+        cos, sin = self.rotary.forward(x, positions[:, None])
+        rows, columns, size, width = cache.rows_index, cache.write_columns, cache.size, cache.width
+        for layer, slots in zip(self.layers, cache.layers):
+            residual = x
+            h = layer.input_norm(x)
+            q, k, v = linear(h, layer.qkv, layer.qkv_bias).split(layer.splits, dim=-1)
+            q, k, v = (t.view(batch, 1, -1, layer.head_dim) for t in (q, k, v))
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = rope(q, k, cos, sin)
+            slots.k[rows, :, columns] = k[:, :, 0]
+            slots.v[rows, :, columns] = v[:, :, 0]
+            out, _ = attention(layer.attn, q, slots.k[:size, :, :width], slots.v[:size, :, :width], mask, dropout=0.0, scaling=layer.scaling)
+            x = residual + linear(out.reshape(batch, 1, -1), layer.o_proj.weight, layer.o_proj.bias)
+            residual = x
+            gate, up = linear(layer.post_norm(x), layer.gate_up, layer.gate_up_bias).split(layer.intermediate, dim=-1)
+            x = residual + linear(F.silu(gate) * up, layer.down_proj.weight, layer.down_proj.bias)
+        cache.finish_decode()
+        return linear(self.norm(x), self.head.weight, self.head.bias)[:, -1, :].float()
+
+
+def _model_functions(model) -> tuple[Callable, Callable]:
+    """The model's own ``apply_rotary_pos_emb`` and attention function, as its attention module finds them."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    module = importlib.import_module(type(model.model.layers[0].self_attn).__module__)
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, module.eager_attention_forward)
+    return module.apply_rotary_pos_emb, attention
