@@ -193,6 +193,10 @@ def test_async_grpo_through_serve_over_http(tiny_checkpoint, tmp_path, monkeypat
                                 rollout_max_response_len=16, **ASYNC))
         assert httpx.get(url + "/model_info").json()["weight_version"] == "3"
     assert not (tmp_path / "out" / "weights").exists()  # nothing staged on disk
-    assert [r["policy_lag_max"] for r in rows] == [0, 1, 1]
+    # a rollout that finishes before the next push trains one push behind; one still running when
+    # the push lands is aborted and generated again on the new weights: both are right, the
+    # engine's speed against the update's decides which (seen both ways here)
+    lags = [r["policy_lag_max"] for r in rows]
+    assert lags[0] == 0 and set(lags[1:]) <= {0, 1}, lags
     for r in rows:  # per token against the log mu the engine sent, under the weights that sampled it
         assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["support_bytes_per_token"] > 0
