@@ -2,6 +2,7 @@
 
     python bench/engine.py [--model smollm2|tiny|PATH] [--new-tokens 64] [--dtype bfloat16]
     python bench/engine.py --deterministic-compare [--batches 1,8,32]
+    python bench/engine.py --kernel-compare [--repeats 3]
 
 For batch 1, 8 and 32: completion tokens/s with the support captured for every token and
 without (evaluation requests). Then 16 concurrent requests of 64 new tokens against
@@ -15,6 +16,8 @@ prefilled once (the engine's default). Then both shapes against ``generate`` (le
 the linear layers and the bound that sets: no engine on the same weights can take less time
 than its own linear layers, so ``generate``'s time over our linear-layer time bounds the ratio.
 ``--deterministic-compare``: the normal and the batch-invariant engine side by side.
+``--kernel-compare``: the engine on each linear kernel (``torch``: MKL for fp32, ``onednn``), with
+its fused decode step and through the model's modules, on the GRPO shape.
 """
 
 from __future__ import annotations
@@ -111,12 +114,25 @@ def prefill_ms(engine: Engine, prompts: int, per_prompt: int, repeats: int) -> t
 
 
 class LinearClock:
-    """Wall time spent inside the ``nn.Linear`` layers of a model (forward pre/post hooks)."""
+    """Wall time spent inside the ``nn.Linear`` layers of a model (forward pre/post hooks), and in
+    the products of the engine's fused decode step when ``runner`` has one."""
 
-    def __init__(self, model):
+    def __init__(self, model, runner=None):
         self.seconds, self._start = 0.0, 0.0
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         self._hooks = [h for m in linears for h in (m.register_forward_pre_hook(self._pre), m.register_forward_hook(self._post))]
+        self._fused = runner.fused if runner is not None and runner.use_fused else None
+        if self._fused is not None:
+            product = self._fused.linear
+
+            def timed(*args):
+                start = time.perf_counter()
+                out = product(*args)
+                self.seconds += time.perf_counter() - start
+                return out
+
+            self._fused.linear = timed
+            self._restore = product
 
     def _pre(self, *_):
         self._start = time.perf_counter()
@@ -127,6 +143,8 @@ class LinearClock:
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+        if self._fused is not None:
+            self._fused.linear = self._restore
 
 
 def shaped_prompts(tokenizer, prompts: int) -> list[list[int]]:
@@ -161,7 +179,7 @@ def ours_shaped(engine: Engine, prompts: int, per_prompt: int, new_tokens: int, 
     """The engine on the same work, capture on: ``(best tokens/s, linear-layer seconds of that run)``."""
     best, linear = 0.0, 0.0
     for r in range(repeats):
-        clock = LinearClock(engine.runner.model)
+        clock = LinearClock(engine.runner.model, engine.runner)
         rate = shaped_rate(engine, prompts, per_prompt, new_tokens, 1, share=True, seed_base=1000 * r)
         clock.close()
         if rate > best:
@@ -197,17 +215,46 @@ def hf_rate(model, tokenizer, ids, batch: int, new_tokens: int, repeats: int, ig
 def compare_deterministic(path: Path, args) -> None:
     """Tokens/s of the normal and the deterministic (batch-invariant) engine, capture on, alternating
     per batch size so the machine's drift hits both alike."""
-    engines = {mode: Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), deterministic=mode).start() for mode in (False, True)}
+    engines = {mode: Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), deterministic=mode, linear_kernel=args.linear_kernel).start()
+               for mode in (False, True)}
     ids = prompt_ids(engines[False])
     for e in engines.values():
         engine_rate(e, ids, 2, 4, True, 1)  # warm-up
-    print(f"model={args.model} dtype={args.dtype} prompt={len(ids)} tokens, new={args.new_tokens}, threads={torch.get_num_threads()}, best of {args.repeats}")
+    print(f"model={args.model} dtype={args.dtype} linear kernel={engines[True].linear_kernel} prompt={len(ids)} tokens, new={args.new_tokens}, "
+          f"threads={torch.get_num_threads()}, best of {args.repeats}")
     print("\n| batch | normal tok/s | deterministic tok/s | deterministic / normal |")
     print("|---:|---:|---:|---:|")
     for b in [int(x) for x in args.batches.split(",")]:
         normal = engine_rate(engines[False], ids, b, args.new_tokens, True, args.repeats)
         exact = engine_rate(engines[True], ids, b, args.new_tokens, True, args.repeats)
         print(f"| {b} | {normal:.1f} | {exact:.1f} | {exact / normal:.2f}x |")
+    for e in engines.values():
+        e.shutdown()
+
+
+def compare_kernels(path: Path, args) -> None:
+    """GRPO-shaped tokens/s of the engine with each linear kernel, fused decode step on and off,
+    rounds interleaved (median of the rounds) so the machine's drift hits every variant alike."""
+    kernels = ["torch", "onednn"] if args.dtype == "float32" else ["torch"]
+    engines = {k: Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), linear_kernel=k, deterministic=args.deterministic).start() for k in kernels}
+    variants = [(k, fused) for k in kernels for fused in (False, True)]
+    rates: dict = {v: [] for v in variants}
+    for e in engines.values():
+        shaped_rate(e, 4, 4, 4, 1, share=True)  # warm-up
+    for r in range(args.repeats):
+        for kernel, fused in variants:
+            runner = engines[kernel].runner
+            runner.use_fused = fused and runner.fused is not None
+            rates[(kernel, fused)].append(shaped_rate(engines[kernel], 4, 4, args.new_tokens, 1, share=True, seed_base=1000 * r))
+            runner.use_fused = runner.fused is not None
+    print(f"model={args.model} dtype={args.dtype} deterministic={args.deterministic} GRPO shape 4 x 4 x {args.new_tokens} tokens, EOS ignored, "
+          f"capture on, threads={torch.get_num_threads()}, median of {args.repeats} interleaved rounds")
+    print("\n| linear kernel | decode step | tok/s | vs torch, module tree |")
+    print("|---|---|---:|---:|")
+    base = float(np.median(rates[("torch", False)]))
+    for kernel, fused in variants:
+        rate = float(np.median(rates[(kernel, fused)]))
+        print(f"| {kernel} | {'fused' if fused else 'module tree'} | {rate:.1f} | {rate / base:.2f}x |")
     for e in engines.values():
         e.shutdown()
 
@@ -222,16 +269,21 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="engine weights and activations")
     ap.add_argument("--deterministic", action="store_true", help="batch-invariant forward (true-on-policy mode)")
     ap.add_argument("--deterministic-compare", action="store_true", help="normal and deterministic engines, capture on, one sitting")
+    ap.add_argument("--linear-kernel", choices=["auto", "torch", "onednn"], default="auto", help="the engine's linear-layer product")
+    ap.add_argument("--kernel-compare", action="store_true", help="the engine on each linear kernel and on the module-tree decode, GRPO shape")
     args = ap.parse_args()
 
     path = resolve_model(args.model)
     if args.deterministic_compare:
         compare_deterministic(path, args)
         return
-    engine = Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), deterministic=args.deterministic).start()
+    if args.kernel_compare:
+        compare_kernels(path, args)
+        return
+    engine = Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), deterministic=args.deterministic, linear_kernel=args.linear_kernel).start()
     ids = prompt_ids(engine)
     engine_rate(engine, ids, 2, 4, True, 1)  # warm-up
-    print(f"model={args.model} dtype={args.dtype} deterministic={args.deterministic} prompt={len(ids)} tokens, new={args.new_tokens}, threads={torch.get_num_threads()}, sampling={PARAMS}")
+    print(f"model={args.model} dtype={args.dtype} deterministic={args.deterministic} linear kernel={engine.linear_kernel} prompt={len(ids)} tokens, new={args.new_tokens}, threads={torch.get_num_threads()}, sampling={PARAMS}")
     print("\n| batch | capture off tok/s | capture on tok/s | capture cost |")
     print("|---:|---:|---:|---:|")
     for b in [int(x) for x in args.batches.split(",")]:
