@@ -8,7 +8,8 @@ from torch import nn
 
 from support_replay.errors import ConfigError
 from support_replay.logprobs import support_logprobs, union_head_support_logprobs
-from support_replay.modeling.linear_kernels import linear_function, model_linear, onednn_available, padded, resolve_linear_kernel, use_linear
+from support_replay.modeling.linear_kernels import (INVARIANT_ROWS, linear_function, model_linear, onednn_available, padded, resolve_linear_kernel,
+                                                    use_linear)
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN linear op")
 
@@ -50,16 +51,18 @@ def test_onednn_product_and_its_gradients_match_f_linear():
 
 
 @needs_onednn
-def test_padded_onednn_rows_keep_their_bits_whatever_shares_the_product(threads):
+@pytest.mark.parametrize("shape", [(200, 96), (960, 576), (576, 1536)])
+def test_onednn_rows_keep_their_bits_from_two_rows_on(threads, shape):
+    # the fact the batch-invariant forward pads to INVARIANT_ROWS["onednn"] == 2 for
     gen = torch.Generator().manual_seed(1)
-    w = torch.randn(200, 96, generator=gen)
-    rows = torch.randn(5, 96, generator=gen)
-    product = padded(linear_function("onednn"), 16)
-    alone = product(rows, w)
-    for others, at in [(0, 0), (3, 3), (11, 7), (27, 20), (300, 161)]:
-        batch = torch.randn(others + 5, 96, generator=gen)
-        batch[at : at + 5] = rows
-        assert torch.equal(product(batch, w)[at : at + 5], alone), (others, at)
+    w = torch.randn(*shape, generator=gen)
+    many = torch.randn(640, shape[1], generator=gen)
+    reference = linear_function("onednn")(many, w)
+    for count in list(range(2, 34)) + [63, 100, 257]:
+        for at in (0, 5, 640 - count):
+            assert torch.equal(linear_function("onednn")(many[at : at + count], w), reference[at : at + count]), (count, at)
+    product = padded(linear_function("onednn"), INVARIANT_ROWS["onednn"])
+    assert torch.equal(product(many[7:8], w), reference[7:8])  # one row alone: padded to two
 
 
 @needs_onednn

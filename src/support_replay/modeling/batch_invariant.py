@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear_kernels import linear_function, padded, use_linear
+from .linear_kernels import INVARIANT_ROWS, linear_function, padded, use_linear
 
 ATTENTION = "support_replay_batch_invariant"
 ROW_BLOCK = 16  # rows of every product: linear layers and attention tiles
@@ -76,6 +76,8 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
     key, value, allowed = _aligned_keys(key, value, allowed)
     width = key.shape[2]
     blocks = width // KEY_BLOCK
+    if q_len == 1 and repeat <= ROW_BLOCK:
+        return _one_query_per_sequence(query, key, value, allowed, scale), None
     # the rows of a key/value head: its query heads x positions, tiled 16 at a time (a decode step's
     # heads share a tile); no key is copied per query head
     rows = repeat * q_len
@@ -99,6 +101,29 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2), None
 
 
+def _one_query_per_sequence(query, key, value, allowed, scale):
+    """``batch_invariant_attention`` for a decode step (one query position per sequence): the same
+    products, masks and additions in the same order, so the same bits (tested against the
+    general path), without broadcasting the keys over tiles: one tile per key/value head (its
+    query heads, padded to ``ROW_BLOCK`` rows), products over views of the cache."""
+    batch, heads, _, dim = query.shape
+    groups, width = key.shape[1], key.shape[2]
+    repeat = heads // groups
+    pairs = batch * groups
+    q = F.pad(query.reshape(pairs, repeat, dim), (0, 0, 0, ROW_BLOCK - repeat))  # [B*G, 16, d]
+    k = key.reshape(pairs, width, dim)  # a view of the engine's slot cache where its strides allow
+    v = value.reshape(pairs, width, dim)
+    seen = allowed.reshape(batch, 1, 1, width).expand(batch, groups, repeat, width).reshape(pairs, repeat, width)
+    scores = torch.bmm(q, k.transpose(1, 2))[:, :repeat] * scale
+    live = seen.any(-1, keepdim=True)
+    scores = scores.masked_fill(~seen, float("-inf")).masked_fill(~live, 0.0)
+    probs = F.pad(torch.softmax(scores, dim=-1).masked_fill(~seen, 0.0), (0, 0, 0, ROW_BLOCK - repeat))
+    out = torch.bmm(probs[:, :, :KEY_BLOCK], v[:, :KEY_BLOCK])
+    for start in range(KEY_BLOCK, width, KEY_BLOCK):  # position order, as the general path
+        out = out + torch.bmm(probs[:, :, start : start + KEY_BLOCK], v[:, start : start + KEY_BLOCK])
+    return out[:, :repeat].reshape(batch, heads, 1, dim).transpose(1, 2)
+
+
 def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -113,8 +138,8 @@ def _register() -> None:
 
 def batch_invariant_linear(kernel: str = "torch"):
     """The linear product of this forward: ``kernel`` (a resolved name, modeling/linear_kernels.py)
-    over rows padded to whole tiles of ``ROW_BLOCK``."""
-    return padded(linear_function(kernel), ROW_BLOCK)
+    over rows padded to the count from which its rows keep their bits (16 for MKL, 2 for oneDNN)."""
+    return padded(linear_function(kernel), INVARIANT_ROWS[kernel])
 
 
 def make_batch_invariant(model: nn.Module, kernel: str = "torch") -> nn.Module:

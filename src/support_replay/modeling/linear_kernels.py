@@ -4,9 +4,11 @@
 bf16, cuBLAS on a GPU). ``onednn``: oneDNN's matmul for fp32 on a CPU, through the op
 PyTorch's own compiler emits for it (``torch.ops.mkldnn._linear_pointwise``). On this
 project's CPU it takes 0.68x the time of MKL at the 8-32 rows of a decode step (measured:
-docs/benchmarks.md), and its rows, like MKL's, keep their bits whatever the other rows hold
-once the row count is a multiple of 16 (tests/test_linear_kernels.py). Its results differ
-from MKL's in the last bits, so the two sides of a true-on-policy run must use the same one.
+docs/benchmarks.md), and its rows keep their bits whatever the other rows hold and wherever
+they sit once there are 2 or more (MKL's once the count is a multiple of 16; one row takes a
+matrix-vector path on both): ``INVARIANT_ROWS``, measured for every SmolLM2 projection shape
+and 2 to 600 rows at 1 and 2 threads, tests/test_linear_kernels.py. Its results differ from
+MKL's in the last bits, so the two sides of a true-on-policy run must use the same one.
 ``auto`` picks ``onednn`` for fp32 on a CPU when PyTorch has it, else ``torch``.
 """
 
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 KERNELS = ("auto", "torch", "onednn")
+INVARIANT_ROWS = {"torch": 16, "onednn": 2}  # pad a product's rows to a multiple of this for batch-invariant rows
 LINEAR_KERNEL_HELP = ("the engine's linear-layer product: onednn (fp32 on a CPU, 0.68x MKL's time at decode sizes), torch (F.linear), "
                       "auto (onednn where it runs); a true-on-policy trainer runs the engine's")
 
