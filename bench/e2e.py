@@ -36,11 +36,11 @@ SETTINGS = dict(task_max_operand=20, rollout_batch_size=4, n_samples_per_prompt=
 
 
 def ours(steps: int, micro_batch: int | None, true_on_policy: bool = False, full_vocab_metrics_interval: int = 1, dtype: str = "float32",
-         max_tokens: int | None = None, packed: str = "auto") -> list[dict]:
+         max_tokens: int | None = None, packed: str = "auto", linear_kernel: str = "auto") -> list[dict]:
     out = tempfile.mkdtemp(prefix="bench-e2e-")
     cfg = RunConfig(num_rollout=steps, global_batch_size=16, micro_batch_size=None if max_tokens else micro_batch, max_tokens_per_micro_batch=max_tokens,
                     true_on_policy_mode=true_on_policy, lr=1e-6, ci_test=True, output_dir=out, progress=False, packed_scoring=packed,
-                    full_vocab_metrics_interval=full_vocab_metrics_interval, rollout_dtype=dtype, train_dtype=dtype, **SETTINGS)
+                    full_vocab_metrics_interval=full_vocab_metrics_interval, rollout_dtype=dtype, train_dtype=dtype, linear_kernel=linear_kernel, **SETTINGS)
     return train(cfg)
 
 
@@ -164,6 +164,7 @@ def main() -> None:
     ap.add_argument("--full-vocab-metrics-interval", type=int, default=1, help="the metrics-only full-vocabulary head every N rollouts")
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None, help="a token budget instead of --micro-batch-size")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="--rollout-dtype and --train-dtype of our run")
+    ap.add_argument("--linear-kernel", choices=["auto", "torch", "onednn"], default="auto", help="our --linear-kernel (engine and trainer)")
     ap.add_argument("--packed-scoring", choices=["auto", "on", "off"], default="auto", help="our --packed-scoring")
     ap.add_argument("--with-bf16", action="store_true", help="a bf16 run of ours beside the fp32 one")
     ap.add_argument("--true-on-policy-compare", action="store_true", help="the normal run, then --true-on-policy-mode, and their ratio")
@@ -174,7 +175,7 @@ def main() -> None:
         print_async_compare(pinned_runs(args.steps))
         return
     run = dict(steps=args.steps, micro_batch=args.micro_batch_size, full_vocab_metrics_interval=args.full_vocab_metrics_interval,
-               max_tokens=args.max_tokens_per_micro_batch, packed=args.packed_scoring)
+               max_tokens=args.max_tokens_per_micro_batch, packed=args.packed_scoring, linear_kernel=args.linear_kernel)
     if args.true_on_policy_compare:
         normal = print_steps("normal (fp32)", ours(**run))
         exact = print_steps("true-on-policy (batch-invariant engine and trainer, --ci-test at tolerance 0)", ours(**run, true_on_policy=True))

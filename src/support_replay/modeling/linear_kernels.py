@@ -1,15 +1,16 @@
-"""The product every linear layer of the engine (and of the true-on-policy trainer) runs through.
+"""The product every linear layer of the engine and of the trainer's forward runs through.
 
 ``torch``: ``F.linear`` as PyTorch dispatches it (MKL's sgemm for fp32 on a CPU, oneDNN for
 bf16, cuBLAS on a GPU). ``onednn``: oneDNN's matmul for fp32 on a CPU, through the op
 PyTorch's own compiler emits for it (``torch.ops.mkldnn._linear_pointwise``). On this
-project's CPU it takes 0.68x the time of MKL at the 8-32 rows of a decode step (measured:
+project's CPU it takes 0.65x the time of MKL at the 8-32 rows of a decode step (measured:
 docs/benchmarks.md), and its rows keep their bits whatever the other rows hold and wherever
 they sit once there are 2 or more (MKL's once the count is a multiple of 16; one row takes a
 matrix-vector path on both): ``INVARIANT_ROWS``, measured for every SmolLM2 projection shape
 and 2 to 600 rows at 1 and 2 threads, tests/test_linear_kernels.py. Its results differ from
 MKL's in the last bits, so the two sides of a true-on-policy run must use the same one.
-``auto`` picks ``onednn`` for fp32 on a CPU when PyTorch has it, else ``torch``.
+``auto`` picks ``onednn`` for fp32 on a CPU when PyTorch has it, else ``torch``. The trainer's
+backward stays plain products (``_OneDNNLinear``): only the forward's bits are promised.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from torch import nn
 
 KERNELS = ("auto", "torch", "onednn")
 INVARIANT_ROWS = {"torch": 16, "onednn": 2}  # pad a product's rows to a multiple of this for batch-invariant rows
-LINEAR_KERNEL_HELP = ("the engine's linear-layer product: onednn (fp32 on a CPU, 0.68x MKL's time at decode sizes), torch (F.linear), "
-                      "auto (onednn where it runs); a true-on-policy trainer runs the engine's")
+LINEAR_KERNEL_HELP = ("the linear-layer product of the engine and of the trainer's forward: onednn (fp32 on a CPU, 0.65x MKL's time "
+                      "at decode sizes), torch (F.linear), auto (onednn where it runs; bf16 and tensor-parallel layers take torch)")
 
 
 @functools.cache

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 from ..errors import ConfigError
 from ..logprobs import full_logprobs_and_entropy, penalised_support_logprobs, sparse_head_support_logprobs, support_logprobs, union_head_support_logprobs
 from ..modeling.batch_invariant import make_batch_invariant
-from ..modeling.linear_kernels import model_linear
+from ..modeling.linear_kernels import linear_function, model_linear, use_linear
 from ..modeling.context_parallel import ContextShard, assemble_rows, make_context_parallel
 from ..modeling.tensor_parallel import VocabShard, parallelize_tensor
 from ..parallel import context_parallel_positions, vocab_parallel_full_logprobs_and_entropy, vocab_parallel_support_logprobs
@@ -69,6 +69,8 @@ class ScoringModel(nn.Module):
         super().__init__()
         if batch_invariant:  # the engine's deterministic forward on its linear kernel, so logits agree bit for bit
             make_batch_invariant(hf, linear_kernel)
+        else:  # oneDNN's forward products where the run resolved to them (the backward is plain products either way)
+            use_linear(hf, linear_function(linear_kernel))
         self.hf = hf
         self.batch_invariant = batch_invariant  # the sparse head then reads the batch's union of support ids in one product
         self.compute_dtype = compute_dtype  # bf16: autocast over fp32 weights

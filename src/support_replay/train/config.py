@@ -161,11 +161,20 @@ class RunConfig(BaseModel):
         return BF16_CI_TOLERANCE if "bfloat16" in (self.rollout_dtype, self.train_dtype) else FP32_CI_TOLERANCE
 
     def engine_linear_kernel(self, device) -> str:
-        """The in-process engine's linear kernel, resolved (fp32 on a CPU: oneDNN under ``auto``); the
-        true-on-policy trainer runs the same one (modeling/linear_kernels.py)."""
+        """The in-process engine's linear kernel, resolved (fp32 on a CPU: oneDNN under ``auto``)."""
         import torch
 
         return resolve_linear_kernel(self.linear_kernel, getattr(torch, self.rollout_dtype), device)
+
+    def trainer_linear_kernel(self, device) -> str:
+        """The trainer's forward products, resolved for its compute dtype; tensor-parallel layers
+        (DTensor weights) keep ``F.linear``. In true-on-policy mode (fp32 on both sides, no tensor
+        parallelism) this is the engine's kernel, as the bitwise equality needs."""
+        import torch
+
+        if self.tensor_model_parallel_size > 1:
+            return "torch"
+        return resolve_linear_kernel(self.linear_kernel, getattr(torch, self.train_dtype), device)
 
     @property
     def pack_groups(self) -> bool:
