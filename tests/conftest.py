@@ -9,6 +9,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_model import build_tiny_checkpoint  # noqa: E402
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """Torch at 1 and at 2 threads (the machine's cores): bit-level facts are checked at both."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"))

@@ -2,7 +2,6 @@
 batches, KV cache, prefill then decode) and in the trainer (one right-padded forward)."""
 
 import numpy as np
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -11,15 +10,6 @@ from support_replay.modeling.batch_invariant import batch_invariant_attention, m
 from support_replay.engine import Engine
 from support_replay.protocol import GenerateRequest
 from support_replay.engine.model_runner import ModelRunner
-
-
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    """The engine and the trainer at the same thread count, 1 and 2 (the machine's cores)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(saved)
 
 
 def _reference_attention(q, k, v, allowed):

@@ -14,14 +14,6 @@ from support_replay.modeling.linear_kernels import (INVARIANT_ROWS, linear_funct
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN linear op")
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(saved)
-
-
 def test_auto_picks_onednn_for_fp32_on_a_cpu_only():
     assert resolve_linear_kernel("auto", torch.float32, "cpu") == ("onednn" if onednn_available() else "torch")
     assert resolve_linear_kernel("auto", torch.bfloat16, "cpu") == "torch"

@@ -3,10 +3,10 @@
 The logits of a sequence must not depend on what else is in the batch, on padding, or on
 how the sequence was split between prefill and decode steps, so that the engine (KV cache,
 left-padded batches) and the trainer (one right-padded forward) compute the same bits.
-Measured on this project's CPU (docs/true-on-policy.md): a row of ``F.linear`` is the same
-bits whatever the other rows hold and wherever it sits, once the row count is a multiple of
-16 (1, 2 or ragged row counts take other kernels; the same holds for oneDNN's fp32 product,
-modeling/linear_kernels.py); row reductions (RMSNorm) and
+Measured on this project's CPU (docs/true-on-policy.md): a row of ``F.linear`` (MKL) is the
+same bits whatever the other rows hold and wherever it sits, once the row count is a multiple
+of 16 (1, 2 or ragged row counts take other kernels); a row of oneDNN's fp32 product, from 2
+rows on (modeling/linear_kernels.py); row reductions (RMSNorm) and
 elementwise ops (RoPE, SiLU, residuals) are per row already. Attention is the one place
 where shapes differ between the two sides; here it runs in tiles of one fixed shape, keys in
 blocks counted from the sequence start, block results added in position order, so a query
@@ -24,7 +24,7 @@ from torch import nn
 from .linear_kernels import INVARIANT_ROWS, linear_function, padded, use_linear
 
 ATTENTION = "support_replay_batch_invariant"
-ROW_BLOCK = 16  # rows of every product: linear layers and attention tiles
+ROW_BLOCK = 16  # rows of every attention tile (and MKL's linear products: linear_kernels.INVARIANT_ROWS)
 KEY_BLOCK = 64  # keys per attention block, counted from the sequence start
 
 

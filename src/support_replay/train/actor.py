@@ -132,8 +132,10 @@ class ScoringModel(nn.Module):
         head = self.hf.get_output_embeddings()
         full_lp = ent = None
         if sparse:
-            scorer = union_head_support_logprobs if self.batch_invariant else sparse_head_support_logprobs
-            logp = scorer(h, head.weight, targets, support, temperature, linear=model_linear(self.hf)) if self.batch_invariant else scorer(h, head.weight, targets, support, temperature)
+            if self.batch_invariant:  # the engine's product over the union of support ids: its bits
+                logp = union_head_support_logprobs(h, head.weight, targets, support, temperature, linear=model_linear(self.hf))
+            else:
+                logp = sparse_head_support_logprobs(h, head.weight, targets, support, temperature)
             if full_detached:
                 with torch.no_grad():
                     full_lp, _ = full_logprobs_and_entropy(head(h.detach()), targets, temperature)
