@@ -94,6 +94,7 @@ def test_info_endpoints(client, engine):
     assert client.get("/health").json()["status"] == "ok"
     info = client.get("/model_info").json()
     assert info["vocab_size"] == engine.vocab_size and info["sampling_mask_max_tokens"] == 64
+    assert info["linear_kernel"] == engine.linear_kernel and info["deterministic"] is False  # a true-on-policy trainer checks both
     assert client.post("/flush_cache").json()["success"] is True
 
 
