@@ -96,7 +96,6 @@ class FusedDecoder:
     """
 
     def __init__(self, model):
-        self.model = model
         inner = model.model
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb

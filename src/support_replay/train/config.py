@@ -160,12 +160,6 @@ class RunConfig(BaseModel):
             return self.ci_test_tolerance
         return BF16_CI_TOLERANCE if "bfloat16" in (self.rollout_dtype, self.train_dtype) else FP32_CI_TOLERANCE
 
-    def engine_linear_kernel(self, device) -> str:
-        """The in-process engine's linear kernel, resolved (fp32 on a CPU: oneDNN under ``auto``)."""
-        import torch
-
-        return resolve_linear_kernel(self.linear_kernel, getattr(torch, self.rollout_dtype), device)
-
     def trainer_linear_kernel(self, device) -> str:
         """The trainer's forward products, resolved for its compute dtype; tensor-parallel layers
         (DTensor weights) keep ``F.linear``. In true-on-policy mode (fp32 on both sides, no tensor

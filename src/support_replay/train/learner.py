@@ -99,14 +99,15 @@ class Learner:
         self._planned_steps = 1
         self.measure_full = True  # full-vocabulary scores for the metrics in this rollout
         torch.manual_seed(cfg.seed)
+        self.linear_kernel = cfg.trainer_linear_kernel(ctx.device)  # the actor's, the reference's and the lagged scorer's forward
         self.actor = Actor(
             checkpoint_path, ctx, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
             replay=self.replay, full_with_grad=cfg.use_kl_loss or cfg.entropy_coef > 0, batch_invariant=cfg.true_on_policy_mode,
             penalties=cfg.penalties.active, layout=self.layout, compute_dtype=getattr(torch, cfg.train_dtype),
-            linear_kernel=cfg.trainer_linear_kernel(ctx.device),
+            linear_kernel=self.linear_kernel,
         )
         self.reference = load_scoring_model(checkpoint_path, ctx.device, compute_dtype=self.actor.model.compute_dtype,
-                                            linear_kernel=cfg.trainer_linear_kernel(ctx.device)).eval().requires_grad_(False) if cfg.needs_reference else None
+                                            linear_kernel=self.linear_kernel).eval().requires_grad_(False) if cfg.needs_reference else None
         self.temperature = cfg.rollout_temperature
         self.pack = cfg.pack_groups  # decided once: the rule reads the rollout's penalties (a file for a logit bias)
 

@@ -73,7 +73,7 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
     lagged = LaggedScorer(checkpoint, ctx.device, keep=cfg.max_policy_lag + 1, sparse=learner.actor.sparse_head, batch_invariant=cfg.true_on_policy_mode,
                           compute_dtype=learner.actor.model.compute_dtype,
                           temperature=cfg.rollout_temperature, micro_batch=cfg.micro_batch, max_tokens=cfg.max_tokens_per_micro_batch,
-                          pack=learner.pack, linear_kernel=cfg.trainer_linear_kernel(ctx.device)) if ctx.is_main and keeps_versions else None
+                          pack=learner.pack, linear_kernel=learner.linear_kernel) if ctx.is_main and keeps_versions else None
     if cfg.rollout_url or start or keeps_versions:  # an engine of its own, or a resume: it samples with exactly these weights, so named
         push(sync if (cfg.rollout_url or start) else None, learner, ctx, pushed[-1], lagged)
     log = MetricsLog(out, cfg.num_rollout, start, progress=cfg.progress, enabled=ctx.is_main)

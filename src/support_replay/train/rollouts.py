@@ -95,7 +95,7 @@ class Rollouts:
 
             self.backend = SGLangBackend(cfg.rollout_url, vocab_size, sampling_mask_format=cfg.sampling_mask_format, api_key=keys.api)
             if cfg.true_on_policy_mode:
-                _require_deterministic(cfg.rollout_url, cfg.trainer_linear_kernel("cpu"))
+                _require_deterministic(cfg.rollout_url, cfg.trainer_linear_kernel(ctx.device))
         else:  # the in-process engine: the only place the trainer imports it
             from ..backends.local import EngineBackend
             from ..engine import Engine
