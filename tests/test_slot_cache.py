@@ -35,7 +35,7 @@ def test_leaving_rows_are_replaced_by_the_last_row_and_only_that_row_moves():
 
 def test_decode_writes_each_rows_column_and_grows_by_doubling():
     cache = filled([2, 4])
-    capacity = cache.capacity
+    capacity, slots = cache.capacity, cache.slots
     mask = cache.prepare_decode()
     assert mask[:, 0, 0].tolist() == [[True, True, True, False, False], [True] * 5]  # width 5: row 0 sees positions 0-2
     new = torch.full((2, 2, 1, 3), 7.0)
@@ -46,6 +46,7 @@ def test_decode_writes_each_rows_column_and_grows_by_doubling():
         cache.prepare_decode()
         cache.finish_decode()
     assert cache.capacity == 2 * capacity >= int(cache.lengths.max())  # doubled once
+    assert cache.slots == slots  # longer rows do not double the slots
     assert cache.layers[0].k[1, 0, 3, 0] == 103 and cache.layers[0].k[0, 0, 2, 0] == 7  # kept across the regrowth
 
 

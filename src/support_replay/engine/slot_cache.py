@@ -80,12 +80,15 @@ class SlotCache(Cache):
         """At least ``rows`` slots of ``columns`` positions (doubling), keeping what is held."""
         if rows <= self.slots and columns <= self.capacity:
             return
-        slots, capacity = max(rows, 2 * self.slots), max(columns, 2 * self.capacity)
+        # only the dimension that ran out doubles (a longer row must not double the slots too)
+        slots = self.slots if rows <= self.slots else max(rows, 2 * self.slots)
+        capacity = self.capacity if columns <= self.capacity else max(columns, 2 * self.capacity)
+        held = int(self.lengths.max()) if self.size else 0
         for layer in self.layers:
             shape = (slots, like.shape[1], capacity, like.shape[3])
+            # zeros: a masked key's value must be finite, its weight 0 makes it add exact zeros
             k, v = like.new_zeros(shape), like.new_zeros(shape)
             if layer.k is not None:
-                held = int(self.lengths.max()) if self.size else 0
                 k[: self.size, :, :held] = layer.k[: self.size, :, :held]
                 v[: self.size, :, :held] = layer.v[: self.size, :, :held]
             layer.k, layer.v = k, v
