@@ -2,11 +2,13 @@
 batches, KV cache, prefill then decode) and in the trainer (one right-padded forward)."""
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, support_logprobs
-from support_replay.modeling.batch_invariant import batch_invariant_attention, make_batch_invariant
+from support_replay.modeling.batch_invariant import KEY_BLOCK, ROW_BLOCK, batch_invariant_attention, make_batch_invariant
+from support_replay.modeling.invariant_decode import SOFTMAX_ROUND, softmax_trims, tile_rows
 from support_replay.engine import Engine
 from support_replay.protocol import GenerateRequest
 from support_replay.engine.model_runner import ModelRunner
@@ -18,13 +20,15 @@ def _reference_attention(q, k, v, allowed):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None]).transpose(1, 2)
 
 
-def test_block_attention_decode_equals_full_forward_for_key_lengths_63_to_129(threads):
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 16), (9, 3, 64)], ids=["tiny", "smollm2-heads"])
+def test_block_attention_decode_equals_full_forward_for_key_lengths_63_to_129(threads, heads, kv_heads, dim):
     """One query over a left-padded cache (random padding, a neighbour row of noise) gets the
     same bits as the same query in a right-padded causal forward, for every key count from 63 to
     129 (across the 64-key block edges); the forward is attention (sdpa to 1e-6) and its
-    gradient is attention's."""
+    gradient is attention's. The decode tile is smaller than the trainer's (``tile_rows``) and its
+    scores cover the seen columns only (``trimmed_width``)."""
     gen = torch.Generator().manual_seed(threads)
-    heads, kv_heads, dim, length = 4, 2, 16, 130
+    length = 130
     q = torch.randn(2, heads, length, dim, generator=gen, requires_grad=True)
     k = torch.randn(2, kv_heads, length, dim, generator=gen, requires_grad=True)
     v = torch.randn(2, kv_heads, length, dim, generator=gen, requires_grad=True)
@@ -52,6 +56,36 @@ def test_block_attention_decode_equals_full_forward_for_key_lengths_63_to_129(th
             query = torch.stack([q[0, :, n - 1 : n], torch.randn(heads, 1, dim, generator=gen)])
             out, _ = batch_invariant_attention(None, query, cache_k, cache_v, seen, scaling=dim**-0.5)
             assert torch.equal(out[0, 0], full[0, n - 1]), n
+
+
+@pytest.mark.parametrize("repeat", [1, 3, 5, 9, 13])
+def test_a_decode_tile_keeps_the_bits_of_a_full_tile(threads, repeat):
+    """The probe's row count covers the query heads and is a full tile or gives every row the
+    full tile's bits, checked here on other data, more tiles per call and widths between the
+    probed ones."""
+    dim = 64
+    rows = tile_rows(repeat, dim, torch.float32, torch.get_num_threads())
+    assert rows >= repeat and rows % 4 == 0 and rows <= ROW_BLOCK
+    gen = torch.Generator().manual_seed(100 + repeat)
+    q = torch.randn(7, ROW_BLOCK, dim, generator=gen)
+    for width in (64, 320, 704):
+        keys = torch.randn(7, dim, width, generator=gen)
+        assert torch.equal(torch.bmm(q[:, :rows].contiguous(), keys), torch.bmm(q, keys)[:, :rows]), width
+    probs, values = torch.rand(7, ROW_BLOCK, KEY_BLOCK, generator=gen), torch.randn(7, KEY_BLOCK, dim, generator=gen)
+    assert torch.equal(torch.bmm(probs[:, :rows].contiguous(), values), torch.bmm(probs, values)[:, :rows])
+
+
+def test_a_trimmed_softmax_row_keeps_the_bits_of_whole_blocks(threads):
+    """Where the probe allows trimming, a softmax row over its seen columns rounded up to 16 is
+    the same bits as over whole key blocks with the rest masked, on other data than the probe's."""
+    if not softmax_trims(torch.float32, torch.get_num_threads()):
+        pytest.skip("this CPU's softmax depends on trailing masked columns: decode steps do not trim")
+    gen = torch.Generator().manual_seed(7)
+    for n in (1, 5, 15, 16, 17, 47, 64, 65, 100, 129, 250):
+        trimmed = max(SOFTMAX_ROUND, -(-n // SOFTMAX_ROUND) * SOFTMAX_ROUND)
+        scores = torch.full((24, 3 * KEY_BLOCK + KEY_BLOCK * (n // KEY_BLOCK)), float("-inf"))
+        scores[:, :n] = torch.randn(24, n, generator=gen) * 6
+        assert torch.equal(torch.softmax(scores[:, :trimmed], -1), torch.softmax(scores, -1)[:, :trimmed]), n
 
 
 def test_engine_and_trainer_logits_are_bitwise_equal(tiny_checkpoint, threads):

@@ -21,32 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention_tiles import KEY_BLOCK, ROW_BLOCK, layout_for
+from .invariant_decode import one_query_per_sequence
 from .linear_kernels import INVARIANT_ROWS, linear_function, padded, use_linear
 
+__all__ = ["ATTENTION", "KEY_BLOCK", "ROW_BLOCK", "batch_invariant_attention", "batch_invariant_linear", "make_batch_invariant"]
+
 ATTENTION = "support_replay_batch_invariant"
-ROW_BLOCK = 16  # rows of every attention tile (and MKL's linear products: linear_kernels.INVARIANT_ROWS)
-KEY_BLOCK = 64  # keys per attention block, counted from the sequence start
-
-
-def _aligned_keys(key, value, allowed):
-    """Keys, values and the mask shifted per row so that index j holds sequence position j
-    (the engine's cache is left-padded, the trainer's batch right-padded), padded to whole
-    key blocks; a row's start is its first key any query may see."""
-    batch, heads, k_len, dim = key.shape
-    seen = allowed.any(1)  # [B, L]
-    start = torch.where(seen.any(1), seen.int().argmax(1), 0)
-    width = -(-int((k_len - start).max()) // KEY_BLOCK) * KEY_BLOCK
-    if bool((start == 0).all()):  # already aligned (the trainer's batch; the engine's slot cache, whole blocks wide): no gather
-        extra = width - k_len
-        if extra > 0:
-            key, value, allowed = F.pad(key, (0, 0, 0, extra)), F.pad(value, (0, 0, 0, extra)), F.pad(allowed, (0, extra))
-        return key[:, :, :width], value[:, :, :width], allowed[:, :, :width]
-    index = start[:, None] + torch.arange(width, device=key.device)[None]
-    inside = index < k_len
-    index = index.clamp_max(k_len - 1)
-    rows = index[:, None, :, None].expand(batch, heads, width, dim)
-    gathered = allowed.gather(2, index[:, None, :].expand(-1, allowed.shape[1], -1)) & inside[:, None, :]
-    return key.gather(2, rows), value.gather(2, rows), gathered
 
 
 def batch_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -67,17 +48,12 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
     groups = key.shape[1]
     repeat = heads // groups  # query heads per key/value head (grouped-query attention)
     scale = dim**-0.5 if scaling is None else scaling
-    k_len = key.shape[2]
-    if attention_mask is None:  # plain causal, no padding
-        allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)[None].expand(batch, -1, -1)
-    else:
-        mask = attention_mask[:, 0]
-        allowed = mask if mask.dtype == torch.bool else mask == 0
-    key, value, allowed = _aligned_keys(key, value, allowed)
-    width = key.shape[2]
+    layout = layout_for(attention_mask, batch, q_len, key.shape[2], query.device)  # once per forward: its layers share the mask
+    key, value = layout.apply(key, value)
+    if q_len == 1 and repeat <= ROW_BLOCK:  # a decode step (invariant_decode.py): the same bits, fewer products
+        return one_query_per_sequence(query, key, value, layout, scale), None
+    allowed, width = layout.allowed, layout.width
     blocks = width // KEY_BLOCK
-    if q_len == 1 and repeat <= ROW_BLOCK:
-        return _one_query_per_sequence(query, key, value, allowed, scale), None
     # the rows of a key/value head: its query heads x positions, tiled 16 at a time (a decode step's
     # heads share a tile); no key is copied per query head
     rows = repeat * q_len
@@ -99,29 +75,6 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
         out = out + parts[:, :, :, b]
     out = out.reshape(batch, groups, tiles * ROW_BLOCK, dim)[:, :, :rows]
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2), None
-
-
-def _one_query_per_sequence(query, key, value, allowed, scale):
-    """``batch_invariant_attention`` for a decode step (one query position per sequence): the same
-    products, masks and additions in the same order, so the same bits (tested against the
-    general path), without broadcasting the keys over tiles: one tile per key/value head (its
-    query heads, padded to ``ROW_BLOCK`` rows), products over views of the cache."""
-    batch, heads, _, dim = query.shape
-    groups, width = key.shape[1], key.shape[2]
-    repeat = heads // groups
-    pairs = batch * groups
-    q = F.pad(query.reshape(pairs, repeat, dim), (0, 0, 0, ROW_BLOCK - repeat))  # [B*G, 16, d]
-    k = key.reshape(pairs, width, dim)  # a view of the engine's slot cache where its strides allow
-    v = value.reshape(pairs, width, dim)
-    seen = allowed.reshape(batch, 1, 1, width).expand(batch, groups, repeat, width).reshape(pairs, repeat, width)
-    scores = torch.bmm(q, k.transpose(1, 2))[:, :repeat] * scale
-    live = seen.any(-1, keepdim=True)
-    scores = scores.masked_fill(~seen, float("-inf")).masked_fill(~live, 0.0)
-    probs = F.pad(torch.softmax(scores, dim=-1).masked_fill(~seen, 0.0), (0, 0, 0, ROW_BLOCK - repeat))
-    out = torch.bmm(probs[:, :, :KEY_BLOCK], v[:, :KEY_BLOCK])
-    for start in range(KEY_BLOCK, width, KEY_BLOCK):  # position order, as the general path
-        out = out + torch.bmm(probs[:, :, start : start + KEY_BLOCK], v[:, start : start + KEY_BLOCK])
-    return out[:, :repeat].reshape(batch, heads, 1, dim).transpose(1, 2)
 
 
 def _register() -> None:
