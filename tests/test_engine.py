@@ -134,3 +134,23 @@ def test_bad_requests():
         GenerateRequest([])
     with pytest.raises(RequestError, match="max_new_tokens"):
         GenerateRequest([1], max_new_tokens=0)
+
+
+def test_a_list_is_admitted_in_one_prefill_and_the_engine_restarts(tiny_checkpoint):
+    """``generate`` queues its requests together: a running loop admits all of them in one
+    prefill (a GRPO group shares its prompt's prefill) instead of taking the first alone; an
+    engine that was shut down starts again instead of stranding the next request."""
+    eng = Engine.from_pretrained(tiny_checkpoint).start()
+    calls = []
+    prefill = eng.runner.prefill
+    eng.runner.prefill = lambda batch: calls.append(len(batch)) or prefill(batch)
+    try:
+        group = [GenerateRequest([5, 6, 7, 8], SamplingParams(top_k=20, seed=i), max_new_tokens=4, ignore_eos=True) for i in range(8)]
+        for _ in range(5):
+            calls.clear()
+            assert all(len(c.output_ids) == 4 for c in eng.generate(group, timeout=30))
+            assert calls == [8]
+        eng.shutdown()
+        assert eng.generate(group[:2], timeout=30)[1].output_ids  # restarted
+    finally:
+        eng.shutdown()

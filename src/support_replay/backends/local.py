@@ -11,18 +11,19 @@ class EngineBackend:
     retries = 0  # in-process: nothing to send again
 
     def __init__(self, engine: Engine, timeout: float | None = None):
-        self.engine = engine.start()
+        self.engine = engine  # not started: generate runs its steps in the calling thread (Engine.wait)
         self.vocab_size = engine.vocab_size
         self.timeout = timeout
 
     def generate(self, requests: list[GenerateRequest], *, return_exceptions: bool = False) -> list:
         """A refused request raises; one the engine failed or dropped is ``EngineUnavailable``
         (in its place with ``return_exceptions``)."""
-        futures = [self.engine.submit(r) for r in requests]
+        futures = self.engine.submit_all(requests)  # admitted together: a group shares its prompt's prefill
+        self.engine.wait(futures, self.timeout)
         out = []
         for i, (req, future) in enumerate(zip(requests, futures)):
             try:
-                out.append(validate_completion(future.result(timeout=self.timeout), req, self.vocab_size, i))
+                out.append(validate_completion(future.result(), req, self.vocab_size, i))
             except RequestError:
                 raise
             except EngineError as exc:

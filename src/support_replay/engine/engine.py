@@ -17,9 +17,11 @@ again while its first copy runs, or shortly after it finished, gets that copy's 
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +105,8 @@ class Engine:
         self._batch: SlotCache | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._admission = threading.Lock()  # held while a list is queued and while the loop drains the inbox
+        self._driver = threading.Lock()  # held by whichever thread runs a step: the loop, or a caller in ``wait``
         self.ledger = Ledger(self.limits.max_queue)  # queue count, request ids, aborts, counters
 
     @property
@@ -129,6 +133,7 @@ class Engine:
 
     def start(self) -> Engine:
         if self._thread is None:
+            self._stop.clear()  # a shut-down engine starts again (its loop would otherwise exit at once and strand every request)
             self._thread = threading.Thread(target=self._loop, name="support-replay-engine", daemon=True)
             self._thread.start()
         return self
@@ -173,6 +178,13 @@ class Engine:
         self._inbox.put(("generate", request, future))
         return future
 
+    def submit_all(self, requests: list[GenerateRequest]) -> list[Future]:
+        """Queue ``requests`` together: the loop admits them in one prefill where its batch has room,
+        so a GRPO group sent at once shares its prompt's prefill (one at a time, the loop could take
+        the first before the rest arrived and prefill them again, one step later)."""
+        with self._admission:
+            return [self.submit(r) for r in requests]
+
     def abort(self, future: Future) -> None:
         """The client of ``future`` went away: drop its request, waiting or running."""
         self.ledger.abort(future)
@@ -182,10 +194,33 @@ class Engine:
         return self.ledger.stats
 
     def generate(self, requests: list[GenerateRequest], timeout: float | None = None) -> list[Completion]:
-        """Blocking convenience: submit all, wait for all (starts the loop if needed)."""
-        self.start()
-        futures = [self.submit(r) for r in requests]
-        return [f.result(timeout=timeout) for f in futures]
+        """Blocking convenience: submit all, wait for all (``wait``: this thread runs the steps
+        unless the loop was started)."""
+        futures = self.submit_all(requests)
+        self.wait(futures, timeout)
+        return [f.result() for f in futures]
+
+    def wait(self, futures: list[Future], timeout: float | None = None) -> None:
+        """Return once every future is done (``TimeoutError`` after ``timeout`` seconds). With the
+        loop started, its thread serves them; without it, this thread runs the engine's steps
+        (one thread at a time; what other threads queued is served in the same steps).
+
+        Why the caller's thread: PyTorch's CPU ops run on libgomp, and a second thread that
+        computes gets its own OpenMP pool; with more pool threads than CPUs libgomp cuts every
+        pool's spin-wait to a few hundred iterations, so each parallel product pays a futex
+        wake-up. Measured here (2 cores): a thread's linear products run ~10% slower while
+        another thread holds a pool, the trainer's as much as the engine's (docs/benchmarks.md).
+        A colocated engine therefore steps in the thread that calls it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not all(f.done() for f in futures):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"engine: {sum(not f.done() for f in futures)} of {len(futures)} requests not done after {timeout} s")
+            if self._thread is not None:
+                concurrent.futures.wait(futures, timeout=left)
+                continue
+            with self._driver:
+                self.step(block=True)
 
     def update_weights_from_disk(self, path: str | Path, version: str | None = None, *, abort_all_requests: bool = False) -> Future:
         """Load safetensors weights once the running batch has drained; resolves to the version.
@@ -229,7 +264,8 @@ class Engine:
         torch.set_grad_enabled(False)
         while not self._stop.is_set():
             try:
-                self.step(block=True)
+                with self._driver:
+                    self.step(block=True)
             except Exception as exc:  # a decode step of the whole batch failed: never let the loop die
                 log.exception("engine step failed")
                 failed, self._running, self._batch = self._running, [], None
@@ -274,19 +310,29 @@ class Engine:
         """Pop requests in order until the batch is full or an update is next in line."""
         room = self.max_batch_size - len(self._running)
         taken = []
-        while len(taken) < room:
-            try:
-                kind, payload, future = self._inbox.get(timeout=0.05) if block and not taken else self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "update":
-                self._update = (payload, future)
-                break
-            why = self.ledger.dequeue(future)
-            if why is not None:
-                self._finish_failed(payload, future, AbortedError(f"{why} before the request started"), "aborted")
-            elif future.set_running_or_notify_cancel():
-                taken.append((payload, future))
+        if room <= 0:
+            return taken
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return taken
+        with self._admission:  # a list being queued (submit_all) is whole before the rest is drained
+            while True:
+                kind, payload, future = item
+                if kind == "update":
+                    self._update = (payload, future)
+                    break
+                why = self.ledger.dequeue(future)
+                if why is not None:
+                    self._finish_failed(payload, future, AbortedError(f"{why} before the request started"), "aborted")
+                elif future.set_running_or_notify_cancel():
+                    taken.append((payload, future))
+                if len(taken) >= room:
+                    break
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
         return taken
 
     def _admit(self, admitted) -> None:

@@ -72,7 +72,9 @@ def create_app(
     chat_template: str | None = None,
     max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES,
 ):
-    """The ASGI app: FastAPI routes inside the Host check, the body limit and the JSON-only rule."""
+    """The ASGI app: FastAPI routes inside the Host check, the body limit and the JSON-only rule.
+    Its routes wait on the engine's futures, so the engine's loop thread is started here."""
+    engine.start()
     keys = keys or Keys()
     weights_dir = Path(weights_dir).resolve() if weights_dir else None
     app = FastAPI(title="support-replay engine")
@@ -81,7 +83,7 @@ def create_app(
 
     async def run(requests, http_request: Request) -> list[Completion]:
         """Submit, wait, and drop the requests from the engine if the client goes away meanwhile."""
-        futures = [engine.submit(r) for r in requests]
+        futures = engine.submit_all(requests)  # admitted together: a group shares its prompt's prefill
         answers = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True))
         while not answers.done():
             await asyncio.wait({answers}, timeout=DISCONNECT_POLL)

@@ -69,7 +69,9 @@ class InProcessSync:
         self.engine, self.abort = engine, mode == "abort"
 
     def push(self, state: dict[str, torch.Tensor], version: str) -> None:
-        self.engine.update_weights(state, version, abort_all_requests=self.abort).result()
+        update = self.engine.update_weights(state, version, abort_all_requests=self.abort)
+        self.engine.wait([update])  # runs the engine's steps here when its loop is not started
+        update.result()
 
 
 class _StagedSync:
