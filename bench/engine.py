@@ -243,7 +243,7 @@ def compare_deterministic(path: Path, args) -> None:
     """Tokens/s of the normal and the deterministic (batch-invariant) engine, capture on, in paired
     rounds (one run of each, back to back) so the machine's drift hits both alike; the ratio is
     the median of the rounds' ratios."""
-    engines = {mode: Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), deterministic=mode, linear_kernel=args.linear_kernel).start()
+    engines = {mode: Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), deterministic=mode, linear_kernel=args.linear_kernel)
                for mode in (False, True)}
     ids = prompt_ids(engines[False])
     for e in engines.values():
@@ -265,7 +265,7 @@ def compare_kernels(path: Path, args) -> None:
     """GRPO-shaped tokens/s of the engine with each linear kernel, fused decode step on and off,
     rounds interleaved (median of the rounds) so the machine's drift hits every variant alike."""
     kernels = ["torch", "onednn"] if args.dtype == "float32" else ["torch"]
-    engines = {k: Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), linear_kernel=k, deterministic=args.deterministic).start() for k in kernels}
+    engines = {k: Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), linear_kernel=k, deterministic=args.deterministic) for k in kernels}
     variants = [(k, fused) for k in kernels for fused in (False, True)]
     rates: dict = {v: [] for v in variants}
     for e in engines.values():
@@ -309,7 +309,7 @@ def main() -> None:
     if args.kernel_compare:
         compare_kernels(path, args)
         return
-    engine = Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), deterministic=args.deterministic, linear_kernel=args.linear_kernel).start()
+    engine = Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), deterministic=args.deterministic, linear_kernel=args.linear_kernel)
     ids = prompt_ids(engine)
     engine_rate(engine, ids, 2, 4, True, 1)  # warm-up
     print(f"model={args.model} dtype={args.dtype} deterministic={args.deterministic} linear kernel={engine.linear_kernel} prompt={len(ids)} tokens, new={args.new_tokens}, threads={torch.get_num_threads()}, sampling={PARAMS}")

@@ -99,3 +99,20 @@ def test_a_client_that_goes_away_frees_its_slot(tiny_checkpoint):
             time.sleep(0.1)
         assert httpx.get(url + "/health").json()["running"] == 0
         assert 'support_replay_requests_total{status="aborted"} 1.0' in httpx.get(url + "/metrics").text
+
+
+def test_serve_stops_on_sigterm_and_names_a_taken_port(tiny_checkpoint):
+    """``serve`` runs the engine on its main thread and uvicorn on another: SIGTERM stops both and
+    the process exits 0; a second server on the same port fails with the address named."""
+    import subprocess
+    import sys
+
+    ctx, url = engine_process(tiny_checkpoint)
+    with ctx as proc:
+        port = url.rsplit(":", 1)[1]
+        second = subprocess.run([sys.executable, "-m", "support_replay.cli", "serve", "--hf-checkpoint", str(tiny_checkpoint), "--port", port],
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode != 0 and f"127.0.0.1:{port}" in second.stderr, second.stderr[-2000:]
+        assert httpx.get(url + "/health", timeout=10).status_code == 200  # the first one still serves
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0

@@ -105,6 +105,7 @@ class Engine:
         self._batch: SlotCache | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._looping_here = False  # ``run``: the loop runs in a caller's thread (serve's main thread)
         self._admission = threading.Lock()  # held while a list is queued and while the loop drains the inbox
         self._driver = threading.Lock()  # held by whichever thread runs a step: the loop, or a caller in ``wait``
         self.ledger = Ledger(self.limits.max_queue)  # queue count, request ids, aborts, counters
@@ -137,6 +138,17 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="support-replay-engine", daemon=True)
             self._thread.start()
         return self
+
+    def run(self) -> None:
+        """The loop in this thread until ``shutdown`` (from another thread or a signal handler).
+        ``serve`` runs it on the main thread, which loaded the model: one OpenMP pool computes
+        (see ``wait``), and the HTTP server takes a thread of its own."""
+        self._stop.clear()
+        self._looping_here = True
+        try:
+            self._loop()
+        finally:
+            self._looping_here = False
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -216,7 +228,7 @@ class Engine:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"engine: {sum(not f.done() for f in futures)} of {len(futures)} requests not done after {timeout} s")
-            if self._thread is not None:
+            if self._thread is not None or self._looping_here:
                 concurrent.futures.wait(futures, timeout=left)
                 continue
             with self._driver:

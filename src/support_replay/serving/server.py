@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import __version__, wire
 from ..engine import Engine
-from ..errors import EngineError, RequestError, SupportReplayError
+from ..errors import ConfigError, EngineError, RequestError, SupportReplayError
 from ..protocol import Completion, GenerateRequest
 from . import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES
 from .http_errors import error_response, install_error_handlers
@@ -71,10 +71,13 @@ def create_app(
     allowed_hosts: list[str] | None = None,
     chat_template: str | None = None,
     max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES,
+    start_engine: bool = True,
 ):
     """The ASGI app: FastAPI routes inside the Host check, the body limit and the JSON-only rule.
-    Its routes wait on the engine's futures, so the engine's loop thread is started here."""
-    engine.start()
+    Its routes wait on the engine's futures, so the engine's loop thread is started here unless
+    ``start_engine`` is off (``serve`` runs the loop on its main thread)."""
+    if start_engine:
+        engine.start()
     keys = keys or Keys()
     weights_dir = Path(weights_dir).resolve() if weights_dir else None
     app = FastAPI(title="support-replay engine")
@@ -208,14 +211,26 @@ def create_app(
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_ENGINE_PORT, **kwargs) -> None:
-    import uvicorn
+    """Serve until SIGINT or SIGTERM: uvicorn on a thread, the engine's loop on this (main) thread,
+    the one that loaded the model, so a single OpenMP pool computes (Engine.wait says why)."""
+    import signal
 
-    engine.start()
+    from .threaded import ThreadedServer
+
+    app = create_app(engine, allowed_hosts=allowed_hosts_for(host, kwargs.pop("allowed_hosts", None)), start_engine=False, **kwargs)
     try:
-        uvicorn.run(create_app(engine, allowed_hosts=allowed_hosts_for(host, kwargs.pop("allowed_hosts", None)), **kwargs),
-                    host=host, port=port, log_level="warning")
+        server = ThreadedServer(app, host, port, lifespan="auto").start()
+    except (RuntimeError, OSError) as exc:
+        raise ConfigError(f"serve: {host}:{port}: {exc}") from exc
+    previous = signal.signal(signal.SIGTERM, lambda *_: engine.shutdown())  # stops the loop; the finally below stops uvicorn
+    try:
+        engine.run()
+    except KeyboardInterrupt:
+        pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         engine.shutdown()
+        server.stop()
 
 
 def allowed_hosts_for(host: str, given: list[str] | None) -> list[str]:

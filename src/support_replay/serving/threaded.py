@@ -1,4 +1,5 @@
-"""An ASGI app served by uvicorn on a thread of this process (the trainer's session endpoint)."""
+"""An ASGI app served by uvicorn on a thread of this process (the trainer's session endpoint;
+``serve``, whose main thread runs the engine)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import uvicorn
 
 
 class ThreadedServer:
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, lifespan: str = "off"):
         if port == 0:  # a free port now; the OS will not hand it out again while we bind it next
             with socket.socket() as s:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
         self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan=lifespan))
         self.thread = threading.Thread(target=self.server.run, name="session-server", daemon=True)
 
     def start(self, timeout: float = 30.0) -> ThreadedServer:
@@ -24,7 +25,7 @@ class ThreadedServer:
         deadline = time.monotonic() + timeout
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the session server at {self.url} did not start")
+                raise RuntimeError(f"the server at {self.url} did not start (the port taken? uvicorn's log above says)")
             time.sleep(0.02)
         return self
 
