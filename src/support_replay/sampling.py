@@ -279,14 +279,17 @@ def sample_tokens(logits: torch.Tensor, params, semantics: str = "sglang", gener
     weights = probs.gather(1, ids).masked_fill_(~valid, 0.0)
     noise = _exponential_noise(tuple(ids.shape), generator, logits.device, counts.tolist())
     tokens = ids.gather(1, (weights / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
-    tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    if bool(greedy.any()):
+        tokens = torch.where(greedy, logits.argmax(-1), tokens)
     captured = flags.nonzero().squeeze(1)
-    index = captured.to(logits.device)
+    scored, scored_tokens, scored_temp = logits, tokens, temp.squeeze(1)
     if len(captured) < rows:  # evaluation rows: no support table, no log mu
+        index = captured.to(logits.device)
         ids, valid, counts = ids[index], valid[index], counts[index]
         cols = ids[valid]
+        scored, scored_tokens, scored_temp = logits[index], tokens[index], scored_temp[index]
     with torch.no_grad():
-        log_mu = support_logprobs(logits[index], tokens[index], (ids, valid), temp.squeeze(1)[index])
+        log_mu = support_logprobs(scored, scored_tokens, (ids, valid), scored_temp)
     offsets = np.zeros(len(captured) + 1, dtype=np.int64)
     np.cumsum(counts.cpu().numpy(), out=offsets[1:])
     support = SupportTable(cols.to(torch.int32).cpu().numpy(), offsets)
