@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, support_logprobs
 from support_replay.engine import Engine
-from support_replay.errors import CapacityError, RequestError
+from support_replay.errors import CapacityError, EngineError, RequestError
 from support_replay.protocol import GenerateRequest, VersionSpan
 
 
@@ -154,3 +154,23 @@ def test_a_list_is_admitted_in_one_prefill_and_the_engine_restarts(tiny_checkpoi
         assert eng.generate(group[:2], timeout=30)[1].output_ids  # restarted
     finally:
         eng.shutdown()
+
+
+def test_a_failed_decode_step_fails_its_requests_and_the_engine_serves_on(tiny_checkpoint):
+    """Stepping in the caller's thread, as the loop does: a decode step that raises fails the
+    running requests with a named error, and the next requests are served."""
+    eng = Engine.from_pretrained(tiny_checkpoint)
+    decode = eng.runner.decode
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated kernel failure")
+        return decode(*args)
+
+    eng.runner.decode = broken
+    req = GenerateRequest([5, 6, 7], SamplingParams(top_k=20, seed=1), max_new_tokens=5, ignore_eos=True)
+    with pytest.raises(EngineError, match="internal engine error during decode: simulated kernel failure"):
+        eng.generate([req], timeout=30)
+    assert len(eng.generate([req], timeout=30)[0].output_ids) == 5

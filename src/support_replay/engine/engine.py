@@ -231,8 +231,7 @@ class Engine:
             if self._thread is not None or self._looping_here:
                 concurrent.futures.wait(futures, timeout=left)
                 continue
-            with self._driver:
-                self.step(block=True)
+            self._guarded_step()
 
     def update_weights_from_disk(self, path: str | Path, version: str | None = None, *, abort_all_requests: bool = False) -> Future:
         """Load safetensors weights once the running batch has drained; resolves to the version.
@@ -275,10 +274,15 @@ class Engine:
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stop.is_set():
+            self._guarded_step()
+
+    def _guarded_step(self) -> None:
+        """One ``step`` under the driver lock; a step of the whole batch that fails fails the running
+        requests and leaves the engine serving (the loop never dies, a caller in ``wait`` gets answers)."""
+        with self._driver, torch.no_grad():
             try:
-                with self._driver:
-                    self.step(block=True)
-            except Exception as exc:  # a decode step of the whole batch failed: never let the loop die
+                self.step(block=True)
+            except Exception as exc:
                 log.exception("engine step failed")
                 failed, self._running, self._batch = self._running, [], None
                 for seq in failed:

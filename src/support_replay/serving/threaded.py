@@ -18,7 +18,7 @@ class ThreadedServer:
                 port = s.getsockname()[1]
         self.url = f"http://{host}:{port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan=lifespan))
-        self.thread = threading.Thread(target=self.server.run, name="session-server", daemon=True)
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{port}", daemon=True)
 
     def start(self, timeout: float = 30.0) -> ThreadedServer:
         self.thread.start()
