@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from processes import engine_process, router_process
+from processes import engine_process, free_port, router_process
 from support_replay import support_logprobs
 from support_replay.backends.sglang import parse_meta_info
 
@@ -116,3 +116,27 @@ def test_serve_stops_on_sigterm_and_names_a_taken_port(tiny_checkpoint):
         assert httpx.get(url + "/health", timeout=10).status_code == 200  # the first one still serves
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
+
+
+def test_serve_stops_when_its_http_thread_dies(tiny_checkpoint, monkeypatch):
+    """The engine's loop on the main thread watches uvicorn's thread: if it ends by itself, serve
+    returns with a named error instead of stepping forever behind a dead port."""
+    import threading
+
+    from support_replay.engine import Engine
+    from support_replay.errors import EngineError
+    from support_replay.serving import threaded
+    from support_replay.serving.server import serve
+
+    real_start = threaded.ThreadedServer.start
+
+    def start(self, timeout=30.0):  # uvicorn told to exit a second after it started, behind serve's back
+        real_start(self, timeout)
+        threading.Timer(1.0, lambda: setattr(self.server, "should_exit", True)).start()
+        return self
+
+    monkeypatch.setattr(threaded.ThreadedServer, "start", start)
+    port = free_port()
+    with pytest.raises(EngineError, match=f"127.0.0.1:{port} stopped unexpectedly"):
+        serve(Engine.from_pretrained(tiny_checkpoint), port=port)
+    assert torch.is_grad_enabled()  # the loop ran on this thread and left its autograd mode alone

@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,14 +140,15 @@ class Engine:
             self._thread.start()
         return self
 
-    def run(self) -> None:
-        """The loop in this thread until ``shutdown`` (from another thread or a signal handler).
-        ``serve`` runs it on the main thread, which loaded the model: one OpenMP pool computes
-        (see ``wait``), and the HTTP server takes a thread of its own."""
+    def run(self, alive: Callable[[], bool] = lambda: True) -> None:
+        """The loop in this thread until ``shutdown`` (from another thread or a signal handler) or
+        until ``alive()`` turns false (checked every step: ``serve`` stops when its HTTP thread
+        dies). ``serve`` runs it on the main thread, which loaded the model: one OpenMP pool
+        computes (see ``wait``), and the HTTP server takes a thread of its own."""
         self._stop.clear()
         self._looping_here = True
         try:
-            self._loop()
+            self._loop(alive)
         finally:
             self._looping_here = False
 
@@ -271,9 +273,8 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------
 
-    def _loop(self) -> None:
-        torch.set_grad_enabled(False)
-        while not self._stop.is_set():
+    def _loop(self, alive: Callable[[], bool] = lambda: True) -> None:
+        while not self._stop.is_set() and alive():  # each step runs without autograd (_guarded_step), leaving the thread's grad mode alone
             self._guarded_step()
 
     def _guarded_step(self) -> None:

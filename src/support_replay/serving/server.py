@@ -224,13 +224,16 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_ENGINE_PO
         raise ConfigError(f"serve: {host}:{port}: {exc}") from exc
     previous = signal.signal(signal.SIGTERM, lambda *_: engine.shutdown())  # stops the loop; the finally below stops uvicorn
     try:
-        engine.run()
+        engine.run(alive=server.thread.is_alive)
     except KeyboardInterrupt:
         pass
     finally:
+        died = not server.thread.is_alive()  # uvicorn's thread ended by itself
         signal.signal(signal.SIGTERM, previous)
         engine.shutdown()
         server.stop()
+    if died:
+        raise EngineError(f"serve: the HTTP server at {host}:{port} stopped unexpectedly (its log above says why)")
 
 
 def allowed_hosts_for(host: str, given: list[str] | None) -> list[str]:
