@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, support_logprobs
-from support_replay.modeling.batch_invariant import KEY_BLOCK, ROW_BLOCK, batch_invariant_attention, make_batch_invariant
+from support_replay.modeling.batch_invariant import (KEY_BLOCK, ROW_BLOCK, batch_invariant_attention, make_batch_invariant,
+                                                      tall_products_keep_tile_bits)
 from support_replay.modeling.invariant_decode import SOFTMAX_ROUND, softmax_trims, tile_rows
 from support_replay.engine import Engine
 from support_replay.protocol import GenerateRequest
@@ -86,6 +87,19 @@ def test_a_trimmed_softmax_row_keeps_the_bits_of_whole_blocks(threads):
         scores = torch.full((24, 3 * KEY_BLOCK + KEY_BLOCK * (n // KEY_BLOCK)), float("-inf"))
         scores[:, :n] = torch.randn(24, n, generator=gen) * 6
         assert torch.equal(torch.softmax(scores[:, :trimmed], -1), torch.softmax(scores, -1)[:, :trimmed]), n
+
+
+def test_a_tall_product_keeps_every_tiles_bits(threads):
+    """Where the probe allows one product per key/value head in the trainer, every row is the bits
+    of its own 16-row tile's product, on other data, tile counts and widths than the probe's."""
+    if not tall_products_keep_tile_bits(64, torch.float32, torch.get_num_threads()):
+        pytest.skip("this CPU's tall products differ from 16-row tiles: the trainer keeps the tiles")
+    gen = torch.Generator().manual_seed(11)
+    for tiles, width in ((5, 128), (13, 320), (40, 704)):
+        q = torch.randn(2, tiles * ROW_BLOCK, 64, generator=gen)
+        keys = torch.randn(2, width, 64, generator=gen).transpose(1, 2)
+        per_tile = torch.bmm(q.reshape(2 * tiles, ROW_BLOCK, 64), keys.repeat_interleave(tiles, 0)).reshape(2, -1, width)
+        assert torch.equal(torch.bmm(q, keys), per_tile), (tiles, width)
 
 
 def test_engine_and_trainer_logits_are_bitwise_equal(tiny_checkpoint, threads):
