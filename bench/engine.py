@@ -149,17 +149,20 @@ class LinearClock:
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         self._hooks = [h for m in linears for h in (m.register_forward_pre_hook(self._pre), m.register_forward_hook(self._post))]
         self._fused = runner.fused if runner is not None and runner.use_fused else None
+        self._restore = {}
         if self._fused is not None:
-            product = self._fused.linear
+            for name in ("linear", "packed_linear"):  # the plain and the packed-weight products
+                self._restore[name] = getattr(self._fused, name)
+                setattr(self._fused, name, self._timed(self._restore[name]))
 
-            def timed(*args):
-                start = time.perf_counter()
-                out = product(*args)
-                self.seconds += time.perf_counter() - start
-                return out
+    def _timed(self, product):
+        def timed(*args):
+            start = time.perf_counter()
+            out = product(*args)
+            self.seconds += time.perf_counter() - start
+            return out
 
-            self._fused.linear = timed
-            self._restore = product
+        return timed
 
     def _pre(self, *_):
         self._start = time.perf_counter()
@@ -170,8 +173,8 @@ class LinearClock:
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
-        if self._fused is not None:
-            self._fused.linear = self._restore
+        for name, product in self._restore.items():
+            setattr(self._fused, name, product)
 
 
 def shaped_prompts(tokenizer, prompts: int) -> list[list[int]]:
@@ -262,28 +265,31 @@ def compare_deterministic(path: Path, args) -> None:
 
 
 def compare_kernels(path: Path, args) -> None:
-    """GRPO-shaped tokens/s of the engine with each linear kernel, fused decode step on and off,
-    rounds interleaved (median of the rounds) so the machine's drift hits every variant alike."""
+    """GRPO-shaped tokens/s of the engine with each linear kernel, through the module tree and the
+    fused decode step (oneDNN's: on plain and on packed weights), rounds interleaved (median of the
+    rounds) so the machine's drift hits every variant alike."""
     kernels = ["torch", "onednn"] if args.dtype == "float32" else ["torch"]
     engines = {k: Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), linear_kernel=k, deterministic=args.deterministic) for k in kernels}
-    variants = [(k, fused) for k in kernels for fused in (False, True)]
+    variants = [(k, step) for k in kernels for step in ("module tree", "fused") + (("fused, packed weights",) if k == "onednn" else ())]
     rates: dict = {v: [] for v in variants}
     for e in engines.values():
         shaped_rate(e, 4, 4, 4, 1, share=True)  # warm-up
     for r in range(args.repeats):
-        for kernel, fused in variants:
+        for kernel, step in variants:
             runner = engines[kernel].runner
-            runner.use_fused = fused and runner.fused is not None
-            rates[(kernel, fused)].append(shaped_rate(engines[kernel], 4, 4, args.new_tokens, 1, share=True, seed_base=1000 * r))
+            runner.use_fused = step != "module tree" and runner.fused is not None
+            if runner.fused is not None:
+                runner.fused.packing = step == "fused, packed weights"
+            rates[(kernel, step)].append(shaped_rate(engines[kernel], 4, 4, args.new_tokens, 1, share=True, seed_base=1000 * r))
             runner.use_fused = runner.fused is not None
     print(f"model={args.model} dtype={args.dtype} deterministic={args.deterministic} GRPO shape 4 x 4 x {args.new_tokens} tokens, EOS ignored, "
           f"capture on, threads={torch.get_num_threads()}, median of {args.repeats} interleaved rounds")
     print("\n| linear kernel | decode step | tok/s | vs torch, module tree |")
     print("|---|---|---:|---:|")
-    base = float(np.median(rates[("torch", False)]))
-    for kernel, fused in variants:
-        rate = float(np.median(rates[(kernel, fused)]))
-        print(f"| {kernel} | {'fused' if fused else 'module tree'} | {rate:.1f} | {rate / base:.2f}x |")
+    base = float(np.median(rates[("torch", "module tree")]))
+    for kernel, step in variants:
+        rate = float(np.median(rates[(kernel, step)]))
+        print(f"| {kernel} | {step} | {rate:.1f} | {rate / base:.2f}x |")
     for e in engines.values():
         e.shutdown()
 

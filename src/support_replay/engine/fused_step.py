@@ -10,7 +10,16 @@ are one product over one weight, and so are the gate and up projections (a produ
 column has the same bits whatever other columns share it: measured, same test file); the
 separate projections' weights become views into the fused ones, so a weight update written
 into the model's parameters reaches the step without a copy. Measured: 5-6% more tokens/s
-on SmolLM2 (docs/benchmarks.md); the operations themselves are what remains.
+on SmolLM2 (docs/benchmarks.md).
+
+On oneDNN's fp32 product the step also runs over packed copies of its weights
+(modeling/packed_weights.py: the reorder oneDNN would otherwise do at every call, done once),
+for each weight shape whose packed product is probed to keep the plain product's bits, and at
+2 rows or more (one row keeps the plain weight: it takes another kernel packed). SmolLM2's
+decode step at batch 16: 55 ms instead of 76 (docs/benchmarks.md), for one more copy of the
+decode weights in memory. A pack is made again when its parameter's version counter says it
+was written in place (``copy_``, ``load_state_dict``, the engine's weight update) and when the
+thread count changes; a write through ``.data`` bypasses the counter and is not seen.
 
 Other models (other families, biases on some fused projections only, activations other than
 SiLU) keep the module-tree decode; ``unsupported(model)`` says why.
@@ -26,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import EngineError
-from ..modeling.linear_kernels import model_linear
+from ..modeling.linear_kernels import model_kernel, model_linear
+from ..modeling.packed_weights import pack_weight, packed_linear, packing_keeps_bits
 from .slot_cache import SlotCache
 
 FAMILIES = {"llama", "qwen3"}  # the layer layouts this step was written from and is tested on
@@ -81,10 +91,20 @@ class _Layer:
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self._views = [p.weight.data_ptr() for p in self.projections]
+        self.sources = [p.weight for p in self.projections] + [self.o_proj.weight, self.down_proj.weight]
+        self.packs: dict[str, torch.Tensor] = {}  # product name -> packed weight (empty: plain products)
+        self.packed_versions: list[int] | None = None  # the sources' versions when packed
 
     def fused(self) -> bool:
         """The separate projections still view the fused weights (nothing replaced them)."""
         return [p.weight.data_ptr() for p in self.projections] == self._views
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {"qkv": self.qkv, "o": self.o_proj.weight, "gate_up": self.gate_up, "down": self.down_proj.weight}
+
+    def versions(self) -> list[int]:
+        # an in-place write to a parameter (copy_, load_state_dict) bumps its version counter
+        return [w._version for w in self.sources]
 
 
 class FusedDecoder:
@@ -104,26 +124,65 @@ class FusedDecoder:
         self.layers = [_Layer(layer) for layer in inner.layers]
         self.linear = model_linear(model)
         self.rope, self.attention = _model_functions(model)
+        # oneDNN products over packed copies of the weights, where they keep the plain product's bits
+        self.can_pack = model_kernel(model) == "onednn" and all(p.device.type == "cpu" for p in model.parameters())
+        self.packing = self.can_pack  # off: plain weights (benchmarks)
+        self.packed_linear = packed_linear  # an attribute, like ``linear``: benchmarks time both
+        self._packed_threads: int | None = None  # the thread count the packs were checked at
+        self._head_pack: torch.Tensor | None = None
+        self._head_version: int | None = None
 
     def check(self) -> None:
-        """Refuses to run if a projection's weight was replaced instead of written in place."""
+        """Refuses to run if a projection's weight was replaced instead of written in place; repacks
+        the weights an update wrote since they were packed."""
         for i, layer in enumerate(self.layers):
             if not layer.fused():
                 raise EngineError(f"fused decode: layer {i}'s projection weights were replaced, not written in place")
+        if self.packing and self.can_pack:
+            self._refresh_packs()
+        elif self._head_pack is not None or self.layers[0].packs:
+            self.drop_packs()
+
+    def drop_packs(self) -> None:
+        for layer in self.layers:
+            layer.packs, layer.packed_versions = {}, None
+        self._head_pack, self._head_version, self._packed_threads = None, None, None
+
+    def _refresh_packs(self) -> None:
+        threads = torch.get_num_threads()
+        if threads != self._packed_threads:  # the bits were checked per thread count
+            self.drop_packs()
+            self._packed_threads = threads
+        for layer in self.layers:
+            versions = layer.versions()
+            if versions != layer.packed_versions:
+                layer.packs = {name: pack_weight(w) for name, w in layer.weights().items() if _packable(w, threads)}
+                layer.packed_versions = versions
+        head = self.head.weight
+        if head._version != self._head_version:
+            self._head_pack = pack_weight(head) if _packable(head, threads) else None
+            self._head_version = head._version
 
     @torch.no_grad()  # not inference mode: buffers the cache grows here are moved later outside it
     def step(self, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, V]`` (float32) of one new token per row; writes its keys and values at each row's column."""
         mask = cache.prepare_decode()  # [B, 1, 1, width], True where a key is seen
-        linear, attention, rope = self.linear, self.attention, self.rope
+        attention, rope = self.attention, self.rope
         x = self.embed.forward(tokens[:, None])
         batch = x.shape[0]
+        plain, over_packs = self.linear, self.packed_linear
+        packs_fit = self.packing and self.can_pack and batch >= 2  # one row takes another kernel packed: the plain weight keeps its bits
+
+        def linear(x, weight, bias, packed):
+            return over_packs(x, packed, bias) if packs_fit and packed is not None else plain(x, weight, bias)
+
         cos, sin = self.rotary.forward(x, positions[:, None])
         rows, columns, size, width = cache.rows_index, cache.write_columns, cache.size, cache.width
         for layer, slots in zip(self.layers, cache.layers):
             residual = x
             h = layer.input_norm(x)
-            q, k, v = linear(h, layer.qkv, layer.qkv_bias).split(layer.splits, dim=-1)
+            packs = layer.packs
+            q, k, v = linear(h, layer.qkv, layer.qkv_bias, packs.get("qkv")).split(layer.splits, dim=-1)
             q, k, v = (t.view(batch, 1, -1, layer.head_dim) for t in (q, k, v))
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
@@ -132,12 +191,16 @@ class FusedDecoder:
             slots.k[rows, :, columns] = k[:, :, 0]
             slots.v[rows, :, columns] = v[:, :, 0]
             out, _ = attention(layer.attn, q, slots.k[:size, :, :width], slots.v[:size, :, :width], mask, dropout=0.0, scaling=layer.scaling)
-            x = residual + linear(out.reshape(batch, 1, -1), layer.o_proj.weight, layer.o_proj.bias)
+            x = residual + linear(out.reshape(batch, 1, -1), layer.o_proj.weight, layer.o_proj.bias, packs.get("o"))
             residual = x
-            gate, up = linear(layer.post_norm(x), layer.gate_up, layer.gate_up_bias).split(layer.intermediate, dim=-1)
-            x = residual + linear(F.silu(gate) * up, layer.down_proj.weight, layer.down_proj.bias)
+            gate, up = linear(layer.post_norm(x), layer.gate_up, layer.gate_up_bias, packs.get("gate_up")).split(layer.intermediate, dim=-1)
+            x = residual + linear(F.silu(gate) * up, layer.down_proj.weight, layer.down_proj.bias, packs.get("down"))
         cache.finish_decode()
-        return linear(self.norm(x), self.head.weight, self.head.bias)[:, -1, :].float()
+        return linear(self.norm(x), self.head.weight, self.head.bias, self._head_pack)[:, -1, :].float()
+
+
+def _packable(weight: torch.Tensor, threads: int) -> bool:
+    return weight.dtype == torch.float32 and packing_keeps_bits(weight.shape[0], weight.shape[1], threads)
 
 
 def _model_functions(model) -> tuple[Callable, Callable]:

@@ -7,7 +7,8 @@ positions its own. Their keys and values then move into the running batch's prea
 ``SlotCache`` (engine/slot_cache.py), position by position, and every decode step writes one
 column per row in place and attends to a view of it (continuous batching: sequences join and
 leave between decode steps, each copying its own row only). For Llama and Qwen3 models the decode
-step is one function over the cache (engine/fused_step.py), the same bits as the module tree.
+step is one function over the cache (engine/fused_step.py; on oneDNN over packed weights), the
+same bits as the module tree.
 """
 
 from __future__ import annotations

@@ -99,6 +99,7 @@ def padded(linear: Callable, rows: int) -> Callable:
         out = linear(flat, weight, bias)
         return out[: out.shape[0] - extra].reshape(*x.shape[:-1], out.shape[-1])
 
+    product.unpadded = linear  # what ``model_kernel`` names
     return product
 
 
@@ -121,3 +122,10 @@ def use_linear(model: nn.Module, linear: Callable) -> nn.Module:
 def model_linear(model: nn.Module) -> Callable:
     """The product ``model``'s linear layers run through (``F.linear`` unless ``use_linear`` set one)."""
     return model.__dict__.get("_support_replay_linear", F.linear)
+
+
+def model_kernel(model: nn.Module) -> str | None:
+    """The kernel behind ``model_linear(model)``, padded or not: 'torch', 'onednn', or None for another product."""
+    linear = model_linear(model)
+    linear = getattr(linear, "unpadded", linear)
+    return {F.linear: "torch", onednn_linear: "onednn"}.get(linear)

@@ -1,0 +1,86 @@
+"""oneDNN products over packed weights keep the plain product's bits (modeling/packed_weights.py),
+and the engine's fused decode step keeps its packs in step with the weights (engine/fused_step.py)."""
+
+import pytest
+import torch
+
+from support_replay.engine import Engine
+from support_replay.modeling.linear_kernels import linear_function, onednn_available
+from support_replay.modeling.packed_weights import pack_weight, packed_linear, packing_keeps_bits
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN linear op")
+
+SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+
+
+@pytest.mark.parametrize("shape", SMOLLM2_SHAPES + [(200, 96)])
+def test_packed_rows_are_the_plain_products_bits(threads, shape):
+    # other data than the probe's, every row count the probe skips up to 33, and rows at offsets
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(*shape, generator=gen)
+    many = torch.randn(600, shape[1], generator=gen)
+    packed = pack_weight(w)
+    plain = linear_function("onednn")
+    assert packing_keeps_bits(*shape, threads)
+    for count in list(range(2, 34)) + [63, 128, 257, 600]:
+        for at in {0, 3, 600 - count}:
+            rows = many[at : at + count]
+            assert torch.equal(packed_linear(rows, packed), plain(rows, w)), (count, at)
+    assert torch.equal(packed_linear(many[None, :16], packed), plain(many[:16], w)[None])  # leading dims, as the decode step's [B, 1, in]
+
+
+def test_the_head_shape_packs_with_the_same_bits(threads):
+    gen = torch.Generator().manual_seed(12)
+    w = torch.randn(49152, 576, generator=gen)  # SmolLM2's tied head
+    x = torch.randn(40, 576, generator=gen)
+    assert packing_keeps_bits(49152, 576, threads)
+    assert torch.equal(packed_linear(x, pack_weight(w)), linear_function("onednn")(x, w))
+
+
+def decode_logits(engine: Engine, prompts, steps: int) -> list[torch.Tensor]:
+    runner = engine.runner
+    batch, logits = runner.prefill(prompts)
+    pos = torch.tensor([len(p) for p in prompts])
+    seen = []
+    for _ in range(steps):
+        logits = runner.decode(batch, logits.argmax(-1), pos)
+        pos += 1
+        seen.append(logits)
+    return seen
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["normal", "batch-invariant"])
+def test_the_fused_step_decodes_over_packs_with_the_plain_weights_bits(tiny_checkpoint, deterministic):
+    engine = Engine.from_pretrained(tiny_checkpoint, deterministic=deterministic, linear_kernel="onednn")
+    fused = engine.runner.fused
+    for prompts in ([[5, 6, 7, 8], [9, 10], [20 + i for i in range(30)]], [[5, 6, 7]]):  # three rows packed, one row plain
+        packed = decode_logits(engine, prompts, 3)
+        assert set(fused.layers[0].packs) == {"qkv", "o", "gate_up", "down"} and fused._head_pack is not None
+        fused.packing = False
+        plain = decode_logits(engine, prompts, 3)
+        assert not fused.layers[0].packs  # switched off: the packs are dropped
+        fused.packing = True
+        assert all(torch.equal(a, b) for a, b in zip(packed, plain))
+
+
+def test_packs_follow_weights_written_in_place_and_the_thread_count(tiny_checkpoint):
+    engine = Engine.from_pretrained(tiny_checkpoint, linear_kernel="onednn")
+    model, fused = engine.runner.model, engine.runner.fused
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    before = decode_logits(engine, prompts, 2)
+    old_pack = fused.layers[1].packs["down"]
+    with torch.no_grad():  # a user's in-place write, not the engine's update path: the version counter sees it
+        model.model.layers[1].mlp.down_proj.weight.mul_(1.5)
+    after = decode_logits(engine, prompts, 2)
+    assert fused.layers[1].packs["down"] is not old_pack and fused.layers[0].packs["down"] is not None
+    fused.packing = False
+    assert all(torch.equal(a, b) for a, b in zip(after, decode_logits(engine, prompts, 2)))
+    assert not torch.equal(after[0], before[0])
+    fused.packing = True
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if saved != 1 else 2)
+        decode_logits(engine, prompts, 1)
+        assert fused._packed_threads == torch.get_num_threads()  # checked and packed again at the new count
+    finally:
+        torch.set_num_threads(saved)
