@@ -6,7 +6,8 @@ import torch
 
 from support_replay.engine import Engine
 from support_replay.modeling.linear_kernels import linear_function, onednn_available
-from support_replay.modeling.packed_weights import pack_weight, packed_linear, packing_keeps_bits
+from support_replay.modeling.linear_kernels import padded
+from support_replay.modeling.packed_weights import pack_weight, packed_linear, packed_rows_from
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN linear op")
 
@@ -21,7 +22,8 @@ def test_packed_rows_are_the_plain_products_bits(threads, shape):
     many = torch.randn(600, shape[1], generator=gen)
     packed = pack_weight(w)
     plain = linear_function("onednn")
-    assert packing_keeps_bits(*shape, threads)
+    assert packed_rows_from(*shape, torch.float32, plain, threads) == 2  # one row: another kernel
+    assert packed_rows_from(*shape, torch.float32, padded(plain, 2), threads) in (1, 2)  # the batch-invariant product's
     for count in list(range(2, 34)) + [63, 128, 257, 600]:
         for at in {0, 3, 600 - count}:
             rows = many[at : at + count]
@@ -33,7 +35,7 @@ def test_the_head_shape_packs_with_the_same_bits(threads):
     gen = torch.Generator().manual_seed(12)
     w = torch.randn(49152, 576, generator=gen)  # SmolLM2's tied head
     x = torch.randn(40, 576, generator=gen)
-    assert packing_keeps_bits(49152, 576, threads)
+    assert packed_rows_from(49152, 576, torch.float32, linear_function("onednn"), threads) == 2
     assert torch.equal(packed_linear(x, pack_weight(w)), linear_function("onednn")(x, w))
 
 
@@ -55,7 +57,7 @@ def test_the_fused_step_decodes_over_packs_with_the_plain_weights_bits(tiny_chec
     fused = engine.runner.fused
     for prompts in ([[5, 6, 7, 8], [9, 10], [20 + i for i in range(30)]], [[5, 6, 7]]):  # three rows packed, one row plain
         packed = decode_logits(engine, prompts, 3)
-        assert set(fused.layers[0].packs) == {"qkv", "o", "gate_up", "down"} and fused._head_pack is not None
+        assert all(fused.layers[0].packs[name] for name in ("qkv", "o", "gate_up", "down")) and fused._head_pack is not None
         fused.packing = False
         plain = decode_logits(engine, prompts, 3)
         assert not fused.layers[0].packs  # switched off: the packs are dropped
@@ -72,7 +74,7 @@ def test_packs_follow_weights_written_in_place_and_the_thread_count(tiny_checkpo
     with torch.no_grad():  # a user's in-place write, not the engine's update path: the version counter sees it
         model.model.layers[1].mlp.down_proj.weight.mul_(1.5)
     after = decode_logits(engine, prompts, 2)
-    assert fused.layers[1].packs["down"] is not old_pack and fused.layers[0].packs["down"] is not None
+    assert fused.layers[1].packs["down"].weight is not old_pack.weight and fused.layers[0].packs["down"] is not None
     fused.packing = False
     assert all(torch.equal(a, b) for a, b in zip(after, decode_logits(engine, prompts, 2)))
     assert not torch.equal(after[0], before[0])
@@ -84,3 +86,16 @@ def test_packs_follow_weights_written_in_place_and_the_thread_count(tiny_checkpo
         assert fused._packed_threads == torch.get_num_threads()  # checked and packed again at the new count
     finally:
         torch.set_num_threads(saved)
+
+
+def test_bf16_decodes_over_packs_with_f_linears_bits(tiny_checkpoint, threads):
+    engine = Engine.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16)
+    fused = engine.runner.fused
+    assert engine.linear_kernel == "torch" and fused.can_pack
+    for prompts in ([[5, 6, 7, 8], [9, 10], [20 + i for i in range(30)]], [[5, 6, 7]]):
+        packed = decode_logits(engine, prompts, 3)
+        assert fused._head_pack is not None and all(fused.layers[1].packs.values())
+        fused.packing = False
+        plain = decode_logits(engine, prompts, 3)
+        fused.packing = True
+        assert all(torch.equal(a, b) for a, b in zip(packed, plain))

@@ -12,12 +12,12 @@ separate projections' weights become views into the fused ones, so a weight upda
 into the model's parameters reaches the step without a copy. Measured: 5-6% more tokens/s
 on SmolLM2 (docs/benchmarks.md).
 
-On oneDNN's fp32 product the step also runs over packed copies of its weights
-(modeling/packed_weights.py: the reorder oneDNN would otherwise do at every call, done once),
-for each weight shape whose packed product is probed to keep the plain product's bits, and at
-2 rows or more (one row keeps the plain weight: it takes another kernel packed). SmolLM2's
-decode step at batch 16: 55 ms instead of 76 (docs/benchmarks.md), for one more copy of the
-decode weights in memory. A pack is made again when its parameter's version counter says it
+On a CPU, on oneDNN's fp32 product and in bf16, the step also runs over packed copies of its
+weights (modeling/packed_weights.py: the reorder oneDNN would otherwise do at every call, done
+once), for each weight whose packed product is probed to keep the model's own product's bits,
+at the row counts where it does (fp32: 2 rows or more; one row takes another kernel packed and
+keeps the plain weight). SmolLM2's decode step at batch 16: 55 ms instead of 76
+(docs/benchmarks.md), for one more copy of the decode weights in memory. A pack is made again when its parameter's version counter says it
 was written in place (``copy_``, ``load_state_dict``, the engine's weight update) and when the
 thread count changes; a write through ``.data`` bypasses the counter and is not seen.
 
@@ -36,7 +36,7 @@ from torch import nn
 
 from ..errors import EngineError
 from ..modeling.linear_kernels import model_kernel, model_linear
-from ..modeling.packed_weights import pack_weight, packed_linear, packing_keeps_bits
+from ..modeling.packed_weights import Pack, pack, packed_linear
 from .slot_cache import SlotCache
 
 FAMILIES = {"llama", "qwen3"}  # the layer layouts this step was written from and is tested on
@@ -92,7 +92,7 @@ class _Layer:
         self.scaling = attn.scaling
         self._views = [p.weight.data_ptr() for p in self.projections]
         self.sources = [p.weight for p in self.projections] + [self.o_proj.weight, self.down_proj.weight]
-        self.packs: dict[str, torch.Tensor] = {}  # product name -> packed weight (empty: plain products)
+        self.packs: dict[str, Pack | None] = {}  # product name -> packed weight (empty: plain products)
         self.packed_versions: list[int] | None = None  # the sources' versions when packed
 
     def fused(self) -> bool:
@@ -124,12 +124,15 @@ class FusedDecoder:
         self.layers = [_Layer(layer) for layer in inner.layers]
         self.linear = model_linear(model)
         self.rope, self.attention = _model_functions(model)
-        # oneDNN products over packed copies of the weights, where they keep the plain product's bits
-        self.can_pack = model_kernel(model) == "onednn" and all(p.device.type == "cpu" for p in model.parameters())
+        # oneDNN products over packed copies of the weights, where they keep the plain product's bits:
+        # oneDNN's fp32 kernel, and bf16 (F.linear is oneDNN's product there)
+        dtype, kernel = self.head.weight.dtype, model_kernel(model)
+        on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+        self.can_pack = on_cpu and (kernel == "onednn" or (kernel == "torch" and dtype == torch.bfloat16))
         self.packing = self.can_pack  # off: plain weights (benchmarks)
         self.packed_linear = packed_linear  # an attribute, like ``linear``: benchmarks time both
         self._packed_threads: int | None = None  # the thread count the packs were checked at
-        self._head_pack: torch.Tensor | None = None
+        self._head_pack: Pack | None = None
         self._head_version: int | None = None
 
     def check(self) -> None:
@@ -156,11 +159,11 @@ class FusedDecoder:
         for layer in self.layers:
             versions = layer.versions()
             if versions != layer.packed_versions:
-                layer.packs = {name: pack_weight(w) for name, w in layer.weights().items() if _packable(w, threads)}
+                layer.packs = {name: pack(w, self.linear) for name, w in layer.weights().items()}
                 layer.packed_versions = versions
         head = self.head.weight
         if head._version != self._head_version:
-            self._head_pack = pack_weight(head) if _packable(head, threads) else None
+            self._head_pack = pack(head, self.linear)
             self._head_version = head._version
 
     @torch.no_grad()  # not inference mode: buffers the cache grows here are moved later outside it
@@ -170,11 +173,12 @@ class FusedDecoder:
         attention, rope = self.attention, self.rope
         x = self.embed.forward(tokens[:, None])
         batch = x.shape[0]
-        plain, over_packs = self.linear, self.packed_linear
-        packs_fit = self.packing and self.can_pack and batch >= 2  # one row takes another kernel packed: the plain weight keeps its bits
+        plain, over_packs, packing = self.linear, self.packed_linear, self.packing and self.can_pack
 
-        def linear(x, weight, bias, packed):
-            return over_packs(x, packed, bias) if packs_fit and packed is not None else plain(x, weight, bias)
+        def linear(x, weight, bias, pack):
+            if packing and pack is not None and batch >= pack.rows_from:  # fewer rows keep their bits on the plain weight
+                return over_packs(x, pack.weight, bias)
+            return plain(x, weight, bias)
 
         cos, sin = self.rotary.forward(x, positions[:, None])
         rows, columns, size, width = cache.rows_index, cache.write_columns, cache.size, cache.width
@@ -197,10 +201,6 @@ class FusedDecoder:
             x = residual + linear(F.silu(gate) * up, layer.down_proj.weight, layer.down_proj.bias, packs.get("down"))
         cache.finish_decode()
         return linear(self.norm(x), self.head.weight, self.head.bias, self._head_pack)[:, -1, :].float()
-
-
-def _packable(weight: torch.Tensor, threads: int) -> bool:
-    return weight.dtype == torch.float32 and packing_keeps_bits(weight.shape[0], weight.shape[1], threads)
 
 
 def _model_functions(model) -> tuple[Callable, Callable]:
