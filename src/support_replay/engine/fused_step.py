@@ -124,6 +124,7 @@ class FusedDecoder:
         self.layers = [_Layer(layer) for layer in inner.layers]
         self.linear = model_linear(model)
         self.rope, self.attention = _model_functions(model)
+        self.additive_mask = model.config._attn_implementation == "sdpa"
         # oneDNN products over packed copies of the weights, where they keep the plain product's bits:
         # oneDNN's fp32 kernel, and bf16 (F.linear is oneDNN's product there)
         dtype, kernel = self.head.weight.dtype, model_kernel(model)
@@ -181,7 +182,9 @@ class FusedDecoder:
             return plain(x, weight, bias)
 
         cos, sin = self.rotary.forward(x, positions[:, None])
-        rows, columns, size, width = cache.rows_index, cache.write_columns, cache.size, cache.width
+        size, width = cache.size, cache.width
+        if self.additive_mask:  # what sdpa turns a boolean mask into, once per step instead of once per layer
+            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(mask.logical_not(), float("-inf"))
         for layer, slots in zip(self.layers, cache.layers):
             residual = x
             h = layer.input_norm(x)
@@ -192,8 +195,7 @@ class FusedDecoder:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q, k = rope(q, k, cos, sin)
-            slots.k[rows, :, columns] = k[:, :, 0]
-            slots.v[rows, :, columns] = v[:, :, 0]
+            slots.write(k, v)
             out, _ = attention(layer.attn, q, slots.k[:size, :, :width], slots.v[:size, :, :width], mask, dropout=0.0, scaling=layer.scaling)
             x = residual + linear(out.reshape(batch, 1, -1), layer.o_proj.weight, layer.o_proj.bias, packs.get("o"))
             residual = x

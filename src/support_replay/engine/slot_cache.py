@@ -38,10 +38,15 @@ class SlotLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, **kwargs):
         owner = self.owner
-        rows, columns = owner.rows_index, owner.write_columns
-        self.k[rows, :, columns] = key_states[:, :, 0]
-        self.v[rows, :, columns] = value_states[:, :, 0]
+        self.write(key_states, value_states)
         return self.k[: owner.size, :, : owner.width], self.v[: owner.size, :, : owner.width]
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """A decode step's ``[B, kv_heads, 1, d]`` keys and values, row b at its own column."""
+        index, d = self.owner.write_index, self.k.shape[-1]
+        # one flat index for every layer (same shapes): a row copy, cheaper than a 2-D index_put
+        self.k.view(-1, d).index_copy_(0, index, key_states.reshape(-1, d))
+        self.v.view(-1, d).index_copy_(0, index, value_states.reshape(-1, d))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.width, 0
@@ -65,8 +70,7 @@ class SlotCache(Cache):
         self.size = 0  # running rows
         self.lengths = torch.zeros(0, dtype=torch.long)  # tokens held per row (the next write column)
         self.width = 0  # columns the current step attends to
-        self.rows_index = torch.zeros(0, dtype=torch.long)
-        self.write_columns = torch.zeros(0, dtype=torch.long)
+        self.write_index = torch.zeros(0, dtype=torch.long)  # row of a layer's [slots * kv_heads * capacity, d] view per (row, head)
 
     @property
     def slots(self) -> int:
@@ -151,8 +155,9 @@ class SlotCache(Cache):
         columns = self.lengths.to(device)
         self.width = -(-(int(self.lengths.max()) + 1) // self.align) * self.align
         self.reserve(self.size, self.width, self.layers[0].k)
-        self.rows_index = torch.arange(self.size, device=device)
-        self.write_columns = columns
+        _, heads, capacity, _ = self.layers[0].k.shape
+        slot_rows = torch.arange(self.size, device=device)[:, None] * (heads * capacity) + torch.arange(heads, device=device)[None, :] * capacity
+        self.write_index = (slot_rows + columns[:, None]).reshape(-1)
         mask = torch.arange(self.width, device=device)[None, :] <= columns[:, None]
         return mask[:, None, None, :]
 
