@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from support_replay.errors import ConfigError
+from support_replay.modeling.packed_sequences import packed_layout
 from support_replay.rollout.sample import Sample
 from support_replay.support import SupportTable
 from support_replay.train import train
@@ -82,7 +83,59 @@ def test_a_packed_run_trains_as_an_unpacked_one(tiny_checkpoint, tmp_path):
 def test_packing_with_what_needs_rows_of_their_own_is_refused(tiny_checkpoint, tmp_path):
     with pytest.raises(ConfigError, match="--packed-scoring='on': penalties and logit bias are replayed over each sequence's own history"):
         run_config(tiny_checkpoint, tmp_path, packed_scoring="on", rollout_repetition_penalty=1.2)
-    with pytest.raises(ConfigError, match="--packed-scoring='on': the batch-invariant attention"):
-        run_config(tiny_checkpoint, tmp_path, packed_scoring="on", true_on_policy_mode=True)
+    assert run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True).pack_groups  # the batch-invariant attention unpacks per sequence
     assert not run_config(tiny_checkpoint, tmp_path, rollout_repetition_penalty=1.2).pack_groups  # auto: rows of their own
     assert run_config(tiny_checkpoint, tmp_path).pack_groups
+
+
+def long_group_samples(vocab=384):
+    """One prompt of 40 tokens x responses of 10, 30 and 90: sequences of 50 to 130 positions, so the
+    packed row's later responses sit past block edges they do not cross alone (64-key blocks)."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(5, vocab, 40).tolist()
+    samples = []
+    for rlen in (10, 30, 90):
+        response = rng.integers(5, vocab, rlen).tolist()
+        rows = [np.unique(np.append(rng.integers(0, vocab, 5), t)).astype(np.int32) for t in response]
+        samples.append(Sample(index=len(samples), group=0, prompt_ids=prompt, response_ids=response, loss_mask=np.ones(rlen, np.int8),
+                              log_mu=np.zeros(rlen, np.float32), support=SupportTable.from_rows(rows)))
+    short = rng.integers(5, vocab, 6).tolist()  # a second row: padding in the packed batch
+    samples.append(Sample(index=3, group=1, prompt_ids=short, response_ids=[7, 8], loss_mask=np.ones(2, np.int8), log_mu=np.zeros(2, np.float32),
+                          support=SupportTable.from_rows([np.array([7, 9], np.int32), np.array([8], np.int32)])))
+    return samples
+
+
+@pytest.mark.parametrize("kernel", ["torch", "onednn"])
+@pytest.mark.parametrize("sparse", [True, False], ids=["union-head", "dense-head"])
+def test_packed_batch_invariant_scores_are_the_unpacked_bits(tiny_checkpoint, threads, sparse, kernel):
+    from support_replay.modeling.linear_kernels import onednn_available
+
+    if kernel == "onednn" and not onednn_available():
+        pytest.skip("this PyTorch has no oneDNN linear op")
+    samples = long_group_samples()
+    order = [2, 3, 0, 1]
+    model = load_scoring_model(tiny_checkpoint, "cpu", batch_invariant=True, linear_kernel=kernel)
+    scores, grads = {}, {}
+    for pack in (False, True):
+        batch = build_micro_batch(samples, order, True, "cpu", pack=pack)
+        model.zero_grad()
+        sc = score_batch(model, batch, 0.9, sparse=sparse, full=not sparse, entropy=not sparse)
+        scores[pack] = {i: s for i, s in zip(batch.indices, batch.split(sc.logp))}
+        weights = torch.cat([torch.full((samples[i].response_length,), 0.5 + i) for i in batch.indices])
+        (sc.logp * weights).sum().backward()
+        grads[pack] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for i in order:  # the engine's bits are the unpacked forward's (tests/test_batch_invariant.py): now the packed one's too
+        assert torch.equal(scores[True][i], scores[False][i]), (i, (scores[True][i] - scores[False][i]).abs().max().item())
+    for name, g in grads[False].items():  # the same math; sums in another order
+        assert float((g - grads[True][name]).abs().max()) <= 1e-5 * float(g.abs().max()), (name, float((g - grads[True][name]).abs().max()), float(g.abs().max()))
+
+
+def test_the_packed_layout_puts_each_sequence_at_its_positions():
+    segments = torch.tensor([[-1, -1, -1, 0, 0, 1, 1, 1, 2, -2], [-1, -1, 0, -2, -2, -2, -2, -2, -2, -2]])
+    layout = packed_layout(segments)
+    assert layout.key_flat[:, :5].tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 5, 6], [0, 1, 2, 8, 0], [10, 11, 12, 0, 0]]
+    assert layout.query_flat[:, :5].tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 0, 0], [8, 0, 0, 0, 0], [10, 11, 12, 0, 0]]
+    assert layout.query_valid.sum(1).tolist() == [5, 3, 1, 3]
+    assert layout.allowed[1, 0, :5].tolist() == [True, True, True, True, False]  # response 1's first token: position 3
+    assert layout.allowed[1, 2, :7].tolist() == [True] * 6 + [False]
+    assert layout.key_flat.shape[1] == 64  # whole key blocks

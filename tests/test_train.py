@@ -258,11 +258,13 @@ def test_regression_one_corrupted_support_position_fails_ci_test(tiny_checkpoint
     assert "1 tokens over" in str(err.value)
 
 
-@pytest.mark.parametrize("entropy_coef,kernel", [(0.0, "auto"), (0.01, "auto"), (0.0, "torch")], ids=["union-head", "dense-head", "mkl-union-head"])
-def test_true_on_policy_updates_are_bitwise_equal(tiny_checkpoint, tmp_path, entropy_coef, kernel):
+@pytest.mark.parametrize("entropy_coef,kernel,packed", [(0.0, "auto", "on"), (0.01, "auto", "on"), (0.0, "torch", "on"), (0.0, "auto", "off")],
+                         ids=["union-head", "dense-head", "mkl-union-head", "unpacked"])
+def test_true_on_policy_updates_are_bitwise_equal(tiny_checkpoint, tmp_path, entropy_coef, kernel, packed):
     # without a full-vocabulary score in the loss the trainer reads only the support's head rows;
-    # auto: oneDNN's fp32 product on both sides where PyTorch has it, torch: MKL's
-    rows = train(run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True, entropy_coef=entropy_coef, linear_kernel=kernel))
+    # auto: oneDNN's fp32 product on both sides where PyTorch has it, torch: MKL's; packed: a
+    # prompt's samples in one row, the attention laid out per sequence (modeling/packed_sequences.py)
+    rows = train(run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True, entropy_coef=entropy_coef, linear_kernel=kernel, packed_scoring=packed))
     assert len(rows) == 3
     for r in rows:  # every token of every rollout, before each update
         assert r["train_rollout_logprob_abs_diff_max"] == 0.0 and r["train_rollout_unequal_tokens"] == 0

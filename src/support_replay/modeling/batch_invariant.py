@@ -26,6 +26,7 @@ from torch import nn
 from .attention_tiles import KEY_BLOCK, ROW_BLOCK, layout_for
 from .invariant_decode import one_query_per_sequence
 from .linear_kernels import INVARIANT_ROWS, linear_function, padded, use_linear
+from .packed_sequences import packed_layout_for
 
 __all__ = ["ATTENTION", "KEY_BLOCK", "ROW_BLOCK", "batch_invariant_attention", "batch_invariant_linear", "make_batch_invariant"]
 
@@ -57,7 +58,7 @@ def tall_products_keep_tile_bits(dim: int, dtype: torch.dtype, threads: int) -> 
     return True
 
 
-def batch_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def batch_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, packed_segments=None, **kwargs):
     """Attention in fixed-shape tiles with a fixed reduction order; returns ``[B, q, H, d]``.
 
     Keys are aligned to the sequence start and cut into blocks of ``KEY_BLOCK`` positions;
@@ -69,17 +70,30 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
     tests/test_batch_invariant.py). A key sits at the same place of the same block on both
     sides; masked keys weigh exactly 0; the softmax runs over the position-aligned row, and the
     blocks' partial outputs are added in position order.
+    ``packed_segments`` (the trainer's packed rows, ``[B, L]``: -1 prompt, j response j, -2
+    padding) runs one virtual row per sequence (modeling/packed_sequences.py), so a packed
+    response's keys sit where they sat in the engine's cache row.
     Autograd gives the backward.
     """
     batch, heads, q_len, dim = query.shape
-    groups = key.shape[1]
-    repeat = heads // groups  # query heads per key/value head (grouped-query attention)
     scale = dim**-0.5 if scaling is None else scaling
+    if packed_segments is not None:
+        layout = packed_layout_for(packed_segments)
+        q, k, v = layout.gather(query, key, value)
+        return layout.scatter(tiled_attention(q, k, v, layout.allowed, scale)), None
     layout = layout_for(attention_mask, batch, q_len, key.shape[2], query.device)  # once per forward: its layers share the mask
     key, value = layout.apply(key, value)
-    if q_len == 1 and repeat <= ROW_BLOCK:  # a decode step (invariant_decode.py): the same bits, fewer products
+    if q_len == 1 and heads // key.shape[1] <= ROW_BLOCK:  # a decode step (invariant_decode.py): the same bits, fewer products
         return one_query_per_sequence(query, key, value, layout, scale), None
-    allowed, width = layout.allowed, layout.width
+    return tiled_attention(query, key, value, layout.allowed, scale).transpose(1, 2), None
+
+
+def tiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[B, H, q, d]`` attention of ``query`` ``[B, H, q, d]`` over ``key``/``value`` ``[B, G, width, d]``
+    aligned to each sequence's start (whole ``KEY_BLOCK`` blocks), ``allowed`` ``[B, q, width]``."""
+    batch, heads, q_len, dim = query.shape
+    groups, width = key.shape[1], key.shape[2]
+    repeat = heads // groups  # query heads per key/value head (grouped-query attention)
     blocks = width // KEY_BLOCK
     # the rows of a key/value head: its query heads x positions, tiled 16 at a time (a decode step's
     # heads share a tile); no key is copied per query head
@@ -114,7 +128,7 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
     for b in range(1, blocks):  # position order, the same on both sides; empty blocks add exact zeros
         out = out + block(b)
     out = out.reshape(batch, groups, tiles * ROW_BLOCK, dim)[:, :, :rows]
-    return out.reshape(batch, heads, q_len, dim).transpose(1, 2), None
+    return out.reshape(batch, heads, q_len, dim)
 
 
 def _register() -> None:

@@ -79,7 +79,7 @@ class ScoringModel(nn.Module):
         self.context: tuple | None = None  # context parallel: (group, rank, size, layout)
 
     def forward(self, input_ids, attention_mask, rows_b, rows_t, targets, support, temperature, *, sparse: bool, full: bool, entropy: bool,
-                full_detached: bool, transform=None, position_ids=None):
+                full_detached: bool, transform=None, position_ids=None, segments=None):
         """``(logp, full log-prob, entropy)`` of the chosen rows.
 
         ``support`` is padded ``(ids, valid)`` under replay, None otherwise. ``sparse``
@@ -87,12 +87,13 @@ class ScoringModel(nn.Module):
         scores with a gradient, ``full_detached`` for a full-vocabulary log-prob without one
         (metrics), which never changes ``logp``. ``transform`` (the rollout's penalties and
         logit bias) applies to ``logp`` only: KL, entropy and metrics stay on the model's own
-        distribution. A packed batch brings its own ``position_ids`` and a ``[B, 1, L, L]``
-        mask (``batches.build_packed_micro_batch``). Under context parallelism each rank scores
+        distribution. A packed batch brings its own ``position_ids``, a ``[B, 1, L, L]``
+        mask and its ``segments`` (``batches.build_packed_micro_batch``; the batch-invariant
+        attention lays each sequence out from them). Under context parallelism each rank scores
         the rows whose logit position it holds and every rank gets all rows back.
         """
         with torch.autocast(input_ids.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
-            h, mine = self._hidden_rows(input_ids, attention_mask, rows_b, rows_t, position_ids)
+            h, mine = self._hidden_rows(input_ids, attention_mask, rows_b, rows_t, position_ids, segments)
             if mine is None:
                 return self._score_rows(h, targets, support, temperature, sparse, full, entropy, full_detached, transform)
             local_support = (support[0][mine], support[1][mine]) if support is not None else None
@@ -100,11 +101,14 @@ class ScoringModel(nn.Module):
         group = self.context[0]
         return tuple(assemble_rows(x, mine, group) if x is not None else None for x in scores)
 
-    def _hidden_rows(self, input_ids, attention_mask, rows_b, rows_t, position_ids=None):
+    def _hidden_rows(self, input_ids, attention_mask, rows_b, rows_t, position_ids=None, segments=None):
         """The final hidden state at every chosen row (CP: at this rank's rows, and which those are)."""
         decoder = self.hf.get_decoder()
         if self.context is None:
-            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+            # packed rows in true-on-policy mode: the batch-invariant attention takes each sequence's keys
+            # from the segments (a keyword the model passes down to its attention function)
+            extra = {"packed_segments": segments} if self.batch_invariant and segments is not None else {}
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **extra).last_hidden_state
             return hidden[rows_b, rows_t], None
         if position_ids is not None:  # refused by the run config (train/config.py)
             raise ConfigError("context parallelism scores unpacked rows only (--packed-scoring off)")
@@ -174,7 +178,7 @@ def score_batch(model: ScoringModel, batch: MicroBatch, temperature: float, *, s
     logp, full_lp, ent = model(
         batch.input_ids, batch.attention_mask, batch.rows_b, batch.rows_t, batch.targets, batch.support, temperature,
         sparse=sparse and batch.penalty is None, full=full, entropy=entropy, full_detached=full_detached, transform=batch.penalty,
-        position_ids=batch.position_ids,
+        position_ids=batch.position_ids, segments=batch.segments,
     )
     return BatchScores(logp=logp, full=full_lp, entropy=ent)
 

@@ -71,6 +71,7 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [N] float, 1 for tokens that train
     penalty: PenaltyRows | None = None  # the rollout's penalties at the support ids, when it had any
     position_ids: torch.Tensor | None = None  # [B, L] when packed: every response continues its prompt's positions
+    segments: torch.Tensor | None = None  # [B, L] when packed: -1 the prompt, j response j, -2 padding (the batch-invariant attention's layout)
 
     @property
     def num_tokens(self) -> int:
@@ -142,6 +143,7 @@ def build_packed_micro_batch(samples: list[Sample], indices: list[int], replay: 
         rows_b=torch.tensor(rows_b, dtype=torch.long, device=device),
         rows_t=torch.tensor(rows_t, dtype=torch.long, device=device),
         position_ids=positions.to(device),
+        segments=segment.to(device),
         **_token_fields(chosen, replay, device),
     )
 

@@ -95,7 +95,7 @@ class RunConfig(BaseModel):
     context_parallel_size: int = Field(1, ge=1, description="trainer ranks that split each sequence by position (attention all-gathers keys and values)")
     context_parallel_layout: Literal["zigzag", "contiguous"] = Field("zigzag", description="how --context-parallel-size splits a sequence: zigzag (2 chunks per rank, balanced causal work) or contiguous")
     max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="padded tokens (samples x longest prompt + response) per forward/backward on one rank: short samples batch many, long ones few")
-    packed_scoring: Literal["auto", "on", "off"] = Field("auto", description="score a prompt's samples as one packed row, the prompt once and each response attending to it and to itself (same math, fewer tokens); auto: on unless penalties, context parallelism or true-on-policy mode need rows of their own")
+    packed_scoring: Literal["auto", "on", "off"] = Field("auto", description="score a prompt's samples as one packed row, the prompt once and each response attending to it and to itself (same math, fewer tokens); auto: on unless penalties or context parallelism need rows of their own")
     micro_batch_size: int | None = Field(None, ge=1, description=f"the older way: samples per forward/backward on one rank (default without a token budget: the largest divisor of --global-batch-size up to {MAX_DEFAULT_MICRO_BATCH})")
     lr: float = Field(2e-5, gt=0, description="learning rate (AdamW); the default suits the built-in demo (a 135M model, 20 updates), large models train at about 1e-6")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
@@ -181,8 +181,6 @@ class RunConfig(BaseModel):
             return "penalties and logit bias are replayed over each sequence's own history, one sequence per row"
         if self.context_parallel_size > 1:
             return "context parallelism splits one sequence per row by position"
-        if self.true_on_policy_mode:
-            return "the batch-invariant attention counts key blocks from the start of one sequence per row"
         return None
 
     @property

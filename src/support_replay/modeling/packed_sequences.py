@@ -1,0 +1,99 @@
+"""The sequences of the trainer's packed rows, laid out as the batch-invariant attention needs them.
+
+A packed row (train/batches.py: ``build_packed_micro_batch``) holds a prompt once and then each
+of its responses; response j attends to the prompt and to its own earlier tokens. The engine
+attended from the same tokens over one cache row per sequence: the prompt's keys, then that
+response's keys, position p in column p. The batch-invariant attention's bits depend on where a
+key sits in its block of ``KEY_BLOCK`` positions, so the packed row is unpacked here for the
+attention only: one virtual row per sequence whose keys are gathered in position order, and
+whose queries are the tokens that sequence owns (the first response's row also owns the
+prompt's queries). Everything else in the forward (the products, norms, rotary embedding, MLP)
+runs once per packed token; a row's bits there do not depend on its neighbours. The attention
+output is scattered back to the packed columns; a padding column gets zeros.
+
+``segments`` marks each packed column: -1 the prompt, j >= 0 response j, -2 padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention_tiles import KEY_BLOCK
+
+
+@dataclass
+class PackedLayout:
+    rows: int  # packed rows
+    length: int  # packed columns
+    query_flat: torch.Tensor  # [S, Q] flat (row * length + column) index of each owned query; 0 where none
+    query_valid: torch.Tensor  # [S, Q]
+    key_flat: torch.Tensor  # [S, W] flat index of the key at each aligned position; 0 past the sequence
+    allowed: torch.Tensor  # [S, Q, W] True where the query sees the key
+
+    def gather(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``query`` ``[B, H, L, d]`` and ``key``/``value`` ``[B, G, L, d]`` as ``[S, H, Q, d]`` and ``[S, G, W, d]``."""
+        return _take(query, self.query_flat), _take(key, self.key_flat), _take(value, self.key_flat)
+
+    def scatter(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` ``[S, H, Q, d]`` of the virtual rows as the packed rows' ``[B, L, H, d]``."""
+        sequences, heads, queries, dim = out.shape
+        values = out.transpose(1, 2)[self.query_valid]  # [owned queries, H, d]
+        where = self.query_flat[self.query_valid]
+        packed = out.new_zeros(self.rows * self.length, heads, dim).index_put((where,), values)
+        return packed.reshape(self.rows, self.length, heads, dim)
+
+
+def _take(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    batch, heads, length, dim = x.shape
+    rows = x.transpose(1, 2).reshape(batch * length, heads, dim)
+    return rows[flat.reshape(-1)].reshape(*flat.shape, heads, dim).transpose(1, 2)
+
+
+def packed_layout(segments: torch.Tensor) -> PackedLayout:
+    """The virtual rows of packed rows marked by ``segments`` (``[B, L]``)."""
+    rows, length = segments.shape
+    marks = segments.cpu()
+    sequences: list[tuple[list[int], list[int], int]] = []  # (key columns, owned query columns, first owned position), flat
+    for b in range(rows):
+        base = b * length
+        prompt = [base + c for c in torch.nonzero(marks[b] == -1).flatten().tolist()]
+        responses = sorted(int(j) for j in marks[b].unique().tolist() if j >= 0)
+        if not responses and prompt:
+            sequences.append((prompt, prompt, 0))
+        for n, j in enumerate(responses):
+            own = [base + c for c in torch.nonzero(marks[b] == j).flatten().tolist()]
+            if n == 0:  # the first response's row owns the prompt's queries too
+                sequences.append((prompt + own, prompt + own, 0))
+            else:
+                sequences.append((prompt + own, own, len(prompt)))
+    count = len(sequences)
+    queries = max(len(own) for _, own, _ in sequences)
+    width = -(-max(len(keys) for keys, _, _ in sequences) // KEY_BLOCK) * KEY_BLOCK
+    query_flat = torch.zeros(count, queries, dtype=torch.long)
+    query_valid = torch.zeros(count, queries, dtype=torch.bool)
+    positions = torch.full((count, queries), -1, dtype=torch.long)  # -1: sees nothing
+    key_flat = torch.zeros(count, width, dtype=torch.long)
+    for s, (keys, own, first) in enumerate(sequences):
+        key_flat[s, : len(keys)] = torch.tensor(keys)
+        query_flat[s, : len(own)] = torch.tensor(own)
+        query_valid[s, : len(own)] = True
+        positions[s, : len(own)] = torch.arange(first, first + len(own))
+    allowed = torch.arange(width)[None, None, :] <= positions[:, :, None]
+    device = segments.device
+    return PackedLayout(rows, length, query_flat.to(device), query_valid.to(device), key_flat.to(device), allowed.to(device))
+
+
+_last: tuple | None = None  # (segments, layout) of the last forward: its layers pass the same tensor
+
+
+def packed_layout_for(segments: torch.Tensor) -> PackedLayout:
+    """``packed_layout(segments)``, derived once per segments object (a forward's layers share it)."""
+    global _last
+    last = _last
+    if last is not None and last[0] is segments:
+        return last[1]
+    layout = packed_layout(segments)
+    _last = (segments, layout)  # one tuple, replaced whole: safe across threads
+    return layout
