@@ -99,3 +99,37 @@ def test_bf16_decodes_over_packs_with_f_linears_bits(tiny_checkpoint, threads):
         plain = decode_logits(engine, prompts, 3)
         fused.packing = True
         assert all(torch.equal(a, b) for a, b in zip(packed, plain))
+
+
+def test_released_packs_are_made_again_by_the_next_step(tiny_checkpoint):
+    engine = Engine.from_pretrained(tiny_checkpoint, linear_kernel="onednn")
+    fused, prompts = engine.runner.fused, [[5, 6, 7, 8], [9, 10, 11]]
+    first = decode_logits(engine, prompts, 2)
+    engine.release_packed_weights()
+    assert not fused.layers[0].packs and fused._head_pack is None
+    again = decode_logits(engine, prompts, 2)
+    assert fused.layers[0].packs["qkv"] is not None and all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_synchronous_trainer_releases_the_engines_packs_before_it_updates(asynchronous):
+    from types import SimpleNamespace
+
+    from support_replay.train.dist import DistContext
+    from support_replay.train.producer import RolloutProducer
+
+    calls = []
+
+    class Rollouts:
+        def produce(self, r):
+            return [], {}
+
+        def release_engine_memory(self):
+            calls.append("release")
+
+    cfg = SimpleNamespace(async_rollout=asynchronous, num_rollout=2, stale_sample_policy="fail")
+    producer = RolloutProducer(Rollouts(), cfg, DistContext(rank=0, world=1, device=torch.device("cpu"), owns_group=False))
+    producer.start(0)
+    producer.take(0, ["v0"])
+    producer.close()
+    assert calls == ([] if asynchronous else ["release"])  # async: the next rollout is being generated beside the update

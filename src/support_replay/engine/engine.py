@@ -263,6 +263,14 @@ class Engine:
         self._inbox.put(("update", (None, version), future))
         return future
 
+    def release_packed_weights(self) -> None:
+        """Frees the decode step's packed weight copies (engine/fused_step.py) until the next decode
+        step packs them again. A colocated trainer calls it before it trains: its weight push makes
+        them stale anyway, and the update's peak memory need not hold them. Safe beside a running
+        step: a step keeps the packs it started with, and a missing pack means the plain weight."""
+        if self.runner.fused is not None:
+            self.runner.fused.drop_packs()
+
     @property
     def num_running(self) -> int:
         return len(self._running)

@@ -62,6 +62,8 @@ class RolloutProducer:
             future = self.pending.pop(r, None)
             samples, stats = future.result() if future is not None else self._generate(r)
             result = self._fresh(r, samples, stats, pushed)
+            if self.pool is None:  # synchronous: nothing generates until the update's weights are pushed
+                self.rollouts.release_engine_memory()
         return broadcast_object(result, self.ctx)
 
     def close(self) -> None:

@@ -207,6 +207,12 @@ class Rollouts:
         samples, _ = self._produce(prompts, params, cfg.n_samples_per_eval_prompt, cfg.eval_max_response_len or cfg.rollout_max_response_len, False, r, cfg.rollout_seed + 7, "eval")
         return {"eval_reward_mean": float(np.mean([s.reward for s in samples])), "eval_response_len": float(np.mean([s.response_length for s in samples]))}
 
+    def release_engine_memory(self) -> None:
+        """Between a synchronous rollout and the update: the in-process engine lets go of what it
+        keeps between generations (its packed weights, stale once the new weights are pushed)."""
+        if self.engine is not None:
+            self.engine.release_packed_weights()
+
     def close(self) -> None:
         if self.sessions is not None:
             self.session_server.stop()
