@@ -17,9 +17,11 @@ weights (modeling/packed_weights.py: the reorder oneDNN would otherwise do at ev
 once), for each weight whose packed product is probed to keep the model's own product's bits,
 at the row counts where it does (fp32: 2 rows or more; one row takes another kernel packed and
 keeps the plain weight). SmolLM2's decode step at batch 16: 55 ms instead of 76
-(docs/benchmarks.md), for one more copy of the decode weights in memory. A pack is made again when its parameter's version counter says it
-was written in place (``copy_``, ``load_state_dict``, the engine's weight update) and when the
-thread count changes; a write through ``.data`` bypasses the counter and is not seen.
+(docs/benchmarks.md), for one more copy of the decode weights in memory. A pack is made again
+when its parameter's version counter says it was written in place (``copy_``,
+``load_state_dict``, the engine's weight update) and when the thread count changes; a write
+through ``.data`` bypasses the counter and is not seen. ``drop_packs`` frees them until the
+next step (``Engine.release_packed_weights``: a colocated trainer's update).
 
 Other models (other families, biases on some fused projections only, activations other than
 SiLU) keep the module-tree decode; ``unsupported(model)`` says why.
