@@ -139,3 +139,26 @@ def test_the_packed_layout_puts_each_sequence_at_its_positions():
     assert layout.allowed[1, 0, :5].tolist() == [True, True, True, True, False]  # response 1's first token: position 3
     assert layout.allowed[1, 2, :7].tolist() == [True] * 6 + [False]
     assert layout.key_flat.shape[1] == 64  # whole key blocks
+
+
+def test_packed_sdpa_attends_per_sequence_with_the_unpacked_math(tiny_checkpoint):
+    from support_replay.modeling.packed_sequences import PACKED_SDPA
+
+    samples = long_group_samples()
+    order = [2, 3, 0, 1]
+    model = load_scoring_model(tiny_checkpoint, "cpu")
+    assert model.hf.config._attn_implementation == PACKED_SDPA  # sdpa, a packed row taken apart per sequence
+    results = {}
+    for pack in (False, True):
+        batch = build_micro_batch(samples, order, True, "cpu", pack=pack)
+        model.zero_grad()
+        sc = score_batch(model, batch, 0.9, sparse=False, full=True, entropy=True)
+        weights = torch.cat([torch.full((samples[i].response_length,), 0.5 + i) for i in batch.indices])
+        (sc.logp * weights + sc.entropy).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[pack] = (dict(zip(batch.indices, batch.split(sc.logp))), grads)
+    (flat, flat_grads), (packed, packed_grads) = results[False], results[True]
+    for i in order:
+        assert torch.allclose(flat[i], packed[i], atol=2e-5), i
+    for name, g in flat_grads.items():  # finite: the padding's empty query slots never reach a gradient
+        assert torch.isfinite(packed_grads[name]).all() and float((g - packed_grads[name]).abs().max()) <= 1e-5 * float(g.abs().max()), name

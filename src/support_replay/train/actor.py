@@ -31,6 +31,7 @@ from ..errors import ConfigError
 from ..logprobs import full_logprobs_and_entropy, penalised_support_logprobs, sparse_head_support_logprobs, support_logprobs, union_head_support_logprobs
 from ..modeling.batch_invariant import make_batch_invariant
 from ..modeling.linear_kernels import linear_function, model_linear, use_linear
+from ..modeling.packed_sequences import use_packed_attention
 from ..modeling.context_parallel import ContextShard, assemble_rows, make_context_parallel
 from ..modeling.tensor_parallel import VocabShard, parallelize_tensor
 from ..parallel import context_parallel_positions, vocab_parallel_full_logprobs_and_entropy, vocab_parallel_support_logprobs
@@ -71,6 +72,9 @@ class ScoringModel(nn.Module):
             make_batch_invariant(hf, linear_kernel)
         else:  # oneDNN's forward products where the run resolved to them (the backward is plain products either way)
             use_linear(hf, linear_function(linear_kernel))
+        # the attention takes a packed row's sequences apart (modeling/packed_sequences.py): the batch-invariant
+        # attention always, sdpa where the model runs it
+        self.per_sequence_attention = batch_invariant or use_packed_attention(hf)
         self.hf = hf
         self.batch_invariant = batch_invariant  # the sparse head then reads the batch's union of support ids in one product
         self.compute_dtype = compute_dtype  # bf16: autocast over fp32 weights
@@ -105,9 +109,9 @@ class ScoringModel(nn.Module):
         """The final hidden state at every chosen row (CP: at this rank's rows, and which those are)."""
         decoder = self.hf.get_decoder()
         if self.context is None:
-            # packed rows in true-on-policy mode: the batch-invariant attention takes each sequence's keys
-            # from the segments (a keyword the model passes down to its attention function)
-            extra = {"packed_segments": segments} if self.batch_invariant and segments is not None else {}
+            # packed rows: the attention takes each sequence's keys from the segments (a keyword the
+            # model passes down to its attention function)
+            extra = {"packed_segments": segments} if self.per_sequence_attention and segments is not None else {}
             hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **extra).last_hidden_state
             return hidden[rows_b, rows_t], None
         if position_ids is not None:  # refused by the run config (train/config.py)
