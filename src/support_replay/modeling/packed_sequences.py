@@ -16,7 +16,11 @@ boolean mask over the whole packed row makes sdpa compute every query against ev
 the row, ``(P + G R)^2`` scores for a prompt of P tokens and G responses of R, where the
 sequences alone need ``G (P + R)^2``: at 512-token responses in groups of 4, 3.5 times the
 attention work. Per sequence, the packed row costs what the unpacked rows cost in attention and
-keeps its savings everywhere else.
+keeps its savings everywhere else. Taking the row apart has its own cost (gathers, a scatter,
+query slots padded to the longest owner), so sdpa goes per sequence only where the scores it
+saves are at least ``PER_SEQUENCE_GAIN`` times those it computes: measured
+(bench/packed_scoring.py, groups of 4, 44-token prompt), per sequence is 7% slower at 32-token
+responses, even at 64, 8% faster at 128 and 1.5x faster at 512.
 
 ``segments`` marks each packed column: -1 the prompt, j >= 0 response j, -2 padding.
 """
@@ -31,6 +35,7 @@ from torch import nn
 from .attention_tiles import KEY_BLOCK
 
 PACKED_SDPA = "support_replay_packed_sdpa"
+PER_SEQUENCE_GAIN = 2.0  # sdpa per sequence when the packed rows' [L, L] scores are this many times the virtual rows'
 
 
 @dataclass
@@ -41,6 +46,12 @@ class PackedLayout:
     query_valid: torch.Tensor  # [S, Q]
     key_flat: torch.Tensor  # [S, W] flat index of the key at each aligned position; 0 past the sequence
     allowed: torch.Tensor  # [S, Q, W] True where the query sees the key (a query slot with no query sees key 0: no empty softmax row)
+
+    @property
+    def saving(self) -> float:
+        """The packed rows' ``[L, L]`` scores over the virtual rows' ``[Q, W]`` ones."""
+        sequences, queries, width = self.allowed.shape
+        return self.rows * self.length**2 / (sequences * queries * width)
 
     def gather(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``query`` ``[B, H, L, d]`` and ``key``/``value`` ``[B, G, L, d]`` as ``[S, H, Q, d]`` and ``[S, G, W, d]``."""
@@ -61,8 +72,9 @@ def _take(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     return rows[flat.reshape(-1)].reshape(*flat.shape, heads, dim).transpose(1, 2)
 
 
-def packed_layout(segments: torch.Tensor) -> PackedLayout:
-    """The virtual rows of packed rows marked by ``segments`` (``[B, L]``)."""
+def packed_layout(segments: torch.Tensor, align: int = KEY_BLOCK) -> PackedLayout:
+    """The virtual rows of packed rows marked by ``segments`` (``[B, L]``), their keys padded to a
+    multiple of ``align`` (the batch-invariant attention's whole key blocks; 1 for sdpa)."""
     rows, length = segments.shape
     marks = segments.cpu()
     sequences: list[tuple[list[int], list[int], int]] = []  # (key columns, owned query columns, first owned position), flat
@@ -80,7 +92,7 @@ def packed_layout(segments: torch.Tensor) -> PackedLayout:
                 sequences.append((prompt + own, own, len(prompt)))
     count = len(sequences)
     queries = max(len(own) for _, own, _ in sequences)
-    width = -(-max(len(keys) for keys, _, _ in sequences) // KEY_BLOCK) * KEY_BLOCK
+    width = -(-max(len(keys) for keys, _, _ in sequences) // align) * align
     query_flat = torch.zeros(count, queries, dtype=torch.long)
     query_valid = torch.zeros(count, queries, dtype=torch.bool)
     positions = torch.zeros(count, queries, dtype=torch.long)
@@ -95,17 +107,17 @@ def packed_layout(segments: torch.Tensor) -> PackedLayout:
     return PackedLayout(rows, length, query_flat.to(device), query_valid.to(device), key_flat.to(device), allowed.to(device))
 
 
-_last: tuple | None = None  # (segments, layout) of the last forward: its layers pass the same tensor
+_last: tuple | None = None  # (segments, align, layout) of the last forward: its layers pass the same tensor
 
 
-def packed_layout_for(segments: torch.Tensor) -> PackedLayout:
-    """``packed_layout(segments)``, derived once per segments object (a forward's layers share it)."""
+def packed_layout_for(segments: torch.Tensor, align: int = KEY_BLOCK) -> PackedLayout:
+    """``packed_layout(segments, align)``, derived once per segments object (a forward's layers share it)."""
     global _last
     last = _last
-    if last is not None and last[0] is segments:
-        return last[1]
-    layout = packed_layout(segments)
-    _last = (segments, layout)  # one tuple, replaced whole: safe across threads
+    if last is not None and last[0] is segments and last[1] == align:
+        return last[2]
+    layout = packed_layout(segments, align)
+    _last = (segments, align, layout)  # one tuple, replaced whole: safe across threads
     return layout
 
 
@@ -115,9 +127,9 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     work of the unpacked rows. Returns ``[B, L, H, d]`` as the model's attention functions do."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if packed_segments is None:
+    layout = None if packed_segments is None else packed_layout_for(packed_segments, align=1)  # sdpa needs no whole key blocks
+    if layout is None or layout.saving < PER_SEQUENCE_GAIN:  # the mask over the whole packed row: same math
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    layout = packed_layout_for(packed_segments)
     q, k, v = layout.gather(query, key, value)
     kwargs.pop("is_causal", None)
     out, _ = sdpa_attention_forward(module, q, k, v, layout.allowed[:, None], dropout=dropout, scaling=scaling, is_causal=False, **kwargs)
