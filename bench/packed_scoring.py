@@ -8,7 +8,9 @@ support of about 6 ids per token, the sparse head). ``unpacked``: one row per sa
 ``packed, one mask``: the prompt once and every response after it, attention over the whole
 packed row with a ``[L, L]`` mask (what packed scoring did before 2026-11-30);
 ``packed, per sequence``: the same row, the attention taken apart per sequence
-(modeling/packed_sequences.py, the default). Best of ``--repeats`` after one warm-up.
+(modeling/packed_sequences.py); ``packed, default``: per sequence where the rule
+(``PER_SEQUENCE_GAIN``) says it saves enough scores, else the mask. Best of ``--repeats`` after
+one warm-up.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ import numpy as np
 import torch
 
 from support_replay.modeling.checkpoints import smollm2_checkpoint
+from support_replay.modeling import packed_sequences
 from support_replay.modeling.linear_kernels import resolve_linear_kernel
 from support_replay.rollout.sample import Sample
 from support_replay.support import SupportTable
 from support_replay.train.actor import load_scoring_model, score_batch
 from support_replay.train.batches import build_micro_batch
 
-VARIANTS = [("unpacked", False, True), ("packed, one mask over the row", True, False), ("packed, per sequence", True, True)]
+GAIN = packed_sequences.PER_SEQUENCE_GAIN
+# (name, packed, attention per sequence: False / True / None for the default rule, PER_SEQUENCE_GAIN)
+VARIANTS = [("unpacked", False, False), ("packed, one mask over the row", True, False), ("packed, per sequence", True, True), ("packed, default", True, None)]
 
 
 def group(prompt_len: int, length: int, size: int, vocab: int) -> list[Sample]:
@@ -41,8 +46,9 @@ def group(prompt_len: int, length: int, size: int, vocab: int) -> list[Sample]:
     return samples
 
 
-def seconds(model, samples, pack: bool, per_sequence: bool) -> float:
-    model.per_sequence_attention = per_sequence  # the actor's switch: pass the packed row's segments to the attention
+def seconds(model, samples, pack: bool, per_sequence: bool | None) -> float:
+    model.per_sequence_attention = per_sequence is not False  # the actor's switch: pass the packed row's segments to the attention
+    packed_sequences.PER_SEQUENCE_GAIN = GAIN if per_sequence is None else 0.0
     batch = build_micro_batch(samples, list(range(len(samples))), True, "cpu", pack=pack)
     model.zero_grad()
     start = time.perf_counter()
