@@ -20,19 +20,24 @@ def tied_llama(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), llama_tied=True)
 
 
+def greedy_decode(runner: ModelRunner, prompts, steps: int) -> list[torch.Tensor]:
+    """The logits of ``steps`` greedy decode steps after one prefill of ``prompts``."""
+    batch, logits = runner.prefill(prompts)
+    pos = torch.tensor([len(p) for p in prompts])
+    seen = []
+    for _ in range(steps):
+        logits = runner.decode(batch, logits.argmax(-1), pos)
+        pos += 1
+        seen.append(logits)
+    return seen
+
+
 def decode_both_ways(runner: ModelRunner, prompts, steps: int):
     """Logits of ``steps`` greedy decode steps, fused and through the modules, from one prefill each."""
     out = {}
     for fused in (True, False):
         runner.use_fused = fused
-        batch, logits = runner.prefill(prompts)
-        pos = torch.tensor([len(p) for p in prompts])
-        seen = []
-        for _ in range(steps):
-            logits = runner.decode(batch, logits.argmax(-1), pos)
-            pos += 1
-            seen.append(logits)
-        out[fused] = seen
+        out[fused] = greedy_decode(runner, prompts, steps)
     runner.use_fused = True
     return out[True], out[False]
 

@@ -8,6 +8,7 @@ from support_replay.engine import Engine
 from support_replay.modeling.linear_kernels import linear_function, onednn_available
 from support_replay.modeling.linear_kernels import padded
 from support_replay.modeling.packed_weights import pack_weight, packed_linear, packed_rows_from
+from test_fused_step import greedy_decode
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN linear op")
 
@@ -40,15 +41,7 @@ def test_the_head_shape_packs_with_the_same_bits(threads):
 
 
 def decode_logits(engine: Engine, prompts, steps: int) -> list[torch.Tensor]:
-    runner = engine.runner
-    batch, logits = runner.prefill(prompts)
-    pos = torch.tensor([len(p) for p in prompts])
-    seen = []
-    for _ in range(steps):
-        logits = runner.decode(batch, logits.argmax(-1), pos)
-        pos += 1
-        seen.append(logits)
-    return seen
+    return greedy_decode(engine.runner, prompts, steps)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["normal", "batch-invariant"])
