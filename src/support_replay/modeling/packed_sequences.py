@@ -1,4 +1,4 @@
-"""The sequences of the trainer's packed rows, laid out as the batch-invariant attention needs them.
+"""The sequences of the trainer's packed rows, laid out one row each for the attention.
 
 A packed row (train/batches.py: ``build_packed_micro_batch``) holds a prompt once and then each
 of its responses; response j attends to the prompt and to its own earlier tokens. The engine
@@ -102,7 +102,7 @@ def packed_layout(segments: torch.Tensor, align: int = KEY_BLOCK) -> PackedLayou
         query_flat[s, : len(own)] = torch.tensor(own)
         query_valid[s, : len(own)] = True
         positions[s, : len(own)] = torch.arange(first, first + len(own))
-    allowed = torch.arange(width)[None, None, :] <= positions[:, :, None].clamp_min(0)  # an empty slot's output is never scattered
+    allowed = torch.arange(width)[None, None, :] <= positions[:, :, None]  # an empty slot sees key 0; its output is never scattered
     device = segments.device
     return PackedLayout(rows, length, query_flat.to(device), query_valid.to(device), key_flat.to(device), allowed.to(device))
 

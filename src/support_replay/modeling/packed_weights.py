@@ -1,4 +1,4 @@
-"""oneDNN's fp32 product over weights packed once into the layout its kernel reads.
+"""oneDNN's product (fp32, bf16) over weights packed once into the layout its kernel reads.
 
 ``torch.ops.mkldnn._linear_pointwise`` given a plain ``[out, in]`` weight reorders it into
 oneDNN's blocked layout on every call: a decode step of a small batch pays a pass over all its
@@ -30,7 +30,7 @@ PROBE_ROWS = (2, 3, 5, 8, 15, 16, 17, 31, 32, 33, 64, 100)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[out, in]`` (fp32, CPU) reordered into oneDNN's layout for products of ``PACK_ROWS`` rows."""
+    """``weight`` ``[out, in]`` (fp32 or bf16, CPU) reordered into oneDNN's layout for products of ``PACK_ROWS`` rows."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
 
 
