@@ -19,8 +19,8 @@ attention work. Per sequence, the packed row costs what the unpacked rows cost i
 keeps its savings everywhere else. Taking the row apart has its own cost (gathers, a scatter,
 query slots padded to the longest owner), so sdpa goes per sequence only where the scores it
 saves are at least ``PER_SEQUENCE_GAIN`` times those it computes: measured
-(bench/packed_scoring.py, groups of 4, 44-token prompt), per sequence is 7% slower at 32-token
-responses, even at 64, 8% faster at 128 and 1.5x faster at 512.
+(bench/packed_scoring.py, groups of 4, 44-token prompt), per sequence is 8% slower at 32-token
+responses, even at 64, 7% faster at 128 and 1.55x faster at 512.
 
 ``segments`` marks each packed column: -1 the prompt, j >= 0 response j, -2 padding.
 """
