@@ -38,6 +38,7 @@ def test_grpo_on_a_builtin_environment_with_ci_test(tiny_agent_checkpoint, tmp_p
         assert "<tools>" in scored[0][0][0].prompt_text
 
 
+@pytest.mark.float_bits
 def test_true_on_policy_is_bitwise_on_multi_turn_trajectories(tiny_agent_checkpoint, tmp_path):
     rows = train(agent_config(tiny_agent_checkpoint, tmp_path, agent="chain", true_on_policy_mode=True))
     for r in rows:

@@ -12,6 +12,8 @@ from support_replay.modeling.batch_invariant import KEY_BLOCK, make_batch_invari
 from support_replay.modeling.linear_kernels import linear_function, onednn_available, use_linear
 from tiny_model import build_tiny_checkpoint
 
+pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
+
 KERNELS = ["torch", "onednn"] if onednn_available() else ["torch"]
 
 

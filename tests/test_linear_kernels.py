@@ -8,8 +8,10 @@ from torch import nn
 
 from support_replay.errors import ConfigError
 from support_replay.logprobs import support_logprobs, union_head_support_logprobs
-from support_replay.modeling.linear_kernels import (INVARIANT_ROWS, linear_function, model_linear, onednn_available, padded, resolve_linear_kernel,
-                                                    use_linear)
+from support_replay.modeling.invariant_products import cpu_name, invariant_linear, invariant_plan
+from support_replay.modeling.linear_kernels import linear_function, model_linear, onednn_available, resolve_linear_kernel, use_linear
+
+pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN linear op")
 
@@ -42,25 +44,39 @@ def test_onednn_product_and_its_gradients_match_f_linear():
         assert not linear_function("onednn")(x, w, b).requires_grad
 
 
-@needs_onednn
+def _plan_or_skip(kernel, shape, dtype=torch.float32):
+    if kernel == "onednn" and not onednn_available():
+        pytest.skip("this PyTorch has no oneDNN linear op")
+    plan = invariant_plan(kernel, *shape, dtype, torch.get_num_threads())
+    if plan is None:  # the refusal itself is tested in tests/test_invariant_products.py
+        pytest.skip(f"no batch-invariant {kernel} product for {shape} on this CPU ({cpu_name()})")
+    return plan
+
+
+@pytest.mark.float_bits
+@pytest.mark.parametrize("kernel", ["onednn", "torch"])
 @pytest.mark.parametrize("shape", [(200, 96), (960, 576), (576, 1536)])
-def test_onednn_rows_keep_their_bits_from_two_rows_on(threads, shape):
-    # the fact the batch-invariant forward pads to INVARIANT_ROWS["onednn"] == 2 for
+def test_the_probed_plan_keeps_row_bits_on_other_data(threads, kernel, shape):
+    # the probe ran on its own random data and counts; here other data, more counts, longer products
+    _plan_or_skip(kernel, shape)
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(*shape, generator=gen)
     many = torch.randn(640, shape[1], generator=gen)
-    reference = linear_function("onednn")(many, w)
-    for count in list(range(2, 34)) + [63, 100, 257]:
+    product = invariant_linear(kernel)
+    reference = product(many, w)
+    for count in list(range(1, 34)) + [63, 100, 257, 600]:
         for at in (0, 5, 640 - count):
-            assert torch.equal(linear_function("onednn")(many[at : at + count], w), reference[at : at + count]), (count, at)
-    product = padded(linear_function("onednn"), INVARIANT_ROWS["onednn"])
-    assert torch.equal(product(many[7:8], w), reference[7:8])  # one row alone: padded to two
+            assert torch.equal(product(many[at : at + count], w), reference[at : at + count]), (count, at)
 
 
-@needs_onednn
-def test_union_head_on_onednn_equals_the_full_head(threads):
+@pytest.mark.float_bits
+@pytest.mark.parametrize("kernel", ["onednn", "torch"])
+def test_union_head_equals_the_full_head_where_the_probe_says_columns_keep_their_bits(threads, kernel):
     gen = torch.Generator().manual_seed(2)
     vocab, hidden = 3000, 64
+    plan = _plan_or_skip(kernel, (vocab, hidden))
+    if not plan.columns:  # the trainer scores through the full head then (tests/test_invariant_products.py)
+        pytest.skip(f"{kernel}: a column subset takes other bits on this CPU ({cpu_name()})")
     w = torch.randn(vocab, hidden, generator=gen)
     h = torch.randn(37, hidden, generator=gen)
     ids = [torch.randperm(vocab, generator=gen)[: int(n)].sort().values for n in torch.randint(1, 40, (37,), generator=gen)]
@@ -68,7 +84,7 @@ def test_union_head_on_onednn_equals_the_full_head(threads):
     width = max(len(r) for r in ids)
     padded_ids = torch.stack([F.pad(r, (0, width - len(r))) for r in ids])
     valid = torch.stack([torch.arange(width) < len(r) for r in ids])
-    product = padded(linear_function("onednn"), 16)
+    product = invariant_linear(kernel)
     full = support_logprobs(product(h, w), targets, (padded_ids, valid))
     union = union_head_support_logprobs(h, w, targets, (padded_ids, valid), linear=product)
     assert torch.equal(union, full)

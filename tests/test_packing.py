@@ -14,6 +14,8 @@ from support_replay.train.actor import load_scoring_model, score_batch
 from support_replay.train.batches import build_micro_batch, plan_optimizer_steps
 from test_train import run_config
 
+pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
+
 
 def group_samples(seed=0, vocab=384):
     """Two prompts x 3 samples of different lengths, a support per token, one multi-turn loss mask."""

@@ -16,6 +16,8 @@ from support_replay.errors import SamplingParamsError
 from support_replay.logprobs import penalised_support_logprobs, support_logprobs
 from support_replay.penalties import Penalties, dense_bias, dense_history, gathered_bias, history_counts, penalise
 
+pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
+
 FIXTURES = Path(__file__).parent / "engines" / "fixtures"
 sys.path.insert(0, str(Path(__file__).parent / "engines"))
 

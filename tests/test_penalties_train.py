@@ -41,6 +41,7 @@ def test_ci_test_passes_with_penalties_in_process(tiny_checkpoint, tmp_path, bia
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
 
 
+@pytest.mark.float_bits
 def test_true_on_policy_is_bitwise_with_penalties_and_bias(tiny_checkpoint, tmp_path, bias_file):
     rows = train(run_config(tiny_checkpoint, tmp_path, rollout_max_response_len=24, true_on_policy_mode=True, rollout_repetition_penalty=1.3,
                             rollout_frequency_penalty=0.4, rollout_presence_penalty=0.2, rollout_logit_bias=bias_file))

@@ -108,6 +108,7 @@ def test_pinned_trajectory(tiny_checkpoint, tmp_path):
 # ---- one scoring function per ratio -------------------------------------------------------
 
 
+@pytest.mark.float_bits
 @pytest.mark.parametrize("sparse", [True, False])
 def test_old_and_new_logprobs_are_bitwise_equal_before_the_first_step(tiny_checkpoint, tmp_path, sparse):
     # two optimizer steps per rollout, so the old log-probs come from a separate pass
@@ -258,6 +259,7 @@ def test_regression_one_corrupted_support_position_fails_ci_test(tiny_checkpoint
     assert "1 tokens over" in str(err.value)
 
 
+@pytest.mark.float_bits
 @pytest.mark.parametrize("entropy_coef,kernel,packed", [(0.0, "auto", "on"), (0.01, "auto", "on"), (0.0, "torch", "on"), (0.0, "auto", "off")],
                          ids=["union-head", "dense-head", "mkl-union-head", "unpacked"])
 def test_true_on_policy_updates_are_bitwise_equal(tiny_checkpoint, tmp_path, entropy_coef, kernel, packed):
@@ -286,6 +288,7 @@ def test_true_on_policy_refuses_an_engine_on_another_linear_kernel(monkeypatch):
         _require_deterministic("http://engine:1", "torch")
 
 
+@pytest.mark.float_bits
 def test_true_on_policy_catches_one_corrupted_position(tiny_checkpoint, tmp_path, monkeypatch):
     def drop_one_id(row, selected):
         dropped = max(i for i in row if i != selected)

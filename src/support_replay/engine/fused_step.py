@@ -7,7 +7,8 @@ the same functions where the model has them (its RMSNorm and rotary code, its at
 function: sdpa, or the batch-invariant tiles in true-on-policy mode), so its logits are the
 same bits (tests/test_fused_step.py). What it changes: the query, key and value projections
 are one product over one weight, and so are the gate and up projections (a product's output
-column has the same bits whatever other columns share it: measured, same test file); the
+column has the same bits whatever other columns share it: probed per shape at start-up,
+``unsupported`` keeps the module tree where it does not hold); the
 separate projections' weights become views into the fused ones, so a weight update written
 into the model's parameters reaches the step without a copy. Measured: 5-6% more tokens/s
 on SmolLM2 (docs/benchmarks.md).
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import EngineError
+from ..modeling.invariant_products import fused_columns_keep_bits
 from ..modeling.linear_kernels import model_kernel, model_linear
 from ..modeling.packed_weights import Pack, pack, packed_linear
 from .slot_cache import SlotCache
@@ -53,12 +55,17 @@ def unsupported(model) -> str | None:
         return f"activation {config.hidden_act!r}"
     if (getattr(config, "pretraining_tp", 1) or 1) != 1:
         return f"pretraining_tp {config.pretraining_tp}"
+    linear, threads = model_linear(model), torch.get_num_threads()
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         projections = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
         for group in projections:
             if len({p.bias is None for p in group}) != 1:
                 return "biases on some fused projections only"
+            # the step's promise (the module tree's bits) rests on this CPU's product keeping a column's bits when fused
+            widths, inputs = tuple(p.out_features for p in group), group[0].in_features
+            if not fused_columns_keep_bits(linear, widths, inputs, group[0].weight.dtype, threads):
+                return f"a fused {'+'.join(map(str, widths))}x{inputs} product changes its columns' bits on this CPU"
     return None
 
 

@@ -3,10 +3,9 @@
 The logits of a sequence must not depend on what else is in the batch, on padding, or on
 how the sequence was split between prefill and decode steps, so that the engine (KV cache,
 left-padded batches) and the trainer (one right-padded forward) compute the same bits.
-Measured on this project's CPU (docs/true-on-policy.md): a row of ``F.linear`` (MKL) is the
-same bits whatever the other rows hold and wherever it sits, once the row count is a multiple
-of 16 (1, 2 or ragged row counts take other kernels); a row of oneDNN's fp32 product, from 2
-rows on (modeling/linear_kernels.py); row reductions (RMSNorm) and
+A row of a linear product keeps its bits whatever the other rows hold under a plan probed per
+weight shape on this CPU (rows padded to a multiple, or fixed-shape tiles:
+modeling/invariant_products.py; a CPU without one is refused); row reductions (RMSNorm) and
 elementwise ops (RoPE, SiLU, residuals) are per row already. Attention is the one place
 where shapes differ between the two sides; here it runs in tiles of one fixed shape, keys in
 blocks counted from the sequence start, block results added in position order, so a query
@@ -25,7 +24,8 @@ from torch import nn
 
 from .attention_tiles import KEY_BLOCK, ROW_BLOCK, layout_for
 from .invariant_decode import one_query_per_sequence
-from .linear_kernels import INVARIANT_ROWS, linear_function, padded, use_linear
+from .invariant_products import invariant_linear, model_plans
+from .linear_kernels import use_linear
 from .packed_sequences import packed_layout_for
 
 __all__ = ["ATTENTION", "KEY_BLOCK", "ROW_BLOCK", "batch_invariant_attention", "batch_invariant_linear", "make_batch_invariant"]
@@ -145,13 +145,15 @@ def _register() -> None:
 
 def batch_invariant_linear(kernel: str = "torch"):
     """The linear product of this forward: ``kernel`` (a resolved name, modeling/linear_kernels.py)
-    over rows padded to the count from which its rows keep their bits (16 for MKL, 2 for oneDNN)."""
-    return padded(linear_function(kernel), INVARIANT_ROWS[kernel])
+    under the plan probed for each weight shape on this CPU (modeling/invariant_products.py)."""
+    return invariant_linear(kernel)
 
 
 def make_batch_invariant(model: nn.Module, kernel: str = "torch") -> nn.Module:
     """Batch-invariant linears (on ``kernel``) and attention for ``model`` (a Hugging Face causal LM), in place.
-    The engine and the trainer of one run must pass the same kernel."""
+    The engine and the trainer of one run must pass the same kernel. Every linear shape is probed
+    first: a CPU on which some shape has no invariant product is refused here, by name."""
+    model_plans(model, kernel)
     _register()
     use_linear(model, batch_invariant_linear(kernel))
     model.set_attn_implementation(ATTENTION)

@@ -4,10 +4,8 @@
 bf16, cuBLAS on a GPU). ``onednn``: oneDNN's matmul for fp32 on a CPU, through the op
 PyTorch's own compiler emits for it (``torch.ops.mkldnn._linear_pointwise``). On this
 project's CPU it takes 0.65x the time of MKL at the 8-32 rows of a decode step (measured:
-docs/benchmarks.md), and its rows keep their bits whatever the other rows hold and wherever
-they sit once there are 2 or more (MKL's once the count is a multiple of 16; one row takes a
-matrix-vector path on both): ``INVARIANT_ROWS``, measured for every SmolLM2 projection shape
-and 2 to 600 rows at 1 and 2 threads, tests/test_linear_kernels.py. Its results differ from
+docs/benchmarks.md). Whether a kernel's rows keep their bits whatever the row count depends on
+the CPU and is probed, never assumed (modeling/invariant_products.py). Its results differ from
 MKL's in the last bits, so the two sides of a true-on-policy run must use the same one.
 ``auto`` picks ``onednn`` for fp32 on a CPU when PyTorch has it, else ``torch``. The trainer's
 backward stays plain products (``_OneDNNLinear``): only the forward's bits are promised.
@@ -23,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .invariant_products import padded  # noqa: F401  (re-exported: callers pad products through it)
+
 KERNELS = ("auto", "torch", "onednn")
-INVARIANT_ROWS = {"torch": 16, "onednn": 2}  # pad a product's rows to a multiple of this for batch-invariant rows
 LINEAR_KERNEL_HELP = ("the linear-layer product of the engine and of the trainer's forward: onednn (fp32 on a CPU, 0.65x MKL's time "
                       "at decode sizes), torch (F.linear), auto (onednn where it runs; bf16 and tensor-parallel layers take torch)")
 
@@ -85,22 +84,6 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def linear_function(kernel: str) -> Callable:
     """``f(x, weight, bias)`` of a resolved kernel name."""
     return {"torch": F.linear, "onednn": onednn_linear}[kernel]
-
-
-def padded(linear: Callable, rows: int) -> Callable:
-    """``linear`` over row counts padded to a multiple of ``rows`` (zeros), so that every row takes
-    the kernel of a full tile: a row's bits then do not depend on how many rows share the product."""
-
-    def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        extra = -flat.shape[0] % rows
-        if extra:
-            flat = torch.cat([flat, flat.new_zeros(extra, flat.shape[1])])
-        out = linear(flat, weight, bias)
-        return out[: out.shape[0] - extra].reshape(*x.shape[:-1], out.shape[-1])
-
-    product.unpadded = linear  # what ``model_kernel`` names
-    return product
 
 
 def use_linear(model: nn.Module, linear: Callable) -> nn.Module:

@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 from ..errors import ConfigError
 from ..logprobs import full_logprobs_and_entropy, penalised_support_logprobs, sparse_head_support_logprobs, support_logprobs, union_head_support_logprobs
 from ..modeling.batch_invariant import make_batch_invariant
+from ..modeling.invariant_products import head_columns_invariant
 from ..modeling.linear_kernels import linear_function, model_linear, use_linear
 from ..modeling.packed_sequences import use_packed_attention
 from ..modeling.context_parallel import ContextShard, assemble_rows, make_context_parallel
@@ -228,10 +229,12 @@ class Actor:
         self.layout = layout or ParallelLayout()
         self.model = load_scoring_model(path, ctx.device, batch_invariant, compute_dtype, linear_kernel)
         hf = self.model.hf
-        # true-on-policy: the union head, whose products are the engine's bits (logprobs.union_head_support_logprobs)
+        # true-on-policy: the union head, whose products are the engine's bits (logprobs.union_head_support_logprobs),
+        # where this CPU's head product keeps a column's bits over a subset of columns (probed); else the full head
         # penalties transform the logits at the support ids: the dense head, so one path scores every pass
         # tensor parallel: the vocab-parallel dense head (the sparse head would gather rows across ranks)
-        self.sparse_head = (replay and not full_with_grad and not penalties and plain_linear_head(hf) and self.layout.tp == 1)
+        union_exact = not batch_invariant or head_columns_invariant(hf, linear_kernel)
+        self.sparse_head = (replay and not full_with_grad and not penalties and plain_linear_head(hf) and self.layout.tp == 1 and union_exact)
         if self.layout.tp > 1:
             self.model.vocab = parallelize_tensor(hf, self.layout.mesh["tp"])
             self.model.tp_group = self.layout.group("tp")
