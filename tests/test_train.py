@@ -279,10 +279,20 @@ def test_true_on_policy_refuses_an_engine_on_another_linear_kernel(monkeypatch):
     from support_replay.train.rollouts import _require_deterministic
 
     info = {"deterministic": True, "linear_kernel": "torch"}
-    monkeypatch.setattr(httpx, "get", lambda url, timeout: SimpleNamespace(json=lambda: info))
-    _require_deterministic("http://engine:1", "torch")
+    sent = []
+    monkeypatch.setattr(httpx, "get", lambda url, timeout, headers: sent.append(headers) or SimpleNamespace(json=lambda: info))
+    _require_deterministic("http://engine:1", "torch", {"Authorization": "Bearer k"})
+    assert sent == [{"Authorization": "Bearer k"}]  # a keyed engine answers the check (it answered 401 without the key)
     with pytest.raises(SupportReplayError, match="runs its linear layers on 'torch', this trainer on 'onednn'.*--linear-kernel onednn"):
         _require_deterministic("http://engine:1", "onednn")
+    from support_replay.modeling.invariant_products import invariant_plan
+
+    mine = invariant_plan("torch", 48, 40, torch.float32, torch.get_num_threads()).describe()
+    info["invariant_products"] = {"48x40": mine}
+    _require_deterministic("http://engine:1", "torch")
+    info["invariant_products"] = {"48x40": "tiles 64"}  # the engine's CPU needed another plan for that shape
+    with pytest.raises(SupportReplayError, match=rf"runs its 48x40 linear layers as 'tiles 64', this trainer's CPU as '{mine}'"):
+        _require_deterministic("http://engine:1", "torch")
     info["deterministic"] = False
     with pytest.raises(SupportReplayError, match="is not deterministic"):
         _require_deterministic("http://engine:1", "torch")

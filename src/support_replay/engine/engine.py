@@ -35,6 +35,7 @@ from ..errors import AbortedError, CapacityError, EngineError, RequestError, Sam
 from ..logprobs import full_logprobs, support_logprobs
 from ..penalties import dense_bias, dense_history, penalise
 from ..modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
+from ..modeling.invariant_products import model_plans
 from ..modeling.linear_kernels import linear_function, resolve_linear_kernel, use_linear
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest, single_version
 from ..sampling import sample_tokens
@@ -82,8 +83,10 @@ class Engine:
     ):
         dtype = next(model.parameters()).dtype
         self.linear_kernel = resolve_linear_kernel(linear_kernel, dtype, device)
+        self.invariant_plans: dict[str, str] = {}  # deterministic: each linear shape's probed plan (/model_info)
         if deterministic:  # logits independent of batch, padding and prefill/decode split
             make_batch_invariant(model, self.linear_kernel)
+            self.invariant_plans = {shape: plan.describe() for shape, plan in model_plans(model, self.linear_kernel).items()}
         else:
             use_linear(model, linear_function(self.linear_kernel))
         self.deterministic = deterministic

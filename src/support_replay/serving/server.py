@@ -133,6 +133,7 @@ def create_app(
             "weight_version": engine.weight_version,
             "deterministic": engine.deterministic,
             "linear_kernel": engine.linear_kernel,
+            "invariant_products": engine.invariant_plans,
             "limits": engine.limits.to_json(),
         }
 

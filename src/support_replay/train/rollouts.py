@@ -26,16 +26,24 @@ from .config import RunConfig
 from .dist import broadcast_object
 
 
-def _require_deterministic(url: str, linear_kernel: str) -> None:
+def _require_deterministic(url: str, linear_kernel: str, headers: dict | None = None) -> None:
     import httpx
 
-    info = httpx.get(url.rstrip("/") + "/model_info", timeout=30).json()
+    from ..modeling.invariant_products import invariant_plan
+
+    info = httpx.get(url.rstrip("/") + "/model_info", timeout=30, headers=headers or {}).json()
     if not info.get("deterministic"):
         raise SupportReplayError(f"--true-on-policy-mode: the engine at {url} is not deterministic; start it with `support-replay serve --deterministic`")
     theirs = info.get("linear_kernel", "torch")
     if theirs != linear_kernel:
         raise SupportReplayError(f"--true-on-policy-mode: the engine at {url} runs its linear layers on {theirs!r}, this trainer on {linear_kernel!r}; "
                                  f"their logits would differ in the last bits: start it with `--linear-kernel {linear_kernel}` or give this run `--linear-kernel {theirs}`")
+    for shape, plan in info.get("invariant_products", {}).items():  # the engine's CPU probed these; this one must agree
+        out_features, in_features = map(int, shape.split("x"))
+        mine = invariant_plan(linear_kernel, out_features, in_features, torch.float32, torch.get_num_threads())
+        if mine is None or mine.describe() != plan:
+            raise SupportReplayError(f"--true-on-policy-mode: the engine at {url} runs its {shape} linear layers as {plan!r}, this trainer's CPU "
+                                     f"as {mine.describe() if mine else 'nothing invariant'!r}: their logits would differ; run both on one kind of CPU")
 
 
 REGENERATION_SEED_STRIDE = 1_000_003  # a stale group generated again draws with other seeds than the first time
@@ -43,17 +51,17 @@ SGLANG_PENALTY_VERSION = "0.5.23"
 VLLM_PENALTY_VERSION = "0.32."
 
 
-def penalty_semantics_of(url: str, protocol: str, penalties) -> str:
+def penalty_semantics_of(url: str, protocol: str, penalties, headers: dict | None = None) -> str:
     import httpx
 
-    base = url.rstrip("/")
+    base, headers = url.rstrip("/"), headers or {}
     setting = ", ".join(f"{k}={v}" for k, v in penalties.to_json().items() if v not in (0.0, 1.0, {}))
     if protocol == "vllm":
-        version = httpx.get(base + "/version", timeout=30).json().get("version", "")
+        version = httpx.get(base + "/version", timeout=30, headers=headers).json().get("version", "")
         if not str(version).startswith(VLLM_PENALTY_VERSION):
             raise ConfigError(f"vLLM {version} at {url}: penalties ({setting}) are replayed for vLLM {VLLM_PENALTY_VERSION}x only, whose code was read")
         return "vllm"
-    info = httpx.get(base + "/server_info", timeout=30).json()
+    info = httpx.get(base + "/server_info", timeout=30, headers=headers).json()
     if "semantics" in info:  # our engine (serve, or a router in front of it) says its own
         return info["semantics"]
     version, overlap_off = info.get("version"), info.get("disable_overlap_schedule")
@@ -95,7 +103,7 @@ class Rollouts:
 
             self.backend = SGLangBackend(cfg.rollout_url, vocab_size, sampling_mask_format=cfg.sampling_mask_format, api_key=keys.api)
             if cfg.true_on_policy_mode:
-                _require_deterministic(cfg.rollout_url, cfg.trainer_linear_kernel(ctx.device))
+                _require_deterministic(cfg.rollout_url, cfg.trainer_linear_kernel(ctx.device), keys.header(admin=False))
         else:  # the in-process engine: the only place the trainer imports it
             from ..backends.local import EngineBackend
             from ..engine import Engine
@@ -115,7 +123,7 @@ class Rollouts:
         if not self.penalties.active or not cfg.rollout_url:
             semantics = cfg.sampling_semantics
         else:
-            semantics = penalty_semantics_of(cfg.rollout_url, cfg.rollout_engine, self.penalties)
+            semantics = penalty_semantics_of(cfg.rollout_url, cfg.rollout_engine, self.penalties, Keys.load().header(admin=False))
         self.penalties.check(semantics, vocab_size, where=f"{self.engine_name} penalties")
         return semantics
 
