@@ -27,6 +27,11 @@ class EngineUnavailable(WireError):
     dropped (``--failed-group-policy``)."""
 
 
+class EngineOverloaded(EngineUnavailable):
+    """Every try found the engine's queue full (503): nothing of the request ran, so its group is
+    generated again with the same seeds (rollout/generate.py)."""
+
+
 class SamplingParamsError(SupportReplayError):
     """Sampling settings that are invalid, or that replay cannot reproduce faithfully."""
 

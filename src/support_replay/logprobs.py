@@ -95,6 +95,17 @@ def support_logprobs(logits: torch.Tensor, targets: torch.Tensor, support, tempe
     return _SupportLogProbs.apply(logits, targets.to(logits.device, torch.long), ids, valid, temp)
 
 
+def support_row_logprobs(logits_row: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log mu`` of every id of one support row (``[n]`` fp32), in O(n): the operations of
+    ``support_logprobs`` for that row (the same ``z/T``, the same log-sum-exp), so the selected
+    id's value is its bits."""
+    ids = ids.to(logits_row.device, torch.long)[None]
+    temp = _temperature_column(temperature, 1, logits_row.device, _acc(logits_row.dtype))
+    z = logits_row[None].gather(1, ids).to(temp.dtype) / temp
+    lse, _ = _masked_logsumexp(z, torch.ones_like(ids, dtype=torch.bool))
+    return (z - lse[:, None])[0]
+
+
 def penalised_support_logprobs(logits: torch.Tensor, targets: torch.Tensor, support, temperature, transform) -> torch.Tensor:
     """``support_logprobs`` on transformed logits: ``log pi(a_t | S_t) = z'(a_t)/T - logsumexp_{S_t} z'/T``
     with ``z' = transform(z gathered at the support ids [T, K], ids)``, plain autograd (the

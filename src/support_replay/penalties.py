@@ -95,18 +95,15 @@ NO_PENALTIES = Penalties()
 
 @lru_cache(maxsize=64)
 def _repeated_sum_table(value: float, size: int) -> np.ndarray:
-    """``table[c]`` = ``value`` added ``c`` times in fp32, one addition at a time (SGLang's scatter_add)."""
-    out = np.zeros(size + 1, np.float32)
-    acc, step = np.float32(0), np.float32(value)
-    for c in range(1, size + 1):
-        acc = np.float32(acc + step)
-        out[c] = acc
-    return out
+    """``table[c]`` = ``value`` added ``c`` times in fp32, one addition at a time (SGLang's scatter_add):
+    numpy's ``cumsum`` accumulates in order, in the array's dtype. ``size`` is a power of two
+    (``repeated_sum`` rounds up), so a growing history rebuilds the table a logarithmic number of times."""
+    return np.concatenate([np.zeros(1, np.float32), np.cumsum(np.full(size, value, np.float32), dtype=np.float32)])
 
 
 def repeated_sum(value: float, counts: torch.Tensor) -> torch.Tensor:
     size = int(counts.max()) if counts.numel() else 0
-    table = torch.from_numpy(_repeated_sum_table(float(value), max(size, 1)))
+    table = torch.from_numpy(_repeated_sum_table(float(value), 1 << max(size, 1).bit_length()))
     return table.to(counts.device)[counts.long()]
 
 

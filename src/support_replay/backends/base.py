@@ -16,7 +16,7 @@ from typing import Protocol
 
 import httpx
 
-from ..errors import AbortedError, EngineUnavailable, WireError
+from ..errors import AbortedError, EngineOverloaded, EngineUnavailable, WireError
 from ..protocol import SESSION_HEADER, GenerateRequest
 
 RETRIES = 3  # tries after the first
@@ -73,7 +73,7 @@ def session_headers(req: GenerateRequest) -> dict:
 def post_json(client, url: str, body: dict, index: int, retries: RetryCounter | None = None, tries: int = RETRIES + 1, headers: dict | None = None):
     """POST ``body``; ``(decoded JSON answer, body size in bytes)``. ``WireError`` naming the request
     and the status for a refusal, ``EngineUnavailable`` when no try got an answer."""
-    problem = ""
+    problem, overloaded = "", 0  # tries answered 503: the engine's queue was full, nothing of the request ran
     for attempt in range(tries):
         if attempt and retries is not None:
             retries.add()
@@ -85,6 +85,7 @@ def post_json(client, url: str, body: dict, index: int, retries: RetryCounter | 
             continue
         if reply.status_code in RETRY_STATUSES:
             problem = f"HTTP {reply.status_code}: {reply.text[:300]}"
+            overloaded += reply.status_code == 503
             wait = reply.headers.get("retry-after", "")
             time.sleep(min(MAX_BACKOFF, float(wait) if wait.replace(".", "", 1).isdigit() else 0.5 * 2**attempt))
             continue
@@ -96,7 +97,8 @@ def post_json(client, url: str, body: dict, index: int, retries: RetryCounter | 
             return reply.json(), len(reply.content)
         except ValueError as exc:
             raise WireError(f"request {index}: {url} answered with a body that is not JSON: {exc}") from exc
-    raise EngineUnavailable(f"request {index}: {url} gave no answer in {tries} tries ({problem})")
+    kind = EngineOverloaded if overloaded == tries else EngineUnavailable
+    raise kind(f"request {index}: {url} gave no answer in {tries} tries ({problem})")
 
 
 def fan_out(pool, fn, requests, return_exceptions: bool = False) -> list:

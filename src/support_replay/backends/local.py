@@ -1,9 +1,17 @@
-"""The in-process engine as a backend (colocated rollouts, tests)."""
+"""The in-process engine as a backend (colocated rollouts, tests).
+
+A rollout of any size goes through: requests are queued as the engine's queue has room (in
+order, so a GRPO group sent together still shares its prefill) and the rest wait here, never
+refused for a full queue. The engine's 503 stays for callers that overload it.
+"""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future
+
 from ..engine import Engine
-from ..errors import EngineError, EngineUnavailable, RequestError
+from ..errors import EngineError, EngineOverloaded, EngineUnavailable, OverloadedError, RequestError
 from ..protocol import GenerateRequest, validate_completion
 
 
@@ -18,8 +26,7 @@ class EngineBackend:
     def generate(self, requests: list[GenerateRequest], *, return_exceptions: bool = False) -> list:
         """A refused request raises; one the engine failed or dropped is ``EngineUnavailable``
         (in its place with ``return_exceptions``)."""
-        futures = self.engine.submit_all(requests)  # admitted together: a group shares its prompt's prefill
-        self.engine.wait(futures, self.timeout)
+        futures = self._submit_as_room_allows(requests)
         out = []
         for i, (req, future) in enumerate(zip(requests, futures)):
             try:
@@ -27,8 +34,28 @@ class EngineBackend:
             except RequestError:
                 raise
             except EngineError as exc:
-                failed = EngineUnavailable(f"completion {i}: {exc}")
+                kind = EngineOverloaded if isinstance(exc, OverloadedError) else EngineUnavailable
+                failed = kind(f"completion {i}: {exc}")
                 if not return_exceptions:
                     raise failed from exc
                 out.append(failed)
         return out
+
+    def _submit_as_room_allows(self, requests: list[GenerateRequest]) -> list[Future]:
+        """Every request's future, each submitted once the engine's queue has room for it; returns
+        when all are done. What others queued meanwhile shares the room (a full queue still answers 503)."""
+        engine, futures, sent = self.engine, [], 0
+        while sent < len(requests):
+            room = engine.limits.max_queue - engine.num_waiting
+            if room > 0:
+                batch = requests[sent : sent + room]
+                futures += engine.submit_all(batch)  # admitted together: a group shares its prompt's prefill
+                sent += len(batch)
+                continue
+            mine = [f for f in futures if not f.done()]
+            if mine:
+                engine.wait(mine, self.timeout, any_done=True)
+            else:  # others' requests fill the queue: their callers step the engine
+                time.sleep(0.01)
+        engine.wait(futures, self.timeout)
+        return futures

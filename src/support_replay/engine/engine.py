@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..errors import AbortedError, CapacityError, EngineError, RequestError, SamplingParamsError
-from ..logprobs import full_logprobs, support_logprobs
+from ..logprobs import full_logprobs, support_row_logprobs
 from ..penalties import dense_bias, dense_history, penalise
 from ..modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
 from ..modeling.invariant_products import model_plans
@@ -46,6 +46,8 @@ from .model_runner import ModelRunner, load_model_and_tokenizer
 from .slot_cache import SlotCache
 
 log = logging.getLogger(__name__)
+
+UTF8_MAX_BYTES = 4  # a character is at most 4 bytes: a byte-level token run longer than that never completes one
 
 @dataclass
 class _Sequence:
@@ -62,6 +64,8 @@ class _Sequence:
     position: int = 0  # position id of the next token fed to the model
     finish_reason: dict | None = None
     text: str = ""
+    decoded: str = ""  # the output's text so far, decoded incrementally (stop strings)
+    decode_from: tuple[int, int] = (0, 0)  # (prefix, read) token offsets of the incremental decode
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # the request's logit bias as a row, built once at admission
     failure: tuple[Exception, str] | None = None  # why it stopped early, answered once its row has left the batch
 
@@ -217,10 +221,10 @@ class Engine:
         self.wait(futures, timeout)
         return [f.result() for f in futures]
 
-    def wait(self, futures: list[Future], timeout: float | None = None) -> None:
-        """Return once every future is done (``TimeoutError`` after ``timeout`` seconds). With the
-        loop started, its thread serves them; without it, this thread runs the engine's steps
-        (one thread at a time; what other threads queued is served in the same steps).
+    def wait(self, futures: list[Future], timeout: float | None = None, *, any_done: bool = False) -> None:
+        """Return once every future is done, or one of them with ``any_done`` (``TimeoutError`` after
+        ``timeout`` seconds). With the loop started, its thread serves them; without it, this thread
+        runs the engine's steps (one thread at a time; what other threads queued is served in the same steps).
 
         Why the caller's thread: PyTorch's CPU ops run on libgomp, and a second thread that
         computes gets its own OpenMP pool; with more pool threads than CPUs libgomp cuts every
@@ -229,12 +233,13 @@ class Engine:
         another thread holds a pool, the trainer's as much as the engine's (docs/benchmarks.md).
         A colocated engine therefore steps in the thread that calls it."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not all(f.done() for f in futures):
+        settled = any if any_done else all
+        while futures and not settled(f.done() for f in futures):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"engine: {sum(not f.done() for f in futures)} of {len(futures)} requests not done after {timeout} s")
             if self._thread is not None or self._looping_here:
-                concurrent.futures.wait(futures, timeout=left)
+                concurrent.futures.wait(futures, timeout=left, return_when="FIRST_COMPLETED" if any_done else "ALL_COMPLETED")
                 continue
             self._guarded_step()
 
@@ -484,11 +489,8 @@ class Engine:
 
     @staticmethod
     def _support_row_logprobs(logits_row: torch.Tensor, row_ids: np.ndarray, params) -> np.ndarray:
-        """log mu of every id of the support, by the same function as the selected token's."""
-        ids = torch.from_numpy(row_ids.astype(np.int64))
-        n = len(ids)
-        padded = (ids.expand(n, n), torch.ones(n, n, dtype=torch.bool))
-        return support_logprobs(logits_row.expand(n, -1), ids, padded, params.temperature or 1.0).numpy()
+        """log mu of every id of the support, in O(|S|), with the selected token's bits."""
+        return support_row_logprobs(logits_row, torch.from_numpy(row_ids.astype(np.int64)), params.temperature or 1.0).numpy()
 
     def _full_logprobs(self, seqs, logits, tokens) -> dict[int, float] | None:
         rows = [i for i, s in enumerate(seqs) if s.request.return_logprob]
@@ -506,14 +508,33 @@ class Engine:
         elif token in req.stop_token_ids:
             seq.finish_reason = {"type": "stop", "matched": token}
         elif req.stop:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-            hits = [(text.find(s), s) for s in req.stop if s and s in text]
-            if hits:
-                pos, matched = min(hits)
-                seq.text = text[:pos]
-                seq.finish_reason = {"type": "stop", "matched": matched}
+            new = self._decode_new_text(seq)
+            if new:  # a stop string not seen before ends in the new text: search only there
+                start = max(0, len(seq.decoded) - new - max(map(len, req.stop)) + 1)
+                window = seq.decoded[start:]
+                hits = [(window.find(s), s) for s in req.stop if s and s in window]
+                if hits:
+                    pos, matched = min(hits)
+                    seq.text = seq.decoded[: start + pos]
+                    seq.finish_reason = {"type": "stop", "matched": matched}
         if seq.finish_reason is None and len(seq.output_ids) >= req.max_new_tokens:
             seq.finish_reason = {"type": "length", "length": len(seq.output_ids)}
+
+    def _decode_new_text(self, seq: _Sequence) -> int:
+        """Append the text the newest tokens add to ``seq.decoded``; returns how many characters.
+        Decodes a few tokens per step (vLLM's incremental rule: the text of ``[prefix:]`` past that of
+        ``[prefix:read]``), not the whole output, and waits while a token may end inside a UTF-8
+        character (up to 4 tokens: a longer invalid run is final)."""
+        prefix, read = seq.decode_from
+        ids = seq.output_ids
+        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
+        text = self.tokenizer.decode(ids[prefix:], skip_special_tokens=True)
+        if text.endswith("\ufffd") and len(ids) - read < UTF8_MAX_BYTES:  # an incomplete character may still end
+            return 0
+        new = text[len(before):]
+        seq.decoded += new
+        seq.decode_from = (read, len(ids))
+        return len(new)
 
     def _retire(self) -> None:
         keep = [i for i, s in enumerate(self._running) if s.finish_reason is None]

@@ -30,10 +30,10 @@ def generate_episodes(
     rewrite gives several samples sharing ``metadata["episode"]`` (and its reward)."""
     retries_before = runner.store.backend.retries
 
-    def attempt_groups(pending: list[int], attempt: int) -> list[list]:
+    def attempt_groups(pending: list[int], attempts: list[int]) -> list[list]:
         episodes = [Episode(g * n_samples + j, g, tasks[g].content, tasks[g].label, max_turns=settings.max_turns)
                     for g in pending for j in range(n_samples)]
-        seeds = [request_seed(seed, rollout, ep.index, attempt) for ep in episodes]
+        seeds = [request_seed(seed, rollout, g * n_samples + j, attempt) for g, attempt in zip(pending, attempts) for j in range(n_samples)]
         results = asyncio.run(_play_all(runner, episodes, seeds, settings, rollout))
         return [results[i * n_samples : (i + 1) * n_samples] for i in range(len(pending))]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError, EngineUnavailable, NonFiniteError
+from ..errors import ConfigError, EngineOverloaded, EngineUnavailable, NonFiniteError
 from ..penalties import NO_PENALTIES, Penalties
 from ..protocol import GenerateRequest
 from ..sampling import SamplingParams
@@ -60,21 +60,25 @@ class RolloutStats:
 def complete_groups(num_groups: int, attempt_groups, error_of, *, policy: str, max_regenerations: int, rollout: int) -> tuple[dict, RolloutStats]:
     """Every group answered in full, or regenerated / dropped by ``policy``.
 
-    ``attempt_groups(pending, attempt)`` plays the pending groups once and returns one list of
-    results per group; ``error_of(result)`` is the exception of a result that failed, or None.
+    ``attempt_groups(pending, attempts)`` plays the pending groups once, group ``pending[i]`` with the
+    seeds of attempt ``attempts[i]``, and returns one list of results per group; ``error_of(result)``
+    is the exception of a result that failed, or None. A group whose every failure is
+    ``EngineOverloaded`` (nothing of it ran) keeps its attempt, so it draws the seeds the first try
+    would have; any other failure moves it to fresh seeds. Either way it counts as a regeneration.
     Returns ``{group: results}`` of the complete groups and what was done on the way.
     """
     if policy not in FAILED_GROUP_POLICIES:
         raise ConfigError(f"failed_group_policy: one of {FAILED_GROUP_POLICIES}, got {policy!r}")
     stats, answered = RolloutStats(), {}
-    pending, attempt = list(range(num_groups)), 0
+    pending, attempts, tries = list(range(num_groups)), [0] * num_groups, 0
     while pending:
         failed = []
-        for g, group in zip(pending, attempt_groups(pending, attempt)):
+        for g, attempt, group in zip(pending, attempts, attempt_groups(pending, attempts)):
             errors = [e for e in map(error_of, group) if e is not None]
             stats.failed_samples += len(errors)
             if errors:
-                failed.append((g, errors[0]))
+                overloaded = all(isinstance(e, EngineOverloaded) for e in errors)
+                failed.append((g, attempt if overloaded else attempt + 1, errors[0]))
             else:
                 answered[g] = group
         if not failed:
@@ -82,11 +86,11 @@ def complete_groups(num_groups: int, attempt_groups, error_of, *, policy: str, m
         if policy == "drop":
             stats.dropped_groups += len(failed)
             break
-        if attempt >= max_regenerations:
-            g, error = failed[0]
-            raise EngineUnavailable(f"rollout {rollout}, group {g}: no complete answer after {attempt + 1} attempts ({type(error).__name__}: {error})")
+        if tries >= max_regenerations:
+            g, _, error = failed[0]
+            raise EngineUnavailable(f"rollout {rollout}, group {g}: no complete answer after {tries + 1} attempts ({type(error).__name__}: {error})")
         stats.regenerated_groups += len(failed)
-        pending, attempt = [g for g, _ in failed], attempt + 1
+        pending, attempts, tries = [g for g, _, _ in failed], [a for _, a, _ in failed], tries + 1
     return answered, stats
 
 
@@ -112,7 +116,7 @@ def generate_samples(
     """``n_samples`` responses per prompt, grouped prompt by prompt, rewarded.
 
     A response the engine never gave (down, overloaded, aborted: ``EngineUnavailable``) never
-    trains: its whole GRPO group is generated again with fresh seeds (up to
+    trains: its whole GRPO group is generated again, with fresh seeds unless nothing of it ran (up to
     ``max_regenerations`` times, then the run stops) or dropped, by ``failed_group_policy``.
     Every request carries an id ``{rid_prefix}/{rollout}/{sample}/{attempt}``, so an engine
     that receives it twice answers once. ``ignore_eos``: every response runs to
@@ -121,9 +125,9 @@ def generate_samples(
     rendered = [render_prompt(tokenizer, p, apply_chat_template) for p in prompts]
     retries_before = backend.retries
 
-    def attempt_groups(pending: list[int], attempt: int) -> list[list]:
+    def attempt_groups(pending: list[int], attempts: list[int]) -> list[list]:
         requests = [_request(rendered[g][0], params, seed, rollout, g * n_samples + j, attempt, max_new_tokens, capture, rid_prefix, penalties, ignore_eos)
-                    for g in pending for j in range(n_samples)]
+                    for g, attempt in zip(pending, attempts) for j in range(n_samples)]
         completions = backend.generate(requests, return_exceptions=True)
         pairs = list(zip(requests, completions))
         return [pairs[i * n_samples : (i + 1) * n_samples] for i in range(len(pending))]
