@@ -214,8 +214,9 @@ def run_router(engine_urls: list[str], host: str = "127.0.0.1", port: int = DEFA
                allowed_hosts: list[str] | None = None) -> None:
     import uvicorn
 
-    from .server import allowed_hosts_for
+    from .server import allowed_hosts_for, announce_exposure
 
+    announce_exposure(host, keys or Keys())
     router = Router(engine_urls, health_interval, request_timeout, keys)
     app = create_router_app(router, max_request_bytes=max_request_bytes, allowed_hosts=allowed_hosts_for(host, allowed_hosts))
     uvicorn.run(app, host=host, port=port, log_level="warning")

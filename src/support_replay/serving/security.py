@@ -106,6 +106,27 @@ class JSONOnly:
         return await self.app(scope, receive, send)
 
 
+class NormalPaths:
+    """400 for a path that is not in normal form: ``.`` or ``..`` segments, empty segments, a backslash,
+    or an encoded slash, dot or backslash. Guards match paths as written, and a client library
+    (httpx) or a proxy may normalise ``/v1/../update_weight_version`` into an admin route after the
+    guard has looked: such paths never pass."""
+
+    ENCODED = (b"%2f", b"%2e", b"%5c")
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path, raw = scope["path"], (scope.get("raw_path") or b"").lower()
+            segments = path.split("/")[1:]
+            odd = any(seg in (".", "..") for seg in segments) or "//" in path or "\\" in path or any(e in raw for e in self.ENCODED)
+            if odd or not path.startswith("/"):
+                return await _send_error(send, 400, f"path {path[:200]!r} is not in normal form (no '.', '..', '//', backslash or encoded separators)")
+        return await self.app(scope, receive, send)
+
+
 class KeyGuard:
     """401 unless the request carries the key its route needs (``admin_paths`` the admin key, the
     rest the API key, ``open_paths`` none). A plain ASGI middleware: it leaves ``receive`` alone,
@@ -145,16 +166,21 @@ class Keys:
     def load(cls, api_key_file: str | None = None, admin_key_file: str | None = None, api_key: str | None = None) -> Keys:
         return cls(api=api_key or read_key(API_KEY_ENV, api_key_file), admin=read_key(ADMIN_KEY_ENV, admin_key_file))
 
+    def needed(self, *, admin: bool) -> str | None:
+        """The key a route asks for: admin routes take the admin key, or the API key when only that is set
+        (an API key alone must not leave weights and versions open to anyone)."""
+        return (self.admin or self.api) if admin else self.api
+
     def allows(self, authorization: str | None, *, admin: bool) -> bool:
         """Constant-time comparison of ``Authorization: Bearer KEY`` with the key the route needs."""
-        needed = self.admin if admin else self.api
+        needed = self.needed(admin=admin)
         if needed is None:
             return True
         given = (authorization or "").removeprefix("Bearer ").encode()
         return hmac.compare_digest(given, needed.encode())
 
     def header(self, *, admin: bool) -> dict:
-        key = self.admin if admin else self.api
+        key = self.needed(admin=admin)
         return {"Authorization": f"Bearer {key}"} if key else {}
 
 
@@ -166,5 +192,23 @@ def guarded(app: ASGIApp, keys: Keys, admin_paths, open_paths, *, allowed_hosts:
     from starlette.middleware.trustedhost import TrustedHostMiddleware
 
     binary = dict(binary_paths or {})
-    inner = KeyGuard(JSONOnly(app, tuple(binary), keyed=keys.admin is not None), keys, tuple(admin_paths), tuple(open_paths))
-    return BodyLimit(TrustedHostMiddleware(inner, allowed_hosts=allowed_hosts or ["*"]), max_request_bytes, binary)
+    inner = KeyGuard(JSONOnly(app, tuple(binary), keyed=keys.needed(admin=True) is not None), keys, tuple(admin_paths), tuple(open_paths))
+    return BodyLimit(NormalPaths(TrustedHostMiddleware(inner, allowed_hosts=allowed_hosts or ["*"])), max_request_bytes, binary)
+
+
+def exposure_warnings(host: str, keys: Keys, weights_dir) -> list[str]:
+    """What a server bound to ``host`` leaves open; raises ``ConfigError`` for what it must not:
+    weight loading from disk with no key on an address others can reach."""
+    from ..errors import ConfigError
+
+    if host in LOOPBACK_HOSTS:
+        return []
+    if weights_dir is not None and keys.needed(admin=True) is None:
+        raise ConfigError(f"--weights-dir on {host} with no key: anyone who reaches the port could load weights; "
+                          "set --admin-key-file or --api-key-file (or $SUPPORT_REPLAY_ADMIN_KEY), or bind to 127.0.0.1")
+    out = []
+    if keys.api is None:
+        out.append(f"bound to {host} with no API key: anyone who reaches the port can generate (set --api-key-file)")
+    if host in ("0.0.0.0", "::"):
+        out.append(f"bound to {host}: the Host header is not checked (name the hosts to answer with --allowed-host)")
+    return out

@@ -23,7 +23,7 @@ from .metrics import render_metrics
 from ..rollout.chat import ChatRenderer
 from .openai_routes import openai_routes
 from .schemas import GenerateIn, SamplingParamsIn, UpdateWeightsIn, UpdateWeightVersionIn
-from .security import DEFAULT_MAX_WEIGHTS_BYTES, LOOPBACK_HOSTS, WEIGHTS_OVER_HTTP, Keys, guarded
+from .security import DEFAULT_MAX_WEIGHTS_BYTES, LOOPBACK_HOSTS, WEIGHTS_OVER_HTTP, Keys, exposure_warnings, guarded
 
 DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there
 
@@ -174,6 +174,9 @@ def create_app(
             return error_response(403, "weight loading is off: start the server with --weights-dir DIR to load safetensors from under DIR")
         if not path.is_relative_to(weights_dir):
             return error_response(403, f"model_path {body.model_path!r} is not under the weights directory {str(weights_dir)!r}")
+        outside = [f for f in (path.glob("*.safetensors") if path.is_dir() else []) if not f.resolve().is_relative_to(weights_dir)]
+        if outside:  # a link inside the directory to a file elsewhere
+            return error_response(403, f"model_path {body.model_path!r}: {outside[0].name} resolves outside the weights directory {str(weights_dir)!r}")
         version = await asyncio.wrap_future(engine.update_weights_from_disk(path, body.weight_version, abort_all_requests=body.abort_all_requests))
         return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version}
 
@@ -218,6 +221,7 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_ENGINE_PO
 
     from .threaded import ThreadedServer
 
+    announce_exposure(host, kwargs.get("keys") or Keys(), kwargs.get("weights_dir"))
     app = create_app(engine, allowed_hosts=allowed_hosts_for(host, kwargs.pop("allowed_hosts", None)), start_engine=False, **kwargs)
     try:
         server = ThreadedServer(app, host, port, lifespan="auto").start()
@@ -235,6 +239,14 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_ENGINE_PO
         server.stop()
     if died:
         raise EngineError(f"serve: the HTTP server at {host}:{port} stopped unexpectedly (its log above says why)")
+
+
+def announce_exposure(host: str, keys: Keys, weights_dir=None) -> None:
+    """Warn on stderr about what a non-loopback bind leaves open; refuse what it must not (security.py)."""
+    import sys
+
+    for warning in exposure_warnings(host, keys, weights_dir):
+        print(f"support-replay: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def allowed_hosts_for(host: str, given: list[str] | None) -> list[str]:

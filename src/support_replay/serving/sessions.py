@@ -183,8 +183,9 @@ def create_sessions_app(store: SessionStore, *, model_name: str = "support-repla
 def serve_sessions(store: SessionStore, host: str = "127.0.0.1", port: int = DEFAULT_SESSIONS_PORT, **kwargs) -> None:
     import uvicorn
 
-    from .server import allowed_hosts_for
+    from .server import allowed_hosts_for, announce_exposure
 
+    announce_exposure(host, kwargs.get("keys") or Keys())
     app = create_sessions_app(store, allowed_hosts=allowed_hosts_for(host, kwargs.pop("allowed_hosts", None)), **kwargs)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,0 +1,109 @@
+"""The server review's findings (docs/reliability.md, "Hostile clients"), each as the probe that
+found it: every one of these answered wrongly before its fix."""
+
+import os
+
+import pytest
+from fastapi.testclient import TestClient
+
+from support_replay.engine import Engine
+from support_replay.errors import ConfigError
+from support_replay.serving.security import Keys, exposure_warnings
+from support_replay.serving.server import create_app
+
+API = {"Authorization": "Bearer api-key"}
+
+
+def raw_request(app, method: str, raw_path: str, body: bytes = b"{}", headers: dict | None = None) -> tuple[int, bytes]:
+    """One request straight into the ASGI app with its path exactly as written (``curl --path-as-is``):
+    an HTTP client would normalise ``..`` away before sending."""
+    import asyncio
+    from urllib.parse import unquote
+
+    path = unquote(raw_path)
+    hdrs = [(b"host", b"testserver"), (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http", "path": path,
+             "raw_path": raw_path.encode(), "query_string": b"", "headers": hdrs, "client": ("127.0.0.1", 1), "server": ("testserver", 80)}
+    sent, messages = [], [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+@pytest.fixture
+def api_key_only(tiny_checkpoint, tmp_path):
+    """A server with an API key and no admin key, loading weights from under ``tmp_path/weights``."""
+    engine = Engine.from_pretrained(tiny_checkpoint).start()
+    (tmp_path / "weights").mkdir()
+    app = create_app(engine, keys=Keys(api="api-key"), weights_dir=tmp_path / "weights", allowed_hosts=["testserver"])
+    with TestClient(app) as client:
+        yield client, engine, tmp_path
+    engine.shutdown()
+
+
+# ---- finding 2: an API key alone left the admin routes open ----------------------------------
+
+
+def test_admin_routes_fall_back_to_the_api_key(api_key_only):
+    client, engine, _ = api_key_only
+    assert client.post("/update_weight_version", json={"new_version": "forged"}).status_code == 401  # was 200
+    assert engine.weight_version != "forged"
+    assert client.post("/update_weight_version", json={"new_version": "v2"}, headers=API).status_code == 200
+    assert Keys(api="a").header(admin=True) == {"Authorization": "Bearer a"}  # what our trainer and router send
+
+
+def test_weights_from_disk_with_no_key_on_an_open_address_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--weights-dir on 0.0.0.0 with no key"):
+        exposure_warnings("0.0.0.0", Keys(), tmp_path)
+    assert exposure_warnings("127.0.0.1", Keys(), tmp_path) == []
+    warnings = exposure_warnings("0.0.0.0", Keys(), None)  # finding 10: said nothing before
+    assert any("no API key" in w for w in warnings) and any("Host header is not checked" in w for w in warnings)
+    assert exposure_warnings("10.1.2.3", Keys(api="k"), tmp_path) == []
+
+
+# ---- finding 3: a path with '..' passed the guard and was normalised into an admin route ------
+
+
+@pytest.mark.parametrize("path", ["/v1/../update_weight_version", "/v1/%2e%2e/update_weight_version", "//update_weight_version",
+                                  "/./update_weight_version", "/v1%2f..%2fupdate_weight_version"])
+def test_paths_not_in_normal_form_are_refused_before_any_guard(api_key_only, path):
+    client, engine, _ = api_key_only
+    status, body = raw_request(client.app, "POST", path, b'{"new_version": "forged"}', API)
+    assert status == 400 and b"not in normal form" in body
+    assert engine.weight_version != "forged"
+    assert raw_request(client.app, "POST", "/update_weight_version", b'{"new_version": "v3"}', API)[0] == 200  # the normal path works
+
+
+def test_the_router_refuses_them_too(tiny_checkpoint):
+    import httpx
+
+    from support_replay.serving.router import Router, create_router_app
+
+    seen = []
+    router = Router(["http://engine:1"], keys=Keys(api="api-key"))
+    app = create_router_app(router, allowed_hosts=["testserver"])
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(lambda req: seen.append(req.url.path) or httpx.Response(200, json={})))
+    status, body = raw_request(app, "POST", "/v1/../update_weight_version", b'{"new_version": "x"}', API)
+    assert status == 400 and seen == []  # was forwarded, and httpx normalised it into the admin route
+
+
+# ---- finding 10: a link inside --weights-dir to a file elsewhere ---------------------------------
+
+
+def test_a_symlink_out_of_the_weights_directory_is_refused(api_key_only):
+    client, engine, tmp_path = api_key_only
+    from safetensors.torch import save_file
+
+    outside = tmp_path / "elsewhere.safetensors"
+    save_file(dict(engine.runner.model.state_dict()), str(outside))
+    os.symlink(outside, tmp_path / "weights" / "model.safetensors")
+    r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "weights")}, headers=API)
+    assert r.status_code == 403 and "resolves outside the weights directory" in r.text
