@@ -107,3 +107,67 @@ def test_a_symlink_out_of_the_weights_directory_is_refused(api_key_only):
     os.symlink(outside, tmp_path / "weights" / "model.safetensors")
     r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "weights")}, headers=API)
     assert r.status_code == 403 and "resolves outside the weights directory" in r.text
+
+
+# ---- findings 4 and 5: request ids and aborts -------------------------------------------------
+
+
+def test_a_request_id_with_another_body_is_refused_with_409(api_key_only):
+    client, engine, _ = api_key_only
+    body = {"input_ids": [5, 6, 7], "rid": "r-1", "sampling_params": {"max_new_tokens": 3, "top_k": 5, "seed": 1}}
+    first = client.post("/generate", json=body, headers=API)
+    again = client.post("/generate", json=body, headers=API)
+    assert first.status_code == again.status_code == 200 and first.json()["output_ids"] == again.json()["output_ids"]
+    other = client.post("/generate", json={**body, "input_ids": [9, 9]}, headers=API)  # was 200 with r-1's answer
+    assert other.status_code == 409 and "already names another request" in other.text
+    flags = client.post("/generate", json={**body, "return_sampling_mask": True}, headers=API)  # was a 500
+    assert flags.status_code == 409
+
+
+def test_a_duplicates_client_going_away_leaves_the_original_running(tiny_checkpoint):
+    from support_replay import SamplingParams
+    from support_replay.protocol import GenerateRequest
+
+    engine = Engine.from_pretrained(tiny_checkpoint)
+    req = GenerateRequest([5, 6, 7], SamplingParams(top_k=5, seed=2), max_new_tokens=20, ignore_eos=True, rid="long")
+    original = engine.submit(req)
+    duplicate = engine.submit(GenerateRequest([5, 6, 7], SamplingParams(top_k=5, seed=2), max_new_tokens=20, ignore_eos=True, rid="long"))
+    assert duplicate is not original
+    engine.abort(duplicate)  # was: the original's future, aborted
+    engine.wait([original])
+    assert original.result().num_tokens == 20 and duplicate.result().output_ids == original.result().output_ids
+
+
+def test_finished_answers_are_kept_within_a_byte_budget():
+    import numpy as np
+    from concurrent.futures import Future
+
+    from support_replay import SamplingParams, SupportTable
+    from support_replay.engine.ledger import Ledger, completion_bytes
+    from support_replay.protocol import Completion, GenerateRequest
+
+    ledger = Ledger(max_queue=10, finished_bytes=3 * 4096 * 4 + 5000)
+    for i in range(5):
+        req = GenerateRequest([1, 2], SamplingParams(top_k=5), rid=f"r{i}")
+        f = Future()
+        assert ledger.enqueue(req, f) is None
+        big = Completion(output_ids=[1] * 4, finish_reason={"type": "length"}, log_mu=np.zeros(4, np.float32),
+                         support=SupportTable.from_rows([np.arange(4096)] + [np.array([1])] * 3))
+        ledger.finished(req, f, big)
+    assert completion_bytes(big) > 4096 * 4
+    assert list(ledger._finished) == ["r2", "r3", "r4"]  # was kept by count alone: 4,096 of them, ~67 MB each at full capacity
+
+
+def test_an_abort_after_the_answer_leaves_nothing_behind(tiny_checkpoint):
+    from support_replay import SamplingParams
+    from support_replay.protocol import GenerateRequest
+
+    engine = Engine.from_pretrained(tiny_checkpoint)
+    for i in range(200):  # finished futures dropped by their callers, their addresses free for reuse
+        f = engine.submit(GenerateRequest([5, 6], SamplingParams(top_k=5, seed=i), max_new_tokens=1))
+        engine.wait([f])
+        engine.abort(f)  # a client that went away after its answer
+    assert engine.ledger._aborted == {}  # was one record per finished future, keyed by a reusable id()
+    fresh = [engine.submit(GenerateRequest([5, 6], SamplingParams(top_k=5, seed=i), max_new_tokens=2)) for i in range(50)]
+    engine.wait(fresh)
+    assert all(f.exception() is None for f in fresh)

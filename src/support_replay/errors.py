@@ -62,6 +62,12 @@ class OverloadedError(EngineError):
     retry_after = 1
 
 
+class RequestConflict(EngineError):
+    """A request id already names another request (another prompt or other settings) (HTTP 409)."""
+
+    status = 409
+
+
 class AbortedError(EngineError):
     """The request was cancelled (its client went away) before it finished."""
 

@@ -399,9 +399,9 @@ class Engine:
 
     def _decode(self) -> None:
         why = self.ledger.aborted([s.future for s in self._running])
-        gone = [s for s in self._running if id(s.future) in why]
+        gone = [s for s in self._running if s.future in why]
         for seq in gone:  # cancelled by their clients or a weight update: stop spending steps on them
-            seq.finish_reason, seq.failure = {"type": "abort"}, (AbortedError(why[id(seq.future)]), "aborted")
+            seq.finish_reason, seq.failure = {"type": "abort"}, (AbortedError(why[seq.future]), "aborted")
         if gone:
             self._retire()
             if not self._running:

@@ -3,19 +3,27 @@ were answered lately, which clients went away, and the counters ``/metrics`` rea
 
 Callers on any thread (the server's handlers submit and abort) and the engine's loop (which
 takes, finishes and fails requests) meet only here.
+
+A request id (``rid``) names one request: sent again with the same body (a client or router
+retry) it gets the first copy's answer, on a future of its own, so the copy's client going away
+never aborts the original; sent with another body it is refused (409). Answers are kept for
+repeated ids within a count and a byte budget. Aborts are recorded on the future itself, and
+only while it is queued or running: a finished future leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from ..errors import AbortedError, CapacityError, OverloadedError
+from ..errors import AbortedError, CapacityError, OverloadedError, RequestConflict
 from ..protocol import Completion, GenerateRequest
 
 FINISHED_RIDS_KEPT = 4096  # answers kept for a request id sent again (a client or router retry)
+FINISHED_RIDS_BYTES = 256 * 2**20  # and the bytes they may hold (one full-capacity capture is ~67 MB)
 
 
 @dataclass
@@ -26,59 +34,102 @@ class EngineStats:
     duplicates: int = 0
 
 
+def fingerprint(request: GenerateRequest) -> bytes:
+    """What makes two requests the same request (everything that changes the answer; not the routing key)."""
+    r = request
+    key = (r.input_ids, r.params, r.max_new_tokens, r.stop, r.stop_token_ids, r.ignore_eos, r.return_sampling_mask,
+           r.return_logprob, r.sampling_logprobs_mode, r.penalties)
+    return hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
+
+
+def completion_bytes(c: Completion) -> int:
+    """Roughly what a kept answer holds in memory."""
+    total = 8 * len(c.output_ids) + len(c.text)
+    for array in (c.log_mu, c.full_logprobs):
+        total += 0 if array is None else array.nbytes
+    if c.support is not None:
+        total += c.support.ids.nbytes + c.support.offsets.nbytes
+    total += sum(row.nbytes for row in c.support_row_logprobs or [])
+    return total
+
+
+def _follow(original: Future) -> Future:
+    """A future of its own that resolves as ``original`` does (a duplicate's client may cancel it freely)."""
+    copy: Future = Future()
+
+    def settle(done: Future) -> None:
+        if copy.done():
+            return
+        exc = done.exception()
+        copy.set_exception(exc) if exc is not None else copy.set_result(done.result())
+
+    original.add_done_callback(settle)
+    return copy
+
+
 class Ledger:
-    def __init__(self, max_queue: int):
+    def __init__(self, max_queue: int, finished_bytes: int = FINISHED_RIDS_BYTES):
         self.max_queue = max_queue
+        self.finished_bytes = finished_bytes
         self.lock = threading.Lock()
         self.queued = 0
         self.stats = EngineStats()
-        self._running_rids: dict[str, Future] = {}
-        self._finished: OrderedDict[str, Completion] = OrderedDict()
-        self._aborted: dict[int, str] = {}  # ids of futures to stop -> why (the client went away, a weight update)
-        self._outstanding: dict[int, Future] = {}  # every future queued or running, for abort_all
+        self._running_rids: dict[str, tuple[bytes, Future]] = {}
+        self._finished: OrderedDict[str, tuple[bytes, Completion, int]] = OrderedDict()
+        self._finished_total = 0
+        self._aborted: dict[Future, str] = {}  # futures to stop -> why (the client went away, a weight update)
+        self._outstanding: set[Future] = set()  # every future queued or running, for abort_all
 
     def enqueue(self, request: GenerateRequest, future: Future) -> Future | None:
-        """Take ``request`` into the queue (returns None), or answer it now: the future of its
-        running copy, a finished copy's answer, or 503 when the queue is full."""
+        """Take ``request`` into the queue (returns None), or answer it now: a follower of its running
+        copy, a finished copy's answer, 409 for an id that names another request, or 503 when the
+        queue is full."""
         with self.lock:
-            if request.rid is not None and request.rid in self._finished:
+            rid = request.rid
+            if rid is not None and (rid in self._finished or rid in self._running_rids):
+                mark = fingerprint(request)
+                seen, answer = (self._finished[rid][:2] if rid in self._finished else self._running_rids[rid])
+                if seen != mark:
+                    self.stats.requests["refused"] += 1
+                    future.set_exception(RequestConflict(f"rid: {rid!r:.80} already names another request (another prompt or other settings)"))
+                    return future
                 self.stats.duplicates += 1
-                future.set_result(self._finished[request.rid])
+                if isinstance(answer, Future):
+                    return _follow(answer)
+                future.set_result(answer)
                 return future
-            if request.rid is not None and request.rid in self._running_rids:
-                self.stats.duplicates += 1
-                return self._running_rids[request.rid]
             if self.queued >= self.max_queue:
                 self.stats.requests["overloaded"] += 1
                 future.set_exception(OverloadedError(f"the admission queue is full ({self.max_queue} waiting); retry later"))
                 return future
             self.queued += 1
-            self._outstanding[id(future)] = future
-            if request.rid is not None:
-                self._running_rids[request.rid] = future
+            self._outstanding.add(future)
+            if rid is not None:
+                self._running_rids[rid] = (fingerprint(request), future)
         return None
 
     def dequeue(self, future: Future) -> str | None:
         """A request leaves the queue for a slot; returns why it was aborted meanwhile, or None."""
         with self.lock:
             self.queued -= 1
-            return self._aborted.get(id(future))
+            return self._aborted.get(future)
 
     def abort(self, future: Future, why: str = "the client went away") -> None:
         with self.lock:
-            self._aborted.setdefault(id(future), why)
+            if future in self._outstanding:  # a finished or unknown future: nothing to stop, nothing kept
+                self._aborted.setdefault(future, why)
 
     def abort_all(self) -> int:
         """Abort every request queued or running now (a weight update that does not wait); returns how many."""
         with self.lock:
-            for key in self._outstanding:
-                self._aborted.setdefault(key, "a weight update aborted it (abort mode)")
+            for f in self._outstanding:
+                self._aborted.setdefault(f, "a weight update aborted it (abort mode)")
             return len(self._outstanding)
 
-    def aborted(self, futures) -> dict[int, str]:
-        """``{id(future): why}`` of those among ``futures`` to stop."""
+    def aborted(self, futures) -> dict[Future, str]:
+        """``{future: why}`` of those among ``futures`` to stop."""
         with self.lock:
-            return {id(f): self._aborted[id(f)] for f in futures if id(f) in self._aborted}
+            return {f: self._aborted[f] for f in futures if f in self._aborted}
 
     def count(self, kind: str) -> None:
         with self.lock:
@@ -89,12 +140,13 @@ class Ledger:
             self.stats.requests["ok"] += 1
             self.stats.generated_tokens += completion.num_tokens
             if request.rid is not None:
-                self._running_rids.pop(request.rid, None)
-                self._finished[request.rid] = completion
-                while len(self._finished) > FINISHED_RIDS_KEPT:
-                    self._finished.popitem(last=False)
-            self._aborted.pop(id(future), None)
-            self._outstanding.pop(id(future), None)
+                mark, _ = self._running_rids.pop(request.rid, (fingerprint(request), None))
+                size = completion_bytes(completion)
+                self._finished[request.rid] = (mark, completion, size)
+                self._finished_total += size
+                while self._finished and (len(self._finished) > FINISHED_RIDS_KEPT or self._finished_total > self.finished_bytes):
+                    self._finished_total -= self._finished.popitem(last=False)[1][2]
+            self._forget(future)
 
     def failed(self, request: GenerateRequest, future: Future, exc: Exception) -> None:
         with self.lock:
@@ -102,8 +154,11 @@ class Ledger:
             self.stats.capture_failures += isinstance(exc, CapacityError)
             if request.rid is not None:
                 self._running_rids.pop(request.rid, None)
-            self._aborted.pop(id(future), None)
-            self._outstanding.pop(id(future), None)
+            self._forget(future)
+
+    def _forget(self, future: Future) -> None:
+        self._aborted.pop(future, None)
+        self._outstanding.discard(future)
 
     def snapshot(self) -> tuple[dict, int, int, int, int]:
         """``(requests by outcome, generated tokens, capture failures, duplicates, queued)``, consistent."""
