@@ -171,3 +171,25 @@ def test_an_abort_after_the_answer_leaves_nothing_behind(tiny_checkpoint):
     fresh = [engine.submit(GenerateRequest([5, 6], SamplingParams(top_k=5, seed=i), max_new_tokens=2)) for i in range(50)]
     engine.wait(fresh)
     assert all(f.exception() is None for f in fresh)
+
+
+# ---- finding 1: one request body became millions of engine requests ----------------------------
+
+
+def test_a_body_that_fans_out_past_the_queue_is_refused_before_anything_is_built(api_key_only):
+    import json
+
+    client, engine, _ = api_key_only
+    hostile = json.dumps({"prompt": [[1]] * 1_000_000, "n": 64, "max_tokens": 1}).encode()  # 5 MB: ~10^8 requests
+    r = client.post("/v1/completions", content=hostile, headers={**API, "content-type": "application/json"})
+    assert r.status_code == 400 and "1000000 entries exceed the limit of 4096 prompts" in r.text
+    r = client.post("/generate", content=json.dumps({"input_ids": [[1]] * 1_000_000}).encode(), headers={**API, "content-type": "application/json"})
+    assert r.status_code == 400 and "exceed the limit" in r.text and len(r.text) < 2000  # the first errors only, not a million
+    r = client.post("/v1/completions", json={"prompt": [[1, 2]] * 300, "n": 64, "max_tokens": 1}, headers=API)
+    assert r.status_code == 400 and "300 x 64 = 19200 requests exceed the engine's queue of 256" in r.text
+    r = client.post("/generate", json={"input_ids": [[1, 2]] * 300}, headers=API)
+    assert r.status_code == 400 and "300 x 1 = 300 requests exceed" in r.text
+    assert sum(engine.stats.requests.values()) == 0  # not one request reached the engine
+    assert client.get("/health").status_code == 200
+    ok = client.post("/v1/completions", json={"prompt": [[1, 2]] * 4, "n": 64, "max_tokens": 1}, headers=API)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 256

@@ -15,12 +15,17 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+MAX_ERRORS_SHOWN = 5  # a hostile body can fail a million items: name the first few
+
+
 def validation_message(exc: ValidationError | RequestValidationError) -> str:
+    errors = exc.errors()
     parts = []
-    for err in exc.errors():
+    for err in errors[:MAX_ERRORS_SHOWN]:
         loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
         parts.append(f"{loc or 'body'}: {err.get('msg')}")
-    return "; ".join(parts)
+    more = len(errors) - MAX_ERRORS_SHOWN
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -15,13 +15,13 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import RequestError
 from ..protocol import Completion
 from ..rollout.chat import ChatRenderer, normalize_message, parse_tool_calls, parses_tool_calls
 from .openai_format import chat_choice, chat_response, chat_stream, new_id, openai_finish, text_choice, text_stream, token_logprobs
-from .schemas import SamplingParamsIn
+from .schemas import SamplingParamsIn, TextBatch, TokenBatch, TokenIds, bounded_batches, check_fan_out
 
 MAX_N = 64
 
@@ -75,7 +75,8 @@ class ChatIn(OpenAIIn):
 
 
 class CompletionIn(OpenAIIn):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | TextBatch | TokenIds | TokenBatch
+    _bounded = model_validator(mode="before")(classmethod(lambda cls, data: bounded_batches(data, ("prompt",))))
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -102,9 +103,10 @@ def as_log_mu(c: Completion) -> Completion:
     return c
 
 
-def openai_routes(run, meta_info, model_name: str, renderer: ChatRenderer) -> APIRouter:
+def openai_routes(run, meta_info, model_name: str, renderer: ChatRenderer, max_requests: int) -> APIRouter:
     """``run(requests, http_request)`` submits and waits; ``meta_info(completion, request,
-    sampling_mask_format)`` is SGLang's replay metadata of one completion."""
+    sampling_mask_format)`` is SGLang's replay metadata of one completion; ``max_requests`` is the
+    most engine requests one body may become (the engine's queue)."""
     routes = APIRouter()
     decode = renderer.decode
 
@@ -138,6 +140,7 @@ def openai_routes(run, meta_info, model_name: str, renderer: ChatRenderer) -> AP
             prompts = [prompts]
         if not prompts:
             raise RequestError("prompt: empty")
+        check_fan_out(len(prompts), body.n, max_requests)
         ids = [renderer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         top = body.logprobs or 0
         sp = body.sampling(body.max_tokens, 16)  # OpenAI's default max_tokens for completions

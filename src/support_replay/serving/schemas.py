@@ -7,7 +7,7 @@ Penalties and logit bias are applied (and replayed by the trainer, ``penalties.p
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -15,6 +15,29 @@ from ..errors import RequestError, SamplingParamsError
 from ..protocol import GenerateRequest
 from ..penalties import Penalties
 from ..sampling import SamplingParams
+
+
+MAX_BATCH = 4096  # prompts in one request body: checked while parsing, before anything is built (the queue bounds it further)
+TokenIds = list[int]
+TokenBatch = Annotated[list[TokenIds], Field(max_length=MAX_BATCH)]
+TextBatch = Annotated[list[str], Field(max_length=MAX_BATCH)]
+
+
+def bounded_batches(data: Any, fields: tuple[str, ...]) -> Any:
+    """Before any field is validated: a list field longer than ``MAX_BATCH`` entries fails at once
+    (validating a million entries first, and naming each one that fails, takes seconds)."""
+    if isinstance(data, dict):
+        for name in fields:
+            value = data.get(name)
+            if isinstance(value, list) and len(value) > MAX_BATCH and not all(type(v) is int for v in value):  # one long prompt of ids passes
+                raise ValueError(f"{name}: {len(value)} entries exceed the limit of {MAX_BATCH} prompts per request")
+    return data
+
+
+def check_fan_out(prompts: int, n: int, queue: int) -> None:
+    """Refuse (400) a request that would become more engine requests than the queue admits, before any is built."""
+    if prompts * n > queue:
+        raise RequestError(f"prompts x n: {prompts} x {n} = {prompts * n} requests exceed the engine's queue of {queue}; send fewer at a time")
 
 
 def _reject_stream(stream: bool) -> bool:
@@ -87,11 +110,11 @@ class GenerateIn(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # fields of SGLang's we do not use are accepted and ignored
 
-    rid: str | list[str] | None = None  # idempotency key(s): a repeated id gets the first answer
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: SamplingParamsIn | list[SamplingParamsIn] | None = None
-    return_logprob: bool | list[bool] = False
+    rid: str | Annotated[list[str], Field(max_length=MAX_BATCH)] | None = None  # idempotency key(s): a repeated id gets the first answer
+    text: str | TextBatch | None = None
+    input_ids: TokenIds | TokenBatch | None = None
+    sampling_params: SamplingParamsIn | Annotated[list[SamplingParamsIn], Field(max_length=MAX_BATCH)] | None = None
+    return_logprob: bool | Annotated[list[bool], Field(max_length=MAX_BATCH)] = False
     return_sampling_mask: bool = False
     sampling_logprobs_mode: Literal["selected", "support"] = "selected"
     sampling_mask_format: Literal["lists", "binary"] = "lists"
@@ -99,6 +122,8 @@ class GenerateIn(BaseModel):
     stream: bool = False
 
     _no_stream = field_validator("stream")(classmethod(lambda cls, v: _reject_stream(v)))
+    _bounded = model_validator(mode="before")(classmethod(lambda cls, data: bounded_batches(
+        data, ("text", "input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len"))))
 
     @field_validator("logprob_start_len")
     @classmethod

@@ -22,7 +22,7 @@ from .http_errors import error_response, install_error_handlers
 from .metrics import render_metrics
 from ..rollout.chat import ChatRenderer
 from .openai_routes import openai_routes
-from .schemas import GenerateIn, SamplingParamsIn, UpdateWeightsIn, UpdateWeightVersionIn
+from .schemas import GenerateIn, SamplingParamsIn, UpdateWeightsIn, UpdateWeightVersionIn, check_fan_out
 from .security import DEFAULT_MAX_WEIGHTS_BYTES, LOOPBACK_HOSTS, WEIGHTS_OVER_HTTP, Keys, exposure_warnings, guarded
 
 DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there
@@ -141,6 +141,7 @@ def create_app(
     async def generate(request: Request, body: GenerateIn):
         prompts = body.text if body.text is not None else body.input_ids
         prompts = prompts if body.batched else [prompts]
+        check_fan_out(len(prompts), 1, engine.limits.max_queue)
         prompts = [tokenize_prompt(p) if isinstance(p, str) else p for p in prompts]
         sp = body.sampling_params if body.sampling_params is not None else SamplingParamsIn()
         sps = sp if isinstance(sp, list) else [sp] * len(prompts)
@@ -209,6 +210,7 @@ def create_app(
     renderer = ChatRenderer(engine.tokenizer, chat_template)
     app.include_router(openai_routes(
         run, lambda c, req, fmt: meta_info(c, req, sampling_mask_format=fmt, vocab_size=engine.vocab_size), model_name, renderer,
+        engine.limits.max_queue,
     ))
     return guarded(app, keys, ADMIN_PATHS, OPEN_PATHS, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes,
                    binary_paths={WEIGHTS_OVER_HTTP: max_weights_bytes})
