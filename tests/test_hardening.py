@@ -193,3 +193,90 @@ def test_a_body_that_fans_out_past_the_queue_is_refused_before_anything_is_built
     assert client.get("/health").status_code == 200
     ok = client.post("/v1/completions", json={"prompt": [[1, 2]] * 4, "n": 64, "max_tokens": 1}, headers=API)
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 256
+
+
+# ---- finding 7: the router and its clients -------------------------------------------------------
+
+
+def _router_app(handler, engines=("http://a:1", "http://b:1")):
+    import httpx
+
+    from support_replay.serving.router import Router, create_router_app
+
+    router = Router(list(engines))
+    app = create_router_app(router, allowed_hosts=["testserver"])
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return router, app
+
+
+def test_a_read_timeout_is_not_sent_to_every_engine_in_turn():
+    import httpx
+
+    tried = []
+
+    def slow(request):
+        tried.append(request.url.host)
+        raise httpx.ReadTimeout("no answer", request=request)
+
+    router, app = _router_app(slow)
+    status, body = raw_request(app, "POST", "/generate", b'{"input_ids": [1]}')
+    assert status == 504 and b"not retried elsewhere" in body and len(tried) == 1  # was tried on a, then b
+    assert all(w.healthy for w in router.workers)
+
+
+def test_a_dropped_connection_is_still_retried_elsewhere():
+    import httpx
+
+    tried = []
+
+    def first_dies(request):
+        tried.append(request.url.host)
+        if len(tried) == 1:
+            raise httpx.RemoteProtocolError("server disconnected", request=request)
+        return httpx.Response(200, json={"ok": True})
+
+    router, app = _router_app(first_dies)
+    status, _ = raw_request(app, "POST", "/generate", b'{"input_ids": [1]}')
+    assert status == 200 and len(tried) == 2
+
+
+def test_a_client_going_away_cancels_the_engine_request():
+    import asyncio
+
+    cancelled = []
+
+    async def never(request):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(request.url.path)
+            raise
+
+    import httpx
+
+    router, app = _router_app(never)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/generate",
+             "raw_path": b"/generate", "query_string": b"", "client": ("127.0.0.1", 1), "server": ("testserver", 80),
+             "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"), (b"content-length", b"2")]}
+    messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+    import time
+
+    start = time.monotonic()
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        if time.monotonic() - start > 0.2:  # the client hung up while the engine computes
+            return {"type": "http.disconnect"}
+        await asyncio.sleep(3600)  # a connection still open: nothing to receive (starlette polls with a cancelled scope)
+
+    async def send(message):
+        pass
+
+    async def main():
+        await asyncio.wait_for(app(scope, receive, send), timeout=10)
+
+    asyncio.run(main())
+    assert cancelled == ["/generate"]  # was: the engine kept generating for a client that had gone
+    assert router.workers[0].outstanding == router.workers[1].outstanding == 0

@@ -3,10 +3,11 @@
 Bytes in, bytes out: fields the router knows nothing about (``return_sampling_mask``,
 ``sampling_logprobs_mode``, ``rid``, ...) reach the engine untouched, and the engine's response
 comes back as it was sent. Requests go to the healthy engine with the fewest outstanding
-requests; an engine that fails before answering (connection refused or dropped, or no answer
-within the request timeout) is marked down and the request is retried on another one with the
-same body, so the same ``rid`` and seed (an engine answers a repeated ``rid`` once). Requests
-of a session (header ``X-Session-Id``) all go to the engine its first turn went to and are not
+requests; an engine that fails before answering (connection refused or dropped) is marked down
+and the request is retried on another one with the same body, so the same ``rid`` and seed (an
+engine answers a repeated ``rid`` once); one that gives no answer within the request timeout
+answers 504 and is not retried (it may still be computing it). A client that goes away cancels
+the forwarded request. Requests of a session (header ``X-Session-Id``) all go to the engine its first turn went to and are not
 retried elsewhere: the session's context, and its prefix cache, live there. Weight
 updates, version changes and cache flushes are broadcast to every engine, with the admin key.
 Health is checked periodically. The body limit, the JSON-only rule and the Host check are the
@@ -38,7 +39,11 @@ OPEN_PATHS = ("/health", "/metrics")
 DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds for one engine to answer one request
 _FORWARD_HEADERS = ("content-type", "accept", SESSION_HEADER.lower())
 MAX_SESSIONS = 100_000  # session -> engine entries kept, least recently used dropped first
-_RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.TimeoutException)
+# failures before an answer that leave the request unserved by that engine: tried on another one
+_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+# no answer within the timeout: the engine may still be computing it, so it is not sent to every other engine in turn
+_TIMED_OUT = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout)
+DISCONNECT_POLL = 0.5  # seconds between checks that the router's client is still there
 
 
 @dataclass
@@ -101,6 +106,10 @@ class Router:
                 last_error = f"{worker.url}: {type(exc).__name__}: {exc}"
                 log.warning("engine failed before answering, retrying elsewhere: %s", last_error)
                 continue
+            except _TIMED_OUT as exc:
+                self.unserved += 1
+                message = f"{worker.url} gave no answer within the request timeout ({type(exc).__name__}); not retried elsewhere: it may still be running it"
+                return JSONResponse({"error": {"message": message, "code": 504}}, status_code=504)
             finally:
                 worker.outstanding -= 1
             worker.served += 1
@@ -121,7 +130,7 @@ class Router:
         worker.outstanding += 1
         try:
             reply = await self.client.request(method, worker.url + path, content=body, headers={**headers, **self.keys.header(admin=False)})
-        except _RETRYABLE as exc:
+        except (*_RETRYABLE, *_TIMED_OUT) as exc:
             worker.healthy, worker.failures = False, worker.failures + 1
             self.unserved += 1
             message = f"session {session[:80]}: its engine {worker.url} failed ({type(exc).__name__}); a session's turns are not moved to another engine"
@@ -160,6 +169,18 @@ class Router:
         while True:
             await asyncio.sleep(self.health_interval)
             await self.check_health()
+
+
+async def until_disconnected(forwarding, request: Request) -> Response:
+    """``forwarding``'s answer, or, once the client went away, its cancellation: the engine's
+    connection closes with it, and our engine drops the request (it watches its client too)."""
+    task = asyncio.ensure_future(forwarding)
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            return Response(status_code=499)
+    return task.result()
 
 
 def _json_or_text(reply: httpx.Response):
@@ -203,7 +224,7 @@ def create_router_app(router: Router, *, max_request_bytes: int = DEFAULT_MAX_RE
         target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
         if "/" + path in BROADCAST_PATHS:
             return await router.broadcast(request.method, target, body, headers)
-        return await router.forward(request.method, target, body, headers)
+        return await until_disconnected(router.forward(request.method, target, body, headers), request)
 
     return guarded(app, router.keys, BROADCAST_PATHS, OPEN_PATHS, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes,
                    binary_paths={WEIGHTS_OVER_HTTP: DEFAULT_MAX_WEIGHTS_BYTES})
