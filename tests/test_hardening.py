@@ -267,9 +267,8 @@ def test_a_client_going_away_cancels_the_engine_request():
     async def receive():
         if messages:
             return messages.pop(0)
-        if time.monotonic() - start > 0.2:  # the client hung up while the engine computes
-            return {"type": "http.disconnect"}
-        await asyncio.sleep(3600)  # a connection still open: nothing to receive (starlette polls with a cancelled scope)
+        await asyncio.sleep(max(0.0, 0.2 - (time.monotonic() - start)))  # the client hangs up while the engine computes
+        return {"type": "http.disconnect"}
 
     async def send(message):
         pass
@@ -280,3 +279,21 @@ def test_a_client_going_away_cancels_the_engine_request():
     asyncio.run(main())
     assert cancelled == ["/generate"]  # was: the engine kept generating for a client that had gone
     assert router.workers[0].outstanding == router.workers[1].outstanding == 0
+
+
+# ---- finding 11: /health under a burst -----------------------------------------------------------
+
+
+def test_a_full_queue_answers_503_before_the_body_is_parsed(tiny_checkpoint):
+    from support_replay import SamplingParams
+    from support_replay.engine.limits import EngineLimits
+    from support_replay.protocol import GenerateRequest
+
+    engine = Engine.from_pretrained(tiny_checkpoint, limits=EngineLimits(max_queue=2))  # not started: nothing leaves the queue
+    app = create_app(engine, allowed_hosts=["testserver"], start_engine=False)
+    queued = [engine.submit(GenerateRequest([5, 6], SamplingParams(top_k=5, seed=i), max_new_tokens=2)) for i in range(2)]
+    status, body = raw_request(app, "POST", "/generate", b"{ not json at all")
+    assert status == 503 and b"admission queue is full" in body  # refused without parsing (a parse would be a 400)
+    assert raw_request(app, "GET", "/health", b"")[0] == 200
+    engine.wait(queued)
+    assert raw_request(app, "POST", "/generate", b"{ not json at all")[0] == 400  # room again: parsed, and refused for what it is

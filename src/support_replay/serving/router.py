@@ -28,8 +28,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..protocol import SESSION_HEADER
-from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT
+from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT, NO_TELEMETRY
 from .metrics import render_router_metrics
+from .disconnects import unless_disconnected
 from .security import DEFAULT_MAX_WEIGHTS_BYTES, WEIGHTS_OVER_HTTP, Keys, guarded
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,6 @@ MAX_SESSIONS = 100_000  # session -> engine entries kept, least recently used dr
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 # no answer within the timeout: the engine may still be computing it, so it is not sent to every other engine in turn
 _TIMED_OUT = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout)
-DISCONNECT_POLL = 0.5  # seconds between checks that the router's client is still there
 
 
 @dataclass
@@ -171,16 +171,9 @@ class Router:
             await self.check_health()
 
 
-async def until_disconnected(forwarding, request: Request) -> Response:
-    """``forwarding``'s answer, or, once the client went away, its cancellation: the engine's
-    connection closes with it, and our engine drops the request (it watches its client too)."""
-    task = asyncio.ensure_future(forwarding)
-    while not task.done():
-        await asyncio.wait({task}, timeout=DISCONNECT_POLL)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            return Response(status_code=499)
-    return task.result()
+def cancelled(task) -> Response:
+    task.cancel()
+    return None
 
 
 def _json_or_text(reply: httpx.Response):
@@ -202,7 +195,7 @@ def create_router_app(router: Router, *, max_request_bytes: int = DEFAULT_MAX_RE
             task.cancel()
             await router.client.aclose()
 
-    app = FastAPI(title="support-replay router", lifespan=lifespan)
+    app = FastAPI(title="support-replay router", lifespan=lifespan, telemetry=NO_TELEMETRY)
 
     @app.get("/metrics")
     async def metrics():
@@ -224,7 +217,8 @@ def create_router_app(router: Router, *, max_request_bytes: int = DEFAULT_MAX_RE
         target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
         if "/" + path in BROADCAST_PATHS:
             return await router.broadcast(request.method, target, body, headers)
-        return await until_disconnected(router.forward(request.method, target, body, headers), request)
+        # a client going away cancels the forwarded request: its connection to the engine closes, and the engine drops it
+        return await unless_disconnected(router.forward(request.method, target, body, headers), request, cancelled)
 
     return guarded(app, router.keys, BROADCAST_PATHS, OPEN_PATHS, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes,
                    binary_paths={WEIGHTS_OVER_HTTP: DEFAULT_MAX_WEIGHTS_BYTES})

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import RequestError
 from ..rollout.chat import parses_tool_calls
 from ..rollout.session import ChatTurn, SessionStore, TurnResult
-from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SESSIONS_PORT
+from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SESSIONS_PORT, NO_TELEMETRY
 from .http_errors import install_error_handlers
 from .security import Keys, guarded
 from .openai_format import chat_choice, chat_response, chat_stream, token_logprobs
@@ -165,7 +165,7 @@ def create_sessions_app(store: SessionStore, *, model_name: str = "support-repla
                         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_hosts: list[str] | None = None):
     """The ASGI app: session routes inside the same guards as the engine server's (Host check,
     body limit, JSON only, the API key on everything but /health)."""
-    app = FastAPI(title="support-replay sessions")
+    app = FastAPI(title="support-replay sessions", telemetry=NO_TELEMETRY)
     install_error_handlers(app)
 
     @app.get("/health")
