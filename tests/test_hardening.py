@@ -297,3 +297,54 @@ def test_a_full_queue_answers_503_before_the_body_is_parsed(tiny_checkpoint):
     assert raw_request(app, "GET", "/health", b"")[0] == 200
     engine.wait(queued)
     assert raw_request(app, "POST", "/generate", b"{ not json at all")[0] == 400  # room again: parsed, and refused for what it is
+
+
+# ---- finding 8: sessions ---------------------------------------------------------------------------
+
+
+def test_session_metadata_is_bounded_and_a_refused_merge_changes_nothing():
+    from support_replay import SamplingParams
+    from support_replay.errors import RequestError
+    from support_replay.rollout.session import MAX_METADATA_BYTES, SessionSettings, SessionStore
+
+    store = SessionStore(backend=None, renderer=None, settings=SessionSettings(SamplingParams(top_k=5)))
+    session = store.create(metadata={"task": 1})
+    store.finish(session.id, 1.0, {"a": "x" * 1000})
+    for i in range(10):  # each /finish merges: was unbounded
+        with pytest.raises(RequestError, match=f"metadata of \\d+ bytes as JSON exceeds the limit of {MAX_METADATA_BYTES}"):
+            store.finish(session.id, 1.0, {f"k{i}": "y" * MAX_METADATA_BYTES})
+    assert set(session.metadata) == {"task", "a"}
+    with pytest.raises(RequestError, match="exceeds the limit"):
+        store.create(metadata={"big": "z" * (MAX_METADATA_BYTES + 1)})
+
+
+def test_a_session_that_cannot_open_fails_its_episode_not_the_rollout():
+    import asyncio
+
+    from support_replay import SamplingParams
+    from support_replay.rollout.agents import AgentRunner, Episode
+    from support_replay.rollout.session import SessionSettings, SessionStore
+
+    store = SessionStore(backend=None, renderer=None, settings=SessionSettings(SamplingParams(top_k=5)), max_sessions=1)
+    store.create()  # the store is full
+    runner = AgentRunner(type("A", (), {"style": "client"})(), store, "http://127.0.0.1:1", reward_fn=None, timeout=5)
+    result = asyncio.run(runner.episode(Episode(0, 0, "hi", None, max_turns=1), seed=1, settings=store.settings, rollout=0))
+    assert result.samples == [] and "sessions: 1 are open" in str(result.error)  # was raised out of the whole rollout
+
+
+def test_the_trainers_session_server_checks_host_and_key(tiny_agent_checkpoint, tmp_path):
+    import httpx
+
+    from test_train import parts
+    from test_agents_train import agent_config
+
+    _, rollouts = parts(tiny_agent_checkpoint, agent_config(tiny_agent_checkpoint, tmp_path, agent="chain"))
+    try:
+        url = rollouts.session_server.url
+        assert httpx.post(url + "/sessions", json={}).status_code == 401  # was 200: anyone on the machine could open sessions
+        assert httpx.get(url + "/health", headers={"host": "evil.example"}).status_code == 400  # was 200: any Host (DNS rebinding)
+        session = rollouts.sessions.create()
+        r = httpx.post(f"{url}/sessions/{session.id}/v1/chat/completions", json={"messages": [{"role": "user", "content": "1+1"}], "max_tokens": 2})
+        assert r.status_code == 200  # a session's own URL is its key: plain-HTTP agents keep working
+    finally:
+        rollouts.close()

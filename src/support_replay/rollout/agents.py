@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError, NonFiniteError, SessionFailed
 from .sample import Sample
-from .session import SessionSettings, SessionStore
+from .session import SessionSettings, SessionStore, merge_metadata
 from .user_code import load_function
 
 
@@ -83,14 +83,15 @@ class AgentRunner:
     async def episode(self, ep: Episode, *, seed: int, settings: SessionSettings, rollout: int) -> EpisodeResult:
         """One episode; a failed one (engine, agent error, timeout) comes back with ``error`` set
         and no samples: it never trains."""
-        session = self.store.create(seed=seed, metadata=dict(ep.metadata), settings=settings)
-        try:
+        session = None
+        try:  # a session that cannot be opened (too many open, bad metadata) fails this episode, not the rollout
+            session = self.store.create(seed=seed, metadata=dict(ep.metadata), settings=settings)
             reward, meta = await asyncio.wait_for(self._play(ep, session.id, settings), self.timeout)
             if session.failed:
                 raise SessionFailed(f"session {session.id}: {session.failed}")
             if not session.trajectories():
                 raise SessionFailed(f"episode {ep.index}: the agent finished without a model turn")
-            session.metadata.update(meta)
+            merge_metadata(session, meta)
             if reward is None:  # Miles' style: the run's reward function scores the trajectory
                 reward = self.reward_fn(_prompt_text(ep), session.last_assistant_text(), ep.label)
             reward = float(reward)
@@ -102,7 +103,8 @@ class AgentRunner:
         except Exception as exc:  # the episode failed: its group is regenerated or dropped
             return EpisodeResult([], exc if not isinstance(exc, asyncio.TimeoutError) else SessionFailed(f"episode {ep.index}: no end after {self.timeout} s"))
         finally:
-            self.store.discard(session.id)
+            if session is not None:
+                self.store.discard(session.id)
 
     async def _play(self, ep: Episode, sid: str, settings: SessionSettings):
         url = f"{self.base_url}/sessions/{sid}"

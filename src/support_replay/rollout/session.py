@@ -18,6 +18,7 @@ this). On a failed check the session either starts a new sample at that turn
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 import uuid
@@ -56,6 +57,25 @@ class SessionSettings:
         for name in ("max_turns", "max_episode_tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise RequestError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+MAX_METADATA_BYTES = 64 * 1024  # a session's metadata, as JSON: it rides along with every sample of the episode
+
+
+def merge_metadata(session: Session, metadata: dict | None) -> None:
+    """``metadata`` merged into ``session``'s, refused (400, nothing merged) when the result would pass
+    ``MAX_METADATA_BYTES`` as JSON or is not JSON (every ``/finish`` merges: without a bound a client grows it forever)."""
+    if not metadata:
+        return
+    merged = {**session.metadata, **metadata}
+    try:
+        size = len(json.dumps(merged, default=str))
+    except (TypeError, ValueError) as exc:
+        raise RequestError(f"session {session.id}: metadata is not JSON: {exc}") from exc
+    if size > MAX_METADATA_BYTES:
+        raise RequestError(f"session {session.id}: metadata of {size} bytes as JSON exceeds the limit of {MAX_METADATA_BYTES}")
+    session.metadata.clear()
+    session.metadata.update(merged)
 
 
 @dataclass
@@ -282,7 +302,9 @@ class SessionStore:
                 raise EngineError(f"sessions: {self.max_sessions} are open; finish or delete some first")
             sid = uuid.uuid4().hex
             seed = seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "little")
-            session = self._sessions[sid] = Session(sid, settings or self.settings, self.renderer, seed, metadata)
+            session = Session(sid, settings or self.settings, self.renderer, seed, {})
+            merge_metadata(session, metadata)
+            self._sessions[sid] = session
         return session
 
     def get(self, sid: str) -> Session:
@@ -305,8 +327,8 @@ class SessionStore:
 
     def finish(self, sid: str, reward: float | None = None, metadata: dict | None = None) -> Session:
         session = self.get(sid)
+        merge_metadata(session, metadata)
         session.finished, session.reward = True, reward
-        session.metadata.update(metadata or {})
         return session
 
     def expire(self) -> int:

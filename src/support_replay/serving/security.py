@@ -133,10 +133,14 @@ class KeyGuard:
     so handlers still see their client disconnect."""
 
     def __init__(self, app: ASGIApp, keys: Keys, admin_paths: tuple[str, ...], open_paths: tuple[str, ...]):
-        self.app, self.keys, self.admin_paths, self.open_paths = app, keys, admin_paths, open_paths
+        self.app, self.keys, self.admin_paths = app, keys, admin_paths
+        # an entry ending in "/" opens everything under it (capability URLs: an unguessable id in the path is the key)
+        self.open_paths = tuple(p for p in open_paths if not p.endswith("/"))
+        self.open_prefixes = tuple(p for p in open_paths if p.endswith("/"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in self.open_paths and not path.startswith(self.open_prefixes):
             admin = scope["path"] in self.admin_paths
             authorization = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
             if not self.keys.allows(authorization, admin=admin):

@@ -162,9 +162,12 @@ def session_routes(store: SessionStore, model_name: str = "support-replay") -> A
 
 
 def create_sessions_app(store: SessionStore, *, model_name: str = "support-replay", keys: Keys | None = None,
-                        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_hosts: list[str] | None = None):
+                        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_hosts: list[str] | None = None,
+                        session_urls_open: bool = False):
     """The ASGI app: session routes inside the same guards as the engine server's (Host check,
-    body limit, JSON only, the API key on everything but /health)."""
+    body limit, JSON only, the API key on everything but /health). ``session_urls_open``: a
+    session's own routes (``/sessions/<id>/...``) need no key, its random id being the secret (the
+    trainer's own server: its agents get a session URL, and plain-HTTP agents send no key)."""
     app = FastAPI(title="support-replay sessions", telemetry=NO_TELEMETRY)
     install_error_handlers(app)
 
@@ -177,7 +180,8 @@ def create_sessions_app(store: SessionStore, *, model_name: str = "support-repla
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "support-replay"}]}
 
     app.include_router(session_routes(store, model_name))
-    return guarded(app, keys or Keys(), (), ("/health",), allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes)
+    open_paths = ("/health", "/sessions/") if session_urls_open else ("/health",)
+    return guarded(app, keys or Keys(), (), open_paths, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes)
 
 
 def serve_sessions(store: SessionStore, host: str = "127.0.0.1", port: int = DEFAULT_SESSIONS_PORT, **kwargs) -> None:

@@ -7,6 +7,7 @@ entered this process; the samples built from them are trusted from here on.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import uuid
 from dataclasses import asdict, replace
@@ -21,7 +22,7 @@ from ..rollout.episodes import generate_episodes
 from ..rollout.data import ArithmeticTask
 from ..rollout.sample import Sample
 from ..sampling import SamplingParams
-from ..serving.security import Keys
+from ..serving.security import LOOPBACK_HOSTS, Keys
 from .config import RunConfig
 from .dist import broadcast_object
 
@@ -144,7 +145,10 @@ class Rollouts:
             max_new_tokens=cfg.rollout_max_response_len, history_policy=cfg.session_history_policy, penalties=self.penalties,
         )
         self.sessions = SessionStore(self.backend, ChatRenderer(tokenizer, template), self.session_settings)
-        self.session_server = ThreadedServer(create_sessions_app(self.sessions)).start()
+        # loopback names only (no DNS rebinding from a browser), a key of this run's own for everything but a
+        # session's URL: the agents are handed session URLs (the session id, 128 random bits, is their key)
+        app = create_sessions_app(self.sessions, keys=Keys(api=secrets.token_hex(16)), allowed_hosts=LOOPBACK_HOSTS, session_urls_open=True)
+        self.session_server = ThreadedServer(app).start()
         self.runner = AgentRunner(self.agent, self.sessions, self.session_server.url, reward_fn=self.reward_fn, timeout=cfg.agent_timeout)
 
     def _produce(self, prompts, params, n, max_new, capture, rollout, seed, tag) -> tuple[list[Sample], dict]:
