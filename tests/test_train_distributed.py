@@ -103,3 +103,35 @@ def test_two_ranks_under_a_token_budget_match_one(tiny_checkpoint, tmp_path):
         mp.spawn(_fsdp_worker, args=args, nprocs=world, join=True)
         results[world] = dict(res)
     np.testing.assert_allclose(results[2][0], results[1][0], atol=1e-5, rtol=0)
+
+
+def _failing_worker(rank, world, port, checkpoint, out, results):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.path.insert(0, str(Path(__file__).parent))
+    import time
+
+    start = time.monotonic()
+    try:
+        train(run_config(checkpoint, Path(out), custom_rm_path="rewards_for_tests:raises"))
+        results[rank] = ("finished", 0.0)
+    except Exception as exc:
+        results[rank] = (f"{type(exc).__name__}: {exc}", time.monotonic() - start)
+
+
+def test_a_failure_on_rank_0_alone_stops_every_rank_with_its_error(tiny_checkpoint, tmp_path):
+    """Finding 9 of the server review: a reward that raises on rank 0 left rank 1 waiting in a broadcast
+    while rank 0 waited in a barrier, for ever. Now both stop, with rank 0's error."""
+    results = mp.Manager().dict()
+    context = mp.spawn(_failing_worker, args=(2, free_port(), str(tiny_checkpoint), str(tmp_path), results), nprocs=2, join=False)
+    import time
+
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=5) and time.monotonic() < deadline:
+        pass
+    alive = [p.pid for p in context.processes if p.is_alive()]
+    for p in context.processes:
+        p.kill() if p.is_alive() else None
+    assert not alive, "a rank was still waiting"
+    assert results[0][0] == "ZeroDivisionError: the reward function divided by zero"
+    assert results[1][0].startswith("RankFailure: rank 1: rank 0 failed, stopping with it: ZeroDivisionError: the reward function divided by zero")
+    print(f"rank exit after the failure: rank 0 {results[0][1]:.1f} s, rank 1 {results[1][1]:.1f} s from their start")

@@ -60,6 +60,30 @@ def broadcast_object(obj, ctx: DistContext):
     return box[0]
 
 
+class RankFailure(RuntimeError):
+    """Rank 0 failed in work only it does; every other rank stops with this, naming rank 0's error."""
+
+
+def on_main(fn, ctx: DistContext):
+    """``fn()`` on rank 0, its result on every rank. If it raises, rank 0 re-raises it and every other
+    rank raises ``RankFailure`` with its message, so no rank is left waiting in a collective that rank 0
+    will never reach (a reward function that raised left them in a broadcast while rank 0 sat in a barrier)."""
+    if ctx.world == 1:
+        return fn()
+    result, failure, error = None, None, None
+    if ctx.is_main:
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 (re-raised below, after the others heard of it)
+            error, failure = exc, f"{type(exc).__name__}: {exc}"
+    status, value = broadcast_object(("failed", failure) if failure else ("ok", result), ctx)
+    if status == "failed":
+        if ctx.is_main:
+            raise error
+        raise RankFailure(f"rank {ctx.rank}: rank 0 failed, stopping with it: {value}")
+    return value
+
+
 def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
     if ctx.world == 1:
         return list(values)

@@ -22,7 +22,7 @@ from ..modeling.checkpoints import smollm2_checkpoint
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, saved_rollout
 from .checks import check_policy_lag, compare_with_rollout
 from .config import RunConfig
-from .dist import broadcast_object, close_distributed, init_distributed
+from .dist import close_distributed, init_distributed, on_main
 from .drift import support_drift
 from .lagged import LaggedScorer
 from .learner import Learner, UpdateMetrics
@@ -55,7 +55,7 @@ class Timings(dict):
 
 
 def _run(cfg: RunConfig, ctx) -> list[dict]:
-    checkpoint = broadcast_object(Path(cfg.hf_checkpoint) if cfg.hf_checkpoint else (smollm2_checkpoint() if ctx.is_main else None), ctx)
+    checkpoint = Path(cfg.hf_checkpoint) if cfg.hf_checkpoint else on_main(smollm2_checkpoint, ctx)
     learner = Learner(cfg, ctx, checkpoint)
     found = latest_checkpoint(Path(cfg.save)) if cfg.resume else None
     start = saved_rollout(found) if found is not None else 0
@@ -101,7 +101,7 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
                     return {}
                 if keeps_versions:
                     with clock("ci_test_lagged"):  # the extra forward of older tokens under their own weights
-                        logp = broadcast_object(lagged.by_sampling_version(samples, logp, pushed[-1], rollouts.penalty_semantics) if lagged else None, ctx)
+                        logp = on_main(lambda: lagged.by_sampling_version(samples, logp, pushed[-1], rollouts.penalty_semantics) if lagged else None, ctx)
                 return compare_with_rollout(r, samples, logp, tolerance=tolerance, fail=cfg.ci_test)
 
             check = ci_check(old.logp) if old.logp is not None else {}

@@ -23,7 +23,7 @@ from dataclasses import replace
 from ..errors import PolicyLagError
 from ..rollout.sample import Sample
 from .checks import sample_age, version_ages
-from .dist import broadcast_object
+from .dist import on_main
 
 
 def renumbered(samples: list[Sample]) -> list[Sample]:
@@ -57,14 +57,15 @@ class RolloutProducer:
     def take(self, r: int, pushed: list[str]) -> tuple[list[Sample], dict]:
         """Rollout ``r`` on every rank, stale groups handled: ``(samples, what failed or was old)``.
         ``pushed``: the weight versions in push order, the current one last."""
-        result = None
-        if self.ctx.is_main:
+        def on_rank_0():
             future = self.pending.pop(r, None)
             samples, stats = future.result() if future is not None else self._generate(r)
             result = self._fresh(r, samples, stats, pushed)
             if self.pool is None:  # synchronous: nothing generates until the update's weights are pushed
                 self.rollouts.release_engine_memory()
-        return broadcast_object(result, self.ctx)
+            return result
+
+        return on_main(on_rank_0, self.ctx)  # a failure on rank 0 stops every rank
 
     def close(self) -> None:
         if self.pool is not None:

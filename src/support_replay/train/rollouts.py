@@ -24,7 +24,7 @@ from ..rollout.sample import Sample
 from ..sampling import SamplingParams
 from ..serving.security import LOOPBACK_HOSTS, Keys
 from .config import RunConfig
-from .dist import broadcast_object
+from .dist import on_main
 
 
 def _require_deterministic(url: str, linear_kernel: str, headers: dict | None = None) -> None:
@@ -91,7 +91,7 @@ class Rollouts:
         self.agent = self.sessions = None  # agents: set up on rank 0, which generates
         self.penalties = cfg.penalties
         self._lock = threading.Lock()  # one generation at a time: an evaluation waits for a rollout in flight
-        self.penalty_semantics = broadcast_object(self._penalty_semantics(cfg, vocab_size) if ctx.is_main else None, ctx)
+        self.penalty_semantics = on_main(lambda: self._penalty_semantics(cfg, vocab_size), ctx)
         if not ctx.is_main:
             return
         keys = Keys.load()
@@ -207,8 +207,7 @@ class Rollouts:
 
     def evaluate(self, r: int) -> dict:
         """Mean reward on held-out prompts, capture off (greedy unless --eval-temperature); every rank gets it."""
-        result = self._evaluate(r) if self.ctx.is_main else None
-        return broadcast_object(result, self.ctx)
+        return on_main(lambda: self._evaluate(r), self.ctx)
 
     def _evaluate(self, r: int) -> dict:
         cfg = self.cfg
