@@ -97,6 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         deterministic=args.deterministic,
         linear_kernel=args.linear_kernel,
+        max_total_tokens=args.max_total_tokens,
     )
     print(f"support-replay engine: {args.hf_checkpoint} on http://{args.host}:{args.port}", flush=True)
     from .rollout.chat import load_template
@@ -214,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = EngineLimits()
     srv.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help="sequences decoded together")
     srv.add_argument("--max-queue", type=int, default=defaults.max_queue, help="requests waiting for a slot (503 with Retry-After beyond)")
+    srv.add_argument("--max-total-tokens", type=int, default=None,
+                     help="KV positions the engine may hold at its peak, as SGLang's flag counts them; a request waits until it fits "
+                          "(default: half the memory available at start)")
     srv.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="largest max_new_tokens a request may ask")
     srv.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens, help="longest prompt (at most the model's context length)")
     srv.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings)

@@ -40,6 +40,7 @@ from ..modeling.linear_kernels import linear_function, resolve_linear_kernel, us
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest, single_version
 from ..sampling import sample_tokens
 from ..support import SupportTable
+from .kv_budget import SERVE_SHARE, KVBudget, column_need, plan_shape
 from .ledger import Ledger
 from .limits import EngineLimits
 from .model_runner import ModelRunner, load_model_and_tokenizer
@@ -68,6 +69,7 @@ class _Sequence:
     decode_from: tuple[int, int] = (0, 0)  # (prefix, read) token offsets of the incremental decode
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # the request's logit bias as a row, built once at admission
     failure: tuple[Exception, str] | None = None  # why it stopped early, answered once its row has left the batch
+    need: int = 0  # cache columns reserved for it: prompt + max_new_tokens + the write column (engine/kv_budget.py)
 
 
 class Engine:
@@ -84,6 +86,8 @@ class Engine:
         deterministic: bool = False,
         weight_version: str = DEFAULT_WEIGHT_VERSION,
         linear_kernel: str = "auto",
+        max_total_tokens: int | None = None,
+        kv_share: float = SERVE_SHARE,
     ):
         dtype = next(model.parameters()).dtype
         self.linear_kernel = resolve_linear_kernel(linear_kernel, dtype, device)
@@ -94,20 +98,24 @@ class Engine:
         else:
             use_linear(model, linear_function(self.linear_kernel))
         self.deterministic = deterministic
-        self.runner = ModelRunner(model, device, key_block=KEY_BLOCK if deterministic else 1)
-        self.tokenizer = tokenizer
-        self.semantics = semantics
-        self.capacity = int(sampling_mask_max_tokens)
         self.context_length = getattr(model.config, "max_position_embeddings", None)
         limits = limits or EngineLimits()
         if self.context_length and limits.max_prompt_tokens > self.context_length:
             limits = EngineLimits(**{**limits.to_json(), "max_prompt_tokens": int(self.context_length)})
         self.limits = limits
+        # KV positions held at the peak, in total (engine/kv_budget.py): admission waits until a request fits
+        self.kv_budget = KVBudget.for_model(model, max_total_tokens, kv_share)
+        self.runner = ModelRunner(model, device, key_block=KEY_BLOCK if deterministic else 1, max_rows=limits.max_batch_size,
+                                  max_tokens=self.kv_budget.max_total_tokens)
+        self.tokenizer = tokenizer
+        self.semantics = semantics
+        self.capacity = int(sampling_mask_max_tokens)
         self.vocab_size = self.runner.vocab_size
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.weight_version = str(weight_version)
         self._seed_source = torch.Generator().manual_seed(seed)
         self._inbox: queue.Queue = queue.Queue()  # ("generate" | "update", payload, future)
+        self._deferred: list = []  # inbox items taken out but not yet admitted (the KV budget had no room): first in line
         self._update: tuple | None = None  # an update waiting for the batch to drain
         self._running: list[_Sequence] = []
         self._batch: SlotCache | None = None
@@ -182,6 +190,10 @@ class Engine:
         except SamplingParamsError as exc:
             raise RequestError(f"sampling_params: {exc} (engine semantics {self.semantics})") from exc
         self.limits.validate(request, self.context_length)
+        self.kv_budget.check_alone(len(request.input_ids), self._column_need(request))
+
+    def _column_need(self, request: GenerateRequest) -> int:
+        return column_need(len(request.input_ids), request.max_new_tokens, self.runner.key_block)
 
     def submit(self, request: GenerateRequest) -> Future:
         """Queue a request; the future resolves to a ``Completion`` or raises ``EngineError``
@@ -340,13 +352,14 @@ class Engine:
                 params[name].copy_(tensor)
 
     def _take_waiting(self, block: bool) -> list:
-        """Pop requests in order until the batch is full or an update is next in line."""
+        """Pop requests in order until the batch is full, the KV budget has no room for the next one
+        (it waits, first in line), or an update is next in line."""
         room = self.max_batch_size - len(self._running)
         taken = []
         if room <= 0:
             return taken
         try:
-            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            item = self._deferred.pop(0) if self._deferred else (self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait())
         except queue.Empty:
             return taken
         with self._admission:  # a list being queued (submit_all) is whole before the rest is drained
@@ -354,6 +367,9 @@ class Engine:
                 kind, payload, future = item
                 if kind == "update":
                     self._update = (payload, future)
+                    break
+                if not self.ledger.aborted([future]) and not self._fits(taken, payload):
+                    self._deferred.insert(0, item)
                     break
                 why = self.ledger.dequeue(future)
                 if why is not None:
@@ -363,10 +379,19 @@ class Engine:
                 if len(taken) >= room:
                     break
                 try:
-                    item = self._inbox.get_nowait()
+                    item = self._deferred.pop(0) if self._deferred else self._inbox.get_nowait()
                 except queue.Empty:
                     break
         return taken
+
+    def _fits(self, taken: list, request: GenerateRequest) -> bool:
+        """Whether ``request``, admitted with ``taken``, keeps the KV cache's peak within the budget."""
+        joining = [r for r, _ in taken] + [request]
+        held = (self._batch.slots, self._batch.capacity) if self._batch is not None else (0, 0)
+        need = max([s.need for s in self._running] + [self._column_need(r) for r in joining])
+        budget = self.kv_budget
+        shape = plan_shape(held, len(self._running) + len(joining), need, self.max_batch_size, budget.max_total_tokens)
+        return budget.peak(held, shape, len(joining), max(len(r.input_ids) for r in joining)) <= budget.max_total_tokens
 
     def _admit(self, admitted) -> None:
         """Prefill the new requests together; one that fails (its seed, its prompt) fails alone."""
@@ -377,7 +402,8 @@ class Engine:
                 if seed is None:
                     seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
                 bias = dense_bias(request.penalties, self.vocab_size, self.runner.device)
-                seqs.append(_Sequence(request, future, torch.Generator().manual_seed(seed), position=len(request.input_ids), bias=bias))
+                seqs.append(_Sequence(request, future, torch.Generator().manual_seed(seed), position=len(request.input_ids), bias=bias,
+                                      need=self._column_need(request)))
             except Exception as exc:
                 self._finish_failed(request, future, exc, "admission")
         if not seqs:
@@ -393,7 +419,12 @@ class Engine:
                 except Exception as exc:
                     self._finish_failed(seq.request, seq.future, exc, "prefill")
         for group, batch, logits in groups:
+            # every row's reservation at once, in the shape admission counted: the cache never grows while it decodes
+            need = max(s.need for s in self._running + group)
+            if self._batch is not None:
+                self._batch.reserve(self._batch.size + len(group), need, batch.layers[0].k)
             self._batch = self.runner.merge(self._batch, batch)
+            self._batch.reserve(self._batch.size, need, batch.layers[0].k)
             self._running.extend(group)
             self._sample_and_advance(group, logits)
 

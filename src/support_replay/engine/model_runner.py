@@ -37,10 +37,11 @@ def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype = torch.float3
 
 
 class ModelRunner:
-    def __init__(self, model, device: str = "cpu", key_block: int = 1):
+    def __init__(self, model, device: str = "cpu", key_block: int = 1, max_rows: int | None = None, max_tokens: int | None = None):
         self.model = model
         self.device = device
         self.key_block = key_block  # the slot cache attends to whole blocks of this many keys
+        self.max_rows, self.max_tokens = max_rows, max_tokens  # the slot caches' bounds: batch size, KV budget
         params = inspect.signature(model.forward).parameters
         # transformers 5 calls the cache argument `cache`; earlier releases `past_key_values`
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -84,7 +85,7 @@ class ModelRunner:
         index = [first.setdefault(tuple(p) if self.share_prompts else i, (len(first), p))[0] for i, p in enumerate(prompts)]
         distinct = [list(p) for _, p in first.values()]
         layers, logits = self._prefill(distinct)
-        cache = SlotCache(len(layers), align=self.key_block)
+        cache = SlotCache(len(layers), align=self.key_block, max_rows=self.max_rows, max_tokens=self.max_tokens)
         cache.append(layers, [len(p) for p in prompts], index)
         return cache, logits[torch.tensor(index, device=logits.device)] if len(distinct) < len(prompts) else logits
 

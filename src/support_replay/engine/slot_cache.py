@@ -6,7 +6,7 @@ writes one column per row in place (no concatenation of the whole cache at every
 Hugging Face's dynamic cache does) and attends to a view of the first ``width`` columns. A
 sequence that joins is copied into the next free slot (its own rows only); one that leaves is
 replaced by the last slot's sequence (that row only). The buffers grow by doubling, so a long
-run reallocates a handful of times.
+run reallocates a handful of times, never past the engine's KV budget (engine/kv_budget.py).
 
 It plugs into a Hugging Face model as its ``Cache``: the model calls ``update`` with each
 layer's new keys and values; the runner says beforehand where they go (``prepare_decode``)
@@ -20,6 +20,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import EngineError
+from .kv_budget import plan_shape
 
 
 class SlotLayer(CacheLayerMixin):
@@ -61,8 +62,10 @@ class SlotLayer(CacheLayerMixin):
 class SlotCache(Cache):
     """The running batch's keys and values, ``size`` rows in slots ``0..size-1``."""
 
-    def __init__(self, num_layers: int, align: int = 1):
+    def __init__(self, num_layers: int, align: int = 1, max_rows: int | None = None, max_tokens: int | None = None):
         self.align = align  # the attended width is a multiple of this (the batch-invariant attention's key block)
+        self.max_rows = max_rows  # slots never double past the engine's batch size
+        self.max_tokens = max_tokens  # the KV budget: held plus grown buffers never pass it (engine/kv_budget.py)
         layers = [SlotLayer() for _ in range(num_layers)]
         super().__init__(layers=layers)
         for layer in layers:
@@ -82,11 +85,14 @@ class SlotCache(Cache):
 
     def reserve(self, rows: int, columns: int, like: torch.Tensor) -> None:
         """At least ``rows`` slots of ``columns`` positions (doubling), keeping what is held."""
-        if rows <= self.slots and columns <= self.capacity:
+        held_shape = (self.slots, self.capacity)
+        # only the dimension that ran out doubles (a longer row must not double the slots too), within the budget
+        slots, capacity = plan_shape(held_shape, rows, columns, self.max_rows or rows, self.max_tokens)
+        if (slots, capacity) == held_shape:
             return
-        # only the dimension that ran out doubles (a longer row must not double the slots too)
-        slots = self.slots if rows <= self.slots else max(rows, 2 * self.slots)
-        capacity = self.capacity if columns <= self.capacity else max(columns, 2 * self.capacity)
+        if self.max_tokens is not None and held_shape[0] * held_shape[1] + slots * capacity > self.max_tokens:
+            raise EngineError(f"slot cache: {slots} x {capacity} positions beside the {held_shape[0]} x {held_shape[1]} held pass the KV "
+                              f"budget of {self.max_tokens} (admission should have kept them out)")
         held = int(self.lengths.max()) if self.size else 0
         for layer in self.layers:
             shape = (slots, like.shape[1], capacity, like.shape[3])

@@ -137,6 +137,7 @@ def create_app(
             "linear_kernel": engine.linear_kernel,
             "invariant_products": engine.invariant_plans,
             "limits": engine.limits.to_json(),
+            "max_total_tokens": engine.kv_budget.max_total_tokens,
         }
 
     @app.post("/generate")

@@ -65,6 +65,7 @@ class RunConfig(BaseModel):
     rollout_seed: int = Field(42, description="seeds every rollout request (by rollout and sample index)")
     sampling_semantics: Literal["sglang", "vllm", "hf"] = Field("sglang", description="filter semantics of the embedded engine")
     sampling_mask_max_tokens: int = Field(DEFAULT_SAMPLING_MASK_MAX_TOKENS, ge=1, description="largest support the engine may capture")
+    max_total_tokens: int | None = Field(None, ge=1, description="KV positions the in-process engine may hold at its peak (SGLang's flag; default: a quarter of the memory available at start, leaving the rest to the trainer)")
     rollout_url: str | None = Field(None, description="rollout through this engine/router URL instead of the in-process engine")
     rollout_engine: Literal["sglang", "vllm"] = Field("sglang", description="protocol spoken at --rollout-url: sglang (SGLang, our serve and router, smg) or vllm")
     vllm_endpoint: Literal["generate", "completions"] = Field("generate", description="vLLM endpoint: /inference/v1/generate (needs --enable-scale-out; reports weight versions) or /v1/completions")
@@ -213,6 +214,8 @@ class RunConfig(BaseModel):
             bad(knob[0], knob[1], "a finite top-p or min-p needs a positive --rollout-top-k (the support would be unbounded)")
         if replay and self.rollout_top_k > self.sampling_mask_max_tokens:
             bad("rollout_top_k", self.rollout_top_k, f"exceeds --sampling-mask-max-tokens={self.sampling_mask_max_tokens}")
+        if self.max_total_tokens is not None and self.rollout_url:
+            bad("max_total_tokens", self.max_total_tokens, "bounds the in-process engine; give it to the engine at --rollout-url (serve --max-total-tokens)")
         try:
             penalties = self.penalties
         except (SamplingParamsError, OSError, ValueError) as exc:

@@ -108,10 +108,12 @@ class Rollouts:
         else:  # the in-process engine: the only place the trainer imports it
             from ..backends.local import EngineBackend
             from ..engine import Engine
+            from ..engine.kv_budget import COLOCATED_SHARE
 
             self.engine = Engine.from_pretrained(
                 checkpoint_path, dtype=getattr(torch, cfg.rollout_dtype), semantics=cfg.sampling_semantics, sampling_mask_max_tokens=cfg.sampling_mask_max_tokens,
                 seed=cfg.rollout_seed, deterministic=cfg.true_on_policy_mode, weight_version=weight_version, linear_kernel=cfg.linear_kernel,
+                max_total_tokens=cfg.max_total_tokens, kv_share=COLOCATED_SHARE,
             )
             self.backend = EngineBackend(self.engine)
         if cfg.agent or cfg.agent_path:
