@@ -97,3 +97,17 @@ def test_the_flag_bounds_the_in_process_engine_and_is_refused_for_a_remote_one(t
     rollouts.close()
     with pytest.raises(ConfigError, match="--max-total-tokens=5000: bounds the in-process engine"):
         run_config(tiny_checkpoint, tmp_path, max_total_tokens=5000, rollout_url="http://127.0.0.1:1")
+
+
+def test_prefills_group_prompts_of_like_length(tiny_checkpoint):
+    engine = Engine.from_pretrained(tiny_checkpoint)
+    batches = []
+    real = engine.runner._prefill
+    engine.runner._prefill = lambda prompts: batches.append(sorted(len(p) for p in prompts)) or real(prompts)
+    reqs = requests([200] + [4] * 10 + [5] * 3)
+    engine.generate(reqs)
+    assert batches == [[4] * 10 + [5] * 3, [200]]  # was one batch padded to 200 positions 14 times
+    batches.clear()
+    group = [GenerateRequest([5, 6, 7, 8], SamplingParams(top_k=20, seed=i), max_new_tokens=2) for i in range(8)]
+    engine.generate(group)
+    assert batches == [[4]]  # a GRPO group: one prompt, prefilled once

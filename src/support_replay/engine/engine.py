@@ -72,6 +72,25 @@ class _Sequence:
     need: int = 0  # cache columns reserved for it: prompt + max_new_tokens + the write column (engine/kv_budget.py)
 
 
+PREFILL_PADDING = 2.0  # a prefill batch computes at most this many positions per real prompt token
+
+
+def prefill_buckets(seqs: list[_Sequence]) -> list[list[_Sequence]]:
+    """``seqs`` in groups prefilled together: by prompt length, a group closing when left-padding it
+    to its longest prompt would compute more than ``PREFILL_PADDING`` times its real tokens (one
+    8,000-token prompt admitted with ten short ones would otherwise pad all eleven to 8,000). A
+    GRPO group (one prompt, n times) stays whole: equal lengths pad nothing."""
+    buckets, current, real = [], [], 0
+    for seq in sorted(seqs, key=lambda s: len(s.request.input_ids)):
+        n = len(seq.request.input_ids)
+        if current and (len(current) + 1) * n > PREFILL_PADDING * (real + n):
+            buckets.append(current)
+            current, real = [], 0
+        current.append(seq)
+        real += n
+    return buckets + [current] if current else buckets
+
+
 class Engine:
     def __init__(
         self,
@@ -408,25 +427,30 @@ class Engine:
                 self._finish_failed(request, future, exc, "admission")
         if not seqs:
             return
-        try:
-            groups = [(seqs, *self.runner.prefill([s.request.input_ids for s in seqs]))]
-        except Exception:
-            log.exception("prefill of %d requests failed; prefilling them one by one", len(seqs))
-            groups = []
-            for seq in seqs:
-                try:
-                    groups.append(([seq], *self.runner.prefill([seq.request.input_ids])))
-                except Exception as exc:
-                    self._finish_failed(seq.request, seq.future, exc, "prefill")
-        for group, batch, logits in groups:
-            # every row's reservation at once, in the shape admission counted: the cache never grows while it decodes
-            need = max(s.need for s in self._running + group)
-            if self._batch is not None:
-                self._batch.reserve(self._batch.size + len(group), need, batch.layers[0].k)
-            self._batch = self.runner.merge(self._batch, batch)
-            self._batch.reserve(self._batch.size, need, batch.layers[0].k)
-            self._running.extend(group)
-            self._sample_and_advance(group, logits)
+        for bucket in prefill_buckets(seqs):  # prompts of like length together: the left padding stays small
+            try:
+                groups = [(bucket, *self.runner.prefill([s.request.input_ids for s in bucket]))]
+            except Exception:
+                log.exception("prefill of %d requests failed; prefilling them one by one", len(bucket))
+                groups = []
+                for seq in bucket:
+                    try:
+                        groups.append(([seq], *self.runner.prefill([seq.request.input_ids])))
+                    except Exception as exc:
+                        self._finish_failed(seq.request, seq.future, exc, "prefill")
+            for group, batch, logits in groups:
+                self._join(group, batch, logits)
+
+    def _join(self, group: list[_Sequence], batch: SlotCache, logits: torch.Tensor) -> None:
+        """A prefilled group joins the running batch and samples its first tokens."""
+        # every row's reservation at once, in the shape admission counted: the cache never grows while it decodes
+        need = max(s.need for s in self._running + group)
+        if self._batch is not None:
+            self._batch.reserve(self._batch.size + len(group), need, batch.layers[0].k)
+        self._batch = self.runner.merge(self._batch, batch)
+        self._batch.reserve(self._batch.size, need, batch.layers[0].k)
+        self._running.extend(group)
+        self._sample_and_advance(group, logits)
 
     def _decode(self) -> None:
         why = self.ledger.aborted([s.future for s in self._running])
