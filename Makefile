@@ -65,6 +65,8 @@ bench: setup
 	$(PY) bench/demo.py
 	$(PY) bench/poison.py
 	$(PY) bench/load.py
+	$(PY) bench/large_rollout.py
+	$(PY) bench/kv_budget.py
 	$(PY) bench/faults.py
 	$(PY) bench/fuzz.py
 
