@@ -7,6 +7,10 @@ EOS, a stop token, a stop string or their token budget. Requests and weight upda
 one FIFO: an update applies once every request submitted before it has finished, and
 requests submitted after it run on the new weights (docs/engines.md).
 
+Admission keeps the KV cache within its budget (engine/kv_budget.py): each request reserves its
+prompt plus ``max_new_tokens`` when it is admitted, in queue order, and waits until it fits;
+prompts of like length are prefilled together.
+
 One request never takes others down (docs/reliability.md): a request outside the limits is
 refused before it takes a slot (400), a full queue answers 503, and an error while admitting,
 prefilling, sampling or capturing one request fails that request alone, the rows batched with
@@ -49,6 +53,7 @@ from .slot_cache import SlotCache
 log = logging.getLogger(__name__)
 
 UTF8_MAX_BYTES = 4  # a character is at most 4 bytes: a byte-level token run longer than that never completes one
+
 
 @dataclass
 class _Sequence:
