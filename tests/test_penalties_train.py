@@ -71,7 +71,8 @@ def test_engines_with_unpinned_penalty_rules_are_refused(monkeypatch):
         def json(self):
             return next(v for k, v in answers.items() if self.url.endswith(k))
 
-    monkeypatch.setattr("httpx.get", lambda url, timeout=None: Reply(url))
+    sent = []
+    monkeypatch.setattr("httpx.get", lambda url, timeout=None, headers=None: sent.append(headers) or Reply(url))
     p = Penalties(repetition=1.1)
     with pytest.raises(ConfigError, match=r"SGLang 0.5.23 at http://x \(disable_overlap_schedule=False\): penalties \(repetition_penalty=1.1\) are replayed"):
         rollouts_module.penalty_semantics_of("http://x", "sglang", p)
@@ -80,7 +81,8 @@ def test_engines_with_unpinned_penalty_rules_are_refused(monkeypatch):
     with pytest.raises(ConfigError, match="vLLM 0.33.0 at http://x: penalties .* for vLLM 0.32.x only"):
         rollouts_module.penalty_semantics_of("http://x", "vllm", p)
     answers["/server_info"] = {"semantics": "vllm", "version": "0.1"}  # our serve says its own
-    assert rollouts_module.penalty_semantics_of("http://x", "sglang", p) == "vllm"
+    assert rollouts_module.penalty_semantics_of("http://x", "sglang", p, {"Authorization": "Bearer k"}) == "vllm"
+    assert sent[-1] == {"Authorization": "Bearer k"}  # a keyed engine answers the check (finding 10: it answered 401)
 
 
 @pytest.mark.slow
