@@ -160,9 +160,13 @@ def invariant_linear(kernel: str) -> Callable:
 
     linear = linear_function(kernel)
 
+    @functools.cache
+    def shaped(out_features: int, in_features: int, dtype: torch.dtype, threads: int) -> Callable:
+        plan = _plan_or_refuse(kernel, torch.empty(out_features, in_features, dtype=dtype, device="meta"))
+        return (tiled if plan.tiled else padded)(linear, plan.rows)
+
     def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        plan = _plan_or_refuse(kernel, weight)
-        return (tiled if plan.tiled else padded)(linear, plan.rows)(x, weight, bias)
+        return shaped(weight.shape[0], weight.shape[1], weight.dtype, torch.get_num_threads())(x, weight, bias)
 
     product.unpadded = linear
     product.kernel = kernel
