@@ -35,7 +35,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineError)
     async def on_engine_error(_, exc: EngineError):
-        response = error_response(exc.status, str(exc), "invalid_request_error" if exc.status < 500 else "server_error")
-        if isinstance(exc, OverloadedError):
-            response.headers["Retry-After"] = str(exc.retry_after)
-        return response
+        return engine_error_response(exc)
+
+
+def engine_error_response(exc: EngineError) -> JSONResponse:
+    """Our exception as its HTTP answer (a full queue's 503 with ``Retry-After``)."""
+    response = error_response(exc.status, str(exc), "invalid_request_error" if exc.status < 500 else "server_error")
+    if isinstance(exc, OverloadedError):
+        response.headers["Retry-After"] = str(exc.retry_after)
+    return response

@@ -19,13 +19,12 @@ from ..errors import ConfigError, EngineError, OverloadedError, RequestError, Su
 from ..protocol import Completion, GenerateRequest
 from . import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES, NO_TELEMETRY
 from .disconnects import unless_disconnected
-from .http_errors import error_response, install_error_handlers
+from .http_errors import engine_error_response, error_response, install_error_handlers
 from .metrics import render_metrics
 from ..rollout.chat import ChatRenderer
 from .openai_routes import openai_routes
 from .schemas import GenerateIn, SamplingParamsIn, UpdateWeightsIn, UpdateWeightVersionIn, check_fan_out
 from .security import DEFAULT_MAX_WEIGHTS_BYTES, LOOPBACK_HOSTS, WEIGHTS_OVER_HTTP, Keys, exposure_warnings, guarded
-
 
 
 def meta_info(completion: Completion, request: GenerateRequest, *, sampling_mask_format: str, vocab_size: int) -> dict:
@@ -223,24 +222,24 @@ GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
 class QueueGate:
-    """503 for a generation request while the engine's queue is full, before its body is parsed
-    (it is read, so the connection stays open for the client's retry): under a burst most requests are turned away, and each costs the event loop almost
-    nothing, so ``/health`` and the admitted requests keep their latency (docs/reliability.md).
-    A repeated ``rid`` is answered once there is room again (the client's retry)."""
+    """503 for a generation request while the engine's queue is full, before its body is parsed (it
+    is read, so the connection stays open for the client's retry): under a burst most requests are
+    turned away, and each costs the event loop almost nothing, so ``/health`` and the admitted
+    requests keep their latency (docs/reliability.md). A repeated ``rid`` is answered once there is
+    room again (the client's retry)."""
 
     def __init__(self, app, engine: Engine):
         self.app, self.engine = app, engine
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
-            limits = self.engine.limits
-            if self.engine.num_waiting >= limits.max_queue:
+            queue = self.engine.limits.max_queue
+            if self.engine.num_waiting >= queue:
                 while (await receive()).get("more_body"):  # read, not parsed: the connection stays usable
                     pass
                 self.engine.ledger.count("overloaded")
-                response = error_response(503, f"the admission queue is full ({limits.max_queue} waiting); retry later", "server_error")
-                response.headers["Retry-After"] = str(OverloadedError.retry_after)
-                return await response(scope, receive, send)
+                full = OverloadedError(f"the admission queue is full ({queue} waiting); retry later")
+                return await engine_error_response(full)(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
