@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import NoInvariantProduct
 
 PAD_CANDIDATES = {"onednn": (2, 16, 64), "torch": (16, 32, 64)}
 TILE_CANDIDATES = (16, 64)
@@ -133,10 +133,6 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-class NoInvariantProduct(ConfigError):
-    pass
 
 
 def _plan_or_refuse(kernel: str, weight: torch.Tensor) -> InvariantPlan:
