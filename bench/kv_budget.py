@@ -20,7 +20,7 @@ import torch
 
 from support_replay import SamplingParams
 from support_replay.engine import Engine
-from support_replay.engine.kv_budget import KVBudget, available_bytes, column_need, kv_bytes_per_token, largest_batch
+from support_replay.engine.kv_budget import available_bytes, column_need, kv_bytes_per_token, largest_batch
 from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.protocol import GenerateRequest
 

@@ -252,8 +252,6 @@ def test_a_client_going_away_cancels_the_engine_request():
             cancelled.append(request.url.path)
             raise
 
-    import httpx
-
     router, app = _router_app(never)
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/generate",
              "raw_path": b"/generate", "query_string": b"", "client": ("127.0.0.1", 1), "server": ("testserver", 80),

@@ -21,8 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .invariant_products import padded  # noqa: F401  (re-exported: callers pad products through it)
-
 KERNELS = ("auto", "torch", "onednn")
 LINEAR_KERNEL_HELP = ("the linear-layer product of the engine and of the trainer's forward: onednn (fp32 on a CPU, 0.65x MKL's time "
                       "at decode sizes), torch (F.linear), auto (onednn where it runs; bf16 and tensor-parallel layers take torch)")
