@@ -111,3 +111,16 @@ def test_prefills_group_prompts_of_like_length(tiny_checkpoint):
     group = [GenerateRequest([5, 6, 7, 8], SamplingParams(top_k=20, seed=i), max_new_tokens=2) for i in range(8)]
     engine.generate(group)
     assert batches == [[4]]  # a GRPO group: one prompt, prefilled once
+
+
+def test_a_long_row_gone_leaves_its_room_to_the_next_admissions(tiny_checkpoint, peaks):
+    """One 300-token request among short ones: once it has left, the cache holds only what the rest
+    reserved, so the waiting short requests are admitted together instead of ten at a time."""
+    engine = Engine.from_pretrained(tiny_checkpoint, max_total_tokens=3 * 333 * 11)
+    prefills = []
+    real = engine.runner._prefill
+    engine.runner._prefill = lambda prompts: prefills.append(len(prompts)) or real(prompts)
+    reqs = requests([300] + [16] * 63, max_new=32)
+    out = engine.generate(reqs)
+    assert all(c.num_tokens == 32 for c in out) and max(peaks) <= 3 * 333 * 11
+    assert len(prefills) <= 4 and max(prefills) > 32  # was 8 prefills of at most 11: the rectangle kept the long row's length

@@ -603,6 +603,8 @@ class Engine:
         done = [s for s in self._running if s.finish_reason is not None]
         self._batch, order = self.runner.keep(self._batch, keep)  # a leaving row's slot takes the last row
         self._running = [self._running[i] for i in order]
+        if self._batch is not None:  # the rows that needed the most room may have left: hold no more than the rest reserved
+            self._batch.shrink(max(s.need for s in self._running))
         for seq in done:  # answered after their rows left: a client that hears back sees the slot free
             if seq.failure is not None:
                 self._finish_failed(seq.request, seq.future, *seq.failure)

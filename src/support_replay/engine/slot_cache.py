@@ -93,6 +93,21 @@ class SlotCache(Cache):
         if self.max_tokens is not None and held_shape[0] * held_shape[1] + slots * capacity > self.max_tokens:
             raise EngineError(f"slot cache: {slots} x {capacity} positions beside the {held_shape[0]} x {held_shape[1]} held pass the KV "
                               f"budget of {self.max_tokens} (admission should have kept them out)")
+        self._reallocate(slots, capacity, like)
+
+    def shrink(self, columns: int) -> bool:
+        """Down to ``columns`` positions per slot when that at least halves the capacity (the rows that
+        needed the room have left) and the copy's peak stays within the budget; True if it did. Without
+        it one long row, gone, would hold every later admission to its length. Slots stay: rows come
+        and go all the time, and shrinking them would only make the next admission copy again."""
+        columns = max(columns, int(self.lengths.max()) + 1 if self.size else 1)
+        held, new = self.slots * self.capacity, self.slots * columns
+        if not self.size or 2 * columns > self.capacity or (self.max_tokens is not None and held + new > self.max_tokens):
+            return False
+        self._reallocate(self.slots, columns, self.layers[0].k)
+        return True
+
+    def _reallocate(self, slots: int, capacity: int, like: torch.Tensor) -> None:
         held = int(self.lengths.max()) if self.size else 0
         for layer in self.layers:
             shape = (slots, like.shape[1], capacity, like.shape[3])
