@@ -5,6 +5,8 @@ settings, a bad request, a bad run setting) raises a subclass of ``SupportReplay
 whose message names the field, the sample or row, and the offending value.
 """
 
+from __future__ import annotations
+
 
 class SupportReplayError(ValueError):
     """Base class: input that the replay contract cannot accept."""
@@ -60,6 +62,10 @@ class OverloadedError(EngineError):
 
     status = 503
     retry_after = 1
+
+    @classmethod
+    def queue_full(cls, max_queue: int) -> OverloadedError:
+        return cls(f"the admission queue is full ({max_queue} waiting); retry later")
 
 
 class RequestConflict(EngineError):

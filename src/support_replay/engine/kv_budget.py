@@ -17,6 +17,7 @@ a quarter beside a colocated trainer.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ..errors import ConfigError, RequestError
@@ -33,8 +34,6 @@ def available_bytes() -> int:
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 

@@ -100,7 +100,7 @@ class Ledger:
                 return future
             if self.queued >= self.max_queue:
                 self.stats.requests["overloaded"] += 1
-                future.set_exception(OverloadedError(f"the admission queue is full ({self.max_queue} waiting); retry later"))
+                future.set_exception(OverloadedError.queue_full(self.max_queue))
                 return future
             self.queued += 1
             self._outstanding.add(future)

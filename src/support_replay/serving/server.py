@@ -238,8 +238,7 @@ class QueueGate:
                 while (await receive()).get("more_body"):  # read, not parsed: the connection stays usable
                     pass
                 self.engine.ledger.count("overloaded")
-                full = OverloadedError(f"the admission queue is full ({queue} waiting); retry later")
-                return await engine_error_response(full)(scope, receive, send)
+                return await engine_error_response(OverloadedError.queue_full(queue))(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
