@@ -33,7 +33,7 @@ from support_replay.rollout.agents import AgentRunner, load_agent  # noqa: E402
 from support_replay.rollout.chat import ChatRenderer, builtin_template  # noqa: E402
 from support_replay.rollout.episodes import generate_episodes  # noqa: E402
 from support_replay.rollout.session import ChatTurn, SessionSettings, SessionStore  # noqa: E402
-from support_replay.sampling import SamplingParams  # noqa: E402
+from support_replay.core.sampling import SamplingParams  # noqa: E402
 from support_replay.serving.sessions import create_sessions_app  # noqa: E402
 from support_replay.serving.threaded import ThreadedServer  # noqa: E402
 

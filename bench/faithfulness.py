@@ -25,8 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, full_logprobs, support_logprobs
-from support_replay.logprobs import penalised_support_logprobs
-from support_replay.penalties import Penalties
+from support_replay.core.logprobs import penalised_support_logprobs
+from support_replay.core.penalties import Penalties
 from support_replay.train.batches import penalty_rows
 from support_replay.modeling.batch_invariant import make_batch_invariant
 from support_replay.engine import Engine

@@ -20,9 +20,9 @@ import torch
 
 from support_replay import SamplingParams, support_logprobs
 from support_replay.engine import Engine
-from support_replay.logprobs import support_row_logprobs
+from support_replay.core.logprobs import support_row_logprobs
 from support_replay.modeling.checkpoints import smollm2_checkpoint
-from support_replay.penalties import Penalties
+from support_replay.core.penalties import Penalties
 from support_replay.protocol import GenerateRequest
 
 

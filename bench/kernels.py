@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from support_stream import support_stream  # noqa: E402
 
 from support_replay import SupportTable, sparse_head_support_logprobs, support_logprobs  # noqa: E402
-from support_replay.logprobs import penalised_support_logprobs  # noqa: E402
-from support_replay.penalties import Penalties  # noqa: E402
+from support_replay.core.logprobs import penalised_support_logprobs  # noqa: E402
+from support_replay.core.penalties import Penalties  # noqa: E402
 from support_replay.train.batches import penalty_rows  # noqa: E402
 
 VARIANTS = {

@@ -25,7 +25,7 @@ from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.modeling import packed_sequences
 from support_replay.modeling.linear_kernels import resolve_linear_kernel
 from support_replay.rollout.sample import Sample
-from support_replay.support import SupportTable
+from support_replay.core.support import SupportTable
 from support_replay.train.actor import load_scoring_model, score_batch
 from support_replay.train.batches import build_micro_batch
 

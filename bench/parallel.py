@@ -74,7 +74,7 @@ def bench_samples(vocab: int, n: int, tokens: int, prompt: int = 32) -> list:
 def _worker(rank, world, port, spec, args, results):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from support_replay.losses import token_weights
+    from support_replay.core.losses import token_weights
     from support_replay.modeling.checkpoints import smollm2_checkpoint
     from support_replay.train.actor import Actor
     from support_replay.train.batches import plan_optimizer_steps

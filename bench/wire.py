@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from support_replay import wire
+from support_replay.core import wire
 from support_stream import support_stream
 
 

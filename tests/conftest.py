@@ -41,7 +41,7 @@ def vllm_server(tiny_checkpoint, tmp_path_factory):
     if not VLLM_PYTHON.exists():
         pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (make vllm)")
     from processes import free_port, process
-    from test_vllm_real import vllm_checkpoint
+    from tiny_model import vllm_checkpoint
 
     ckpt = vllm_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("vllm-llama"))
     port = free_port()

@@ -1,4 +1,4 @@
-"""Fuzz targets, run by tests/test_fuzz.py with a few hundred inputs each and by bench/fuzz.py with
+"""Fuzz targets, run by tests/serving/test_fuzz.py with a few hundred inputs each and by bench/fuzz.py with
 the full counts (docs/reliability.md). Each returns what it saw; a broken promise raises.
 
 - ``fuzz_wire``: valid encodings (both modes), then hypothesis mutates them: flipped bits,

@@ -1,5 +1,5 @@
 """Poison requests: each one must get a 4xx, quickly, while the good requests sent beside it come
-out exactly as without it (deterministic engine). Used by tests/test_reliability.py (8 good
+out exactly as without it (deterministic engine). Used by tests/serving/test_reliability.py (8 good
 requests) and bench/poison.py (63)."""
 
 from __future__ import annotations

@@ -56,3 +56,32 @@ def build_tiny_checkpoint(path: Path, vocab_size: int = 384, seed: int = 0, max_
         model.lm_head.weight.mul_(25)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def greedy_decode(runner: ModelRunner, prompts, steps: int) -> list[torch.Tensor]:
+    """The logits of ``steps`` greedy decode steps after one prefill of ``prompts``."""
+    batch, logits = runner.prefill(prompts)
+    pos = torch.tensor([len(p) for p in prompts])
+    seen = []
+    for _ in range(steps):
+        logits = runner.decode(batch, logits.argmax(-1), pos)
+        pos += 1
+        seen.append(logits)
+    return seen
+
+
+def vllm_checkpoint(tiny_checkpoint: Path, path: Path) -> Path:
+    """A Llama the CPU backend accepts (head_dim 64), with the tiny tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path

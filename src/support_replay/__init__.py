@@ -1,17 +1,18 @@
 """support-replay: bounded sampling-support replay for RL post-training.
 
-This namespace is the core, and it depends on torch and numpy alone: the support table,
-the wire codec, sampling with capture, penalties and logit bias, log-probabilities, their
-parallel forms and the losses. The engine, the HTTP servers, the backends, rollouts and the trainer are
-subpackages built on it (``support_replay.engine``, ``.serving``, ``.backends``,
-``.rollout``, ``.train``).
+This namespace re-exports the core (``support_replay.core``, torch and numpy alone): the
+support table, the wire codec, sampling with capture, penalties and logit bias,
+log-probabilities, their parallel forms and the losses. The engine, the HTTP servers, the
+backends, rollouts and the trainer are subpackages built on it (``support_replay.engine``,
+``.serving``, ``.backends``, ``.rollout``, ``.train``).
 """
 
+from .core import wire
 from .errors import SamplingParamsError, SupportError, SupportReplayError, WireError
-from .logprobs import entropy, full_logprobs, full_logprobs_and_entropy, penalised_support_logprobs, sparse_head_support_logprobs, support_logprobs
-from .penalties import Penalties, penalise
-from .sampling import SEMANTICS, SampledTokens, SamplingParams, sample_tokens, support_mask
-from .support import SupportTable
+from .core.logprobs import entropy, full_logprobs, full_logprobs_and_entropy, penalised_support_logprobs, sparse_head_support_logprobs, support_logprobs
+from .core.penalties import Penalties, penalise
+from .core.sampling import SEMANTICS, SampledTokens, SamplingParams, sample_tokens, support_mask
+from .core.support import SupportTable
 
 __version__ = "0.1.0"
 
@@ -34,4 +35,5 @@ __all__ = [
     "sparse_head_support_logprobs",
     "support_logprobs",
     "support_mask",
+    "wire",
 ]

@@ -19,7 +19,7 @@ import sys
 import torch
 
 from . import SEMANTICS, SamplingParams, SupportReplayError, full_logprobs, sample_tokens, support_logprobs, wire
-from .losses import logprob_mismatch_metrics, support_size_metrics
+from .core.losses import logprob_mismatch_metrics, support_size_metrics
 from .protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 from .engine.limits import EngineLimits
 from .modeling.linear_kernels import KERNELS, LINEAR_KERNEL_HELP
@@ -155,10 +155,10 @@ def _sessions(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from .penalties import Penalties
+    from .core.penalties import Penalties
     from .rollout.chat import ChatRenderer, load_template
     from .rollout.session import SessionSettings, SessionStore
-    from .sampling import SamplingParams
+    from .core.sampling import SamplingParams
     from .serving.sessions import serve_sessions
 
     keys = _keys(args)

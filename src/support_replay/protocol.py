@@ -16,9 +16,9 @@ from typing import Literal
 import numpy as np
 
 from .errors import RequestError, SupportError, WireError
-from .penalties import NO_PENALTIES, Penalties
-from .sampling import SamplingParams
-from .support import SupportTable
+from .core.penalties import NO_PENALTIES, Penalties
+from .core.sampling import SamplingParams
+from .core.support import SupportTable
 
 LOGPROBS_MODES = ("selected", "support")
 DEFAULT_SAMPLING_MASK_MAX_TOKENS = 4096  # SGLang's --sampling-mask-max-tokens default

@@ -19,8 +19,8 @@ import numpy as np
 
 from ..errors import EngineUnavailable, SupportError, WireError
 from ..protocol import Completion, GenerateRequest, parse_version_spans, single_version, validate_completion
-from ..support import SupportTable
-from ..wire import from_json
+from ..core.support import SupportTable
+from ..core.wire import from_json
 from .base import RetryCounter, fan_out, optional_fields, penalty_fields, post_json, session_headers
 
 MASK_FORMATS = ("binary", "lists")

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..errors import EngineUnavailable, SupportError, WireError
 from ..protocol import Completion, GenerateRequest, single_version, validate_completion, parse_version_spans
-from ..support import SupportTable
+from ..core.support import SupportTable
 from .base import RetryCounter, fan_out, optional_fields, penalty_fields, post_json, session_headers
 
 ENDPOINTS = ("generate", "completions")

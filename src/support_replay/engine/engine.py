@@ -36,14 +36,14 @@ import torch
 from safetensors.torch import load_file
 
 from ..errors import AbortedError, CapacityError, EngineError, RequestError, SamplingParamsError
-from ..logprobs import full_logprobs, support_row_logprobs
-from ..penalties import dense_bias, dense_history, penalise
+from ..core.logprobs import full_logprobs, support_row_logprobs
+from ..core.penalties import dense_bias, dense_history, penalise
 from ..modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
 from ..modeling.invariant_products import model_plans
 from ..modeling.linear_kernels import linear_function, resolve_linear_kernel, use_linear
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest, single_version
-from ..sampling import sample_tokens
-from ..support import SupportTable
+from ..core.sampling import sample_tokens
+from ..core.support import SupportTable
 from .kv_budget import SERVE_SHARE, KVBudget, column_need, plan_shape
 from .ledger import Ledger
 from .limits import EngineLimits

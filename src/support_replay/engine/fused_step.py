@@ -5,7 +5,7 @@ building that a step of one token per row does not need. This step runs the same
 as the Hugging Face forward of a Llama or Qwen3 model, in the same order and with
 the same functions where the model has them (its RMSNorm and rotary code, its attention
 function: sdpa, or the batch-invariant tiles in true-on-policy mode), so its logits are the
-same bits (tests/test_fused_step.py). What it changes: the query, key and value projections
+same bits (tests/engine/test_fused_step.py). What it changes: the query, key and value projections
 are one product over one weight, and so are the gate and up projections (a product's output
 column has the same bits whatever other columns share it: probed per shape at start-up,
 ``unsupported`` keeps the module tree where it does not hold); the

@@ -67,7 +67,7 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
     sum runs per block, ``[16, 64] x [64, d]``, so its reduction has one fixed shape whatever
     the batch, the padding or the prefill/decode split (a batched product of one fixed shape
     gives each row the same bits whatever the batch count and the row's place: measured,
-    tests/test_batch_invariant.py). A key sits at the same place of the same block on both
+    tests/modeling/test_batch_invariant.py). A key sits at the same place of the same block on both
     sides; masked keys weigh exactly 0; the softmax runs over the position-aligned row, and the
     blocks' partial outputs are added in position order.
     ``packed_segments`` (the trainer's packed rows, ``[B, L]``: -1 prompt, j response j, -2
@@ -104,7 +104,7 @@ def tiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     tall = tall_products_keep_tile_bits(dim, query.dtype, torch.get_num_threads())
     q_rows = F.pad(query.reshape(batch, groups, rows, dim), (0, 0, 0, q_extra))  # [B, G, tiles * 16, d]
     # one [16, d] x [d, width] product per tile: a score's bits do not depend on how many key
-    # columns share the product (measured: equal to 64-key blocks, tests/test_batch_invariant.py);
+    # columns share the product (measured: equal to 64-key blocks, tests/modeling/test_batch_invariant.py);
     # where the probe allows, one tall product per key/value head gives every tile's bits
     # without copying its keys once per tile
     if tall:

@@ -6,7 +6,7 @@ heads and a slice of the MLP) and the output and down projections by input rows,
 sums are all-reduced; norms stay replicated (per-head norms as replicated DTensors, so the
 gradient of their weight sums over the heads of every rank). The LM head is split by vocabulary rows and
 returns each rank's logit columns ``[T, V / tp]`` as a plain tensor: the scores come from
-``parallel.py``'s vocab-parallel functions, so no rank ever holds ``[T, V]``. A tied input
+``core/parallel.py``'s vocab-parallel functions, so no rank ever holds ``[T, V]``. A tied input
 embedding is split the same way (vocabulary rows) and re-tied, so the two stay one parameter.
 
 DTensor's autograd does the collectives of the backward; the vocab-parallel functions return

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError, EngineOverloaded, EngineUnavailable, NonFiniteError
-from ..penalties import NO_PENALTIES, Penalties
+from ..core.penalties import NO_PENALTIES, Penalties
 from ..protocol import GenerateRequest
-from ..sampling import SamplingParams
+from ..core.sampling import SamplingParams
 from .data import Prompt
 from .sample import Sample
 

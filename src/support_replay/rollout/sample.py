@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import SampleError, SupportError
-from ..penalties import NO_PENALTIES, Penalties
+from ..core.penalties import NO_PENALTIES, Penalties
 from ..protocol import VersionSpan
-from ..support import SupportTable
+from ..core.support import SupportTable
 
 
 @dataclass

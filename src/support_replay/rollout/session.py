@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..errors import EngineError, HistoryMismatch, RequestError, SessionBusy, SessionFailed, SessionNotFound, WireError
-from ..penalties import NO_PENALTIES, Penalties
+from ..core.penalties import NO_PENALTIES, Penalties
 from ..protocol import Completion, GenerateRequest
-from ..sampling import SamplingParams
+from ..core.sampling import SamplingParams
 from .chat import ChatRenderer, normalize_message, parse_tool_calls
 from .sample import Sample
 from .trajectory import Trajectory

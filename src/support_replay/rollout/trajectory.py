@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..penalties import NO_PENALTIES, Penalties
+from ..core.penalties import NO_PENALTIES, Penalties
 from ..protocol import Completion, VersionSpan
-from ..support import SupportTable
+from ..core.support import SupportTable
 from .sample import Sample
 
 

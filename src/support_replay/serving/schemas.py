@@ -2,7 +2,7 @@
 the OpenAI bodies live with their routes (``openai_routes.py``).
 
 Strict where silence would be wrong: unknown sampling parameters are rejected, not ignored.
-Penalties and logit bias are applied (and replayed by the trainer, ``penalties.py``).
+Penalties and logit bias are applied (and replayed by the trainer, ``core/penalties.py``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..errors import RequestError, SamplingParamsError
 from ..protocol import GenerateRequest
-from ..penalties import Penalties
-from ..sampling import SamplingParams
+from ..core.penalties import Penalties
+from ..core.sampling import SamplingParams
 
 
 MAX_BATCH = 4096  # prompts in one request body: checked while parsing, before anything is built (the queue bounds it further)

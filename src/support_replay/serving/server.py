@@ -13,7 +13,8 @@ from fastapi import FastAPI, Request, Query
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from .. import __version__, wire
+from .. import __version__
+from ..core import wire
 from ..engine import Engine
 from ..errors import ConfigError, EngineError, OverloadedError, RequestError, SupportReplayError
 from ..protocol import Completion, GenerateRequest

@@ -28,14 +28,14 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from ..errors import ConfigError
-from ..logprobs import full_logprobs_and_entropy, penalised_support_logprobs, sparse_head_support_logprobs, support_logprobs, union_head_support_logprobs
+from ..core.logprobs import full_logprobs_and_entropy, penalised_support_logprobs, sparse_head_support_logprobs, support_logprobs, union_head_support_logprobs
 from ..modeling.batch_invariant import make_batch_invariant
 from ..modeling.invariant_products import head_columns_invariant
 from ..modeling.linear_kernels import linear_function, model_linear, use_linear
 from ..modeling.packed_sequences import use_packed_attention
 from ..modeling.context_parallel import ContextShard, assemble_rows, make_context_parallel
 from ..modeling.tensor_parallel import VocabShard, parallelize_tensor
-from ..parallel import context_parallel_positions, vocab_parallel_full_logprobs_and_entropy, vocab_parallel_support_logprobs
+from ..core.parallel import context_parallel_positions, vocab_parallel_full_logprobs_and_entropy, vocab_parallel_support_logprobs
 from .batches import MicroBatch
 from .layout import ParallelLayout
 

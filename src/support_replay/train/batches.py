@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from ..errors import SampleError
-from ..penalties import Penalties, gathered_bias, history_counts, penalise, repetition_history_includes_prompt
+from ..core.penalties import Penalties, gathered_bias, history_counts, penalise, repetition_history_includes_prompt
 from ..rollout.sample import Sample
-from ..support import SupportTable
+from ..core.support import SupportTable
 
 
 @dataclass

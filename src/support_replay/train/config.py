@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_fie
 
 from ..errors import ConfigError, SamplingParamsError
 from ..modeling.linear_kernels import LINEAR_KERNEL_HELP, resolve_linear_kernel
-from ..penalties import Penalties
+from ..core.penalties import Penalties
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 
 MAX_DEFAULT_MICRO_BATCH = 8

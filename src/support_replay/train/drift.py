@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from ..losses import support_mass
+from ..core.losses import support_mass
 from ..rollout.sample import Sample
 
 

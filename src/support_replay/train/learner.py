@@ -1,5 +1,5 @@
 """The update side of a run: the actor and the reference, scoring before the update, the loss
-of every micro-batch (weighted by ``losses.py``), the optimizer step and its metrics.
+of every micro-batch (weighted by ``core/losses.py``), the optimizer step and its metrics.
 
 Every pass over a rollout uses the micro-batches planned once (``batches.py``) and the
 actor's one scoring path, so old and new log-probs of a ratio are the same function on the
@@ -13,7 +13,7 @@ from dataclasses import astuple, dataclass, fields, replace
 import torch
 
 from ..errors import ConfigError, NonFiniteError
-from ..losses import grpo_advantages, importance_weights, kl_estimate, policy_token_loss, token_weights
+from ..core.losses import grpo_advantages, importance_weights, kl_estimate, policy_token_loss, token_weights
 from ..rollout.sample import Sample
 from .actor import Actor, load_scoring_model, score_batch
 from .batches import MicroBatch, OptimizerStep, plan_optimizer_steps

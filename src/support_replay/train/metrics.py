@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..losses import logprob_mismatch_metrics, support_size_metrics
+from ..core.losses import logprob_mismatch_metrics, support_size_metrics
 from ..rollout.sample import Sample
 
 

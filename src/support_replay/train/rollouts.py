@@ -17,11 +17,11 @@ import torch
 
 from ..errors import ConfigError, SupportReplayError
 from ..rollout import generate_samples, load_prompts, load_reward
-from ..penalties import NO_PENALTIES
+from ..core.penalties import NO_PENALTIES
 from ..rollout.episodes import generate_episodes
 from ..rollout.data import ArithmeticTask
 from ..rollout.sample import Sample
-from ..sampling import SamplingParams
+from ..core.sampling import SamplingParams
 from ..serving.security import LOOPBACK_HOSTS, Keys
 from .config import RunConfig
 from .dist import on_main

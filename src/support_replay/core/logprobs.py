@@ -1,0 +1,324 @@
+"""Log-probabilities of the actor: on the replayed support, on the full vocabulary, entropy.
+
+Math in docs/math.md. ``support_logprobs`` is the one function that both the engine
+(log mu, when it samples) and the trainer (log pi, when it scores) call, so equal logits
+give equal log-probs bit for bit. Its reduction over the support is a cumulative sum
+whose last entry is read: the sum of a row then does not depend on how many padding
+columns follow it, so the result does not depend on the batch it was computed in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SupportError
+from .support import SupportTable
+
+DEFAULT_CHUNK_ROWS = 1024
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp32 for half precisions and fp32, fp64 for fp64 input."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _padded(support, device) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(support, SupportTable):
+        return support.to_padded(device=device)
+    ids, valid = support
+    return ids.to(device=device, dtype=torch.long), valid.to(device=device, dtype=torch.bool)
+
+
+def _temperature_column(temperature, rows: int, device, dtype=torch.float32) -> torch.Tensor:
+    """Temperature as a ``[T, 1]`` column (a scalar, or one value per row)."""
+    temp = torch.as_tensor(temperature, dtype=dtype, device=device)
+    if temp.ndim == 0:
+        temp = temp.expand(rows)
+    if temp.shape != (rows,):
+        raise SupportError(f"temperature: expected a scalar or {rows} values, got shape {tuple(temp.shape)}")
+    if not bool((temp > 0).all()):
+        raise SupportError(f"temperature: must be > 0 to score log-probs, got {temp.min().item()}")
+    return temp.reshape(rows, 1)
+
+
+def _masked_logsumexp(z: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lse[T], softmax[T, K])`` of ``z`` over the valid entries of every row.
+
+    The sum is read off a cumulative sum, so trailing padding adds exact zeros and the
+    value is independent of the padded width.
+    """
+    z = z.masked_fill(~valid, float("-inf"))
+    m = z.max(dim=-1, keepdim=True).values
+    e = torch.exp(z - m)
+    s = e.cumsum(dim=-1)[:, -1:]
+    return (m + torch.log(s)).squeeze(-1), e / s
+
+
+class _SupportLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, ids, valid, temp):
+        z = logits.gather(1, ids).to(temp.dtype) / temp
+        lse, probs = _masked_logsumexp(z, valid)
+        out = logits.gather(1, targets[:, None]).to(temp.dtype).squeeze(1) / temp.squeeze(1) - lse
+        ctx.save_for_backward(targets, ids, probs, temp)
+        ctx.logits_meta = (logits.shape, logits.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        targets, ids, probs, temp = ctx.saved_tensors
+        shape, dtype = ctx.logits_meta
+        coef = grad_out.to(temp.dtype)[:, None] / temp
+        grad = torch.zeros(shape, dtype=dtype, device=grad_out.device)
+        grad.scatter_add_(1, ids, (-probs * coef).to(dtype))
+        grad.scatter_add_(1, targets[:, None], coef.to(dtype))
+        return grad, None, None, None, None
+
+
+def support_logprobs(logits: torch.Tensor, targets: torch.Tensor, support, temperature=1.0) -> torch.Tensor:
+    """``log pi(a_t | s_t, S_t) = z(a_t)/T - logsumexp_{j in S_t} z(j)/T`` for every row.
+
+    ``logits`` ``[T, V]`` (any float dtype; accumulation in fp32), ``targets`` ``[T]``,
+    ``support`` a ``SupportTable`` of T rows or padded ``(ids[T, K], valid[T, K])``,
+    ``temperature`` a scalar or ``[T]``. Returns ``[T]`` in fp32 (fp64 for fp64 input). Extra memory is O(T*K);
+    the gradient is ``(onehot(a_t) - softmax_S)/T`` on S_t and zero elsewhere.
+    """
+    if logits.ndim != 2:
+        raise SupportError(f"logits: expected [T, V], got shape {tuple(logits.shape)}")
+    rows = logits.shape[0]
+    ids, valid = _padded(support, logits.device)
+    if ids.shape[0] != rows or targets.shape != (rows,):
+        raise SupportError(f"support_logprobs: {rows} logit rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}")
+    if rows == 0:
+        return logits.new_zeros(0, dtype=_acc(logits.dtype)) + logits.sum() * 0
+    temp = _temperature_column(temperature, rows, logits.device, _acc(logits.dtype))
+    return _SupportLogProbs.apply(logits, targets.to(logits.device, torch.long), ids, valid, temp)
+
+
+def support_row_logprobs(logits_row: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log mu`` of every id of one support row (``[n]`` fp32), in O(n): the operations of
+    ``support_logprobs`` for that row (the same ``z/T``, the same log-sum-exp), so the selected
+    id's value is its bits."""
+    ids = ids.to(logits_row.device, torch.long)[None]
+    temp = _temperature_column(temperature, 1, logits_row.device, _acc(logits_row.dtype))
+    z = logits_row[None].gather(1, ids).to(temp.dtype) / temp
+    lse, _ = _masked_logsumexp(z, torch.ones_like(ids, dtype=torch.bool))
+    return (z - lse[:, None])[0]
+
+
+def penalised_support_logprobs(logits: torch.Tensor, targets: torch.Tensor, support, temperature, transform) -> torch.Tensor:
+    """``support_logprobs`` on transformed logits: ``log pi(a_t | S_t) = z'(a_t)/T - logsumexp_{S_t} z'/T``
+    with ``z' = transform(z gathered at the support ids [T, K], ids)``, plain autograd (the
+    gradient flows through the transform to ``z``). The penalties and logit bias are such a
+    transform (``penalties.penalise``); it never sees more than the support's ids, so memory
+    stays O(T*K). The engine applies the same transform to whole rows before it samples and
+    calls ``support_logprobs`` on them: the values at the support ids, and so the result, are
+    the same bits.
+    """
+    rows = logits.shape[0]
+    ids, valid = _padded(support, logits.device)
+    temp = _temperature_column(temperature, rows, logits.device, _acc(logits.dtype))
+    column = _target_positions(ids, valid, targets.to(logits.device, torch.long))
+    z = transform(logits.gather(1, ids).to(temp.dtype), ids) / temp
+    lse, _ = _masked_logsumexp(z, valid)
+    return z.gather(1, column[:, None]).squeeze(1) - lse
+
+
+# ---- full vocabulary -----------------------------------------------------------------
+
+
+def _chunks(rows: int, chunk_rows: int):
+    for start in range(0, rows, chunk_rows):
+        yield slice(start, min(start + chunk_rows, rows))
+
+
+class _FullLogProbsEntropy(torch.autograd.Function):
+    """Full-vocabulary log-prob of the targets and entropy, chunked over rows.
+
+    Saves only the logits and per-row scalars; the softmax is recomputed chunk by chunk
+    in backward, so no second ``[T, V]`` copy is kept between forward and backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temp, chunk_rows):
+        rows = logits.shape[0]
+        logp = torch.empty(rows, dtype=temp.dtype, device=logits.device)
+        ent = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        for sl in _chunks(rows, chunk_rows):
+            y = logits[sl].to(temp.dtype) / temp[sl]
+            lse_c = torch.logsumexp(y, dim=-1)
+            p = torch.exp(y - lse_c[:, None])
+            lse[sl] = lse_c
+            ent[sl] = lse_c - (p * y).sum(-1)
+            logp[sl] = y.gather(1, targets[sl, None]).squeeze(1) - lse_c
+        ctx.save_for_backward(logits, targets, temp, lse, ent)
+        ctx.chunk_rows = chunk_rows
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        logits, targets, temp, lse, ent = ctx.saved_tensors
+        grad = full_vocab_grad(logits, targets, None, temp, lse, ent, grad_logp, grad_ent, ctx.chunk_rows)
+        return grad, None, None, None
+
+
+def full_vocab_grad(logits, targets, target_weight, temp, lse, ent, grad_logp, grad_ent, chunk_rows: int) -> torch.Tensor:
+    """Gradient of ``(log p[a_t], entropy)`` w.r.t. the logits, recomputing softmax chunk by chunk.
+
+    ``lse`` and ``ent`` are the (global) normalisers; ``target_weight`` (0/1 per row, or
+    None for all ones) says whether this logit shard holds the target, for vocab-parallel.
+    """
+    grad = torch.empty_like(logits)
+    for sl in _chunks(logits.shape[0], chunk_rows):
+        y = logits[sl].to(temp.dtype) / temp[sl]
+        p = torch.exp(y - lse[sl, None])
+        g = torch.zeros_like(p)
+        if grad_logp is not None:
+            gl = grad_logp[sl, None].to(temp.dtype)
+            g -= p * gl
+            g.scatter_add_(1, targets[sl, None], gl if target_weight is None else gl * target_weight[sl, None])
+        if grad_ent is not None:
+            # dH/dy_j = -p_j (log p_j + H)
+            g -= grad_ent[sl, None].to(temp.dtype) * p * ((y - lse[sl, None]) + ent[sl, None])
+        grad[sl] = (g / temp[sl]).to(logits.dtype)
+    return grad
+
+
+def full_logprobs_and_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, temperature=1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log softmax(z/T)[a_t], entropy of softmax(z/T))`` over the full vocabulary, fp32 ``[T]``."""
+    if logits.ndim != 2 or targets.shape != (logits.shape[0],):
+        raise SupportError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} do not match")
+    temp = _temperature_column(temperature, logits.shape[0], logits.device, _acc(logits.dtype))
+    return _FullLogProbsEntropy.apply(logits, targets.to(logits.device, torch.long), temp, int(chunk_rows))
+
+
+def full_logprobs(logits, targets, temperature=1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
+    """Full-vocabulary ``log softmax(z/T)[a_t]`` (reference, KL, evaluation scores)."""
+    return full_logprobs_and_entropy(logits, targets, temperature, chunk_rows)[0]
+
+
+def entropy(logits, temperature=1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
+    """Full-vocabulary entropy of ``softmax(z/T)`` per row."""
+    targets = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    return full_logprobs_and_entropy(logits, targets, temperature, chunk_rows)[1]
+
+
+# ---- sparse LM head ------------------------------------------------------------------
+
+
+def _target_positions(ids, valid, targets) -> torch.Tensor:
+    hit = (ids == targets[:, None]) & valid
+    if not bool(hit.any(-1).all()):
+        row = int((~hit.any(-1)).nonzero()[0])
+        raise SupportError(f"row {row}: target {int(targets[row])} is not in its support")
+    return hit.to(torch.uint8).argmax(-1)
+
+
+def _size_buckets(valid: torch.Tensor, chunk_size: int):
+    """Rows grouped by support size rounded up to a power of two, in chunks of about
+    ``chunk_size`` entries: ``(rows, width)`` pairs. Padding waste stays under 2x even
+    when sizes are heavy-tailed (most supports tiny, a few wide)."""
+    sizes = valid.sum(-1)
+    widths = torch.where(sizes <= 1, 1, 2 ** torch.ceil(torch.log2(sizes.clamp_min(1).double())).long())
+    widths = widths.clamp_max(valid.shape[1])
+    for width in torch.unique(widths).tolist():
+        rows = (widths == width).nonzero().squeeze(1)
+        step = max(1, chunk_size // width)
+        for start in range(0, len(rows), step):
+            yield rows[start : start + step], width
+
+
+class _SparseHeadSupportLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, valid, tpos, temp, chunk_size):
+        z = torch.zeros(ids.shape, dtype=temp.dtype, device=hidden.device)
+        for rows, width in _size_buckets(valid, chunk_size):
+            w = weight[ids[rows, :width]].to(temp.dtype)  # [c, width, H]
+            z[rows, :width] = torch.einsum("ch,ckh->ck", hidden[rows].to(temp.dtype), w).to(z.dtype)  # bf16 under autocast
+        z = z / temp
+        lse, probs = _masked_logsumexp(z, valid)
+        out = z.gather(1, tpos[:, None]).squeeze(1) - lse
+        ctx.save_for_backward(hidden, weight, ids, valid, tpos, probs, temp)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, ids, valid, tpos, probs, temp = ctx.saved_tensors
+        coef = grad_out[:, None].to(temp.dtype) / temp
+        dz = -probs * coef
+        dz.scatter_add_(1, tpos[:, None], coef)
+        grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for rows, width in _size_buckets(valid, ctx.chunk_size):
+            g = dz[rows, :width]  # zero on padding entries
+            sel = ids[rows, :width]
+            if grad_h is not None:
+                w = weight[sel].to(temp.dtype)  # recomputed, not stored
+                grad_h[rows] = torch.einsum("ck,ckh->ch", g, w).to(hidden.dtype)
+            if grad_w is not None:
+                outer = g[:, :, None] * hidden[rows].to(temp.dtype)[:, None, :]
+                grad_w.index_add_(0, sel.reshape(-1), outer.reshape(-1, hidden.shape[1]).to(weight.dtype))
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def sparse_head_support_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    support,
+    temperature=1.0,
+    chunk_size: int = 16384,
+) -> torch.Tensor:
+    """``support_logprobs(hidden @ weight.T, ...)`` without forming ``[T, V]`` logits.
+
+    ``hidden`` ``[T, H]``, ``weight`` ``[V, H]`` (the LM head, no bias). Only the rows of
+    the weight named by the support are read, about ``chunk_size`` support entries at a
+    time, rows bucketed by support size; backward recomputes ``weight[S]`` instead of
+    storing it. Every target must lie in its support.
+    """
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
+        raise SupportError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match")
+    rows = hidden.shape[0]
+    ids, valid = _padded(support, hidden.device)
+    if ids.shape[0] != rows or targets.shape != (rows,):
+        raise SupportError(f"sparse head: {rows} hidden rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}")
+    temp = _temperature_column(temperature, rows, hidden.device, _acc(torch.promote_types(hidden.dtype, weight.dtype)))
+    tpos = _target_positions(ids, valid, targets.to(hidden.device, torch.long))
+    return _SparseHeadSupportLogProbs.apply(hidden, weight, ids, valid, tpos, temp, int(chunk_size))
+
+
+def union_head_support_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, support, temperature=1.0,
+                                row_block: int = 16, linear=torch.nn.functional.linear) -> torch.Tensor:
+    """``support_logprobs(hidden @ weight.T, ...)`` reading only the head rows that some support
+    of the batch names, with the same bits as the full head where its products are invariant.
+
+    One product ``[rows padded to row_block, H] x [H, U]`` over the union U of the batch's
+    support ids (at least ``row_block`` of them): on this project's CPU a column of ``F.linear``
+    is the same bits whatever other columns are computed with it once there are 16 or more,
+    and a row the same bits once the row count is a multiple of 16 (docs/true-on-policy.md),
+    so these logits equal the engine's full-vocabulary ones at every support id, and
+    ``support_logprobs``, which reads nothing else, returns the engine's log mu. Autograd
+    gives the backward (the gradient reaches only the union's head rows). ``linear(x, weight)`` is
+    the engine's product (``F.linear``, or oneDNN's, whose columns and rows keep their bits alike).
+    """
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
+        raise SupportError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match")
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    ids, valid = _padded(support, hidden.device)
+    targets = targets.to(hidden.device, torch.long)
+    if ids.shape[0] != rows or targets.shape != (rows,):
+        raise SupportError(f"union head: {rows} hidden rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}")
+    union = torch.unique(torch.cat([ids[valid], targets]))
+    if len(union) < row_block:  # too few columns take another kernel: add unused ones
+        extra = torch.arange(min(vocab, len(union) + row_block), device=hidden.device)
+        union = torch.unique(torch.cat([union, extra]))
+    column = torch.zeros(vocab, dtype=torch.long, device=hidden.device)
+    column[union] = torch.arange(len(union), device=hidden.device)
+    pad = -rows % row_block
+    padded = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])]) if pad else hidden
+    logits = linear(padded, weight[union])[:rows]
+    return support_logprobs(logits, column[targets], (column[ids.where(valid, union[0])], valid), temperature)

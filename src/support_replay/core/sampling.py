@@ -1,0 +1,296 @@
+"""Sampling with an explicit filter semantics, capturing the realized support S_t and log mu.
+
+Three semantics, each the filter of one engine family (docs/math.md, with the engine files each was read from):
+
+- ``"sglang"``: softmax(z/T) in fp32, sort descending, inclusive cumsum on the
+  *unfiltered* sorted probabilities; keep ranks < k (exactly k, by rank), drop tokens
+  whose exclusive prefix mass exceeds top_p, then drop p < min_p * p_max.
+- ``"vllm"``: temperature, min-p, top-k keeping every tie at the k-th value, then top-p
+  judged on the distribution renormalised after those filters.
+- ``"hf"``: Hugging Face warper order: temperature, top-k (ties kept), top-p on the
+  renormalised distribution, then min-p. Computed with the same tensor operations as
+  transformers' warpers, so the supports are identical.
+
+Ties are broken by the lower token id wherever a semantics cuts by rank ("sglang"
+ranks, "vllm" top-p), so the support is a deterministic function of the logits.
+Whatever the semantics, S_t holds only tokens whose post-filter weight is > 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import SamplingParamsError
+from .logprobs import support_logprobs
+from .support import SupportTable
+
+SEMANTICS = ("sglang", "vllm", "hf")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings. ``top_k=-1`` and ``top_p=1`` and ``min_p=0`` disable a filter.
+
+    ``temperature=0`` means greedy decoding and is only allowed without filters
+    (replay needs a positive temperature to score the actor).
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        t, k, p, mp = self.temperature, self.top_k, self.top_p, self.min_p
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise SamplingParamsError(f"temperature: must be a finite number >= 0, got {t!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or k >= 1):
+            raise SamplingParamsError(f"top_k: must be -1 (disabled) or an integer >= 1, got {k!r}")
+        if not isinstance(p, (int, float)) or not (0 < p <= 1):
+            raise SamplingParamsError(f"top_p: must be in (0, 1], got {p!r}")
+        if not isinstance(mp, (int, float)) or not (0 <= mp <= 1):
+            raise SamplingParamsError(f"min_p: must be in [0, 1], got {mp!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise SamplingParamsError(f"seed: must be None or an integer in [0, 2**64), got {self.seed!r}")
+        if t == 0 and self.replay_active:
+            raise SamplingParamsError(
+                f"temperature: must be > 0 when a support filter is active (top_k={k}, top_p={p}, min_p={mp}); "
+                "replay divides the actor logits by the rollout temperature"
+            )
+
+    @property
+    def replay_active(self) -> bool:
+        """True when a truncation filter makes the sampled policy differ from softmax(z/T)."""
+        return self.top_p < 1 or self.top_k > 0 or self.min_p > 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class SampledTokens:
+    """One token per row and, for the captured rows, their realized support and log mu."""
+
+    tokens: torch.Tensor  # [B] int64, on the logits' device
+    support: SupportTable  # host CSR, one row per captured row, ids ascending
+    log_mu: torch.Tensor  # [C] fp32, log mu(a_t | s_t, S_t) of the captured rows
+    captured: torch.Tensor  # [C] int64: which rows were captured (all of them by default)
+
+
+def _per_row(params, rows: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * rows
+    params = list(params)
+    if len(params) != rows:
+        raise SamplingParamsError(f"params: {len(params)} sampling settings for {rows} rows")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise SamplingParamsError(f"params[{i}]: expected SamplingParams, got {type(p).__name__}")
+    return params
+
+
+def _columns(params: list[SamplingParams], vocab: int, device):
+    def col(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)[:, None]
+
+    temp = col([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32)
+    top_k = col([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.long)
+    # float64 so that each semantics can round 1 - top_p the way its engine does
+    top_p = col([p.top_p for p in params], torch.float64)
+    min_p = col([p.min_p for p in params], torch.float32)
+    return temp, top_k, top_p, min_p
+
+
+def _keep_sglang(probs_sort, top_k, top_p, min_p):
+    """SGLang's rule on probabilities sorted descending (ties by lower id)."""
+    ranks = torch.arange(probs_sort.shape[-1], device=probs_sort.device)[None, :]
+    exclusive = probs_sort.cumsum(dim=-1) - probs_sort
+    keep = ranks < top_k
+    keep &= (exclusive <= top_p.float()) | (top_p >= 1)
+    keep &= probs_sort >= min_p * probs_sort[:, :1]
+    keep &= probs_sort > 0
+    return keep
+
+
+def _top_candidates(probs, width: int):
+    """At least the ``width`` largest probabilities of every row, ordered (prob desc, id asc):
+    the full sort's first ``width`` entries of every row, and in the same order.
+
+    A tie that straddles the cut (frequent with bf16 logits) widens the selection to every id
+    tied with the ``width``-th largest value, so the ids beyond the cut that the tie order
+    brings in are there too. None when that is not narrower than a quarter of the vocabulary.
+    """
+    vocab = probs.shape[-1]
+    if width + 1 >= vocab:
+        return None
+    vals, idx = torch.topk(probs, width + 1, dim=-1)
+    if bool((vals[:, width] == vals[:, width - 1]).any()):
+        wide = int((probs >= vals[:, width - 1 : width]).sum(-1).max())  # every id at or above each row's cut value
+        if wide * 4 > vocab:
+            return None
+        vals, idx = torch.topk(probs, wide, dim=-1)
+    else:
+        vals, idx = vals[:, :width], idx[:, :width]
+    by_id = idx.argsort(dim=-1)
+    vals, idx = vals.gather(1, by_id), idx.gather(1, by_id)
+    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+    return vals.gather(1, order), idx.gather(1, order)
+
+
+def _mask_sglang(y, probs, top_k, top_p, min_p):
+    # Every row keeps at most its top_k ranks, so the max top_k largest probabilities
+    # decide everything: a top-k selection replaces the full sort when it is narrow.
+    width = int(top_k.max())
+    candidates = _top_candidates(probs, width) if width * 4 <= y.shape[-1] else None
+    if candidates is not None:
+        probs_sort, order = candidates
+    else:
+        probs_sort, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    keep = _keep_sglang(probs_sort, top_k, top_p, min_p)
+    return torch.zeros(y.shape, dtype=torch.bool, device=y.device).scatter_(1, order, keep)
+
+
+def _mask_vllm(y, probs, top_k, top_p, min_p):
+    keep = probs >= min_p * probs.amax(dim=-1, keepdim=True)
+    y = y.masked_fill(~keep, float("-inf"))
+    y_sort, order = torch.sort(y, dim=-1, descending=False, stable=True)
+    kth = y_sort.gather(1, y.shape[-1] - top_k)
+    y_sort = y_sort.masked_fill(y_sort < kth, float("-inf"))
+    cum = torch.softmax(y_sort, dim=-1).cumsum(dim=-1)
+    drop = (cum <= 1 - top_p.float()) & (top_p < 1)  # vLLM: p is an fp32 tensor
+    drop[:, -1] = False
+    y_sort = y_sort.masked_fill(drop, float("-inf"))
+    keep_sorted = torch.softmax(y_sort, dim=-1) > 0
+    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+
+
+def _mask_hf(y, probs, top_k, top_p, min_p):
+    del probs  # the warpers renormalise their own processed scores
+    # The exact operations of TopK-, TopP- and MinPLogitsWarper, batched with per-row settings.
+    rows = y.shape[0]
+    inf = float("-inf")
+    kth = torch.sort(y, dim=-1, descending=True).values.gather(1, top_k - 1)
+    y = y.masked_fill(y < kth, inf)
+    sorted_logits, sorted_idx = torch.sort(y, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1 - top_p).float()  # HF: 1 - top_p in Python floats, then fp32
+    drop[..., -1:] = 0
+    drop &= top_p < 1
+    y = y.masked_fill(drop.scatter(1, sorted_idx, drop), inf)
+    probs = torch.softmax(y, dim=-1)
+    remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    remove.scatter_(-1, torch.topk(probs, 1, dim=-1).indices, False)
+    remove &= min_p > 0
+    y = y.masked_fill(remove, inf)
+    return (torch.softmax(y, dim=-1) > 0).reshape(rows, -1)
+
+
+_MASKS = {"sglang": _mask_sglang, "vllm": _mask_vllm, "hf": _mask_hf}
+
+
+def _check_inputs(logits: torch.Tensor, semantics: str) -> None:
+    if semantics not in _MASKS:
+        raise SamplingParamsError(f"semantics: must be one of {SEMANTICS}, got {semantics!r}")
+    if logits.ndim != 2 or logits.shape[1] == 0:
+        raise SamplingParamsError(f"logits: expected [B, V] with V > 0, got shape {tuple(logits.shape)}")
+
+
+def _support(logits: torch.Tensor, plist: list[SamplingParams], semantics: str):
+    """``(mask [B, V], softmax(z/T) [B, V], T [B, 1], greedy [B])``, the softmax computed once."""
+    temp, top_k, top_p, min_p = _columns(plist, logits.shape[1], logits.device)
+    y = logits.float() / temp
+    probs = torch.softmax(y, dim=-1)
+    mask = _MASKS[semantics](y, probs, top_k, top_p, min_p)
+    greedy = torch.tensor([p.greedy for p in plist], device=logits.device)
+    if bool(greedy.any()):
+        argmax = torch.zeros_like(mask).scatter_(1, logits.argmax(-1, keepdim=True), True)
+        mask = torch.where(greedy[:, None], argmax, mask)
+    return mask, probs, temp, greedy
+
+
+def support_mask(logits: torch.Tensor, params, semantics: str = "sglang") -> torch.Tensor:
+    """Boolean ``[B, V]``: the realized support of every row under ``semantics``.
+
+    ``params`` is one ``SamplingParams`` for the batch or one per row. Greedy rows
+    (temperature 0) get the singleton ``{argmax}``.
+    """
+    _check_inputs(logits, semantics)
+    return _support(logits, _per_row(params, logits.shape[0]), semantics)[0]
+
+
+def _exponential_noise(shape, generator, device, counts: list[int]) -> torch.Tensor:
+    """Exp(1) noise; argmax(w / noise) draws a token with probability proportional to w. With one
+    generator per row, row i draws exactly ``counts[i]`` values (its own support's size, not the
+    batch's widest), so a request's tokens do not depend on its neighbours."""
+    rows = shape[0]
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.empty(shape, device=device).exponential_(generator=generator).clamp_min_(1e-30)
+    generators = list(generator)
+    if len(generators) != rows:
+        raise SamplingParamsError(f"generator: {len(generators)} generators for {rows} rows")
+    noise = torch.ones(shape, device=device)  # padding columns weigh 0 whatever their noise
+    for i, g in enumerate(generators):
+        noise[i, : counts[i]].exponential_(generator=g)
+    noise.clamp_min_(1e-30)  # a zero draw would turn w / noise into inf or nan
+    return noise
+
+
+def _padded_rows(mask: torch.Tensor):
+    """``(ids[C, K], valid[C, K], cols, counts)`` of a boolean mask, ids ascending in every row.
+
+    ``cols`` (the ids of all rows, row after row) and ``counts`` are the CSR form of the
+    same support; the padded form feeds ``support_logprobs`` on the mask's own device, in
+    exactly the layout ``SupportTable.to_padded`` gives the trainer.
+    """
+    rows, cols = torch.nonzero(mask, as_tuple=True)
+    counts = mask.sum(-1)
+    width = int(counts.max()) if counts.numel() else 0
+    starts = torch.cumsum(counts, 0) - counts
+    within = torch.arange(len(cols), device=mask.device) - starts[rows]
+    ids = torch.zeros(mask.shape[0], max(width, 1), dtype=torch.long, device=mask.device)
+    ids[rows, within] = cols
+    valid = torch.arange(ids.shape[1], device=mask.device)[None, :] < counts[:, None]
+    return ids, valid, cols, counts
+
+
+def sample_tokens(logits: torch.Tensor, params, semantics: str = "sglang", generator=None, capture=True) -> SampledTokens:
+    """Sample one token per row and capture ``(S_t, log mu)``.
+
+    ``generator`` is None, one ``torch.Generator`` for the batch, or one per row.
+    ``capture`` is True, False or one flag per row: rows without it (evaluation requests)
+    are sampled with the same filter but build no support table and no log mu.
+    ``log_mu`` comes from ``support_logprobs``, the function the trainer scores with, on
+    the same padded layout; the support leaves the device once, as CSR.
+    """
+    _check_inputs(logits, semantics)
+    rows, vocab = logits.shape
+    mask, probs, temp, greedy = _support(logits, _per_row(params, rows), semantics)
+    flags = torch.full((rows,), capture) if isinstance(capture, bool) else torch.as_tensor(capture, dtype=torch.bool)
+    if flags.shape != (rows,):
+        raise SamplingParamsError(f"capture: expected a bool or {rows} flags, got shape {tuple(flags.shape)}")
+    # the draw runs on the padded support rows [B, K], not on [B, V]: past the filter, no pass over the vocabulary
+    ids, valid, cols, counts = _padded_rows(mask)
+    weights = probs.gather(1, ids).masked_fill_(~valid, 0.0)
+    noise = _exponential_noise(tuple(ids.shape), generator, logits.device, counts.tolist())
+    tokens = ids.gather(1, (weights / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+    if bool(greedy.any()):
+        tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    captured = flags.nonzero().squeeze(1)
+    scored, scored_tokens, scored_temp = logits, tokens, temp.squeeze(1)
+    if len(captured) < rows:  # evaluation rows: no support table, no log mu
+        index = captured.to(logits.device)
+        ids, valid, counts = ids[index], valid[index], counts[index]
+        cols = ids[valid]
+        scored, scored_tokens, scored_temp = logits[index], tokens[index], scored_temp[index]
+    with torch.no_grad():
+        log_mu = support_logprobs(scored, scored_tokens, (ids, valid), scored_temp)
+    offsets = np.zeros(len(captured) + 1, dtype=np.int64)
+    np.cumsum(counts.cpu().numpy(), out=offsets[1:])
+    support = SupportTable(cols.to(torch.int32).cpu().numpy(), offsets)
+    return SampledTokens(tokens=tokens, support=support, log_mu=log_mu, captured=captured)

@@ -1,0 +1,84 @@
+"""The engine's fused decode step computes the module tree's bits (engine/fused_step.py)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from support_replay.engine import Engine
+from support_replay.engine.fused_step import unsupported
+from support_replay.engine.model_runner import ModelRunner
+from support_replay.errors import EngineError
+from support_replay.modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
+from support_replay.modeling.linear_kernels import linear_function, onednn_available, use_linear
+from tiny_model import build_tiny_checkpoint
+from tiny_model import greedy_decode
+
+pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
+
+KERNELS = ["torch", "onednn"] if onednn_available() else ["torch"]
+
+
+@pytest.fixture(scope="module")
+def tied_llama(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), llama_tied=True)
+
+
+def decode_both_ways(runner: ModelRunner, prompts, steps: int):
+    """Logits of ``steps`` greedy decode steps, fused and through the modules, from one prefill each."""
+    out = {}
+    for fused in (True, False):
+        runner.use_fused = fused
+        out[fused] = greedy_decode(runner, prompts, steps)
+    runner.use_fused = True
+    return out[True], out[False]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["normal", "batch-invariant"])
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_fused_decode_is_the_module_tree_bit_for_bit(tiny_checkpoint, tied_llama, family, deterministic, kernel):
+    path = tiny_checkpoint if family == "qwen3" else tied_llama
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if deterministic:
+        make_batch_invariant(model, kernel)
+    else:
+        use_linear(model, linear_function(kernel))
+    runner = ModelRunner(model, key_block=KEY_BLOCK if deterministic else 1)
+    assert runner.fused is not None
+    prompts = [[5 + i % 40 for i in range(61)], [11, 12], [20 + i % 30 for i in range(9)]]  # left padding, block edge at 64
+    fused, tree = decode_both_ways(runner, prompts, 6)
+    for t, (a, b) in enumerate(zip(fused, tree)):
+        assert torch.equal(a, b), (t, (a - b).abs().max().item())
+
+
+def test_a_weight_update_written_in_place_reaches_the_fused_step(tiny_checkpoint):
+    engine = Engine.from_pretrained(tiny_checkpoint)
+    runner = engine.runner
+    q = runner.model.model.layers[0].self_attn.q_proj.weight
+    assert q.data_ptr() == runner.fused.layers[0].qkv.data_ptr()  # a view into the fused weight
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    before, _ = decode_both_ways(runner, prompts, 2)
+    state = {name: t.detach() * 1.5 for name, t in runner.model.state_dict().items() if "proj" in name}
+    engine._load_state(state)
+    fused, tree = decode_both_ways(runner, prompts, 2)
+    assert all(torch.equal(a, b) for a, b in zip(fused, tree))
+    assert not torch.equal(fused[0], before[0])
+
+
+def test_a_replaced_projection_weight_is_refused(tiny_checkpoint):
+    engine = Engine.from_pretrained(tiny_checkpoint)
+    proj = engine.runner.model.model.layers[1].mlp.up_proj
+    proj.weight = torch.nn.Parameter(proj.weight.detach().clone())  # a new tensor: the fused weight would be stale
+    batch, logits = engine.runner.prefill([[5, 6, 7]])
+    with pytest.raises(EngineError, match="fused decode: layer 1's projection weights were replaced, not written in place"):
+        engine.runner.decode(batch, logits.argmax(-1), torch.tensor([3]))
+
+
+def test_other_models_keep_the_module_tree(tiny_checkpoint):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    model.config.hidden_act = "gelu"
+    assert unsupported(model) == "activation 'gelu'"
+    runner = ModelRunner(model)
+    assert runner.fused is None and not runner.use_fused
+    batch, logits = runner.prefill([[5, 6, 7]])
+    assert runner.decode(batch, logits.argmax(-1), torch.tensor([3])).shape == logits.shape

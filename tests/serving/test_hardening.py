@@ -1,0 +1,348 @@
+"""The server review's findings (docs/reliability.md, "Hostile clients"), each as the probe that
+found it: every one of these answered wrongly before its fix."""
+
+import os
+
+import pytest
+from fastapi.testclient import TestClient
+
+from support_replay.engine import Engine
+from support_replay.errors import ConfigError
+from support_replay.serving.security import Keys, exposure_warnings
+from support_replay.serving.server import create_app
+
+API = {"Authorization": "Bearer api-key"}
+
+
+def raw_request(app, method: str, raw_path: str, body: bytes = b"{}", headers: dict | None = None) -> tuple[int, bytes]:
+    """One request straight into the ASGI app with its path exactly as written (``curl --path-as-is``):
+    an HTTP client would normalise ``..`` away before sending."""
+    import asyncio
+    from urllib.parse import unquote
+
+    path = unquote(raw_path)
+    hdrs = [(b"host", b"testserver"), (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http", "path": path,
+             "raw_path": raw_path.encode(), "query_string": b"", "headers": hdrs, "client": ("127.0.0.1", 1), "server": ("testserver", 80)}
+    sent, messages = [], [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+@pytest.fixture
+def api_key_only(tiny_checkpoint, tmp_path):
+    """A server with an API key and no admin key, loading weights from under ``tmp_path/weights``."""
+    engine = Engine.from_pretrained(tiny_checkpoint).start()
+    (tmp_path / "weights").mkdir()
+    app = create_app(engine, keys=Keys(api="api-key"), weights_dir=tmp_path / "weights", allowed_hosts=["testserver"])
+    with TestClient(app) as client:
+        yield client, engine, tmp_path
+    engine.shutdown()
+
+
+# ---- finding 2: an API key alone left the admin routes open ----------------------------------
+
+
+def test_admin_routes_fall_back_to_the_api_key(api_key_only):
+    client, engine, _ = api_key_only
+    assert client.post("/update_weight_version", json={"new_version": "forged"}).status_code == 401  # was 200
+    assert engine.weight_version != "forged"
+    assert client.post("/update_weight_version", json={"new_version": "v2"}, headers=API).status_code == 200
+    assert Keys(api="a").header(admin=True) == {"Authorization": "Bearer a"}  # what our trainer and router send
+
+
+def test_weights_from_disk_with_no_key_on_an_open_address_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--weights-dir on 0.0.0.0 with no key"):
+        exposure_warnings("0.0.0.0", Keys(), tmp_path)
+    assert exposure_warnings("127.0.0.1", Keys(), tmp_path) == []
+    warnings = exposure_warnings("0.0.0.0", Keys(), None)  # finding 10: said nothing before
+    assert any("no API key" in w for w in warnings) and any("Host header is not checked" in w for w in warnings)
+    assert exposure_warnings("10.1.2.3", Keys(api="k"), tmp_path) == []
+
+
+# ---- finding 3: a path with '..' passed the guard and was normalised into an admin route ------
+
+
+@pytest.mark.parametrize("path", ["/v1/../update_weight_version", "/v1/%2e%2e/update_weight_version", "//update_weight_version",
+                                  "/./update_weight_version", "/v1%2f..%2fupdate_weight_version"])
+def test_paths_not_in_normal_form_are_refused_before_any_guard(api_key_only, path):
+    client, engine, _ = api_key_only
+    status, body = raw_request(client.app, "POST", path, b'{"new_version": "forged"}', API)
+    assert status == 400 and b"not in normal form" in body
+    assert engine.weight_version != "forged"
+    assert raw_request(client.app, "POST", "/update_weight_version", b'{"new_version": "v3"}', API)[0] == 200  # the normal path works
+
+
+def test_the_router_refuses_them_too(tiny_checkpoint):
+    import httpx
+
+    from support_replay.serving.router import Router, create_router_app
+
+    seen = []
+    router = Router(["http://engine:1"], keys=Keys(api="api-key"))
+    app = create_router_app(router, allowed_hosts=["testserver"])
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(lambda req: seen.append(req.url.path) or httpx.Response(200, json={})))
+    status, body = raw_request(app, "POST", "/v1/../update_weight_version", b'{"new_version": "x"}', API)
+    assert status == 400 and seen == []  # was forwarded, and httpx normalised it into the admin route
+
+
+# ---- finding 10: a link inside --weights-dir to a file elsewhere ---------------------------------
+
+
+def test_a_symlink_out_of_the_weights_directory_is_refused(api_key_only):
+    client, engine, tmp_path = api_key_only
+    from safetensors.torch import save_file
+
+    outside = tmp_path / "elsewhere.safetensors"
+    save_file(dict(engine.runner.model.state_dict()), str(outside))
+    os.symlink(outside, tmp_path / "weights" / "model.safetensors")
+    r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "weights")}, headers=API)
+    assert r.status_code == 403 and "resolves outside the weights directory" in r.text
+
+
+# ---- findings 4 and 5: request ids and aborts -------------------------------------------------
+
+
+def test_a_request_id_with_another_body_is_refused_with_409(api_key_only):
+    client, engine, _ = api_key_only
+    body = {"input_ids": [5, 6, 7], "rid": "r-1", "sampling_params": {"max_new_tokens": 3, "top_k": 5, "seed": 1}}
+    first = client.post("/generate", json=body, headers=API)
+    again = client.post("/generate", json=body, headers=API)
+    assert first.status_code == again.status_code == 200 and first.json()["output_ids"] == again.json()["output_ids"]
+    other = client.post("/generate", json={**body, "input_ids": [9, 9]}, headers=API)  # was 200 with r-1's answer
+    assert other.status_code == 409 and "already names another request" in other.text
+    flags = client.post("/generate", json={**body, "return_sampling_mask": True}, headers=API)  # was a 500
+    assert flags.status_code == 409
+
+
+def test_a_duplicates_client_going_away_leaves_the_original_running(tiny_checkpoint):
+    from support_replay import SamplingParams
+    from support_replay.protocol import GenerateRequest
+
+    engine = Engine.from_pretrained(tiny_checkpoint)
+    req = GenerateRequest([5, 6, 7], SamplingParams(top_k=5, seed=2), max_new_tokens=20, ignore_eos=True, rid="long")
+    original = engine.submit(req)
+    duplicate = engine.submit(GenerateRequest([5, 6, 7], SamplingParams(top_k=5, seed=2), max_new_tokens=20, ignore_eos=True, rid="long"))
+    assert duplicate is not original
+    engine.abort(duplicate)  # was: the original's future, aborted
+    engine.wait([original])
+    assert original.result().num_tokens == 20 and duplicate.result().output_ids == original.result().output_ids
+
+
+def test_finished_answers_are_kept_within_a_byte_budget():
+    import numpy as np
+    from concurrent.futures import Future
+
+    from support_replay import SamplingParams, SupportTable
+    from support_replay.engine.ledger import Ledger, completion_bytes
+    from support_replay.protocol import Completion, GenerateRequest
+
+    ledger = Ledger(max_queue=10, finished_bytes=3 * 4096 * 4 + 5000)
+    for i in range(5):
+        req = GenerateRequest([1, 2], SamplingParams(top_k=5), rid=f"r{i}")
+        f = Future()
+        assert ledger.enqueue(req, f) is None
+        big = Completion(output_ids=[1] * 4, finish_reason={"type": "length"}, log_mu=np.zeros(4, np.float32),
+                         support=SupportTable.from_rows([np.arange(4096)] + [np.array([1])] * 3))
+        ledger.finished(req, f, big)
+    assert completion_bytes(big) > 4096 * 4
+    assert list(ledger._finished) == ["r2", "r3", "r4"]  # was kept by count alone: 4,096 of them, ~67 MB each at full capacity
+
+
+def test_an_abort_after_the_answer_leaves_nothing_behind(tiny_checkpoint):
+    from support_replay import SamplingParams
+    from support_replay.protocol import GenerateRequest
+
+    engine = Engine.from_pretrained(tiny_checkpoint)
+    for i in range(200):  # finished futures dropped by their callers, their addresses free for reuse
+        f = engine.submit(GenerateRequest([5, 6], SamplingParams(top_k=5, seed=i), max_new_tokens=1))
+        engine.wait([f])
+        engine.abort(f)  # a client that went away after its answer
+    assert engine.ledger._aborted == {}  # was one record per finished future, keyed by a reusable id()
+    fresh = [engine.submit(GenerateRequest([5, 6], SamplingParams(top_k=5, seed=i), max_new_tokens=2)) for i in range(50)]
+    engine.wait(fresh)
+    assert all(f.exception() is None for f in fresh)
+
+
+# ---- finding 1: one request body became millions of engine requests ----------------------------
+
+
+def test_a_body_that_fans_out_past_the_queue_is_refused_before_anything_is_built(api_key_only):
+    import json
+
+    client, engine, _ = api_key_only
+    hostile = json.dumps({"prompt": [[1]] * 1_000_000, "n": 64, "max_tokens": 1}).encode()  # 5 MB: ~10^8 requests
+    r = client.post("/v1/completions", content=hostile, headers={**API, "content-type": "application/json"})
+    assert r.status_code == 400 and "1000000 entries exceed the limit of 4096 prompts" in r.text
+    r = client.post("/generate", content=json.dumps({"input_ids": [[1]] * 1_000_000}).encode(), headers={**API, "content-type": "application/json"})
+    assert r.status_code == 400 and "exceed the limit" in r.text and len(r.text) < 2000  # the first errors only, not a million
+    r = client.post("/v1/completions", json={"prompt": [[1, 2]] * 300, "n": 64, "max_tokens": 1}, headers=API)
+    assert r.status_code == 400 and "300 x 64 = 19200 requests exceed the engine's queue of 256" in r.text
+    r = client.post("/generate", json={"input_ids": [[1, 2]] * 300}, headers=API)
+    assert r.status_code == 400 and "300 x 1 = 300 requests exceed" in r.text
+    assert sum(engine.stats.requests.values()) == 0  # not one request reached the engine
+    assert client.get("/health").status_code == 200
+    ok = client.post("/v1/completions", json={"prompt": [[1, 2]] * 4, "n": 64, "max_tokens": 1}, headers=API)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 256
+
+
+# ---- finding 7: the router and its clients -------------------------------------------------------
+
+
+def _router_app(handler, engines=("http://a:1", "http://b:1")):
+    import httpx
+
+    from support_replay.serving.router import Router, create_router_app
+
+    router = Router(list(engines))
+    app = create_router_app(router, allowed_hosts=["testserver"])
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return router, app
+
+
+def test_a_read_timeout_is_not_sent_to_every_engine_in_turn():
+    import httpx
+
+    tried = []
+
+    def slow(request):
+        tried.append(request.url.host)
+        raise httpx.ReadTimeout("no answer", request=request)
+
+    router, app = _router_app(slow)
+    status, body = raw_request(app, "POST", "/generate", b'{"input_ids": [1]}')
+    assert status == 504 and b"not retried elsewhere" in body and len(tried) == 1  # was tried on a, then b
+    assert all(w.healthy for w in router.workers)
+
+
+def test_a_dropped_connection_is_still_retried_elsewhere():
+    import httpx
+
+    tried = []
+
+    def first_dies(request):
+        tried.append(request.url.host)
+        if len(tried) == 1:
+            raise httpx.RemoteProtocolError("server disconnected", request=request)
+        return httpx.Response(200, json={"ok": True})
+
+    router, app = _router_app(first_dies)
+    status, _ = raw_request(app, "POST", "/generate", b'{"input_ids": [1]}')
+    assert status == 200 and len(tried) == 2
+
+
+def test_a_client_going_away_cancels_the_engine_request():
+    import asyncio
+
+    cancelled = []
+
+    async def never(request):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(request.url.path)
+            raise
+
+    router, app = _router_app(never)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/generate",
+             "raw_path": b"/generate", "query_string": b"", "client": ("127.0.0.1", 1), "server": ("testserver", 80),
+             "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"), (b"content-length", b"2")]}
+    messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+    import time
+
+    start = time.monotonic()
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(max(0.0, 0.2 - (time.monotonic() - start)))  # the client hangs up while the engine computes
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        pass
+
+    async def main():
+        await asyncio.wait_for(app(scope, receive, send), timeout=10)
+
+    asyncio.run(main())
+    assert cancelled == ["/generate"]  # was: the engine kept generating for a client that had gone
+    assert router.workers[0].outstanding == router.workers[1].outstanding == 0
+
+
+# ---- finding 11: /health under a burst -----------------------------------------------------------
+
+
+def test_a_full_queue_answers_503_before_the_body_is_parsed(tiny_checkpoint):
+    from support_replay import SamplingParams
+    from support_replay.engine.limits import EngineLimits
+    from support_replay.protocol import GenerateRequest
+
+    engine = Engine.from_pretrained(tiny_checkpoint, limits=EngineLimits(max_queue=2))  # not started: nothing leaves the queue
+    app = create_app(engine, allowed_hosts=["testserver"], start_engine=False)
+    queued = [engine.submit(GenerateRequest([5, 6], SamplingParams(top_k=5, seed=i), max_new_tokens=2)) for i in range(2)]
+    status, body = raw_request(app, "POST", "/generate", b"{ not json at all")
+    assert status == 503 and b"admission queue is full" in body  # refused without parsing (a parse would be a 400)
+    assert raw_request(app, "GET", "/health", b"")[0] == 200
+    engine.wait(queued)
+    assert raw_request(app, "POST", "/generate", b"{ not json at all")[0] == 400  # room again: parsed, and refused for what it is
+
+
+# ---- finding 8: sessions ---------------------------------------------------------------------------
+
+
+def test_session_metadata_is_bounded_and_a_refused_merge_changes_nothing():
+    from support_replay import SamplingParams
+    from support_replay.errors import RequestError
+    from support_replay.rollout.session import MAX_METADATA_BYTES, SessionSettings, SessionStore
+
+    store = SessionStore(backend=None, renderer=None, settings=SessionSettings(SamplingParams(top_k=5)))
+    session = store.create(metadata={"task": 1})
+    store.finish(session.id, 1.0, {"a": "x" * 1000})
+    for i in range(10):  # each /finish merges: was unbounded
+        with pytest.raises(RequestError, match=f"metadata of \\d+ bytes as JSON exceeds the limit of {MAX_METADATA_BYTES}"):
+            store.finish(session.id, 1.0, {f"k{i}": "y" * MAX_METADATA_BYTES})
+    assert set(session.metadata) == {"task", "a"}
+    with pytest.raises(RequestError, match="exceeds the limit"):
+        store.create(metadata={"big": "z" * (MAX_METADATA_BYTES + 1)})
+
+
+def test_a_session_that_cannot_open_fails_its_episode_not_the_rollout():
+    import asyncio
+
+    from support_replay import SamplingParams
+    from support_replay.rollout.agents import AgentRunner, Episode
+    from support_replay.rollout.session import SessionSettings, SessionStore
+
+    store = SessionStore(backend=None, renderer=None, settings=SessionSettings(SamplingParams(top_k=5)), max_sessions=1)
+    store.create()  # the store is full
+    runner = AgentRunner(type("A", (), {"style": "client"})(), store, "http://127.0.0.1:1", reward_fn=None, timeout=5)
+    result = asyncio.run(runner.episode(Episode(0, 0, "hi", None, max_turns=1), seed=1, settings=store.settings, rollout=0))
+    assert result.samples == [] and "sessions: 1 are open" in str(result.error)  # was raised out of the whole rollout
+
+
+def test_the_trainers_session_server_checks_host_and_key(tiny_agent_checkpoint, tmp_path):
+    import httpx
+
+    from recipe_helpers import parts
+    from recipe_helpers import agent_config
+
+    _, rollouts = parts(tiny_agent_checkpoint, agent_config(tiny_agent_checkpoint, tmp_path, agent="chain"))
+    try:
+        url = rollouts.session_server.url
+        assert httpx.post(url + "/sessions", json={}).status_code == 401  # was 200: anyone on the machine could open sessions
+        assert httpx.get(url + "/health", headers={"host": "evil.example"}).status_code == 400  # was 200: any Host (DNS rebinding)
+        session = rollouts.sessions.create()
+        r = httpx.post(f"{url}/sessions/{session.id}/v1/chat/completions", json={"messages": [{"role": "user", "content": "1+1"}], "max_tokens": 2})
+        assert r.status_code == 200  # a session's own URL is its key: plain-HTTP agents keep working
+    finally:
+        rollouts.close()

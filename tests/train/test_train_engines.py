@@ -1,0 +1,132 @@
+"""GRPO with --ci-test through external engines: a server answering as SGLang 0.5.23 does (its own
+sampler and payload code), smg in front of two of our engines, and a real vLLM server."""
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from processes import engine_process, free_port, process
+from support_replay.train import train
+from recipe_helpers import run_config
+
+pytestmark = pytest.mark.slow
+ENGINES = Path(__file__).parents[1] / "engines"
+
+
+def test_grpo_through_a_server_answering_as_sglang(tiny_checkpoint, tmp_path):
+    sys.path.insert(0, str(ENGINES))
+    import sglang_code
+
+    try:
+        sglang_code.load()
+    except sglang_code.Unavailable as exc:
+        pytest.skip(f"SGLang's code is not available here: {exc}")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with process([sys.executable, str(ENGINES / "sglang_standin.py"), "--checkpoint", str(tiny_checkpoint), "--port", str(port)], url):
+        rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url))
+        assert httpx.get(url + "/model_info").json()["weight_version"] == "3"
+    for r in rows:  # SGLang's own log(w_sel / sum w) against our trainer's support log-probs
+        assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and 0.999 < r["replay_ratio_mean"] < 1.001
+        assert r["policy_lag_max"] == 0 and r["support_bytes_per_token"] > 0
+    assert rows[0]["support_mean"] > 1
+
+
+def smg_router(worker_urls: list[str]):
+    port, metrics = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
+            "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics), "--enable-rl", "--log-level", "warn"]
+    return process(args, url), url
+
+
+def test_grpo_through_smg_in_front_of_two_engines(tiny_checkpoint, tmp_path):
+    pytest.importorskip("smg", reason="smg (PyPI) is not installed")
+    (a, url_a), (b, url_b) = engine_process(tiny_checkpoint), engine_process(tiny_checkpoint)
+    with a, b:
+        ctx, url = smg_router([url_a, url_b])
+        with ctx:
+            for _ in range(100):  # smg registers a worker after probing it
+                workers = httpx.get(url + "/v1/rl/workers", timeout=5).json()["workers"]
+                if len(workers) == 2 and all(w["health"] == "ready" for w in workers):
+                    break
+                __import__("time").sleep(0.2)
+            assert {w["engine"] for w in workers} == {"sglang"}  # our serve registers as what it speaks
+            rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url))
+            # the weights reached both engines through smg's RL fan-out, under the trainer's name
+            assert [httpx.get(u + "/model_info").json()["weight_version"] for u in (url_a, url_b)] == ["3", "3"]
+            # its chat path keeps the capture fields too
+            chat = httpx.post(url + "/v1/chat/completions", json={
+                "model": str(tiny_checkpoint), "messages": [{"role": "user", "content": "What is 1 plus 2?"}], "max_tokens": 4,
+                "top_k": 8, "top_p": 0.9, "return_sampling_mask": True, "return_meta_info": True}, timeout=60).json()
+            assert len(chat["choices"][0]["meta_info"]["output_token_sampling_mask"]) == 4
+    for r in rows:
+        assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0
+
+
+def test_grpo_through_real_vllm_with_weight_sync(vllm_server, tmp_path):
+    url, ckpt = vllm_server
+    try:
+        rows = train(run_config(ckpt, tmp_path, rollout_url=url, rollout_engine="vllm"))
+        assert httpx.get(url + "/weight_info").json()["weight_version"] == "3"  # synced after every update
+    finally:  # the server is shared by the session: give it back its own weights
+        from support_replay.train.weights import VLLMSync
+        from safetensors.torch import load_file
+
+        VLLMSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
+    for r in rows:  # every rollout after the first was sampled by weights reloaded from the trainer
+        assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and 0.999 < r["replay_ratio_mean"] < 1.001
+        assert r["policy_lag_max"] == 0
+    assert rows[0]["support_mean"] > 1
+    assert any(abs(r["loss"]) > 0 for r in rows)
+
+
+def test_grpo_with_penalties_through_real_vllm(vllm_server, tmp_path):
+    """vLLM 0.32's own penalties and logit bias, replayed by the trainer with its rules."""
+    url, ckpt = vllm_server
+    bias = tmp_path / "bias.json"
+    bias.write_text('{"5": -2.0, "17": 1.5}')
+    try:
+        rows = train(run_config(ckpt, tmp_path, rollout_url=url, rollout_engine="vllm", num_rollout=2, rollout_max_response_len=24,
+                                rollout_repetition_penalty=1.3, rollout_frequency_penalty=0.4, rollout_presence_penalty=0.2, rollout_logit_bias=str(bias)))
+    finally:
+        from support_replay.train.weights import VLLMSync
+        from safetensors.torch import load_file
+
+        VLLMSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
+
+
+def test_agent_episodes_through_real_vllm(vllm_server, tmp_path):
+    """Sessions in front of the real vLLM server: multi-turn chain episodes, --ci-test per token."""
+    from recipe_helpers import agent_config
+
+    url, ckpt = vllm_server
+    try:
+        rows = train(agent_config(ckpt, tmp_path, agent="chain", rollout_url=url, rollout_engine="vllm", max_episode_tokens=120))
+    finally:
+        from support_replay.train.weights import VLLMSync
+        from safetensors.torch import load_file
+
+        VLLMSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0 for r in rows)
+    assert rows[0]["episode_turns_mean"] > 1 and rows[0]["inserted_token_share"] > 0
+
+
+def test_true_on_policy_through_serve_is_bitwise_and_refuses_another_kernel(tiny_checkpoint, tmp_path):
+    """`serve --deterministic` in its own process, the trainer over HTTP: every token's log-prob
+    exactly the engine's log mu; a trainer on another linear kernel is refused before it starts."""
+    from support_replay.errors import SupportReplayError
+    from support_replay.modeling.linear_kernels import onednn_available
+
+    if not onednn_available():
+        pytest.skip("this PyTorch has no oneDNN linear op: there is no second kernel to refuse")
+    ctx, url = engine_process(tiny_checkpoint, "--deterministic", "--linear-kernel", "torch")
+    with ctx:
+        with pytest.raises(SupportReplayError, match=r"runs its linear layers on 'torch', this trainer on 'onednn'"):
+            train(run_config(tiny_checkpoint, tmp_path / "refused", rollout_url=url, true_on_policy_mode=True, linear_kernel="onednn"))
+        rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url, true_on_policy_mode=True, linear_kernel="torch", num_rollout=2))
+    for r in rows:
+        assert r["train_rollout_logprob_abs_diff_max"] == 0.0 and r["train_rollout_unequal_tokens"] == 0
