@@ -25,15 +25,14 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine import resolve_model  # noqa: E402
-
 from support_replay.backends.local import EngineBackend  # noqa: E402
+from support_replay.core.sampling import SamplingParams  # noqa: E402
 from support_replay.engine import Engine  # noqa: E402
 from support_replay.protocol import GenerateRequest  # noqa: E402
 from support_replay.rollout.agents import AgentRunner, load_agent  # noqa: E402
 from support_replay.rollout.chat import ChatRenderer, builtin_template  # noqa: E402
 from support_replay.rollout.episodes import generate_episodes  # noqa: E402
 from support_replay.rollout.session import ChatTurn, SessionSettings, SessionStore  # noqa: E402
-from support_replay.core.sampling import SamplingParams  # noqa: E402
 from support_replay.serving.sessions import create_sessions_app  # noqa: E402
 from support_replay.serving.threaded import ThreadedServer  # noqa: E402
 
@@ -70,7 +69,10 @@ def overhead(engine, tokenizer, sessions: int, turns: int, tokens: int) -> dict:
             start = time.perf_counter()
             reply = await store.chat(s.id, ChatTurn(messages=messages))
             turn_walls.append(time.perf_counter() - start)
-            messages += [{"role": "assistant", "content": reply.content}, {"role": "user", "content": f"Go on, part {t + 2}."}]
+            messages += [
+                {"role": "assistant", "content": reply.content},
+                {"role": "user", "content": f"Go on, part {t + 2}."},
+            ]
         return s
 
     async def all_sessions():
@@ -84,9 +86,14 @@ def overhead(engine, tokenizer, sessions: int, turns: int, tokens: int) -> dict:
     per_turn_wall = float(np.mean(turn_walls))
     store.close()
     return {
-        "sessions": sessions, "turns": turns, "tokens": tokens, "wall_s": wall,
-        "turn_wall_ms": per_turn_wall * 1e3, "turn_generate_ms": per_turn_gen * 1e3,
-        "overhead_ms": (per_turn_wall - per_turn_gen) * 1e3, "overhead_share": (per_turn_wall - per_turn_gen) / per_turn_gen,
+        "sessions": sessions,
+        "turns": turns,
+        "tokens": tokens,
+        "wall_s": wall,
+        "turn_wall_ms": per_turn_wall * 1e3,
+        "turn_generate_ms": per_turn_gen * 1e3,
+        "overhead_ms": (per_turn_wall - per_turn_gen) * 1e3,
+        "overhead_share": (per_turn_wall - per_turn_gen) / per_turn_gen,
         "context_tokens": float(np.mean([len(t.ids) for s in done for t in s.trajectories()])),
     }
 
@@ -116,16 +123,29 @@ def episodes_per_minute(engine, tokenizer, episodes: int, max_turns: int, tokens
         p = prompts[s.group]
         ids = renderer.encode(renderer.render(p.content, TOOLS, generation_prompt=True))
         model_tokens = int(s.loss_mask.sum())
-        requests.append(GenerateRequest(ids, SamplingParams(seed=i, **{k: getattr(PARAMS, k) for k in ("temperature", "top_k", "top_p")}),
-                                        max_new_tokens=max(model_tokens, 1), ignore_eos=True, return_sampling_mask=True))
+        requests.append(
+            GenerateRequest(
+                ids,
+                SamplingParams(seed=i, **{k: getattr(PARAMS, k) for k in ("temperature", "top_k", "top_p")}),
+                max_new_tokens=max(model_tokens, 1),
+                ignore_eos=True,
+                return_sampling_mask=True,
+            )
+        )
     start = time.perf_counter()
     engine.generate(requests)
     floor = time.perf_counter() - start
     turns = [s.metadata["turns"] for s in samples if not s.metadata.get("segment", 0)]
     return {
-        "episodes": len(requests), "turns_mean": float(np.mean(turns)), "tool_calls": sum(t > 1 for t in turns),
-        "model_tokens": int(sum(s.loss_mask.sum() for s in samples)), "inserted_tokens": int(sum((s.loss_mask == 0).sum() for s in samples)),
-        "ours_s": ours, "ours_per_min": len(requests) / ours * 60, "single_turn_s": floor, "single_turn_per_min": len(requests) / floor * 60,
+        "episodes": len(requests),
+        "turns_mean": float(np.mean(turns)),
+        "tool_calls": sum(t > 1 for t in turns),
+        "model_tokens": int(sum(s.loss_mask.sum() for s in samples)),
+        "inserted_tokens": int(sum((s.loss_mask == 0).sum() for s in samples)),
+        "ours_s": ours,
+        "ours_per_min": len(requests) / ours * 60,
+        "single_turn_s": floor,
+        "single_turn_per_min": len(requests) / floor * 60,
     }
 
 
@@ -146,14 +166,20 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     for n in args.sessions:
         r = overhead(engine, tokenizer, n, args.turns, args.tokens)
-        print(f"| {n} | {r['turn_wall_ms']:.1f} | {r['turn_generate_ms']:.1f} | {r['overhead_ms']:.2f} | {r['overhead_share']:.2%} | {r['context_tokens']:.0f} |")
+        print(
+            f"| {n} | {r['turn_wall_ms']:.1f} | {r['turn_generate_ms']:.1f} | {r['overhead_ms']:.2f} | {r['overhead_share']:.2%} | {r['context_tokens']:.0f} |"
+        )
     r = episodes_per_minute(engine, tokenizer, args.episodes, args.episode_turns, args.tokens)
-    print(f"\ncalculator environment, {r['episodes']} episodes (4 per task), up to {args.episode_turns} turns x {args.tokens} tokens, "
-          f"mean {r['turns_mean']:.2f} turns, {r['tool_calls']} episodes with a tool call, {r['model_tokens']} model / {r['inserted_tokens']} inserted tokens\n")
+    print(
+        f"\ncalculator environment, {r['episodes']} episodes (4 per task), up to {args.episode_turns} turns x {args.tokens} tokens, "
+        f"mean {r['turns_mean']:.2f} turns, {r['tool_calls']} episodes with a tool call, {r['model_tokens']} model / {r['inserted_tokens']} inserted tokens\n"
+    )
     print("| path | seconds | episodes per minute |")
     print("|---|---:|---:|")
     print(f"| sessions over HTTP, openai client, the agent's turns | {r['ours_s']:.1f} | {r['ours_per_min']:.1f} |")
-    print(f"| same model tokens single-turn (one request per episode) | {r['single_turn_s']:.1f} | {r['single_turn_per_min']:.1f} |")
+    print(
+        f"| same model tokens single-turn (one request per episode) | {r['single_turn_s']:.1f} | {r['single_turn_per_min']:.1f} |"
+    )
     engine.shutdown()
 
 

@@ -72,8 +72,9 @@ def shape(root: Path) -> dict:
 
 def duplicate_pairs(root: Path) -> str:
     try:
-        run = subprocess.run(["duplicates", "--repo", str(root / "src"), "--seconds", "120"],
-                             capture_output=True, text=True, timeout=300)
+        run = subprocess.run(
+            ["duplicates", "--repo", str(root / "src"), "--seconds", "120"], capture_output=True, text=True, timeout=300
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"not run ({error})"
     first = run.stdout.splitlines()[0] if run.stdout else run.stderr.strip()
@@ -95,7 +96,7 @@ def main() -> None:
     parser.add_argument("--duplicates", action="store_true")
     args = parser.parse_args()
     s = shape(args.root)
-    print(f"| measure | value |\n|---|---|")
+    print("| measure | value |\n|---|---|")
     print(f"| modules | {s['modules']} |")
     print(f"| lines | {s['lines']} |")
     print(f"| lines over {LONG_LINE} characters | {s['long_lines']} |")

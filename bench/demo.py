@@ -21,13 +21,28 @@ from pathlib import Path
 
 def run_seed(seed: int, out: Path) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "support_replay.cli", "train", "--seed", str(seed), "--output-dir", str(out), "--no-progress"],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "support_replay.cli",
+            "train",
+            "--seed",
+            str(seed),
+            "--output-dir",
+            str(out),
+            "--no-progress",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return time.perf_counter() - start
 
 
 def rewards(out: Path) -> list[float]:
-    return [json.loads(line)["reward_mean"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line)["reward_mean"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
 
 
 def main() -> None:

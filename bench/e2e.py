@@ -27,20 +27,50 @@ import time
 
 import torch
 
-from support_replay.train.config import RunConfig
 from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.rollout import ArithmeticTask, math_reward
 from support_replay.train import train
+from support_replay.train.config import RunConfig
 
-SETTINGS = dict(task_max_operand=20, rollout_batch_size=4, n_samples_per_prompt=4, rollout_max_response_len=64, rollout_temperature=1.0, rollout_top_p=0.8, rollout_top_k=32)
+SETTINGS = dict(
+    task_max_operand=20,
+    rollout_batch_size=4,
+    n_samples_per_prompt=4,
+    rollout_max_response_len=64,
+    rollout_temperature=1.0,
+    rollout_top_p=0.8,
+    rollout_top_k=32,
+)
 
 
-def ours(steps: int, micro_batch: int | None, true_on_policy: bool = False, full_vocab_metrics_interval: int = 1, dtype: str = "float32",
-         max_tokens: int | None = None, packed: str = "auto", linear_kernel: str = "auto") -> list[dict]:
+def ours(
+    steps: int,
+    micro_batch: int | None,
+    true_on_policy: bool = False,
+    full_vocab_metrics_interval: int = 1,
+    dtype: str = "float32",
+    max_tokens: int | None = None,
+    packed: str = "auto",
+    linear_kernel: str = "auto",
+) -> list[dict]:
     out = tempfile.mkdtemp(prefix="bench-e2e-")
-    cfg = RunConfig(num_rollout=steps, global_batch_size=16, micro_batch_size=None if max_tokens else micro_batch, max_tokens_per_micro_batch=max_tokens,
-                    true_on_policy_mode=true_on_policy, lr=1e-6, ci_test=True, output_dir=out, progress=False, packed_scoring=packed,
-                    full_vocab_metrics_interval=full_vocab_metrics_interval, rollout_dtype=dtype, train_dtype=dtype, linear_kernel=linear_kernel, **SETTINGS)
+    cfg = RunConfig(
+        num_rollout=steps,
+        global_batch_size=16,
+        micro_batch_size=None if max_tokens else micro_batch,
+        max_tokens_per_micro_batch=max_tokens,
+        true_on_policy_mode=true_on_policy,
+        lr=1e-6,
+        ci_test=True,
+        output_dir=out,
+        progress=False,
+        packed_scoring=packed,
+        full_vocab_metrics_interval=full_vocab_metrics_interval,
+        rollout_dtype=dtype,
+        train_dtype=dtype,
+        linear_kernel=linear_kernel,
+        **SETTINGS,
+    )
     return train(cfg)
 
 
@@ -49,13 +79,19 @@ PHASES = ("time_generate", "time_score", "time_update", "time_sync", "time_step"
 
 def print_steps(name: str, rows: list[dict]) -> dict[str, float]:
     """The per-step table of one run; returns the means of steps 1+ (step 0 is the warm-up)."""
-    print(f"\n{name}\n\n| step | generate s | score s | update s | sync s | total s | response len | max abs(log pi - log mu) |")
+    print(
+        f"\n{name}\n\n| step | generate s | score s | update s | sync s | total s | response len | max abs(log pi - log mu) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['rollout']} | {r['time_generate']:.2f} | {r['time_score']:.2f} | {r['time_update']:.2f} | {r['time_sync']:.2f} | {r['time_step']:.2f} | {r['response_len_mean']:.1f} | {r['train_rollout_logprob_abs_diff_max']:.1e} |")
+        print(
+            f"| {r['rollout']} | {r['time_generate']:.2f} | {r['time_score']:.2f} | {r['time_update']:.2f} | {r['time_sync']:.2f} | {r['time_step']:.2f} | {r['response_len_mean']:.1f} | {r['train_rollout_logprob_abs_diff_max']:.1e} |"
+        )
     steady = rows[1:] or rows
     mean = {k: statistics.mean(r[k] for r in steady) for k in PHASES}
-    print(f"| mean (steps 1+) | {mean['time_generate']:.2f} | {mean['time_score']:.2f} | {mean['time_update']:.2f} | {mean['time_sync']:.2f} | {mean['time_step']:.2f} | | |")
+    print(
+        f"| mean (steps 1+) | {mean['time_generate']:.2f} | {mean['time_score']:.2f} | {mean['time_update']:.2f} | {mean['time_sync']:.2f} | {mean['time_step']:.2f} | | |"
+    )
     return mean
 
 
@@ -75,17 +111,47 @@ def pinned_runs(steps: int) -> dict[str, list[dict]]:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = open(root / "serve.log", "w")
-    engine = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-m", "support_replay.cli", "serve", "--hf-checkpoint", str(checkpoint),
-                               "--port", str(port), "--weights-dir", str(root)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    engine = subprocess.Popen(
+        [
+            "taskset",
+            "-c",
+            "0",
+            sys.executable,
+            "-m",
+            "support_replay.cli",
+            "serve",
+            "--hf-checkpoint",
+            str(checkpoint),
+            "--port",
+            str(port),
+            "--weights-dir",
+            str(root),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     os.sched_setaffinity(0, {1})
     torch.set_num_threads(1)
     runs = {}
     try:
         wait_healthy(url, engine, timeout=300)
         lag = dict(async_rollout=True, max_policy_lag=1)
-        for name, extra in (("synchronous", {}), ("async, lag 1", lag), ("async, lag 1, no --ci-test", dict(lag, ci_test=False))):
-            cfg = RunConfig(num_rollout=steps, global_batch_size=16, micro_batch_size=8, lr=1e-6, output_dir=str(root / name.replace(" ", "").replace(",", "-")),
-                            progress=False, rollout_url=url, **{"ci_test": True, **SETTINGS, **extra})
+        for name, extra in (
+            ("synchronous", {}),
+            ("async, lag 1", lag),
+            ("async, lag 1, no --ci-test", dict(lag, ci_test=False)),
+        ):
+            cfg = RunConfig(
+                num_rollout=steps,
+                global_batch_size=16,
+                micro_batch_size=8,
+                lr=1e-6,
+                output_dir=str(root / name.replace(" ", "").replace(",", "-")),
+                progress=False,
+                rollout_url=url,
+                **{"ci_test": True, **SETTINGS, **extra},
+            )
             runs[name] = train(cfg)
     finally:
         engine.terminate()
@@ -95,26 +161,44 @@ def pinned_runs(steps: int) -> dict[str, list[dict]]:
 
 
 def print_async_compare(runs: dict[str, list[dict]]) -> None:
-    print("\n| run (engine core 0, trainer core 1) | generate s | wait for rollout s | score s | update s | of which lagged --ci-test s | sync s | step s | lag max | max abs(log pi - log mu) |")
+    print(
+        "\n| run (engine core 0, trainer core 1) | generate s | wait for rollout s | score s | update s | of which lagged --ci-test s | sync s | step s | lag max | max abs(log pi - log mu) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     means = {}
     for name, rows in runs.items():
         steady = rows[1:] or rows
-        m = {k: statistics.mean(r.get(k, 0.0) for r in steady)
-             for k in ("time_generation", "time_generate", "time_score", "time_update", "time_ci_test_lagged", "time_sync", "time_step")}
+        m = {
+            k: statistics.mean(r.get(k, 0.0) for r in steady)
+            for k in (
+                "time_generation",
+                "time_generate",
+                "time_score",
+                "time_update",
+                "time_ci_test_lagged",
+                "time_sync",
+                "time_step",
+            )
+        }
         means[name] = m
         lag = max(r["policy_lag_max"] for r in rows)
         diff = max(r["train_rollout_logprob_abs_diff_max"] for r in rows)
-        print(f"| {name} | {m['time_generation']:.2f} | {m['time_generate']:.2f} | {m['time_score']:.2f} | {m['time_update']:.2f} | "
-              f"{m['time_ci_test_lagged']:.2f} | {m['time_sync']:.2f} | {m['time_step']:.2f} | {lag} | {diff:.1e} |")
+        print(
+            f"| {name} | {m['time_generation']:.2f} | {m['time_generate']:.2f} | {m['time_score']:.2f} | {m['time_update']:.2f} | "
+            f"{m['time_ci_test_lagged']:.2f} | {m['time_sync']:.2f} | {m['time_step']:.2f} | {lag} | {diff:.1e} |"
+        )
     sync = means["synchronous"]
     for name, m in means.items():
         if name != "synchronous":
-            print(f"\n{name}: step {m['time_step']:.2f} s vs synchronous {sync['time_step']:.2f} s: {sync['time_step'] / m['time_step']:.2f}x (measured, steps 1+)")
+            print(
+                f"\n{name}: step {m['time_step']:.2f} s vs synchronous {sync['time_step']:.2f} s: {sync['time_step'] / m['time_step']:.2f}x (measured, steps 1+)"
+            )
     train_phase = sync["time_score"] + sync["time_update"]
     estimate = max(sync["time_generation"], train_phase) + sync["time_sync"]
-    print(f"separate devices (estimate from the synchronous phases): max(generate {sync['time_generation']:.2f}, score + update {train_phase:.2f}) "
-          f"+ sync {sync['time_sync']:.2f} = {estimate:.2f} s per step vs {sync['time_step']:.2f} s synchronous ({sync['time_step'] / estimate:.2f}x)")
+    print(
+        f"separate devices (estimate from the synchronous phases): max(generate {sync['time_generation']:.2f}, score + update {train_phase:.2f}) "
+        f"+ sync {sync['time_sync']:.2f} = {estimate:.2f} s per step vs {sync['time_step']:.2f} s synchronous ({sync['time_step'] / estimate:.2f}x)"
+    )
 
 
 def trl_steps(steps: int, length: int = 64, group: int = 4, fixed_length: bool = False) -> list[float] | None:
@@ -131,7 +215,9 @@ def trl_steps(steps: int, length: int = 64, group: int = 4, fixed_length: bool =
     rows = [{"prompt": task[i].content, "label": task[i].label} for i in range(4 * steps)]
 
     def reward(completions, label, **_):
-        return [math_reward("", c[0]["content"] if isinstance(c, list) else c, lab) for c, lab in zip(completions, label)]
+        return [
+            math_reward("", c[0]["content"] if isinstance(c, list) else c, lab) for c, lab in zip(completions, label)
+        ]
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -145,12 +231,31 @@ def trl_steps(steps: int, length: int = 64, group: int = 4, fixed_length: bool =
 
     clock = Clock()
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench-trl-"), per_device_train_batch_size=4 * group, num_generations=group,
-        max_completion_length=length, temperature=1.0, top_p=0.8, top_k=32, learning_rate=1e-6, max_steps=steps,
-        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, beta=0.0, seed=0, dataloader_num_workers=0,
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-"),
+        per_device_train_batch_size=4 * group,
+        num_generations=group,
+        max_completion_length=length,
+        temperature=1.0,
+        top_p=0.8,
+        top_k=32,
+        learning_rate=1e-6,
+        max_steps=steps,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        beta=0.0,
+        seed=0,
+        dataloader_num_workers=0,
         generation_kwargs={"min_new_tokens": length} if fixed_length else None,
     )
-    trainer = GRPOTrainer(model=str(smollm2_checkpoint()), reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows), callbacks=[clock])
+    trainer = GRPOTrainer(
+        model=str(smollm2_checkpoint()),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        callbacks=[clock],
+    )
     trainer.train()
     return clock.times
 
@@ -160,33 +265,75 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--micro-batch-size", type=int, default=8)
-    ap.add_argument("--true-on-policy", action="store_true", help="batch-invariant engine and trainer, bitwise --ci-test")
-    ap.add_argument("--full-vocab-metrics-interval", type=int, default=1, help="the metrics-only full-vocabulary head every N rollouts")
-    ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None, help="a token budget instead of --micro-batch-size")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="--rollout-dtype and --train-dtype of our run")
-    ap.add_argument("--linear-kernel", choices=["auto", "torch", "onednn"], default="auto", help="our --linear-kernel (engine and trainer)")
+    ap.add_argument(
+        "--true-on-policy", action="store_true", help="batch-invariant engine and trainer, bitwise --ci-test"
+    )
+    ap.add_argument(
+        "--full-vocab-metrics-interval",
+        type=int,
+        default=1,
+        help="the metrics-only full-vocabulary head every N rollouts",
+    )
+    ap.add_argument(
+        "--max-tokens-per-micro-batch", type=int, default=None, help="a token budget instead of --micro-batch-size"
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="--rollout-dtype and --train-dtype of our run",
+    )
+    ap.add_argument(
+        "--linear-kernel",
+        choices=["auto", "torch", "onednn"],
+        default="auto",
+        help="our --linear-kernel (engine and trainer)",
+    )
     ap.add_argument("--packed-scoring", choices=["auto", "on", "off"], default="auto", help="our --packed-scoring")
     ap.add_argument("--with-bf16", action="store_true", help="a bf16 run of ours beside the fp32 one")
-    ap.add_argument("--true-on-policy-compare", action="store_true", help="the normal run, then --true-on-policy-mode, and their ratio")
-    ap.add_argument("--async-compare", action="store_true", help="synchronous vs --async-rollout through serve, engine and trainer on separate cores")
+    ap.add_argument(
+        "--true-on-policy-compare",
+        action="store_true",
+        help="the normal run, then --true-on-policy-mode, and their ratio",
+    )
+    ap.add_argument(
+        "--async-compare",
+        action="store_true",
+        help="synchronous vs --async-rollout through serve, engine and trainer on separate cores",
+    )
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {SETTINGS}")
     if args.async_compare:
         print_async_compare(pinned_runs(args.steps))
         return
-    run = dict(steps=args.steps, micro_batch=args.micro_batch_size, full_vocab_metrics_interval=args.full_vocab_metrics_interval,
-               max_tokens=args.max_tokens_per_micro_batch, packed=args.packed_scoring, linear_kernel=args.linear_kernel)
+    run = dict(
+        steps=args.steps,
+        micro_batch=args.micro_batch_size,
+        full_vocab_metrics_interval=args.full_vocab_metrics_interval,
+        max_tokens=args.max_tokens_per_micro_batch,
+        packed=args.packed_scoring,
+        linear_kernel=args.linear_kernel,
+    )
     if args.true_on_policy_compare:
         normal = print_steps("normal (fp32)", ours(**run))
-        exact = print_steps("true-on-policy (batch-invariant engine and trainer, --ci-test at tolerance 0)", ours(**run, true_on_policy=True))
+        exact = print_steps(
+            "true-on-policy (batch-invariant engine and trainer, --ci-test at tolerance 0)",
+            ours(**run, true_on_policy=True),
+        )
         print("\n| phase (mean of steps 1+) | normal s | true-on-policy s | ratio |")
         print("|---|---:|---:|---:|")
         for k in ("time_generate", "time_update", "time_step"):
             print(f"| {k.removeprefix('time_')} | {normal[k]:.2f} | {exact[k]:.2f} | {exact[k] / normal[k]:.2f}x |")
         return
-    mean = print_steps(f"support-replay, {args.dtype}, packed scoring {args.packed_scoring}",
-                       ours(**run, true_on_policy=args.true_on_policy, dtype=args.dtype))
-    bf16 = print_steps("support-replay, bfloat16 rollout and training", ours(**run, dtype="bfloat16")) if args.with_bf16 else None
+    mean = print_steps(
+        f"support-replay, {args.dtype}, packed scoring {args.packed_scoring}",
+        ours(**run, true_on_policy=args.true_on_policy, dtype=args.dtype),
+    )
+    bf16 = (
+        print_steps("support-replay, bfloat16 rollout and training", ours(**run, dtype="bfloat16"))
+        if args.with_bf16
+        else None
+    )
     if not args.skip_trl:
         times = trl_steps(args.steps)
         if times:
@@ -195,9 +342,13 @@ def main() -> None:
             print("\n| trainer | s per GRPO step (steps 1+) | ours faster by |")
             print("|---|---:|---:|")
             print(f"| TRL GRPOTrainer {__import__('trl').__version__} (fp32, its defaults) | {trl_mean:.2f} | |")
-            print(f"| support-replay, {args.dtype} (replay + --ci-test) | {mean['time_step']:.2f} | {trl_mean / mean['time_step']:.2f}x |")
+            print(
+                f"| support-replay, {args.dtype} (replay + --ci-test) | {mean['time_step']:.2f} | {trl_mean / mean['time_step']:.2f}x |"
+            )
             if bf16:
-                print(f"| support-replay, bfloat16 (replay + --ci-test) | {bf16['time_step']:.2f} | {trl_mean / bf16['time_step']:.2f}x |")
+                print(
+                    f"| support-replay, bfloat16 (replay + --ci-test) | {bf16['time_step']:.2f} | {trl_mean / bf16['time_step']:.2f}x |"
+                )
 
 
 if __name__ == "__main__":

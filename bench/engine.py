@@ -35,8 +35,8 @@ from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams
 from support_replay.engine import Engine
-from support_replay.protocol import GenerateRequest
 from support_replay.modeling.checkpoints import smollm2_checkpoint
+from support_replay.protocol import GenerateRequest
 
 PARAMS = dict(temperature=1.0, top_k=32, top_p=0.8)
 PROMPT = "What is 12 plus 7? Think step by step."
@@ -56,14 +56,24 @@ def resolve_model(name: str) -> Path:
 def prompt_ids(engine: Engine) -> list[int]:
     tok = engine.tokenizer
     if tok.chat_template:
-        text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+        )
         return tok(text, add_special_tokens=False)["input_ids"]
     return tok(PROMPT)["input_ids"]
 
 
-def engine_rate(engine: Engine, ids, batch: int, new_tokens: int, capture: bool, repeats: int, ignore_eos: bool = True) -> float:
+def engine_rate(
+    engine: Engine, ids, batch: int, new_tokens: int, capture: bool, repeats: int, ignore_eos: bool = True
+) -> float:
     reqs = [
-        GenerateRequest(ids, SamplingParams(seed=i, **PARAMS), max_new_tokens=new_tokens, ignore_eos=ignore_eos, return_sampling_mask=capture)
+        GenerateRequest(
+            ids,
+            SamplingParams(seed=i, **PARAMS),
+            max_new_tokens=new_tokens,
+            ignore_eos=ignore_eos,
+            return_sampling_mask=capture,
+        )
         for i in range(batch)
     ]
     best = 0.0
@@ -87,6 +97,7 @@ def timed_rate(engine: Engine, ids, batch: int, new_tokens: int, capture: bool) 
                 return fn(*a, **k)
             finally:
                 inside[0] += time.perf_counter() - start
+
         return call
 
     for name, fn in forward.items():
@@ -101,12 +112,29 @@ def timed_rate(engine: Engine, ids, batch: int, new_tokens: int, capture: bool) 
     return rate, elapsed - inside[0], elapsed
 
 
-QUESTIONS = ["What is 12 plus 7?", "Compute 3 times 4.", "What is 40 minus 13?", "What is 6 times 9?", "Add 25 and 17.", "What is 81 divided by 9?",
-             "Compute 14 plus 29.", "What is 7 times 8?", "Subtract 19 from 50.", "What is 11 times 11?", "Add 33 and 48.", "What is 90 minus 37?",
-             "Compute 5 times 13.", "What is 64 divided by 8?", "Add 120 and 45.", "What is 9 times 12?"]
+QUESTIONS = [
+    "What is 12 plus 7?",
+    "Compute 3 times 4.",
+    "What is 40 minus 13?",
+    "What is 6 times 9?",
+    "Add 25 and 17.",
+    "What is 81 divided by 9?",
+    "Compute 14 plus 29.",
+    "What is 7 times 8?",
+    "Subtract 19 from 50.",
+    "What is 11 times 11?",
+    "Add 33 and 48.",
+    "What is 90 minus 37?",
+    "Compute 5 times 13.",
+    "What is 64 divided by 8?",
+    "Add 120 and 45.",
+    "What is 9 times 12?",
+]
 
 
-def shaped_rate(engine: Engine, prompts: int, per_prompt: int, new_tokens: int, repeats: int, share: bool, seed_base: int = 0) -> float:
+def shaped_rate(
+    engine: Engine, prompts: int, per_prompt: int, new_tokens: int, repeats: int, share: bool, seed_base: int = 0
+) -> float:
     """Completion tokens/s of ``prompts`` distinct chat prompts x ``per_prompt`` samples, EOS ignored;
     ``share`` off prefills every request's prompt on its own row (as before prefix sharing)."""
     ids = shaped_prompts(engine.tokenizer, prompts)
@@ -115,8 +143,17 @@ def shaped_rate(engine: Engine, prompts: int, per_prompt: int, new_tokens: int, 
     try:
         best = 0.0
         for r in range(repeats):
-            reqs = [GenerateRequest(p, SamplingParams(seed=seed_base + 1000 * r + 10 * g + j, **PARAMS), max_new_tokens=new_tokens, ignore_eos=True, return_sampling_mask=True)
-                    for g, p in enumerate(ids) for j in range(per_prompt)]
+            reqs = [
+                GenerateRequest(
+                    p,
+                    SamplingParams(seed=seed_base + 1000 * r + 10 * g + j, **PARAMS),
+                    max_new_tokens=new_tokens,
+                    ignore_eos=True,
+                    return_sampling_mask=True,
+                )
+                for g, p in enumerate(ids)
+                for j in range(per_prompt)
+            ]
             start = time.perf_counter()
             out = engine.generate(reqs)
             best = max(best, sum(len(c.output_ids) for c in out) / (time.perf_counter() - start))
@@ -147,7 +184,9 @@ class LinearClock:
     def __init__(self, model, runner=None):
         self.seconds, self._start = 0.0, 0.0
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        self._hooks = [h for m in linears for h in (m.register_forward_pre_hook(self._pre), m.register_forward_hook(self._post))]
+        self._hooks = [
+            h for m in linears for h in (m.register_forward_pre_hook(self._pre), m.register_forward_hook(self._post))
+        ]
         self._fused = runner.fused if runner is not None and runner.use_fused else None
         self._restore = {}
         if self._fused is not None:
@@ -178,8 +217,13 @@ class LinearClock:
 
 
 def shaped_prompts(tokenizer, prompts: int) -> list[list[int]]:
-    return [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
-                      add_special_tokens=False)["input_ids"] for q in QUESTIONS[:prompts]]
+    return [
+        tokenizer(
+            tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
+        for q in QUESTIONS[:prompts]
+    ]
 
 
 def hf_shaped(model, tokenizer, prompts: int, per_prompt: int, new_tokens: int, repeats: int) -> tuple[float, float]:
@@ -195,8 +239,16 @@ def hf_shaped(model, tokenizer, prompts: int, per_prompt: int, new_tokens: int, 
         clock = LinearClock(model)
         start = time.perf_counter()
         with torch.no_grad():
-            model.generate(input_ids=inputs, attention_mask=mask, do_sample=True, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           num_return_sequences=per_prompt, pad_token_id=tokenizer.pad_token_id or 0, **PARAMS)
+            model.generate(
+                input_ids=inputs,
+                attention_mask=mask,
+                do_sample=True,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                num_return_sequences=per_prompt,
+                pad_token_id=tokenizer.pad_token_id or 0,
+                **PARAMS,
+            )
         elapsed = time.perf_counter() - start
         clock.close()
         rate = prompts * per_prompt * new_tokens / elapsed
@@ -230,8 +282,13 @@ def hf_rate(model, tokenizer, ids, batch: int, new_tokens: int, repeats: int, ig
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(
-                input_ids=inputs, attention_mask=mask, do_sample=True, max_new_tokens=new_tokens,
-                pad_token_id=tokenizer.pad_token_id or 0, **PARAMS, **extra,
+                input_ids=inputs,
+                attention_mask=mask,
+                do_sample=True,
+                max_new_tokens=new_tokens,
+                pad_token_id=tokenizer.pad_token_id or 0,
+                **PARAMS,
+                **extra,
             )
         elapsed = time.perf_counter() - start
         real = 0
@@ -246,18 +303,29 @@ def compare_deterministic(path: Path, args) -> None:
     """Tokens/s of the normal and the deterministic (batch-invariant) engine, capture on, in paired
     rounds (one run of each, back to back) so the machine's drift hits both alike; the ratio is
     the median of the rounds' ratios."""
-    engines = {mode: Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), deterministic=mode, linear_kernel=args.linear_kernel)
-               for mode in (False, True)}
+    engines = {
+        mode: Engine.from_pretrained(
+            path, dtype=getattr(torch, args.dtype), deterministic=mode, linear_kernel=args.linear_kernel
+        )
+        for mode in (False, True)
+    }
     ids = prompt_ids(engines[False])
     for e in engines.values():
         engine_rate(e, ids, 2, 4, True, 1)  # warm-up
-    print(f"model={args.model} dtype={args.dtype} linear kernel={engines[True].linear_kernel} prompt={len(ids)} tokens, new={args.new_tokens}, "
-          f"threads={torch.get_num_threads()}, {args.repeats} paired rounds")
+    print(
+        f"model={args.model} dtype={args.dtype} linear kernel={engines[True].linear_kernel} prompt={len(ids)} tokens, new={args.new_tokens}, "
+        f"threads={torch.get_num_threads()}, {args.repeats} paired rounds"
+    )
     print("\n| batch | normal tok/s (best) | deterministic tok/s (best) | deterministic / normal (median of rounds) |")
     print("|---:|---:|---:|---:|")
     for b in [int(x) for x in args.batches.split(",")]:
-        rounds = [(engine_rate(engines[False], ids, b, args.new_tokens, True, 1), engine_rate(engines[True], ids, b, args.new_tokens, True, 1))
-                  for _ in range(args.repeats)]
+        rounds = [
+            (
+                engine_rate(engines[False], ids, b, args.new_tokens, True, 1),
+                engine_rate(engines[True], ids, b, args.new_tokens, True, 1),
+            )
+            for _ in range(args.repeats)
+        ]
         normal, exact = max(r[0] for r in rounds), max(r[1] for r in rounds)
         print(f"| {b} | {normal:.1f} | {exact:.1f} | {statistics.median(d / n for n, d in rounds):.2f}x |")
     for e in engines.values():
@@ -269,8 +337,17 @@ def compare_kernels(path: Path, args) -> None:
     fused decode step (oneDNN's: on plain and on packed weights), rounds interleaved (median of the
     rounds) so the machine's drift hits every variant alike."""
     kernels = ["torch", "onednn"] if args.dtype == "float32" else ["torch"]
-    engines = {k: Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), linear_kernel=k, deterministic=args.deterministic) for k in kernels}
-    variants = [(k, step) for k in kernels for step in ("module tree", "fused") + (("fused, packed weights",) if k == "onednn" else ())]
+    engines = {
+        k: Engine.from_pretrained(
+            path, dtype=getattr(torch, args.dtype), linear_kernel=k, deterministic=args.deterministic
+        )
+        for k in kernels
+    }
+    variants = [
+        (k, step)
+        for k in kernels
+        for step in ("module tree", "fused") + (("fused, packed weights",) if k == "onednn" else ())
+    ]
     rates: dict = {v: [] for v in variants}
     for e in engines.values():
         shaped_rate(e, 4, 4, 4, 1, share=True)  # warm-up
@@ -280,10 +357,14 @@ def compare_kernels(path: Path, args) -> None:
             runner.use_fused = step != "module tree" and runner.fused is not None
             if runner.fused is not None:
                 runner.fused.packing = step == "fused, packed weights"
-            rates[(kernel, step)].append(shaped_rate(engines[kernel], 4, 4, args.new_tokens, 1, share=True, seed_base=1000 * r))
+            rates[(kernel, step)].append(
+                shaped_rate(engines[kernel], 4, 4, args.new_tokens, 1, share=True, seed_base=1000 * r)
+            )
             runner.use_fused = runner.fused is not None
-    print(f"model={args.model} dtype={args.dtype} deterministic={args.deterministic} GRPO shape 4 x 4 x {args.new_tokens} tokens, EOS ignored, "
-          f"capture on, threads={torch.get_num_threads()}, median of {args.repeats} interleaved rounds")
+    print(
+        f"model={args.model} dtype={args.dtype} deterministic={args.deterministic} GRPO shape 4 x 4 x {args.new_tokens} tokens, EOS ignored, "
+        f"capture on, threads={torch.get_num_threads()}, median of {args.repeats} interleaved rounds"
+    )
     print("\n| linear kernel | decode step | tok/s | vs torch, module tree |")
     print("|---|---|---:|---:|")
     base = float(np.median(rates[("torch", "module tree")]))
@@ -301,11 +382,21 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="engine weights and activations")
+    ap.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="engine weights and activations"
+    )
     ap.add_argument("--deterministic", action="store_true", help="batch-invariant forward (true-on-policy mode)")
-    ap.add_argument("--deterministic-compare", action="store_true", help="normal and deterministic engines, capture on, one sitting")
-    ap.add_argument("--linear-kernel", choices=["auto", "torch", "onednn"], default="auto", help="the engine's linear-layer product")
-    ap.add_argument("--kernel-compare", action="store_true", help="the engine on each linear kernel and on the module-tree decode, GRPO shape")
+    ap.add_argument(
+        "--deterministic-compare", action="store_true", help="normal and deterministic engines, capture on, one sitting"
+    )
+    ap.add_argument(
+        "--linear-kernel", choices=["auto", "torch", "onednn"], default="auto", help="the engine's linear-layer product"
+    )
+    ap.add_argument(
+        "--kernel-compare",
+        action="store_true",
+        help="the engine on each linear kernel and on the module-tree decode, GRPO shape",
+    )
     args = ap.parse_args()
 
     path = resolve_model(args.model)
@@ -315,23 +406,34 @@ def main() -> None:
     if args.kernel_compare:
         compare_kernels(path, args)
         return
-    engine = Engine.from_pretrained(path, dtype=getattr(torch, args.dtype), deterministic=args.deterministic, linear_kernel=args.linear_kernel)
+    engine = Engine.from_pretrained(
+        path, dtype=getattr(torch, args.dtype), deterministic=args.deterministic, linear_kernel=args.linear_kernel
+    )
     ids = prompt_ids(engine)
     engine_rate(engine, ids, 2, 4, True, 1)  # warm-up
-    print(f"model={args.model} dtype={args.dtype} deterministic={args.deterministic} linear kernel={engine.linear_kernel} prompt={len(ids)} tokens, new={args.new_tokens}, threads={torch.get_num_threads()}, sampling={PARAMS}")
-    print(f"\n| batch | capture off tok/s | capture on tok/s | end-to-end cost (median of {args.repeats} paired rounds) | "
-          "time outside the forward, on - off, share of the run |")
+    print(
+        f"model={args.model} dtype={args.dtype} deterministic={args.deterministic} linear kernel={engine.linear_kernel} prompt={len(ids)} tokens, new={args.new_tokens}, threads={torch.get_num_threads()}, sampling={PARAMS}"
+    )
+    print(
+        f"\n| batch | capture off tok/s | capture on tok/s | end-to-end cost (median of {args.repeats} paired rounds) | "
+        "time outside the forward, on - off, share of the run |"
+    )
     print("|---:|---:|---:|---:|---:|")
     for b in [int(x) for x in args.batches.split(",")]:
         # off and on alternate, so the machine's drift hits both alike; each round's pair gives one cost.
         # The end-to-end figure carries the machine's noise (several %); the time spent outside the
         # model's forward (sampling, capture, bookkeeping) is what capturing adds, measured directly
-        pairs = [(timed_rate(engine, ids, b, args.new_tokens, False), timed_rate(engine, ids, b, args.new_tokens, True)) for _ in range(args.repeats)]
+        pairs = [
+            (timed_rate(engine, ids, b, args.new_tokens, False), timed_rate(engine, ids, b, args.new_tokens, True))
+            for _ in range(args.repeats)
+        ]
         off, on = (float(np.median([p[i][0] for p in pairs])) for i in (0, 1))
         cost = float(np.median([100 * (o[0] - c[0]) / o[0] for o, c in pairs]))
         extra = float(np.median([100 * (c[1] - o[1]) / c[2] for o, c in pairs]))
         print(f"| {b} | {off:.1f} | {on:.1f} | {cost:+.1f}% | {extra:+.1f}% |")
-    print(f"\n| 16 requests x {args.new_tokens} tokens, capture on | prefill per request tok/s | shared prefill tok/s | gain |")
+    print(
+        f"\n| 16 requests x {args.new_tokens} tokens, capture on | prefill per request tok/s | shared prefill tok/s | gain |"
+    )
     print("|---|---:|---:|---:|")
     shapes = [("GRPO shape: 4 prompts x 4 samples", 4, 4), ("16 distinct prompts", 16, 1)]
     for name, prompts, per in shapes:
@@ -344,20 +446,28 @@ def main() -> None:
         alone, shared = prefill_ms(engine, prompts, per, 15)
         print(f"| {name} | {alone:.1f} | {shared:.1f} | {alone / shared:.2f}x |")
     if not args.skip_hf:
-        shaped = {name: ours_shaped(engine, prompts, per, args.new_tokens, args.repeats) for name, prompts, per in shapes}
+        shaped = {
+            name: ours_shaped(engine, prompts, per, args.new_tokens, args.repeats) for name, prompts, per in shapes
+        }
         ours = engine_rate(engine, ids, 16, args.new_tokens, True, args.repeats)
         ours_eos = engine_rate(engine, ids, 16, args.new_tokens, True, args.repeats, ignore_eos=False)
         engine.shutdown()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # the fp32 table first, then in the engine's dtype
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32
+        ).eval()  # the fp32 table first, then in the engine's dtype
         hf = hf_rate(model, engine.tokenizer, ids, 16, args.new_tokens, args.repeats)
         hf_eos = hf_rate(model, engine.tokenizer, ids, 16, args.new_tokens, args.repeats, ignore_eos=False)
         print(f"\n| 16 concurrent x {args.new_tokens} new tokens | EOS ignored: tok/s | stop at EOS: real tok/s |")
         print("|---|---:|---:|")
         print(f"| Hugging Face generate (batch 16) | {hf:.1f} | {hf_eos:.1f} |")
-        print(f"| support-replay engine, capture on | {ours:.1f} ({ours / hf:.2f}x) | {ours_eos:.1f} ({ours_eos / hf_eos:.2f}x) |")
+        print(
+            f"| support-replay engine, capture on | {ours:.1f} ({ours / hf:.2f}x) | {ours_eos:.1f} ({ours_eos / hf_eos:.2f}x) |"
+        )
         model = model.to(getattr(torch, args.dtype))
-        print(f"\n| {args.dtype}, 16 requests x {args.new_tokens} tokens, EOS ignored | HF generate tok/s | HF time in linear layers | ours tok/s | ratio | "
-              "bound from the linear layers | ratio / bound |")
+        print(
+            f"\n| {args.dtype}, 16 requests x {args.new_tokens} tokens, EOS ignored | HF generate tok/s | HF time in linear layers | ours tok/s | ratio | "
+            "bound from the linear layers | ratio / bound |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|")
         for name, prompts, per in shapes:
             rate, share = hf_shaped(model, engine.tokenizer, prompts, per, args.new_tokens, args.repeats)
@@ -365,7 +475,9 @@ def main() -> None:
             # our linear layers alone, at our own rows, are the least time we can take
             work = prompts * per * args.new_tokens
             bound = (work / rate) / ours_linear
-            print(f"| {name} | {rate:.1f} | {100 * share:.0f}% | {ours_rate:.1f} | {ours_rate / rate:.2f}x | {bound:.2f}x | {ours_rate / rate / bound:.2f} |")
+            print(
+                f"| {name} | {rate:.1f} | {100 * share:.0f}% | {ours_rate:.1f} | {ours_rate / rate:.2f}x | {bound:.2f}x | {ours_rate / rate / bound:.2f} |"
+            )
     else:
         engine.shutdown()
 

@@ -27,13 +27,13 @@ from transformers import AutoModelForCausalLM
 from support_replay import SamplingParams, full_logprobs, support_logprobs
 from support_replay.core.logprobs import penalised_support_logprobs
 from support_replay.core.penalties import Penalties
-from support_replay.train.batches import penalty_rows
-from support_replay.modeling.batch_invariant import make_batch_invariant
 from support_replay.engine import Engine
-from support_replay.protocol import GenerateRequest
+from support_replay.modeling.batch_invariant import make_batch_invariant
 from support_replay.modeling.checkpoints import smollm2_checkpoint
+from support_replay.protocol import GenerateRequest
 from support_replay.rollout import ArithmeticTask
 from support_replay.rollout.generate import render_prompt
+from support_replay.train.batches import penalty_rows
 
 PENALTY_SETTINGS = [
     ("repetition 1.3", Penalties(repetition=1.3)),
@@ -52,9 +52,17 @@ def ratios(engine, model, prompts, params, samples, new_tokens):
     """Per-token ratios of the full-vocabulary and the replayed scores, and how many log pi != log mu."""
     capture = params.replay_active
     reqs = [
-        GenerateRequest(ids, SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=k * samples + j),
-                        max_new_tokens=new_tokens, return_sampling_mask=capture, return_logprob=not capture)
-        for k, ids in enumerate(prompts) for j in range(samples)
+        GenerateRequest(
+            ids,
+            SamplingParams(
+                temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=k * samples + j
+            ),
+            max_new_tokens=new_tokens,
+            return_sampling_mask=capture,
+            return_logprob=not capture,
+        )
+        for k, ids in enumerate(prompts)
+        for j in range(samples)
     ]
     full_r, replay_r, unequal = [], [], 0
     for req, res in zip(reqs, engine.generate(reqs)):
@@ -75,9 +83,15 @@ def penalty_ratios(engine, model, prompts, penalties, samples, new_tokens):
     """Ratios of the full-vocabulary score, replay without the penalty, replay with it."""
     params = SamplingParams(temperature=1.0, top_p=0.8, top_k=1024)
     reqs = [
-        GenerateRequest(ids, SamplingParams(temperature=1.0, top_k=1024, top_p=0.8, seed=k * samples + j), max_new_tokens=new_tokens,
-                        return_sampling_mask=True, penalties=penalties)
-        for k, ids in enumerate(prompts) for j in range(samples)
+        GenerateRequest(
+            ids,
+            SamplingParams(temperature=1.0, top_k=1024, top_p=0.8, seed=k * samples + j),
+            max_new_tokens=new_tokens,
+            return_sampling_mask=True,
+            penalties=penalties,
+        )
+        for k, ids in enumerate(prompts)
+        for j in range(samples)
     ]
     full_r, plain_r, pen_r = [], [], []
     for req, res in zip(reqs, engine.generate(reqs)):
@@ -86,8 +100,16 @@ def penalty_ratios(engine, model, prompts, penalties, samples, new_tokens):
             logits = model(sequence).logits[0, len(req.input_ids) - 1 : -1].float()
         targets, mu = torch.tensor(res.output_ids), torch.from_numpy(res.log_mu)
         n, start = len(res.output_ids), len(req.input_ids)
-        transform = penalty_rows(penalties, engine.semantics, sequence, torch.ones_like(sequence), torch.zeros(n, dtype=torch.long),
-                                 start + torch.arange(n), torch.full((n,), start), res.support.to_padded()[0])  # the trainer's own
+        transform = penalty_rows(
+            penalties,
+            engine.semantics,
+            sequence,
+            torch.ones_like(sequence),
+            torch.zeros(n, dtype=torch.long),
+            start + torch.arange(n),
+            torch.full((n,), start),
+            res.support.to_padded()[0],
+        )  # the trainer's own
 
         full_r.append(torch.exp(full_logprobs(logits, targets, params.temperature) - mu))
         plain_r.append(torch.exp(support_logprobs(logits, targets, res.support, 1.0) - mu))
@@ -110,27 +132,47 @@ def main() -> None:
     task = ArithmeticTask(seed=0)
     prompts = [render_prompt(engine.tokenizer, task[i], True)[0] for i in range(args.prompts)]
     mode = "true-on-policy (deterministic engine, batch-invariant scorer)" if args.true_on_policy else "normal mode"
-    print(f"SmolLM2-135M-Instruct, {args.prompts} prompts x {args.samples} samples, up to {args.new_tokens} tokens, temperature 1, sglang semantics, {mode}")
-    print("\n| rollout sampling | tokens | full vocab: mean ratio | outside [0.9, 1.1] | replay: mean ratio | outside [0.9, 1.1] | log pi != log mu |")
+    print(
+        f"SmolLM2-135M-Instruct, {args.prompts} prompts x {args.samples} samples, up to {args.new_tokens} tokens, temperature 1, sglang semantics, {mode}"
+    )
+    print(
+        "\n| rollout sampling | tokens | full vocab: mean ratio | outside [0.9, 1.1] | replay: mean ratio | outside [0.9, 1.1] | log pi != log mu |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, kw in SETTINGS:
-        full, replay, unequal = ratios(engine, model, prompts, SamplingParams(temperature=1.0, **kw), args.samples, args.new_tokens)
+        full, replay, unequal = ratios(
+            engine, model, prompts, SamplingParams(temperature=1.0, **kw), args.samples, args.new_tokens
+        )
         out = lambda r: np.mean((r < 0.9) | (r > 1.1))  # noqa: E731
-        print(f"| {name} | {len(full)} | {full.mean():.3f} | {out(full):.1%} | {replay.mean():.4f} | {out(replay):.1%} | {unequal} |")
+        print(
+            f"| {name} | {len(full)} | {full.mean():.3f} | {out(full):.1%} | {replay.mean():.4f} | {out(replay):.1%} | {unequal} |"
+        )
     if not args.true_on_policy:
         vocab = engine.vocab_size
         gen = torch.Generator().manual_seed(0)
         bias = {int(i): float(b) for i, b in zip(torch.randperm(vocab, generator=gen)[:10], torch.linspace(-5, 5, 10))}
         bias[engine.tokenizer.eos_token_id] = -5.0  # a bias that touches tokens the model does sample
-        settings = [(name, p or (Penalties.with_bias(logit_bias=bias) if "bias" in name else Penalties.with_bias(0.5, 0.3, 1.3, bias)))
-                    for name, p in PENALTY_SETTINGS]
+        settings = [
+            (
+                name,
+                p
+                or (
+                    Penalties.with_bias(logit_bias=bias) if "bias" in name else Penalties.with_bias(0.5, 0.3, 1.3, bias)
+                ),
+            )
+            for name, p in PENALTY_SETTINGS
+        ]
         print("\nWith penalties (top_p 0.8, top_k 1024, sglang semantics):")
-        print("\n| penalty | tokens | full vocab: mean ratio | outside | replay without the penalty: mean ratio | outside | replay with it: mean ratio | outside |")
+        print(
+            "\n| penalty | tokens | full vocab: mean ratio | outside | replay without the penalty: mean ratio | outside | replay with it: mean ratio | outside |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for name, p in settings:
             full, plain, pen = penalty_ratios(engine, model, prompts, p, args.samples, args.new_tokens)
             out = lambda r: np.mean((r < 0.9) | (r > 1.1))  # noqa: E731
-            print(f"| {name} | {len(full)} | {full.mean():.3f} | {out(full):.1%} | {plain.mean():.3f} | {out(plain):.1%} | {pen.mean():.4f} | {out(pen):.1%} |")
+            print(
+                f"| {name} | {len(full)} | {full.mean():.3f} | {out(full):.1%} | {plain.mean():.3f} | {out(plain):.1%} | {pen.mean():.4f} | {out(pen):.1%} |"
+            )
     engine.shutdown()
 
 

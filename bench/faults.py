@@ -38,8 +38,11 @@ from tiny_model import build_tiny_checkpoint  # noqa: E402
 
 
 def serve_on(checkpoint: Path, port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "support_replay.cli", "serve", "--hf-checkpoint", str(checkpoint), "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, "-m", "support_replay.cli", "serve", "--hf-checkpoint", str(checkpoint), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def engines_killed_under_load(checkpoint: Path, minutes: float, kill_every: float, workers: int = 24) -> dict:
@@ -58,7 +61,16 @@ def engines_killed_under_load(checkpoint: Path, minutes: float, kill_every: floa
         n = 0
         while not stop.is_set():
             rid = f"w{worker}-{n}"
-            body = {"input_ids": [5 + n % 11, 40, 77], "rid": rid, "sampling_params": {"top_k": 16, "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": worker * 10**6 + n}}
+            body = {
+                "input_ids": [5 + n % 11, 40, 77],
+                "rid": rid,
+                "sampling_params": {
+                    "top_k": 16,
+                    "max_new_tokens": 8,
+                    "ignore_eos": True,
+                    "sampling_seed": worker * 10**6 + n,
+                },
+            }
             start = time.perf_counter()
             for _ in range(20):  # the same rid again until it is answered
                 try:
@@ -96,15 +108,55 @@ def engines_killed_under_load(checkpoint: Path, minutes: float, kill_every: floa
     for p in procs:
         p.terminate()
     lost = stats["requests"] - len(answers)
-    return {**stats, "answered": len(answers), "lost": lost, "answered twice": sum(1 for v in answers.values() if v > 1),
-            "slowest_s": round(slowest[0], 1), "router_retries": next((line.split()[-1] for line in router.splitlines() if line.startswith("support_replay_router_retries_total")), "?")}
+    return {
+        **stats,
+        "answered": len(answers),
+        "lost": lost,
+        "answered twice": sum(1 for v in answers.values() if v > 1),
+        "slowest_s": round(slowest[0], 1),
+        "router_retries": next(
+            (
+                line.split()[-1]
+                for line in router.splitlines()
+                if line.startswith("support_replay_router_retries_total")
+            ),
+            "?",
+        ),
+    }
 
 
 def train_args(checkpoint: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "support_replay.cli", "train", "--hf-checkpoint", str(checkpoint), "--num-rollout", "6",
-            "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "8", "--rollout-max-response-len", "8",
-            "--lr", "1e-3", "--custom-rm-path", "rewards_for_tests:digit_share", "--true-on-policy-mode", "--ci-test",
-            "--output-dir", str(out / "out"), "--save", str(out / "ckpt"), "--save-interval", "1", "--no-progress"]
+    return [
+        sys.executable,
+        "-m",
+        "support_replay.cli",
+        "train",
+        "--hf-checkpoint",
+        str(checkpoint),
+        "--num-rollout",
+        "6",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--rollout-max-response-len",
+        "8",
+        "--lr",
+        "1e-3",
+        "--custom-rm-path",
+        "rewards_for_tests:digit_share",
+        "--true-on-policy-mode",
+        "--ci-test",
+        "--output-dir",
+        str(out / "out"),
+        "--save",
+        str(out / "ckpt"),
+        "--save-interval",
+        "1",
+        "--no-progress",
+    ]
 
 
 def trainer_killed(checkpoint: Path, kills: int) -> dict:
@@ -117,7 +169,9 @@ def trainer_killed(checkpoint: Path, kills: int) -> dict:
     equal, rng = 0, random.Random(0)
     for trial in range(kills):
         run = work / f"trial{trial}"
-        proc = subprocess.Popen(train_args(checkpoint, run), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            train_args(checkpoint, run), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         time.sleep(rng.uniform(0.2, 0.95) * duration)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -130,8 +184,15 @@ def trainer_killed(checkpoint: Path, kills: int) -> dict:
 def chunked_body(checkpoint: Path) -> dict:
     ctx, url = engine_process(checkpoint)
     with ctx as proc:
+
         def rss():
-            return int(next(line for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines() if line.startswith("VmRSS")).split()[1])
+            return int(
+                next(
+                    line
+                    for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+                    if line.startswith("VmRSS")
+                ).split()[1]
+            )
 
         def chunked(mib: int):
             def chunks():
@@ -140,7 +201,9 @@ def chunked_body(checkpoint: Path) -> dict:
                     yield block
 
             try:
-                return httpx.post(url + "/generate", content=chunks(), headers={"content-type": "application/json"}, timeout=60).status_code
+                return httpx.post(
+                    url + "/generate", content=chunks(), headers={"content-type": "application/json"}, timeout=60
+                ).status_code
             except httpx.HTTPError as exc:  # the server may close the connection once it has answered
                 return f"closed ({type(exc).__name__})"
 
@@ -152,8 +215,12 @@ def chunked_body(checkpoint: Path) -> dict:
         after = rss()
         chunked(256)
         after_256 = rss()
-    return {"status": status, "first_413_growth_MiB": round((before - first_before) / 1024, 2),
-            "rss_growth_MiB": round((after - before) / 1024, 2), "after_256_MiB_more": round((after_256 - after) / 1024, 2)}
+    return {
+        "status": status,
+        "first_413_growth_MiB": round((before - first_before) / 1024, 2),
+        "rss_growth_MiB": round((after - before) / 1024, 2),
+        "after_256_MiB_more": round((after_256 - after) / 1024, 2),
+    }
 
 
 def main() -> None:
@@ -167,8 +234,16 @@ def main() -> None:
     print("chunked 64 MiB body:", chunked_body(checkpoint), flush=True)
     if args.only_body:
         return
-    print(f"engines killed every {args.kill_every:.0f} s for {args.minutes} min under load:", engines_killed_under_load(checkpoint, args.minutes, args.kill_every), flush=True)
-    print(f"trainer killed at {args.trainer_kills} random moments:", trainer_killed(checkpoint, args.trainer_kills), flush=True)
+    print(
+        f"engines killed every {args.kill_every:.0f} s for {args.minutes} min under load:",
+        engines_killed_under_load(checkpoint, args.minutes, args.kill_every),
+        flush=True,
+    )
+    print(
+        f"trainer killed at {args.trainer_kills} random moments:",
+        trainer_killed(checkpoint, args.trainer_kills),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -36,23 +36,31 @@ def main() -> None:
     run("SGLang meta_info", fuzz_sglang, n(10_000))
     run("vLLM choices", fuzz_vllm, n(10_000))
 
-    from tiny_model import build_tiny_checkpoint
+    import tempfile
 
     from support_replay.engine import Engine
     from support_replay.engine.limits import EngineLimits
     from support_replay.serving.server import create_app
+    from tiny_model import build_tiny_checkpoint
 
-    import tempfile
-
-    engine = Engine.from_pretrained(build_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny"), limits=EngineLimits(max_new_tokens=8, max_prompt_tokens=128)).start()
+    engine = Engine.from_pretrained(
+        build_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny"),
+        limits=EngineLimits(max_new_tokens=8, max_prompt_tokens=128),
+    ).start()
     run("HTTP endpoints (10 operations; the 4 with a body 2,500 each)", fuzz_http, create_app(engine), n(2_500))
     engine.shutdown()
     print("\n| target | inputs | outcome | s |")
     print("|---|---:|---|---:|")
     for name, result, seconds in rows:
         total = sum(v for k, v in (result["answers"] if "answers" in result else result).items() if isinstance(v, int))
-        outcome = ", ".join(f"{k} {v}" for k, v in result.items() if k != "answers") if "answers" not in result else (
-            f"no 5xx; slowest answer {result['slowest_s']} s; statuses " + ", ".join(sorted({str(s) for _, s in result["answers"]})))
+        outcome = (
+            ", ".join(f"{k} {v}" for k, v in result.items() if k != "answers")
+            if "answers" not in result
+            else (
+                f"no 5xx; slowest answer {result['slowest_s']} s; statuses "
+                + ", ".join(sorted({str(s) for _, s in result["answers"]}))
+            )
+        )
         print(f"| {name} | {total} | {outcome} | {seconds:.0f} |")
 
 

@@ -33,12 +33,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from support_stream import support_stream  # noqa: E402
-
 from support_replay import SupportTable, sparse_head_support_logprobs, support_logprobs  # noqa: E402
 from support_replay.core.logprobs import penalised_support_logprobs  # noqa: E402
 from support_replay.core.penalties import Penalties  # noqa: E402
 from support_replay.train.batches import penalty_rows  # noqa: E402
+from support_stream import support_stream  # noqa: E402
 
 VARIANTS = {
     "a": "dense mask + log_softmax",
@@ -108,7 +107,7 @@ def run_one(variant: str, k: str, tokens: int, vocab: int, hidden: int, repeats:
         penalty = penalty_inputs(targets, vocab)
 
     def clear():
-        for p in ([logits] if variant in "abe" else [h, weight]):
+        for p in [logits] if variant in "abe" else [h, weight]:
             p.grad = None
         gc.collect()
 
@@ -141,13 +140,26 @@ def main() -> None:
         return
 
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
-    print(f"T={args.tokens} V={args.vocab} H={args.hidden} threads={torch.get_num_threads()} torch={torch.__version__} THP_MEM_ALLOC_ENABLE={thp}")
-    common = ["--tokens", str(args.tokens), "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--repeats", str(args.repeats)]
+    print(
+        f"T={args.tokens} V={args.vocab} H={args.hidden} threads={torch.get_num_threads()} torch={torch.__version__} THP_MEM_ALLOC_ENABLE={thp}"
+    )
+    common = [
+        "--tokens",
+        str(args.tokens),
+        "--vocab",
+        str(args.vocab),
+        "--hidden",
+        str(args.hidden),
+        "--repeats",
+        str(args.repeats),
+    ]
     rows = []
     for k in args.ks.split(","):
         cell = {}
         for v in args.variants:
-            out = subprocess.run([sys.executable, __file__, *common, "--one", v, k], capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, __file__, *common, "--one", v, k], capture_output=True, text=True, check=True
+            )
             cell[v] = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append((k, cell))
         print(f"  done K={k}", file=sys.stderr)

@@ -34,14 +34,19 @@ def main() -> None:
     args = ap.parse_args()
     path = smollm2_checkpoint()
     print(f"memory available at start: {available_bytes() / 2**30:.1f} GiB")
-    print("\n| dtype | bytes per KV position | default budget (positions) | budget (GiB) | largest batch at 512 + 512 | at 2048 + 2048 | at 7,168 + 1,024 |")
+    print(
+        "\n| dtype | bytes per KV position | default budget (positions) | budget (GiB) | largest batch at 512 + 512 | at 2048 + 2048 | at 7,168 + 1,024 |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
         engine = Engine.from_pretrained(path, dtype=dtype)
         b = engine.kv_budget
         shapes = [largest_batch(b, p, n) for p, n in ((512, 512), (2048, 2048), (7168, 1024))]
-        print(f"| {str(dtype).removeprefix('torch.')} | {b.bytes_per_token:,} | {b.max_total_tokens:,} | {b.bytes / 2**30:.1f} | "
-              + " | ".join(f"{s:,}" for s in shapes) + " |")
+        print(
+            f"| {str(dtype).removeprefix('torch.')} | {b.bytes_per_token:,} | {b.max_total_tokens:,} | {b.bytes / 2**30:.1f} | "
+            + " | ".join(f"{s:,}" for s in shapes)
+            + " |"
+        )
         del engine
 
     engine = Engine.from_pretrained(path, dtype=getattr(torch, args.dtype))
@@ -52,8 +57,16 @@ def main() -> None:
     vocab = engine.vocab_size
     prompts = [torch.randint(100, vocab, (args.long,), generator=gen).tolist()]
     prompts += [torch.randint(100, vocab, (16,), generator=gen).tolist() for _ in range(args.short)]
-    reqs = [GenerateRequest(p, SamplingParams(top_k=50, top_p=0.9, seed=i), max_new_tokens=args.max_new, ignore_eos=True, return_sampling_mask=True)
-            for i, p in enumerate(prompts)]
+    reqs = [
+        GenerateRequest(
+            p,
+            SamplingParams(top_k=50, top_p=0.9, seed=i),
+            max_new_tokens=args.max_new,
+            ignore_eos=True,
+            return_sampling_mask=True,
+        )
+        for i, p in enumerate(prompts)
+    ]
     per_token = kv_bytes_per_token(engine.runner.model)
     unbudgeted = len(reqs) * column_need(args.long, args.max_new, 1) * per_token
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -61,12 +74,18 @@ def main() -> None:
     out = engine.generate(reqs)
     secs = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(f"\n{len(reqs)} requests (one of {args.long:,} prompt tokens, {args.short} of 16), {args.max_new} new tokens each, {args.dtype}, "
-          f"default budget {engine.kv_budget.max_total_tokens:,} positions ({engine.kv_budget.bytes / 2**30:.1f} GiB):")
-    print("| answered | admissions (prefill batches) | time (s) | peak RSS (GiB) | RSS before (GiB) | the rectangle without a budget (GiB) |")
+    print(
+        f"\n{len(reqs)} requests (one of {args.long:,} prompt tokens, {args.short} of 16), {args.max_new} new tokens each, {args.dtype}, "
+        f"default budget {engine.kv_budget.max_total_tokens:,} positions ({engine.kv_budget.bytes / 2**30:.1f} GiB):"
+    )
+    print(
+        "| answered | admissions (prefill batches) | time (s) | peak RSS (GiB) | RSS before (GiB) | the rectangle without a budget (GiB) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|")
-    print(f"| {sum(c.num_tokens == args.max_new for c in out)} of {len(reqs)} | {len(prefills)} | {secs:.1f} | {peak / 2**20:.1f} | "
-          f"{before / 2**20:.1f} | {unbudgeted / 2**30:.1f} |")
+    print(
+        f"| {sum(c.num_tokens == args.max_new for c in out)} of {len(reqs)} | {len(prefills)} | {secs:.1f} | {peak / 2**20:.1f} | "
+        f"{before / 2**20:.1f} | {unbudgeted / 2**30:.1f} |"
+    )
 
 
 if __name__ == "__main__":

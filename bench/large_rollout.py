@@ -22,17 +22,28 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
 from processes import engine_process, router_process  # noqa: E402
-from tiny_model import build_tiny_checkpoint  # noqa: E402
-
 from support_replay.train import train  # noqa: E402
 from support_replay.train.config import RunConfig  # noqa: E402
+from tiny_model import build_tiny_checkpoint  # noqa: E402
 
 
 def run(checkpoint: Path, out: Path, prompts: int, samples: int, url: str | None) -> tuple[dict, float]:
-    cfg = RunConfig(hf_checkpoint=str(checkpoint), num_rollout=1, rollout_batch_size=prompts, n_samples_per_prompt=samples,
-                    global_batch_size=prompts * samples, micro_batch_size=64, rollout_max_response_len=8, rollout_top_p=0.9,
-                    rollout_top_k=16, output_dir=str(out), progress=False, ci_test=True, rollout_url=url,
-                    custom_rm_path="rewards_for_tests:digit_share")
+    cfg = RunConfig(
+        hf_checkpoint=str(checkpoint),
+        num_rollout=1,
+        rollout_batch_size=prompts,
+        n_samples_per_prompt=samples,
+        global_batch_size=prompts * samples,
+        micro_batch_size=64,
+        rollout_max_response_len=8,
+        rollout_top_p=0.9,
+        rollout_top_k=16,
+        output_dir=str(out),
+        progress=False,
+        ci_test=True,
+        rollout_url=url,
+        custom_rm_path="rewards_for_tests:digit_share",
+    )
     start = time.perf_counter()
     rows = train(cfg)
     return rows[-1], time.perf_counter() - start
@@ -40,7 +51,13 @@ def run(checkpoint: Path, out: Path, prompts: int, samples: int, url: str | None
 
 def overloaded(url: str) -> int:
     text = httpx.get(url + "/metrics", timeout=30).text
-    return int(sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("support_replay_requests_total") and "overloaded" in line))
+    return int(
+        sum(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("support_replay_requests_total") and "overloaded" in line
+        )
+    )
 
 
 def main() -> None:
@@ -69,12 +86,18 @@ def main() -> None:
                         before = overloaded(url)
                         row, secs = run(ckpt, tmp / "c", args.prompts, args.samples, rurl)
                         results.append(("router -> serve", row, secs, overloaded(url) - before))
-    print(f"\n{args.prompts} prompts x {args.samples} samples = {args.prompts * args.samples} requests, one rollout, tiny model\n")
+    print(
+        f"\n{args.prompts} prompts x {args.samples} samples = {args.prompts * args.samples} requests, one rollout, tiny model\n"
+    )
     print("| path | samples trained | failed samples | regenerated groups | engine 503s | time (s) |")
     print("|---|---|---|---|---|---|")
     for name, row, secs, busy in results:
-        print(f"| {name} | {row.get('samples', '?')} | {row['failed_samples']} | {row['regenerated_groups']} | {busy} | {secs:.1f} |")
-    print(json.dumps({name: {k: row[k] for k in ("failed_samples", "regenerated_groups")} for name, row, _, _ in results}))
+        print(
+            f"| {name} | {row.get('samples', '?')} | {row['failed_samples']} | {row['regenerated_groups']} | {busy} | {secs:.1f} |"
+        )
+    print(
+        json.dumps({name: {k: row[k] for k in ("failed_samples", "regenerated_groups")} for name, row, _, _ in results})
+    )
 
 
 if __name__ == "__main__":

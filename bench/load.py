@@ -30,8 +30,19 @@ from tiny_model import build_tiny_checkpoint  # noqa: E402
 
 
 def body(i: int) -> dict:
-    return {"input_ids": [5 + i % 11, 40, 77, 9 + i % 97], "rid": f"load-{i}", "return_sampling_mask": True,
-            "sampling_params": {"temperature": 1.0, "top_k": 16, "top_p": 0.9, "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": i}}
+    return {
+        "input_ids": [5 + i % 11, 40, 77, 9 + i % 97],
+        "rid": f"load-{i}",
+        "return_sampling_mask": True,
+        "sampling_params": {
+            "temperature": 1.0,
+            "top_k": 16,
+            "top_p": 0.9,
+            "max_new_tokens": 8,
+            "ignore_eos": True,
+            "sampling_seed": i,
+        },
+    }
 
 
 def rss_kb(pid: int) -> int:
@@ -82,13 +93,18 @@ async def one_engine(url: str, n: int) -> tuple[Counter, list, dict]:
         for i, (status, answer) in enumerate(answers):
             if status == 200:
                 alone = (await client.post(url + "/generate", json={**body(i), "rid": f"alone-{i}"})).json()
-                same += alone["output_ids"] == answer["output_ids"] and alone["meta_info"]["output_token_sampling_logprobs"] == answer["meta_info"]["output_token_sampling_logprobs"]
+                same += (
+                    alone["output_ids"] == answer["output_ids"]
+                    and alone["meta_info"]["output_token_sampling_logprobs"]
+                    == answer["meta_info"]["output_token_sampling_logprobs"]
+                )
     return statuses, sorted(latencies), {"elapsed_s": elapsed, "bit_identical": same}
 
 
 async def through_router(url: str, n: int, concurrency: int = 256) -> Counter:
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=600) as client:
+
         async def one(i):
             async with gate:
                 return (await client.post(url + "/generate", json={**body(i), "rid": f"router-{i}"})).status_code
@@ -110,12 +126,16 @@ def main() -> None:
         after = rss_kb(proc.pid)
     ok = statuses.get(200, 0)
     print(f"\n{args.requests:,} at once against one engine (queue 256, batch 64), {extra['elapsed_s']:.1f} s:")
-    print("| answered 200 | 503 after 5 tries | other | /health p50 ms | /health p99 ms | RSS before MB | RSS after MB | 200s bit-identical alone |")
+    print(
+        "| answered 200 | 503 after 5 tries | other | /health p50 ms | /health p99 ms | RSS before MB | RSS after MB | 200s bit-identical alone |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     other = sum(v for k, v in statuses.items() if k not in (200, 503))
     p = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000  # noqa: E731
-    print(f"| {ok} ({ok / args.requests:.0%}) | {statuses.get(503, 0)} | {other} | {p(0.5):.1f} | {p(0.99):.1f} | "
-          f"{before / 1024:.0f} | {after / 1024:.0f} | {extra['bit_identical']} of {ok} |")
+    print(
+        f"| {ok} ({ok / args.requests:.0%}) | {statuses.get(503, 0)} | {other} | {p(0.5):.1f} | {p(0.99):.1f} | "
+        f"{before / 1024:.0f} | {after / 1024:.0f} | {extra['bit_identical']} of {ok} |"
+    )
 
     engines = [engine_process(checkpoint) for _ in range(3)]
     with engines[0][0], engines[1][0], engines[2][0]:
@@ -126,7 +146,9 @@ def main() -> None:
             elapsed = time.perf_counter() - start
             served = {w["url"]: w["served"] for w in httpx.get(rurl + "/workers").json()}
     total = sum(served.values())
-    print(f"\n{args.router_requests:,} requests through our router over three engines, {elapsed:.1f} s, statuses {dict(statuses)}:")
+    print(
+        f"\n{args.router_requests:,} requests through our router over three engines, {elapsed:.1f} s, statuses {dict(statuses)}:"
+    )
     print("| engine | served | share |")
     print("|---|---:|---:|")
     for u, n in served.items():

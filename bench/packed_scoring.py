@@ -21,17 +21,22 @@ import time
 import numpy as np
 import torch
 
-from support_replay.modeling.checkpoints import smollm2_checkpoint
+from support_replay.core.support import SupportTable
 from support_replay.modeling import packed_sequences
+from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.modeling.linear_kernels import resolve_linear_kernel
 from support_replay.rollout.sample import Sample
-from support_replay.core.support import SupportTable
 from support_replay.train.actor import load_scoring_model, score_batch
 from support_replay.train.batches import build_micro_batch
 
 GAIN = packed_sequences.PER_SEQUENCE_GAIN
 # (name, packed, attention per sequence: False / True / None for the default rule, PER_SEQUENCE_GAIN)
-VARIANTS = [("unpacked", False, False), ("packed, one mask over the row", True, False), ("packed, per sequence", True, True), ("packed, default", True, None)]
+VARIANTS = [
+    ("unpacked", False, False),
+    ("packed, one mask over the row", True, False),
+    ("packed, per sequence", True, True),
+    ("packed, default", True, None),
+]
 
 
 def group(prompt_len: int, length: int, size: int, vocab: int) -> list[Sample]:
@@ -41,13 +46,24 @@ def group(prompt_len: int, length: int, size: int, vocab: int) -> list[Sample]:
     for j in range(size):
         response = rng.integers(5, vocab, length).tolist()
         rows = [np.unique(np.append(rng.integers(0, vocab, 5), t)).astype(np.int32) for t in response]
-        samples.append(Sample(index=j, group=0, prompt_ids=prompt, response_ids=response, loss_mask=np.ones(length, np.int8),
-                              log_mu=np.zeros(length, np.float32), support=SupportTable.from_rows(rows)))
+        samples.append(
+            Sample(
+                index=j,
+                group=0,
+                prompt_ids=prompt,
+                response_ids=response,
+                loss_mask=np.ones(length, np.int8),
+                log_mu=np.zeros(length, np.float32),
+                support=SupportTable.from_rows(rows),
+            )
+        )
     return samples
 
 
 def seconds(model, samples, pack: bool, per_sequence: bool | None) -> float:
-    model.per_sequence_attention = per_sequence is not False  # the actor's switch: pass the packed row's segments to the attention
+    model.per_sequence_attention = (
+        per_sequence is not False
+    )  # the actor's switch: pass the packed row's segments to the attention
     packed_sequences.PER_SEQUENCE_GAIN = GAIN if per_sequence is None else 0.0
     batch = build_micro_batch(samples, list(range(len(samples))), True, "cpu", pack=pack)
     model.zero_grad()
@@ -64,7 +80,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=44)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    model = load_scoring_model(smollm2_checkpoint(), "cpu", linear_kernel=resolve_linear_kernel("auto", torch.float32, "cpu"))
+    model = load_scoring_model(
+        smollm2_checkpoint(), "cpu", linear_kernel=resolve_linear_kernel("auto", torch.float32, "cpu")
+    )
     vocab = model.hf.get_output_embeddings().weight.shape[0]
     print(f"\n| response tokens | group | {' | '.join(name + ' s' for name, _, _ in VARIANTS)} |")
     print("|---:|---:|" + "---:|" * len(VARIANTS))

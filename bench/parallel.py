@@ -65,14 +65,24 @@ def bench_samples(vocab: int, n: int, tokens: int, prompt: int = 32) -> list:
     out = []
     for i in range(n):
         response = rng.integers(0, vocab, tokens).tolist()
-        out.append(Sample(index=i, group=0, prompt_ids=rng.integers(0, vocab, prompt).tolist(), response_ids=response,
-                          loss_mask=np.ones(tokens, np.int8), support=SupportTable.from_lists([[t, (t + 1) % vocab] for t in response]),
-                          log_mu=np.zeros(tokens, np.float32)))
+        out.append(
+            Sample(
+                index=i,
+                group=0,
+                prompt_ids=rng.integers(0, vocab, prompt).tolist(),
+                response_ids=response,
+                loss_mask=np.ones(tokens, np.int8),
+                support=SupportTable.from_lists([[t, (t + 1) % vocab] for t in response]),
+                log_mu=np.zeros(tokens, np.float32),
+            )
+        )
     return out
 
 
 def _worker(rank, world, port, spec, args, results):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     from support_replay.core.losses import token_weights
     from support_replay.modeling.checkpoints import smollm2_checkpoint
@@ -83,14 +93,27 @@ def _worker(rank, world, port, spec, args, results):
 
     ctx = init_distributed()
     layout = parallel_layout(ctx, tp=spec.get("tp", 1), cp=spec.get("cp", 1))
-    actor = Actor(smollm2_checkpoint(), ctx, lr=1e-6, betas=(0.9, 0.98), weight_decay=0.0, replay=True, full_with_grad=True, layout=layout)
+    actor = Actor(
+        smollm2_checkpoint(),
+        ctx,
+        lr=1e-6,
+        betas=(0.9, 0.98),
+        weight_decay=0.0,
+        replay=True,
+        full_with_grad=True,
+        layout=layout,
+    )
     samples = bench_samples(actor.vocab_size, args.samples, args.tokens)
-    step = plan_optimizer_steps(samples, global_batch=len(samples), micro_batch=len(samples), rank=0, world=1, replay=True, device=ctx.device)[0]
+    step = plan_optimizer_steps(
+        samples, global_batch=len(samples), micro_batch=len(samples), rank=0, world=1, replay=True, device=ctx.device
+    )[0]
     batch = step.micro_batches[0]
 
     def run():
         sc = actor.score(batch, 1.0, full=True, entropy=True)
-        w = token_weights(batch.loss_mask, batch.lengths, "token", batch_tokens=step.tokens, batch_sequences=step.sequences)
+        w = token_weights(
+            batch.loss_mask, batch.lengths, "token", batch_tokens=step.tokens, batch_sequences=step.sequences
+        )
         actor.backward(((sc.logp + 0.1 * sc.full - 0.01 * sc.entropy) * w).sum())
         actor.optimizer.zero_grad(set_to_none=True)
 
@@ -112,7 +135,9 @@ def main() -> None:
     args = ap.parse_args()
     from processes import free_port
 
-    print(f"torch {torch.__version__}; SmolLM2-135M fp32, {args.samples} x ({32} prompt + {args.tokens} response) tokens, full-vocabulary scores with a gradient")
+    print(
+        f"torch {torch.__version__}; SmolLM2-135M fp32, {args.samples} x ({32} prompt + {args.tokens} response) tokens, full-vocabulary scores with a gradient"
+    )
     print("\n| layout | ranks | peak memory rise per rank (max) MiB | step s (forward + backward) |")
     print("|---|---:|---:|---:|")
     for name in args.layouts.split(","):

@@ -63,23 +63,32 @@ def main() -> None:
     ap.add_argument("--lengths", default="64,128,256,512")
     ap.add_argument("--groups", default="4,8,16")
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--trl-lengths", default="64,128,256", help="lengths TRL runs at (its 512 takes minutes a step); empty: none")
+    ap.add_argument(
+        "--trl-lengths", default="64,128,256", help="lengths TRL runs at (its 512 takes minutes a step); empty: none"
+    )
     args = ap.parse_args()
-    configs = [(int(n), 4) for n in args.lengths.split(",")] + [(64, int(g)) for g in args.groups.split(",") if int(g) != 4]
+    configs = [(int(n), 4) for n in args.lengths.split(",")] + [
+        (64, int(g)) for g in args.groups.split(",") if int(g) != 4
+    ]
     trl_lengths = {int(n) for n in args.trl_lengths.split(",") if n}
     try:
         import trl  # noqa: F401
     except ImportError:
         trl_lengths = set()
-    print("| response tokens | group size | samples | response len | generate s | update s | step s | peak memory MiB | max abs(log pi - log mu) "
-          "| TRL step s | TRL peak MiB | ours faster by |")
+    print(
+        "| response tokens | group size | samples | response len | generate s | update s | step s | peak memory MiB | max abs(log pi - log mu) "
+        "| TRL step s | TRL peak MiB | ours faster by |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for length, group in configs:
         r = run_one(length, group, args.steps)
         t = run_trl(length, group, args.steps) if length in trl_lengths else None
         theirs = f"{t['time_step']:.2f} | {t['peak_mib']:.0f} | {t['time_step'] / r['time_step']:.2f}x" if t else "| |"
-        print(f"| {length} | {group} | {4 * group} | {r['response_len_mean']:.0f} | {r['time_generate']:.2f} | {r['time_update']:.2f} | {r['time_step']:.2f} | "
-              f"{r['peak_mib']:.0f} | {r['diff']:.1e} | {theirs} |", flush=True)
+        print(
+            f"| {length} | {group} | {4 * group} | {r['response_len_mean']:.0f} | {r['time_generate']:.2f} | {r['time_update']:.2f} | {r['time_step']:.2f} | "
+            f"{r['peak_mib']:.0f} | {r['diff']:.1e} | {theirs} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

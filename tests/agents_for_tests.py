@@ -10,7 +10,10 @@ async def miles_style(base_url, prompt, request_kwargs=None, metadata=None):
     messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     async with httpx.AsyncClient(timeout=60) as client:
         for k in range(2):
-            r = await client.post(base_url + "/v1/chat/completions", json={"model": "default", "messages": messages, "logprobs": True, **(request_kwargs or {})})
+            r = await client.post(
+                base_url + "/v1/chat/completions",
+                json={"model": "default", "messages": messages, "logprobs": True, **(request_kwargs or {})},
+            )
             r.raise_for_status()
             content = r.json()["choices"][0]["message"]["content"]
             messages += [{"role": "assistant", "content": content}, {"role": "user", "content": f"Again, step {k}."}]
@@ -21,7 +24,10 @@ async def rewriter(client, sample) -> float:
     """Edits its own first answer before the second turn: every episode splits in two samples."""
     messages = sample.messages
     first = await client.chat.completions.create(model="m", messages=messages)
-    messages += [{"role": "assistant", "content": "I said: " + first.choices[0].message.content}, {"role": "user", "content": "Go on."}]
+    messages += [
+        {"role": "assistant", "content": "I said: " + first.choices[0].message.content},
+        {"role": "user", "content": "Go on."},
+    ]
     second = await client.chat.completions.create(model="m", messages=messages)
     return float(sum(c.isdigit() for c in second.choices[0].message.content or ""))
 

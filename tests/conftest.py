@@ -31,7 +31,9 @@ def tiny_agent_checkpoint(tmp_path_factory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-agents"), max_positions=2048)
 
 
-VLLM_PYTHON = Path(os.environ.get("SUPPORT_REPLAY_VLLM_PYTHON", Path(__file__).parents[1] / ".venv-vllm" / "bin" / "python"))
+VLLM_PYTHON = Path(
+    os.environ.get("SUPPORT_REPLAY_VLLM_PYTHON", Path(__file__).parents[1] / ".venv-vllm" / "bin" / "python")
+)
 
 
 @pytest.fixture(scope="session")
@@ -46,9 +48,30 @@ def vllm_server(tiny_checkpoint, tmp_path_factory):
     ckpt = vllm_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("vllm-llama"))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
-            "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--gpu-memory-utilization", "0.1", "--enable-scale-out"]
+    args = [
+        str(VLLM_PYTHON),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(ckpt),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-logprobs",
+        "-1",
+        "--gpu-memory-utilization",
+        "0.1",
+        "--enable-scale-out",
+    ]
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     try:
         with process(args, url, timeout=300):

@@ -34,7 +34,9 @@ FIXTURES = Path(__file__).parent / "engines" / "fixtures"
 
 
 def _settings(n: int):
-    return settings(max_examples=n, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    return settings(
+        max_examples=n, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
 
 
 # ---- the wire decoder ---------------------------------------------------------------------
@@ -43,7 +45,10 @@ def _settings(n: int):
 @st.composite
 def valid_streams(draw, relative: bool | None = None):
     vocab = draw(st.sampled_from([2, 50, 1000, 151936]))
-    rows = [sorted(draw(st.sets(st.integers(0, vocab - 1), min_size=1, max_size=min(vocab, 24)))) for _ in range(draw(st.integers(0, 12)))]
+    rows = [
+        sorted(draw(st.sets(st.integers(0, vocab - 1), min_size=1, max_size=min(vocab, 24))))
+        for _ in range(draw(st.integers(0, 12)))
+    ]
     selected = [draw(st.sampled_from(r)) for r in rows]
     relative = draw(st.booleans()) if relative is None else relative
     table = SupportTable.from_lists(rows)
@@ -81,12 +86,22 @@ def worst_case_decode_memory() -> dict:
     counts = np.full(8 * n_high // 8, 8)
     head = wire._varint_encode(counts)
     low = int(sum((c * int(w) + 7) // 8 for c, w in zip(counts, wire._rice_widths(counts, vocab))))
-    blob = struct.pack("<4sBBIIIII", b"SRPW", 1, 0, len(counts), vocab, len(head), n_high, low) + head + b"\xff" * n_high + bytes(low)
+    blob = (
+        struct.pack("<4sBBIIIII", b"SRPW", 1, 0, len(counts), vocab, len(head), n_high, low)
+        + head
+        + b"\xff" * n_high
+        + bytes(low)
+    )
     tracemalloc.start()
     table = wire.decode(blob)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    return {"input_bytes": len(blob), "ids": table.nnz, "peak_bytes": peak, "peak_per_input_byte": round(peak / len(blob), 1)}
+    return {
+        "input_bytes": len(blob),
+        "ids": table.nnz,
+        "peak_bytes": peak,
+        "peak_per_input_byte": round(peak / len(blob), 1),
+    }
 
 
 def fuzz_wire(n: int, measure_memory: bool = False, relative: bool | None = None) -> dict:
@@ -122,7 +137,11 @@ def fuzz_wire(n: int, measure_memory: bool = False, relative: bool | None = None
 # ---- engine payloads ----------------------------------------------------------------------
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
     max_leaves=12,
 )
@@ -160,7 +179,9 @@ def edited(draw, payload):
 
 
 def _request(capture=True, mode="selected", top_k=8):
-    return GenerateRequest([1, 2, 3], SamplingParams(top_k=top_k, seed=1), return_sampling_mask=capture, sampling_logprobs_mode=mode)
+    return GenerateRequest(
+        [1, 2, 3], SamplingParams(top_k=top_k, seed=1), return_sampling_mask=capture, sampling_logprobs_mode=mode
+    )
 
 
 def fuzz_sglang(n: int) -> dict:
@@ -224,7 +245,9 @@ def fuzz_http(app, n_per_operation: int, timeout: float = 30.0) -> dict:
             reply = case.call(timeout=timeout)
             slowest[0] = max(slowest[0], time.monotonic() - start)
             seen[(operation.label, reply.status_code)] += 1
-            assert reply.status_code < 500, f"{operation.label} answered {reply.status_code}: {reply.text[:300]} for {case.body!r:.300}"
+            assert reply.status_code < 500, (
+                f"{operation.label} answered {reply.status_code}: {reply.text[:300]} for {case.body!r:.300}"
+            )
 
         one()
     return {"answers": dict(seen), "slowest_s": round(slowest[0], 3)}

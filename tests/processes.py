@@ -30,15 +30,35 @@ def engine_process(checkpoint, *extra: str):
     temporary directory (the checkpoint's parent), where the tests stage them."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = [sys.executable, "-m", "support_replay.cli", "serve", "--hf-checkpoint", str(checkpoint), "--port", str(port),
-            "--weights-dir", str(Path(checkpoint).parent), *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "support_replay.cli",
+        "serve",
+        "--hf-checkpoint",
+        str(checkpoint),
+        "--port",
+        str(port),
+        "--weights-dir",
+        str(Path(checkpoint).parent),
+        *extra,
+    ]
     return process(args, url), url
 
 
 def router_process(engine_urls: list[str], health_interval: float = 0.5):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = [sys.executable, "-m", "support_replay.cli", "router", "--port", str(port), "--health-interval", str(health_interval)]
+    args = [
+        sys.executable,
+        "-m",
+        "support_replay.cli",
+        "router",
+        "--port",
+        str(port),
+        "--health-interval",
+        str(health_interval),
+    ]
     for u in engine_urls:
         args += ["--engine", u]
     return process(args, url), url

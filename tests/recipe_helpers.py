@@ -13,9 +13,20 @@ ONE_RANK = DistContext(rank=0, world=1, device=torch.device("cpu"), owns_group=F
 
 def run_config(checkpoint, tmp_path, **overrides) -> RunConfig:
     values = dict(
-        hf_checkpoint=str(checkpoint), num_rollout=3, rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=4,
-        micro_batch_size=2, rollout_max_response_len=10, lr=1e-3, custom_rm_path="rewards_for_tests:digit_share",
-        output_dir=str(tmp_path / "out"), progress=False, ci_test=True, rollout_top_p=0.8, rollout_top_k=32,
+        hf_checkpoint=str(checkpoint),
+        num_rollout=3,
+        rollout_batch_size=2,
+        n_samples_per_prompt=4,
+        global_batch_size=4,
+        micro_batch_size=2,
+        rollout_max_response_len=10,
+        lr=1e-3,
+        custom_rm_path="rewards_for_tests:digit_share",
+        output_dir=str(tmp_path / "out"),
+        progress=False,
+        ci_test=True,
+        rollout_top_p=0.8,
+        rollout_top_k=32,
     )
     values.update(overrides)
     return RunConfig(**values)
@@ -23,9 +34,20 @@ def run_config(checkpoint, tmp_path, **overrides) -> RunConfig:
 
 def agent_config(checkpoint, tmp_path, **overrides) -> RunConfig:
     values = dict(
-        hf_checkpoint=str(checkpoint), num_rollout=2, rollout_batch_size=2, n_samples_per_prompt=2, global_batch_size=4,
-        rollout_max_response_len=10, max_turns=3, max_episode_tokens=256, lr=1e-3, output_dir=str(tmp_path / "out"),
-        progress=False, ci_test=True, rollout_top_p=0.8, rollout_top_k=32,
+        hf_checkpoint=str(checkpoint),
+        num_rollout=2,
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        global_batch_size=4,
+        rollout_max_response_len=10,
+        max_turns=3,
+        max_episode_tokens=256,
+        lr=1e-3,
+        output_dir=str(tmp_path / "out"),
+        progress=False,
+        ci_test=True,
+        rollout_top_p=0.8,
+        rollout_top_k=32,
     )
     values.update(overrides)
     return RunConfig(**values)

@@ -36,15 +36,33 @@ def test_the_core_imports_torch_and_numpy_alone():
         assert not outside, f"{path.name} imports {outside}"
         tree = ast.parse(path.read_text())
         third_party = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        third_party |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module}
-        assert third_party <= {"torch", "numpy", "__future__", "math", "functools", "struct", "base64", "binascii", "dataclasses", "collections", "typing"}, (path.name, third_party)
+        third_party |= {
+            n.module.split(".")[0]
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module
+        }
+        assert third_party <= {
+            "torch",
+            "numpy",
+            "__future__",
+            "math",
+            "functools",
+            "struct",
+            "base64",
+            "binascii",
+            "dataclasses",
+            "collections",
+            "typing",
+        }, (path.name, third_party)
 
 
 @pytest.mark.parametrize("layer", ["backends", "rollout", "train"])
 def test_only_the_in_process_paths_import_the_engine(layer):
     for path in sorted((PACKAGE / layer).glob("*.py")):
         rel = f"{layer}/{path.name}"
-        engine = [m for m in imported_modules(path) if m == "support_replay.engine" or m.startswith("support_replay.engine.")]
+        engine = [
+            m for m in imported_modules(path) if m == "support_replay.engine" or m.startswith("support_replay.engine.")
+        ]
         assert not engine or rel in RUNS_THE_ENGINE, f"{rel} imports {engine}"
 
 

@@ -22,8 +22,14 @@ CORPUS = [
 ] * 20
 
 
-def build_tiny_checkpoint(path: Path, vocab_size: int = 384, seed: int = 0, max_positions: int = 512, chat_template: str = CHAT_TEMPLATE,
-                          llama_tied: bool = False) -> Path:
+def build_tiny_checkpoint(
+    path: Path,
+    vocab_size: int = 384,
+    seed: int = 0,
+    max_positions: int = 512,
+    chat_template: str = CHAT_TEMPLATE,
+    llama_tied: bool = False,
+) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -76,9 +82,18 @@ def vllm_checkpoint(tiny_checkpoint: Path, path: Path) -> Path:
 
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         model.lm_head.weight.mul_(20)

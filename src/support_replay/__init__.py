@@ -8,11 +8,18 @@ backends, rollouts and the trainer are subpackages built on it (``support_replay
 """
 
 from .core import wire
-from .errors import SamplingParamsError, SupportError, SupportReplayError, WireError
-from .core.logprobs import entropy, full_logprobs, full_logprobs_and_entropy, penalised_support_logprobs, sparse_head_support_logprobs, support_logprobs
+from .core.logprobs import (
+    entropy,
+    full_logprobs,
+    full_logprobs_and_entropy,
+    penalised_support_logprobs,
+    sparse_head_support_logprobs,
+    support_logprobs,
+)
 from .core.penalties import Penalties, penalise
 from .core.sampling import SEMANTICS, SampledTokens, SamplingParams, sample_tokens, support_mask
 from .core.support import SupportTable
+from .errors import SamplingParamsError, SupportError, SupportReplayError, WireError
 
 __version__ = "0.1.0"
 

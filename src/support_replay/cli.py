@@ -1,14 +1,14 @@
 """``support-replay`` command line.
 
-  train    GRPO on the replayed support (no flags: the SmolLM2 arithmetic demo)
-  serve    the embedded engine behind an SGLang-compatible /generate and an OpenAI-compatible
-           /v1/chat/completions, capturing S_t and log mu on request
-  router   forwards raw request bodies over several engines
-  sessions multi-turn OpenAI chat sessions for agents, recorded token in, token out, in front of
-           any engine or router (support, log mu and loss mask per token)
-  demo     sample with top-k / top-p / min-p, capture S_t and log mu, ship the support over the
-           wire codec, score it back, and show why replay matters: the importance ratio of a
-           full-vocabulary scorer against the replayed one
+train    GRPO on the replayed support (no flags: the SmolLM2 arithmetic demo)
+serve    the embedded engine behind an SGLang-compatible /generate and an OpenAI-compatible
+         /v1/chat/completions, capturing S_t and log mu on request
+router   forwards raw request bodies over several engines
+sessions multi-turn OpenAI chat sessions for agents, recorded token in, token out, in front of
+         any engine or router (support, log mu and loss mask per token)
+demo     sample with top-k / top-p / min-p, capture S_t and log mu, ship the support over the
+         wire codec, score it back, and show why replay matters: the importance ratio of a
+         full-vocabulary scorer against the replayed one
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 
 from . import SEMANTICS, SamplingParams, SupportReplayError, full_logprobs, sample_tokens, support_logprobs, wire
 from .core.losses import logprob_mismatch_metrics, support_size_metrics
-from .protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 from .engine.limits import EngineLimits
 from .modeling.linear_kernels import KERNELS, LINEAR_KERNEL_HELP
+from .protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 from .serving import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT, DEFAULT_SESSIONS_PORT
 from .serving.security import DEFAULT_MAX_WEIGHTS_BYTES
 
@@ -46,7 +46,9 @@ def _demo(args: argparse.Namespace) -> int:
         f"support-replay demo: {args.tokens} tokens, V={args.vocab}, temperature={params.temperature}, "
         f"top_k={params.top_k}, top_p={params.top_p}, min_p={params.min_p}"
     )
-    print("\n| semantics | mean |S| | singletons | wire B/token | ratio full-vocab | outside [0.9,1.1] | ratio replay | outside | log mu vs float64 |")
+    print(
+        "\n| semantics | mean |S| | singletons | wire B/token | ratio full-vocab | outside [0.9,1.1] | ratio replay | outside | log mu vs float64 |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for semantics in args.semantics:
         out = sample_tokens(logits, params, semantics, generator=gen)
@@ -83,8 +85,12 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     limits = EngineLimits(
-        max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, max_stop_strings=args.max_stop_strings,
-        max_stop_string_length=args.max_stop_string_length, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_length=args.max_stop_string_length,
+        max_batch_size=args.max_batch_size,
+        max_queue=args.max_queue,
     )
     keys = _keys(args)
     engine = Engine.from_pretrained(
@@ -102,9 +108,18 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"support-replay engine: {args.hf_checkpoint} on http://{args.host}:{args.port}", flush=True)
     from .rollout.chat import load_template
 
-    serve(engine, args.host, args.port, keys=keys, max_request_bytes=args.max_request_bytes, model_name=str(args.hf_checkpoint),
-          weights_dir=args.weights_dir, allowed_hosts=args.allowed_host, chat_template=load_template(args.chat_template),
-          max_weights_bytes=args.max_weights_bytes)
+    serve(
+        engine,
+        args.host,
+        args.port,
+        keys=keys,
+        max_request_bytes=args.max_request_bytes,
+        model_name=str(args.hf_checkpoint),
+        weights_dir=args.weights_dir,
+        allowed_hosts=args.allowed_host,
+        chat_template=load_template(args.chat_template),
+        max_weights_bytes=args.max_weights_bytes,
+    )
     return 0
 
 
@@ -112,20 +127,41 @@ def _keys(args: argparse.Namespace):
     from .serving.security import Keys
 
     if getattr(args, "api_key", None):
-        print("support-replay: warning: --api-key shows in the process list; prefer --api-key-file or $SUPPORT_REPLAY_API_KEY", file=sys.stderr)
+        print(
+            "support-replay: warning: --api-key shows in the process list; prefer --api-key-file or $SUPPORT_REPLAY_API_KEY",
+            file=sys.stderr,
+        )
     return Keys.load(args.api_key_file, args.admin_key_file, getattr(args, "api_key", None))
 
 
 def _add_key_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--api-key-file", default=None, help="generation routes need Authorization: Bearer KEY (also $SUPPORT_REPLAY_API_KEY)")
-    parser.add_argument("--admin-key-file", default=None, help="weight, version and cache routes need Authorization: Bearer KEY (also $SUPPORT_REPLAY_ADMIN_KEY)")
-    parser.add_argument("--allowed-host", action="append", default=None, help="Host header to answer (repeat; default: the loopback names when bound to loopback)")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="largest request body, chunked or not (413 beyond)")
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        help="generation routes need Authorization: Bearer KEY (also $SUPPORT_REPLAY_API_KEY)",
+    )
+    parser.add_argument(
+        "--admin-key-file",
+        default=None,
+        help="weight, version and cache routes need Authorization: Bearer KEY (also $SUPPORT_REPLAY_ADMIN_KEY)",
+    )
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=None,
+        help="Host header to answer (repeat; default: the loopback names when bound to loopback)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body, chunked or not (413 beyond)",
+    )
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .train.config import config_from_args
     from .train import train
+    from .train.config import config_from_args
 
     cfg = config_from_args(args)
     print(
@@ -144,21 +180,29 @@ def _router(args: argparse.Namespace) -> int:
     from .serving.router import run_router
 
     print(f"support-replay router on http://{args.host}:{args.port} over {len(args.engine)} engine(s)", flush=True)
-    run_router(args.engine, args.host, args.port, args.health_interval, request_timeout=args.request_timeout, keys=_keys(args),
-               max_request_bytes=args.max_request_bytes, allowed_hosts=args.allowed_host)
+    run_router(
+        args.engine,
+        args.host,
+        args.port,
+        args.health_interval,
+        request_timeout=args.request_timeout,
+        keys=_keys(args),
+        max_request_bytes=args.max_request_bytes,
+        allowed_hosts=args.allowed_host,
+    )
     return 0
 
 
 def _sessions(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     import json
     from pathlib import Path
 
+    from transformers import AutoTokenizer
+
     from .core.penalties import Penalties
+    from .core.sampling import SamplingParams
     from .rollout.chat import ChatRenderer, load_template
     from .rollout.session import SessionSettings, SessionStore
-    from .core.sampling import SamplingParams
     from .serving.sessions import serve_sessions
 
     keys = _keys(args)
@@ -167,7 +211,9 @@ def _sessions(args: argparse.Namespace) -> int:
     if args.backend_engine == "vllm":
         from .backends.vllm import VLLMBackend
 
-        backend = VLLMBackend(args.backend, vocab, endpoint=args.vllm_endpoint, capture=args.vllm_capture, api_key=keys.api)
+        backend = VLLMBackend(
+            args.backend, vocab, endpoint=args.vllm_endpoint, capture=args.vllm_capture, api_key=keys.api
+        )
     else:
         from .backends.sglang import SGLangBackend
 
@@ -176,17 +222,37 @@ def _sessions(args: argparse.Namespace) -> int:
     bias = json.loads(Path(args.logit_bias).read_text()) if args.logit_bias else None
     penalties = Penalties.with_bias(args.frequency_penalty, args.presence_penalty, args.repetition_penalty, bias)
     capture = not args.no_capture and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0)
-    settings = SessionSettings(params, capture=capture, max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens,
-                               max_new_tokens=args.max_new_tokens, history_policy=args.history_policy, ttl=args.ttl, penalties=penalties)
+    settings = SessionSettings(
+        params,
+        capture=capture,
+        max_turns=args.max_turns,
+        max_episode_tokens=args.max_episode_tokens,
+        max_new_tokens=args.max_new_tokens,
+        history_policy=args.history_policy,
+        ttl=args.ttl,
+        penalties=penalties,
+    )
     store = SessionStore(backend, ChatRenderer(tokenizer, load_template(args.chat_template)), settings)
-    print(f"support-replay sessions on http://{args.host}:{args.port} in front of {args.backend_engine} at {args.backend} "
-          f"(capture {'on' if capture else 'off'})", flush=True)
-    serve_sessions(store, args.host, args.port, keys=keys, max_request_bytes=args.max_request_bytes, allowed_hosts=args.allowed_host)
+    print(
+        f"support-replay sessions on http://{args.host}:{args.port} in front of {args.backend_engine} at {args.backend} "
+        f"(capture {'on' if capture else 'off'})",
+        flush=True,
+    )
+    serve_sessions(
+        store,
+        args.host,
+        args.port,
+        keys=keys,
+        max_request_bytes=args.max_request_bytes,
+        allowed_hosts=args.allowed_host,
+    )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="support-replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="support-replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="capture, transport and replay the sampling support on synthetic logits")
     demo.add_argument("--tokens", type=int, default=4096)
@@ -211,44 +277,108 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=DEFAULT_ENGINE_PORT)
     srv.add_argument("--semantics", choices=SEMANTICS, default="sglang", help="filter semantics of the sampler")
-    srv.add_argument("--sampling-mask-max-tokens", type=int, default=DEFAULT_SAMPLING_MASK_MAX_TOKENS, help="largest support a request may capture")
+    srv.add_argument(
+        "--sampling-mask-max-tokens",
+        type=int,
+        default=DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+        help="largest support a request may capture",
+    )
     defaults = EngineLimits()
     srv.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help="sequences decoded together")
-    srv.add_argument("--max-queue", type=int, default=defaults.max_queue, help="requests waiting for a slot (503 with Retry-After beyond)")
-    srv.add_argument("--max-total-tokens", type=int, default=None,
-                     help="KV positions the engine may hold at its peak, as SGLang's flag counts them; a request waits until it fits "
-                          "(default: half the memory available at start)")
-    srv.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="largest max_new_tokens a request may ask")
-    srv.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens, help="longest prompt (at most the model's context length)")
+    srv.add_argument(
+        "--max-queue",
+        type=int,
+        default=defaults.max_queue,
+        help="requests waiting for a slot (503 with Retry-After beyond)",
+    )
+    srv.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="KV positions the engine may hold at its peak, as SGLang's flag counts them; a request waits until it fits "
+        "(default: half the memory available at start)",
+    )
+    srv.add_argument(
+        "--max-new-tokens", type=int, default=defaults.max_new_tokens, help="largest max_new_tokens a request may ask"
+    )
+    srv.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=defaults.max_prompt_tokens,
+        help="longest prompt (at most the model's context length)",
+    )
     srv.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings)
     srv.add_argument("--max-stop-string-length", type=int, default=defaults.max_stop_string_length)
-    srv.add_argument("--weights-dir", default=None, help="/update_weights_from_disk loads safetensors from under this directory only (off without it)")
-    srv.add_argument("--max-weights-bytes", type=int, default=DEFAULT_MAX_WEIGHTS_BYTES, help="largest body of /update_weights_from_safetensors (needs the admin key)")
+    srv.add_argument(
+        "--weights-dir",
+        default=None,
+        help="/update_weights_from_disk loads safetensors from under this directory only (off without it)",
+    )
+    srv.add_argument(
+        "--max-weights-bytes",
+        type=int,
+        default=DEFAULT_MAX_WEIGHTS_BYTES,
+        help="largest body of /update_weights_from_safetensors (needs the admin key)",
+    )
     srv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     srv.add_argument("--device", default="cpu")
     srv.add_argument("--api-key", default=None, help="as --api-key-file, but visible in the process list")
     _add_key_flags(srv)
     srv.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed of their own")
-    srv.add_argument("--chat-template", default=None, help="Jinja file or built-in name (hermes_tools) for chat requests; default: the tokenizer's")
-    srv.add_argument("--deterministic", action="store_true", help="batch-invariant forward: a sequence's logits do not depend on its batch (true-on-policy)")
+    srv.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja file or built-in name (hermes_tools) for chat requests; default: the tokenizer's",
+    )
+    srv.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant forward: a sequence's logits do not depend on its batch (true-on-policy)",
+    )
     srv.add_argument("--linear-kernel", choices=KERNELS, default="auto", help=LINEAR_KERNEL_HELP)
     srv.set_defaults(func=_serve)
 
-    ss = sub.add_parser("sessions", help="multi-turn OpenAI sessions recorded token in, token out, in front of any engine or router")
+    ss = sub.add_parser(
+        "sessions", help="multi-turn OpenAI sessions recorded token in, token out, in front of any engine or router"
+    )
     ss.add_argument("--backend", required=True, help="URL of the engine or router the sessions generate with")
-    ss.add_argument("--backend-engine", choices=["sglang", "vllm"], default="sglang", help="its protocol: sglang (SGLang, our serve and router, smg) or vllm")
+    ss.add_argument(
+        "--backend-engine",
+        choices=["sglang", "vllm"],
+        default="sglang",
+        help="its protocol: sglang (SGLang, our serve and router, smg) or vllm",
+    )
     ss.add_argument("--vllm-endpoint", choices=["generate", "completions"], default="generate")
     ss.add_argument("--vllm-capture", choices=["processed_logprobs", "native"], default="processed_logprobs")
-    ss.add_argument("--tokenizer", required=True, help="Hugging Face checkpoint or tokenizer directory (renders and tokenizes messages)")
-    ss.add_argument("--vocab-size", type=int, default=None, help="the model's vocabulary size, when it exceeds the tokenizer's length")
+    ss.add_argument(
+        "--tokenizer",
+        required=True,
+        help="Hugging Face checkpoint or tokenizer directory (renders and tokenizes messages)",
+    )
+    ss.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="the model's vocabulary size, when it exceeds the tokenizer's length",
+    )
     ss.add_argument("--host", default="127.0.0.1")
     ss.add_argument("--port", type=int, default=DEFAULT_SESSIONS_PORT)
-    ss.add_argument("--temperature", type=float, default=1.0, help="the run's rollout temperature (a turn asking another is refused)")
+    ss.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="the run's rollout temperature (a turn asking another is refused)",
+    )
     ss.add_argument("--top-p", type=float, default=0.8)
     ss.add_argument("--top-k", type=int, default=32)
     ss.add_argument("--min-p", type=float, default=0.0)
     ss.add_argument("--no-capture", action="store_true", help="do not capture the support (evaluation)")
-    ss.add_argument("--frequency-penalty", type=float, default=0.0, help="the run's penalties, sent with every turn (a client asking others is refused)")
+    ss.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="the run's penalties, sent with every turn (a client asking others is refused)",
+    )
     ss.add_argument("--presence-penalty", type=float, default=0.0)
     ss.add_argument("--repetition-penalty", type=float, default=1.0)
     ss.add_argument("--logit-bias", default=None, help="JSON file {token id: bias}")
@@ -256,7 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     ss.add_argument("--max-episode-tokens", type=int, default=1024)
     ss.add_argument("--max-new-tokens", type=int, default=256, help="per turn, when a request gives no max_tokens")
     ss.add_argument("--history-policy", choices=["split", "reject"], default="split")
-    ss.add_argument("--chat-template", default=None, help="Jinja file or built-in name (hermes_tools); default: the tokenizer's")
+    ss.add_argument(
+        "--chat-template", default=None, help="Jinja file or built-in name (hermes_tools); default: the tokenizer's"
+    )
     ss.add_argument("--ttl", type=float, default=900.0, help="seconds an unused session is kept")
     ss.add_argument("--api-key", default=None, help="as --api-key-file, but visible in the process list")
     _add_key_flags(ss)
@@ -267,12 +399,20 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--host", default="127.0.0.1")
     rt.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT)
     rt.add_argument("--health-interval", type=float, default=5.0)
-    rt.add_argument("--request-timeout", type=float, default=600.0, help="seconds one engine may take to answer; then the request goes elsewhere")
+    rt.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds one engine may take to answer; then the request goes elsewhere",
+    )
     _add_key_flags(rt)
     rt.set_defaults(func=_router)
 
-    lr = sub.add_parser("local-run", help="engines, a router and torchrun trainer ranks as local processes (testing a multi-process run)",
-                        description="support-replay local-run --engines 2 --nproc-per-node 2 -- [train flags]")
+    lr = sub.add_parser(
+        "local-run",
+        help="engines, a router and torchrun trainer ranks as local processes (testing a multi-process run)",
+        description="support-replay local-run --engines 2 --nproc-per-node 2 -- [train flags]",
+    )
     lr.add_argument("--engines", type=int, default=2, help="support-replay serve processes behind the router")
     lr.add_argument("--nproc-per-node", type=int, default=2, help="trainer ranks (torchrun)")
     lr.add_argument("--serve-arg", action="append", default=[], help="one more flag for every serve process (repeat)")

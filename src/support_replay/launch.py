@@ -29,7 +29,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 120.0, log: Path | None = None) -> None:
+def wait_healthy(
+    url: str, proc: subprocess.Popen | None = None, timeout: float = 120.0, log: Path | None = None
+) -> None:
     """Until ``url/health`` answers 200; fails naming the process's last output if it exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -51,7 +53,9 @@ def process(args: list[str], url: str | None, log: Path, timeout: float = 120.0,
     terminated after it."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        )
         try:
             if url is not None:
                 wait_healthy(url, proc, timeout, log)
@@ -81,7 +85,9 @@ def local_run(train_args: list[str], *, engines: int, nproc_per_node: int, serve
     if engines < 1 or nproc_per_node < 1:
         raise SupportReplayError(f"local-run: --engines={engines} and --nproc-per-node={nproc_per_node} must be >= 1")
     if _flag_value(train_args, "--rollout-url"):
-        raise SupportReplayError("local-run: --rollout-url is the router local-run starts; leave it out of the trainer's flags")
+        raise SupportReplayError(
+            "local-run: --rollout-url is the router local-run starts; leave it out of the trainer's flags"
+        )
     checkpoint = _flag_value(train_args, "--hf-checkpoint")
     if checkpoint is None:
         from .modeling.checkpoints import smollm2_checkpoint
@@ -96,13 +102,49 @@ def local_run(train_args: list[str], *, engines: int, nproc_per_node: int, serve
         for i in range(engines):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            stack.enter_context(process([*cli, "serve", "--hf-checkpoint", checkpoint, "--port", str(port), "--weights-dir", str(output),
-                                         *(serve_args or [])], url, logs / f"engine{i}.log", timeout=600))
+            stack.enter_context(
+                process(
+                    [
+                        *cli,
+                        "serve",
+                        "--hf-checkpoint",
+                        checkpoint,
+                        "--port",
+                        str(port),
+                        "--weights-dir",
+                        str(output),
+                        *(serve_args or []),
+                    ],
+                    url,
+                    logs / f"engine{i}.log",
+                    timeout=600,
+                )
+            )
             urls.append(url)
         port = free_port()
         router = f"http://127.0.0.1:{port}"
-        stack.enter_context(process([*cli, "router", "--port", str(port), *(a for u in urls for a in ("--engine", u))], router, logs / "router.log"))
-        print(f"local-run: {engines} engine(s) {urls} behind the router {router}; {nproc_per_node} trainer rank(s); logs in {logs}", flush=True)
-        trainer = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
-                   "-m", "support_replay.cli", "train", *train_args, "--rollout-url", router]
+        stack.enter_context(
+            process(
+                [*cli, "router", "--port", str(port), *(a for u in urls for a in ("--engine", u))],
+                router,
+                logs / "router.log",
+            )
+        )
+        print(
+            f"local-run: {engines} engine(s) {urls} behind the router {router}; {nproc_per_node} trainer rank(s); logs in {logs}",
+            flush=True,
+        )
+        trainer = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc_per_node}",
+            "-m",
+            "support_replay.cli",
+            "train",
+            *train_args,
+            "--rollout-url",
+            router,
+        ]
         return subprocess.run(trainer, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode

@@ -15,10 +15,10 @@ from typing import Literal
 
 import numpy as np
 
-from .errors import RequestError, SupportError, WireError
 from .core.penalties import NO_PENALTIES, Penalties
 from .core.sampling import SamplingParams
 from .core.support import SupportTable
+from .errors import RequestError, SupportError, WireError
 
 LOGPROBS_MODES = ("selected", "support")
 DEFAULT_SAMPLING_MASK_MAX_TOKENS = 4096  # SGLang's --sampling-mask-max-tokens default
@@ -60,7 +60,9 @@ class GenerateRequest:
         if self.rid is not None and (not isinstance(self.rid, str) or not 0 < len(self.rid) <= 256):
             raise RequestError(f"rid: must be a string of 1 to 256 characters, got {self.rid!r:.80}")
         if self.sampling_logprobs_mode not in LOGPROBS_MODES:
-            raise RequestError(f"sampling_logprobs_mode: must be one of {LOGPROBS_MODES}, got {self.sampling_logprobs_mode!r}")
+            raise RequestError(
+                f"sampling_logprobs_mode: must be one of {LOGPROBS_MODES}, got {self.sampling_logprobs_mode!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,9 @@ def parse_version_spans(spans, num_tokens: int, where: str) -> list[VersionSpan]
         try:
             version, start, end = span["version"], span["start"], span["end"]
         except (KeyError, TypeError):
-            raise WireError(f"{where}: weight_versions[{i}] = {span!r:.80} is not a {{version, start, end}} span") from None
+            raise WireError(
+                f"{where}: weight_versions[{i}] = {span!r:.80} is not a {{version, start, end}} span"
+            ) from None
         if not isinstance(start, int) or not isinstance(end, int) or isinstance(start, bool) or isinstance(end, bool):
             raise WireError(f"{where}: weight_versions[{i}]: start and end must be integers, got {start!r}, {end!r}")
         out.append(VersionSpan(str(version), start, end))
@@ -145,20 +149,27 @@ def check_version_spans(spans: list[VersionSpan], num_tokens: int, where: str) -
     position = 0
     for i, span in enumerate(spans):
         if span.start != position or span.end <= span.start:
-            raise WireError(f"{where}: weight_versions[{i}] = [{span.start}, {span.end}) does not continue at position {position}")
+            raise WireError(
+                f"{where}: weight_versions[{i}] = [{span.start}, {span.end}) does not continue at position {position}"
+            )
         position = span.end
     if position != num_tokens:
         raise WireError(f"{where}: weight_versions cover {position} of {num_tokens} output tokens")
 
 
-def validate_completion(completion: Completion, request: GenerateRequest, vocab_size: int, index: int = 0) -> Completion:
+def validate_completion(
+    completion: Completion, request: GenerateRequest, vocab_size: int, index: int = 0
+) -> Completion:
     """The full rule set on one response, once, where it enters: raise ``WireError`` naming
     the completion, the token and the rule (docs/contract.md, "fail closed")."""
     where = f"completion {index}"
     n = completion.num_tokens
     if n == 0:
         raise WireError(f"{where}: empty response")
-    bad = next((t for t in completion.output_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    bad = next(
+        (t for t in completion.output_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size),
+        None,
+    )
     if bad is not None or n != len(completion.output_ids):
         raise WireError(f"{where}: output token {bad!r:.40} is not an id in the vocabulary [0, {vocab_size})")
     ids = np.asarray(completion.output_ids, dtype=np.int64)
@@ -168,7 +179,9 @@ def validate_completion(completion: Completion, request: GenerateRequest, vocab_
         if completion.support is None or completion.log_mu is None:
             raise WireError(f"{where}: capture was requested but the response carries no support")
         if completion.support.num_rows != n or len(completion.log_mu) != n:
-            raise WireError(f"{where}: {completion.support.num_rows} support rows and {len(completion.log_mu)} log-probs for {n} tokens")
+            raise WireError(
+                f"{where}: {completion.support.num_rows} support rows and {len(completion.log_mu)} log-probs for {n} tokens"
+            )
         try:
             completion.support.validate(vocab_size, ids, name=where)
         except SupportError as exc:

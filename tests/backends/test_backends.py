@@ -17,7 +17,9 @@ VOCAB = 50
 
 
 def req(**kw):
-    return GenerateRequest([1, 2, 3], SamplingParams(top_k=4, top_p=0.9, seed=1), max_new_tokens=2, return_sampling_mask=True, **kw)
+    return GenerateRequest(
+        [1, 2, 3], SamplingParams(top_k=4, top_p=0.9, seed=1), max_new_tokens=2, return_sampling_mask=True, **kw
+    )
 
 
 def mock(handler):
@@ -25,7 +27,9 @@ def mock(handler):
 
 
 def test_sglang_backend_http_error():
-    b = SGLangBackend("http://sglang", VOCAB, transport=mock(lambda r: httpx.Response(400, json={"error": "top_k too large"})))
+    b = SGLangBackend(
+        "http://sglang", VOCAB, transport=mock(lambda r: httpx.Response(400, json={"error": "top_k too large"}))
+    )
     with pytest.raises(WireError, match="HTTP 400"):
         b.generate([req()])
 
@@ -35,7 +39,9 @@ def test_a_request_aborted_by_a_weight_update_is_unavailable_not_a_wire_error():
     rollout treats it as no answer (the group is generated again), never as a malformed reply."""
     from support_replay.errors import EngineUnavailable
 
-    aborted = lambda r: httpx.Response(499, json={"error": {"message": "a weight update aborted it (abort mode)", "code": 499}})  # noqa: E731
+    aborted = lambda r: httpx.Response(
+        499, json={"error": {"message": "a weight update aborted it (abort mode)", "code": 499}}
+    )  # noqa: E731
     with pytest.raises(EngineUnavailable, match="aborted it \\(HTTP 499"):
         SGLangBackend("http://sglang", VOCAB, transport=mock(aborted)).generate([req()])
 
@@ -73,7 +79,10 @@ def test_vllm_sends_every_sampling_setting_explicitly():
         b.generate([req()])
     params = seen["sampling_params"]
     assert {k: params[k] for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")} == {
-        "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+    }
     assert params["temperature"] == 1.0 and params["top_k"] == 4 and params["top_p"] == 0.9 and params["min_p"] == 0.0
     assert params["logprobs"] == 5 and seen["token_ids"] == [1, 2, 3] and seen["output_mode"] == "tokens"
 
@@ -85,13 +94,24 @@ def test_engine_backend_and_http_backend_agree(tiny_checkpoint):
 
     engine = Engine.from_pretrained(tiny_checkpoint)
     local = EngineBackend(engine)
-    reqs = [GenerateRequest([5, 6, 7 + i], SamplingParams(top_k=16, top_p=0.9, seed=i), max_new_tokens=6, return_sampling_mask=True, return_logprob=True) for i in range(3)]
+    reqs = [
+        GenerateRequest(
+            [5, 6, 7 + i],
+            SamplingParams(top_k=16, top_p=0.9, seed=i),
+            max_new_tokens=6,
+            return_sampling_mask=True,
+            return_logprob=True,
+        )
+        for i in range(3)
+    ]
     reqs.append(GenerateRequest([9, 9], SamplingParams(top_k=8, seed=9), max_new_tokens=4))  # evaluation: no capture
     a = local.generate(reqs)
     with TestClient(create_app(engine)) as client:
         transport = httpx.MockTransport(lambda r: _relay(client, r))
         for fmt in ("lists", "binary"):
-            b = SGLangBackend("http://testserver", engine.vocab_size, sampling_mask_format=fmt, transport=transport).generate(reqs)
+            b = SGLangBackend(
+                "http://testserver", engine.vocab_size, sampling_mask_format=fmt, transport=transport
+            ).generate(reqs)
             for x, y in zip(a, b):
                 assert x.output_ids == y.output_ids
                 assert (x.support is None) == (y.support is None)

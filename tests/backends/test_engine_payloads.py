@@ -26,10 +26,20 @@ CAPTURED = [c for c in SGLANG["cases"] if "sampled" in c]
 def request_of(body: dict) -> GenerateRequest:
     """Our request behind a recorded SGLang /generate body."""
     sp = dict(body["sampling_params"])
-    params = SamplingParams(temperature=sp["temperature"], top_k=sp["top_k"], top_p=sp["top_p"], min_p=sp["min_p"], seed=sp.get("sampling_seed"))
+    params = SamplingParams(
+        temperature=sp["temperature"],
+        top_k=sp["top_k"],
+        top_p=sp["top_p"],
+        min_p=sp["min_p"],
+        seed=sp.get("sampling_seed"),
+    )
     return GenerateRequest(
-        body["input_ids"], params, max_new_tokens=sp["max_new_tokens"], ignore_eos=sp["ignore_eos"],
-        return_sampling_mask=body.get("return_sampling_mask", False), sampling_logprobs_mode=body.get("sampling_logprobs_mode", "selected"),
+        body["input_ids"],
+        params,
+        max_new_tokens=sp["max_new_tokens"],
+        ignore_eos=sp["ignore_eos"],
+        return_sampling_mask=body.get("return_sampling_mask", False),
+        sampling_logprobs_mode=body.get("sampling_logprobs_mode", "selected"),
     )
 
 
@@ -37,7 +47,9 @@ def sglang_answer(case, item=None, vocab=None, **backend):
     """What SGLangBackend makes of the recorded (or an edited) /generate result."""
     item = case["response"] if item is None else item
     transport = httpx.MockTransport(lambda r: httpx.Response(200, content=json.dumps(item)))
-    client = SGLangBackend("http://sglang", vocab or case["vocab_size"], transport=transport, sampling_mask_format="lists", **backend)
+    client = SGLangBackend(
+        "http://sglang", vocab or case["vocab_size"], transport=transport, sampling_mask_format="lists", **backend
+    )
     return client.generate([request_of(case["request"])])[0]
 
 
@@ -53,7 +65,12 @@ def test_sglang_payloads_give_what_sglangs_sampler_sampled(case):
     assert c.weight_versions == [VersionSpan("default", 0, len(c.output_ids))]
     assert c.finish_reason == {"type": "length", "length": len(c.output_ids)}
     # and our client sent exactly the request recorded with the fixture
-    assert SGLangBackend("http://sglang", case["vocab_size"], sampling_mask_format="lists").body(request_of(case["request"])) == case["request"]
+    assert (
+        SGLangBackend("http://sglang", case["vocab_size"], sampling_mask_format="lists").body(
+            request_of(case["request"])
+        )
+        == case["request"]
+    )
 
 
 def test_sglang_evaluation_request_carries_no_support():
@@ -72,20 +89,47 @@ SELECTED = CAPTURED[0]
 SUPPORT_MODE = next(c for c in CAPTURED if c["name"] == "support_mode")
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda m, i: [m.pop(k) for k in list(m) if k.startswith("output_token_sampling")], "router on the path .* may have stripped it"),
-    (lambda m, i: m.pop("output_token_sampling_logprobs"), "no output_token_sampling_logprobs"),
-    (lambda m, i: m["output_token_sampling_mask"].pop(), "5 support rows for 6 output tokens"),
-    (lambda m, i: m.update(output_token_sampling_mask_length=[len(r) for r in m["output_token_sampling_mask"]]), "SGLang sends the number of mask rows, 6"),
-    (lambda m, i: m.update(output_token_sampling_mask_length=5), "output_token_sampling_mask_length=5"),
-    (lambda m, i: m["output_token_sampling_mask"][2].remove(i["output_ids"][2]), "completion 0 row 2: selected token .* is not in its support"),
-    (lambda m, i: m["output_token_sampling_mask"][1].append(m["output_token_sampling_mask"][1][0]), "row 1: duplicate id"),
-    (lambda m, i: m["output_token_sampling_mask"][3].append(10_000), "row 3: id 10000 outside the vocabulary"),
-    (lambda m, i: m["output_token_sampling_mask"].__setitem__(4, []), r"output_token_sampling_mask\[4\]: empty support"),
-    (lambda m, i: m["output_token_sampling_logprobs"].__setitem__(1, float("nan")), "token 1: log mu nan is not a finite value"),
-    (lambda m, i: m["output_token_sampling_logprobs"].__setitem__(1, 0.5), "token 1: log mu 0.5 is not a finite value <= 0"),
-    (lambda m, i: m["weight_versions"].__setitem__(0, {"version": "default", "start": 0, "end": 5}), "weight_versions cover 5 of 6 output tokens"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda m, i: [m.pop(k) for k in list(m) if k.startswith("output_token_sampling")],
+            "router on the path .* may have stripped it",
+        ),
+        (lambda m, i: m.pop("output_token_sampling_logprobs"), "no output_token_sampling_logprobs"),
+        (lambda m, i: m["output_token_sampling_mask"].pop(), "5 support rows for 6 output tokens"),
+        (
+            lambda m, i: m.update(output_token_sampling_mask_length=[len(r) for r in m["output_token_sampling_mask"]]),
+            "SGLang sends the number of mask rows, 6",
+        ),
+        (lambda m, i: m.update(output_token_sampling_mask_length=5), "output_token_sampling_mask_length=5"),
+        (
+            lambda m, i: m["output_token_sampling_mask"][2].remove(i["output_ids"][2]),
+            "completion 0 row 2: selected token .* is not in its support",
+        ),
+        (
+            lambda m, i: m["output_token_sampling_mask"][1].append(m["output_token_sampling_mask"][1][0]),
+            "row 1: duplicate id",
+        ),
+        (lambda m, i: m["output_token_sampling_mask"][3].append(10_000), "row 3: id 10000 outside the vocabulary"),
+        (
+            lambda m, i: m["output_token_sampling_mask"].__setitem__(4, []),
+            r"output_token_sampling_mask\[4\]: empty support",
+        ),
+        (
+            lambda m, i: m["output_token_sampling_logprobs"].__setitem__(1, float("nan")),
+            "token 1: log mu nan is not a finite value",
+        ),
+        (
+            lambda m, i: m["output_token_sampling_logprobs"].__setitem__(1, 0.5),
+            "token 1: log mu 0.5 is not a finite value <= 0",
+        ),
+        (
+            lambda m, i: m["weight_versions"].__setitem__(0, {"version": "default", "start": 0, "end": 5}),
+            "weight_versions cover 5 of 6 output tokens",
+        ),
+    ],
+)
 def test_sglang_payloads_fail_closed(edit, message):
     with pytest.raises(WireError, match=message):
         sglang_answer(SELECTED, edited(SELECTED, edit))
@@ -100,7 +144,9 @@ def test_sglang_singleton_needs_log_mu_zero():
 
 def test_sglang_support_mode_rows_must_align_with_the_mask():
     item = edited(SUPPORT_MODE, lambda m, i: m["output_token_sampling_logprobs"][0].pop())
-    with pytest.raises(WireError, match=r"output_token_sampling_logprobs\[0\]: expected \d+ values aligned with the mask"):
+    with pytest.raises(
+        WireError, match=r"output_token_sampling_logprobs\[0\]: expected \d+ values aligned with the mask"
+    ):
         sglang_answer(SUPPORT_MODE, item)
 
 
@@ -121,7 +167,11 @@ def same_within_ulps(live, recorded, where="payload") -> list[str]:
     ``FLOAT32_ULPS`` float32 ulps of the recorded value."""
     if isinstance(recorded, float) and isinstance(live, (float, int)) and not isinstance(live, bool):
         ulp = float(np.spacing(np.float32(abs(recorded)))) if np.isfinite(recorded) else 0.0
-        return [] if (live == recorded or abs(live - recorded) <= FLOAT32_ULPS * ulp) else [f"{where}: {live!r} vs {recorded!r}"]
+        return (
+            []
+            if (live == recorded or abs(live - recorded) <= FLOAT32_ULPS * ulp)
+            else [f"{where}: {live!r} vs {recorded!r}"]
+        )
     if isinstance(recorded, dict) and isinstance(live, dict):
         if set(live) != set(recorded):
             return [f"{where}: keys {sorted(live)} vs {sorted(recorded)}"]
@@ -176,10 +226,22 @@ def test_our_server_answers_in_sglangs_shapes(tiny_checkpoint):
             ours = client.post("/generate", json=case["request"]).json()
             theirs = case["response"]
             assert set(ours) == set(theirs)
-            for key in ("finish_reason", "prompt_tokens", "completion_tokens", "weight_version", "weight_versions",
-                        "output_token_sampling_mask", "output_token_sampling_logprobs", "output_token_sampling_mask_length"):
+            for key in (
+                "finish_reason",
+                "prompt_tokens",
+                "completion_tokens",
+                "weight_version",
+                "weight_versions",
+                "output_token_sampling_mask",
+                "output_token_sampling_logprobs",
+                "output_token_sampling_mask_length",
+            ):
                 assert shape(ours["meta_info"][key]) == shape(theirs["meta_info"][key]), key
-            assert set(theirs["meta_info"]) - set(ours["meta_info"]) <= {"num_retractions", "reasoning_tokens", "cached_tokens"}
+            assert set(theirs["meta_info"]) - set(ours["meta_info"]) <= {
+                "num_retractions",
+                "reasoning_tokens",
+                "cached_tokens",
+            }
     engine.shutdown()
 
 
@@ -188,13 +250,17 @@ def test_our_server_answers_in_sglangs_shapes(tiny_checkpoint):
 
 def vllm_request(case) -> GenerateRequest:
     sp = case["request"]["sampling_params"] if case["endpoint"] == "generate" else case["request"]
-    params = SamplingParams(temperature=sp["temperature"], top_k=sp["top_k"], top_p=sp["top_p"], min_p=sp["min_p"], seed=sp["seed"])
+    params = SamplingParams(
+        temperature=sp["temperature"], top_k=sp["top_k"], top_p=sp["top_p"], min_p=sp["min_p"], seed=sp["seed"]
+    )
     ids = case["request"]["token_ids"] if case["endpoint"] == "generate" else case["request"]["prompt"]
     return GenerateRequest(ids, params, max_new_tokens=sp["max_tokens"], ignore_eos=True, return_sampling_mask=True)
 
 
 def vllm_backend(case, capture="processed_logprobs", **kw):
-    return VLLMBackend("http://vllm", case["vocab_size"], model="tiny", endpoint=case["endpoint"], capture=capture, **kw)
+    return VLLMBackend(
+        "http://vllm", case["vocab_size"], model="tiny", endpoint=case["endpoint"], capture=capture, **kw
+    )
 
 
 @pytest.mark.parametrize("case", VLLM["cases"], ids=lambda c: c["name"])
@@ -204,7 +270,9 @@ def test_vllm_payloads_give_the_support_vllm_reveals(case):
     choice = case["response"]["choices"][0]
     if case["endpoint"] == "generate":
         c = backend.parse_generate_choice(choice, req)
-        assert c.log_mu.tolist() == np.asarray([e["logprob"] for e in choice["logprobs"]["content"]], np.float32).tolist()
+        assert (
+            c.log_mu.tolist() == np.asarray([e["logprob"] for e in choice["logprobs"]["content"]], np.float32).tolist()
+        )
         assert c.weight_versions == [VersionSpan("default", 0, 5)]
     else:
         c = backend.parse_completions_choice(choice, req)
@@ -216,7 +284,9 @@ def test_vllm_payloads_give_the_support_vllm_reveals(case):
 def _finite_rows(case):
     choice = case["response"]["choices"][0]
     if case["endpoint"] == "generate":
-        return [[e["logprob"] for e in x["top_logprobs"] if e["logprob"] > -9000] for x in choice["logprobs"]["content"]]
+        return [
+            [e["logprob"] for e in x["top_logprobs"] if e["logprob"] > -9000] for x in choice["logprobs"]["content"]
+        ]
     return [[v for v in x.values() if v > -9000] for x in choice["logprobs"]["top_logprobs"]]
 
 

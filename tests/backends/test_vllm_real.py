@@ -11,12 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, support_logprobs, support_mask
 from support_replay.backends import VLLMBackend
 from support_replay.protocol import GenerateRequest
-from tiny_model import vllm_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +25,16 @@ def test_vllm_processed_logprobs_capture_matches_the_model(vllm_server, endpoint
     url, ckpt = vllm_server
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     backend = VLLMBackend(url, hf.config.vocab_size, endpoint=endpoint)
-    settings = [SamplingParams(temperature=1.0, top_k=8, top_p=0.9, seed=1), SamplingParams(temperature=0.7, top_k=20, min_p=0.05, seed=2),
-                SamplingParams(temperature=1.2, top_k=5, seed=3), SamplingParams(temperature=1.0, top_k=12, top_p=0.7, seed=4)]
-    reqs = [GenerateRequest([5 + i, 30, 60 + i], p, max_new_tokens=12, ignore_eos=True, return_sampling_mask=True) for i, p in enumerate(settings)]
+    settings = [
+        SamplingParams(temperature=1.0, top_k=8, top_p=0.9, seed=1),
+        SamplingParams(temperature=0.7, top_k=20, min_p=0.05, seed=2),
+        SamplingParams(temperature=1.2, top_k=5, seed=3),
+        SamplingParams(temperature=1.0, top_k=12, top_p=0.7, seed=4),
+    ]
+    reqs = [
+        GenerateRequest([5 + i, 30, 60 + i], p, max_new_tokens=12, ignore_eos=True, return_sampling_mask=True)
+        for i, p in enumerate(settings)
+    ]
     completions = backend.generate(reqs)
     mismatched_supports = 0
     for req, c in zip(reqs, completions):

@@ -123,7 +123,10 @@ def test_full_logprobs_and_entropy_match_float64(temperature):
     torch.testing.assert_close(lp.double(), ref_lp, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=0)
     g = torch.Generator().manual_seed(12)
-    a, b = torch.randn(len(targets), dtype=torch.float64, generator=g), torch.randn(len(targets), dtype=torch.float64, generator=g)
+    a, b = (
+        torch.randn(len(targets), dtype=torch.float64, generator=g),
+        torch.randn(len(targets), dtype=torch.float64, generator=g),
+    )
     ((lp.double() * a).sum() + (ent.double() * b).sum()).backward()
     ((ref_lp * a).sum() + (ref_ent * b).sum()).backward()
     torch.testing.assert_close(x.grad.double(), ref_in.grad, atol=2e-5, rtol=2e-5)
@@ -151,4 +154,6 @@ def test_sparse_head_equals_full_head(dtype, atol):
 
 def test_sparse_head_rejects_target_outside_support():
     with pytest.raises(SupportError, match="row 1: target 3 is not in its support"):
-        sparse_head_support_logprobs(torch.zeros(2, 4), torch.zeros(6, 4), torch.tensor([1, 3]), SupportTable.from_lists([[1], [2]]))
+        sparse_head_support_logprobs(
+            torch.zeros(2, 4), torch.zeros(6, 4), torch.tensor([1, 3]), SupportTable.from_lists([[1], [2]])
+        )

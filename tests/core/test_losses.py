@@ -10,8 +10,8 @@ from support_replay.core.losses import (
     kl_estimate,
     logprob_mismatch_metrics,
     policy_token_loss,
-    token_weights,
     support_size_metrics,
+    token_weights,
     truncated_importance_weights,
 )
 
@@ -55,8 +55,14 @@ def test_policy_token_loss_by_hand():
 def test_policy_token_loss_importance_weights_kl_and_entropy():
     logp = torch.zeros(3)
     terms = policy_token_loss(
-        logp, logp, torch.tensor([1.0, 1.0, -2.0]), importance_weights=torch.tensor([0.5, 1.0, 2.0]),
-        kl=torch.tensor([0.1, 0.2, 0.3]), kl_coef=0.5, entropy=torch.tensor([1.0, 2.0, 3.0]), entropy_coef=0.1,
+        logp,
+        logp,
+        torch.tensor([1.0, 1.0, -2.0]),
+        importance_weights=torch.tensor([0.5, 1.0, 2.0]),
+        kl=torch.tensor([0.1, 0.2, 0.3]),
+        kl_coef=0.5,
+        entropy=torch.tensor([1.0, 2.0, 3.0]),
+        entropy_coef=0.1,
     )
     # -r A w + 0.5 kl - 0.1 H, with r = 1
     assert terms.total.tolist() == pytest.approx([-0.5 + 0.05 - 0.1, -1.0 + 0.1 - 0.2, 4.0 + 0.15 - 0.3])
@@ -70,10 +76,14 @@ def test_sequence_aggregation_against_a_hand_computation():
     lengths = [[3, 2], [1, 2]]  # sequences a (3 tokens), b (2), c (1, nothing trained), d (2)
     # a: (1+2+3)/3 = 2; b: 10/1 = 10; c: left out; d: 8/1 = 8  -> (2 + 10 + 8) / 3
     total = sum(
-        (v * token_weights(m, n, "sequence", batch_tokens=5, batch_sequences=3)).sum() for v, m, n in zip(values, masks, lengths)
+        (v * token_weights(m, n, "sequence", batch_tokens=5, batch_sequences=3)).sum()
+        for v, m, n in zip(values, masks, lengths)
     )
     assert total.item() == pytest.approx((2 + 10 + 8) / 3)
-    token = sum((v * token_weights(m, n, "token", batch_tokens=5, batch_sequences=3)).sum() for v, m, n in zip(values, masks, lengths))
+    token = sum(
+        (v * token_weights(m, n, "token", batch_tokens=5, batch_sequences=3)).sum()
+        for v, m, n in zip(values, masks, lengths)
+    )
     assert token.item() == pytest.approx((1 + 2 + 3 + 10 + 8) / 5)
 
 

@@ -141,8 +141,18 @@ def test_tensor_parallelism_refuses_models_it_cannot_split():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, bos_token_id=0, eos_token_id=0))
     with pytest.raises(ConfigError, match="GPT2LMHeadModel has no Llama-style decoder layers to split"):
         check_tensor_parallel(gpt2, 2)
-    smollm2_like = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=36, intermediate_size=63, num_attention_heads=9,
-                                                num_key_value_heads=3, vocab_size=50))
-    with pytest.raises(ConfigError, match="--tensor-model-parallel-size=2: the model's num_attention_heads=9 is not a multiple of it"):
+    smollm2_like = LlamaForCausalLM(
+        LlamaConfig(
+            num_hidden_layers=1,
+            hidden_size=36,
+            intermediate_size=63,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=50,
+        )
+    )
+    with pytest.raises(
+        ConfigError, match="--tensor-model-parallel-size=2: the model's num_attention_heads=9 is not a multiple of it"
+    ):
         check_tensor_parallel(smollm2_like, 2)
     check_tensor_parallel(smollm2_like, 3)  # 9 heads, 3 key/value heads, an MLP of 63: three ranks split it

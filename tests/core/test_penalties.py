@@ -17,9 +17,9 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
 from support_replay import SupportTable
-from support_replay.errors import SamplingParamsError
 from support_replay.core.logprobs import penalised_support_logprobs, support_logprobs
 from support_replay.core.penalties import Penalties, dense_bias, dense_history, gathered_bias, history_counts, penalise
+from support_replay.errors import SamplingParamsError
 
 pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
 
@@ -50,7 +50,9 @@ def test_penalised_logits_equal_the_engines_own_code_bit_for_bit(engine, semanti
     mine = ours(c, semantics)
     bad = np.flatnonzero((mine.view(np.int32) != c["penalised"].view(np.int32)).any(1))
     assert len(c["logits"]) == 1500 and not len(bad), f"{len(bad)} cases differ, first {bad[:5]}"
-    assert (c["penalised"] != c["logits"]).any(1).mean() > 0.9 and (c["logits"] == 0).any()  # the cases exercise the transforms
+    assert (c["penalised"] != c["logits"]).any(1).mean() > 0.9 and (
+        c["logits"] == 0
+    ).any()  # the cases exercise the transforms
 
 
 def test_the_engines_disagree_where_their_code_does():
@@ -67,7 +69,9 @@ def test_sglang_fixtures_rerun_live():
         live = gen.sglang_penalised({k: v[:200] for k, v in c.items()})
     except Unavailable as exc:
         pytest.skip(f"SGLang's code is not available here: {exc}")
-    assert np.array_equal(live.view(np.int32), dict(np.load(FIXTURES / "penalties-sglang-0.5.23.npz"))["penalised"][:200].view(np.int32))
+    assert np.array_equal(
+        live.view(np.int32), dict(np.load(FIXTURES / "penalties-sglang-0.5.23.npz"))["penalised"][:200].view(np.int32)
+    )
 
 
 @pytest.mark.slow
@@ -78,18 +82,25 @@ def test_vllm_fixtures_rerun_live(tmp_path):
         pytest.skip(f"no vLLM environment at {gen.VLLM_PYTHON} (make vllm)")
     c = {k: v[:200] for k, v in gen.cases(1500, seed=1).items()}
     live = gen.vllm_penalised(c, tmp_path)
-    assert np.array_equal(live.view(np.int32), dict(np.load(FIXTURES / "penalties-vllm-0.32.0.npz"))["penalised"][:200].view(np.int32))
+    assert np.array_equal(
+        live.view(np.int32), dict(np.load(FIXTURES / "penalties-vllm-0.32.0.npz"))["penalised"][:200].view(np.int32)
+    )
 
 
 def test_hf_semantics_equal_transformers_processors():
     rng = np.random.default_rng(5)
     vocab = 48
     for i in range(2000):
-        z = torch.tensor(np.where(rng.random(vocab) < 0.5, np.round(rng.normal(0, 2, vocab)), rng.normal(0, 3, vocab)), dtype=torch.float32)
+        z = torch.tensor(
+            np.where(rng.random(vocab) < 0.5, np.round(rng.normal(0, 2, vocab)), rng.normal(0, 3, vocab)),
+            dtype=torch.float32,
+        )
         z[torch.tensor(rng.random(vocab) < 0.1)] = 0.0
         ids = rng.integers(0, vocab, rng.integers(1, 30)).tolist()
         r = float(rng.choice([1.0, 1.1, 1.5, 0.7]))
-        bias = {int(j): float(rng.choice([-3.0, 0.25, 5.0])) for j in rng.choice(vocab, rng.integers(0, 3), replace=False)}
+        bias = {
+            int(j): float(rng.choice([-3.0, 0.25, 5.0])) for j in rng.choice(vocab, rng.integers(0, 3), replace=False)
+        }
         expected = z[None].clone()
         if bias:
             expected = SequenceBiasLogitsProcessor([[[j], b] for j, b in bias.items()])(torch.tensor([ids]), expected)
@@ -117,7 +128,9 @@ def test_gathered_histories_equal_the_dense_ones(semantics):
     rows = [(b, t, int(rng.integers(1, t + 1))) for b, s in enumerate(seqs) for t in range(2, len(s))]
     rows_b, rows_pos, rows_start = (torch.tensor(x) for x in zip(*rows))
     ids = torch.tensor(rng.integers(0, vocab, (len(rows), 6)))
-    out, prompt = history_counts(sequences, torch.tensor(list(map(len, seqs))), rows_b, rows_pos, rows_start, ids, vocab)
+    out, prompt = history_counts(
+        sequences, torch.tensor(list(map(len, seqs))), rows_b, rows_pos, rows_start, ids, vocab
+    )
     p = Penalties.with_bias(0.3 if semantics != "hf" else 0, 0.2 if semantics != "hf" else 0, 1.4, {3: -1.5, 7: 2.0})
     z = torch.randn(len(rows), vocab)
     for n, (b, t, start) in enumerate(rows):
@@ -125,7 +138,9 @@ def test_gathered_histories_equal_the_dense_ones(semantics):
         before = torch.bincount(torch.tensor(seqs[b][:start], dtype=torch.long), minlength=vocab)
         assert torch.equal(out[n], counts[ids[n]]) and torch.equal(prompt[n], before[ids[n]])
         dense = penalise(z[n], counts, seen, dense_bias(p, vocab), p, semantics)
-        seen_rows = (out[n] > 0) | ((prompt[n] > 0) if semantics != "sglang" else torch.zeros_like(out[n], dtype=torch.bool))
+        seen_rows = (out[n] > 0) | (
+            (prompt[n] > 0) if semantics != "sglang" else torch.zeros_like(out[n], dtype=torch.bool)
+        )
         sparse = penalise(z[n][ids[n]], out[n], seen_rows, gathered_bias(p, ids[n]), p, semantics)
         assert torch.equal(sparse, dense[ids[n]])
 
@@ -145,10 +160,17 @@ def test_penalised_support_logprobs_and_gradient_against_float64():
     ids, valid = support.to_padded()
 
     def transform(z, gathered_ids):
-        return penalise(z, counts[gathered_ids], seen[gathered_ids], (bias[0][gathered_ids], bias[1][gathered_ids]), p, "sglang")
+        return penalise(
+            z, counts[gathered_ids], seen[gathered_ids], (bias[0][gathered_ids], bias[1][gathered_ids]), p, "sglang"
+        )
 
     got = penalised_support_logprobs(logits, targets, support, 0.7, transform)
-    dense = penalise(logits, counts.expand(T, V), seen.expand(T, V), (bias[0].expand(T, V), bias[1].expand(T, V)), p, "sglang") / 0.7
+    dense = (
+        penalise(
+            logits, counts.expand(T, V), seen.expand(T, V), (bias[0].expand(T, V), bias[1].expand(T, V)), p, "sglang"
+        )
+        / 0.7
+    )
     mask = torch.zeros(T, V, dtype=torch.bool)
     mask[torch.arange(T).repeat_interleave(torch.tensor(support.sizes())), torch.tensor(support.ids).long()] = True
     reference = torch.log_softmax(dense.masked_fill(~mask, float("-inf")), -1).gather(1, targets[:, None]).squeeze(1)

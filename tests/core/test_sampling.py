@@ -5,7 +5,14 @@ import pytest
 import torch
 from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from support_replay import SamplingParams, SamplingParamsError, SupportTable, sample_tokens, support_logprobs, support_mask
+from support_replay import (
+    SamplingParams,
+    SamplingParamsError,
+    SupportTable,
+    sample_tokens,
+    support_logprobs,
+    support_mask,
+)
 
 pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
 
@@ -217,7 +224,9 @@ def test_capture_flags_select_rows_and_keep_the_draws():
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(8))
     params = SamplingParams(top_k=10, top_p=0.9)
     full = sample_tokens(logits, params, generator=[torch.Generator().manual_seed(i) for i in range(6)])
-    part = sample_tokens(logits, params, generator=[torch.Generator().manual_seed(i) for i in range(6)], capture=[1, 0, 0, 1, 0, 1])
+    part = sample_tokens(
+        logits, params, generator=[torch.Generator().manual_seed(i) for i in range(6)], capture=[1, 0, 0, 1, 0, 1]
+    )
     assert torch.equal(full.tokens, part.tokens)
     assert part.captured.tolist() == [0, 3, 5]
     assert part.support == full.support.select([0, 3, 5])
@@ -232,9 +241,16 @@ def test_sglang_top_k_fast_path_equals_the_full_sort(monkeypatch):
 
     taken = []
     original = sampling._top_candidates
-    monkeypatch.setattr(sampling, "_top_candidates", lambda p, w: taken.append(original(p, w) is not None) or original(p, w))
+    monkeypatch.setattr(
+        sampling, "_top_candidates", lambda p, w: taken.append(original(p, w) is not None) or original(p, w)
+    )
     for logits, params in random_cases(24, rows=64, vocab=400, seed=11):
-        params = [SamplingParams(temperature=p.temperature, top_k=min(p.top_k, 60) if p.top_k > 0 else 30, top_p=p.top_p, min_p=p.min_p) for p in params]
+        params = [
+            SamplingParams(
+                temperature=p.temperature, top_k=min(p.top_k, 60) if p.top_k > 0 else 30, top_p=p.top_p, min_p=p.min_p
+            )
+            for p in params
+        ]
         fast = support_mask(logits, params, "sglang")
         temp, top_k, top_p, min_p = _columns(params, logits.shape[1], logits.device)
         probs = torch.softmax(logits.float() / temp, dim=-1)
@@ -252,7 +268,9 @@ def test_bf16_ties_at_the_top_k_cut_widen_the_selection_instead_of_sorting(monke
 
     taken = []
     original = sampling._top_candidates
-    monkeypatch.setattr(sampling, "_top_candidates", lambda p, w: taken.append(original(p, w) is not None) or original(p, w))
+    monkeypatch.setattr(
+        sampling, "_top_candidates", lambda p, w: taken.append(original(p, w) is not None) or original(p, w)
+    )
     gen = torch.Generator().manual_seed(3)
     logits = (3 * torch.randn(64, 4000, generator=gen)).bfloat16()
     params = [SamplingParams(top_k=32, top_p=0.9)] * 64

@@ -39,11 +39,16 @@ def rescore(model, prompt_ids, result, temperature):
 
 
 def test_concurrent_capture_matches_a_fresh_forward(engine, reference_model):
-    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=i) for i, (t, k, p) in enumerate(
-        [(1.0, 20, 0.9), (0.7, 50, 0.8), (1.3, 5, 1.0), (1.0, 100, 0.95), (1.0, 1, 1.0), (0.9, 30, 0.7)] * 2
-    )]
-    reqs = [GenerateRequest(p_ids, prm, max_new_tokens=6 + 3 * (i % 4), return_sampling_mask=True, return_logprob=True)
-            for i, (p_ids, prm) in enumerate(zip(prompts(engine, 12), params))]
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=p, seed=i)
+        for i, (t, k, p) in enumerate(
+            [(1.0, 20, 0.9), (0.7, 50, 0.8), (1.3, 5, 1.0), (1.0, 100, 0.95), (1.0, 1, 1.0), (0.9, 30, 0.7)] * 2
+        )
+    ]
+    reqs = [
+        GenerateRequest(p_ids, prm, max_new_tokens=6 + 3 * (i % 4), return_sampling_mask=True, return_logprob=True)
+        for i, (p_ids, prm) in enumerate(zip(prompts(engine, 12), params))
+    ]
     # staggered submission: later requests join a running batch (continuous batching)
     futures = []
     for r in reqs:
@@ -64,14 +69,19 @@ def test_concurrent_capture_matches_a_fresh_forward(engine, reference_model):
 
 
 def test_same_seed_same_batch_reproduces(engine):
-    reqs = [GenerateRequest(p, SamplingParams(top_k=40, top_p=0.9, seed=7 + i), max_new_tokens=8) for i, p in enumerate(prompts(engine, 4))]
+    reqs = [
+        GenerateRequest(p, SamplingParams(top_k=40, top_p=0.9, seed=7 + i), max_new_tokens=8)
+        for i, p in enumerate(prompts(engine, 4))
+    ]
     a = engine.generate(reqs)
     b = engine.generate(reqs)
     assert [r.output_ids for r in a] == [r.output_ids for r in b]
 
 
 def test_evaluation_requests_capture_nothing(engine):
-    res = engine.generate([GenerateRequest(prompts(engine, 1)[0], SamplingParams(top_p=0.9, top_k=10), max_new_tokens=4)])[0]
+    res = engine.generate(
+        [GenerateRequest(prompts(engine, 1)[0], SamplingParams(top_p=0.9, top_k=10), max_new_tokens=4)]
+    )[0]
     assert res.support is None and res.log_mu is None and len(res.output_ids) == 4
 
 
@@ -80,7 +90,9 @@ def test_stop_token_and_stop_string(engine):
     greedy = engine.generate([base])[0].output_ids
     stop_tok = greedy[3]
     first = greedy.index(stop_tok)
-    res = engine.generate([GenerateRequest(base.input_ids, base.params, max_new_tokens=12, stop_token_ids=[stop_tok])])[0]
+    res = engine.generate([GenerateRequest(base.input_ids, base.params, max_new_tokens=12, stop_token_ids=[stop_tok])])[
+        0
+    ]
     assert res.output_ids == greedy[: first + 1] and res.finish_reason == {"type": "stop", "matched": stop_tok}
     text = engine.tokenizer.decode(greedy, skip_special_tokens=True)
     stop_str = text[len(text) // 2 : len(text) // 2 + 2]
@@ -95,7 +107,9 @@ def test_capacity_overflow_fails_only_that_request(tiny_checkpoint):
         p = prompts(eng, 3)
         with pytest.raises(RequestError, match="top_k=8 exceeds sampling_mask_max_tokens=4"):
             eng.submit(GenerateRequest(p[0], SamplingParams(top_k=8), return_sampling_mask=True)).result()
-        bad = eng.submit(GenerateRequest(p[1], SamplingParams(top_p=0.999), max_new_tokens=5, return_sampling_mask=True))
+        bad = eng.submit(
+            GenerateRequest(p[1], SamplingParams(top_p=0.999), max_new_tokens=5, return_sampling_mask=True)
+        )
         good = eng.submit(GenerateRequest(p[2], SamplingParams(top_k=4), max_new_tokens=5, return_sampling_mask=True))
         with pytest.raises(CapacityError, match="exceeds sampling_mask_max_tokens=4"):
             bad.result(timeout=30)
@@ -145,7 +159,10 @@ def test_a_list_is_admitted_in_one_prefill_and_the_engine_restarts(tiny_checkpoi
     prefill = eng.runner.prefill
     eng.runner.prefill = lambda batch: calls.append(len(batch)) or prefill(batch)
     try:
-        group = [GenerateRequest([5, 6, 7, 8], SamplingParams(top_k=20, seed=i), max_new_tokens=4, ignore_eos=True) for i in range(8)]
+        group = [
+            GenerateRequest([5, 6, 7, 8], SamplingParams(top_k=20, seed=i), max_new_tokens=4, ignore_eos=True)
+            for i in range(8)
+        ]
         for _ in range(5):
             calls.clear()
             assert all(len(c.output_ids) == 4 for c in eng.generate(group, timeout=30))

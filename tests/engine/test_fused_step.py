@@ -10,8 +10,7 @@ from support_replay.engine.model_runner import ModelRunner
 from support_replay.errors import EngineError
 from support_replay.modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
 from support_replay.modeling.linear_kernels import linear_function, onednn_available, use_linear
-from tiny_model import build_tiny_checkpoint
-from tiny_model import greedy_decode
+from tiny_model import build_tiny_checkpoint, greedy_decode
 
 pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
 
@@ -45,7 +44,11 @@ def test_fused_decode_is_the_module_tree_bit_for_bit(tiny_checkpoint, tied_llama
         use_linear(model, linear_function(kernel))
     runner = ModelRunner(model, key_block=KEY_BLOCK if deterministic else 1)
     assert runner.fused is not None
-    prompts = [[5 + i % 40 for i in range(61)], [11, 12], [20 + i % 30 for i in range(9)]]  # left padding, block edge at 64
+    prompts = [
+        [5 + i % 40 for i in range(61)],
+        [11, 12],
+        [20 + i % 30 for i in range(9)],
+    ]  # left padding, block edge at 64
     fused, tree = decode_both_ways(runner, prompts, 6)
     for t, (a, b) in enumerate(zip(fused, tree)):
         assert torch.equal(a, b), (t, (a - b).abs().max().item())
@@ -70,7 +73,9 @@ def test_a_replaced_projection_weight_is_refused(tiny_checkpoint):
     proj = engine.runner.model.model.layers[1].mlp.up_proj
     proj.weight = torch.nn.Parameter(proj.weight.detach().clone())  # a new tensor: the fused weight would be stale
     batch, logits = engine.runner.prefill([[5, 6, 7]])
-    with pytest.raises(EngineError, match="fused decode: layer 1's projection weights were replaced, not written in place"):
+    with pytest.raises(
+        EngineError, match="fused decode: layer 1's projection weights were replaced, not written in place"
+    ):
         engine.runner.decode(batch, logits.argmax(-1), torch.tensor([3]))
 
 

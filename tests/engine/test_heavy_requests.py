@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from support_replay import SamplingParams, SupportTable, support_logprobs
-from support_replay.engine import Engine
 from support_replay.core.logprobs import support_row_logprobs
 from support_replay.core.penalties import _repeated_sum_table, repeated_sum
+from support_replay.engine import Engine
 from support_replay.protocol import GenerateRequest
 
 
@@ -31,12 +31,16 @@ def test_stop_strings_decode_a_few_tokens_per_step_not_the_whole_output(tiny_che
     lengths = []
     decode = engine.tokenizer.decode
     engine.tokenizer.decode = lambda ids, **kw: lengths.append(len(ids)) or decode(ids, **kw)
-    req = GenerateRequest([5, 6, 7], SamplingParams(top_k=20, seed=4), max_new_tokens=64, stop=["\x00never"], ignore_eos=True)
+    req = GenerateRequest(
+        [5, 6, 7], SamplingParams(top_k=20, seed=4), max_new_tokens=64, stop=["\x00never"], ignore_eos=True
+    )
     out = engine.generate([req])[0]
     assert out.num_tokens == 64
     engine.tokenizer.decode = decode
     during = lengths[:-1]  # the last call decodes the whole answer once, for its text
-    assert len(during) >= 64 and max(during) <= 2 * 4  # at most 4 tokens waiting on a character; was 1, 2, ..., 64 tokens: quadratic in the answer
+    assert (
+        len(during) >= 64 and max(during) <= 2 * 4
+    )  # at most 4 tokens waiting on a character; was 1, 2, ..., 64 tokens: quadratic in the answer
     assert out.text == decode(out.output_ids, skip_special_tokens=True)
 
 
@@ -47,8 +51,12 @@ def test_a_stop_string_found_incrementally_cuts_where_the_whole_decode_does(tiny
     text = decode_all = engine.tokenizer.decode(full.output_ids, skip_special_tokens=True)
     for cut in (len(text) // 3, len(text) // 2, len(text) - 3):
         stop = text[cut : cut + 3]
-        got = engine.generate([GenerateRequest(base.input_ids, base.params, max_new_tokens=40, ignore_eos=True, stop=[stop])])[0]
-        assert got.finish_reason == {"type": "stop", "matched": stop} and got.text == decode_all[: decode_all.find(stop)]
+        got = engine.generate(
+            [GenerateRequest(base.input_ids, base.params, max_new_tokens=40, ignore_eos=True, stop=[stop])]
+        )[0]
+        assert (
+            got.finish_reason == {"type": "stop", "matched": stop} and got.text == decode_all[: decode_all.find(stop)]
+        )
 
 
 def test_the_frequency_table_is_built_a_logarithmic_number_of_times_and_keeps_its_bits():

@@ -14,8 +14,16 @@ from support_replay.protocol import GenerateRequest
 
 
 def requests(lengths, max_new=6):
-    return [GenerateRequest([5 + (i * 7 + j) % 50 for j in range(n)], SamplingParams(top_k=20, top_p=0.9, seed=i), max_new_tokens=max_new,
-                            ignore_eos=True, return_sampling_mask=True) for i, n in enumerate(lengths)]
+    return [
+        GenerateRequest(
+            [5 + (i * 7 + j) % 50 for j in range(n)],
+            SamplingParams(top_k=20, top_p=0.9, seed=i),
+            max_new_tokens=max_new,
+            ignore_eos=True,
+            return_sampling_mask=True,
+        )
+        for i, n in enumerate(lengths)
+    ]
 
 
 @pytest.fixture
@@ -63,8 +71,11 @@ def test_requests_wait_for_room_and_none_fails(tiny_checkpoint, peaks):
 def test_a_request_that_can_never_fit_is_refused_with_its_numbers(tiny_checkpoint):
     engine = Engine.from_pretrained(tiny_checkpoint, max_total_tokens=100)
     future = engine.submit(requests([60], max_new=10)[0])
-    with pytest.raises(RequestError, match=r"60 prompt tokens \+ their reservation of 71 KV positions and the prefill's 120 need 191 positions, "
-                                           r"more than this engine's --max-total-tokens 100 \(\d+ bytes each\)"):
+    with pytest.raises(
+        RequestError,
+        match=r"60 prompt tokens \+ their reservation of 71 KV positions and the prefill's 120 need 191 positions, "
+        r"more than this engine's --max-total-tokens 100 \(\d+ bytes each\)",
+    ):
         future.result()
 
 
@@ -82,15 +93,18 @@ def test_the_default_budget_is_a_share_of_available_memory_and_the_largest_batch
     engine = Engine.from_pretrained(tiny_checkpoint)
     per_token = kv_bytes_per_token(engine.runner.model)
     assert per_token == 2 * 2 * 2 * 16 * 4  # keys and values, 2 layers, 2 KV heads of 16, fp32
-    assert abs(engine.kv_budget.max_total_tokens - available_bytes() * SERVE_SHARE // per_token) < 0.1 * engine.kv_budget.max_total_tokens
+    assert (
+        abs(engine.kv_budget.max_total_tokens - available_bytes() * SERVE_SHARE // per_token)
+        < 0.1 * engine.kv_budget.max_total_tokens
+    )
     colocated = Engine.from_pretrained(tiny_checkpoint, kv_share=COLOCATED_SHARE).kv_budget.max_total_tokens
     assert colocated < engine.kv_budget.max_total_tokens
     assert largest_batch(KVBudget(1000, 8), prompt_tokens=10, max_new_tokens=9) == 1000 // (20 + 20)
 
 
 def test_the_flag_bounds_the_in_process_engine_and_is_refused_for_a_remote_one(tiny_checkpoint, tmp_path):
-    from support_replay.errors import ConfigError
     from recipe_helpers import parts, run_config
+    from support_replay.errors import ConfigError
 
     _, rollouts = parts(tiny_checkpoint, run_config(tiny_checkpoint, tmp_path, max_total_tokens=5000))
     assert rollouts.engine.kv_budget.max_total_tokens == 5000
@@ -123,4 +137,6 @@ def test_a_long_row_gone_leaves_its_room_to_the_next_admissions(tiny_checkpoint,
     reqs = requests([300] + [16] * 63, max_new=32)
     out = engine.generate(reqs)
     assert all(c.num_tokens == 32 for c in out) and max(peaks) <= 3 * 333 * 11
-    assert len(prefills) <= 4 and max(prefills) > 32  # was 8 prefills of at most 11: the rectangle kept the long row's length
+    assert (
+        len(prefills) <= 4 and max(prefills) > 32
+    )  # was 8 prefills of at most 11: the rectangle kept the long row's length

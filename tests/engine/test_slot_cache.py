@@ -58,8 +58,16 @@ def test_requests_joining_and_leaving_mid_flight_answer_as_alone(tiny_checkpoint
     decode steps, all with different lengths so they leave at different steps (each leaving slot
     taken by the last row); every answer equals the same request alone, bit for bit."""
     engine = Engine.from_pretrained(tiny_checkpoint, deterministic=True)
-    reqs = [GenerateRequest([5 + i, 6, 7, 8][: 2 + i % 3], SamplingParams(top_k=20, top_p=0.9, seed=i), max_new_tokens=3 + 2 * i,
-                            ignore_eos=True, return_sampling_mask=True) for i in range(5)]
+    reqs = [
+        GenerateRequest(
+            [5 + i, 6, 7, 8][: 2 + i % 3],
+            SamplingParams(top_k=20, top_p=0.9, seed=i),
+            max_new_tokens=3 + 2 * i,
+            ignore_eos=True,
+            return_sampling_mask=True,
+        )
+        for i in range(5)
+    ]
     first = [engine.submit(r) for r in reqs[:3]]
     for _ in range(4):
         engine.step()
@@ -69,5 +77,9 @@ def test_requests_joining_and_leaving_mid_flight_answer_as_alone(tiny_checkpoint
     together = [f.result() for f in first + late]
     for req, got in zip(reqs, together):
         alone = engine.generate([req])[0]
-        assert got.output_ids == alone.output_ids and np.array_equal(got.log_mu, alone.log_mu) and got.support == alone.support
+        assert (
+            got.output_ids == alone.output_ids
+            and np.array_equal(got.log_mu, alone.log_mu)
+            and got.support == alone.support
+        )
     engine.shutdown()

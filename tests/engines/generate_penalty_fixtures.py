@@ -50,7 +50,9 @@ VLLM_PYTHON = Path(os.environ.get("SUPPORT_REPLAY_VLLM_PYTHON", HERE.parents[1] 
 def cases(n: int, seed: int = 0) -> dict:
     """``n`` cases as padded arrays: logits, prompt and output ids (-1 padding), penalties, bias."""
     rng = np.random.default_rng(seed)
-    logits = np.where(rng.random((n, VOCAB)) < 0.5, np.round(rng.normal(0, 2, (n, VOCAB)) * 2) / 2, rng.normal(0, 3, (n, VOCAB)))
+    logits = np.where(
+        rng.random((n, VOCAB)) < 0.5, np.round(rng.normal(0, 2, (n, VOCAB)) * 2) / 2, rng.normal(0, 3, (n, VOCAB))
+    )
     logits[rng.random((n, VOCAB)) < 0.1] = 0.0  # zero logits: the sign rule of each engine matters there
     prompts, outputs = np.full((n, 12), -1), np.full((n, 24), -1)
     for i in range(n):
@@ -65,11 +67,14 @@ def cases(n: int, seed: int = 0) -> dict:
         ids = rng.choice(VOCAB, rng.integers(1, 4), replace=False)
         bias[i, ids] = rng.choice([-100.0, -2.5, 0.5, 3.0, 7.25], len(ids))
     return {
-        "logits": logits.astype(np.float32), "prompts": prompts, "outputs": outputs,
+        "logits": logits.astype(np.float32),
+        "prompts": prompts,
+        "outputs": outputs,
         "frequency": pick([0.0, 0.0, 0.1, 0.5, 1.3, -0.4]).astype(np.float32),
         "presence": pick([0.0, 0.0, 0.2, 0.7, -0.3]).astype(np.float32),
         "repetition": pick([1.0, 1.0, 1.1, 1.5, 0.8, 2.0]).astype(np.float32),
-        "bias": bias, "has_bias": has_bias,
+        "bias": bias,
+        "has_bias": has_bias,
     }
 
 
@@ -83,8 +88,17 @@ class _Batch:
 def sglang_penalised(c: dict) -> np.ndarray:
     """Every case through SGLang 0.5.23's penalizers and logit transforms."""
     root = source_dir_with_penalties()
-    stubs = {n: types.ModuleType(n) for n in ("sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.utils.common", "sglang.srt.sampling",
-                                                "sglang.srt.sampling.penaltylib")}
+    stubs = {
+        n: types.ModuleType(n)
+        for n in (
+            "sglang",
+            "sglang.srt",
+            "sglang.srt.utils",
+            "sglang.srt.utils.common",
+            "sglang.srt.sampling",
+            "sglang.srt.sampling.penaltylib",
+        )
+    }
     stubs["sglang.srt.utils.common"].is_pin_memory_available = lambda device=None: False
     stubs["sglang.srt.utils"].get_compiler_backend = lambda: "eager"
     stubs["sglang.srt.utils"].is_npu = lambda: True  # torch.compile(disable=True): the plain function, on CPU
@@ -102,18 +116,28 @@ def sglang_penalised(c: dict) -> np.ndarray:
             else:
                 sys.modules[n] = m
     ns = {"torch": torch, "apply_scaling_penalties": rep.apply_scaling_penalties}
-    _definitions(root / PENALTY_FILES["batch_info"], {
-        "SamplingBatchInfo.update_penalties": None,
-        "SamplingBatchInfo._apply_pre_grammar_logits_transforms": None,
-        "SamplingBatchInfo._apply_post_grammar_logits_transforms": None,
-    }, ns)
+    _definitions(
+        root / PENALTY_FILES["batch_info"],
+        {
+            "SamplingBatchInfo.update_penalties": None,
+            "SamplingBatchInfo._apply_pre_grammar_logits_transforms": None,
+            "SamplingBatchInfo._apply_post_grammar_logits_transforms": None,
+        },
+        ns,
+    )
     out = np.zeros_like(c["logits"])
     for i in range(len(c["logits"])):
-        params = SimpleNamespace(frequency_penalty=float(c["frequency"][i]), presence_penalty=float(c["presence"][i]),
-                                 repetition_penalty=float(c["repetition"][i]))
+        params = SimpleNamespace(
+            frequency_penalty=float(c["frequency"][i]),
+            presence_penalty=float(c["presence"][i]),
+            repetition_penalty=float(c["repetition"][i]),
+        )
         batch = _Batch([SimpleNamespace(sampling_params=params)], "cpu")
-        orchestrator = orch.BatchedPenalizerOrchestrator(VOCAB, batch, {freq.BatchedFrequencyPenalizer, pres.BatchedPresencePenalizer,
-                                                                       rep.BatchedRepetitionPenalizer})
+        orchestrator = orch.BatchedPenalizerOrchestrator(
+            VOCAB,
+            batch,
+            {freq.BatchedFrequencyPenalizer, pres.BatchedPresencePenalizer, rep.BatchedRepetitionPenalizer},
+        )
         for token in c["outputs"][i][c["outputs"][i] >= 0]:  # one output token per decode step
             orchestrator.cumulate_output_tokens(torch.tensor([int(token)]))
         logit_bias = None
@@ -121,7 +145,9 @@ def sglang_penalised(c: dict) -> np.ndarray:
             logit_bias = torch.zeros(1, VOCAB)
             ids = np.flatnonzero(c["bias"][i])
             logit_bias[torch.zeros(len(ids), dtype=torch.long), torch.tensor(ids)] = torch.tensor(c["bias"][i][ids])
-        info = SimpleNamespace(penalizer_orchestrator=orchestrator, temperatures=torch.ones(1, 1), vocab_size=VOCAB, logit_bias=logit_bias)
+        info = SimpleNamespace(
+            penalizer_orchestrator=orchestrator, temperatures=torch.ones(1, 1), vocab_size=VOCAB, logit_bias=logit_bias
+        )
         ns["update_penalties"](info)
         info.penalizer_orchestrator = None  # copy_for_forward: the forward sees the accumulated tensors only
         logits = torch.tensor(c["logits"][i : i + 1])
@@ -139,7 +165,11 @@ def source_dir_with_penalties() -> Path:
     import zipfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "sglang==0.5.23", "-d", tmp], check=True, timeout=600)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "sglang==0.5.23", "-d", tmp],
+            check=True,
+            timeout=600,
+        )
         with zipfile.ZipFile(next(Path(tmp).glob("sglang-*.whl"))) as wheel:
             for name in PENALTY_FILES.values():
                 wheel.extract(name, root)
@@ -194,8 +224,12 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 penalised = vllm_penalised(c, Path(tmp))
             path = out_dir / "penalties-vllm-0.32.0.npz"
-        np.savez_compressed(path, **c, penalised=penalised, source=np.array(json.dumps({"engine": name, "cases": args.cases})))
-        print(f"{path.name}: {args.cases} cases, {int((penalised != c['logits']).any(1).sum())} changed by the transforms")
+        np.savez_compressed(
+            path, **c, penalised=penalised, source=np.array(json.dumps({"engine": name, "cases": args.cases}))
+        )
+        print(
+            f"{path.name}: {args.cases} cases, {int((penalised != c['logits']).any(1).sum())} changed by the transforms"
+        )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import tempfile
 import types
 import zipfile
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -68,7 +68,9 @@ def source_dir() -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         done = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", f"sglang=={VERSION}", "-d", tmp],
-            capture_output=True, text=True, timeout=600,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         wheels = list(Path(tmp).glob("sglang-*.whl"))
         if done.returncode != 0 or not wheels:
@@ -97,7 +99,9 @@ def _definitions(path: Path, names: dict[str, str | None], namespace: dict) -> d
         if cls:
             scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
         node = next(n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == attr)
-        node.decorator_list = [d for d in node.decorator_list if not (isinstance(d, ast.Name) and d.id == "staticmethod")]
+        node.decorator_list = [
+            d for d in node.decorator_list if not (isinstance(d, ast.Name) and d.id == "staticmethod")
+        ]
         exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
     return namespace
 
@@ -109,8 +113,11 @@ def _meta_info_block(path: Path):
     manager = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TokenizerManager")
     method = next(n for n in manager.body if isinstance(n, ast.AsyncFunctionDef) and n.name == "_handle_batch_output")
     block = next(
-        n for n in ast.walk(method)
-        if isinstance(n, ast.If) and "output_token_sampling_mask_length" in ast.unparse(n) and "return_sampling_mask" in ast.unparse(n.test)
+        n
+        for n in ast.walk(method)
+        if isinstance(n, ast.If)
+        and "output_token_sampling_mask_length" in ast.unparse(n)
+        and "return_sampling_mask" in ast.unparse(n.test)
     )
     return compile(ast.Module(body=[block], type_ignores=[]), str(path), "exec")
 
@@ -163,18 +170,40 @@ def load() -> SGLangCode:
     module = types.ModuleType("_sglang_wheel")
     sys.modules[module.__name__] = module
     namespace = module.__dict__
-    namespace.update({
-        "torch": torch, "np": np, "dist": torch.distributed, "enum": enum, "IntEnum": enum.IntEnum,
-        "dataclasses": dataclasses, "NamedTuple": NamedTuple, "Optional": Optional, "List": List,
-        "Tuple": Tuple, "Union": Union, "Dict": Dict, "Any": Any,
-    })
+    namespace.update(
+        {
+            "torch": torch,
+            "np": np,
+            "dist": torch.distributed,
+            "enum": enum,
+            "IntEnum": enum.IntEnum,
+            "dataclasses": dataclasses,
+            "NamedTuple": NamedTuple,
+            "Optional": Optional,
+            "List": list,
+            "Tuple": tuple,
+            "Union": Union,
+            "Dict": dict,
+            "Any": Any,
+        }
+    )
     _definitions(root / FILES["logits_processor"], {"SamplingMaskStatus": None, "SamplingMaskOutput": None}, namespace)
     _definitions(
         root / FILES["sampler"],
-        {"_SamplingMaskCapture": None, "top_k_top_p_min_p_sampling_from_probs_torch": None, "Sampler._build_sampling_mask_output": None},
+        {
+            "_SamplingMaskCapture": None,
+            "top_k_top_p_min_p_sampling_from_probs_torch": None,
+            "Sampler._build_sampling_mask_output": None,
+        },
         namespace,
     )
     namespace["Req"] = namespace["LogitsProcessorOutput"] = object  # annotations only
-    _definitions(root / FILES["batch_result_processor"], {"SchedulerBatchResultProcessor.materialize_sampling_mask_output": None}, namespace)
-    _LOADED = SGLangCode(root, sampling_mask, weight_versions, namespace, _meta_info_block(root / FILES["tokenizer_manager"]))
+    _definitions(
+        root / FILES["batch_result_processor"],
+        {"SchedulerBatchResultProcessor.materialize_sampling_mask_output": None},
+        namespace,
+    )
+    _LOADED = SGLangCode(
+        root, sampling_mask, weight_versions, namespace, _meta_info_block(root / FILES["tokenizer_manager"])
+    )
     return _LOADED

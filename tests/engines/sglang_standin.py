@@ -24,7 +24,6 @@ import torch
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
-
 from sglang_code import SGLangCode
 
 TOP_K_ALL = 1 << 30  # sglang/srt/sampling/sampling_params.py: top_k == -1 means the whole vocabulary
@@ -63,15 +62,23 @@ class SGLangPipeline:
         self.capacity = sampling_mask_max_tokens
         self.weight_version = weight_version
 
-    def request(self, input_ids, params: dict, return_sampling_mask: bool, sampling_logprobs_mode: str | None) -> Request:
+    def request(
+        self, input_ids, params: dict, return_sampling_mask: bool, sampling_logprobs_mode: str | None
+    ) -> Request:
         temperature = float(params.get("temperature", 1.0))
         top_k = int(params.get("top_k", -1))
         if temperature < 1e-6:  # sampling_params.py: greedy is top_k 1 at temperature 1
             temperature, top_k = 1.0, 1
         return Request(
-            list(input_ids), temperature, TOP_K_ALL if top_k == -1 else top_k, float(params.get("top_p", 1.0)),
-            float(params.get("min_p", 0.0)), int(params.get("max_new_tokens", 128)), return_sampling_mask,
-            sampling_logprobs_mode, self.code.sampling_mask.SamplingMaskRows(),
+            list(input_ids),
+            temperature,
+            TOP_K_ALL if top_k == -1 else top_k,
+            float(params.get("top_p", 1.0)),
+            float(params.get("min_p", 0.0)),
+            int(params.get("max_new_tokens", 128)),
+            return_sampling_mask,
+            sampling_logprobs_mode,
+            self.code.sampling_mask.SamplingMaskRows(),
         )
 
     def step(self, reqs: list[Request], logits: torch.Tensor, generator_seed: int) -> list[int]:
@@ -91,18 +98,28 @@ class SGLangPipeline:
         capture_rows = torch.tensor([i for i, r in enumerate(reqs) if r.return_sampling_mask], dtype=torch.long)
         if len(capture_rows):
             select = lambda t: t if len(capture_rows) == rows else t.index_select(0, capture_rows)  # noqa: E731
-            capture = ns["_SamplingMaskCapture"](weights=select(weights), token_ids=select(token_ids), selected_weight=select(selected), batch_rows=capture_rows)
+            capture = ns["_SamplingMaskCapture"](
+                weights=select(weights),
+                token_ids=select(token_ids),
+                selected_weight=select(selected),
+                batch_rows=capture_rows,
+            )
             support_rows = [i for i in capture_rows.tolist() if reqs[i].sampling_logprobs_mode == "support"]
             sampler = SimpleNamespace(sampling_mask_max_tokens=self.capacity, tp_sync_group=None, cp_sync_group=None)
             output = SimpleNamespace(
                 sampling_mask_output=self.code.build_sampling_mask_output(
-                    sampler, ids, capture, torch.tensor([capture_rows.tolist().index(i) for i in support_rows]) if support_rows else None
+                    sampler,
+                    ids,
+                    capture,
+                    torch.tensor([capture_rows.tolist().index(i) for i in support_rows]) if support_rows else None,
                 )
             )
             device = output.sampling_mask_output
             for row, i in enumerate(capture_rows.tolist()):
                 n = int(device.lengths[row])
-                reqs[i].sampled.append((sorted(device.token_ids[row, :n].tolist()), float(device.selected_logprobs[row])))
+                reqs[i].sampled.append(
+                    (sorted(device.token_ids[row, :n].tolist()), float(device.selected_logprobs[row]))
+                )
             self.code.materialize(reqs, output)
             for i, req in enumerate(reqs):
                 if not req.return_sampling_mask:
@@ -111,7 +128,9 @@ class SGLangPipeline:
                 if status != ns["SamplingMaskStatus"].OK:  # get_sampling_mask_finish_reason: the request aborts
                     req.finish_reason = {"type": "abort", "status": int(status)}
                     continue
-                req.sampling_mask_rows.append(output.next_token_sampling_mask_idx[i], output.next_token_sampling_logprobs[i])
+                req.sampling_mask_rows.append(
+                    output.next_token_sampling_mask_idx[i], output.next_token_sampling_logprobs[i]
+                )
         out = ids.tolist()
         for req, token in zip(reqs, out):
             if req.finish_reason is None:
@@ -132,10 +151,21 @@ class SGLangPipeline:
         }
         if req.return_sampling_mask:
             state = SimpleNamespace(
-                obj=GenerateReqInput(True, req.sampling_logprobs_mode), output_token_sampling_mask=[], output_token_sampling_logprobs=[]
+                obj=GenerateReqInput(True, req.sampling_logprobs_mode),
+                output_token_sampling_mask=[],
+                output_token_sampling_logprobs=[],
             )
             recv_obj = SimpleNamespace(output_token_sampling_mask=[req.sampling_mask_rows.take()])
-            exec(self.code.meta_info_block, {"state": state, "recv_obj": recv_obj, "i": 0, "meta_info": meta_info, "GenerateReqInput": GenerateReqInput})
+            exec(
+                self.code.meta_info_block,
+                {
+                    "state": state,
+                    "recv_obj": recv_obj,
+                    "i": 0,
+                    "meta_info": meta_info,
+                    "GenerateReqInput": GenerateReqInput,
+                },
+            )
         meta_info.update({"reasoning_tokens": 0, "completion_tokens": n, "cached_tokens": 0})
         wv = self.code.weight_versions
         spans = wv.compute_weight_version_spans([], self.weight_version, n)
@@ -157,16 +187,29 @@ def create_app(code: SGLangCode, model, tokenizer, *, sampling_mask_max_tokens: 
         for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
             if params.get(name, neutral) != neutral:
                 raise ValueError(f"the stand-in applies no {name}")
-        req = pipeline.request(body["input_ids"], params, bool(body.get("return_sampling_mask")), body.get("sampling_logprobs_mode"))
-        if req.return_sampling_mask and req.top_k != 1 and not 1 < req.top_k <= sampling_mask_max_tokens:  # scheduler.py admission
-            return JSONResponse({"error": {"message": f"return_sampling_mask requires top_k=1 or 1 < top_k <= {sampling_mask_max_tokens}"}}, status_code=400)
+        req = pipeline.request(
+            body["input_ids"], params, bool(body.get("return_sampling_mask")), body.get("sampling_logprobs_mode")
+        )
+        if (
+            req.return_sampling_mask and req.top_k != 1 and not 1 < req.top_k <= sampling_mask_max_tokens
+        ):  # scheduler.py admission
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"return_sampling_mask requires top_k=1 or 1 < top_k <= {sampling_mask_max_tokens}"
+                    }
+                },
+                status_code=400,
+            )
         seed = int(params.get("sampling_seed", params.get("seed", 0)) or 0)
         with torch.no_grad():
             while req.finish_reason is None:
                 logits = model(torch.tensor([req.input_ids + req.output_ids])).logits[:, -1, :]
                 pipeline.step([req], logits, seed * 100_003 + len(req.output_ids))
         if req.finish_reason.get("type") == "abort":
-            return JSONResponse({"error": {"message": "Sampling support exceeds --sampling-mask-max-tokens"}}, status_code=400)
+            return JSONResponse(
+                {"error": {"message": "Sampling support exceeds --sampling-mask-max-tokens"}}, status_code=400
+            )
         return pipeline.result(req, tokenizer.decode(req.output_ids))
 
     @app.get("/health")
@@ -175,7 +218,12 @@ def create_app(code: SGLangCode, model, tokenizer, *, sampling_mask_max_tokens: 
 
     @app.get("/model_info")
     async def model_info():
-        return {"model_path": "standin", "is_generation": True, "weight_version": pipeline.weight_version, "vocab_size": vocab}
+        return {
+            "model_path": "standin",
+            "is_generation": True,
+            "weight_version": pipeline.weight_version,
+            "vocab_size": vocab,
+        }
 
     @app.post("/generate")
     async def generate(request: HTTPRequest):
@@ -199,7 +247,11 @@ def create_app(code: SGLangCode, model, tokenizer, *, sampling_mask_max_tokens: 
     async def update_weight_version(request: HTTPRequest):
         body = await request.json()
         pipeline.weight_version = body["new_version"]
-        return {"success": True, "message": f"Weight version updated to {body['new_version']}", "new_version": body["new_version"]}
+        return {
+            "success": True,
+            "message": f"Weight version updated to {body['new_version']}",
+            "new_version": body["new_version"],
+        }
 
     return app
 
@@ -208,12 +260,13 @@ def main() -> None:
     import argparse
     import sys
 
+    import sglang_code
     import uvicorn
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import sglang_code
-
-    ap = argparse.ArgumentParser(description="an SGLang 0.5.23 stand-in: our model's logits, SGLang's sampler and payload code")
+    ap = argparse.ArgumentParser(
+        description="an SGLang 0.5.23 stand-in: our model's logits, SGLang's sampler and payload code"
+    )
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--port", type=int, required=True)
     args = ap.parse_args()

@@ -7,12 +7,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, support_logprobs
-from support_replay.modeling.batch_invariant import (KEY_BLOCK, ROW_BLOCK, batch_invariant_attention, make_batch_invariant,
-                                                      tall_products_keep_tile_bits)
-from support_replay.modeling.invariant_decode import SOFTMAX_ROUND, softmax_trims, tile_rows
 from support_replay.engine import Engine
-from support_replay.protocol import GenerateRequest
 from support_replay.engine.model_runner import ModelRunner
+from support_replay.modeling.batch_invariant import (
+    KEY_BLOCK,
+    ROW_BLOCK,
+    batch_invariant_attention,
+    make_batch_invariant,
+    tall_products_keep_tile_bits,
+)
+from support_replay.modeling.invariant_decode import SOFTMAX_ROUND, softmax_trims, tile_rows
+from support_replay.protocol import GenerateRequest
 
 pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
 
@@ -40,7 +45,9 @@ def test_block_attention_decode_equals_full_forward_for_key_lengths_63_to_129(th
     allowed[1, 100:] = False
     full, _ = batch_invariant_attention(None, q, k, v, allowed[:, None], scaling=dim**-0.5)
     expected = _reference_attention(q, k, v, allowed)
-    assert torch.allclose(full[0], expected[0], atol=1e-5) and torch.allclose(full[1, :100], expected[1, :100], atol=1e-5)
+    assert torch.allclose(full[0], expected[0], atol=1e-5) and torch.allclose(
+        full[1, :100], expected[1, :100], atol=1e-5
+    )
     assert not full[1, 100:].any()  # padding queries: zeros, never NaN
     grads = torch.autograd.grad(full[0].sum() + full[1, :100].sum(), (q, k, v))
     expected_grads = torch.autograd.grad(expected[0].sum() + expected[1, :100].sum(), (q, k, v))
@@ -100,7 +107,9 @@ def test_a_tall_product_keeps_every_tiles_bits(threads):
     for tiles, width in ((5, 128), (13, 320), (40, 704)):
         q = torch.randn(2, tiles * ROW_BLOCK, 64, generator=gen)
         keys = torch.randn(2, width, 64, generator=gen).transpose(1, 2)
-        per_tile = torch.bmm(q.reshape(2 * tiles, ROW_BLOCK, 64), keys.repeat_interleave(tiles, 0)).reshape(2, -1, width)
+        per_tile = torch.bmm(q.reshape(2 * tiles, ROW_BLOCK, 64), keys.repeat_interleave(tiles, 0)).reshape(
+            2, -1, width
+        )
         assert torch.equal(torch.bmm(q, keys), per_tile), (tiles, width)
 
 
@@ -136,11 +145,20 @@ def test_engine_and_trainer_logits_are_bitwise_equal(tiny_checkpoint, threads):
 def test_deterministic_engine_output_does_not_depend_on_the_batch(tiny_checkpoint):
     engine = Engine.from_pretrained(tiny_checkpoint, deterministic=True).start()
     try:
-        req = GenerateRequest([5, 6, 7], SamplingParams(top_k=20, top_p=0.9, seed=3), max_new_tokens=8, return_sampling_mask=True)
+        req = GenerateRequest(
+            [5, 6, 7], SamplingParams(top_k=20, top_p=0.9, seed=3), max_new_tokens=8, return_sampling_mask=True
+        )
         alone = engine.generate([req])[0]
-        others = [GenerateRequest([9, 9, 9, 9, 9, 9][: 2 + i], SamplingParams(top_k=10, seed=i), max_new_tokens=5 + i) for i in range(3)]
+        others = [
+            GenerateRequest([9, 9, 9, 9, 9, 9][: 2 + i], SamplingParams(top_k=10, seed=i), max_new_tokens=5 + i)
+            for i in range(3)
+        ]
         crowded = engine.generate(others[:2] + [req] + others[2:])[2]
-        assert alone.output_ids == crowded.output_ids and np.array_equal(alone.log_mu, crowded.log_mu) and alone.support == crowded.support
+        assert (
+            alone.output_ids == crowded.output_ids
+            and np.array_equal(alone.log_mu, crowded.log_mu)
+            and alone.support == crowded.support
+        )
         model = engine.runner.model
         with torch.no_grad():
             logits = model(torch.tensor([req.input_ids + alone.output_ids])).logits[0, 2:-1].float()
@@ -160,13 +178,22 @@ def test_a_grpo_group_is_prefilled_once_and_answers_as_if_alone(tiny_checkpoint,
     engine.start()
     try:
         prompts = [[5, 6, 7], [11, 12, 13, 14], [20, 21], [30, 31, 32, 33, 34]]
-        reqs = [GenerateRequest(p, SamplingParams(top_k=20, top_p=0.9, seed=10 * g + j), max_new_tokens=6, return_sampling_mask=True)
-                for g, p in enumerate(prompts) for j in range(4)]
+        reqs = [
+            GenerateRequest(
+                p, SamplingParams(top_k=20, top_p=0.9, seed=10 * g + j), max_new_tokens=6, return_sampling_mask=True
+            )
+            for g, p in enumerate(prompts)
+            for j in range(4)
+        ]
         together = engine.generate(reqs)
         assert rows == [4]  # 16 requests admitted at once, 4 prompts prefilled
         for req, got in zip(reqs, together):
             alone = engine.generate([req])[0]
-            assert got.output_ids == alone.output_ids and np.array_equal(got.log_mu, alone.log_mu) and got.support == alone.support
+            assert (
+                got.output_ids == alone.output_ids
+                and np.array_equal(got.log_mu, alone.log_mu)
+                and got.support == alone.support
+            )
         assert len({tuple(c.output_ids) for c in together}) > 4  # the group members sampled apart
     finally:
         engine.shutdown()
@@ -177,18 +204,23 @@ def test_union_head_gives_the_engines_bits(threads):
     full-vocabulary head on each row alone, both under the probed plan: the same log-probs bit for
     bit where the probe says a column subset keeps its bits; its gradient is the dense path's to rounding."""
     from support_replay.core.logprobs import union_head_support_logprobs
-    from support_replay.modeling.invariant_products import cpu_name, invariant_linear, invariant_plan
     from support_replay.core.support import SupportTable
+    from support_replay.modeling.invariant_products import cpu_name, invariant_linear, invariant_plan
 
     gen = torch.Generator().manual_seed(7)
     rows, width, vocab = 37, 64, 384
     plan = invariant_plan("torch", vocab, width, torch.float32, torch.get_num_threads())
-    if plan is None or not plan.columns:  # refused, or the trainer takes the full head (tests/modeling/test_invariant_products.py)
+    if (
+        plan is None or not plan.columns
+    ):  # refused, or the trainer takes the full head (tests/modeling/test_invariant_products.py)
         pytest.skip(f"the union head is not exact on this CPU ({cpu_name()}): {plan}")
     product = invariant_linear("torch")
     hidden = torch.randn(rows, width, generator=gen, requires_grad=True)
     weight = (0.1 * torch.randn(vocab, width, generator=gen)).requires_grad_()
-    support_rows = [np.unique(torch.randint(0, vocab, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).numpy()) for _ in range(rows)]
+    support_rows = [
+        np.unique(torch.randint(0, vocab, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).numpy())
+        for _ in range(rows)
+    ]
     targets = torch.tensor([int(r[len(r) // 2]) for r in support_rows])
     support = SupportTable.from_rows(support_rows)
     got = union_head_support_logprobs(hidden, weight, targets, support, 0.7, linear=product)

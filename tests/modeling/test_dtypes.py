@@ -4,10 +4,10 @@ promises (the support and log mu as sampled), the --ci-test tolerance follows th
 import pytest
 import torch
 
+from recipe_helpers import run_config
 from support_replay.errors import CITestError, ConfigError
 from support_replay.train import train
 from support_replay.train.config import BF16_CI_TOLERANCE, FP32_CI_TOLERANCE
-from recipe_helpers import run_config
 
 
 def test_the_default_tolerance_follows_the_dtypes_and_a_given_one_wins(tiny_checkpoint, tmp_path):
@@ -18,18 +18,34 @@ def test_the_default_tolerance_follows_the_dtypes_and_a_given_one_wins(tiny_chec
 
 
 def test_bf16_is_refused_in_true_on_policy_mode(tiny_checkpoint, tmp_path):
-    with pytest.raises(ConfigError, match="--rollout-dtype='bfloat16': true-on-policy mode runs the batch-invariant fp32 kernels"):
+    with pytest.raises(
+        ConfigError, match="--rollout-dtype='bfloat16': true-on-policy mode runs the batch-invariant fp32 kernels"
+    ):
         run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True, rollout_dtype="bfloat16")
 
 
 def test_grpo_in_bf16_passes_ci_test_at_the_bf16_tolerance(tiny_checkpoint, tmp_path, capsys):
     rows = train(run_config(tiny_checkpoint, tmp_path, rollout_dtype="bfloat16", train_dtype="bfloat16", num_rollout=2))
-    assert f"every token within {BF16_CI_TOLERANCE:g} of its log mu (rollout bfloat16, trainer bfloat16)" in capsys.readouterr().out
+    assert (
+        f"every token within {BF16_CI_TOLERANCE:g} of its log mu (rollout bfloat16, trainer bfloat16)"
+        in capsys.readouterr().out
+    )
     assert all(r["train_rollout_logprob_abs_diff_max"] <= BF16_CI_TOLERANCE for r in rows)
-    assert rows[0]["train_rollout_logprob_abs_diff_max"] > 0  # bf16 on both sides: not the same bits (a later rollout may be all singletons)
+    assert (
+        rows[0]["train_rollout_logprob_abs_diff_max"] > 0
+    )  # bf16 on both sides: not the same bits (a later rollout may be all singletons)
     # the support is what the bf16 engine realized; fp32 would differ: the check is not vacuous
     with pytest.raises(CITestError, match="--ci-test failed"):
-        train(run_config(tiny_checkpoint, tmp_path / "tight", rollout_dtype="bfloat16", train_dtype="bfloat16", num_rollout=1, ci_test_tolerance=1e-3))
+        train(
+            run_config(
+                tiny_checkpoint,
+                tmp_path / "tight",
+                rollout_dtype="bfloat16",
+                train_dtype="bfloat16",
+                num_rollout=1,
+                ci_test_tolerance=1e-3,
+            )
+        )
 
 
 def test_bf16_training_keeps_fp32_weights(tiny_checkpoint, tmp_path):
@@ -37,5 +53,14 @@ def test_bf16_training_keeps_fp32_weights(tiny_checkpoint, tmp_path):
     from support_replay.train.dist import DistContext
 
     one = DistContext(rank=0, world=1, device=torch.device("cpu"), owns_group=False)
-    actor = Actor(tiny_checkpoint, one, lr=1e-3, betas=(0.9, 0.98), weight_decay=0.0, replay=True, full_with_grad=False, compute_dtype=torch.bfloat16)
+    actor = Actor(
+        tiny_checkpoint,
+        one,
+        lr=1e-3,
+        betas=(0.9, 0.98),
+        weight_decay=0.0,
+        replay=True,
+        full_with_grad=False,
+        compute_dtype=torch.bfloat16,
+    )
     assert {p.dtype for p in actor.model.parameters()} == {torch.float32}

@@ -63,18 +63,27 @@ def test_true_on_policy_is_refused_by_name_where_no_shape_has_a_plan(tiny_checkp
     from support_replay.engine import Engine
 
     monkeypatch.setattr(invariant_products, "invariant_plan", lambda kernel, out, inp, dtype, threads: None)
-    with pytest.raises(ConfigError, match=r"--true-on-policy-mode: no batch-invariant product for a \d+x\d+ torch.float32 linear layer "
-                                          r"on the '(torch|onednn)' kernel at \d threads on this CPU \(.+\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--true-on-policy-mode: no batch-invariant product for a \d+x\d+ torch.float32 linear layer "
+        r"on the '(torch|onednn)' kernel at \d threads on this CPU \(.+\)",
+    ):
         Engine.from_pretrained(tiny_checkpoint, deterministic=True)
     Engine.from_pretrained(tiny_checkpoint)  # the normal engine needs no invariant product
 
 
 def test_the_plan_is_applied_per_weight_shape(monkeypatch):
     plans = {(48, 40): InvariantPlan(32, False, True), (24, 40): InvariantPlan(16, True, True)}
-    monkeypatch.setattr(invariant_products, "invariant_plan", lambda kernel, out, inp, dtype, threads: plans[(out, inp)])
+    monkeypatch.setattr(
+        invariant_products, "invariant_plan", lambda kernel, out, inp, dtype, threads: plans[(out, inp)]
+    )
     calls = []
-    monkeypatch.setattr(invariant_products, "padded", lambda linear, rows: calls.append(("pad", rows)) or padded(linear, rows))
-    monkeypatch.setattr(invariant_products, "tiled", lambda linear, rows: calls.append(("tiles", rows)) or tiled(linear, rows))
+    monkeypatch.setattr(
+        invariant_products, "padded", lambda linear, rows: calls.append(("pad", rows)) or padded(linear, rows)
+    )
+    monkeypatch.setattr(
+        invariant_products, "tiled", lambda linear, rows: calls.append(("tiles", rows)) or tiled(linear, rows)
+    )
     invariant_linear.cache_clear()  # the product per kernel, and its product per shape, are cached
     product = invariant_linear("torch")
     x = torch.randn(5, 40)
@@ -91,9 +100,14 @@ def test_the_trainer_scores_through_the_full_head_where_column_subsets_change_bi
     from support_replay.train import actor as actor_module
 
     real = invariant_products.invariant_plan
-    monkeypatch.setattr(invariant_products, "invariant_plan",
-                        lambda *key: None if (p := real(*key)) is None else InvariantPlan(p.rows, p.tiled, columns=False))
+    monkeypatch.setattr(
+        invariant_products,
+        "invariant_plan",
+        lambda *key: None if (p := real(*key)) is None else InvariantPlan(p.rows, p.tiled, columns=False),
+    )
     ctx = type("Ctx", (), {"device": "cpu", "world": 1})()
-    common = dict(lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, replay=True, full_with_grad=False, linear_kernel="torch")
+    common = dict(
+        lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, replay=True, full_with_grad=False, linear_kernel="torch"
+    )
     assert not actor_module.Actor(tiny_checkpoint, ctx, batch_invariant=True, **common).sparse_head
     assert actor_module.Actor(tiny_checkpoint, ctx, batch_invariant=False, **common).sparse_head

@@ -6,10 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from support_replay.errors import ConfigError
 from support_replay.core.logprobs import support_logprobs, union_head_support_logprobs
+from support_replay.errors import ConfigError
 from support_replay.modeling.invariant_products import cpu_name, invariant_linear, invariant_plan
-from support_replay.modeling.linear_kernels import linear_function, model_linear, onednn_available, resolve_linear_kernel, use_linear
+from support_replay.modeling.linear_kernels import (
+    linear_function,
+    model_linear,
+    onednn_available,
+    resolve_linear_kernel,
+    use_linear,
+)
 
 pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
 
@@ -79,7 +85,9 @@ def test_union_head_equals_the_full_head_where_the_probe_says_columns_keep_their
         pytest.skip(f"{kernel}: a column subset takes other bits on this CPU ({cpu_name()})")
     w = torch.randn(vocab, hidden, generator=gen)
     h = torch.randn(37, hidden, generator=gen)
-    ids = [torch.randperm(vocab, generator=gen)[: int(n)].sort().values for n in torch.randint(1, 40, (37,), generator=gen)]
+    ids = [
+        torch.randperm(vocab, generator=gen)[: int(n)].sort().values for n in torch.randint(1, 40, (37,), generator=gen)
+    ]
     targets = torch.stack([row[0] for row in ids])
     width = max(len(r) for r in ids)
     padded_ids = torch.stack([F.pad(r, (0, width - len(r))) for r in ids])

@@ -10,7 +10,10 @@ from support_replay.modeling.linear_kernels import linear_function, onednn_avail
 from support_replay.modeling.packed_weights import pack_weight, packed_linear, packed_rows_from
 from tiny_model import greedy_decode
 
-pytestmark = [pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN linear op"), pytest.mark.float_bits]
+pytestmark = [
+    pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN linear op"),
+    pytest.mark.float_bits,
+]
 
 
 def rows_from_or_skip(shape, dtype, plain, threads):
@@ -19,6 +22,7 @@ def rows_from_or_skip(shape, dtype, plain, threads):
     if rows_from is None:
         pytest.skip(f"packed {shape} {dtype} products do not keep the plain product's bits on this CPU ({cpu_name()})")
     return rows_from
+
 
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 
@@ -32,12 +36,18 @@ def test_packed_rows_are_the_plain_products_bits(threads, shape):
     packed = pack_weight(w)
     plain = linear_function("onednn")
     rows_from = rows_from_or_skip(shape, torch.float32, plain, threads)  # 2 where one row takes another kernel
-    assert packed_rows_from(*shape, torch.float32, invariant_linear("onednn"), threads) in (1, 2, None)  # the batch-invariant product's
+    assert packed_rows_from(*shape, torch.float32, invariant_linear("onednn"), threads) in (
+        1,
+        2,
+        None,
+    )  # the batch-invariant product's
     for count in list(range(rows_from, 34)) + [63, 128, 257, 600]:
         for at in {0, 3, 600 - count}:
             rows = many[at : at + count]
             assert torch.equal(packed_linear(rows, packed), plain(rows, w)), (count, at)
-    assert torch.equal(packed_linear(many[None, :16], packed), plain(many[:16], w)[None])  # leading dims, as the decode step's [B, 1, in]
+    assert torch.equal(
+        packed_linear(many[None, :16], packed), plain(many[:16], w)[None]
+    )  # leading dims, as the decode step's [B, 1, in]
 
 
 def test_the_head_shape_packs_with_the_same_bits(threads):
@@ -56,10 +66,18 @@ def decode_logits(engine: Engine, prompts, steps: int) -> list[torch.Tensor]:
 def test_the_fused_step_decodes_over_packs_with_the_plain_weights_bits(tiny_checkpoint, deterministic):
     engine = Engine.from_pretrained(tiny_checkpoint, deterministic=deterministic, linear_kernel="onednn")
     fused = engine.runner.fused
-    for prompts in ([[5, 6, 7, 8], [9, 10], [20 + i for i in range(30)]], [[5, 6, 7]]):  # three rows packed, one row plain
+    for prompts in (
+        [[5, 6, 7, 8], [9, 10], [20 + i for i in range(30)]],
+        [[5, 6, 7]],
+    ):  # three rows packed, one row plain
         packed = decode_logits(engine, prompts, 3)
-        head_packs = packed_rows_from(*fused.head.weight.shape, torch.float32, fused.linear, torch.get_num_threads()) is not None
-        assert all(fused.layers[0].packs[name] for name in ("qkv", "o", "gate_up", "down")) and (fused._head_pack is not None) == head_packs
+        head_packs = (
+            packed_rows_from(*fused.head.weight.shape, torch.float32, fused.linear, torch.get_num_threads()) is not None
+        )
+        assert (
+            all(fused.layers[0].packs[name] for name in ("qkv", "o", "gate_up", "down"))
+            and (fused._head_pack is not None) == head_packs
+        )
         fused.packing = False
         plain = decode_logits(engine, prompts, 3)
         assert not fused.layers[0].packs  # switched off: the packs are dropped
@@ -70,7 +88,9 @@ def test_the_fused_step_decodes_over_packs_with_the_plain_weights_bits(tiny_chec
 def test_packs_follow_weights_written_in_place_and_the_thread_count(tiny_checkpoint):
     engine = Engine.from_pretrained(tiny_checkpoint, linear_kernel="onednn")
     model, fused = engine.runner.model, engine.runner.fused
-    rows_from_or_skip(tuple(model.model.layers[1].mlp.down_proj.weight.shape), torch.float32, fused.linear, torch.get_num_threads())
+    rows_from_or_skip(
+        tuple(model.model.layers[1].mlp.down_proj.weight.shape), torch.float32, fused.linear, torch.get_num_threads()
+    )
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     before = decode_logits(engine, prompts, 2)
     old_pack = fused.layers[1].packs["down"]
@@ -96,10 +116,14 @@ def test_bf16_decodes_over_packs_with_f_linears_bits(tiny_checkpoint, threads):
     fused = engine.runner.fused
     assert engine.linear_kernel == "torch" and fused.can_pack
     head = fused.head.weight
-    packs = packed_rows_from(*head.shape, torch.bfloat16, fused.linear, threads) is not None  # the probe decides, per CPU
+    packs = (
+        packed_rows_from(*head.shape, torch.bfloat16, fused.linear, threads) is not None
+    )  # the probe decides, per CPU
     for prompts in ([[5, 6, 7, 8], [9, 10], [20 + i for i in range(30)]], [[5, 6, 7]]):
         packed = decode_logits(engine, prompts, 3)
-        assert (fused._head_pack is not None) == packs  # where the probe refuses, plain weights: the same bits trivially
+        assert (
+            fused._head_pack is not None
+        ) == packs  # where the probe refuses, plain weights: the same bits trivially
         fused.packing = False
         plain = decode_logits(engine, prompts, 3)
         fused.packing = True
@@ -134,8 +158,12 @@ def test_a_synchronous_trainer_releases_the_engines_packs_before_it_updates(asyn
             calls.append("release")
 
     cfg = SimpleNamespace(async_rollout=asynchronous, num_rollout=2, stale_sample_policy="fail")
-    producer = RolloutProducer(Rollouts(), cfg, DistContext(rank=0, world=1, device=torch.device("cpu"), owns_group=False))
+    producer = RolloutProducer(
+        Rollouts(), cfg, DistContext(rank=0, world=1, device=torch.device("cpu"), owns_group=False)
+    )
     producer.start(0)
     producer.take(0, ["v0"])
     producer.close()
-    assert calls == ([] if asynchronous else ["release"])  # async: the next rollout is being generated beside the update
+    assert calls == (
+        [] if asynchronous else ["release"]
+    )  # async: the next rollout is being generated beside the update

@@ -5,14 +5,14 @@ import numpy as np
 import pytest
 import torch
 
+from recipe_helpers import run_config
+from support_replay.core.support import SupportTable
 from support_replay.errors import ConfigError
 from support_replay.modeling.packed_sequences import packed_layout
 from support_replay.rollout.sample import Sample
-from support_replay.core.support import SupportTable
 from support_replay.train import train
 from support_replay.train.actor import load_scoring_model, score_batch
 from support_replay.train.batches import build_micro_batch, plan_optimizer_steps
-from recipe_helpers import run_config
 
 pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
 
@@ -23,14 +23,23 @@ def group_samples(seed=0, vocab=384):
     samples = []
     for g, plen in enumerate((9, 14)):
         prompt = rng.integers(5, vocab, plen).tolist()
-        for j, rlen in enumerate((7, 3, 11)[: 3]):
+        for j, rlen in enumerate((7, 3, 11)[:3]):
             response = rng.integers(5, vocab, rlen).tolist()
             rows = [np.unique(np.append(rng.integers(0, vocab, 6), t)).astype(np.int32) for t in response]
             mask = np.ones(rlen, np.int8)
             if j == 2:
                 mask[4:8] = 0  # a tool's output inside the response: scored, not trained
-            samples.append(Sample(index=len(samples), group=g, prompt_ids=prompt, response_ids=response, loss_mask=mask,
-                                  log_mu=np.zeros(rlen, np.float32), support=SupportTable.from_rows(rows)))
+            samples.append(
+                Sample(
+                    index=len(samples),
+                    group=g,
+                    prompt_ids=prompt,
+                    response_ids=response,
+                    loss_mask=mask,
+                    log_mu=np.zeros(rlen, np.float32),
+                    support=SupportTable.from_rows(rows),
+                )
+            )
     return samples
 
 
@@ -56,21 +65,31 @@ def test_packed_scores_and_gradients_equal_unpacked(tiny_checkpoint, sparse):
     for i in order:
         assert torch.allclose(flat[i], packed[i], atol=2e-5), i
         if not sparse:
-            assert torch.allclose(flat_extra[i][0], packed_extra[i][0], atol=2e-5) and torch.allclose(flat_extra[i][1], packed_extra[i][1], atol=2e-5)
+            assert torch.allclose(flat_extra[i][0], packed_extra[i][0], atol=2e-5) and torch.allclose(
+                flat_extra[i][1], packed_extra[i][1], atol=2e-5
+            )
     assert flat_grads.keys() == packed_grads.keys()
     for name, g in flat_grads.items():
-        assert float((g - packed_grads[name]).abs().max()) <= 1e-5 * float(g.abs().max()), name  # float rounding of sums of ~1e3
+        assert float((g - packed_grads[name]).abs().max()) <= 1e-5 * float(g.abs().max()), (
+            name
+        )  # float rounding of sums of ~1e3
 
 
 def test_the_planner_keeps_a_prompts_samples_together():
     samples = group_samples()
     samples = samples[:3] + samples[3:]
-    steps = plan_optimizer_steps(samples, global_batch=6, micro_batch=3, rank=0, world=1, replay=True, device="cpu", pack=True)
+    steps = plan_optimizer_steps(
+        samples, global_batch=6, micro_batch=3, rank=0, world=1, replay=True, device="cpu", pack=True
+    )
     parts = [mb.indices for mb in steps[0].micro_batches]
     assert sorted(map(sorted, parts)) == [[0, 1, 2], [3, 4, 5]]  # one packed row each
     assert all(mb.input_ids.shape[0] == 1 for mb in steps[0].micro_batches)
-    budget = plan_optimizer_steps(samples, global_batch=6, micro_batch=3, rank=0, world=1, replay=True, device="cpu", pack=True, max_tokens=2 * 35)
-    assert [mb.input_ids.shape[0] for mb in budget[0].micro_batches] == [2]  # two packed rows of at most 35 fit 70 tokens
+    budget = plan_optimizer_steps(
+        samples, global_batch=6, micro_batch=3, rank=0, world=1, replay=True, device="cpu", pack=True, max_tokens=2 * 35
+    )
+    assert [mb.input_ids.shape[0] for mb in budget[0].micro_batches] == [
+        2
+    ]  # two packed rows of at most 35 fit 70 tokens
 
 
 def test_a_packed_run_trains_as_an_unpacked_one(tiny_checkpoint, tmp_path):
@@ -83,10 +102,17 @@ def test_a_packed_run_trains_as_an_unpacked_one(tiny_checkpoint, tmp_path):
 
 
 def test_packing_with_what_needs_rows_of_their_own_is_refused(tiny_checkpoint, tmp_path):
-    with pytest.raises(ConfigError, match="--packed-scoring='on': penalties and logit bias are replayed over each sequence's own history"):
+    with pytest.raises(
+        ConfigError,
+        match="--packed-scoring='on': penalties and logit bias are replayed over each sequence's own history",
+    ):
         run_config(tiny_checkpoint, tmp_path, packed_scoring="on", rollout_repetition_penalty=1.2)
-    assert run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True).pack_groups  # the batch-invariant attention unpacks per sequence
-    assert not run_config(tiny_checkpoint, tmp_path, rollout_repetition_penalty=1.2).pack_groups  # auto: rows of their own
+    assert run_config(
+        tiny_checkpoint, tmp_path, true_on_policy_mode=True
+    ).pack_groups  # the batch-invariant attention unpacks per sequence
+    assert not run_config(
+        tiny_checkpoint, tmp_path, rollout_repetition_penalty=1.2
+    ).pack_groups  # auto: rows of their own
     assert run_config(tiny_checkpoint, tmp_path).pack_groups
 
 
@@ -99,11 +125,29 @@ def long_group_samples(vocab=384):
     for rlen in (10, 30, 90):
         response = rng.integers(5, vocab, rlen).tolist()
         rows = [np.unique(np.append(rng.integers(0, vocab, 5), t)).astype(np.int32) for t in response]
-        samples.append(Sample(index=len(samples), group=0, prompt_ids=prompt, response_ids=response, loss_mask=np.ones(rlen, np.int8),
-                              log_mu=np.zeros(rlen, np.float32), support=SupportTable.from_rows(rows)))
+        samples.append(
+            Sample(
+                index=len(samples),
+                group=0,
+                prompt_ids=prompt,
+                response_ids=response,
+                loss_mask=np.ones(rlen, np.int8),
+                log_mu=np.zeros(rlen, np.float32),
+                support=SupportTable.from_rows(rows),
+            )
+        )
     short = rng.integers(5, vocab, 6).tolist()  # a second row: padding in the packed batch
-    samples.append(Sample(index=3, group=1, prompt_ids=short, response_ids=[7, 8], loss_mask=np.ones(2, np.int8), log_mu=np.zeros(2, np.float32),
-                          support=SupportTable.from_rows([np.array([7, 9], np.int32), np.array([8], np.int32)])))
+    samples.append(
+        Sample(
+            index=3,
+            group=1,
+            prompt_ids=short,
+            response_ids=[7, 8],
+            loss_mask=np.ones(2, np.int8),
+            log_mu=np.zeros(2, np.float32),
+            support=SupportTable.from_rows([np.array([7, 9], np.int32), np.array([8], np.int32)]),
+        )
+    )
     return samples
 
 
@@ -127,9 +171,16 @@ def test_packed_batch_invariant_scores_are_the_unpacked_bits(tiny_checkpoint, th
         (sc.logp * weights).sum().backward()
         grads[pack] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     for i in order:  # the engine's bits are the unpacked forward's (tests/modeling/test_batch_invariant.py): now the packed one's too
-        assert torch.equal(scores[True][i], scores[False][i]), (i, (scores[True][i] - scores[False][i]).abs().max().item())
+        assert torch.equal(scores[True][i], scores[False][i]), (
+            i,
+            (scores[True][i] - scores[False][i]).abs().max().item(),
+        )
     for name, g in grads[False].items():  # the same math; sums in another order
-        assert float((g - grads[True][name]).abs().max()) <= 1e-5 * float(g.abs().max()), (name, float((g - grads[True][name]).abs().max()), float(g.abs().max()))
+        assert float((g - grads[True][name]).abs().max()) <= 1e-5 * float(g.abs().max()), (
+            name,
+            float((g - grads[True][name]).abs().max()),
+            float(g.abs().max()),
+        )
 
 
 def test_the_packed_layout_puts_each_sequence_at_its_positions():
@@ -165,7 +216,9 @@ def test_packed_sdpa_attends_per_sequence_with_the_unpacked_math(tiny_checkpoint
     for i in order:
         assert torch.allclose(flat[i], packed[i], atol=2e-5), i
     for name, g in flat_grads.items():  # finite: the padding's empty query slots never reach a gradient
-        assert torch.isfinite(packed_grads[name]).all() and float((g - packed_grads[name]).abs().max()) <= 1e-5 * float(g.abs().max()), name
+        assert torch.isfinite(packed_grads[name]).all() and float((g - packed_grads[name]).abs().max()) <= 1e-5 * float(
+            g.abs().max()
+        ), name
 
 
 def test_sdpa_goes_per_sequence_where_it_saves_scores():

@@ -11,10 +11,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from support_replay.backends.local import EngineBackend
+from support_replay.core.sampling import SamplingParams
 from support_replay.engine import Engine
 from support_replay.rollout.chat import ChatRenderer, builtin_template
 from support_replay.rollout.session import SessionSettings, SessionStore
-from support_replay.core.sampling import SamplingParams
 from support_replay.serving.sessions import create_sessions_app
 from support_replay.serving.threaded import ThreadedServer
 
@@ -27,7 +27,9 @@ def served(tiny_agent_checkpoint):
     session store, served on loopback."""
     engine = Engine.from_pretrained(tiny_agent_checkpoint, deterministic=True)
     tokenizer = AutoTokenizer.from_pretrained(tiny_agent_checkpoint)
-    store = SessionStore(EngineBackend(engine), ChatRenderer(tokenizer, builtin_template()), SessionSettings(PARAMS, max_new_tokens=8))
+    store = SessionStore(
+        EngineBackend(engine), ChatRenderer(tokenizer, builtin_template()), SessionSettings(PARAMS, max_new_tokens=8)
+    )
     server = ThreadedServer(create_sessions_app(store)).start()
     yield store, server.url
     server.stop()
@@ -72,7 +74,10 @@ def test_streamed_and_whole_answers_give_the_identical_sample(served):
     sample = ta["samples"][0]
     mask = np.array(sample["loss_mask"], bool)
     assert sample["model_turns"] == 3 and (~mask).sum() > 0
-    assert all(sample["log_mu"][t] == 0.0 and sample["support"][t] == [sample["response_ids"][t]] for t in np.flatnonzero(~mask))
+    assert all(
+        sample["log_mu"][t] == 0.0 and sample["support"][t] == [sample["response_ids"][t]]
+        for t in np.flatnonzero(~mask)
+    )
 
 
 def test_64_concurrent_sessions_equal_their_sequential_replays(served):
@@ -96,25 +101,44 @@ def test_openai_shapes_tool_calls_logprobs_and_replay_metadata(served):
     store, url = served
     sid = new_session(url, 5)
     client = openai.OpenAI(base_url=f"{url}/sessions/{sid}/v1", api_key="x", max_retries=0)
-    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {}}}}]
-    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools, logprobs=True, top_logprobs=3,
-                                           extra_body={"return_meta_info": True})
+    tools = [
+        {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {}}}}
+    ]
+    reply = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        tools=tools,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"return_meta_info": True},
+    )
     choice = reply.choices[0]
     meta = choice.model_extra["meta_info"]
     assert len(choice.logprobs.content) == len(meta["output_ids"]) == reply.usage.completion_tokens
-    for entry, lp, row in zip(choice.logprobs.content, meta["output_token_sampling_logprobs"], meta["output_token_sampling_mask"]):
+    for entry, lp, row in zip(
+        choice.logprobs.content, meta["output_token_sampling_logprobs"], meta["output_token_sampling_mask"]
+    ):
         assert entry.logprob == lp and len(entry.top_logprobs) == min(3, len(row))
         assert entry.top_logprobs[0].logprob >= entry.logprob  # the support's most likely id first
     assert meta["turn"] == 0 and meta["weight_versions"][0]["version"] == "default"
-    for bad, why in [({"n": 2}, "n=2: a session is one trajectory"), ({"temperature": 0.5}, "differs from the run's rollout setting"),
-                     ({"presence_penalty": 0.5}, "presence_penalty=0.5 differs from the run's rollout setting 0.0"), ({"tool_choice": "required", "tools": tools}, "tool_choice='required'")]:
+    for bad, why in [
+        ({"n": 2}, "n=2: a session is one trajectory"),
+        ({"temperature": 0.5}, "differs from the run's rollout setting"),
+        ({"presence_penalty": 0.5}, "presence_penalty=0.5 differs from the run's rollout setting 0.0"),
+        ({"tool_choice": "required", "tools": tools}, "tool_choice='required'"),
+    ]:
         with pytest.raises(openai.BadRequestError, match=why):
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], **bad)
     with pytest.raises(openai.NotFoundError, match="no such session"):
-        openai.OpenAI(base_url=f"{url}/sessions/nope/v1", api_key="x", max_retries=0).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        openai.OpenAI(base_url=f"{url}/sessions/nope/v1", api_key="x", max_retries=0).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}]
+        )
     assert httpx.post(f"{url}/sessions/{sid}/finish", json={"reward": 1.5}).json()["finished"] is True
     assert trajectory(url, sid)["reward"] == 1.5
-    assert httpx.delete(f"{url}/sessions/{sid}").status_code == 200 and httpx.get(f"{url}/sessions/{sid}").status_code == 404
+    assert (
+        httpx.delete(f"{url}/sessions/{sid}").status_code == 200
+        and httpx.get(f"{url}/sessions/{sid}").status_code == 404
+    )
 
 
 def test_abandoned_sessions_expire(served):

@@ -3,21 +3,21 @@ behind our router over HTTP, every turn of a session on one engine, and a sessio
 dies failing that episode cleanly."""
 
 import asyncio
-import sys
 import signal
+import sys
 
 import httpx
 import pytest
 from transformers import AutoTokenizer
 
 from processes import engine_process, router_process
+from recipe_helpers import agent_config
 from support_replay.backends.sglang import SGLangBackend
+from support_replay.core.sampling import SamplingParams
 from support_replay.errors import SessionFailed
 from support_replay.rollout.chat import ChatRenderer
 from support_replay.rollout.session import ChatTurn, SessionSettings, SessionStore
-from support_replay.core.sampling import SamplingParams
 from support_replay.train import train
-from recipe_helpers import agent_config
 
 pytestmark = pytest.mark.slow
 
@@ -57,27 +57,62 @@ def test_the_sessions_command_in_front_of_the_router(two_engines_and_router, tin
     url = f"http://127.0.0.1:{port}"
     key = tmp_path / "key"
     key.write_text("sekrit\n")
-    args = [sys.executable, "-m", "support_replay.cli", "sessions", "--backend", router_url, "--tokenizer", str(tiny_agent_checkpoint),
-            "--port", str(port), "--max-new-tokens", "6", "--api-key-file", str(key), "--repetition-penalty", "1.2"]
+    args = [
+        sys.executable,
+        "-m",
+        "support_replay.cli",
+        "sessions",
+        "--backend",
+        router_url,
+        "--tokenizer",
+        str(tiny_agent_checkpoint),
+        "--port",
+        str(port),
+        "--max-new-tokens",
+        "6",
+        "--api-key-file",
+        str(key),
+        "--repetition-penalty",
+        "1.2",
+    ]
     with process(args, url):
         assert httpx.post(url + "/sessions", json={}).status_code == 401
-        sid = httpx.post(url + "/sessions", json={"seed": 4}, headers={"Authorization": "Bearer sekrit"}).json()["session_id"]
+        sid = httpx.post(url + "/sessions", json={"seed": 4}, headers={"Authorization": "Bearer sekrit"}).json()[
+            "session_id"
+        ]
         client = openai.OpenAI(base_url=f"{url}/sessions/{sid}/v1", api_key="sekrit", max_retries=0)
         messages = [{"role": "user", "content": "Start from 3."}]
         for k in range(2):
             reply = client.chat.completions.create(model="m", messages=messages)
-            messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "Add 1."}]
-        [sample] = httpx.get(f"{url}/sessions/{sid}/trajectory", headers={"Authorization": "Bearer sekrit"}).json()["samples"]
-    assert sample["model_turns"] == 2 and 0 in sample["loss_mask"] and len(sample["support"]) == len(sample["response_ids"])
-    assert sample["penalties"]["repetition_penalty"] == 1.2 and len(sample["output_starts"]) == 2  # what a trainer needs to replay them
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": "Add 1."},
+            ]
+        [sample] = httpx.get(f"{url}/sessions/{sid}/trajectory", headers={"Authorization": "Bearer sekrit"}).json()[
+            "samples"
+        ]
+    assert (
+        sample["model_turns"] == 2
+        and 0 in sample["loss_mask"]
+        and len(sample["support"]) == len(sample["response_ids"])
+    )
+    assert (
+        sample["penalties"]["repetition_penalty"] == 1.2 and len(sample["output_starts"]) == 2
+    )  # what a trainer needs to replay them
 
 
-def test_every_turn_of_a_session_goes_to_one_engine_and_a_dead_engine_fails_the_episode(two_engines_and_router, tiny_agent_checkpoint):
+def test_every_turn_of_a_session_goes_to_one_engine_and_a_dead_engine_fails_the_episode(
+    two_engines_and_router, tiny_agent_checkpoint
+):
     # the last test of the module: it kills one of the module's engines
     router_url, procs = two_engines_and_router
     tokenizer = AutoTokenizer.from_pretrained(tiny_agent_checkpoint)
     backend = SGLangBackend(router_url, len(tokenizer), timeout=30)
-    store = SessionStore(backend, ChatRenderer(tokenizer), SessionSettings(SamplingParams(temperature=1.0, top_k=32, top_p=0.8), max_new_tokens=6))
+    store = SessionStore(
+        backend,
+        ChatRenderer(tokenizer),
+        SessionSettings(SamplingParams(temperature=1.0, top_k=32, top_p=0.8), max_new_tokens=6),
+    )
 
     def play(sid, turns):
         messages = [{"role": "user", "content": "Start from 3."}]

@@ -24,8 +24,12 @@ def test_fuzzed_vllm_payloads_raise_only_our_errors():
 
 @pytest.mark.slow
 def test_schema_driven_requests_get_no_5xx(tiny_checkpoint):
-    engine = Engine.from_pretrained(tiny_checkpoint, limits=EngineLimits(max_new_tokens=4, max_prompt_tokens=64)).start()
+    engine = Engine.from_pretrained(
+        tiny_checkpoint, limits=EngineLimits(max_new_tokens=4, max_prompt_tokens=64)
+    ).start()
     seen = fuzz_http(create_app(engine), 40)
     engine.shutdown()
-    assert len({op for op, _ in seen["answers"]}) == 12  # every operation of the schema was tried (/v1/completions, the weights in a body too)
+    assert (
+        len({op for op, _ in seen["answers"]}) == 12
+    )  # every operation of the schema was tried (/v1/completions, the weights in a body too)
     assert all(status < 500 for _, status in seen["answers"])

@@ -21,10 +21,25 @@ def raw_request(app, method: str, raw_path: str, body: bytes = b"{}", headers: d
     from urllib.parse import unquote
 
     path = unquote(raw_path)
-    hdrs = [(b"host", b"testserver"), (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    hdrs = [
+        (b"host", b"testserver"),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
     hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http", "path": path,
-             "raw_path": raw_path.encode(), "query_string": b"", "headers": hdrs, "client": ("127.0.0.1", 1), "server": ("testserver", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": raw_path.encode(),
+        "query_string": b"",
+        "headers": hdrs,
+        "client": ("127.0.0.1", 1),
+        "server": ("testserver", 80),
+    }
     sent, messages = [], [{"type": "http.request", "body": body, "more_body": False}]
 
     async def receive():
@@ -72,14 +87,24 @@ def test_weights_from_disk_with_no_key_on_an_open_address_is_refused(tmp_path):
 # ---- finding 3: a path with '..' passed the guard and was normalised into an admin route ------
 
 
-@pytest.mark.parametrize("path", ["/v1/../update_weight_version", "/v1/%2e%2e/update_weight_version", "//update_weight_version",
-                                  "/./update_weight_version", "/v1%2f..%2fupdate_weight_version"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/../update_weight_version",
+        "/v1/%2e%2e/update_weight_version",
+        "//update_weight_version",
+        "/./update_weight_version",
+        "/v1%2f..%2fupdate_weight_version",
+    ],
+)
 def test_paths_not_in_normal_form_are_refused_before_any_guard(api_key_only, path):
     client, engine, _ = api_key_only
     status, body = raw_request(client.app, "POST", path, b'{"new_version": "forged"}', API)
     assert status == 400 and b"not in normal form" in body
     assert engine.weight_version != "forged"
-    assert raw_request(client.app, "POST", "/update_weight_version", b'{"new_version": "v3"}', API)[0] == 200  # the normal path works
+    assert (
+        raw_request(client.app, "POST", "/update_weight_version", b'{"new_version": "v3"}', API)[0] == 200
+    )  # the normal path works
 
 
 def test_the_router_refuses_them_too(tiny_checkpoint):
@@ -90,7 +115,9 @@ def test_the_router_refuses_them_too(tiny_checkpoint):
     seen = []
     router = Router(["http://engine:1"], keys=Keys(api="api-key"))
     app = create_router_app(router, allowed_hosts=["testserver"])
-    router.client = httpx.AsyncClient(transport=httpx.MockTransport(lambda req: seen.append(req.url.path) or httpx.Response(200, json={})))
+    router.client = httpx.AsyncClient(
+        transport=httpx.MockTransport(lambda req: seen.append(req.url.path) or httpx.Response(200, json={}))
+    )
     status, body = raw_request(app, "POST", "/v1/../update_weight_version", b'{"new_version": "x"}', API)
     assert status == 400 and seen == []  # was forwarded, and httpx normalised it into the admin route
 
@@ -131,7 +158,9 @@ def test_a_duplicates_client_going_away_leaves_the_original_running(tiny_checkpo
     engine = Engine.from_pretrained(tiny_checkpoint)
     req = GenerateRequest([5, 6, 7], SamplingParams(top_k=5, seed=2), max_new_tokens=20, ignore_eos=True, rid="long")
     original = engine.submit(req)
-    duplicate = engine.submit(GenerateRequest([5, 6, 7], SamplingParams(top_k=5, seed=2), max_new_tokens=20, ignore_eos=True, rid="long"))
+    duplicate = engine.submit(
+        GenerateRequest([5, 6, 7], SamplingParams(top_k=5, seed=2), max_new_tokens=20, ignore_eos=True, rid="long")
+    )
     assert duplicate is not original
     engine.abort(duplicate)  # was: the original's future, aborted
     engine.wait([original])
@@ -139,8 +168,9 @@ def test_a_duplicates_client_going_away_leaves_the_original_running(tiny_checkpo
 
 
 def test_finished_answers_are_kept_within_a_byte_budget():
-    import numpy as np
     from concurrent.futures import Future
+
+    import numpy as np
 
     from support_replay import SamplingParams, SupportTable
     from support_replay.engine.ledger import Ledger, completion_bytes
@@ -151,11 +181,19 @@ def test_finished_answers_are_kept_within_a_byte_budget():
         req = GenerateRequest([1, 2], SamplingParams(top_k=5), rid=f"r{i}")
         f = Future()
         assert ledger.enqueue(req, f) is None
-        big = Completion(output_ids=[1] * 4, finish_reason={"type": "length"}, log_mu=np.zeros(4, np.float32),
-                         support=SupportTable.from_rows([np.arange(4096)] + [np.array([1])] * 3))
+        big = Completion(
+            output_ids=[1] * 4,
+            finish_reason={"type": "length"},
+            log_mu=np.zeros(4, np.float32),
+            support=SupportTable.from_rows([np.arange(4096)] + [np.array([1])] * 3),
+        )
         ledger.finished(req, f, big)
     assert completion_bytes(big) > 4096 * 4
-    assert list(ledger._finished) == ["r2", "r3", "r4"]  # was kept by count alone: 4,096 of them, ~67 MB each at full capacity
+    assert list(ledger._finished) == [
+        "r2",
+        "r3",
+        "r4",
+    ]  # was kept by count alone: 4,096 of them, ~67 MB each at full capacity
 
 
 def test_an_abort_after_the_answer_leaves_nothing_behind(tiny_checkpoint):
@@ -168,7 +206,9 @@ def test_an_abort_after_the_answer_leaves_nothing_behind(tiny_checkpoint):
         engine.wait([f])
         engine.abort(f)  # a client that went away after its answer
     assert engine.ledger._aborted == {}  # was one record per finished future, keyed by a reusable id()
-    fresh = [engine.submit(GenerateRequest([5, 6], SamplingParams(top_k=5, seed=i), max_new_tokens=2)) for i in range(50)]
+    fresh = [
+        engine.submit(GenerateRequest([5, 6], SamplingParams(top_k=5, seed=i), max_new_tokens=2)) for i in range(50)
+    ]
     engine.wait(fresh)
     assert all(f.exception() is None for f in fresh)
 
@@ -183,8 +223,14 @@ def test_a_body_that_fans_out_past_the_queue_is_refused_before_anything_is_built
     hostile = json.dumps({"prompt": [[1]] * 1_000_000, "n": 64, "max_tokens": 1}).encode()  # 5 MB: ~10^8 requests
     r = client.post("/v1/completions", content=hostile, headers={**API, "content-type": "application/json"})
     assert r.status_code == 400 and "1000000 entries exceed the limit of 4096 prompts" in r.text
-    r = client.post("/generate", content=json.dumps({"input_ids": [[1]] * 1_000_000}).encode(), headers={**API, "content-type": "application/json"})
-    assert r.status_code == 400 and "exceed the limit" in r.text and len(r.text) < 2000  # the first errors only, not a million
+    r = client.post(
+        "/generate",
+        content=json.dumps({"input_ids": [[1]] * 1_000_000}).encode(),
+        headers={**API, "content-type": "application/json"},
+    )
+    assert (
+        r.status_code == 400 and "exceed the limit" in r.text and len(r.text) < 2000
+    )  # the first errors only, not a million
     r = client.post("/v1/completions", json={"prompt": [[1, 2]] * 300, "n": 64, "max_tokens": 1}, headers=API)
     assert r.status_code == 400 and "300 x 64 = 19200 requests exceed the engine's queue of 256" in r.text
     r = client.post("/generate", json={"input_ids": [[1, 2]] * 300}, headers=API)
@@ -253,9 +299,19 @@ def test_a_client_going_away_cancels_the_engine_request():
             raise
 
     router, app = _router_app(never)
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/generate",
-             "raw_path": b"/generate", "query_string": b"", "client": ("127.0.0.1", 1), "server": ("testserver", 80),
-             "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"), (b"content-length", b"2")]}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/generate",
+        "raw_path": b"/generate",
+        "query_string": b"",
+        "client": ("127.0.0.1", 1),
+        "server": ("testserver", 80),
+        "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"), (b"content-length", b"2")],
+    }
     messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
 
     import time
@@ -287,14 +343,20 @@ def test_a_full_queue_answers_503_before_the_body_is_parsed(tiny_checkpoint):
     from support_replay.engine.limits import EngineLimits
     from support_replay.protocol import GenerateRequest
 
-    engine = Engine.from_pretrained(tiny_checkpoint, limits=EngineLimits(max_queue=2))  # not started: nothing leaves the queue
+    engine = Engine.from_pretrained(
+        tiny_checkpoint, limits=EngineLimits(max_queue=2)
+    )  # not started: nothing leaves the queue
     app = create_app(engine, allowed_hosts=["testserver"], start_engine=False)
-    queued = [engine.submit(GenerateRequest([5, 6], SamplingParams(top_k=5, seed=i), max_new_tokens=2)) for i in range(2)]
+    queued = [
+        engine.submit(GenerateRequest([5, 6], SamplingParams(top_k=5, seed=i), max_new_tokens=2)) for i in range(2)
+    ]
     status, body = raw_request(app, "POST", "/generate", b"{ not json at all")
     assert status == 503 and b"admission queue is full" in body  # refused without parsing (a parse would be a 400)
     assert raw_request(app, "GET", "/health", b"")[0] == 200
     engine.wait(queued)
-    assert raw_request(app, "POST", "/generate", b"{ not json at all")[0] == 400  # room again: parsed, and refused for what it is
+    assert (
+        raw_request(app, "POST", "/generate", b"{ not json at all")[0] == 400
+    )  # room again: parsed, and refused for what it is
 
 
 # ---- finding 8: sessions ---------------------------------------------------------------------------
@@ -309,7 +371,9 @@ def test_session_metadata_is_bounded_and_a_refused_merge_changes_nothing():
     session = store.create(metadata={"task": 1})
     store.finish(session.id, 1.0, {"a": "x" * 1000})
     for i in range(10):  # each /finish merges: was unbounded
-        with pytest.raises(RequestError, match=f"metadata of \\d+ bytes as JSON exceeds the limit of {MAX_METADATA_BYTES}"):
+        with pytest.raises(
+            RequestError, match=f"metadata of \\d+ bytes as JSON exceeds the limit of {MAX_METADATA_BYTES}"
+        ):
             store.finish(session.id, 1.0, {f"k{i}": "y" * MAX_METADATA_BYTES})
     assert set(session.metadata) == {"task", "a"}
     with pytest.raises(RequestError, match="exceeds the limit"):
@@ -326,23 +390,31 @@ def test_a_session_that_cannot_open_fails_its_episode_not_the_rollout():
     store = SessionStore(backend=None, renderer=None, settings=SessionSettings(SamplingParams(top_k=5)), max_sessions=1)
     store.create()  # the store is full
     runner = AgentRunner(type("A", (), {"style": "client"})(), store, "http://127.0.0.1:1", reward_fn=None, timeout=5)
-    result = asyncio.run(runner.episode(Episode(0, 0, "hi", None, max_turns=1), seed=1, settings=store.settings, rollout=0))
+    result = asyncio.run(
+        runner.episode(Episode(0, 0, "hi", None, max_turns=1), seed=1, settings=store.settings, rollout=0)
+    )
     assert result.samples == [] and "sessions: 1 are open" in str(result.error)  # was raised out of the whole rollout
 
 
 def test_the_trainers_session_server_checks_host_and_key(tiny_agent_checkpoint, tmp_path):
     import httpx
 
-    from recipe_helpers import parts
-    from recipe_helpers import agent_config
+    from recipe_helpers import agent_config, parts
 
     _, rollouts = parts(tiny_agent_checkpoint, agent_config(tiny_agent_checkpoint, tmp_path, agent="chain"))
     try:
         url = rollouts.session_server.url
-        assert httpx.post(url + "/sessions", json={}).status_code == 401  # was 200: anyone on the machine could open sessions
-        assert httpx.get(url + "/health", headers={"host": "evil.example"}).status_code == 400  # was 200: any Host (DNS rebinding)
+        assert (
+            httpx.post(url + "/sessions", json={}).status_code == 401
+        )  # was 200: anyone on the machine could open sessions
+        assert (
+            httpx.get(url + "/health", headers={"host": "evil.example"}).status_code == 400
+        )  # was 200: any Host (DNS rebinding)
         session = rollouts.sessions.create()
-        r = httpx.post(f"{url}/sessions/{session.id}/v1/chat/completions", json={"messages": [{"role": "user", "content": "1+1"}], "max_tokens": 2})
+        r = httpx.post(
+            f"{url}/sessions/{session.id}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "1+1"}], "max_tokens": 2},
+        )
         assert r.status_code == 200  # a session's own URL is its key: plain-HTTP agents keep working
     finally:
         rollouts.close()

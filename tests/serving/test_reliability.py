@@ -31,7 +31,11 @@ def batch(n: int, poison_at: int | None = None, poison_params=None):
         params = SamplingParams(temperature=1.0, top_k=16, top_p=0.9, seed=1000 + i)
         if i == poison_at:
             params = poison_params
-        reqs.append(GenerateRequest([5 + i % 7, 40, 77, 9 + i], params, max_new_tokens=6, ignore_eos=True, return_sampling_mask=True))
+        reqs.append(
+            GenerateRequest(
+                [5 + i % 7, 40, 77, 9 + i], params, max_new_tokens=6, ignore_eos=True, return_sampling_mask=True
+            )
+        )
     return reqs
 
 
@@ -48,7 +52,9 @@ def run_together(engine, reqs):
 
 
 @pytest.mark.parametrize("where", ["prefill", "sampling"])
-def test_an_error_in_one_request_fails_it_alone_and_the_rest_are_bit_identical(deterministic_engine, monkeypatch, where):
+def test_an_error_in_one_request_fails_it_alone_and_the_rest_are_bit_identical(
+    deterministic_engine, monkeypatch, where
+):
     poison = SamplingParams(temperature=1.0, top_k=16, top_p=0.123, seed=7)  # marks the poisoned request
     alone = run_together(deterministic_engine, batch(8))
     if where == "prefill":
@@ -78,13 +84,21 @@ def test_an_error_in_one_request_fails_it_alone_and_the_rest_are_bit_identical(d
 
 
 def test_limits_refuse_before_a_slot_is_taken(tiny_checkpoint):
-    limits = EngineLimits(max_new_tokens=32, max_prompt_tokens=64, max_stop_strings=2, max_stop_string_length=8, max_queue=2)
+    limits = EngineLimits(
+        max_new_tokens=32, max_prompt_tokens=64, max_stop_strings=2, max_stop_string_length=8, max_queue=2
+    )
     eng = Engine.from_pretrained(tiny_checkpoint, limits=limits)  # not started: requests stay queued
     ok = GenerateRequest([1, 2, 3], SamplingParams(top_k=8), max_new_tokens=4)
     cases = [
         (GenerateRequest([1] * 65, SamplingParams(top_k=8)), "input_ids: 65 prompt tokens exceed the limit of 64"),
-        (GenerateRequest([1], SamplingParams(top_k=8), max_new_tokens=33), "max_new_tokens: 33 exceeds the limit of 32"),
-        (GenerateRequest([1], SamplingParams(top_k=8), stop=["a", "b", "c"]), "stop: 3 stop strings exceed the limit of 2"),
+        (
+            GenerateRequest([1], SamplingParams(top_k=8), max_new_tokens=33),
+            "max_new_tokens: 33 exceeds the limit of 32",
+        ),
+        (
+            GenerateRequest([1], SamplingParams(top_k=8), stop=["a", "b", "c"]),
+            "stop: 3 stop strings exceed the limit of 2",
+        ),
         (GenerateRequest([1], SamplingParams(top_k=8), stop=["x" * 9]), "stop: a stop string of 9 characters"),
     ]
     for req, message in cases:
@@ -100,7 +114,9 @@ def test_limits_refuse_before_a_slot_is_taken(tiny_checkpoint):
 
 
 def test_a_repeated_request_id_is_answered_once(deterministic_engine):
-    req = GenerateRequest([3, 4, 5], SamplingParams(top_k=8, seed=5), max_new_tokens=5, return_sampling_mask=True, rid="run-a/r0/s1")
+    req = GenerateRequest(
+        [3, 4, 5], SamplingParams(top_k=8, seed=5), max_new_tokens=5, return_sampling_mask=True, rid="run-a/r0/s1"
+    )
     first = deterministic_engine.submit(req)
     again = deterministic_engine.submit(req)  # while the first runs: the same future
     a = first.result(timeout=60)
@@ -129,8 +145,13 @@ def test_an_aborted_request_stops_and_frees_its_slot(tiny_checkpoint):
 @pytest.fixture
 def guarded(tiny_checkpoint, tmp_path):
     eng = Engine.from_pretrained(tiny_checkpoint).start()
-    app = create_app(eng, keys=Keys(api="gen-key", admin="admin-key"), max_request_bytes=4096, weights_dir=tmp_path / "weights",
-                     allowed_hosts=["127.0.0.1", "localhost", "testserver"])
+    app = create_app(
+        eng,
+        keys=Keys(api="gen-key", admin="admin-key"),
+        max_request_bytes=4096,
+        weights_dir=tmp_path / "weights",
+        allowed_hosts=["127.0.0.1", "localhost", "testserver"],
+    )
     (tmp_path / "weights").mkdir()
     with TestClient(app) as client:
         yield client, eng, tmp_path
@@ -150,16 +171,29 @@ def test_body_limit_holds_for_chunked_bodies(guarded):
 
     r = client.post("/generate", content=chunks(), headers={**GEN, "content-type": "application/json"})
     assert r.status_code == 413 and "larger than 4096 bytes" in r.text
-    assert client.post("/generate", content=b"y" * 5000, headers={**GEN, "content-type": "application/json"}).status_code == 413
+    assert (
+        client.post("/generate", content=b"y" * 5000, headers={**GEN, "content-type": "application/json"}).status_code
+        == 413
+    )
 
 
 def test_mutating_routes_take_json_from_a_known_host_with_the_right_key(guarded):
     client, eng, tmp_path = guarded
     body = {"model_path": str(tmp_path / "weights")}
     # a page in a browser posts text/plain: refused before anything runs
-    assert client.post("/update_weights_from_disk", content=str(body), headers={**ADMIN, "content-type": "text/plain"}).status_code == 415
-    assert client.post("/update_weights_from_disk", json=body, headers={**ADMIN, "host": "evil.example"}).status_code == 400
-    assert client.post("/update_weights_from_disk", json=body, headers=GEN).status_code == 401  # the generation key is not the admin key
+    assert (
+        client.post(
+            "/update_weights_from_disk", content=str(body), headers={**ADMIN, "content-type": "text/plain"}
+        ).status_code
+        == 415
+    )
+    assert (
+        client.post("/update_weights_from_disk", json=body, headers={**ADMIN, "host": "evil.example"}).status_code
+        == 400
+    )
+    assert (
+        client.post("/update_weights_from_disk", json=body, headers=GEN).status_code == 401
+    )  # the generation key is not the admin key
     assert client.post("/generate", json={"input_ids": [1, 2]}).status_code == 401
     assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
     # weights only from under --weights-dir
@@ -184,12 +218,12 @@ def test_metrics_count_outcomes(guarded):
 
 # ---- the trainer: durable checkpoints, no NaN pushed, failed responses never train ------------
 
+from recipe_helpers import run_config  # noqa: E402
 from support_replay.errors import EngineUnavailable, NonFiniteError  # noqa: E402
 from support_replay.train import learner as learner_module  # noqa: E402
 from support_replay.train import train  # noqa: E402
 from support_replay.train.checkpoint import latest_checkpoint, verify_checkpoint  # noqa: E402
 from support_replay.train.metrics import read_rows  # noqa: E402
-from recipe_helpers import run_config  # noqa: E402
 
 
 def test_resume_skips_a_damaged_checkpoint_and_a_torn_metrics_line(tiny_checkpoint, tmp_path):
@@ -275,6 +309,7 @@ def test_poison_requests_get_4xx_and_the_batch_beside_them_is_unchanged(determin
     from poison import POISONS, send_with
 
     with TestClient(create_app(deterministic_engine)) as client:
+
         def post(body):
             if isinstance(body, bytes):
                 r = client.post("/generate", content=body, headers={"content-type": "application/json"})

@@ -25,7 +25,13 @@ def reference_model(tiny_checkpoint):
 def ask(url, ids, seed, max_new_tokens=12, **extra):
     body = {
         "input_ids": ids,
-        "sampling_params": {"temperature": 1.0, "top_k": 32, "top_p": 0.85, "max_new_tokens": max_new_tokens, "seed": seed},
+        "sampling_params": {
+            "temperature": 1.0,
+            "top_k": 32,
+            "top_p": 0.85,
+            "max_new_tokens": max_new_tokens,
+            "seed": seed,
+        },
         "return_sampling_mask": True,
         **extra,
     }
@@ -56,10 +62,15 @@ def test_concurrent_requests_through_the_router(tiny_checkpoint, reference_model
             binary = ask(router_url, prompts[0], seed=0, sampling_mask_format="binary")
             assert isinstance(binary["meta_info"]["output_token_sampling_mask"], str)
             # weight updates are broadcast to every engine
-            r = httpx.post(router_url + "/update_weights_from_disk", json={"model_path": str(tiny_checkpoint)}, timeout=60)
+            r = httpx.post(
+                router_url + "/update_weights_from_disk", json={"model_path": str(tiny_checkpoint)}, timeout=60
+            )
             assert r.status_code == 200 and r.json()["success"] and len(r.json()["engines"]) == 2
             # capacity overflow: 400, and the engine keeps serving
-            r = httpx.post(router_url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"top_k": 5000}, "return_sampling_mask": True})
+            r = httpx.post(
+                router_url + "/generate",
+                json={"input_ids": [5, 6], "sampling_params": {"top_k": 5000}, "return_sampling_mask": True},
+            )
             assert r.status_code == 400 and "sampling_mask_max_tokens" in r.text
             assert ask(router_url, prompts[1], seed=1)["meta_info"]["completion_tokens"] == 12
 
@@ -70,8 +81,20 @@ def test_router_retries_when_an_engine_dies_mid_request(tiny_checkpoint):
         ctx, router_url = router_process([url_a, url_b], health_interval=30)
         with ctx:
             with ThreadPoolExecutor(1) as pool:
-                pending = pool.submit(ask, router_url, [5, 6, 7], 3, 400, sampling_params={
-                    "temperature": 1.0, "top_k": 8, "max_new_tokens": 400, "ignore_eos": True, "seed": 3})
+                pending = pool.submit(
+                    ask,
+                    router_url,
+                    [5, 6, 7],
+                    3,
+                    400,
+                    sampling_params={
+                        "temperature": 1.0,
+                        "top_k": 8,
+                        "max_new_tokens": 400,
+                        "ignore_eos": True,
+                        "seed": 3,
+                    },
+                )
                 deadline = time.monotonic() + 10
                 while time.monotonic() < deadline:
                     workers = {w["url"]: w for w in httpx.get(router_url + "/workers").json()}
@@ -92,7 +115,11 @@ def test_a_client_that_goes_away_frees_its_slot(tiny_checkpoint):
     ctx, url = engine_process(tiny_checkpoint)
     with ctx:
         with pytest.raises(httpx.ReadTimeout):  # the client gives up on a long request
-            httpx.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}, timeout=0.3)
+            httpx.post(
+                url + "/generate",
+                json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}},
+                timeout=0.3,
+            )
         for _ in range(100):  # the server notices within its poll interval and drops the request
             if httpx.get(url + "/health").json()["running"] == 0:
                 break
@@ -110,8 +137,21 @@ def test_serve_stops_on_sigterm_and_names_a_taken_port(tiny_checkpoint):
     ctx, url = engine_process(tiny_checkpoint)
     with ctx as proc:
         port = url.rsplit(":", 1)[1]
-        second = subprocess.run([sys.executable, "-m", "support_replay.cli", "serve", "--hf-checkpoint", str(tiny_checkpoint), "--port", port],
-                                capture_output=True, text=True, timeout=120)
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "support_replay.cli",
+                "serve",
+                "--hf-checkpoint",
+                str(tiny_checkpoint),
+                "--port",
+                port,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode != 0 and f"127.0.0.1:{port}" in second.stderr, second.stderr[-2000:]
         assert httpx.get(url + "/health", timeout=10).status_code == 200  # the first one still serves
         proc.send_signal(signal.SIGTERM)

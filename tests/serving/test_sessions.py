@@ -10,16 +10,24 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from support_replay.errors import HistoryMismatch, RequestError, SessionBusy, SessionFailed, EngineUnavailable
+from support_replay.core.sampling import SamplingParams
+from support_replay.core.support import SupportTable
+from support_replay.errors import EngineUnavailable, HistoryMismatch, RequestError, SessionBusy, SessionFailed
 from support_replay.protocol import Completion, single_version
 from support_replay.rollout.chat import ChatRenderer, builtin_template, normalize_message, parse_tool_calls
 from support_replay.rollout.session import ChatTurn, SessionSettings, SessionStore
-from support_replay.core.sampling import SamplingParams
-from support_replay.core.support import SupportTable
 
 PARAMS = SamplingParams(temperature=1.0, top_k=32, top_p=0.8)
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "arithmetic",
-                                           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "arithmetic",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
 
 
 class ScriptedBackend:
@@ -42,12 +50,17 @@ class ScriptedBackend:
         ids = ids[: req.max_new_tokens]
         stopped = ids[-1] == self.tokenizer.eos_token_id
         rows = [np.array(sorted({t, t + 1 if t + 1 < self.vocab_size else t - 1}), np.int32) for t in ids]
-        return [Completion(
-            output_ids=ids, finish_reason={"type": "stop", "matched": ids[-1]} if stopped else {"type": "length", "length": len(ids)},
-            log_mu=np.full(len(ids), np.log(0.5), np.float32) if req.return_sampling_mask else None,
-            support=SupportTable.from_rows(rows) if req.return_sampling_mask else None,
-            weight_versions=single_version("7", len(ids)),
-        )]
+        return [
+            Completion(
+                output_ids=ids,
+                finish_reason={"type": "stop", "matched": ids[-1]}
+                if stopped
+                else {"type": "length", "length": len(ids)},
+                log_mu=np.full(len(ids), np.log(0.5), np.float32) if req.return_sampling_mask else None,
+                support=SupportTable.from_rows(rows) if req.return_sampling_mask else None,
+                weight_versions=single_version("7", len(ids)),
+            )
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +85,10 @@ def tool_episode(store):
     s = store.create(seed=3)
     messages = [{"role": "user", "content": "What is 6 * 7?"}]
     first = chat(store, s.id, messages, tools=TOOLS)
-    messages += [{"role": "assistant", "content": first.content, "tool_calls": first.tool_calls},
-                 {"role": "tool", "tool_call_id": first.tool_calls[0]["id"], "content": '{"result": 42}'}]
+    messages += [
+        {"role": "assistant", "content": first.content, "tool_calls": first.tool_calls},
+        {"role": "tool", "tool_call_id": first.tool_calls[0]["id"], "content": '{"result": 42}'},
+    ]
     second = chat(store, s.id, messages, tools=TOOLS)
     messages.append({"role": "assistant", "content": second.content})
     return s, messages, first, second
@@ -92,12 +107,16 @@ def test_a_tool_episode_is_recorded_token_in_token_out(tokenizer):
     [sample] = s.to_samples(first_index=0, group=0, reward=1.0)
     renderer = store.renderer
     whole = renderer.render(messages, TOOLS, generation_prompt=False)
-    assert whole.startswith(renderer.decode(sample.prompt_ids + sample.response_ids))  # the template's text, up to the glue after the last turn
+    assert whole.startswith(
+        renderer.decode(sample.prompt_ids + sample.response_ids)
+    )  # the template's text, up to the glue after the last turn
     mask = sample.loss_mask.astype(bool)
     assert mask.sum() == len(out0) + second.completion.num_tokens and not mask[len(out0)]
     inserted = ~mask
     assert np.all(sample.log_mu[inserted] == 0) and np.all(sample.support.sizes()[inserted] == 1)
-    assert np.all(sample.support.ids[sample.support.offsets[:-1][inserted]] == np.asarray(sample.response_ids)[inserted])
+    assert np.all(
+        sample.support.ids[sample.support.offsets[:-1][inserted]] == np.asarray(sample.response_ids)[inserted]
+    )
     assert np.all(sample.log_mu[mask] == np.float32(np.log(0.5))) and np.all(sample.support.sizes()[mask] == 2)
     text = renderer.decode(np.asarray(sample.response_ids)[inserted].tolist())
     assert "<tool_response>" in text and '{"result": 42}' in text and "<|im_start|>assistant" in text
@@ -109,8 +128,15 @@ def test_the_openai_clients_extra_null_fields_are_not_an_edit(tokenizer):
     s = store.create()
     messages = [{"role": "user", "content": "6 * 7?"}]
     first = chat(store, s.id, messages, tools=TOOLS)
-    echoed = {"role": "assistant", "content": first.content, "refusal": None, "audio": None, "function_call": None, "annotations": None,
-              "tool_calls": [{**c, "function": dict(c["function"])} for c in first.tool_calls]}
+    echoed = {
+        "role": "assistant",
+        "content": first.content,
+        "refusal": None,
+        "audio": None,
+        "function_call": None,
+        "annotations": None,
+        "tool_calls": [{**c, "function": dict(c["function"])} for c in first.tool_calls],
+    }
     chat(store, s.id, messages + [echoed, {"role": "tool", "tool_call_id": "x", "content": "42"}], tools=TOOLS)
     assert s.splits == [] and len(s.trajectories()) == 1
 
@@ -123,7 +149,13 @@ def test_an_edited_earlier_turn_splits_or_is_rejected(tokenizer, policy):
     a = chat(store, s.id, m)
     m += [{"role": "assistant", "content": a.content}, {"role": "user", "content": "Add 3."}]
     b = chat(store, s.id, m)
-    edited = [m[0], {"role": "assistant", "content": "7"}, m[2], {"role": "assistant", "content": b.content}, {"role": "user", "content": "Add 2."}]
+    edited = [
+        m[0],
+        {"role": "assistant", "content": "7"},
+        m[2],
+        {"role": "assistant", "content": b.content},
+        {"role": "user", "content": "Add 2."},
+    ]
     if policy == "reject":
         with pytest.raises(HistoryMismatch, match=r"turn 2: history check: messages\[1\] \(assistant\) differs"):
             chat(store, s.id, edited)
@@ -147,7 +179,11 @@ REASONING_TEMPLATE = (  # drops the reasoning of assistant turns before the last
 
 def test_a_template_that_rewrites_earlier_turns_is_detected(tokenizer):
     renderer = ChatRenderer(tokenizer, REASONING_TEMPLATE)
-    store = SessionStore(ScriptedBackend(tokenizer, ["<think>3+4</think>7", "10"]), renderer, SessionSettings(PARAMS, history_policy="reject"))
+    store = SessionStore(
+        ScriptedBackend(tokenizer, ["<think>3+4</think>7", "10"]),
+        renderer,
+        SessionSettings(PARAMS, history_policy="reject"),
+    )
     s = store.create()
     m = [{"role": "user", "content": "3 + 4?"}]
     a = chat(store, s.id, m)
@@ -157,7 +193,11 @@ def test_a_template_that_rewrites_earlier_turns_is_detected(tokenizer):
 
 def test_a_template_that_renders_a_model_turn_differently_is_detected(tokenizer):
     trimming = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    store = SessionStore(ScriptedBackend(tokenizer, ["  7  ", "10"]), ChatRenderer(tokenizer, trimming), SessionSettings(PARAMS, history_policy="split"))
+    store = SessionStore(
+        ScriptedBackend(tokenizer, ["  7  ", "10"]),
+        ChatRenderer(tokenizer, trimming),
+        SessionSettings(PARAMS, history_policy="split"),
+    )
     s = store.create()
     m = [{"role": "user", "content": "3 + 4?"}]
     a = chat(store, s.id, m)
@@ -168,8 +208,16 @@ def test_a_template_that_renders_a_model_turn_differently_is_detected(tokenizer)
 
 def test_parse_tool_calls_keeps_what_does_not_parse_as_content():
     content, calls = parse_tool_calls("ok\n" + CALL + "\n" + CALL.replace("6 * 7", "1 + 1"))
-    assert content == "ok" and [json.loads(c["function"]["arguments"])["expression"] for c in calls] == ["6 * 7", "1 + 1"]
-    for text in ["<tool_call>{not json}</tool_call>", CALL + " trailing words", '<tool_call>{"arguments": {}}</tool_call>', "plain"]:
+    assert content == "ok" and [json.loads(c["function"]["arguments"])["expression"] for c in calls] == [
+        "6 * 7",
+        "1 + 1",
+    ]
+    for text in [
+        "<tool_call>{not json}</tool_call>",
+        CALL + " trailing words",
+        '<tool_call>{"arguments": {}}</tool_call>',
+        "plain",
+    ]:
         assert parse_tool_calls(text) == (text, [])
 
 
@@ -198,7 +246,9 @@ def test_turn_and_token_budgets_end_the_episode_with_a_valid_trajectory(tokenize
     assert s.turns == 2 and len(backend.requests) == 2
     [sample] = s.to_samples(first_index=0, group=0, reward=0.0)
     assert sample.loss_mask[-1] == 1  # the trajectory ends on a model token, nothing dangling inserted
-    tight, backend = store_of(tokenizer, ["a long answer that runs past the budget"], template=None, max_episode_tokens=5)
+    tight, backend = store_of(
+        tokenizer, ["a long answer that runs past the budget"], template=None, max_episode_tokens=5
+    )
     r = chat(tight, tight.create().id, m[:1])
     assert backend.requests[0].max_new_tokens == 5 and r.finish_reason == "length"
 
@@ -224,6 +274,8 @@ def test_one_turn_at_a_time(tokenizer):
 
 
 def test_normalize_message_joins_text_parts_and_refuses_images():
-    assert normalize_message({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}, 0) == {"role": "user", "content": "ab"}
+    assert normalize_message(
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}, 0
+    ) == {"role": "user", "content": "ab"}
     with pytest.raises(RequestError, match=r"messages\[2\]: only text content parts"):
         normalize_message({"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, 2)

@@ -6,16 +6,17 @@ episodes in the trainer."""
 import numpy as np
 import pytest
 
-from support_replay.train import train
-from support_replay.train.config import RunConfig
 from recipe_helpers import agent_config
+from support_replay.train import train
 
 
 @pytest.mark.parametrize("agent", ["chain", "calculator"])
 def test_grpo_on_a_builtin_environment_with_ci_test(tiny_agent_checkpoint, tmp_path, scored, agent):
     rows = train(agent_config(tiny_agent_checkpoint, tmp_path, agent=agent, eval_interval=2, n_eval_prompts=2))
     assert len(rows) == 2 and all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
-    assert 0 <= rows[1]["eval_reward_mean"] <= 1 and "eval_reward_mean" not in rows[0]  # the same agent, capture off, greedy
+    assert (
+        0 <= rows[1]["eval_reward_mean"] <= 1 and "eval_reward_mean" not in rows[0]
+    )  # the same agent, capture off, greedy
     inserted_tokens = 0
     for samples, logp in scored:
         for s, lp in zip(samples, logp):
@@ -38,8 +39,15 @@ def test_true_on_policy_is_bitwise_on_multi_turn_trajectories(tiny_agent_checkpo
 
 
 def test_an_agent_in_miles_signature_runs_unchanged(tiny_agent_checkpoint, tmp_path, scored):
-    rows = train(agent_config(tiny_agent_checkpoint, tmp_path, agent_path="agents_for_tests.miles_style",
-                              custom_rm_path="rewards_for_tests:digit_share", num_rollout=1))
+    rows = train(
+        agent_config(
+            tiny_agent_checkpoint,
+            tmp_path,
+            agent_path="agents_for_tests.miles_style",
+            custom_rm_path="rewards_for_tests:digit_share",
+            num_rollout=1,
+        )
+    )
     samples = scored[0][0]
     assert rows[0]["episode_turns_mean"] == 2 and all(s.metadata["agent"] == "miles_style" for s in samples)
     from rewards_for_tests import digit_share
@@ -50,25 +58,62 @@ def test_an_agent_in_miles_signature_runs_unchanged(tiny_agent_checkpoint, tmp_p
 
 
 def test_history_rewrites_split_episodes_and_the_advantage_follows_the_episode(tiny_agent_checkpoint, tmp_path, scored):
-    rows = train(agent_config(tiny_agent_checkpoint, tmp_path, agent_path="agents_for_tests:rewriter", custom_rm_path="rewards_for_tests:digit_share", num_rollout=1))
+    rows = train(
+        agent_config(
+            tiny_agent_checkpoint,
+            tmp_path,
+            agent_path="agents_for_tests:rewriter",
+            custom_rm_path="rewards_for_tests:digit_share",
+            num_rollout=1,
+        )
+    )
     samples = scored[0][0]
     assert rows[0]["split_samples"] == 4 and len(samples) == 8 and rows[0]["optimizer_steps"] == 2
     for a, b in zip(samples[::2], samples[1::2]):
-        assert a.metadata["episode"] == b.metadata["episode"] and (a.metadata["segment"], b.metadata["segment"]) == (0, 1)
-        assert a.reward == b.reward and "history check: messages[1] (assistant) differs" in b.metadata["splits"][0]["why"]
+        assert a.metadata["episode"] == b.metadata["episode"] and (a.metadata["segment"], b.metadata["segment"]) == (
+            0,
+            1,
+        )
+        assert (
+            a.reward == b.reward and "history check: messages[1] (assistant) differs" in b.metadata["splits"][0]["why"]
+        )
 
 
 def test_history_rewrites_fail_the_episode_under_reject(tiny_agent_checkpoint, tmp_path):
     from support_replay.errors import EngineUnavailable
 
-    with pytest.raises(EngineUnavailable, match=r"409 - session \w+, turn 1: history check: messages\[1\] \(assistant\) differs.*history_policy=reject"):
-        train(agent_config(tiny_agent_checkpoint, tmp_path, agent_path="agents_for_tests:rewriter", custom_rm_path="rewards_for_tests:digit_share",
-                           num_rollout=1, session_history_policy="reject", max_regenerations=0))
+    with pytest.raises(
+        EngineUnavailable,
+        match=r"409 - session \w+, turn 1: history check: messages\[1\] \(assistant\) differs.*history_policy=reject",
+    ):
+        train(
+            agent_config(
+                tiny_agent_checkpoint,
+                tmp_path,
+                agent_path="agents_for_tests:rewriter",
+                custom_rm_path="rewards_for_tests:digit_share",
+                num_rollout=1,
+                session_history_policy="reject",
+                max_regenerations=0,
+            )
+        )
 
 
 def test_a_failed_episode_regenerates_its_group(tiny_agent_checkpoint, tmp_path):
     import agents_for_tests
 
     agents_for_tests.ATTEMPTS.clear()
-    rows = train(agent_config(tiny_agent_checkpoint, tmp_path, agent_path="agents_for_tests:flaky", custom_rm_path="rewards_for_tests:digit_share", num_rollout=1))
-    assert rows[0]["failed_samples"] == 1 and rows[0]["regenerated_groups"] == 1 and rows[0]["train_rollout_logprob_abs_diff_max"] <= 1e-3
+    rows = train(
+        agent_config(
+            tiny_agent_checkpoint,
+            tmp_path,
+            agent_path="agents_for_tests:flaky",
+            custom_rm_path="rewards_for_tests:digit_share",
+            num_rollout=1,
+        )
+    )
+    assert (
+        rows[0]["failed_samples"] == 1
+        and rows[0]["regenerated_groups"] == 1
+        and rows[0]["train_rollout_logprob_abs_diff_max"] <= 1e-3
+    )

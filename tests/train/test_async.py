@@ -7,18 +7,17 @@ import time
 import pytest
 import torch
 
+from recipe_helpers import run_config
 from support_replay import SamplingParams
-from support_replay.engine import Engine
-from support_replay.errors import AbortedError, CITestError, ConfigError
 from support_replay.core.logprobs import full_logprobs, support_logprobs
 from support_replay.core.losses import masked_importance_weights, support_mass
+from support_replay.engine import Engine
+from support_replay.errors import AbortedError, CITestError, ConfigError
 from support_replay.protocol import GenerateRequest, VersionSpan
-from support_replay.train import train
 from support_replay.train import lagged as lagged_module
 from support_replay.train import rollouts as rollouts_module
+from support_replay.train import train
 from support_replay.train.producer import renumbered
-from recipe_helpers import run_config
-
 
 # ---- the pieces ------------------------------------------------------------------------------
 
@@ -42,14 +41,29 @@ def test_masked_importance_weights_keep_ratios_inside_the_band():
     assert masked_importance_weights(old, mu, cap=1.5).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("values, message", [
-    (dict(async_rollout=True), "--async-rollout=True: samples the next rollout on the weights before this update: needs --max-policy-lag >= 1"),
-    (dict(async_rollout=True, max_policy_lag=1, weight_sync_mode="abort", failed_group_policy="drop"), "--weight-sync-mode='abort'"),
-    (dict(tis_mode="mask"), "--tis-mode='mask': has no effect without --use-tis"),
-    (dict(use_tis=True, tis_mode="mask", tis_cap=1.0), "--tis-cap=1.0: masked IS"),
-    (dict(min_support_mass=0.5, rollout_top_p=1.0, rollout_top_k=-1, ci_test=False), "--min-support-mass=0.5: measures the mass"),
-    (dict(stale_sample_policy="drop", global_batch_size=2, micro_batch_size=1), "--stale-sample-policy='drop': drops whole groups"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (
+            dict(async_rollout=True),
+            "--async-rollout=True: samples the next rollout on the weights before this update: needs --max-policy-lag >= 1",
+        ),
+        (
+            dict(async_rollout=True, max_policy_lag=1, weight_sync_mode="abort", failed_group_policy="drop"),
+            "--weight-sync-mode='abort'",
+        ),
+        (dict(tis_mode="mask"), "--tis-mode='mask': has no effect without --use-tis"),
+        (dict(use_tis=True, tis_mode="mask", tis_cap=1.0), "--tis-cap=1.0: masked IS"),
+        (
+            dict(min_support_mass=0.5, rollout_top_p=1.0, rollout_top_k=-1, ci_test=False),
+            "--min-support-mass=0.5: measures the mass",
+        ),
+        (
+            dict(stale_sample_policy="drop", global_batch_size=2, micro_batch_size=1),
+            "--stale-sample-policy='drop': drops whole groups",
+        ),
+    ],
+)
 def test_async_settings_that_cannot_work_are_refused(tiny_checkpoint, tmp_path, values, message):
     with pytest.raises(ConfigError) as err:
         run_config(tiny_checkpoint, tmp_path, **values)
@@ -77,7 +91,9 @@ def test_an_update_in_abort_mode_fails_the_running_requests_and_applies_at_once(
     engine = Engine.from_pretrained(tiny_checkpoint).start()
     try:
         params = SamplingParams(temperature=1.0, top_k=8, seed=1)
-        running = [engine.submit(GenerateRequest([1, 2, 3], params, max_new_tokens=400, ignore_eos=True)) for _ in range(3)]
+        running = [
+            engine.submit(GenerateRequest([1, 2, 3], params, max_new_tokens=400, ignore_eos=True)) for _ in range(3)
+        ]
         while engine.num_running < 3:
             time.sleep(0.01)
         state = {k: v.clone() for k, v in engine.runner.model.state_dict().items()}
@@ -107,13 +123,17 @@ def test_async_grpo_passes_ci_test_per_token_under_the_weights_that_sampled_it(t
     for r in rows:
         assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["stale_samples"] == 0
         assert 0 < r["support_mass_min"] <= r["support_mass_mean"] <= 1
-    assert "support_mass_stale_mean" not in rows[0] and rows[1]["support_mass_stale_mean"] == rows[1]["support_mass_mean"]
+    assert (
+        "support_mass_stale_mean" not in rows[0] and rows[1]["support_mass_stale_mean"] == rows[1]["support_mass_mean"]
+    )
     assert all(r["time_generation"] > 0 for r in rows)
 
 
 def test_without_the_kept_weights_the_lagged_tokens_fail_ci_test(tiny_checkpoint, tmp_path, monkeypatch):
     # the check can fail: scored under the current weights only, the tokens of rollout 1 are one update off
-    monkeypatch.setattr(lagged_module.LaggedScorer, "by_sampling_version", lambda self, samples, logp, current, semantics: logp)
+    monkeypatch.setattr(
+        lagged_module.LaggedScorer, "by_sampling_version", lambda self, samples, logp, current, semantics: logp
+    )
     with pytest.raises(CITestError, match="--ci-test failed at rollout 1"):
         train(run_config(tiny_checkpoint, tmp_path, **ASYNC))
 
@@ -144,12 +164,16 @@ def test_a_group_beyond_the_lag_is_dropped_not_trained(tiny_checkpoint, tmp_path
 def test_a_group_beyond_the_lag_is_generated_again_on_the_current_weights(tiny_checkpoint, tmp_path, monkeypatch):
     stale_group_zero(monkeypatch, 2)
     rows = train(run_config(tiny_checkpoint, tmp_path, stale_sample_policy="regenerate", **ASYNC))
-    assert rows[2]["stale_groups_regenerated"] == 1 and rows[2]["policy_lag_max"] == 1  # the other group was generated during the update
+    assert (
+        rows[2]["stale_groups_regenerated"] == 1 and rows[2]["policy_lag_max"] == 1
+    )  # the other group was generated during the update
     assert rows[2]["train_rollout_logprob_abs_diff_max"] <= 1e-3
 
 
 def test_the_drift_gate_takes_stale_samples_out_of_the_loss(tiny_checkpoint, tmp_path):
-    rows = train(run_config(tiny_checkpoint, tmp_path, min_support_mass=1.0, **ASYNC))  # every stale sample has mass < 1
+    rows = train(
+        run_config(tiny_checkpoint, tmp_path, min_support_mass=1.0, **ASYNC)
+    )  # every stale sample has mass < 1
     assert [r["drift_gated_samples"] for r in rows] == [0, 8, 8]
     assert rows[1]["loss"] == 0.0 and rows[0]["loss"] != 0.0  # nothing of the gated rollout trains
 
@@ -169,7 +193,10 @@ def test_a_crash_with_a_rollout_in_flight_resumes_losing_nothing_trained(tiny_ch
     monkeypatch.setattr(learner_module.Learner, "optimizer_step", crash_at_rollout_2)
     with pytest.raises(NonFiniteError):
         train(run_config(tiny_checkpoint, tmp_path, num_rollout=4, **save))
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["rollout_000001", "rollout_000002"]  # updates 0 and 1 kept
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "rollout_000001",
+        "rollout_000002",
+    ]  # updates 0 and 1 kept
     monkeypatch.setattr(learner_module.Learner, "optimizer_step", original)
     resumed = train(run_config(tiny_checkpoint, tmp_path, num_rollout=4, resume=True, **save))
     # rollout 2 (its update lost) and 3 (in flight) are generated again: 2 on the saved weights '2', 3 one push behind
@@ -189,8 +216,17 @@ def test_async_grpo_through_serve_over_http(tiny_checkpoint, tmp_path, monkeypat
     monkeypatch.setenv("SUPPORT_REPLAY_ADMIN_KEY", "admin-secret")  # serve and the trainer's sync read it
     ctx, url = engine_process(tiny_checkpoint)
     with ctx:
-        rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url, weight_sync_mode="abort", weight_transport="http",
-                                rollout_max_response_len=16, **ASYNC))
+        rows = train(
+            run_config(
+                tiny_checkpoint,
+                tmp_path,
+                rollout_url=url,
+                weight_sync_mode="abort",
+                weight_transport="http",
+                rollout_max_response_len=16,
+                **ASYNC,
+            )
+        )
         assert httpx.get(url + "/model_info").json()["weight_version"] == "3"
     assert not (tmp_path / "out" / "weights").exists()  # nothing staged on disk
     # a rollout that finishes before the next push trains one push behind; one still running when

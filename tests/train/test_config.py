@@ -19,34 +19,64 @@ def test_defaults_are_the_demo_and_derive_replay():
     assert cfg("--rollout-min-p", "0.1").use_sampling_support_replay
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--rollout-top-p", "0"], r"--rollout-top-p=0.0: must be in \(0, 1\]"),
-    (["--rollout-top-p", "1.5"], r"--rollout-top-p=1.5: must be in \(0, 1\]"),
-    (["--rollout-top-k", "0"], "--rollout-top-k=0: must be -1"),
-    (["--rollout-top-k", "-5"], "--rollout-top-k=-5: must be -1"),
-    (["--rollout-temperature", "0"], "--rollout-temperature=0.0: must be > 0"),
-    (["--rollout-temperature", "-1"], "--rollout-temperature=-1.0: must be > 0"),
-    (["--rollout-top-k", "-1", "--rollout-top-p", "0.9"], "--rollout-top-p=0.9: a finite top-p or min-p needs a positive --rollout-top-k"),
-    (["--rollout-top-k", "-1", "--rollout-top-p", "1", "--rollout-min-p", "0.1"], "--rollout-min-p=0.1: a finite top-p or min-p needs"),
-    (["--rollout-repetition-penalty", "0"], "--rollout-repetition-penalty=0.0: repetition_penalty: must be > 0"),
-    (["--rollout-frequency-penalty", "0.5", "--sampling-semantics", "hf"], "--rollout-frequency-penalty=0.5: the hf semantics have no frequency"),
-    (["--rollout-logit-bias", "/nonexistent.json"], "--rollout-logit-bias='/nonexistent.json': .*No such file"),
-    (["--rollout-top-k", "5000"], "--rollout-top-k=5000: exceeds --sampling-mask-max-tokens=4096"),
-    (["--true-on-policy-mode", "--sampling-semantics", "hf"], "--sampling-semantics='hf': true-on-policy mode needs a deterministic sampler"),
-    (["--global-batch-size", "5"], "--global-batch-size=5: must divide rollout_batch_size x n_samples_per_prompt = 32"),
-    (["--micro-batch-size", "3"], "--micro-batch-size=3: must divide --global-batch-size=32"),
-    (["--use-kl-loss"], "--kl-loss-coef=0.0: must be > 0 with --use-kl-loss"),
-    (["--kl-loss-coef", "0.1"], "--kl-loss-coef=0.1: has no effect without --use-kl-loss"),
-    (["--use-tis", "--use-rollout-logprobs"], "--use-tis=True: with --use-rollout-logprobs the old policy is the rollout's own"),
-    (["--save-interval", "2"], "--save-interval=2: needs --save"),
-    (["--rollout-top-p", "1", "--rollout-top-k", "-1", "--ci-test"], "--ci-test=True: compares the trainer's log-probs with the rollout log mu, which only replay captures"),
-    (["--eval-prompt-data", "x.jsonl"], "--eval-prompt-data='x.jsonl': has no effect without --eval-interval"),
-    (["--rollout-top-p", "1", "--rollout-top-k", "-1", "--rollout-frequency-penalty", "0.5"], "--rollout-frequency-penalty=0.5: penalties and logit bias are replayed on the captured support only"),
-    (["--resume"], "--resume=True: needs --save"),
-    (["--colocate", "--rollout-url", "http://127.0.0.1:1"], "--colocate=True: the in-process engine and --rollout-url"),
-    (["--custom-rm-path", "nocolon"], "--custom-rm-path='nocolon': expected 'module:function'"),
-    (["--lr", "-1"], "--lr=-1.0: Input should be greater than 0"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--rollout-top-p", "0"], r"--rollout-top-p=0.0: must be in \(0, 1\]"),
+        (["--rollout-top-p", "1.5"], r"--rollout-top-p=1.5: must be in \(0, 1\]"),
+        (["--rollout-top-k", "0"], "--rollout-top-k=0: must be -1"),
+        (["--rollout-top-k", "-5"], "--rollout-top-k=-5: must be -1"),
+        (["--rollout-temperature", "0"], "--rollout-temperature=0.0: must be > 0"),
+        (["--rollout-temperature", "-1"], "--rollout-temperature=-1.0: must be > 0"),
+        (
+            ["--rollout-top-k", "-1", "--rollout-top-p", "0.9"],
+            "--rollout-top-p=0.9: a finite top-p or min-p needs a positive --rollout-top-k",
+        ),
+        (
+            ["--rollout-top-k", "-1", "--rollout-top-p", "1", "--rollout-min-p", "0.1"],
+            "--rollout-min-p=0.1: a finite top-p or min-p needs",
+        ),
+        (["--rollout-repetition-penalty", "0"], "--rollout-repetition-penalty=0.0: repetition_penalty: must be > 0"),
+        (
+            ["--rollout-frequency-penalty", "0.5", "--sampling-semantics", "hf"],
+            "--rollout-frequency-penalty=0.5: the hf semantics have no frequency",
+        ),
+        (["--rollout-logit-bias", "/nonexistent.json"], "--rollout-logit-bias='/nonexistent.json': .*No such file"),
+        (["--rollout-top-k", "5000"], "--rollout-top-k=5000: exceeds --sampling-mask-max-tokens=4096"),
+        (
+            ["--true-on-policy-mode", "--sampling-semantics", "hf"],
+            "--sampling-semantics='hf': true-on-policy mode needs a deterministic sampler",
+        ),
+        (
+            ["--global-batch-size", "5"],
+            "--global-batch-size=5: must divide rollout_batch_size x n_samples_per_prompt = 32",
+        ),
+        (["--micro-batch-size", "3"], "--micro-batch-size=3: must divide --global-batch-size=32"),
+        (["--use-kl-loss"], "--kl-loss-coef=0.0: must be > 0 with --use-kl-loss"),
+        (["--kl-loss-coef", "0.1"], "--kl-loss-coef=0.1: has no effect without --use-kl-loss"),
+        (
+            ["--use-tis", "--use-rollout-logprobs"],
+            "--use-tis=True: with --use-rollout-logprobs the old policy is the rollout's own",
+        ),
+        (["--save-interval", "2"], "--save-interval=2: needs --save"),
+        (
+            ["--rollout-top-p", "1", "--rollout-top-k", "-1", "--ci-test"],
+            "--ci-test=True: compares the trainer's log-probs with the rollout log mu, which only replay captures",
+        ),
+        (["--eval-prompt-data", "x.jsonl"], "--eval-prompt-data='x.jsonl': has no effect without --eval-interval"),
+        (
+            ["--rollout-top-p", "1", "--rollout-top-k", "-1", "--rollout-frequency-penalty", "0.5"],
+            "--rollout-frequency-penalty=0.5: penalties and logit bias are replayed on the captured support only",
+        ),
+        (["--resume"], "--resume=True: needs --save"),
+        (
+            ["--colocate", "--rollout-url", "http://127.0.0.1:1"],
+            "--colocate=True: the in-process engine and --rollout-url",
+        ),
+        (["--custom-rm-path", "nocolon"], "--custom-rm-path='nocolon': expected 'module:function'"),
+        (["--lr", "-1"], "--lr=-1.0: Input should be greater than 0"),
+    ],
+)
 def test_rejections(flags, message):
     with pytest.raises(ConfigError, match=message):
         cfg(*flags)
@@ -63,7 +93,14 @@ def test_rejections_also_hold_when_built_in_python():
 def test_micro_batch_default_divides_any_global_batch():
     # a user who passes only --global-batch-size never hears about --micro-batch-size
     for global_batch, micro in [(16, 8), (4, 4), (12, 6), (5, 5), (24, 8), (7, 7), (11, 1)]:
-        c = cfg("--rollout-batch-size", str(global_batch), "--n-samples-per-prompt", "1", "--global-batch-size", str(global_batch))
+        c = cfg(
+            "--rollout-batch-size",
+            str(global_batch),
+            "--n-samples-per-prompt",
+            "1",
+            "--global-batch-size",
+            str(global_batch),
+        )
         assert c.micro_batch == micro and global_batch % c.micro_batch == 0
     assert cfg("--micro-batch-size", "2").micro_batch == 2
 
@@ -86,7 +123,9 @@ def test_yaml_config_and_flag_override(tmp_path):
 
 
 def test_derived_flag_cannot_be_set():
-    with pytest.raises(ConfigError, match="--use-sampling-support-replay=False: is derived from the rollout sampling settings"):
+    with pytest.raises(
+        ConfigError, match="--use-sampling-support-replay=False: is derived from the rollout sampling settings"
+    ):
         RunConfig(use_sampling_support_replay=False)
 
 
@@ -96,4 +135,6 @@ def test_flag_table_in_the_docs_is_current():
     from support_replay.train.config import flag_table
 
     docs = (Path(__file__).parents[2] / "docs" / "training.md").read_text()
-    assert flag_table() in docs, "docs/training.md: regenerate the flag table with support_replay.train.config.flag_table()"
+    assert flag_table() in docs, (
+        "docs/training.md: regenerate the flag table with support_replay.train.config.flag_table()"
+    )

@@ -45,27 +45,51 @@ def make_samples(vocab: int, n: int = 8, seed: int = 0) -> list[Sample]:
         rows = [sorted({t, *rng.integers(0, vocab, int(rng.integers(0, 6))).tolist()}) for t in response]
         mask = np.ones(len(response), np.int8)
         mask[: i % 3] = 0  # some tokens out of the loss
-        samples.append(Sample(index=i, group=i // 4, prompt_ids=prompt, response_ids=response, loss_mask=mask, support=SupportTable.from_lists(rows),
-                              log_mu=np.zeros(len(response), np.float32)))
+        samples.append(
+            Sample(
+                index=i,
+                group=i // 4,
+                prompt_ids=prompt,
+                response_ids=response,
+                loss_mask=mask,
+                support=SupportTable.from_lists(rows),
+                log_mu=np.zeros(len(response), np.float32),
+            )
+        )
     return samples
 
 
 def one_step(actor: Actor, samples, rank: int, world: int, ctx) -> tuple[list, dict, dict]:
     """Scores, full gradients and full updated weights after one AdamW step on all samples."""
-    step = plan_optimizer_steps(samples, global_batch=len(samples), micro_batch=2, rank=rank, world=world, replay=True, device=torch.device("cpu"))[0]
+    step = plan_optimizer_steps(
+        samples,
+        global_batch=len(samples),
+        micro_batch=2,
+        rank=rank,
+        world=world,
+        replay=True,
+        device=torch.device("cpu"),
+    )[0]
     scores = {}
     for mb in step.micro_batches:
         sc = actor.score(mb, TEMPERATURE, full=True, entropy=True)
         w = token_weights(mb.loss_mask, mb.lengths, "token", batch_tokens=step.tokens, batch_sequences=step.sequences)
         actor.backward(((sc.logp + 0.5 * sc.full - 0.1 * sc.entropy) * w).sum())
-        scores.update({i: (lp.detach(), f.detach()) for i, lp, f in zip(mb.indices, mb.split(sc.logp), mb.split(sc.full))})
-    grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for name, p in actor.model.named_parameters()}
+        scores.update(
+            {i: (lp.detach(), f.detach()) for i, lp, f in zip(mb.indices, mb.split(sc.logp), mb.split(sc.full))}
+        )
+    grads = {
+        name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for name, p in actor.model.named_parameters()
+    }
     actor.optimizer.step()
     return gather_by_index(scores, len(samples), ctx), grads, actor.full_state_dict()
 
 
 def _worker(rank, world, port, checkpoints, results):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     sys.path.insert(0, str(Path(__file__).parents[1]))
     torch.set_num_threads(1)
     ctx = init_distributed()
@@ -73,7 +97,16 @@ def _worker(rank, world, port, checkpoints, results):
         for i, spec in enumerate(LAYOUTS):
             layout = parallel_layout(ctx, **spec)
             torch.manual_seed(0)
-            actor = Actor(checkpoint, ctx, lr=LR, betas=(0.9, 0.98), weight_decay=0.0, replay=True, full_with_grad=True, layout=layout)
+            actor = Actor(
+                checkpoint,
+                ctx,
+                lr=LR,
+                betas=(0.9, 0.98),
+                weight_decay=0.0,
+                replay=True,
+                full_with_grad=True,
+                layout=layout,
+            )
             scores, grads, state = one_step(actor, make_samples(actor.vocab_size), layout.dp_rank, layout.dp, ctx)
             if rank == 0:
                 results[name, i] = (scores, {k: v.cpu() for k, v in grads.items()}, state)
@@ -102,36 +135,51 @@ def test_four_ranks_in_each_layout_give_one_rank_s_scores_gradients_and_weights(
             spec = {"model": name, **spec}
             scores, grads, state = results[name, i]
             for (lp, f), (ref_lp, ref_f) in zip(scores, ref_scores):
-                torch.testing.assert_close(lp, ref_lp, rtol=1e-6, atol=1e-6, msg=lambda m: f"{spec}: support log-probs: {m}")
-                torch.testing.assert_close(f, ref_f, rtol=1e-6, atol=1e-6, msg=lambda m: f"{spec}: full-vocabulary log-probs: {m}")
+                torch.testing.assert_close(
+                    lp, ref_lp, rtol=1e-6, atol=1e-6, msg=lambda m: f"{spec}: support log-probs: {m}"
+                )
+                torch.testing.assert_close(
+                    f, ref_f, rtol=1e-6, atol=1e-6, msg=lambda m: f"{spec}: full-vocabulary log-probs: {m}"
+                )
             assert grads.keys() == ref_grads.keys(), spec  # a tied embedding stays one parameter
             for key, g in ref_grads.items():  # elementwise sums that cancel: measured against the tensor's scale
                 err = float((grads[key] - g).abs().max() / g.abs().max())
                 assert err <= 1e-5, f"{spec}: gradient of {key}: max error {err:.2e} of its largest element"
             for key, w in state.items():  # one AdamW step: lr x g / (|g| + eps) moves each weight by about lr
-                torch.testing.assert_close(w, ref_state[key], rtol=0, atol=LR * 1e-2, msg=lambda m: f"{spec}: updated {key}: {m}")
+                torch.testing.assert_close(
+                    w, ref_state[key], rtol=0, atol=LR * 1e-2, msg=lambda m: f"{spec}: updated {key}: {m}"
+                )
 
 
 def _train_worker(rank, world, ports, checkpoint, out, results):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     sys.path.insert(0, str(Path(__file__).parents[1]))
     torch.set_num_threads(1)
-    from support_replay.train import train
     from recipe_helpers import run_config
+    from support_replay.train import train
 
     for i, spec in enumerate(LAYOUTS):
         os.environ["MASTER_PORT"] = str(ports[i])  # each run sets up and tears down its own process group
-        cfg = run_config(checkpoint, Path(out) / str(i), num_rollout=2, global_batch_size=8, micro_batch_size=2, save=str(Path(out) / str(i) / "ckpt"),
-                         save_interval=2, tensor_model_parallel_size=spec.get("tp", 1),
-                         context_parallel_size=spec.get("cp", 1), context_parallel_layout=spec.get("cp_layout", "zigzag"))
+        cfg = run_config(
+            checkpoint,
+            Path(out) / str(i),
+            num_rollout=2,
+            global_batch_size=8,
+            micro_batch_size=2,
+            save=str(Path(out) / str(i) / "ckpt"),
+            save_interval=2,
+            tensor_model_parallel_size=spec.get("tp", 1),
+            context_parallel_size=spec.get("cp", 1),
+            context_parallel_layout=spec.get("cp_layout", "zigzag"),
+        )
         rows = train(cfg)  # --ci-test on: rollout 1 was sampled with the weights gathered from this layout
         if rank == 0:
             results[i] = [(r["loss"], r["grad_norm"], r["train_rollout_logprob_abs_diff_max"]) for r in rows]
 
 
 def test_grpo_with_ci_test_in_each_layout(tiny_checkpoint, tmp_path):
-    from support_replay.train import train
     from recipe_helpers import run_config
+    from support_replay.train import train
 
     ref = train(run_config(tiny_checkpoint, tmp_path / "one", num_rollout=2, global_batch_size=8, micro_batch_size=2))
     results = mp.Manager().dict()
@@ -142,6 +190,15 @@ def test_grpo_with_ci_test_in_each_layout(tiny_checkpoint, tmp_path):
             assert diff <= 1e-3, spec
             assert loss == pytest.approx(r["loss"], abs=1e-6) and norm == pytest.approx(r["grad_norm"], rel=1e-4), spec
     # a checkpoint saved by TP=2 x DP=2 resumes in one process: weights and optimizer state are saved whole
-    resumed = train(run_config(tiny_checkpoint, tmp_path / "0", num_rollout=3, global_batch_size=8, micro_batch_size=2,
-                               save=str(tmp_path / "0" / "ckpt"), resume=True))
+    resumed = train(
+        run_config(
+            tiny_checkpoint,
+            tmp_path / "0",
+            num_rollout=3,
+            global_batch_size=8,
+            micro_batch_size=2,
+            save=str(tmp_path / "0" / "ckpt"),
+            resume=True,
+        )
+    )
     assert resumed[-1]["rollout"] == 2 and resumed[-1]["train_rollout_logprob_abs_diff_max"] <= 1e-3

@@ -7,13 +7,12 @@ import json
 
 import pytest
 
-from support_replay.errors import CITestError, ConfigError
+from recipe_helpers import agent_config, run_config
 from support_replay.core.penalties import Penalties
+from support_replay.errors import CITestError, ConfigError
 from support_replay.train import batches as batches_module
 from support_replay.train import rollouts as rollouts_module
 from support_replay.train import train
-from recipe_helpers import agent_config
-from recipe_helpers import run_config
 
 
 @pytest.fixture
@@ -31,38 +30,85 @@ SETTINGS = {
 
 
 # transformers has no frequency or presence penalty: hf runs the others (refusal tested in test_config)
-CASES = [(s, n) for s in ("sglang", "vllm", "hf") for n in [*SETTINGS, "logit_bias"] if s != "hf" or n in ("repetition", "logit_bias")]
+CASES = [
+    (s, n)
+    for s in ("sglang", "vllm", "hf")
+    for n in [*SETTINGS, "logit_bias"]
+    if s != "hf" or n in ("repetition", "logit_bias")
+]
 
 
 @pytest.mark.parametrize("semantics, name", CASES)
 def test_ci_test_passes_with_penalties_in_process(tiny_checkpoint, tmp_path, bias_file, semantics, name):
-    settings = dict(rollout_logit_bias=bias_file, rollout_repetition_penalty=1.2) if name == "logit_bias" else SETTINGS[name]
-    rows = train(run_config(tiny_checkpoint, tmp_path, num_rollout=2, rollout_max_response_len=24, sampling_semantics=semantics, **settings))
+    settings = (
+        dict(rollout_logit_bias=bias_file, rollout_repetition_penalty=1.2) if name == "logit_bias" else SETTINGS[name]
+    )
+    rows = train(
+        run_config(
+            tiny_checkpoint,
+            tmp_path,
+            num_rollout=2,
+            rollout_max_response_len=24,
+            sampling_semantics=semantics,
+            **settings,
+        )
+    )
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
 
 
 @pytest.mark.float_bits
 def test_true_on_policy_is_bitwise_with_penalties_and_bias(tiny_checkpoint, tmp_path, bias_file):
-    rows = train(run_config(tiny_checkpoint, tmp_path, rollout_max_response_len=24, true_on_policy_mode=True, rollout_repetition_penalty=1.3,
-                            rollout_frequency_penalty=0.4, rollout_presence_penalty=0.2, rollout_logit_bias=bias_file))
+    rows = train(
+        run_config(
+            tiny_checkpoint,
+            tmp_path,
+            rollout_max_response_len=24,
+            true_on_policy_mode=True,
+            rollout_repetition_penalty=1.3,
+            rollout_frequency_penalty=0.4,
+            rollout_presence_penalty=0.2,
+            rollout_logit_bias=bias_file,
+        )
+    )
     assert all(r["train_rollout_logprob_abs_diff_max"] == 0.0 and r["train_rollout_unequal_tokens"] == 0 for r in rows)
 
 
 def test_replay_that_ignores_the_penalty_fails_the_check(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setattr(batches_module.PenaltyRows, "__call__", lambda self, z, ids: z)
     with pytest.raises(CITestError):
-        train(run_config(tiny_checkpoint, tmp_path, rollout_max_response_len=24, rollout_repetition_penalty=2.0, rollout_frequency_penalty=1.0))
+        train(
+            run_config(
+                tiny_checkpoint,
+                tmp_path,
+                rollout_max_response_len=24,
+                rollout_repetition_penalty=2.0,
+                rollout_frequency_penalty=1.0,
+            )
+        )
 
 
 def test_agent_turns_each_restart_the_output_history(tiny_agent_checkpoint, tmp_path, scored):
-    rows = train(agent_config(tiny_agent_checkpoint, tmp_path, agent="chain", rollout_repetition_penalty=1.3, rollout_frequency_penalty=0.5))
+    rows = train(
+        agent_config(
+            tiny_agent_checkpoint,
+            tmp_path,
+            agent="chain",
+            rollout_repetition_penalty=1.3,
+            rollout_frequency_penalty=0.5,
+        )
+    )
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows) and rows[0]["episode_turns_mean"] > 1
     sample = scored[0][0][0]
-    assert len(sample.output_starts) == sample.metadata["turns"] > 1 and sample.penalties.repetition == pytest.approx(1.3)
+    assert len(sample.output_starts) == sample.metadata["turns"] > 1 and sample.penalties.repetition == pytest.approx(
+        1.3
+    )
 
 
 def test_engines_with_unpinned_penalty_rules_are_refused(monkeypatch):
-    answers = {"/server_info": {"version": "0.5.23", "disable_overlap_schedule": False}, "/version": {"version": "0.33.0"}}
+    answers = {
+        "/server_info": {"version": "0.5.23", "disable_overlap_schedule": False},
+        "/version": {"version": "0.33.0"},
+    }
 
     class Reply:
         def __init__(self, url):
@@ -74,7 +120,10 @@ def test_engines_with_unpinned_penalty_rules_are_refused(monkeypatch):
     sent = []
     monkeypatch.setattr("httpx.get", lambda url, timeout=None, headers=None: sent.append(headers) or Reply(url))
     p = Penalties(repetition=1.1)
-    with pytest.raises(ConfigError, match=r"SGLang 0.5.23 at http://x \(disable_overlap_schedule=False\): penalties \(repetition_penalty=1.1\) are replayed"):
+    with pytest.raises(
+        ConfigError,
+        match=r"SGLang 0.5.23 at http://x \(disable_overlap_schedule=False\): penalties \(repetition_penalty=1.1\) are replayed",
+    ):
         rollouts_module.penalty_semantics_of("http://x", "sglang", p)
     answers["/server_info"]["disable_overlap_schedule"] = True
     assert rollouts_module.penalty_semantics_of("http://x", "sglang", p) == "sglang"
@@ -91,7 +140,18 @@ def test_ci_test_passes_with_penalties_through_serve(tiny_checkpoint, tmp_path, 
 
     ctx, url = engine_process(tiny_checkpoint, "--semantics", "vllm")
     with ctx:
-        rows = train(run_config(tiny_checkpoint, tmp_path, num_rollout=2, rollout_max_response_len=24, rollout_url=url, sampling_semantics="vllm",
-                                rollout_repetition_penalty=1.3, rollout_frequency_penalty=0.3, rollout_presence_penalty=0.4,
-                                rollout_logit_bias=bias_file))
+        rows = train(
+            run_config(
+                tiny_checkpoint,
+                tmp_path,
+                num_rollout=2,
+                rollout_max_response_len=24,
+                rollout_url=url,
+                sampling_semantics="vllm",
+                rollout_repetition_penalty=1.3,
+                rollout_frequency_penalty=0.3,
+                rollout_presence_penalty=0.4,
+                rollout_logit_bias=bias_file,
+            )
+        )
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["support_bytes_per_token"] > 0 for r in rows)

@@ -14,24 +14,18 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from recipe_helpers import parts, run_config
 from support_replay import SupportTable, full_logprobs
 from support_replay.errors import CITestError, ConfigError, PolicyLagError, SupportReplayError
 from support_replay.protocol import GenerateRequest, VersionSpan
 from support_replay.rollout.generate import validate_request
-from support_replay.train import weights as weights_module
-from support_replay.train.checks import check_policy_lag
 from support_replay.train import actor as actor_module
 from support_replay.train import rollouts as rollouts_module
 from support_replay.train import train
-from support_replay.train.config import RunConfig
-from support_replay.train.dist import DistContext
-from support_replay.train.learner import Learner
-from support_replay.train.rollouts import Rollouts
-from recipe_helpers import ONE_RANK, parts, run_config
+from support_replay.train import weights as weights_module
+from support_replay.train.checks import check_policy_lag
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-
-
 
 
 def vary_loss_masks(samples):
@@ -62,7 +56,9 @@ def test_ci_test_passes_and_metrics_are_named_fields(tiny_checkpoint, tmp_path):
 
 
 def test_without_replay_the_recipe_trains_on_full_vocabulary_scores(tiny_checkpoint, tmp_path):
-    rows = train(run_config(tiny_checkpoint, tmp_path, num_rollout=2, rollout_top_p=1.0, rollout_top_k=-1, ci_test=False))
+    rows = train(
+        run_config(tiny_checkpoint, tmp_path, num_rollout=2, rollout_top_p=1.0, rollout_top_k=-1, ci_test=False)
+    )
     assert len(rows) == 2 and all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
     assert "replay_ratio_mean" not in rows[0] and "train_rollout_logprob_abs_diff_max" not in rows[0]
 
@@ -95,7 +91,9 @@ def test_pinned_trajectory(tiny_checkpoint, tmp_path):
 @pytest.mark.parametrize("sparse", [True, False])
 def test_old_and_new_logprobs_are_bitwise_equal_before_the_first_step(tiny_checkpoint, tmp_path, sparse):
     # two optimizer steps per rollout, so the old log-probs come from a separate pass
-    cfg = run_config(tiny_checkpoint, tmp_path, global_batch_size=4, micro_batch_size=2, entropy_coef=0.0 if sparse else 0.01)
+    cfg = run_config(
+        tiny_checkpoint, tmp_path, global_batch_size=4, micro_batch_size=2, entropy_coef=0.0 if sparse else 0.01
+    )
     learner, rollouts = parts(tiny_checkpoint, cfg)
     assert learner.actor.sparse_head is sparse and not learner.fused
     samples = rollouts.produce(0)[0]
@@ -204,7 +202,9 @@ def test_tis_weights_tokens_by_the_truncated_ratio(tiny_checkpoint, tmp_path):
 
 
 def test_regression_full_vocabulary_scoring_fails_ci_test(tiny_checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setattr(actor_module, "support_logprobs", lambda logits, targets, support, t: full_logprobs(logits, targets, t))
+    monkeypatch.setattr(
+        actor_module, "support_logprobs", lambda logits, targets, support, t: full_logprobs(logits, targets, t)
+    )
     monkeypatch.setattr(actor_module, "plain_linear_head", lambda hf: False)  # dense logits, where the patch applies
     with pytest.raises(CITestError, match=r"--ci-test failed at rollout 0, sample \d+, response position \d+"):
         train(run_config(tiny_checkpoint, tmp_path, global_batch_size=8))
@@ -243,13 +243,25 @@ def test_regression_one_corrupted_support_position_fails_ci_test(tiny_checkpoint
 
 
 @pytest.mark.float_bits
-@pytest.mark.parametrize("entropy_coef,kernel,packed", [(0.0, "auto", "on"), (0.01, "auto", "on"), (0.0, "torch", "on"), (0.0, "auto", "off")],
-                         ids=["union-head", "dense-head", "mkl-union-head", "unpacked"])
+@pytest.mark.parametrize(
+    "entropy_coef,kernel,packed",
+    [(0.0, "auto", "on"), (0.01, "auto", "on"), (0.0, "torch", "on"), (0.0, "auto", "off")],
+    ids=["union-head", "dense-head", "mkl-union-head", "unpacked"],
+)
 def test_true_on_policy_updates_are_bitwise_equal(tiny_checkpoint, tmp_path, entropy_coef, kernel, packed):
     # without a full-vocabulary score in the loss the trainer reads only the support's head rows;
     # auto: oneDNN's fp32 product on both sides where PyTorch has it, torch: MKL's; packed: a
     # prompt's samples in one row, the attention laid out per sequence (modeling/packed_sequences.py)
-    rows = train(run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True, entropy_coef=entropy_coef, linear_kernel=kernel, packed_scoring=packed))
+    rows = train(
+        run_config(
+            tiny_checkpoint,
+            tmp_path,
+            true_on_policy_mode=True,
+            entropy_coef=entropy_coef,
+            linear_kernel=kernel,
+            packed_scoring=packed,
+        )
+    )
     assert len(rows) == 3
     for r in rows:  # every token of every rollout, before each update
         assert r["train_rollout_logprob_abs_diff_max"] == 0.0 and r["train_rollout_unequal_tokens"] == 0
@@ -263,10 +275,14 @@ def test_true_on_policy_refuses_an_engine_on_another_linear_kernel(monkeypatch):
 
     info = {"deterministic": True, "linear_kernel": "torch"}
     sent = []
-    monkeypatch.setattr(httpx, "get", lambda url, timeout, headers: sent.append(headers) or SimpleNamespace(json=lambda: info))
+    monkeypatch.setattr(
+        httpx, "get", lambda url, timeout, headers: sent.append(headers) or SimpleNamespace(json=lambda: info)
+    )
     _require_deterministic("http://engine:1", "torch", {"Authorization": "Bearer k"})
     assert sent == [{"Authorization": "Bearer k"}]  # a keyed engine answers the check (it answered 401 without the key)
-    with pytest.raises(SupportReplayError, match="runs its linear layers on 'torch', this trainer on 'onednn'.*--linear-kernel onednn"):
+    with pytest.raises(
+        SupportReplayError, match="runs its linear layers on 'torch', this trainer on 'onednn'.*--linear-kernel onednn"
+    ):
         _require_deterministic("http://engine:1", "onednn")
     from support_replay.modeling.invariant_products import invariant_plan
 
@@ -274,7 +290,9 @@ def test_true_on_policy_refuses_an_engine_on_another_linear_kernel(monkeypatch):
     info["invariant_products"] = {"48x40": mine}
     _require_deterministic("http://engine:1", "torch")
     info["invariant_products"] = {"48x40": "tiles 64"}  # the engine's CPU needed another plan for that shape
-    with pytest.raises(SupportReplayError, match=rf"runs its 48x40 linear layers as 'tiles 64', this trainer's CPU as '{mine}'"):
+    with pytest.raises(
+        SupportReplayError, match=rf"runs its 48x40 linear layers as 'tiles 64', this trainer's CPU as '{mine}'"
+    ):
         _require_deterministic("http://engine:1", "torch")
     info["deterministic"] = False
     with pytest.raises(SupportReplayError, match="is not deterministic"):
@@ -299,10 +317,13 @@ def test_true_on_policy_catches_one_corrupted_position(tiny_checkpoint, tmp_path
 
 def test_a_sample_from_stale_weights_fails_closed_at_lag_0(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setattr(weights_module.InProcessSync, "push", lambda self, state, version: None)  # every update lost
-    with pytest.raises(PolicyLagError, match=(
-        r"rollout 1, sample 0: in-process engine sampled it with weights \['0'\], but the trainer pushed '1' last "
-        r"and --max-policy-lag=0 allows \['1'\]"
-    )):
+    with pytest.raises(
+        PolicyLagError,
+        match=(
+            r"rollout 1, sample 0: in-process engine sampled it with weights \['0'\], but the trainer pushed '1' last "
+            r"and --max-policy-lag=0 allows \['1'\]"
+        ),
+    ):
         train(run_config(tiny_checkpoint, tmp_path, num_rollout=2))
     # one push of lag allowed: it trains (on the behaviour log mu; --ci-test would see the stale weights) and says so
     rows = train(run_config(tiny_checkpoint, tmp_path / "lag1", num_rollout=2, max_policy_lag=1, ci_test=False))
@@ -313,9 +334,15 @@ def test_policy_lag_names_unknown_and_missing_versions(tiny_checkpoint, tmp_path
     learner, rollouts = parts(tiny_checkpoint, run_config(tiny_checkpoint, tmp_path))
     samples = rollouts.produce(0)[0]
     rollouts.close()
-    assert check_policy_lag(0, samples, ["0"], 0, "engine X") == ({"policy_lag_max": 0, "policy_lag_mean": 0.0}, [0] * len(samples))
+    assert check_policy_lag(0, samples, ["0"], 0, "engine X") == (
+        {"policy_lag_max": 0, "policy_lag_mean": 0.0},
+        [0] * len(samples),
+    )
     samples[2].weight_versions = [VersionSpan("0", 0, 4), VersionSpan("elsewhere", 4, samples[2].response_length)]
-    with pytest.raises(PolicyLagError, match=r"sample 2: engine X sampled it with weights \['0', 'elsewhere'\].*\['elsewhere'\] were never pushed"):
+    with pytest.raises(
+        PolicyLagError,
+        match=r"sample 2: engine X sampled it with weights \['0', 'elsewhere'\].*\['elsewhere'\] were never pushed",
+    ):
         check_policy_lag(0, samples, ["0"], 0, "engine X")
     samples[2].weight_versions = []
     with pytest.raises(PolicyLagError, match="sample 2: engine X reported no weight version"):
@@ -330,7 +357,9 @@ def test_a_request_at_another_temperature_is_refused_where_it_is_built():
     evaluation = GenerateRequest([1, 2], SamplingParams(temperature=0.0))  # no capture: its own settings
     assert validate_request(evaluation, 1.0, 1) is evaluation
     with pytest.raises(ConfigError, match=r"request 3: temperature 0.7 differs from the rollout temperature 1.0"):
-        validate_request(GenerateRequest([1, 2], SamplingParams(temperature=0.7, top_k=8), return_sampling_mask=True), 1.0, 3)
+        validate_request(
+            GenerateRequest([1, 2], SamplingParams(temperature=0.7, top_k=8), return_sampling_mask=True), 1.0, 3
+        )
 
 
 # ---- KL and resume ----------------------------------------------------------------------------
@@ -346,12 +375,24 @@ def test_kl_loss_equals_an_independent_full_vocabulary_computation(tiny_checkpoi
         return samples, stats
 
     monkeypatch.setattr(rollouts_module.Rollouts, "produce", keep)
-    cfg = run_config(tiny_checkpoint, tmp_path, num_rollout=2, global_batch_size=8, micro_batch_size=4, use_kl_loss=True,
-                     kl_loss_coef=0.5, save=str(tmp_path / "ckpt"), save_interval=1)
+    cfg = run_config(
+        tiny_checkpoint,
+        tmp_path,
+        num_rollout=2,
+        global_batch_size=8,
+        micro_batch_size=4,
+        use_kl_loss=True,
+        kl_loss_coef=0.5,
+        save=str(tmp_path / "ckpt"),
+        save_interval=1,
+    )
     rows = train(cfg)
     # rollout 1 is scored with the weights after update 0, which checkpoint rollout_000001 holds
     actor = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float64)
-    actor.load_state_dict({k: v.double() for k, v in load_file(str(tmp_path / "ckpt" / "rollout_000001" / "model.safetensors")).items()}, strict=False)
+    actor.load_state_dict(
+        {k: v.double() for k, v in load_file(str(tmp_path / "ckpt" / "rollout_000001" / "model.safetensors")).items()},
+        strict=False,
+    )
     ref = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float64)
     kls = []
     for s in captured[1]:
@@ -371,11 +412,17 @@ def test_kl_loss_equals_an_independent_full_vocabulary_computation(tiny_checkpoi
 
 
 def test_resume_continues_exactly(tiny_checkpoint, tmp_path):
-    full = run_config(tiny_checkpoint, tmp_path / "a", num_rollout=4, save=str(tmp_path / "a" / "ckpt"), save_interval=2)
+    full = run_config(
+        tiny_checkpoint, tmp_path / "a", num_rollout=4, save=str(tmp_path / "a" / "ckpt"), save_interval=2
+    )
     train(full)
-    first = run_config(tiny_checkpoint, tmp_path / "b", num_rollout=2, save=str(tmp_path / "b" / "ckpt"), save_interval=2)
+    first = run_config(
+        tiny_checkpoint, tmp_path / "b", num_rollout=2, save=str(tmp_path / "b" / "ckpt"), save_interval=2
+    )
     train(first)
-    resumed = run_config(tiny_checkpoint, tmp_path / "b", num_rollout=4, save=str(tmp_path / "b" / "ckpt"), save_interval=2, resume=True)
+    resumed = run_config(
+        tiny_checkpoint, tmp_path / "b", num_rollout=4, save=str(tmp_path / "b" / "ckpt"), save_interval=2, resume=True
+    )
     rows = train(resumed)
     assert [r["rollout"] for r in rows] == [0, 1, 2, 3]
     a = load_file(str(tmp_path / "a" / "ckpt" / "rollout_000004" / "model.safetensors"))
@@ -396,7 +443,11 @@ def test_full_vocabulary_metrics_every_n_rollouts(tiny_checkpoint, tmp_path, mon
     every = train(run_config(tiny_checkpoint, tmp_path / "every", global_batch_size=8, micro_batch_size=4))
     n_every = len(calls)
     calls.clear()
-    sparse = train(run_config(tiny_checkpoint, tmp_path / "sparse", global_batch_size=8, micro_batch_size=4, full_vocab_metrics_interval=2))
+    sparse = train(
+        run_config(
+            tiny_checkpoint, tmp_path / "sparse", global_batch_size=8, micro_batch_size=4, full_vocab_metrics_interval=2
+        )
+    )
     assert ["full_vocab_ratio_mean" in r for r in sparse] == [True, False, True]
     assert len(calls) == n_every * 2 // 3 and n_every > 0
     assert [r["loss"] for r in sparse] == [r["loss"] for r in every]
@@ -406,7 +457,6 @@ def test_full_vocabulary_metrics_every_n_rollouts(tiny_checkpoint, tmp_path, mon
 def test_ignore_eos_runs_every_response_to_the_length_limit(tiny_checkpoint, tmp_path):
     import json
 
-    from transformers import AutoTokenizer
 
     bias = tmp_path / "bias.json"  # end-of-sequence first, every time
     bias.write_text(json.dumps({str(AutoTokenizer.from_pretrained(tiny_checkpoint).eos_token_id): 100.0}))

@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from processes import engine_process, free_port
-from support_replay.train import train
 from recipe_helpers import run_config
+from support_replay.train import train
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +26,16 @@ def test_updates_through_the_http_engine_pass_ci_test(tiny_checkpoint, tmp_path)
         # synced after every update, under the name the trainer gave the weights
         assert httpx.get(url + "/model_info").json()["weight_version"] == "3"
         # the same first rollout with the support as SGLang's id lists, from the initial weights
-        httpx.post(url + "/update_weights_from_disk", json={"model_path": str(tiny_checkpoint), "weight_version": "0"}, timeout=60)
-        lists = train(run_config(tiny_checkpoint, tmp_path / "lists", rollout_url=url, num_rollout=1, sampling_mask_format="lists"))
+        httpx.post(
+            url + "/update_weights_from_disk",
+            json={"model_path": str(tiny_checkpoint), "weight_version": "0"},
+            timeout=60,
+        )
+        lists = train(
+            run_config(
+                tiny_checkpoint, tmp_path / "lists", rollout_url=url, num_rollout=1, sampling_mask_format="lists"
+            )
+        )
     assert [r["rollout"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and 0.999 < r["replay_ratio_mean"] < 1.001
@@ -40,24 +48,47 @@ def test_updates_through_the_http_engine_pass_ci_test(tiny_checkpoint, tmp_path)
 def _fsdp_worker(rank, world, port, checkpoint, out, results, global_batch, micro_batch, extra):
     # Gradient clipping off: its global norm is reduced in another order over shards, which
     # moves the result by an ulp that Adam then amplifies (to ~2e-6 after 3 updates).
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     sys.path.insert(0, str(Path(__file__).parents[1]))
-    cfg = run_config(checkpoint, Path(out), num_rollout=3, save=str(Path(out) / "ckpt"), save_interval=3, clip_grad=0.0, global_batch_size=global_batch,
-                     micro_batch_size=micro_batch, **extra)
+    cfg = run_config(
+        checkpoint,
+        Path(out),
+        num_rollout=3,
+        save=str(Path(out) / "ckpt"),
+        save_interval=3,
+        clip_grad=0.0,
+        global_batch_size=global_batch,
+        micro_batch_size=micro_batch,
+        **extra,
+    )
     rows = train(cfg)
     results[rank] = [r["loss"] for r in rows] if rank == 0 else "ok"
 
 
 # two optimizer steps per rollout; or one, with the old-policy scoring fused into it; or that with
 # asynchronous rollouts (rank 0 generates during the update, --ci-test under the lag)
-@pytest.mark.parametrize("global_batch, micro_batch, extra", [(4, 2, {}), (8, 4, {}), (8, 4, dict(async_rollout=True, max_policy_lag=1))],
-                         ids=["two-steps", "fused", "async"])
+@pytest.mark.parametrize(
+    "global_batch, micro_batch, extra",
+    [(4, 2, {}), (8, 4, {}), (8, 4, dict(async_rollout=True, max_policy_lag=1))],
+    ids=["two-steps", "fused", "async"],
+)
 def test_two_fsdp_ranks_equal_one(tiny_checkpoint, tmp_path, global_batch, micro_batch, extra):
     manager = mp.Manager()
     results = {}
     for world in (1, 2):
         res = manager.dict()
-        args = (world, free_port(), str(tiny_checkpoint), str(tmp_path / f"w{world}"), res, global_batch, micro_batch, extra)
+        args = (
+            world,
+            free_port(),
+            str(tiny_checkpoint),
+            str(tmp_path / f"w{world}"),
+            res,
+            global_batch,
+            micro_batch,
+            extra,
+        )
         mp.spawn(_fsdp_worker, args=args, nprocs=world, join=True)
         results[world] = dict(res)
     np.testing.assert_allclose(results[2][0], results[1][0], atol=1e-6, rtol=0)
@@ -72,23 +103,39 @@ def test_two_fsdp_ranks_equal_one(tiny_checkpoint, tmp_path, global_batch, micro
 
 
 def _agent_worker(rank, world, port, checkpoint, out, results, extra):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     sys.path.insert(0, str(Path(__file__).parents[1]))
     from recipe_helpers import agent_config
 
     cfg = agent_config(checkpoint, Path(out), agent="chain", session_history_policy="reject", num_rollout=2, **extra)
     rows = train(cfg)
-    results[rank] = [(r["train_rollout_logprob_abs_diff_max"], r["episode_turns_mean"]) for r in rows] if rank == 0 else "ok"
+    results[rank] = (
+        [(r["train_rollout_logprob_abs_diff_max"], r["episode_turns_mean"]) for r in rows] if rank == 0 else "ok"
+    )
 
 
 # data parallel with penalties; multi-turn loss masks (inserted tokens out of the loss) with the
 # sequence split by context parallelism, and with the layers split by tensor parallelism
-@pytest.mark.parametrize("extra", [dict(rollout_repetition_penalty=1.2), dict(context_parallel_size=2, context_parallel_layout="contiguous"),
-                                   dict(tensor_model_parallel_size=2)], ids=["dp-penalties", "cp", "tp"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(rollout_repetition_penalty=1.2),
+        dict(context_parallel_size=2, context_parallel_layout="contiguous"),
+        dict(tensor_model_parallel_size=2),
+    ],
+    ids=["dp-penalties", "cp", "tp"],
+)
 def test_agent_episodes_on_two_ranks(tiny_agent_checkpoint, tmp_path, extra):
     """Rank 0 plays the episodes through its session server and broadcasts them; both ranks train."""
     results = mp.Manager().dict()
-    mp.spawn(_agent_worker, args=(2, free_port(), str(tiny_agent_checkpoint), str(tmp_path), results, extra), nprocs=2, join=True)
+    mp.spawn(
+        _agent_worker,
+        args=(2, free_port(), str(tiny_agent_checkpoint), str(tmp_path), results, extra),
+        nprocs=2,
+        join=True,
+    )
     assert results[1] == "ok" and len(results[0]) == 2 and all(diff <= 1e-3 and turns > 1 for diff, turns in results[0])
 
 
@@ -99,14 +146,25 @@ def test_two_ranks_under_a_token_budget_match_one(tiny_checkpoint, tmp_path):
     results = {}
     for world in (1, 2):
         res = manager.dict()
-        args = (world, free_port(), str(tiny_checkpoint), str(tmp_path / f"w{world}"), res, 8, None, dict(max_tokens_per_micro_batch=45))
+        args = (
+            world,
+            free_port(),
+            str(tiny_checkpoint),
+            str(tmp_path / f"w{world}"),
+            res,
+            8,
+            None,
+            dict(max_tokens_per_micro_batch=45),
+        )
         mp.spawn(_fsdp_worker, args=args, nprocs=world, join=True)
         results[world] = dict(res)
     np.testing.assert_allclose(results[2][0], results[1][0], atol=1e-5, rtol=0)
 
 
 def _failing_worker(rank, world, port, checkpoint, out, results):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     sys.path.insert(0, str(Path(__file__).parents[1]))
     import time
 
@@ -122,7 +180,9 @@ def test_a_failure_on_rank_0_alone_stops_every_rank_with_its_error(tiny_checkpoi
     """Finding 9 of the server review: a reward that raises on rank 0 left rank 1 waiting in a broadcast
     while rank 0 waited in a barrier, for ever. Now both stop, with rank 0's error."""
     results = mp.Manager().dict()
-    context = mp.spawn(_failing_worker, args=(2, free_port(), str(tiny_checkpoint), str(tmp_path), results), nprocs=2, join=False)
+    context = mp.spawn(
+        _failing_worker, args=(2, free_port(), str(tiny_checkpoint), str(tmp_path), results), nprocs=2, join=False
+    )
     import time
 
     deadline = time.monotonic() + 120
@@ -133,5 +193,7 @@ def test_a_failure_on_rank_0_alone_stops_every_rank_with_its_error(tiny_checkpoi
         p.kill() if p.is_alive() else None
     assert not alive, "a rank was still waiting"
     assert results[0][0] == "ZeroDivisionError: the reward function divided by zero"
-    assert results[1][0].startswith("RankFailure: rank 1: rank 0 failed, stopping with it: ZeroDivisionError: the reward function divided by zero")
+    assert results[1][0].startswith(
+        "RankFailure: rank 1: rank 0 failed, stopping with it: ZeroDivisionError: the reward function divided by zero"
+    )
     print(f"rank exit after the failure: rank 0 {results[0][1]:.1f} s, rank 1 {results[1][1]:.1f} s from their start")

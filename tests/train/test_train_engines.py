@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from processes import engine_process, free_port, process
-from support_replay.train import train
 from recipe_helpers import run_config
+from support_replay.train import train
 
 pytestmark = pytest.mark.slow
 ENGINES = Path(__file__).parents[1] / "engines"
@@ -25,7 +25,10 @@ def test_grpo_through_a_server_answering_as_sglang(tiny_checkpoint, tmp_path):
         pytest.skip(f"SGLang's code is not available here: {exc}")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with process([sys.executable, str(ENGINES / "sglang_standin.py"), "--checkpoint", str(tiny_checkpoint), "--port", str(port)], url):
+    with process(
+        [sys.executable, str(ENGINES / "sglang_standin.py"), "--checkpoint", str(tiny_checkpoint), "--port", str(port)],
+        url,
+    ):
         rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url))
         assert httpx.get(url + "/model_info").json()["weight_version"] == "3"
     for r in rows:  # SGLang's own log(w_sel / sum w) against our trainer's support log-probs
@@ -37,8 +40,27 @@ def test_grpo_through_a_server_answering_as_sglang(tiny_checkpoint, tmp_path):
 def smg_router(worker_urls: list[str]):
     port, metrics = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
-    args = [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
-            "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics), "--enable-rl", "--log-level", "warn"]
+    args = [
+        sys.executable,
+        "-m",
+        "smg",
+        "launch",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *worker_urls,
+        "--policy",
+        "round_robin",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics),
+        "--enable-rl",
+        "--log-level",
+        "warn",
+    ]
     return process(args, url), url
 
 
@@ -58,9 +80,19 @@ def test_grpo_through_smg_in_front_of_two_engines(tiny_checkpoint, tmp_path):
             # the weights reached both engines through smg's RL fan-out, under the trainer's name
             assert [httpx.get(u + "/model_info").json()["weight_version"] for u in (url_a, url_b)] == ["3", "3"]
             # its chat path keeps the capture fields too
-            chat = httpx.post(url + "/v1/chat/completions", json={
-                "model": str(tiny_checkpoint), "messages": [{"role": "user", "content": "What is 1 plus 2?"}], "max_tokens": 4,
-                "top_k": 8, "top_p": 0.9, "return_sampling_mask": True, "return_meta_info": True}, timeout=60).json()
+            chat = httpx.post(
+                url + "/v1/chat/completions",
+                json={
+                    "model": str(tiny_checkpoint),
+                    "messages": [{"role": "user", "content": "What is 1 plus 2?"}],
+                    "max_tokens": 4,
+                    "top_k": 8,
+                    "top_p": 0.9,
+                    "return_sampling_mask": True,
+                    "return_meta_info": True,
+                },
+                timeout=60,
+            ).json()
             assert len(chat["choices"][0]["meta_info"]["output_token_sampling_mask"]) == 4
     for r in rows:
         assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0
@@ -72,8 +104,9 @@ def test_grpo_through_real_vllm_with_weight_sync(vllm_server, tmp_path):
         rows = train(run_config(ckpt, tmp_path, rollout_url=url, rollout_engine="vllm"))
         assert httpx.get(url + "/weight_info").json()["weight_version"] == "3"  # synced after every update
     finally:  # the server is shared by the session: give it back its own weights
-        from support_replay.train.weights import VLLMSync
         from safetensors.torch import load_file
+
+        from support_replay.train.weights import VLLMSync
 
         VLLMSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
     for r in rows:  # every rollout after the first was sampled by weights reloaded from the trainer
@@ -89,11 +122,24 @@ def test_grpo_with_penalties_through_real_vllm(vllm_server, tmp_path):
     bias = tmp_path / "bias.json"
     bias.write_text('{"5": -2.0, "17": 1.5}')
     try:
-        rows = train(run_config(ckpt, tmp_path, rollout_url=url, rollout_engine="vllm", num_rollout=2, rollout_max_response_len=24,
-                                rollout_repetition_penalty=1.3, rollout_frequency_penalty=0.4, rollout_presence_penalty=0.2, rollout_logit_bias=str(bias)))
+        rows = train(
+            run_config(
+                ckpt,
+                tmp_path,
+                rollout_url=url,
+                rollout_engine="vllm",
+                num_rollout=2,
+                rollout_max_response_len=24,
+                rollout_repetition_penalty=1.3,
+                rollout_frequency_penalty=0.4,
+                rollout_presence_penalty=0.2,
+                rollout_logit_bias=str(bias),
+            )
+        )
     finally:
-        from support_replay.train.weights import VLLMSync
         from safetensors.torch import load_file
+
+        from support_replay.train.weights import VLLMSync
 
         VLLMSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
@@ -105,10 +151,13 @@ def test_agent_episodes_through_real_vllm(vllm_server, tmp_path):
 
     url, ckpt = vllm_server
     try:
-        rows = train(agent_config(ckpt, tmp_path, agent="chain", rollout_url=url, rollout_engine="vllm", max_episode_tokens=120))
+        rows = train(
+            agent_config(ckpt, tmp_path, agent="chain", rollout_url=url, rollout_engine="vllm", max_episode_tokens=120)
+        )
     finally:
-        from support_replay.train.weights import VLLMSync
         from safetensors.torch import load_file
+
+        from support_replay.train.weights import VLLMSync
 
         VLLMSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0 for r in rows)
@@ -126,7 +175,24 @@ def test_true_on_policy_through_serve_is_bitwise_and_refuses_another_kernel(tiny
     ctx, url = engine_process(tiny_checkpoint, "--deterministic", "--linear-kernel", "torch")
     with ctx:
         with pytest.raises(SupportReplayError, match=r"runs its linear layers on 'torch', this trainer on 'onednn'"):
-            train(run_config(tiny_checkpoint, tmp_path / "refused", rollout_url=url, true_on_policy_mode=True, linear_kernel="onednn"))
-        rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url, true_on_policy_mode=True, linear_kernel="torch", num_rollout=2))
+            train(
+                run_config(
+                    tiny_checkpoint,
+                    tmp_path / "refused",
+                    rollout_url=url,
+                    true_on_policy_mode=True,
+                    linear_kernel="onednn",
+                )
+            )
+        rows = train(
+            run_config(
+                tiny_checkpoint,
+                tmp_path,
+                rollout_url=url,
+                true_on_policy_mode=True,
+                linear_kernel="torch",
+                num_rollout=2,
+            )
+        )
     for r in rows:
         assert r["train_rollout_logprob_abs_diff_max"] == 0.0 and r["train_rollout_unequal_tokens"] == 0

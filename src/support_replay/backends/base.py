@@ -46,8 +46,11 @@ class RetryCounter:
 def penalty_fields(req: GenerateRequest) -> dict:
     """The penalties, always explicit (a server fills omitted ones from the model's
     generation_config.json), and the logit bias when the request has one."""
-    out = {"frequency_penalty": req.penalties.frequency, "presence_penalty": req.penalties.presence,
-           "repetition_penalty": req.penalties.repetition}
+    out = {
+        "frequency_penalty": req.penalties.frequency,
+        "presence_penalty": req.penalties.presence,
+        "repetition_penalty": req.penalties.repetition,
+    }
     if req.penalties.logit_bias:
         out["logit_bias"] = {str(i): b for i, b in req.penalties.logit_bias}
     return out
@@ -70,7 +73,15 @@ def session_headers(req: GenerateRequest) -> dict:
     return {SESSION_HEADER: req.routing_key} if req.routing_key else {}
 
 
-def post_json(client, url: str, body: dict, index: int, retries: RetryCounter | None = None, tries: int = RETRIES + 1, headers: dict | None = None):
+def post_json(
+    client,
+    url: str,
+    body: dict,
+    index: int,
+    retries: RetryCounter | None = None,
+    tries: int = RETRIES + 1,
+    headers: dict | None = None,
+):
     """POST ``body``; ``(decoded JSON answer, body size in bytes)``. ``WireError`` naming the request
     and the status for a refusal, ``EngineUnavailable`` when no try got an answer."""
     problem, overloaded = "", 0  # tries answered 503: the engine's queue was full, nothing of the request ran
@@ -114,4 +125,3 @@ def fan_out(pool, fn, requests, return_exceptions: bool = False) -> list:
                 raise
             out.append(exc)
     return out
-

@@ -17,10 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 
-from ..errors import EngineUnavailable, SupportError, WireError
-from ..protocol import Completion, GenerateRequest, parse_version_spans, single_version, validate_completion
 from ..core.support import SupportTable
 from ..core.wire import from_json
+from ..errors import EngineUnavailable, SupportError, WireError
+from ..protocol import Completion, GenerateRequest, parse_version_spans, single_version, validate_completion
 from .base import RetryCounter, fan_out, optional_fields, penalty_fields, post_json, session_headers
 
 MASK_FORMATS = ("binary", "lists")
@@ -76,7 +76,9 @@ def _selected_in_support_mode(logprobs: list, rows: list[list[int]], output_ids:
     picked = []
     for t, (row_lp, row_ids, tok) in enumerate(zip(logprobs, rows, output_ids)):
         if not isinstance(row_lp, list) or len(row_lp) != len(row_ids):
-            raise WireError(f"output_token_sampling_logprobs[{t}]: expected {len(row_ids)} values aligned with the mask")
+            raise WireError(
+                f"output_token_sampling_logprobs[{t}]: expected {len(row_ids)} values aligned with the mask"
+            )
         if tok not in row_ids:
             raise WireError(f"output_token_sampling_mask[{t}]: selected token {tok} is not in its support")
         picked.append(row_lp[row_ids.index(tok)])
@@ -110,7 +112,9 @@ def parse_meta_info(meta: dict, output_ids: list[int], vocab_size: int) -> tuple
         raise WireError(f"output_token_sampling_mask: {support.num_rows} support rows for {n} output tokens")
     length = meta.get("output_token_sampling_mask_length")
     if length is not None and (isinstance(length, bool) or length != support.num_rows):
-        raise WireError(f"output_token_sampling_mask_length={length!r:.80}: SGLang sends the number of mask rows, {support.num_rows}")
+        raise WireError(
+            f"output_token_sampling_mask_length={length!r:.80}: SGLang sends the number of mask rows, {support.num_rows}"
+        )
     if isinstance(logprobs, list) and any(isinstance(v, list) for v in logprobs):
         if rows is None:
             raise WireError("output_token_sampling_logprobs in 'support' mode needs the mask as id lists")
@@ -186,7 +190,9 @@ class SGLangBackend:
         return fan_out(self.pool, self._one, requests, return_exceptions)
 
     def _one(self, req: GenerateRequest, index: int) -> Completion:
-        item, _ = post_json(self.client, self.url + "/generate", self.body(req), index, self._retries, headers=session_headers(req))
+        item, _ = post_json(
+            self.client, self.url + "/generate", self.body(req), index, self._retries, headers=session_headers(req)
+        )
         if not isinstance(item, dict):
             raise WireError(f"request {index}: {self.url}/generate returned {type(item).__name__}, expected an object")
         completion = self.completion(item, req, index)
@@ -199,7 +205,9 @@ class SGLangBackend:
         where = f"completion {index}"
         try:
             output_ids = item["output_ids"]
-            if not isinstance(output_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in output_ids):
+            if not isinstance(output_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in output_ids
+            ):
                 raise TypeError(f"output_ids is not a list of token ids: {output_ids!r:.80}")
             meta = item["meta_info"]
             if not isinstance(meta, dict):
@@ -215,9 +223,14 @@ class SGLangBackend:
                 raise WireError(f"{where}: {exc}") from exc
         if req.return_logprob:
             entries = meta.get("output_token_logprobs")
-            ok = isinstance(entries, list) and all(isinstance(e, list) and e and isinstance(e[0], (int, float)) and not isinstance(e[0], bool) for e in entries)
+            ok = isinstance(entries, list) and all(
+                isinstance(e, list) and e and isinstance(e[0], (int, float)) and not isinstance(e[0], bool)
+                for e in entries
+            )
             if not ok:
-                raise WireError(f"{where}: return_logprob was asked but meta_info has no output_token_logprobs [[logprob, id, text], ...]")
+                raise WireError(
+                    f"{where}: return_logprob was asked but meta_info has no output_token_logprobs [[logprob, id, text], ...]"
+                )
             full = np.asarray([e[0] for e in entries], np.float32)
         return Completion(
             output_ids=output_ids,

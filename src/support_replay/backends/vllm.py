@@ -35,9 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 
-from ..errors import EngineUnavailable, SupportError, WireError
-from ..protocol import Completion, GenerateRequest, single_version, validate_completion, parse_version_spans
 from ..core.support import SupportTable
+from ..errors import EngineUnavailable, SupportError, WireError
+from ..protocol import Completion, GenerateRequest, parse_version_spans, single_version, validate_completion
 from .base import RetryCounter, fan_out, optional_fields, penalty_fields, post_json, session_headers
 
 ENDPOINTS = ("generate", "completions")
@@ -98,7 +98,9 @@ def parse_processed_logprobs(output_ids: list[int], top_logprobs, requested: int
         raise WireError(f"top_logprobs: {n} entries for {len(output_ids)} output tokens")
     rows, picked = [], []
     for t, (entries, tok) in enumerate(zip(top_logprobs, output_ids)):
-        if not isinstance(entries, dict) or not all(_is_int(i) and (v is None or _is_number(v)) for i, v in entries.items()):
+        if not isinstance(entries, dict) or not all(
+            _is_int(i) and (v is None or _is_number(v)) for i, v in entries.items()
+        ):
             raise WireError(f"top_logprobs[{t}]: expected a mapping token id -> log-prob, got {entries!r:.80}")
         finite = {i: float(v) for i, v in entries.items() if v is not None and float(v) > _NEG_INF / 2}
         if requested > 0 and len(finite) >= requested:
@@ -116,7 +118,9 @@ def parse_processed_logprobs(output_ids: list[int], top_logprobs, requested: int
 def _token_id(text: str, where: str) -> int:
     digits = text[len(_TOKEN_PREFIX) :] if isinstance(text, str) and text.startswith(_TOKEN_PREFIX) else ""
     if not digits.isdigit():
-        raise WireError(f"{where}: token {text!r:.40} is not in 'token_id:N' form; send return_tokens_as_token_ids=true")
+        raise WireError(
+            f"{where}: token {text!r:.40} is not in 'token_id:N' form; send return_tokens_as_token_ids=true"
+        )
     return int(digits)
 
 
@@ -143,8 +147,15 @@ def _generate_logprobs(choice: dict, count: int, where: str) -> tuple[list | Non
     sampled, top = [], []
     for t, entry in enumerate(content):
         tops = entry.get("top_logprobs", []) if isinstance(entry, dict) else None
-        ok = isinstance(entry, dict) and _is_int(entry.get("token_id")) and _is_number(entry.get("logprob")) and isinstance(tops, list)
-        ok = ok and all(isinstance(e, dict) and _is_int(e.get("token_id")) and _is_number(e.get("logprob")) for e in tops)
+        ok = (
+            isinstance(entry, dict)
+            and _is_int(entry.get("token_id"))
+            and _is_number(entry.get("logprob"))
+            and isinstance(tops, list)
+        )
+        ok = ok and all(
+            isinstance(e, dict) and _is_int(e.get("token_id")) and _is_number(e.get("logprob")) for e in tops
+        )
         if not ok:
             raise WireError(f"{where}: logprobs.content[{t}] is not {{token_id, logprob, top_logprobs}}: {entry!r:.80}")
         sampled.append(entry["logprob"])
@@ -186,7 +197,9 @@ class VLLMBackend:
     def _served_model(self) -> str:
         reply = self.client.get(self.url + "/v1/models")
         if reply.status_code != 200:
-            raise WireError(f"{self.url}/v1/models answered HTTP {reply.status_code}: cannot tell the served model name")
+            raise WireError(
+                f"{self.url}/v1/models answered HTTP {reply.status_code}: cannot tell the served model name"
+            )
         return reply.json()["data"][0]["id"]
 
     def requested_logprobs(self, req: GenerateRequest) -> int:
@@ -196,7 +209,9 @@ class VLLMBackend:
 
     def sampling_params(self, req: GenerateRequest) -> dict:
         p = req.params
-        logprobs = self.requested_logprobs(req) if req.return_sampling_mask and self.capture == "processed_logprobs" else 0
+        logprobs = (
+            self.requested_logprobs(req) if req.return_sampling_mask and self.capture == "processed_logprobs" else 0
+        )
         return {
             "temperature": p.temperature,
             "top_p": p.top_p,
@@ -212,7 +227,12 @@ class VLLMBackend:
     def body(self, req: GenerateRequest) -> dict:
         params = self.sampling_params(req)
         if self.endpoint == "generate":
-            body = {"model": self.model, "token_ids": list(req.input_ids), "sampling_params": params, "output_mode": "tokens"}
+            body = {
+                "model": self.model,
+                "token_ids": list(req.input_ids),
+                "sampling_params": params,
+                "output_mode": "tokens",
+            }
             if req.rid is not None:
                 body["request_id"] = req.rid
             return body
@@ -246,7 +266,9 @@ class VLLMBackend:
 
     def _one(self, req: GenerateRequest, index: int) -> Completion:
         path = "/inference/v1/generate" if self.endpoint == "generate" else "/v1/completions"
-        answer, _ = post_json(self.client, self.url + path, self.body(req), index, self._retries, headers=session_headers(req))
+        answer, _ = post_json(
+            self.client, self.url + path, self.body(req), index, self._retries, headers=session_headers(req)
+        )
         try:
             choice = answer["choices"][0]
         except (KeyError, IndexError, TypeError) as exc:
@@ -274,7 +296,9 @@ class VLLMBackend:
         sampled = np.asarray(sampled if usable else [], np.float64)
         if len(sampled) == len(output_ids) and not np.allclose(sampled, log_mu, atol=1e-5):
             t = int(np.argmax(np.abs(sampled - log_mu)))
-            raise WireError(f"{where} token {t}: sampled log-prob {sampled[t]} disagrees with its support entry {log_mu[t]}")
+            raise WireError(
+                f"{where} token {t}: sampled log-prob {sampled[t]} disagrees with its support entry {log_mu[t]}"
+            )
         return support, log_mu
 
     def parse_generate_choice(self, choice: dict, req: GenerateRequest, index: int = 0) -> Completion:

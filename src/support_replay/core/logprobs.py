@@ -88,7 +88,9 @@ def support_logprobs(logits: torch.Tensor, targets: torch.Tensor, support, tempe
     rows = logits.shape[0]
     ids, valid = _padded(support, logits.device)
     if ids.shape[0] != rows or targets.shape != (rows,):
-        raise SupportError(f"support_logprobs: {rows} logit rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}")
+        raise SupportError(
+            f"support_logprobs: {rows} logit rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}"
+        )
     if rows == 0:
         return logits.new_zeros(0, dtype=_acc(logits.dtype)) + logits.sum() * 0
     temp = _temperature_column(temperature, rows, logits.device, _acc(logits.dtype))
@@ -106,7 +108,9 @@ def support_row_logprobs(logits_row: torch.Tensor, ids: torch.Tensor, temperatur
     return (z - lse[:, None])[0]
 
 
-def penalised_support_logprobs(logits: torch.Tensor, targets: torch.Tensor, support, temperature, transform) -> torch.Tensor:
+def penalised_support_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, support, temperature, transform
+) -> torch.Tensor:
     """``support_logprobs`` on transformed logits: ``log pi(a_t | S_t) = z'(a_t)/T - logsumexp_{S_t} z'/T``
     with ``z' = transform(z gathered at the support ids [T, K], ids)``, plain autograd (the
     gradient flows through the transform to ``z``). The penalties and logit bias are such a
@@ -163,7 +167,9 @@ class _FullLogProbsEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def full_vocab_grad(logits, targets, target_weight, temp, lse, ent, grad_logp, grad_ent, chunk_rows: int) -> torch.Tensor:
+def full_vocab_grad(
+    logits, targets, target_weight, temp, lse, ent, grad_logp, grad_ent, chunk_rows: int
+) -> torch.Tensor:
     """Gradient of ``(log p[a_t], entropy)`` w.r.t. the logits, recomputing softmax chunk by chunk.
 
     ``lse`` and ``ent`` are the (global) normalisers; ``target_weight`` (0/1 per row, or
@@ -237,7 +243,9 @@ class _SparseHeadSupportLogProbs(torch.autograd.Function):
         z = torch.zeros(ids.shape, dtype=temp.dtype, device=hidden.device)
         for rows, width in _size_buckets(valid, chunk_size):
             w = weight[ids[rows, :width]].to(temp.dtype)  # [c, width, H]
-            z[rows, :width] = torch.einsum("ch,ckh->ck", hidden[rows].to(temp.dtype), w).to(z.dtype)  # bf16 under autocast
+            z[rows, :width] = torch.einsum("ch,ckh->ck", hidden[rows].to(temp.dtype), w).to(
+                z.dtype
+            )  # bf16 under autocast
         z = z / temp
         lse, probs = _masked_logsumexp(z, valid)
         out = z.gather(1, tpos[:, None]).squeeze(1) - lse
@@ -285,14 +293,23 @@ def sparse_head_support_logprobs(
     rows = hidden.shape[0]
     ids, valid = _padded(support, hidden.device)
     if ids.shape[0] != rows or targets.shape != (rows,):
-        raise SupportError(f"sparse head: {rows} hidden rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}")
+        raise SupportError(
+            f"sparse head: {rows} hidden rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}"
+        )
     temp = _temperature_column(temperature, rows, hidden.device, _acc(torch.promote_types(hidden.dtype, weight.dtype)))
     tpos = _target_positions(ids, valid, targets.to(hidden.device, torch.long))
     return _SparseHeadSupportLogProbs.apply(hidden, weight, ids, valid, tpos, temp, int(chunk_size))
 
 
-def union_head_support_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, support, temperature=1.0,
-                                row_block: int = 16, linear=torch.nn.functional.linear) -> torch.Tensor:
+def union_head_support_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    support,
+    temperature=1.0,
+    row_block: int = 16,
+    linear=torch.nn.functional.linear,
+) -> torch.Tensor:
     """``support_logprobs(hidden @ weight.T, ...)`` reading only the head rows that some support
     of the batch names, with the same bits as the full head where its products are invariant.
 
@@ -311,7 +328,9 @@ def union_head_support_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targ
     ids, valid = _padded(support, hidden.device)
     targets = targets.to(hidden.device, torch.long)
     if ids.shape[0] != rows or targets.shape != (rows,):
-        raise SupportError(f"union head: {rows} hidden rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}")
+        raise SupportError(
+            f"union head: {rows} hidden rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}"
+        )
     union = torch.unique(torch.cat([ids[valid], targets]))
     if len(union) < row_block:  # too few columns take another kernel: add unused ones
         extra = torch.arange(min(vocab, len(union) + row_block), device=hidden.device)

@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-
 import torch
 
 from ..errors import SupportReplayError
@@ -22,7 +21,9 @@ AGGREGATIONS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def token_weights(mask: torch.Tensor, lengths, mode: str, *, batch_tokens: float, batch_sequences: float) -> torch.Tensor:
+def token_weights(
+    mask: torch.Tensor, lengths, mode: str, *, batch_tokens: float, batch_sequences: float
+) -> torch.Tensor:
     """Per-token weights of a loss, the one place where tokens and sequences are weighted.
 
     ``mask`` is the flat loss mask of some sequences (``lengths`` tokens each), part of a
@@ -40,7 +41,9 @@ def token_weights(mask: torch.Tensor, lengths, mode: str, *, batch_tokens: float
         return mask / max(float(batch_tokens), 1.0)
     if mode == "sequence":
         lengths = torch.as_tensor(list(lengths), dtype=torch.long, device=mask.device)
-        counts = torch.stack([m.sum() for m in torch.split(mask, lengths.tolist())]) if len(lengths) else mask.new_zeros(0)
+        counts = (
+            torch.stack([m.sum() for m in torch.split(mask, lengths.tolist())]) if len(lengths) else mask.new_zeros(0)
+        )
         per_token_count = torch.repeat_interleave(counts.clamp_min(1), lengths)
         return mask / per_token_count / max(float(batch_sequences), 1.0)
     raise SupportReplayError(f"aggregation: must be one of {AGGREGATIONS}, got {mode!r}")
@@ -50,12 +53,18 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token") -> 
     """Masked mean of padded ``[B, L]`` values over one whole batch (``token_weights``' rule)."""
     rows, width = mask.shape
     weights = token_weights(
-        mask.reshape(-1), [width] * rows, mode, batch_tokens=float(mask.sum()), batch_sequences=float((mask.sum(-1) > 0).sum())
+        mask.reshape(-1),
+        [width] * rows,
+        mode,
+        batch_tokens=float(mask.sum()),
+        batch_sequences=float((mask.sum(-1) > 0).sum()),
     )
     return (values.reshape(-1) * weights.to(values.dtype)).sum()
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO: each reward minus its group's mean (optionally over the group's std).
 
     ``rewards`` ``[N]`` ordered group by group (``N % group_size == 0``).
@@ -71,7 +80,11 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool 
 
 
 def ppo_token_loss(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_low: float = 0.2, clip_high: float | None = None
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token ``-min(r A, clip(r, 1-lo, 1+hi) A)`` and whether the clipped branch was taken."""
     clip_high = clip_low if clip_high is None else clip_high
@@ -171,7 +184,9 @@ def support_mass(full_logp: torch.Tensor, support_logp: torch.Tensor) -> torch.T
     return torch.exp((full_logp - support_logp).clamp(max=0.0))
 
 
-def logprob_mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def logprob_mismatch_metrics(
+    trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
     """How far the trainer's scores are from the rollout's log mu on the trained tokens.
 
     ``abs_diff_max/mean``, ``mismatch_kl`` (k3 estimate of KL(mu || pi), sampled from mu),
@@ -179,7 +194,13 @@ def logprob_mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Ten
     """
     m = mask.bool()
     if not m.any():
-        return {"abs_diff_max": 0.0, "abs_diff_mean": 0.0, "mismatch_kl": 0.0, "ratio_mean": 1.0, "ratio_outside_10pct": 0.0}
+        return {
+            "abs_diff_max": 0.0,
+            "abs_diff_mean": 0.0,
+            "mismatch_kl": 0.0,
+            "ratio_mean": 1.0,
+            "ratio_outside_10pct": 0.0,
+        }
     diff = (trainer_logp - rollout_logp)[m].double()
     ratio = torch.exp(diff)
     return {
@@ -195,7 +216,13 @@ def support_size_metrics(sizes) -> dict[str, float]:
     """Mean, median, p99, max of |S_t| and the share of singleton supports."""
     sizes = np.asarray(sizes, dtype=np.int64)
     if not len(sizes):
-        return {"support_mean": 0.0, "support_median": 0.0, "support_p99": 0.0, "support_max": 0.0, "singleton_share": 0.0}
+        return {
+            "support_mean": 0.0,
+            "support_median": 0.0,
+            "support_p99": 0.0,
+            "support_max": 0.0,
+            "singleton_share": 0.0,
+        }
     return {
         "support_mean": float(sizes.mean()),
         "support_median": float(np.median(sizes)),

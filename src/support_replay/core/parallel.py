@@ -72,7 +72,9 @@ def vocab_parallel_support_logprobs(
     rows = local_logits.shape[0]
     ids, valid = _padded(support, local_logits.device)
     if ids.shape[0] != rows or targets.shape != (rows,):
-        raise SupportError(f"vocab-parallel: {rows} logit rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}")
+        raise SupportError(
+            f"vocab-parallel: {rows} logit rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}"
+        )
     temp = _temperature_column(temperature, rows, local_logits.device, _acc(local_logits.dtype))
     targets = targets.to(local_logits.device, torch.long)
     return _VocabParallelSupportLogProbs.apply(local_logits, targets, ids, valid, temp, int(vocab_start), group)
@@ -118,7 +120,9 @@ def vocab_parallel_full_logprobs_and_entropy(
         raise SupportError(f"vocab-parallel: {rows} logit rows, targets {tuple(targets.shape)}")
     temp = _temperature_column(temperature, rows, local_logits.device, _acc(local_logits.dtype))
     targets = targets.to(local_logits.device, torch.long)
-    return _VocabParallelFullLogProbsEntropy.apply(local_logits, targets, temp, int(vocab_start), group, int(chunk_rows))
+    return _VocabParallelFullLogProbsEntropy.apply(
+        local_logits, targets, temp, int(vocab_start), group, int(chunk_rows)
+    )
 
 
 def vocab_shard(vocab_size: int, rank: int, world: int) -> tuple[int, int]:

@@ -80,14 +80,22 @@ class Penalties:
 
     def check(self, semantics: str, vocab_size: int | None = None, where: str = "penalties") -> Penalties:
         if semantics == "hf" and (self.frequency or self.presence):
-            raise SamplingParamsError(f"{where}: the hf semantics have no frequency or presence penalty (transformers has no such processor)")
+            raise SamplingParamsError(
+                f"{where}: the hf semantics have no frequency or presence penalty (transformers has no such processor)"
+            )
         if vocab_size is not None and self.logit_bias and self.logit_bias[-1][0] >= vocab_size:
-            raise SamplingParamsError(f"{where}: logit_bias id {self.logit_bias[-1][0]} is outside the vocabulary [0, {vocab_size})")
+            raise SamplingParamsError(
+                f"{where}: logit_bias id {self.logit_bias[-1][0]} is outside the vocabulary [0, {vocab_size})"
+            )
         return self
 
     def to_json(self) -> dict:
-        return {"frequency_penalty": self.frequency, "presence_penalty": self.presence, "repetition_penalty": self.repetition,
-                "logit_bias": {str(i): b for i, b in self.logit_bias}}
+        return {
+            "frequency_penalty": self.frequency,
+            "presence_penalty": self.presence,
+            "repetition_penalty": self.repetition,
+            "logit_bias": {str(i): b for i, b in self.logit_bias},
+        }
 
 
 NO_PENALTIES = Penalties()
@@ -107,7 +115,14 @@ def repeated_sum(value: float, counts: torch.Tensor) -> torch.Tensor:
     return table.to(counts.device)[counts.long()]
 
 
-def penalise(z: torch.Tensor, out_counts: torch.Tensor, seen: torch.Tensor, bias: torch.Tensor | None, p: Penalties, semantics: str) -> torch.Tensor:
+def penalise(
+    z: torch.Tensor,
+    out_counts: torch.Tensor,
+    seen: torch.Tensor,
+    bias: torch.Tensor | None,
+    p: Penalties,
+    semantics: str,
+) -> torch.Tensor:
     """The penalised and biased logits, elementwise (any shape, fp32).
 
     ``out_counts``: occurrences of each id in the output history (integers); ``seen``: the id
@@ -123,10 +138,18 @@ def penalise(z: torch.Tensor, out_counts: torch.Tensor, seen: torch.Tensor, bias
             if p.frequency:
                 acc = acc - repeated_sum(p.frequency, out_counts)
             if p.presence:
-                acc = acc - torch.where(out_counts > 0, torch.tensor(p.presence, dtype=z.dtype, device=z.device), torch.zeros((), dtype=z.dtype, device=z.device))
+                acc = acc - torch.where(
+                    out_counts > 0,
+                    torch.tensor(p.presence, dtype=z.dtype, device=z.device),
+                    torch.zeros((), dtype=z.dtype, device=z.device),
+                )
             z = z + acc
         if p.repetition != 1:
-            r = torch.where(seen, torch.tensor(p.repetition, dtype=z.dtype, device=z.device), torch.ones((), dtype=z.dtype, device=z.device))
+            r = torch.where(
+                seen,
+                torch.tensor(p.repetition, dtype=z.dtype, device=z.device),
+                torch.ones((), dtype=z.dtype, device=z.device),
+            )
             z = torch.where(z < 0, z * r, z / r)
         if bias is not None:
             z = z + bias[0]
@@ -135,7 +158,11 @@ def penalise(z: torch.Tensor, out_counts: torch.Tensor, seen: torch.Tensor, bias
         if bias is not None:
             z = torch.where(bias[1], z + bias[0], z)
         if p.frequency or p.presence or p.repetition != 1:
-            r = torch.where(seen, torch.tensor(p.repetition, dtype=z.dtype, device=z.device), torch.ones((), dtype=z.dtype, device=z.device))
+            r = torch.where(
+                seen,
+                torch.tensor(p.repetition, dtype=z.dtype, device=z.device),
+                torch.ones((), dtype=z.dtype, device=z.device),
+            )
             z = z * torch.where(z > 0, 1.0 / r, r)
             z = z - torch.tensor(p.frequency, dtype=z.dtype, device=z.device) * out_counts.to(z.dtype)
             z = z - torch.tensor(p.presence, dtype=z.dtype, device=z.device) * (out_counts > 0).to(z.dtype)
@@ -158,10 +185,16 @@ def repetition_history_includes_prompt(semantics: str) -> bool:
 # ---- dense rows (the engine) ------------------------------------------------------------
 
 
-def dense_history(prompt_ids: list[int], output_ids: list[int], vocab: int, semantics: str, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_history(
+    prompt_ids: list[int], output_ids: list[int], vocab: int, semantics: str, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out_counts[V], seen[V])`` of one request for ``penalise`` on a whole row."""
     out = torch.as_tensor(output_ids, dtype=torch.long, device=device)
-    counts = torch.bincount(out, minlength=vocab)[:vocab] if len(output_ids) else torch.zeros(vocab, dtype=torch.long, device=device)
+    counts = (
+        torch.bincount(out, minlength=vocab)[:vocab]
+        if len(output_ids)
+        else torch.zeros(vocab, dtype=torch.long, device=device)
+    )
     seen = counts > 0
     if repetition_history_includes_prompt(semantics) and prompt_ids:
         seen = seen.clone()
@@ -185,8 +218,15 @@ def dense_bias(p: Penalties, vocab: int, device=None) -> tuple[torch.Tensor, tor
 # ---- gathered rows (the trainer) -----------------------------------------------------------
 
 
-def history_counts(sequences: torch.Tensor, lengths: torch.Tensor, rows_b: torch.Tensor, rows_pos: torch.Tensor, rows_start: torch.Tensor,
-                   ids: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def history_counts(
+    sequences: torch.Tensor,
+    lengths: torch.Tensor,
+    rows_b: torch.Tensor,
+    rows_pos: torch.Tensor,
+    rows_start: torch.Tensor,
+    ids: torch.Tensor,
+    vocab: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Occurrences of the ids ``[N, K]`` in each row's histories, without a ``[N, V]`` tensor.
 
     ``sequences`` ``[B, L]`` token ids (prompt and response), ``lengths`` ``[B]``; row ``n``

@@ -55,7 +55,9 @@ class SamplingParams:
             raise SamplingParamsError(f"top_p: must be in (0, 1], got {p!r}")
         if not isinstance(mp, (int, float)) or not (0 <= mp <= 1):
             raise SamplingParamsError(f"min_p: must be in [0, 1], got {mp!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64
+        ):
             raise SamplingParamsError(f"seed: must be None or an integer in [0, 2**64), got {self.seed!r}")
         if t == 0 and self.replay_active:
             raise SamplingParamsError(
@@ -259,7 +261,9 @@ def _padded_rows(mask: torch.Tensor):
     return ids, valid, cols, counts
 
 
-def sample_tokens(logits: torch.Tensor, params, semantics: str = "sglang", generator=None, capture=True) -> SampledTokens:
+def sample_tokens(
+    logits: torch.Tensor, params, semantics: str = "sglang", generator=None, capture=True
+) -> SampledTokens:
     """Sample one token per row and capture ``(S_t, log mu)``.
 
     ``generator`` is None, one ``torch.Generator`` for the batch, or one per row.

@@ -35,15 +35,21 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from ..errors import AbortedError, CapacityError, EngineError, RequestError, SamplingParamsError
 from ..core.logprobs import full_logprobs, support_row_logprobs
 from ..core.penalties import dense_bias, dense_history, penalise
+from ..core.sampling import sample_tokens
+from ..core.support import SupportTable
+from ..errors import AbortedError, CapacityError, EngineError, RequestError, SamplingParamsError
 from ..modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
 from ..modeling.invariant_products import model_plans
 from ..modeling.linear_kernels import linear_function, resolve_linear_kernel, use_linear
-from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest, single_version
-from ..core.sampling import sample_tokens
-from ..core.support import SupportTable
+from ..protocol import (
+    DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+    DEFAULT_WEIGHT_VERSION,
+    Completion,
+    GenerateRequest,
+    single_version,
+)
 from .kv_budget import SERVE_SHARE, KVBudget, column_need, plan_shape
 from .ledger import Ledger
 from .limits import EngineLimits
@@ -118,7 +124,9 @@ class Engine:
         self.invariant_plans: dict[str, str] = {}  # deterministic: each linear shape's probed plan (/model_info)
         if deterministic:  # logits independent of batch, padding and prefill/decode split
             make_batch_invariant(model, self.linear_kernel)
-            self.invariant_plans = {shape: plan.describe() for shape, plan in model_plans(model, self.linear_kernel).items()}
+            self.invariant_plans = {
+                shape: plan.describe() for shape, plan in model_plans(model, self.linear_kernel).items()
+            }
         else:
             use_linear(model, linear_function(self.linear_kernel))
         self.deterministic = deterministic
@@ -129,8 +137,13 @@ class Engine:
         self.limits = limits
         # KV positions held at the peak, in total (engine/kv_budget.py): admission waits until a request fits
         self.kv_budget = KVBudget.for_model(model, max_total_tokens, kv_share)
-        self.runner = ModelRunner(model, device, key_block=KEY_BLOCK if deterministic else 1, max_rows=limits.max_batch_size,
-                                  max_tokens=self.kv_budget.max_total_tokens)
+        self.runner = ModelRunner(
+            model,
+            device,
+            key_block=KEY_BLOCK if deterministic else 1,
+            max_rows=limits.max_batch_size,
+            max_tokens=self.kv_budget.max_total_tokens,
+        )
         self.tokenizer = tokenizer
         self.semantics = semantics
         self.capacity = int(sampling_mask_max_tokens)
@@ -273,13 +286,19 @@ class Engine:
         while futures and not settled(f.done() for f in futures):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise TimeoutError(f"engine: {sum(not f.done() for f in futures)} of {len(futures)} requests not done after {timeout} s")
+                raise TimeoutError(
+                    f"engine: {sum(not f.done() for f in futures)} of {len(futures)} requests not done after {timeout} s"
+                )
             if self._thread is not None or self._looping_here:
-                concurrent.futures.wait(futures, timeout=left, return_when="FIRST_COMPLETED" if any_done else "ALL_COMPLETED")
+                concurrent.futures.wait(
+                    futures, timeout=left, return_when="FIRST_COMPLETED" if any_done else "ALL_COMPLETED"
+                )
                 continue
             self._guarded_step()
 
-    def update_weights_from_disk(self, path: str | Path, version: str | None = None, *, abort_all_requests: bool = False) -> Future:
+    def update_weights_from_disk(
+        self, path: str | Path, version: str | None = None, *, abort_all_requests: bool = False
+    ) -> Future:
         """Load safetensors weights once the running batch has drained; resolves to the version.
 
         ``version`` names the new weights (the trainer's string); without one the engine
@@ -289,7 +308,9 @@ class Engine:
         """
         return self._queue_update(Path(path), version, abort_all_requests)
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: str | None = None, *, abort_all_requests: bool = False) -> Future:
+    def update_weights(
+        self, state_dict: dict[str, torch.Tensor], version: str | None = None, *, abort_all_requests: bool = False
+    ) -> Future:
         """Same as ``update_weights_from_disk`` with tensors in memory (colocated trainer)."""
         return self._queue_update(state_dict, version, abort_all_requests)
 
@@ -326,7 +347,9 @@ class Engine:
     # ---- the loop -----------------------------------------------------------------
 
     def _loop(self, alive: Callable[[], bool] = lambda: True) -> None:
-        while not self._stop.is_set() and alive():  # each step runs without autograd (_guarded_step), leaving the thread's grad mode alone
+        while (
+            not self._stop.is_set() and alive()
+        ):  # each step runs without autograd (_guarded_step), leaving the thread's grad mode alone
             self._guarded_step()
 
     def _guarded_step(self) -> None:
@@ -339,7 +362,9 @@ class Engine:
                 log.exception("engine step failed")
                 failed, self._running, self._batch = self._running, [], None
                 for seq in failed:
-                    self._finish_failed(seq.request, seq.future, EngineError(f"internal engine error during decode: {exc}"), "decode")
+                    self._finish_failed(
+                        seq.request, seq.future, EngineError(f"internal engine error during decode: {exc}"), "decode"
+                    )
 
     def step(self, block: bool = False) -> None:
         """One iteration: a drained weight update, admissions, one decode step."""
@@ -383,7 +408,11 @@ class Engine:
         if room <= 0:
             return taken
         try:
-            item = self._deferred.pop(0) if self._deferred else (self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait())
+            item = (
+                self._deferred.pop(0)
+                if self._deferred
+                else (self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait())
+            )
         except queue.Empty:
             return taken
         with self._admission:  # a list being queued (submit_all) is whole before the rest is drained
@@ -426,8 +455,16 @@ class Engine:
                 if seed is None:
                     seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
                 bias = dense_bias(request.penalties, self.vocab_size, self.runner.device)
-                seqs.append(_Sequence(request, future, torch.Generator().manual_seed(seed), position=len(request.input_ids), bias=bias,
-                                      need=self._column_need(request)))
+                seqs.append(
+                    _Sequence(
+                        request,
+                        future,
+                        torch.Generator().manual_seed(seed),
+                        position=len(request.input_ids),
+                        bias=bias,
+                        need=self._column_need(request),
+                    )
+                )
             except Exception as exc:
                 self._finish_failed(request, future, exc, "admission")
         if not seqs:
@@ -487,7 +524,10 @@ class Engine:
                     steps.append(exc)
         for seq, step in zip(seqs, steps):
             if isinstance(step, Exception):
-                seq.finish_reason, seq.failure = {"type": "abort"}, (step, "capture" if isinstance(step, CapacityError) else "sampling")
+                seq.finish_reason, seq.failure = (
+                    {"type": "abort"},
+                    (step, "capture" if isinstance(step, CapacityError) else "sampling"),
+                )
                 continue
             token, support, log_mu, full, row_logprobs = step
             if support is not None:
@@ -522,10 +562,12 @@ class Engine:
             support = lp = row_logprobs = None
             if i is not None:
                 if sizes[i] > self.capacity:
-                    steps.append(CapacityError(
-                        f"realized support of {int(sizes[i])} tokens at output position {len(seq.output_ids)} "
-                        f"exceeds sampling_mask_max_tokens={self.capacity}; nothing of this request is returned"
-                    ))
+                    steps.append(
+                        CapacityError(
+                            f"realized support of {int(sizes[i])} tokens at output position {len(seq.output_ids)} "
+                            f"exceeds sampling_mask_max_tokens={self.capacity}; nothing of this request is returned"
+                        )
+                    )
                     continue
                 support, lp = ids[offsets[i] : offsets[i + 1]], log_mu[i]
                 if seq.request.sampling_logprobs_mode == "support":
@@ -544,13 +586,17 @@ class Engine:
         for i in rows:
             req = seqs[i].request
             counts, seen = dense_history(req.input_ids, seqs[i].output_ids, vocab, self.semantics, logits.device)
-            logits[i] = penalise(logits[i].float(), counts, seen, seqs[i].bias, req.penalties, self.semantics).to(logits.dtype)
+            logits[i] = penalise(logits[i].float(), counts, seen, seqs[i].bias, req.penalties, self.semantics).to(
+                logits.dtype
+            )
         return logits
 
     @staticmethod
     def _support_row_logprobs(logits_row: torch.Tensor, row_ids: np.ndarray, params) -> np.ndarray:
         """log mu of every id of the support, in O(|S|), with the selected token's bits."""
-        return support_row_logprobs(logits_row, torch.from_numpy(row_ids.astype(np.int64)), params.temperature or 1.0).numpy()
+        return support_row_logprobs(
+            logits_row, torch.from_numpy(row_ids.astype(np.int64)), params.temperature or 1.0
+        ).numpy()
 
     def _full_logprobs(self, seqs, logits, tokens) -> dict[int, float] | None:
         rows = [i for i, s in enumerate(seqs) if s.request.return_logprob]
@@ -558,7 +604,9 @@ class Engine:
             return None
         index = torch.tensor(rows)
         temps = torch.tensor([seqs[i].request.params.temperature or 1.0 for i in rows])
-        logp = full_logprobs(logits[index], tokens[index], temps)  # the trainer's function, so they can agree bit for bit
+        logp = full_logprobs(
+            logits[index], tokens[index], temps
+        )  # the trainer's function, so they can agree bit for bit
         return dict(zip(rows, logp.tolist()))
 
     def _check_finished(self, seq: _Sequence, token: int) -> None:
@@ -591,7 +639,7 @@ class Engine:
         text = self.tokenizer.decode(ids[prefix:], skip_special_tokens=True)
         if text.endswith("\ufffd") and len(ids) - read < UTF8_MAX_BYTES:  # an incomplete character may still end
             return 0
-        new = text[len(before):]
+        new = text[len(before) :]
         seq.decoded += new
         seq.decode_from = (read, len(ids))
         return len(new)
@@ -603,7 +651,9 @@ class Engine:
         done = [s for s in self._running if s.finish_reason is not None]
         self._batch, order = self.runner.keep(self._batch, keep)  # a leaving row's slot takes the last row
         self._running = [self._running[i] for i in order]
-        if self._batch is not None:  # the rows that needed the most room may have left: hold no more than the rest reserved
+        if (
+            self._batch is not None
+        ):  # the rows that needed the most room may have left: hold no more than the rest reserved
             self._batch.shrink(max(s.need for s in self._running))
         for seq in done:  # answered after their rows left: a client that hears back sees the slot free
             if seq.failure is not None:
@@ -628,7 +678,11 @@ class Engine:
 
     def _result(self, seq: _Sequence) -> Completion:
         req = seq.request
-        text = seq.text if seq.finish_reason.get("type") == "stop" and isinstance(seq.finish_reason.get("matched"), str) else None
+        text = (
+            seq.text
+            if seq.finish_reason.get("type") == "stop" and isinstance(seq.finish_reason.get("matched"), str)
+            else None
+        )
         if text is None:
             text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
         capture = req.return_sampling_mask
@@ -641,7 +695,9 @@ class Engine:
             # an update waits for the running batch to drain: one version per response
             weight_versions=single_version(self.weight_version, len(seq.output_ids)),
             text=text,
-            support_row_logprobs=list(seq.support_row_logprobs) if capture and req.sampling_logprobs_mode == "support" else None,
+            support_row_logprobs=list(seq.support_row_logprobs)
+            if capture and req.sampling_logprobs_mode == "support"
+            else None,
         )
 
 

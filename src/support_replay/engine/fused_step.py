@@ -186,14 +186,18 @@ class FusedDecoder:
         plain, over_packs, packing = self.linear, self.packed_linear, self.packing and self.can_pack
 
         def linear(x, weight, bias, pack):
-            if packing and pack is not None and batch >= pack.rows_from:  # fewer rows keep their bits on the plain weight
+            if (
+                packing and pack is not None and batch >= pack.rows_from
+            ):  # fewer rows keep their bits on the plain weight
                 return over_packs(x, pack.weight, bias)
             return plain(x, weight, bias)
 
         cos, sin = self.rotary.forward(x, positions[:, None])
         size, width = cache.size, cache.width
         if self.additive_mask:  # what sdpa turns a boolean mask into, once per step instead of once per layer
-            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(mask.logical_not(), float("-inf"))
+            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(
+                mask.logical_not(), float("-inf")
+            )
         for layer, slots in zip(self.layers, cache.layers):
             residual = x
             h = layer.input_norm(x)
@@ -205,10 +209,20 @@ class FusedDecoder:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q, k = rope(q, k, cos, sin)
             slots.write(k, v)
-            out, _ = attention(layer.attn, q, slots.k[:size, :, :width], slots.v[:size, :, :width], mask, dropout=0.0, scaling=layer.scaling)
+            out, _ = attention(
+                layer.attn,
+                q,
+                slots.k[:size, :, :width],
+                slots.v[:size, :, :width],
+                mask,
+                dropout=0.0,
+                scaling=layer.scaling,
+            )
             x = residual + linear(out.reshape(batch, 1, -1), layer.o_proj.weight, layer.o_proj.bias, packs.get("o"))
             residual = x
-            gate, up = linear(layer.post_norm(x), layer.gate_up, layer.gate_up_bias, packs.get("gate_up")).split(layer.intermediate, dim=-1)
+            gate, up = linear(layer.post_norm(x), layer.gate_up, layer.gate_up_bias, packs.get("gate_up")).split(
+                layer.intermediate, dim=-1
+            )
             x = residual + linear(F.silu(gate) * up, layer.down_proj.weight, layer.down_proj.bias, packs.get("down"))
         cache.finish_decode()
         return linear(self.norm(x), self.head.weight, self.head.bias, self._head_pack)[:, -1, :].float()

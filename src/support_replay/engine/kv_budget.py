@@ -47,15 +47,19 @@ def kv_bytes_per_token(model) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * itemsize
 
 
-def plan_shape(held: tuple[int, int], rows: int, columns: int, max_rows: int, max_tokens: int | None) -> tuple[int, int]:
+def plan_shape(
+    held: tuple[int, int], rows: int, columns: int, max_rows: int, max_tokens: int | None
+) -> tuple[int, int]:
     """The ``(slots, capacity)`` the cache grows to for ``rows`` rows of ``columns`` positions, from
     ``held``: the dimension that ran out doubles (slots up to ``max_rows``), unless the copy's peak
     (held plus new) would pass ``max_tokens``, in which case it grows only as far as needed."""
     slots, capacity = held
     if rows <= slots and columns <= capacity:
         return held
-    doubled = (slots if rows <= slots else min(max(rows, 2 * slots), max(rows, max_rows)),
-               capacity if columns <= capacity else max(columns, 2 * capacity))
+    doubled = (
+        slots if rows <= slots else min(max(rows, 2 * slots), max(rows, max_rows)),
+        capacity if columns <= capacity else max(columns, 2 * capacity),
+    )
     if max_tokens is None:
         return doubled
     exact = (max(rows, slots), max(columns, capacity))

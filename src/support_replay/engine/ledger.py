@@ -37,8 +37,18 @@ class EngineStats:
 def fingerprint(request: GenerateRequest) -> bytes:
     """What makes two requests the same request (everything that changes the answer; not the routing key)."""
     r = request
-    key = (r.input_ids, r.params, r.max_new_tokens, r.stop, r.stop_token_ids, r.ignore_eos, r.return_sampling_mask,
-           r.return_logprob, r.sampling_logprobs_mode, r.penalties)
+    key = (
+        r.input_ids,
+        r.params,
+        r.max_new_tokens,
+        r.stop,
+        r.stop_token_ids,
+        r.ignore_eos,
+        r.return_sampling_mask,
+        r.return_logprob,
+        r.sampling_logprobs_mode,
+        r.penalties,
+    )
     return hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
 
 
@@ -88,10 +98,14 @@ class Ledger:
             rid = request.rid
             if rid is not None and (rid in self._finished or rid in self._running_rids):
                 mark = fingerprint(request)
-                seen, answer = (self._finished[rid][:2] if rid in self._finished else self._running_rids[rid])
+                seen, answer = self._finished[rid][:2] if rid in self._finished else self._running_rids[rid]
                 if seen != mark:
                     self.stats.requests["refused"] += 1
-                    future.set_exception(RequestConflict(f"rid: {rid!r:.80} already names another request (another prompt or other settings)"))
+                    future.set_exception(
+                        RequestConflict(
+                            f"rid: {rid!r:.80} already names another request (another prompt or other settings)"
+                        )
+                    )
                     return future
                 self.stats.duplicates += 1
                 if isinstance(answer, Future):
@@ -144,7 +158,9 @@ class Ledger:
                 size = completion_bytes(completion)
                 self._finished[request.rid] = (mark, completion, size)
                 self._finished_total += size
-                while self._finished and (len(self._finished) > FINISHED_RIDS_KEPT or self._finished_total > self.finished_bytes):
+                while self._finished and (
+                    len(self._finished) > FINISHED_RIDS_KEPT or self._finished_total > self.finished_bytes
+                ):
                     self._finished_total -= self._finished.popitem(last=False)[1][2]
             self._forget(future)
 

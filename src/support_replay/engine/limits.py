@@ -43,6 +43,10 @@ class EngineLimits:
             raise RequestError(f"stop: {len(request.stop)} stop strings exceed the limit of {self.max_stop_strings}")
         long = next((s for s in request.stop if len(s) > self.max_stop_string_length), None)
         if long is not None:
-            raise RequestError(f"stop: a stop string of {len(long)} characters exceeds the limit of {self.max_stop_string_length}")
+            raise RequestError(
+                f"stop: a stop string of {len(long)} characters exceeds the limit of {self.max_stop_string_length}"
+            )
         if len(request.stop_token_ids) > self.max_stop_token_ids:
-            raise RequestError(f"stop_token_ids: {len(request.stop_token_ids)} ids exceed the limit of {self.max_stop_token_ids}")
+            raise RequestError(
+                f"stop_token_ids: {len(request.stop_token_ids)} ids exceed the limit of {self.max_stop_token_ids}"
+            )

@@ -37,7 +37,9 @@ def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype = torch.float3
 
 
 class ModelRunner:
-    def __init__(self, model, device: str = "cpu", key_block: int = 1, max_rows: int | None = None, max_tokens: int | None = None):
+    def __init__(
+        self, model, device: str = "cpu", key_block: int = 1, max_rows: int | None = None, max_tokens: int | None = None
+    ):
         self.model = model
         self.device = device
         self.key_block = key_block  # the slot cache attends to whole blocks of this many keys
@@ -48,8 +50,10 @@ class ModelRunner:
         self.share_prompts = True  # identical prompts admitted together prefill once
         layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"} or getattr(model.config, "use_sliding_window", False):
-            raise EngineError(f"model: layer types {sorted(layer_types)} (sliding window: {getattr(model.config, 'use_sliding_window', False)}); "
-                              "the engine's slot cache serves full-attention layers only")
+            raise EngineError(
+                f"model: layer types {sorted(layer_types)} (sliding window: {getattr(model.config, 'use_sliding_window', False)}); "
+                "the engine's slot cache serves full-attention layers only"
+            )
         why = unsupported(model)
         if why is not None:
             log.info("decode through the model's modules: %s", why)
@@ -82,7 +86,9 @@ class ModelRunner:
         forward they are the same bits as any unshared prefill.
         """
         first: dict = {}  # key -> (prefill row, prompt)
-        index = [first.setdefault(tuple(p) if self.share_prompts else i, (len(first), p))[0] for i, p in enumerate(prompts)]
+        index = [
+            first.setdefault(tuple(p) if self.share_prompts else i, (len(first), p))[0] for i, p in enumerate(prompts)
+        ]
         distinct = [list(p) for _, p in first.values()]
         layers, logits = self._prefill(distinct)
         cache = SlotCache(len(layers), align=self.key_block, max_rows=self.max_rows, max_tokens=self.max_tokens)

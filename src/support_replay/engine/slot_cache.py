@@ -73,7 +73,9 @@ class SlotCache(Cache):
         self.size = 0  # running rows
         self.lengths = torch.zeros(0, dtype=torch.long)  # tokens held per row (the next write column)
         self.width = 0  # columns the current step attends to
-        self.write_index = torch.zeros(0, dtype=torch.long)  # row of a layer's [slots * kv_heads * capacity, d] view per (row, head)
+        self.write_index = torch.zeros(
+            0, dtype=torch.long
+        )  # row of a layer's [slots * kv_heads * capacity, d] view per (row, head)
 
     @property
     def slots(self) -> int:
@@ -91,8 +93,10 @@ class SlotCache(Cache):
         if (slots, capacity) == held_shape:
             return
         if self.max_tokens is not None and held_shape[0] * held_shape[1] + slots * capacity > self.max_tokens:
-            raise EngineError(f"slot cache: {slots} x {capacity} positions beside the {held_shape[0]} x {held_shape[1]} held pass the KV "
-                              f"budget of {self.max_tokens} (admission should have kept them out)")
+            raise EngineError(
+                f"slot cache: {slots} x {capacity} positions beside the {held_shape[0]} x {held_shape[1]} held pass the KV "
+                f"budget of {self.max_tokens} (admission should have kept them out)"
+            )
         self._reallocate(slots, capacity, like)
 
     def shrink(self, columns: int) -> bool:
@@ -102,7 +106,11 @@ class SlotCache(Cache):
         and go all the time, and shrinking them would only make the next admission copy again."""
         columns = max(columns, int(self.lengths.max()) + 1 if self.size else 1)
         held, new = self.slots * self.capacity, self.slots * columns
-        if not self.size or 2 * columns > self.capacity or (self.max_tokens is not None and held + new > self.max_tokens):
+        if (
+            not self.size
+            or 2 * columns > self.capacity
+            or (self.max_tokens is not None and held + new > self.max_tokens)
+        ):
             return False
         self._reallocate(self.slots, columns, self.layers[0].k)
         return True
@@ -119,7 +127,9 @@ class SlotCache(Cache):
             layer.k, layer.v = k, v
             layer.is_initialized = True
 
-    def append(self, per_layer: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int], sources: list[int] | None = None) -> None:
+    def append(
+        self, per_layer: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int], sources: list[int] | None = None
+    ) -> None:
         """New rows after the running ones, from a left-padded prefill: ``per_layer`` holds
         ``[n, kv_heads, L, d]`` keys and values, new row i copies prefill row ``sources[i]`` (default
         i), whose ``lengths[i]`` real tokens are its last columns."""
@@ -177,7 +187,10 @@ class SlotCache(Cache):
         self.width = -(-(int(self.lengths.max()) + 1) // self.align) * self.align
         self.reserve(self.size, self.width, self.layers[0].k)
         _, heads, capacity, _ = self.layers[0].k.shape
-        slot_rows = torch.arange(self.size, device=device)[:, None] * (heads * capacity) + torch.arange(heads, device=device)[None, :] * capacity
+        slot_rows = (
+            torch.arange(self.size, device=device)[:, None] * (heads * capacity)
+            + torch.arange(heads, device=device)[None, :] * capacity
+        )
         self.write_index = (slot_rows + columns[:, None]).reshape(-1)
         mask = torch.arange(self.width, device=device)[None, :] <= columns[:, None]
         return mask[:, None, None, :]

@@ -46,7 +46,9 @@ def key_layout(allowed: torch.Tensor) -> KeyLayout:
     seen = allowed.any(1)  # [B, L]
     start = torch.where(seen.any(1), seen.int().argmax(1), 0)
     width = -(-int((k_len - start).max()) // KEY_BLOCK) * KEY_BLOCK
-    if bool((start == 0).all()):  # already aligned (the trainer's batch; the engine's slot cache, whole blocks wide): no gather
+    if bool(
+        (start == 0).all()
+    ):  # already aligned (the trainer's batch; the engine's slot cache, whole blocks wide): no gather
         extra = width - k_len
         aligned = F.pad(allowed, (0, extra)) if extra > 0 else allowed
         return KeyLayout(width, aligned[:, :, :width], None, k_len)
@@ -69,7 +71,9 @@ def layout_for(attention_mask: torch.Tensor | None, batch: int, q_len: int, k_le
     if attention_mask is not None and last is not None and last[0] is attention_mask and last[1:3] == (q_len, k_len):
         return last[3]
     if attention_mask is None:
-        allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)[None].expand(batch, -1, -1)
+        allowed = (
+            torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)[None].expand(batch, -1, -1)
+        )
     else:
         mask = attention_mask[:, 0]
         allowed = mask if mask.dtype == torch.bool else mask == 0

@@ -28,7 +28,14 @@ from .invariant_products import invariant_linear, model_plans
 from .linear_kernels import use_linear
 from .packed_sequences import packed_layout_for
 
-__all__ = ["ATTENTION", "KEY_BLOCK", "ROW_BLOCK", "batch_invariant_attention", "batch_invariant_linear", "make_batch_invariant"]
+__all__ = [
+    "ATTENTION",
+    "KEY_BLOCK",
+    "ROW_BLOCK",
+    "batch_invariant_attention",
+    "batch_invariant_linear",
+    "make_batch_invariant",
+]
 
 ATTENTION = "support_replay_batch_invariant"
 
@@ -47,18 +54,24 @@ def tall_products_keep_tile_bits(dim: int, dtype: torch.dtype, threads: int) -> 
             q = torch.randn(pairs, rows, dim, generator=gen).to(dtype)
             for width in (64, 192, 512, 2048):
                 keys = torch.randn(pairs, width, dim, generator=gen).to(dtype).transpose(1, 2)
-                per_tile = torch.bmm(q.reshape(pairs * tiles, ROW_BLOCK, dim), keys.repeat_interleave(tiles, 0)).reshape(pairs, rows, width)
+                per_tile = torch.bmm(
+                    q.reshape(pairs * tiles, ROW_BLOCK, dim), keys.repeat_interleave(tiles, 0)
+                ).reshape(pairs, rows, width)
                 if not torch.equal(torch.bmm(q, keys), per_tile):
                     return False
             probs = torch.rand(pairs, rows, KEY_BLOCK, generator=gen).to(dtype)
             values = torch.randn(pairs, KEY_BLOCK, dim, generator=gen).to(dtype)
-            per_tile = torch.bmm(probs.reshape(pairs * tiles, ROW_BLOCK, KEY_BLOCK), values.repeat_interleave(tiles, 0)).reshape(pairs, rows, dim)
+            per_tile = torch.bmm(
+                probs.reshape(pairs * tiles, ROW_BLOCK, KEY_BLOCK), values.repeat_interleave(tiles, 0)
+            ).reshape(pairs, rows, dim)
             if not torch.equal(torch.bmm(probs, values), per_tile):
                 return False
     return True
 
 
-def batch_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, packed_segments=None, **kwargs):
+def batch_invariant_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, packed_segments=None, **kwargs
+):
     """Attention in fixed-shape tiles with a fixed reduction order; returns ``[B, q, H, d]``.
 
     Keys are aligned to the sequence start and cut into blocks of ``KEY_BLOCK`` positions;
@@ -81,14 +94,20 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
         layout = packed_layout_for(packed_segments)
         q, k, v = layout.gather(query, key, value)
         return layout.scatter(tiled_attention(q, k, v, layout.allowed, scale)), None
-    layout = layout_for(attention_mask, batch, q_len, key.shape[2], query.device)  # once per forward: its layers share the mask
+    layout = layout_for(
+        attention_mask, batch, q_len, key.shape[2], query.device
+    )  # once per forward: its layers share the mask
     key, value = layout.apply(key, value)
-    if q_len == 1 and heads // key.shape[1] <= ROW_BLOCK:  # a decode step (invariant_decode.py): the same bits, fewer products
+    if (
+        q_len == 1 and heads // key.shape[1] <= ROW_BLOCK
+    ):  # a decode step (invariant_decode.py): the same bits, fewer products
         return one_query_per_sequence(query, key, value, layout, scale), None
     return tiled_attention(query, key, value, layout.allowed, scale).transpose(1, 2), None
 
 
-def tiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+def tiled_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float
+) -> torch.Tensor:
     """``[B, H, q, d]`` attention of ``query`` ``[B, H, q, d]`` over ``key``/``value`` ``[B, G, width, d]``
     aligned to each sequence's start (whole ``KEY_BLOCK`` blocks), ``allowed`` ``[B, q, width]``."""
     batch, heads, q_len, dim = query.shape
@@ -110,7 +129,9 @@ def tiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if tall:
         scores = torch.matmul(q_rows, key.transpose(-1, -2))  # [B, G, tiles * 16, width]
     else:
-        scores = torch.matmul(q_rows.reshape(batch, groups, tiles, ROW_BLOCK, dim), key.transpose(-1, -2)[:, :, None])  # [B, G, tiles, 16, width]
+        scores = torch.matmul(
+            q_rows.reshape(batch, groups, tiles, ROW_BLOCK, dim), key.transpose(-1, -2)[:, :, None]
+        )  # [B, G, tiles, 16, width]
     scores = scores.reshape(batch, groups, tiles * ROW_BLOCK, width)[:, :, :rows] * scale
     live = row_allowed.any(-1, keepdim=True)  # a padding query sees nothing: zeros, never NaN
     scores = scores.masked_fill(~row_allowed, float("-inf")).masked_fill(~live, 0.0)
@@ -118,11 +139,15 @@ def tiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     probs = F.pad(probs, (0, 0, 0, q_extra))
     if tall:  # per key block, one [tiles * 16, 64] x [64, d] product
         p_blocks = probs.reshape(batch, groups, tiles * ROW_BLOCK, blocks, KEY_BLOCK).transpose(2, 3)
-        parts = torch.matmul(p_blocks, value.reshape(batch, groups, blocks, KEY_BLOCK, dim))  # [B, G, blocks, tiles * 16, d]
+        parts = torch.matmul(
+            p_blocks, value.reshape(batch, groups, blocks, KEY_BLOCK, dim)
+        )  # [B, G, blocks, tiles * 16, d]
         block = lambda b: parts[:, :, b]  # noqa: E731
     else:
         p_tiles = probs.reshape(batch, groups, tiles, ROW_BLOCK, blocks, KEY_BLOCK).transpose(3, 4)
-        parts = torch.matmul(p_tiles, value.reshape(batch, groups, 1, blocks, KEY_BLOCK, dim))  # [B, G, tiles, blocks, 16, d]
+        parts = torch.matmul(
+            p_tiles, value.reshape(batch, groups, 1, blocks, KEY_BLOCK, dim)
+        )  # [B, G, tiles, blocks, 16, d]
         block = lambda b: parts[:, :, :, b]  # noqa: E731
     out = block(0)
     for b in range(1, blocks):  # position order, the same on both sides; empty blocks add exact zeros

@@ -72,7 +72,17 @@ def assemble_rows(values: torch.Tensor, mine: torch.Tensor, group) -> torch.Tens
     return _AssembleRows.apply(full, group)
 
 
-def context_parallel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, context_shard: ContextShard | None = None, **kwargs):
+def context_parallel_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    context_shard: ContextShard | None = None,
+    **kwargs,
+):
     """Attention of this rank's queries over the whole sequence's keys; returns ``[B, q, H, d]``."""
     shard = context_shard
     if shard is None:
@@ -95,7 +105,11 @@ def make_context_parallel(hf: nn.Module, cp: int) -> None:
 
     layer_types = getattr(hf.config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
-        raise ConfigError(f"--context-parallel-size={cp}: the model has {sorted(set(layer_types) - {'full_attention'})} layers; only full attention is split here")
+        raise ConfigError(
+            f"--context-parallel-size={cp}: the model has {sorted(set(layer_types) - {'full_attention'})} layers; only full attention is split here"
+        )
     AttentionInterface.register(ATTENTION, context_parallel_attention)
-    AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)  # the attention builds its own from ContextShard
+    AttentionMaskInterface.register(
+        ATTENTION, lambda *args, **kwargs: None
+    )  # the attention builds its own from ContextShard
     hf.set_attn_implementation(ATTENTION)

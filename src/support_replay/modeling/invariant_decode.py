@@ -90,7 +90,12 @@ def _step_masks(layout: KeyLayout, groups: int, repeat: int, dtype: torch.dtype)
         allowed = layout.allowed  # [B, 1, width]
         batch = allowed.shape[0]
         columns = trimmed_width(allowed, dtype)
-        seen = allowed[:, :, :columns].reshape(batch, 1, 1, columns).expand(batch, groups, repeat, columns).reshape(batch * groups, repeat, columns)
+        seen = (
+            allowed[:, :, :columns]
+            .reshape(batch, 1, 1, columns)
+            .expand(batch, groups, repeat, columns)
+            .reshape(batch * groups, repeat, columns)
+        )
         masks = columns, ~seen, bool(seen.any(-1).all())
         layout.derived[key] = masks
     return masks

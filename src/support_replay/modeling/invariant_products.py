@@ -100,8 +100,15 @@ def _columns_keep_their_bits(product: Callable, weight: torch.Tensor, data: torc
     return True
 
 
-def probe_plan(linear: Callable, out_features: int, in_features: int, dtype: torch.dtype, pads=(16, 32, 64),
-               tiles=TILE_CANDIDATES, seed: int = 0) -> InvariantPlan | None:
+def probe_plan(
+    linear: Callable,
+    out_features: int,
+    in_features: int,
+    dtype: torch.dtype,
+    pads=(16, 32, 64),
+    tiles=TILE_CANDIDATES,
+    seed: int = 0,
+) -> InvariantPlan | None:
     """The first plan under which ``linear``'s rows keep their bits for a ``[out, in]`` weight of
     ``dtype`` (random data; ``seed`` varies it), or None where neither padding nor tiling does."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + out_features * 8191 + in_features)
@@ -117,7 +124,9 @@ def probe_plan(linear: Callable, out_features: int, in_features: int, dtype: tor
 
 
 @functools.cache
-def invariant_plan(kernel: str, out_features: int, in_features: int, dtype: torch.dtype, threads: int) -> InvariantPlan | None:
+def invariant_plan(
+    kernel: str, out_features: int, in_features: int, dtype: torch.dtype, threads: int
+) -> InvariantPlan | None:
     """``probe_plan`` for a resolved kernel name (linear_kernels.py), cached; ``threads`` is a cache key
     (a kernel's reduction may change with the thread count)."""
     from .linear_kernels import linear_function
@@ -170,7 +179,9 @@ def invariant_linear(kernel: str) -> Callable:
 
 
 @functools.cache
-def fused_columns_keep_bits(linear: Callable, widths: tuple[int, ...], in_features: int, dtype: torch.dtype, threads: int) -> bool:
+def fused_columns_keep_bits(
+    linear: Callable, widths: tuple[int, ...], in_features: int, dtype: torch.dtype, threads: int
+) -> bool:
     """Whether one product over weights stacked by rows (``widths`` output features each: a fused QKV or
     gate/up projection) gives every part the bits of its own product, at decode-step row counts."""
     gen = torch.Generator().manual_seed(sum(widths) * 8191 + in_features)

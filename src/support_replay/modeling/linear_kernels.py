@@ -22,8 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 KERNELS = ("auto", "torch", "onednn")
-LINEAR_KERNEL_HELP = ("the linear-layer product of the engine and of the trainer's forward: onednn (fp32 on a CPU, 0.65x MKL's time "
-                      "at decode sizes), torch (F.linear), auto (onednn where it runs; bf16 and tensor-parallel layers take torch)")
+LINEAR_KERNEL_HELP = (
+    "the linear-layer product of the engine and of the trainer's forward: onednn (fp32 on a CPU, 0.65x MKL's time "
+    "at decode sizes), torch (F.linear), auto (onednn where it runs; bf16 and tensor-parallel layers take torch)"
+)
 
 
 @functools.cache
@@ -33,7 +35,10 @@ def onednn_available() -> bool:
     if op is None or not torch.backends.mkldnn.is_available():
         return False
     try:
-        x, w = torch.randn(16, 32, generator=torch.Generator().manual_seed(0)), torch.randn(24, 32, generator=torch.Generator().manual_seed(1))
+        x, w = (
+            torch.randn(16, 32, generator=torch.Generator().manual_seed(0)),
+            torch.randn(24, 32, generator=torch.Generator().manual_seed(1)),
+        )
         return bool(torch.allclose(op(x, w, None, "none", [None], ""), F.linear(x, w), rtol=1e-5, atol=1e-5))
     except RuntimeError:
         return False
@@ -49,8 +54,10 @@ def resolve_linear_kernel(name: str, dtype: torch.dtype, device: str | torch.dev
     if name == "auto":
         return "onednn" if usable else "torch"
     if name == "onednn" and not usable:
-        raise ConfigError(f"linear_kernel: 'onednn' runs fp32 on a CPU with PyTorch's oneDNN ops (here: {dtype} on {device}, "
-                          f"oneDNN {'present' if onednn_available() else 'absent'})")
+        raise ConfigError(
+            f"linear_kernel: 'onednn' runs fp32 on a CPU with PyTorch's oneDNN ops (here: {dtype} on {device}, "
+            f"oneDNN {'present' if onednn_available() else 'absent'})"
+        )
     return name
 
 
@@ -74,7 +81,9 @@ class _OneDNNLinear(torch.autograd.Function):
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
         return _OneDNNLinear.apply(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
 

@@ -45,7 +45,9 @@ class PackedLayout:
     query_flat: torch.Tensor  # [S, Q] flat (row * length + column) index of each owned query; 0 where none
     query_valid: torch.Tensor  # [S, Q]
     key_flat: torch.Tensor  # [S, W] flat index of the key at each aligned position; 0 past the sequence
-    allowed: torch.Tensor  # [S, Q, W] True where the query sees the key (a query slot with no query sees key 0: no empty softmax row)
+    allowed: (
+        torch.Tensor
+    )  # [S, Q, W] True where the query sees the key (a query slot with no query sees key 0: no empty softmax row)
 
     @property
     def saving(self) -> float:
@@ -53,7 +55,9 @@ class PackedLayout:
         sequences, queries, width = self.allowed.shape
         return self.rows * self.length**2 / (sequences * queries * width)
 
-    def gather(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def gather(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``query`` ``[B, H, L, d]`` and ``key``/``value`` ``[B, G, L, d]`` as ``[S, H, Q, d]`` and ``[S, G, W, d]``."""
         return _take(query, self.query_flat), _take(key, self.key_flat), _take(value, self.key_flat)
 
@@ -77,7 +81,9 @@ def packed_layout(segments: torch.Tensor, align: int = KEY_BLOCK) -> PackedLayou
     multiple of ``align`` (the batch-invariant attention's whole key blocks; 1 for sdpa)."""
     rows, length = segments.shape
     marks = segments.cpu()
-    sequences: list[tuple[list[int], list[int], int]] = []  # (key columns, owned query columns, first owned position), flat
+    sequences: list[
+        tuple[list[int], list[int], int]
+    ] = []  # (key columns, owned query columns, first owned position), flat
     for b in range(rows):
         base = b * length
         prompt = [base + c for c in torch.nonzero(marks[b] == -1).flatten().tolist()]
@@ -102,9 +108,13 @@ def packed_layout(segments: torch.Tensor, align: int = KEY_BLOCK) -> PackedLayou
         query_flat[s, : len(own)] = torch.tensor(own)
         query_valid[s, : len(own)] = True
         positions[s, : len(own)] = torch.arange(first, first + len(own))
-    allowed = torch.arange(width)[None, None, :] <= positions[:, :, None]  # an empty slot sees key 0; its output is never scattered
+    allowed = (
+        torch.arange(width)[None, None, :] <= positions[:, :, None]
+    )  # an empty slot sees key 0; its output is never scattered
     device = segments.device
-    return PackedLayout(rows, length, query_flat.to(device), query_valid.to(device), key_flat.to(device), allowed.to(device))
+    return PackedLayout(
+        rows, length, query_flat.to(device), query_valid.to(device), key_flat.to(device), allowed.to(device)
+    )
 
 
 _last: tuple | None = None  # (segments, align, layout) of the last forward: its layers pass the same tensor
@@ -121,18 +131,26 @@ def packed_layout_for(segments: torch.Tensor, align: int = KEY_BLOCK) -> PackedL
     return layout
 
 
-def packed_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, packed_segments=None, **kwargs):
+def packed_sdpa_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, packed_segments=None, **kwargs
+):
     """Hugging Face's sdpa attention, and over a packed batch's ``packed_segments`` one virtual row
     per sequence (``PackedLayout``): the same scores and outputs to float rounding, the attention
     work of the unpacked rows. Returns ``[B, L, H, d]`` as the model's attention functions do."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    layout = None if packed_segments is None else packed_layout_for(packed_segments, align=1)  # sdpa needs no whole key blocks
+    layout = (
+        None if packed_segments is None else packed_layout_for(packed_segments, align=1)
+    )  # sdpa needs no whole key blocks
     if layout is None or layout.saving < PER_SEQUENCE_GAIN:  # the mask over the whole packed row: same math
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     q, k, v = layout.gather(query, key, value)
     kwargs.pop("is_causal", None)
-    out, _ = sdpa_attention_forward(module, q, k, v, layout.allowed[:, None], dropout=dropout, scaling=scaling, is_causal=False, **kwargs)
+    out, _ = sdpa_attention_forward(
+        module, q, k, v, layout.allowed[:, None], dropout=dropout, scaling=scaling, is_causal=False, **kwargs
+    )
     return layout.scatter(out.transpose(1, 2)), None
 
 

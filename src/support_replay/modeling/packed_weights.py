@@ -45,7 +45,9 @@ class Pack(NamedTuple):
 
 
 @functools.cache
-def packed_rows_from(out_features: int, in_features: int, dtype: torch.dtype, plain: Callable, threads: int) -> int | None:
+def packed_rows_from(
+    out_features: int, in_features: int, dtype: torch.dtype, plain: Callable, threads: int
+) -> int | None:
     """The fewest rows from which every row of a packed product is ``plain(x, weight)``'s bits (1 or 2;
     None when a count of 2 or more differs), checked on random data at 1 and ``PROBE_ROWS`` rows for a
     weight of this shape and dtype (``threads``: the thread count it ran at, a cache key)."""
@@ -55,8 +57,11 @@ def packed_rows_from(out_features: int, in_features: int, dtype: torch.dtype, pl
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
     try:
         packed = pack_weight(weight)
-        same = {rows: torch.equal(packed_linear(x, packed), plain(x, weight))
-                for rows in (1,) + PROBE_ROWS for x in [torch.randn(rows, in_features, generator=gen).to(dtype)]}
+        same = {
+            rows: torch.equal(packed_linear(x, packed), plain(x, weight))
+            for rows in (1,) + PROBE_ROWS
+            for x in [torch.randn(rows, in_features, generator=gen).to(dtype)]
+        }
     except RuntimeError:  # a oneDNN build without the reorder op, this layout or this dtype
         return None
     if not all(same[rows] for rows in PROBE_ROWS):

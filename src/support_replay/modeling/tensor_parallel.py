@@ -43,10 +43,18 @@ def check_tensor_parallel(hf: nn.Module, tp: int) -> None:
     cfg = hf.config
     layers = getattr(hf.get_decoder(), "layers", None)
     if not layers:
-        raise ConfigError(f"--tensor-model-parallel-size={tp}: {type(hf).__name__} has no Llama-style decoder layers to split")
-    missing = [name for name in COLUMNS + ROWS if not (_has(layers[0], name) and isinstance(layers[0].get_submodule(name), nn.Linear))]
+        raise ConfigError(
+            f"--tensor-model-parallel-size={tp}: {type(hf).__name__} has no Llama-style decoder layers to split"
+        )
+    missing = [
+        name
+        for name in COLUMNS + ROWS
+        if not (_has(layers[0], name) and isinstance(layers[0].get_submodule(name), nn.Linear))
+    ]
     if missing:
-        raise ConfigError(f"--tensor-model-parallel-size={tp}: {type(hf).__name__} has no Llama-style {missing[0]} linear layer")
+        raise ConfigError(
+            f"--tensor-model-parallel-size={tp}: {type(hf).__name__} has no Llama-style {missing[0]} linear layer"
+        )
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(cfg, name, None)
         if value is None or value % tp:
@@ -61,12 +69,16 @@ def parallelize_tensor(hf: nn.Module, tp_mesh) -> VocabShard:
         plan = {name: ColwiseParallel() for name in COLUMNS} | {name: RowwiseParallel() for name in ROWS}
         # per-head norms (Qwen3's q_norm, k_norm) see only this rank's heads: their weight becomes a
         # replicated DTensor over heads sharded on dim 2, so its partial gradients are summed
-        plan |= {name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in HEAD_NORMS if _has(layer, name)}
+        plan |= {
+            name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in HEAD_NORMS if _has(layer, name)
+        }
         parallelize_module(layer, tp_mesh, plan)
     head_name = _name_of(hf, hf.get_output_embeddings())
     plan = {head_name: ColwiseParallel(output_layouts=Shard(-1), use_local_output=True)}
     if tied:  # one parameter for both: split the embedding by vocabulary rows too, then tie again
-        plan[_name_of(hf, hf.get_input_embeddings())] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        plan[_name_of(hf, hf.get_input_embeddings())] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Replicate()
+        )
     parallelize_module(hf, tp_mesh, plan)
     head = hf.get_output_embeddings()
     if tied:

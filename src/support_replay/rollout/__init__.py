@@ -5,4 +5,14 @@ from .generate import generate_samples
 from .rewards import load_reward, math_reward
 from .sample import Sample, SampleError, validate_sample
 
-__all__ = ["ArithmeticTask", "Prompt", "Sample", "SampleError", "generate_samples", "load_prompts", "load_reward", "math_reward", "validate_sample"]
+__all__ = [
+    "ArithmeticTask",
+    "Prompt",
+    "Sample",
+    "SampleError",
+    "generate_samples",
+    "load_prompts",
+    "load_reward",
+    "math_reward",
+    "validate_sample",
+]

@@ -63,7 +63,9 @@ def load_agent(spec: str) -> Agent:
     params = list(inspect.signature(fn).parameters)
     style = "base_url" if params[:1] == ["base_url"] or "prompt" in params else "client"
     if style == "client" and len(params) < 2:
-        raise ConfigError(f"--agent-path={spec!r}: expected async run(client, sample) or run_agent(base_url, prompt, ...), got ({', '.join(params)})")
+        raise ConfigError(
+            f"--agent-path={spec!r}: expected async run(client, sample) or run_agent(base_url, prompt, ...), got ({', '.join(params)})"
+        )
     return Agent(fn, style, spec)
 
 
@@ -76,7 +78,9 @@ class EpisodeResult:
 class AgentRunner:
     """Plays episodes through a session server in front of ``store`` (at ``base_url``)."""
 
-    def __init__(self, agent: Agent, store: SessionStore, base_url: str, *, reward_fn, timeout: float, api_key: str | None = None):
+    def __init__(
+        self, agent: Agent, store: SessionStore, base_url: str, *, reward_fn, timeout: float, api_key: str | None = None
+    ):
         self.agent, self.store, self.base_url = agent, store, base_url.rstrip("/")
         self.reward_fn, self.timeout, self.api_key = reward_fn, timeout, api_key
 
@@ -96,12 +100,21 @@ class AgentRunner:
                 reward = self.reward_fn(_prompt_text(ep), session.last_assistant_text(), ep.label)
             reward = float(reward)
             if not math.isfinite(reward):
-                raise NonFiniteError(f"rollout {rollout}, episode {ep.index}: the reward is {reward}; nothing of this rollout trains")
-            return EpisodeResult(session.to_samples(first_index=0, group=ep.group, reward=reward, label=ep.label, episode=ep.index))
+                raise NonFiniteError(
+                    f"rollout {rollout}, episode {ep.index}: the reward is {reward}; nothing of this rollout trains"
+                )
+            return EpisodeResult(
+                session.to_samples(first_index=0, group=ep.group, reward=reward, label=ep.label, episode=ep.index)
+            )
         except NonFiniteError:
             raise
         except Exception as exc:  # the episode failed: its group is regenerated or dropped
-            return EpisodeResult([], exc if not isinstance(exc, asyncio.TimeoutError) else SessionFailed(f"episode {ep.index}: no end after {self.timeout} s"))
+            return EpisodeResult(
+                [],
+                exc
+                if not isinstance(exc, asyncio.TimeoutError)
+                else SessionFailed(f"episode {ep.index}: no end after {self.timeout} s"),
+            )
         finally:
             if session is not None:
                 self.store.discard(session.id)
@@ -111,11 +124,17 @@ class AgentRunner:
         if self.agent.style == "client":
             import openai
 
-            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=self.api_key or "support-replay", max_retries=0, timeout=self.timeout) as client:
+            async with openai.AsyncOpenAI(
+                base_url=url + "/v1", api_key=self.api_key or "support-replay", max_retries=0, timeout=self.timeout
+            ) as client:
                 return await self.agent.fn(client, ep), {}
         params = inspect.signature(self.agent.fn).parameters
         kwargs = {"base_url": url, "prompt": ep.prompt}
-        optional = {"request_kwargs": {"max_tokens": settings.max_new_tokens}, "metadata": dict(ep.metadata), "agent_config": ep.metadata.get("agent_config")}
+        optional = {
+            "request_kwargs": {"max_tokens": settings.max_new_tokens},
+            "metadata": dict(ep.metadata),
+            "agent_config": ep.metadata.get("agent_config"),
+        }
         kwargs.update({k: v for k, v in optional.items() if k in params})
         out = await self.agent.fn(**kwargs)
         return None, (out if isinstance(out, dict) else {})

@@ -35,7 +35,9 @@ def load_template(path: str | None) -> str | None:
     try:
         return builtin_template(path)
     except FileNotFoundError:
-        raise RequestError(f"chat_template: {path!r} is neither a file nor a built-in template (hermes_tools)") from None
+        raise RequestError(
+            f"chat_template: {path!r} is neither a file nor a built-in template (hermes_tools)"
+        ) from None
 
 
 def normalize_tool_call(call, where: str) -> dict:
@@ -46,7 +48,11 @@ def normalize_tool_call(call, where: str) -> dict:
         raise RequestError(f"{where}: a tool call needs function.name, got {call!r:.120}") from None
     if not isinstance(arguments, str):  # some clients send the object itself
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": call.get("id") or "", "type": call.get("type") or "function", "function": {"name": name, "arguments": arguments}}
+    return {
+        "id": call.get("id") or "",
+        "type": call.get("type") or "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 def normalize_message(message: dict, index: int) -> dict:
@@ -64,7 +70,9 @@ def normalize_message(message: dict, index: int) -> dict:
     elif content is not None and not isinstance(content, str):
         raise RequestError(f"{where}: content must be a string or text parts, got {type(content).__name__}")
     if out.get("tool_calls"):
-        out["tool_calls"] = [normalize_tool_call(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(out["tool_calls"])]
+        out["tool_calls"] = [
+            normalize_tool_call(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(out["tool_calls"])
+        ]
     else:
         out.pop("tool_calls", None)
     if out["role"] == "assistant" and "content" not in out:
@@ -78,7 +86,9 @@ def template_renders_tools(template: str | None, tokenizer) -> bool:
     try:
         from jinja2 import Environment, meta
 
-        return "tools" in meta.find_undeclared_variables(Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source))
+        return "tools" in meta.find_undeclared_variables(
+            Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+        )
     except Exception:  # a tag of transformers' own jinja environment: fall back to the text
         return "tools" in source
 
@@ -92,13 +102,21 @@ class ChatRenderer:
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         if tools and not self.renders_tools:
-            raise RequestError("tools: the model's chat template cannot render tools; start with --chat-template hermes_tools or a template that does")
+            raise RequestError(
+                "tools: the model's chat template cannot render tools; start with --chat-template hermes_tools or a template that does"
+            )
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt,
+                messages,
+                tools=tools or None,
+                chat_template=self.template,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
             )
         except Exception as exc:  # jinja errors of the template itself
-            raise RequestError(f"messages: the chat template could not render them: {type(exc).__name__}: {exc}") from exc
+            raise RequestError(
+                f"messages: the chat template could not render them: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -112,7 +130,9 @@ def parses_tool_calls(tool_choice) -> bool:
     """OpenAI's ``tool_choice``: ``auto`` (or unset) parses tool calls out of the output, ``none``
     shows the tools but parses none; a forced call cannot be enforced while sampling: refused."""
     if tool_choice not in (None, "auto", "none"):
-        raise RequestError(f"tool_choice={tool_choice!r}: only 'auto' and 'none' are supported (a forced call cannot be enforced while sampling)")
+        raise RequestError(
+            f"tool_choice={tool_choice!r}: only 'auto' and 'none' are supported (a forced call cannot be enforced while sampling)"
+        )
     return tool_choice != "none"
 
 
@@ -120,7 +140,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     """``(content, tool_calls)`` from Hermes-style model text. Anything that does not parse as
     ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks stays plain content."""
     blocks = list(TOOL_CALL.finditer(text))
-    if not blocks or text[blocks[-1].end():].strip():
+    if not blocks or text[blocks[-1].end() :].strip():
         return text, []
     calls = []
     for block in blocks:
@@ -128,9 +148,19 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
             call = json.loads(block.group(1))
         except json.JSONDecodeError:
             return text, []
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
+        if (
+            not isinstance(call, dict)
+            or not isinstance(call.get("name"), str)
+            or not isinstance(call.get("arguments", {}), dict)
+        ):
             return text, []
         arguments = json.dumps(call.get("arguments", {}), ensure_ascii=False)
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": call["name"], "arguments": arguments}})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": arguments},
+            }
+        )
     content = text[: blocks[0].start()]
     return content[:-1] if content.endswith("\n") else content, calls

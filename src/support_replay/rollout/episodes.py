@@ -31,14 +31,27 @@ def generate_episodes(
     retries_before = runner.store.backend.retries
 
     def attempt_groups(pending: list[int], attempts: list[int]) -> list[list]:
-        episodes = [Episode(g * n_samples + j, g, tasks[g].content, tasks[g].label, max_turns=settings.max_turns)
-                    for g in pending for j in range(n_samples)]
-        seeds = [request_seed(seed, rollout, g * n_samples + j, attempt) for g, attempt in zip(pending, attempts) for j in range(n_samples)]
+        episodes = [
+            Episode(g * n_samples + j, g, tasks[g].content, tasks[g].label, max_turns=settings.max_turns)
+            for g in pending
+            for j in range(n_samples)
+        ]
+        seeds = [
+            request_seed(seed, rollout, g * n_samples + j, attempt)
+            for g, attempt in zip(pending, attempts)
+            for j in range(n_samples)
+        ]
         results = asyncio.run(_play_all(runner, episodes, seeds, settings, rollout))
         return [results[i * n_samples : (i + 1) * n_samples] for i in range(len(pending))]
 
-    answered, stats = complete_groups(len(tasks), attempt_groups, lambda result: result.error,
-                                      policy=failed_group_policy, max_regenerations=max_regenerations, rollout=rollout)
+    answered, stats = complete_groups(
+        len(tasks),
+        attempt_groups,
+        lambda result: result.error,
+        policy=failed_group_policy,
+        max_regenerations=max_regenerations,
+        rollout=rollout,
+    )
     stats.retries = runner.store.backend.retries - retries_before
     samples: list[Sample] = []
     episode = 0
@@ -53,5 +66,9 @@ def generate_episodes(
     return samples, stats
 
 
-async def _play_all(runner: AgentRunner, episodes: list[Episode], seeds: list[int], settings: SessionSettings, rollout: int):
-    return await asyncio.gather(*(runner.episode(ep, seed=s, settings=settings, rollout=rollout) for ep, s in zip(episodes, seeds)))
+async def _play_all(
+    runner: AgentRunner, episodes: list[Episode], seeds: list[int], settings: SessionSettings, rollout: int
+):
+    return await asyncio.gather(
+        *(runner.episode(ep, seed=s, settings=settings, rollout=rollout) for ep, s in zip(episodes, seeds))
+    )

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError, EngineOverloaded, EngineUnavailable, NonFiniteError
 from ..core.penalties import NO_PENALTIES, Penalties
-from ..protocol import GenerateRequest
 from ..core.sampling import SamplingParams
+from ..errors import ConfigError, EngineOverloaded, EngineUnavailable, NonFiniteError
+from ..protocol import GenerateRequest
 from .data import Prompt
 from .sample import Sample
 
@@ -57,7 +57,9 @@ class RolloutStats:
     retries: int = 0
 
 
-def complete_groups(num_groups: int, attempt_groups, error_of, *, policy: str, max_regenerations: int, rollout: int) -> tuple[dict, RolloutStats]:
+def complete_groups(
+    num_groups: int, attempt_groups, error_of, *, policy: str, max_regenerations: int, rollout: int
+) -> tuple[dict, RolloutStats]:
     """Every group answered in full, or regenerated / dropped by ``policy``.
 
     ``attempt_groups(pending, attempts)`` plays the pending groups once, group ``pending[i]`` with the
@@ -88,7 +90,9 @@ def complete_groups(num_groups: int, attempt_groups, error_of, *, policy: str, m
             break
         if tries >= max_regenerations:
             g, _, error = failed[0]
-            raise EngineUnavailable(f"rollout {rollout}, group {g}: no complete answer after {tries + 1} attempts ({type(error).__name__}: {error})")
+            raise EngineUnavailable(
+                f"rollout {rollout}, group {g}: no complete answer after {tries + 1} attempts ({type(error).__name__}: {error})"
+            )
         stats.regenerated_groups += len(failed)
         pending, attempts, tries = [g for g, _, _ in failed], [a for _, a, _ in failed], tries + 1
     return answered, stats
@@ -126,36 +130,86 @@ def generate_samples(
     retries_before = backend.retries
 
     def attempt_groups(pending: list[int], attempts: list[int]) -> list[list]:
-        requests = [_request(rendered[g][0], params, seed, rollout, g * n_samples + j, attempt, max_new_tokens, capture, rid_prefix, penalties, ignore_eos)
-                    for g, attempt in zip(pending, attempts) for j in range(n_samples)]
+        requests = [
+            _request(
+                rendered[g][0],
+                params,
+                seed,
+                rollout,
+                g * n_samples + j,
+                attempt,
+                max_new_tokens,
+                capture,
+                rid_prefix,
+                penalties,
+                ignore_eos,
+            )
+            for g, attempt in zip(pending, attempts)
+            for j in range(n_samples)
+        ]
         completions = backend.generate(requests, return_exceptions=True)
         pairs = list(zip(requests, completions))
         return [pairs[i * n_samples : (i + 1) * n_samples] for i in range(len(pending))]
 
-    answered, stats = complete_groups(len(prompts), attempt_groups, lambda pair: pair[1] if isinstance(pair[1], Exception) else None,
-                                      policy=failed_group_policy, max_regenerations=max_regenerations, rollout=rollout)
+    answered, stats = complete_groups(
+        len(prompts),
+        attempt_groups,
+        lambda pair: pair[1] if isinstance(pair[1], Exception) else None,
+        policy=failed_group_policy,
+        max_regenerations=max_regenerations,
+        rollout=rollout,
+    )
     stats.retries = backend.retries - retries_before
     samples = []
     for position, g in enumerate(sorted(answered)):
         for req, c in answered[g]:
-            samples.append(_sample(len(samples), position, req, c, rendered[g][1], prompts[g], tokenizer, reward_fn, rollout))
+            samples.append(
+                _sample(len(samples), position, req, c, rendered[g][1], prompts[g], tokenizer, reward_fn, rollout)
+            )
             samples[-1].metadata["prompt"] = g  # which of ``prompts``: a stale group is generated again from it
     return samples, stats
 
 
-def _request(ids, params, seed, rollout, k, attempt, max_new_tokens, capture, rid_prefix, penalties, ignore_eos=False) -> GenerateRequest:
-    sp = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-                        seed=request_seed(seed, rollout, k, attempt))
+def _request(
+    ids, params, seed, rollout, k, attempt, max_new_tokens, capture, rid_prefix, penalties, ignore_eos=False
+) -> GenerateRequest:
+    sp = SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        seed=request_seed(seed, rollout, k, attempt),
+    )
     rid = None if rid_prefix is None else f"{rid_prefix}/{rollout}/{k}/{attempt}"
-    req = GenerateRequest(list(ids), sp, max_new_tokens=max_new_tokens, return_sampling_mask=capture, rid=rid, penalties=penalties, ignore_eos=ignore_eos)
+    req = GenerateRequest(
+        list(ids),
+        sp,
+        max_new_tokens=max_new_tokens,
+        return_sampling_mask=capture,
+        rid=rid,
+        penalties=penalties,
+        ignore_eos=ignore_eos,
+    )
     return validate_request(req, params.temperature, k)
 
 
-def _sample(index: int, group: int, req: GenerateRequest, c, prompt_text: str, prompt: Prompt, tokenizer, reward_fn, rollout: int) -> Sample:
+def _sample(
+    index: int,
+    group: int,
+    req: GenerateRequest,
+    c,
+    prompt_text: str,
+    prompt: Prompt,
+    tokenizer,
+    reward_fn,
+    rollout: int,
+) -> Sample:
     text = tokenizer.decode(c.output_ids, skip_special_tokens=True)
     reward = float(reward_fn(prompt_text, text, prompt.label))
     if not math.isfinite(reward):
-        raise NonFiniteError(f"rollout {rollout}, sample {index}: the reward function returned {reward}; nothing of this rollout trains")
+        raise NonFiniteError(
+            f"rollout {rollout}, sample {index}: the reward function returned {reward}; nothing of this rollout trains"
+        )
     return Sample(
         index=index,
         group=group,

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import SampleError, SupportError
 from ..core.penalties import NO_PENALTIES, Penalties
-from ..protocol import VersionSpan
 from ..core.support import SupportTable
+from ..errors import SampleError, SupportError
+from ..protocol import VersionSpan
 
 
 @dataclass
@@ -43,7 +43,9 @@ class Sample:
     support_bytes: int = 0  # what the support cost on the wire
     metadata: dict = field(default_factory=dict)
     penalties: Penalties = NO_PENALTIES  # the penalties and logit bias it was sampled with
-    output_starts: list[int] = field(default_factory=lambda: [0])  # response positions where an engine request began its output
+    output_starts: list[int] = field(
+        default_factory=lambda: [0]
+    )  # response positions where an engine request began its output
 
     @property
     def response_length(self) -> int:
@@ -59,10 +61,14 @@ def validate_sample(sample: Sample, vocab_size: int, *, replay: bool, temperatur
     if len(sample.loss_mask) != n:
         raise SampleError(f"{name}: loss mask of {len(sample.loss_mask)} for {n} response tokens")
     if sample.temperature != temperature:
-        raise SampleError(f"{name}: sampled at temperature {sample.temperature}, but the rollout temperature is {temperature}")
+        raise SampleError(
+            f"{name}: sampled at temperature {sample.temperature}, but the rollout temperature is {temperature}"
+        )
     ids = np.asarray(sample.prompt_ids + sample.response_ids)
     if ids.min() < 0 or ids.max() >= vocab_size:
-        raise SampleError(f"{name}: token {int(ids[(ids < 0) | (ids >= vocab_size)][0])} outside the vocabulary [0, {vocab_size})")
+        raise SampleError(
+            f"{name}: token {int(ids[(ids < 0) | (ids >= vocab_size)][0])} outside the vocabulary [0, {vocab_size})"
+        )
     if not replay:
         return sample
     if sample.support is None or sample.log_mu is None:
@@ -84,5 +90,7 @@ def validate_sample(sample: Sample, vocab_size: int, *, replay: bool, temperatur
     wrong = inserted & ((sizes != 1) | (lp != 0))
     if wrong.any():
         t = int(np.flatnonzero(wrong)[0])
-        raise SampleError(f"{name} token {t}: an inserted token needs the singleton support and log mu 0 (|S|={int(sizes[t])}, log mu={lp[t]})")
+        raise SampleError(
+            f"{name} token {t}: an inserted token needs the singleton support and log mu 0 (|S|={int(sizes[t])}, log mu={lp[t]})"
+        )
     return sample

@@ -26,10 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..errors import EngineError, HistoryMismatch, RequestError, SessionBusy, SessionFailed, SessionNotFound, WireError
 from ..core.penalties import NO_PENALTIES, Penalties
-from ..protocol import Completion, GenerateRequest
 from ..core.sampling import SamplingParams
+from ..errors import EngineError, HistoryMismatch, RequestError, SessionBusy, SessionFailed, SessionNotFound, WireError
+from ..protocol import Completion, GenerateRequest
 from .chat import ChatRenderer, normalize_message, parse_tool_calls
 from .sample import Sample
 from .trajectory import Trajectory
@@ -73,7 +73,9 @@ def merge_metadata(session: Session, metadata: dict | None) -> None:
     except (TypeError, ValueError) as exc:
         raise RequestError(f"session {session.id}: metadata is not JSON: {exc}") from exc
     if size > MAX_METADATA_BYTES:
-        raise RequestError(f"session {session.id}: metadata of {size} bytes as JSON exceeds the limit of {MAX_METADATA_BYTES}")
+        raise RequestError(
+            f"session {session.id}: metadata of {size} bytes as JSON exceeds the limit of {MAX_METADATA_BYTES}"
+        )
     session.metadata.clear()
     session.metadata.update(merged)
 
@@ -111,7 +113,9 @@ class _Plan:
 
 
 class Session:
-    def __init__(self, sid: str, settings: SessionSettings, renderer: ChatRenderer, seed: int, metadata: dict | None = None):
+    def __init__(
+        self, sid: str, settings: SessionSettings, renderer: ChatRenderer, seed: int, metadata: dict | None = None
+    ):
         self.id, self.settings, self.renderer, self.seed = sid, settings, renderer, seed
         self.metadata = dict(metadata or {})
         self.segments: list[Trajectory] = []  # finished samples of this episode (after splits)
@@ -134,7 +138,9 @@ class Session:
         if self._busy:
             raise SessionBusy(f"session {self.id}: a turn is still running; send one request at a time")
         if self.finished or self.failed:
-            raise RequestError(f"session {self.id}: the session is {'finished' if self.finished else 'failed'}; no more turns")
+            raise RequestError(
+                f"session {self.id}: the session is {'finished' if self.finished else 'failed'}; no more turns"
+            )
         self._busy = True
         try:
             return await self._chat(turn, generate)
@@ -156,8 +162,10 @@ class Session:
             return TurnResult("", [], "length", None, len(plan.input_ids), plan.split)
         request = GenerateRequest(
             input_ids=plan.input_ids,
-            params=SamplingParams(**{f: getattr(self.settings.params, f) for f in SAMPLING_FIELDS},
-                                  seed=turn.seed if turn.seed is not None else session_turn_seed(self.seed, self.turns)),
+            params=SamplingParams(
+                **{f: getattr(self.settings.params, f) for f in SAMPLING_FIELDS},
+                seed=turn.seed if turn.seed is not None else session_turn_seed(self.seed, self.turns),
+            ),
             max_new_tokens=min(turn.max_tokens or self.settings.max_new_tokens, budget),
             return_sampling_mask=self.settings.capture or turn.logprobs,
             sampling_logprobs_mode="support" if turn.top_logprobs else "selected",
@@ -171,9 +179,13 @@ class Session:
             raise
         except (EngineError, WireError) as exc:  # down, overloaded, aborted, or a malformed answer
             self.failed = f"turn {self.turns}: {exc}"
-            raise SessionFailed(f"session {self.id}, turn {self.turns}: the engine failed the turn; the episode ends ({exc})") from exc
+            raise SessionFailed(
+                f"session {self.id}, turn {self.turns}: the engine failed the turn; the episode ends ({exc})"
+            ) from exc
         self._commit(plan, tools, completion)
-        result = self._answer(messages, tools if turn.parse_tools else None, completion, len(plan.input_ids), plan.split)
+        result = self._answer(
+            messages, tools if turn.parse_tools else None, completion, len(plan.input_ids), plan.split
+        )
         self._last = (messages, result)
         return result
 
@@ -197,17 +209,23 @@ class Session:
             spelled = self.renderer.decode(self.current.ids)
             if not after.startswith(before):
                 at = _first_difference(before, after)
-                why = (f"template check: the chat template renders the recorded turns differently once the new messages are "
-                       f"added (at character {at}: {before[at:at + 40]!r} becomes {after[at:at + 40]!r}); it rewrites earlier turns")
+                why = (
+                    f"template check: the chat template renders the recorded turns differently once the new messages are "
+                    f"added (at character {at}: {before[at : at + 40]!r} becomes {after[at : at + 40]!r}); it rewrites earlier turns"
+                )
             elif not before.startswith(spelled):
                 at = _first_difference(spelled, before)
-                why = (f"template check: the chat template renders a recorded turn differently from the tokens the model "
-                       f"generated (at character {at}: the tokens spell {spelled[at:at + 40]!r}, the template {before[at:at + 40]!r})")
+                why = (
+                    f"template check: the chat template renders a recorded turn differently from the tokens the model "
+                    f"generated (at character {at}: the tokens spell {spelled[at : at + 40]!r}, the template {before[at : at + 40]!r})"
+                )
             else:
-                inserted = self.renderer.encode(after[len(spelled):])
+                inserted = self.renderer.encode(after[len(spelled) :])
                 return _Plan(self.current.ids + inserted, inserted, None)
         if self.settings.history_policy == "reject":
-            raise HistoryMismatch(f"session {self.id}, turn {self.turns}: {why}; the turn is refused (history_policy=reject)")
+            raise HistoryMismatch(
+                f"session {self.id}, turn {self.turns}: {why}; the turn is refused (history_policy=reject)"
+            )
         return self._fresh(messages, tools, f"turn {self.turns}: {why}")
 
     def _fresh(self, messages, tools, split: str | None) -> _Plan:
@@ -259,17 +277,34 @@ class Session:
     def last_assistant_text(self) -> str:
         return next((m.get("content", "") for m in reversed(self.messages) if m["role"] == "assistant"), "")
 
-    def to_samples(self, *, first_index: int, group: int, reward: float, label=None, episode: int | None = None) -> list[Sample]:
+    def to_samples(
+        self, *, first_index: int, group: int, reward: float, label=None, episode: int | None = None
+    ) -> list[Sample]:
         """One sample per segment (one in all unless the history was split), every one with the
         episode's reward; the segments of one episode share ``metadata["episode"]``."""
-        meta = {**self.metadata, "session": self.id, "turns": self.turns, "splits": list(self.splits), "final_message": self.last_assistant_text()}
+        meta = {
+            **self.metadata,
+            "session": self.id,
+            "turns": self.turns,
+            "splits": list(self.splits),
+            "final_message": self.last_assistant_text(),
+        }
         if episode is not None:
             meta["episode"] = episode
         out = []
         for k, traj in enumerate(self.trajectories()):
             text = self.renderer.decode(traj.response_ids)
-            out.append(traj.to_sample(first_index + k, group, reward=reward, temperature=self.settings.params.temperature,
-                                      label=label, response_text=text, metadata={**meta, "segment": k}))
+            out.append(
+                traj.to_sample(
+                    first_index + k,
+                    group,
+                    reward=reward,
+                    temperature=self.settings.params.temperature,
+                    label=label,
+                    response_text=text,
+                    metadata={**meta, "segment": k},
+                )
+            )
         return out
 
 
@@ -286,7 +321,15 @@ class SessionStore:
     """Every session of one process, in front of one backend. Thread-safe: the HTTP server's
     loop and the trainer's agent loop use it at once."""
 
-    def __init__(self, backend, renderer: ChatRenderer, settings: SessionSettings, *, max_sessions: int = 4096, workers: int = 256):
+    def __init__(
+        self,
+        backend,
+        renderer: ChatRenderer,
+        settings: SessionSettings,
+        *,
+        max_sessions: int = 4096,
+        workers: int = 256,
+    ):
         self.backend, self.renderer, self.settings = backend, renderer, settings
         self.max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
@@ -294,7 +337,9 @@ class SessionStore:
         # a thread per waiting turn: the backends block; the engine batches what arrives together
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="session-turn")
 
-    def create(self, *, seed: int | None = None, metadata: dict | None = None, settings: SessionSettings | None = None) -> Session:
+    def create(
+        self, *, seed: int | None = None, metadata: dict | None = None, settings: SessionSettings | None = None
+    ) -> Session:
         """A new session; ``settings`` other than the store's (evaluation: capture off, greedy)."""
         self.expire()
         with self._lock:

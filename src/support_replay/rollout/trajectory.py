@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.penalties import NO_PENALTIES, Penalties
-from ..protocol import Completion, VersionSpan
 from ..core.support import SupportTable
+from ..protocol import Completion, VersionSpan
 from .sample import Sample
 
 
@@ -91,7 +91,17 @@ class Trajectory:
             "penalties": self.penalties.to_json(),
         }
 
-    def to_sample(self, index: int, group: int, *, reward: float, temperature: float, label=None, response_text: str = "", metadata=None) -> Sample:
+    def to_sample(
+        self,
+        index: int,
+        group: int,
+        *,
+        reward: float,
+        temperature: float,
+        label=None,
+        response_text: str = "",
+        metadata=None,
+    ) -> Sample:
         truncated = (self.finish_reason or {}).get("type") == "length"
         return Sample(
             index=index,

@@ -19,7 +19,9 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def unless_disconnected(work: Awaitable, request: Request, on_disconnect: Callable[[asyncio.Future], Awaitable | None]):
+async def unless_disconnected(
+    work: Awaitable, request: Request, on_disconnect: Callable[[asyncio.Future], Awaitable | None]
+):
     """``work``'s result; if the client goes away first, ``on_disconnect(task)`` decides (cancel the
     task, or abort what it waits on and keep waiting) and its return value is awaited and returned."""
     task = asyncio.ensure_future(work)

@@ -37,24 +37,42 @@ def token_logprobs(completion: Completion, decode, top: int) -> list[dict]:
     return out
 
 
-def chat_choice(index: int, content: str, tool_calls: list[dict], finish: str, logprobs: list[dict] | None = None, meta: dict | None = None) -> dict:
+def chat_choice(
+    index: int,
+    content: str,
+    tool_calls: list[dict],
+    finish: str,
+    logprobs: list[dict] | None = None,
+    meta: dict | None = None,
+) -> dict:
     message = {"role": "assistant", "content": content if content or not tool_calls else None}
     if tool_calls:
         message["tool_calls"] = tool_calls
-    choice = {"index": index, "message": message, "finish_reason": finish, "logprobs": {"content": logprobs} if logprobs is not None else None}
+    choice = {
+        "index": index,
+        "message": message,
+        "finish_reason": finish,
+        "logprobs": {"content": logprobs} if logprobs is not None else None,
+    }
     if meta is not None:
         choice["meta_info"] = meta
     return choice
 
 
-def chat_response(choices: list[dict], *, model: str, prompt_tokens: int, completion_tokens: int, rid: str | None = None) -> dict:
+def chat_response(
+    choices: list[dict], *, model: str, prompt_tokens: int, completion_tokens: int, rid: str | None = None
+) -> dict:
     return {
         "id": rid or new_id("chatcmpl"),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
     }
 
 
@@ -65,19 +83,29 @@ def _sse(obj) -> str:
 def chat_stream(response: dict, include_usage: bool = False):
     """The chunks of a finished chat response, as OpenAI streams them: a role delta, the
     content, the tool calls (each with its index), the finish reason, usage if asked, [DONE]."""
-    head = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"], "model": response["model"]}
+    head = {
+        "id": response["id"],
+        "object": "chat.completion.chunk",
+        "created": response["created"],
+        "model": response["model"],
+    }
     for choice in response["choices"]:
         i, message = choice["index"], choice["message"]
 
         def chunk(delta, finish=None, logprobs=None):
-            return _sse({**head, "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
+            return _sse(
+                {**head, "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+            )
 
         yield chunk({"role": "assistant", "content": ""})
         if message.get("content"):
             yield chunk({"content": message["content"]}, logprobs=choice.get("logprobs"))
         for k, call in enumerate(message.get("tool_calls") or []):
             yield chunk({"tool_calls": [{"index": k, **call}]})
-        final = {**head, "choices": [{"index": i, "delta": {}, "finish_reason": choice["finish_reason"], "logprobs": None}]}
+        final = {
+            **head,
+            "choices": [{"index": i, "delta": {}, "finish_reason": choice["finish_reason"], "logprobs": None}],
+        }
         if "meta_info" in choice:
             final["choices"][0]["meta_info"] = choice["meta_info"]
         yield _sse(final)
@@ -86,7 +114,9 @@ def chat_stream(response: dict, include_usage: bool = False):
     yield "data: [DONE]\n\n"
 
 
-def text_choice(index: int, text: str, finish: str, completion: Completion | None, decode, logprobs: int | None) -> dict:
+def text_choice(
+    index: int, text: str, finish: str, completion: Completion | None, decode, logprobs: int | None
+) -> dict:
     """One ``/v1/completions`` choice; ``logprobs`` (an integer there) as the legacy fields."""
     choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
     if logprobs is not None and completion is not None:
@@ -103,10 +133,34 @@ def text_choice(index: int, text: str, finish: str, completion: Completion | Non
 
 
 def text_stream(response: dict):
-    head = {"id": response["id"], "object": "text_completion", "created": response["created"], "model": response["model"]}
+    head = {
+        "id": response["id"],
+        "object": "text_completion",
+        "created": response["created"],
+        "model": response["model"],
+    }
     for choice in response["choices"]:
-        yield _sse({**head, "choices": [{"index": choice["index"], "text": choice["text"], "finish_reason": None, "logprobs": choice["logprobs"]}]})
-        yield _sse({**head, "choices": [{"index": choice["index"], "text": "", "finish_reason": choice["finish_reason"], "logprobs": None}]})
+        yield _sse(
+            {
+                **head,
+                "choices": [
+                    {
+                        "index": choice["index"],
+                        "text": choice["text"],
+                        "finish_reason": None,
+                        "logprobs": choice["logprobs"],
+                    }
+                ],
+            }
+        )
+        yield _sse(
+            {
+                **head,
+                "choices": [
+                    {"index": choice["index"], "text": "", "finish_reason": choice["finish_reason"], "logprobs": None}
+                ],
+            }
+        )
     yield "data: [DONE]\n\n"
 
 

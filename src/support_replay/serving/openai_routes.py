@@ -20,7 +20,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..errors import RequestError
 from ..protocol import Completion
 from ..rollout.chat import ChatRenderer, normalize_message, parse_tool_calls, parses_tool_calls
-from .openai_format import chat_choice, chat_response, chat_stream, new_id, openai_finish, text_choice, text_stream, token_logprobs
+from .openai_format import (
+    chat_choice,
+    chat_response,
+    chat_stream,
+    new_id,
+    openai_finish,
+    text_choice,
+    text_stream,
+    token_logprobs,
+)
 from .schemas import SamplingParamsIn, TextBatch, TokenBatch, TokenIds, bounded_batches, check_fan_out
 
 MAX_N = 64
@@ -54,10 +63,18 @@ class OpenAIIn(BaseModel):
 
     def sampling(self, max_tokens: int | None, default_max: int) -> SamplingParamsIn:
         return SamplingParamsIn(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            max_new_tokens=max_tokens or default_max, stop=self.stop, stop_token_ids=self.stop_token_ids, seed=self.seed,
-            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            max_new_tokens=max_tokens or default_max,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            seed=self.seed,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
         )
 
     @property
@@ -86,20 +103,31 @@ class CompletionIn(OpenAIIn):
 def requests_for(body: OpenAIIn, prompt_ids: list[int], sp: SamplingParamsIn, *, log_mu: bool, top: int) -> list:
     """``n`` requests for one prompt (seeds ``seed + i`` when a seed is given)."""
     if top and not body.filtered:
-        raise RequestError("top_logprobs: lists the ids of the sampled token's support, which needs top_k, top_p or min_p (the whole vocabulary is not a support)")
+        raise RequestError(
+            "top_logprobs: lists the ids of the sampled token's support, which needs top_k, top_p or min_p (the whole vocabulary is not a support)"
+        )
     capture = body.return_sampling_mask or (log_mu and body.filtered)
     mode = "support" if top else body.sampling_logprobs_mode
     out = []
     for i in range(body.n):
         one = sp.model_copy(update={"seed": None if body.seed is None else body.seed + i})
-        out.append(one.to_request(list(prompt_ids), return_sampling_mask=capture, return_logprob=log_mu and not body.filtered, sampling_logprobs_mode=mode))
+        out.append(
+            one.to_request(
+                list(prompt_ids),
+                return_sampling_mask=capture,
+                return_logprob=log_mu and not body.filtered,
+                sampling_logprobs_mode=mode,
+            )
+        )
     return out
 
 
 def as_log_mu(c: Completion) -> Completion:
     """With no filter the support is the vocabulary and log mu the full-vocabulary log-prob."""
     if c.log_mu is None and c.full_logprobs is not None:
-        return dataclasses.replace(c, log_mu=c.full_logprobs)  # a copy: the engine may keep the answer for a repeated rid
+        return dataclasses.replace(
+            c, log_mu=c.full_logprobs
+        )  # a copy: the engine may keep the answer for a repeated rid
     return c
 
 
@@ -116,7 +144,13 @@ def openai_routes(run, meta_info, model_name: str, renderer: ChatRenderer, max_r
         messages = [normalize_message(m, i) for i, m in enumerate(body.messages)]
         ids = renderer.encode(renderer.render(messages, body.tools, generation_prompt=True))
         top = body.top_logprobs or 0
-        reqs = requests_for(body, ids, body.sampling(body.max_completion_tokens or body.max_tokens, 256), log_mu=body.logprobs or bool(top), top=top)
+        reqs = requests_for(
+            body,
+            ids,
+            body.sampling(body.max_completion_tokens or body.max_tokens, 256),
+            log_mu=body.logprobs or bool(top),
+            top=top,
+        )
         results = await run(reqs, request)
         choices = []
         for i, (req, c) in enumerate(zip(reqs, results)):
@@ -124,11 +158,23 @@ def openai_routes(run, meta_info, model_name: str, renderer: ChatRenderer, max_r
             content, calls = parse_tool_calls(c.text) if body.tools and parse_tools else (c.text, [])
             finish = "tool_calls" if calls else openai_finish(c)
             logprobs = token_logprobs(c, decode, top) if (body.logprobs or top) else None
-            meta = {"output_ids": c.output_ids, **meta_info(c, req, body.sampling_mask_format)} if body.return_meta_info else None
+            meta = (
+                {"output_ids": c.output_ids, **meta_info(c, req, body.sampling_mask_format)}
+                if body.return_meta_info
+                else None
+            )
             choices.append(chat_choice(i, content, calls, finish, logprobs, meta))
-        response = chat_response(choices, model=body.model or model_name, prompt_tokens=len(ids), completion_tokens=sum(c.num_tokens for c in results))
+        response = chat_response(
+            choices,
+            model=body.model or model_name,
+            prompt_tokens=len(ids),
+            completion_tokens=sum(c.num_tokens for c in results),
+        )
         if body.stream:
-            return StreamingResponse(chat_stream(response, bool((body.stream_options or {}).get("include_usage"))), media_type="text/event-stream")
+            return StreamingResponse(
+                chat_stream(response, bool((body.stream_options or {}).get("include_usage"))),
+                media_type="text/event-stream",
+            )
         return response
 
     @routes.post("/v1/completions")
@@ -152,8 +198,16 @@ def openai_routes(run, meta_info, model_name: str, renderer: ChatRenderer, max_r
             if body.return_meta_info:
                 choice["meta_info"] = {"output_ids": c.output_ids, **meta_info(c, req, body.sampling_mask_format)}
             choices.append(choice)
-        response = {**chat_response(choices, model=body.model or model_name, prompt_tokens=sum(len(p) for p in ids),
-                                    completion_tokens=sum(c.num_tokens for c in results), rid=new_id("cmpl")), "object": "text_completion"}
+        response = {
+            **chat_response(
+                choices,
+                model=body.model or model_name,
+                prompt_tokens=sum(len(p) for p in ids),
+                completion_tokens=sum(c.num_tokens for c in results),
+                rid=new_id("cmpl"),
+            ),
+            "object": "text_completion",
+        }
         if body.stream:
             return StreamingResponse(text_stream(response), media_type="text/event-stream")
         return response

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import asynccontextmanager
 from collections import OrderedDict
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -29,8 +29,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..protocol import SESSION_HEADER
 from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT, NO_TELEMETRY
-from .metrics import render_router_metrics
 from .disconnects import unless_disconnected
+from .metrics import render_router_metrics
 from .security import DEFAULT_MAX_WEIGHTS_BYTES, WEIGHTS_OVER_HTTP, Keys, guarded
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,13 @@ class Worker:
 
 
 class Router:
-    def __init__(self, engine_urls: list[str], health_interval: float = 5.0, request_timeout: float = DEFAULT_REQUEST_TIMEOUT, keys: Keys | None = None):
+    def __init__(
+        self,
+        engine_urls: list[str],
+        health_interval: float = 5.0,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        keys: Keys | None = None,
+    ):
         if not engine_urls:
             raise ValueError("router: at least one --engine URL is needed")
         self.workers = [Worker(u.rstrip("/")) for u in engine_urls]
@@ -100,7 +106,9 @@ class Router:
             tried.add(worker.url)
             worker.outstanding += 1
             try:
-                reply = await self.client.request(method, worker.url + path, content=body, headers={**headers, **self.keys.header(admin=False)})
+                reply = await self.client.request(
+                    method, worker.url + path, content=body, headers={**headers, **self.keys.header(admin=False)}
+                )
             except _RETRYABLE as exc:
                 worker.healthy, worker.failures = False, worker.failures + 1
                 last_error = f"{worker.url}: {type(exc).__name__}: {exc}"
@@ -116,9 +124,18 @@ class Router:
             key = (worker.url, reply.status_code)
             self.answered[key] = self.answered.get(key, 0) + 1
             headers_out = {"Retry-After": reply.headers["retry-after"]} if "retry-after" in reply.headers else None
-            return Response(reply.content, status_code=reply.status_code, media_type=reply.headers.get("content-type"), headers=headers_out)
+            return Response(
+                reply.content,
+                status_code=reply.status_code,
+                media_type=reply.headers.get("content-type"),
+                headers=headers_out,
+            )
         self.unserved += 1
-        return JSONResponse({"error": {"message": f"no engine could serve the request ({last_error})", "code": 503}}, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse(
+            {"error": {"message": f"no engine could serve the request ({last_error})", "code": 503}},
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )
 
     async def forward_session(self, session: str, method: str, path: str, body: bytes, headers: dict) -> Response:
         """Every turn of a session to its engine (its prefix cache stays warm); never elsewhere:
@@ -129,7 +146,9 @@ class Router:
             return JSONResponse({"error": {"message": "no engine configured", "code": 503}}, status_code=503)
         worker.outstanding += 1
         try:
-            reply = await self.client.request(method, worker.url + path, content=body, headers={**headers, **self.keys.header(admin=False)})
+            reply = await self.client.request(
+                method, worker.url + path, content=body, headers={**headers, **self.keys.header(admin=False)}
+            )
         except (*_RETRYABLE, *_TIMED_OUT) as exc:
             worker.healthy, worker.failures = False, worker.failures + 1
             self.unserved += 1
@@ -145,7 +164,9 @@ class Router:
     async def broadcast(self, method: str, path: str, body: bytes, headers: dict) -> Response:
         async def one(w: Worker):
             try:
-                r = await self.client.request(method, w.url + path, content=body, headers={**headers, **self.keys.header(admin=True)})
+                r = await self.client.request(
+                    method, w.url + path, content=body, headers={**headers, **self.keys.header(admin=True)}
+                )
                 return {"engine": w.url, "status": r.status_code, "body": _json_or_text(r)}
             except httpx.HTTPError as exc:
                 w.healthy = False
@@ -183,10 +204,14 @@ def _json_or_text(reply: httpx.Response):
         return reply.text
 
 
-def create_router_app(router: Router, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_hosts: list[str] | None = None):
+def create_router_app(
+    router: Router, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_hosts: list[str] | None = None
+):
     @asynccontextmanager
     async def lifespan(_app):
-        router.client = httpx.AsyncClient(timeout=router.timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        router.client = httpx.AsyncClient(
+            timeout=router.timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        )
         await router.check_health()
         task = asyncio.create_task(router.health_loop())
         try:
@@ -204,7 +229,10 @@ def create_router_app(router: Router, *, max_request_bytes: int = DEFAULT_MAX_RE
     @app.get("/health")
     async def health():
         healthy = [w.url for w in router.workers if w.healthy]
-        return JSONResponse({"status": "ok" if healthy else "no healthy engine", "healthy": healthy}, status_code=200 if healthy else 503)
+        return JSONResponse(
+            {"status": "ok" if healthy else "no healthy engine", "healthy": healthy},
+            status_code=200 if healthy else 503,
+        )
 
     @app.get("/workers")
     async def workers():
@@ -220,18 +248,35 @@ def create_router_app(router: Router, *, max_request_bytes: int = DEFAULT_MAX_RE
         # a client going away cancels the forwarded request: its connection to the engine closes, and the engine drops it
         return await unless_disconnected(router.forward(request.method, target, body, headers), request, cancelled)
 
-    return guarded(app, router.keys, BROADCAST_PATHS, OPEN_PATHS, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes,
-                   binary_paths={WEIGHTS_OVER_HTTP: DEFAULT_MAX_WEIGHTS_BYTES})
+    return guarded(
+        app,
+        router.keys,
+        BROADCAST_PATHS,
+        OPEN_PATHS,
+        allowed_hosts=allowed_hosts,
+        max_request_bytes=max_request_bytes,
+        binary_paths={WEIGHTS_OVER_HTTP: DEFAULT_MAX_WEIGHTS_BYTES},
+    )
 
 
-def run_router(engine_urls: list[str], host: str = "127.0.0.1", port: int = DEFAULT_ROUTER_PORT, health_interval: float = 5.0, *,
-               request_timeout: float = DEFAULT_REQUEST_TIMEOUT, keys: Keys | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               allowed_hosts: list[str] | None = None) -> None:
+def run_router(
+    engine_urls: list[str],
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_ROUTER_PORT,
+    health_interval: float = 5.0,
+    *,
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    keys: Keys | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    allowed_hosts: list[str] | None = None,
+) -> None:
     import uvicorn
 
     from .server import allowed_hosts_for, announce_exposure
 
     announce_exposure(host, keys or Keys())
     router = Router(engine_urls, health_interval, request_timeout, keys)
-    app = create_router_app(router, max_request_bytes=max_request_bytes, allowed_hosts=allowed_hosts_for(host, allowed_hosts))
+    app = create_router_app(
+        router, max_request_bytes=max_request_bytes, allowed_hosts=allowed_hosts_for(host, allowed_hosts)
+    )
     uvicorn.run(app, host=host, port=port, log_level="warning")

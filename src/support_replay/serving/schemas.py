@@ -11,13 +11,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..errors import RequestError, SamplingParamsError
-from ..protocol import GenerateRequest
 from ..core.penalties import Penalties
 from ..core.sampling import SamplingParams
+from ..errors import RequestError, SamplingParamsError
+from ..protocol import GenerateRequest
 
-
-MAX_BATCH = 4096  # prompts in one request body: checked while parsing, before anything is built (the queue bounds it further)
+MAX_BATCH = (
+    4096  # prompts in one request body: checked while parsing, before anything is built (the queue bounds it further)
+)
 TokenIds = list[int]
 TokenBatch = Annotated[list[TokenIds], Field(max_length=MAX_BATCH)]
 TextBatch = Annotated[list[str], Field(max_length=MAX_BATCH)]
@@ -29,7 +30,9 @@ def bounded_batches(data: Any, fields: tuple[str, ...]) -> Any:
     if isinstance(data, dict):
         for name in fields:
             value = data.get(name)
-            if isinstance(value, list) and len(value) > MAX_BATCH and not all(type(v) is int for v in value):  # one long prompt of ids passes
+            if (
+                isinstance(value, list) and len(value) > MAX_BATCH and not all(type(v) is int for v in value)
+            ):  # one long prompt of ids passes
                 raise ValueError(f"{name}: {len(value)} entries exceed the limit of {MAX_BATCH} prompts per request")
     return data
 
@@ -37,7 +40,9 @@ def bounded_batches(data: Any, fields: tuple[str, ...]) -> Any:
 def check_fan_out(prompts: int, n: int, queue: int) -> None:
     """Refuse (400) a request that would become more engine requests than the queue admits, before any is built."""
     if prompts * n > queue:
-        raise RequestError(f"prompts x n: {prompts} x {n} = {prompts * n} requests exceed the engine's queue of {queue}; send fewer at a time")
+        raise RequestError(
+            f"prompts x n: {prompts} x {n} = {prompts * n} requests exceed the engine's queue of {queue}; send fewer at a time"
+        )
 
 
 def _reject_stream(stream: bool) -> bool:
@@ -76,17 +81,29 @@ class SamplingParamsIn(BaseModel):
             data = {k: v for k, v in data.items() if k != "sampling_seed"} | {"seed": data["sampling_seed"]}
         return data
 
-    def to_request(self, input_ids: list[int], *, return_sampling_mask: bool, return_logprob: bool, sampling_logprobs_mode: str, rid: str | None = None) -> GenerateRequest:
+    def to_request(
+        self,
+        input_ids: list[int],
+        *,
+        return_sampling_mask: bool,
+        return_logprob: bool,
+        sampling_logprobs_mode: str,
+        rid: str | None = None,
+    ) -> GenerateRequest:
         if self.n != 1:
             raise RequestError(f"sampling_params.n={self.n!r} is not supported (only 1)")
         if self.min_new_tokens != 0:
             raise RequestError(f"sampling_params.min_new_tokens={self.min_new_tokens!r} is not supported (only 0)")
         try:
-            penalties = Penalties.with_bias(self.frequency_penalty, self.presence_penalty, self.repetition_penalty, self.logit_bias)
+            penalties = Penalties.with_bias(
+                self.frequency_penalty, self.presence_penalty, self.repetition_penalty, self.logit_bias
+            )
         except SamplingParamsError as exc:
             raise RequestError(f"sampling_params.{exc}") from exc
         try:
-            params = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed)
+            params = SamplingParams(
+                temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed
+            )
         except SamplingParamsError as exc:
             raise RequestError(f"sampling_params.{exc}") from exc
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -110,7 +127,9 @@ class GenerateIn(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # fields of SGLang's we do not use are accepted and ignored
 
-    rid: str | Annotated[list[str], Field(max_length=MAX_BATCH)] | None = None  # idempotency key(s): a repeated id gets the first answer
+    rid: str | Annotated[list[str], Field(max_length=MAX_BATCH)] | None = (
+        None  # idempotency key(s): a repeated id gets the first answer
+    )
     text: str | TextBatch | None = None
     input_ids: TokenIds | TokenBatch | None = None
     sampling_params: SamplingParamsIn | Annotated[list[SamplingParamsIn], Field(max_length=MAX_BATCH)] | None = None
@@ -122,8 +141,13 @@ class GenerateIn(BaseModel):
     stream: bool = False
 
     _no_stream = field_validator("stream")(classmethod(lambda cls, v: _reject_stream(v)))
-    _bounded = model_validator(mode="before")(classmethod(lambda cls, data: bounded_batches(
-        data, ("text", "input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len"))))
+    _bounded = model_validator(mode="before")(
+        classmethod(
+            lambda cls, data: bounded_batches(
+                data, ("text", "input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len")
+            )
+        )
+    )
 
     @field_validator("logprob_start_len")
     @classmethod

@@ -30,7 +30,13 @@ DEFAULT_MAX_WEIGHTS_BYTES = 64 * 2**30
 
 async def _send_error(send: Send, status: int, message: str, headers: list | None = None) -> None:
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"), *(headers or [])]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), *(headers or [])],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -93,16 +99,30 @@ class JSONOnly:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.binary_paths:
             ctype = dict(scope.get("headers") or []).get(b"content-type", b"").split(b";")[0].strip().lower()
             if not self.keyed:
-                return await _send_error(send, 403, f"{scope['path']} takes a binary body, so it needs the admin key: start the server with --admin-key-file")
+                return await _send_error(
+                    send,
+                    403,
+                    f"{scope['path']} takes a binary body, so it needs the admin key: start the server with --admin-key-file",
+                )
             if ctype != b"application/octet-stream":
-                return await _send_error(send, 415, f"content-type must be application/octet-stream, got {ctype.decode(errors='replace') or 'none'}")
+                return await _send_error(
+                    send,
+                    415,
+                    f"content-type must be application/octet-stream, got {ctype.decode(errors='replace') or 'none'}",
+                )
             return await self.app(scope, receive, send)
         if scope["type"] == "http" and scope["method"] == "POST":
             headers = dict(scope.get("headers") or [])
             ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-            empty = b"content-type" not in headers and headers.get(b"content-length", b"0") == b"0" and b"transfer-encoding" not in headers
+            empty = (
+                b"content-type" not in headers
+                and headers.get(b"content-length", b"0") == b"0"
+                and b"transfer-encoding" not in headers
+            )
             if ctype != b"application/json" and not empty:
-                return await _send_error(send, 415, f"content-type must be application/json, got {ctype.decode(errors='replace') or 'none'}")
+                return await _send_error(
+                    send, 415, f"content-type must be application/json, got {ctype.decode(errors='replace') or 'none'}"
+                )
         return await self.app(scope, receive, send)
 
 
@@ -121,9 +141,18 @@ class NormalPaths:
         if scope["type"] == "http":
             path, raw = scope["path"], (scope.get("raw_path") or b"").lower()
             segments = path.split("/")[1:]
-            odd = any(seg in (".", "..") for seg in segments) or "//" in path or "\\" in path or any(e in raw for e in self.ENCODED)
+            odd = (
+                any(seg in (".", "..") for seg in segments)
+                or "//" in path
+                or "\\" in path
+                or any(e in raw for e in self.ENCODED)
+            )
             if odd or not path.startswith("/"):
-                return await _send_error(send, 400, f"path {path[:200]!r} is not in normal form (no '.', '..', '//', backslash or encoded separators)")
+                return await _send_error(
+                    send,
+                    400,
+                    f"path {path[:200]!r} is not in normal form (no '.', '..', '//', backslash or encoded separators)",
+                )
         return await self.app(scope, receive, send)
 
 
@@ -167,7 +196,9 @@ class Keys:
     admin: str | None = None
 
     @classmethod
-    def load(cls, api_key_file: str | None = None, admin_key_file: str | None = None, api_key: str | None = None) -> Keys:
+    def load(
+        cls, api_key_file: str | None = None, admin_key_file: str | None = None, api_key: str | None = None
+    ) -> Keys:
         return cls(api=api_key or read_key(API_KEY_ENV, api_key_file), admin=read_key(ADMIN_KEY_ENV, admin_key_file))
 
     def needed(self, *, admin: bool) -> str | None:
@@ -188,16 +219,31 @@ class Keys:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def guarded(app: ASGIApp, keys: Keys, admin_paths, open_paths, *, allowed_hosts: list[str] | None, max_request_bytes: int,
-            binary_paths: dict[str, int] | None = None) -> ASGIApp:
+def guarded(
+    app: ASGIApp,
+    keys: Keys,
+    admin_paths,
+    open_paths,
+    *,
+    allowed_hosts: list[str] | None,
+    max_request_bytes: int,
+    binary_paths: dict[str, int] | None = None,
+) -> ASGIApp:
     """An app inside every guard of this module, in the one order the servers use: the body
     limit first (nothing past it is read), then the Host check, the keys, JSON only.
     ``binary_paths``: admin routes taking an octet-stream body, with their own size limit."""
     from starlette.middleware.trustedhost import TrustedHostMiddleware
 
     binary = dict(binary_paths or {})
-    inner = KeyGuard(JSONOnly(app, tuple(binary), keyed=keys.needed(admin=True) is not None), keys, tuple(admin_paths), tuple(open_paths))
-    return BodyLimit(NormalPaths(TrustedHostMiddleware(inner, allowed_hosts=allowed_hosts or ["*"])), max_request_bytes, binary)
+    inner = KeyGuard(
+        JSONOnly(app, tuple(binary), keyed=keys.needed(admin=True) is not None),
+        keys,
+        tuple(admin_paths),
+        tuple(open_paths),
+    )
+    return BodyLimit(
+        NormalPaths(TrustedHostMiddleware(inner, allowed_hosts=allowed_hosts or ["*"])), max_request_bytes, binary
+    )
 
 
 def exposure_warnings(host: str, keys: Keys, weights_dir) -> list[str]:
@@ -208,8 +254,10 @@ def exposure_warnings(host: str, keys: Keys, weights_dir) -> list[str]:
     if host in LOOPBACK_HOSTS:
         return []
     if weights_dir is not None and keys.needed(admin=True) is None:
-        raise ConfigError(f"--weights-dir on {host} with no key: anyone who reaches the port could load weights; "
-                          "set --admin-key-file or --api-key-file (or $SUPPORT_REPLAY_ADMIN_KEY), or bind to 127.0.0.1")
+        raise ConfigError(
+            f"--weights-dir on {host} with no key: anyone who reaches the port could load weights; "
+            "set --admin-key-file or --api-key-file (or $SUPPORT_REPLAY_ADMIN_KEY), or bind to 127.0.0.1"
+        )
     out = []
     if keys.api is None:
         out.append(f"bound to {host} with no API key: anyone who reaches the port can generate (set --api-key-file)")

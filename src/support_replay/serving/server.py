@@ -9,7 +9,7 @@ import time
 import uuid
 from pathlib import Path
 
-from fastapi import FastAPI, Request, Query
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -18,11 +18,11 @@ from ..core import wire
 from ..engine import Engine
 from ..errors import ConfigError, EngineError, OverloadedError, RequestError, SupportReplayError
 from ..protocol import Completion, GenerateRequest
+from ..rollout.chat import ChatRenderer
 from . import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES, NO_TELEMETRY
 from .disconnects import unless_disconnected
 from .http_errors import engine_error_response, error_response, install_error_handlers
 from .metrics import render_metrics
-from ..rollout.chat import ChatRenderer
 from .openai_routes import openai_routes
 from .schemas import GenerateIn, SamplingParamsIn, UpdateWeightsIn, UpdateWeightVersionIn, check_fan_out
 from .security import DEFAULT_MAX_WEIGHTS_BYTES, LOOPBACK_HOSTS, WEIGHTS_OVER_HTTP, Keys, exposure_warnings, guarded
@@ -42,7 +42,9 @@ def meta_info(completion: Completion, request: GenerateRequest, *, sampling_mask
         "weight_versions": [span.to_json() for span in completion.weight_versions],
     }
     if request.return_logprob:
-        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(completion.full_logprobs.tolist(), completion.output_ids)]
+        meta["output_token_logprobs"] = [
+            [lp, tok, None] for lp, tok in zip(completion.full_logprobs.tolist(), completion.output_ids)
+        ]
     if request.return_sampling_mask:
         support = completion.support
         if sampling_mask_format == "binary":
@@ -116,7 +118,18 @@ def create_app(
     @app.get("/v1/models")
     async def models():
         # what OpenAI clients ask first; smg registers a worker only after a probe answers
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started, "owned_by": "support-replay", "root": model_name}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": started,
+                    "owned_by": "support-replay",
+                    "root": model_name,
+                }
+            ],
+        }
 
     # SGLang's /server_info and no /version: smg 1.13 takes a worker with /version for vLLM
     # and one with /server_info alone for SGLang, whose protocol this server speaks
@@ -150,14 +163,22 @@ def create_app(
         sps = sp if isinstance(sp, list) else [sp] * len(prompts)
         rl = body.return_logprob if isinstance(body.return_logprob, list) else [body.return_logprob] * len(prompts)
         if len(sps) != len(prompts) or len(rl) != len(prompts):
-            raise RequestError(f"sampling_params / return_logprob: {len(sps)} / {len(rl)} entries for {len(prompts)} prompts")
+            raise RequestError(
+                f"sampling_params / return_logprob: {len(sps)} / {len(rl)} entries for {len(prompts)} prompts"
+            )
         rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
         if len(rids) != len(prompts) or (body.rid is not None and not body.batched and isinstance(body.rid, list)):
             raise RequestError(f"rid: {len(rids)} ids for {len(prompts)} prompts")
         if body.batched and isinstance(body.rid, str):
             rids = [f"{body.rid}-{i}" for i in range(len(prompts))]  # SGLang's rule for one id over a batch
         reqs = [
-            s.to_request(p, return_sampling_mask=body.return_sampling_mask, return_logprob=r, sampling_logprobs_mode=body.sampling_logprobs_mode, rid=i)
+            s.to_request(
+                p,
+                return_sampling_mask=body.return_sampling_mask,
+                return_logprob=r,
+                sampling_logprobs_mode=body.sampling_logprobs_mode,
+                rid=i,
+            )
             for p, s, r, i in zip(prompts, sps, rl, rids)
         ]
         results = await run(reqs, request)
@@ -165,7 +186,10 @@ def create_app(
             {
                 "text": res.text,
                 "output_ids": res.output_ids,
-                "meta_info": {"id": uuid.uuid4().hex, **meta_info(res, req, sampling_mask_format=body.sampling_mask_format, vocab_size=engine.vocab_size)},
+                "meta_info": {
+                    "id": uuid.uuid4().hex,
+                    **meta_info(res, req, sampling_mask_format=body.sampling_mask_format, vocab_size=engine.vocab_size),
+                },
             }
             for req, res in zip(reqs, results)
         ]
@@ -175,17 +199,32 @@ def create_app(
     async def update_weights(body: UpdateWeightsIn):
         path = Path(body.model_path).resolve()
         if weights_dir is None:
-            return error_response(403, "weight loading is off: start the server with --weights-dir DIR to load safetensors from under DIR")
+            return error_response(
+                403, "weight loading is off: start the server with --weights-dir DIR to load safetensors from under DIR"
+            )
         if not path.is_relative_to(weights_dir):
-            return error_response(403, f"model_path {body.model_path!r} is not under the weights directory {str(weights_dir)!r}")
-        outside = [f for f in (path.glob("*.safetensors") if path.is_dir() else []) if not f.resolve().is_relative_to(weights_dir)]
+            return error_response(
+                403, f"model_path {body.model_path!r} is not under the weights directory {str(weights_dir)!r}"
+            )
+        outside = [
+            f
+            for f in (path.glob("*.safetensors") if path.is_dir() else [])
+            if not f.resolve().is_relative_to(weights_dir)
+        ]
         if outside:  # a link inside the directory to a file elsewhere
-            return error_response(403, f"model_path {body.model_path!r}: {outside[0].name} resolves outside the weights directory {str(weights_dir)!r}")
-        version = await asyncio.wrap_future(engine.update_weights_from_disk(path, body.weight_version, abort_all_requests=body.abort_all_requests))
+            return error_response(
+                403,
+                f"model_path {body.model_path!r}: {outside[0].name} resolves outside the weights directory {str(weights_dir)!r}",
+            )
+        version = await asyncio.wrap_future(
+            engine.update_weights_from_disk(path, body.weight_version, abort_all_requests=body.abort_all_requests)
+        )
         return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version}
 
     @app.post(WEIGHTS_OVER_HTTP)
-    async def update_weights_from_safetensors(request: Request, weight_version: str | None = Query(None, max_length=256), abort_all_requests: bool = False):
+    async def update_weights_from_safetensors(
+        request: Request, weight_version: str | None = Query(None, max_length=256), abort_all_requests: bool = False
+    ):
         """The weights as one safetensors file in the body (no pickle: nothing in it runs), for a
         trainer that shares no filesystem with the engine; admin key required, checked like
         ``update_weights_from_disk`` (names and shapes) before anything is loaded."""
@@ -197,8 +236,14 @@ def create_app(
             state = load_safetensors(body)
         except (SafetensorError, ValueError) as exc:
             return error_response(400, f"body: not a safetensors file ({len(body)} bytes): {exc}")
-        version = await asyncio.wrap_future(engine.update_weights(state, weight_version, abort_all_requests=abort_all_requests))
-        return {"success": True, "message": f"loaded {len(state)} tensors ({len(body)} bytes)", "weight_version": version}
+        version = await asyncio.wrap_future(
+            engine.update_weights(state, weight_version, abort_all_requests=abort_all_requests)
+        )
+        return {
+            "success": True,
+            "message": f"loaded {len(state)} tensors ({len(body)} bytes)",
+            "weight_version": version,
+        }
 
     @app.post("/update_weight_version")
     async def update_weight_version(body: UpdateWeightVersionIn):
@@ -211,12 +256,24 @@ def create_app(
         return {"success": True, "message": "no prefix cache to flush"}
 
     renderer = ChatRenderer(engine.tokenizer, chat_template)
-    app.include_router(openai_routes(
-        run, lambda c, req, fmt: meta_info(c, req, sampling_mask_format=fmt, vocab_size=engine.vocab_size), model_name, renderer,
-        engine.limits.max_queue,
-    ))
-    return guarded(QueueGate(app, engine), keys, ADMIN_PATHS, OPEN_PATHS, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes,
-                   binary_paths={WEIGHTS_OVER_HTTP: max_weights_bytes})
+    app.include_router(
+        openai_routes(
+            run,
+            lambda c, req, fmt: meta_info(c, req, sampling_mask_format=fmt, vocab_size=engine.vocab_size),
+            model_name,
+            renderer,
+            engine.limits.max_queue,
+        )
+    )
+    return guarded(
+        QueueGate(app, engine),
+        keys,
+        ADMIN_PATHS,
+        OPEN_PATHS,
+        allowed_hosts=allowed_hosts,
+        max_request_bytes=max_request_bytes,
+        binary_paths={WEIGHTS_OVER_HTTP: max_weights_bytes},
+    )
 
 
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -252,12 +309,16 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_ENGINE_PO
     from .threaded import ThreadedServer
 
     announce_exposure(host, kwargs.get("keys") or Keys(), kwargs.get("weights_dir"))
-    app = create_app(engine, allowed_hosts=allowed_hosts_for(host, kwargs.pop("allowed_hosts", None)), start_engine=False, **kwargs)
+    app = create_app(
+        engine, allowed_hosts=allowed_hosts_for(host, kwargs.pop("allowed_hosts", None)), start_engine=False, **kwargs
+    )
     try:
         server = ThreadedServer(app, host, port, lifespan="auto").start()
     except (RuntimeError, OSError) as exc:
         raise ConfigError(f"serve: {host}:{port}: {exc}") from exc
-    previous = signal.signal(signal.SIGTERM, lambda *_: engine.shutdown())  # stops the loop; the finally below stops uvicorn
+    previous = signal.signal(
+        signal.SIGTERM, lambda *_: engine.shutdown()
+    )  # stops the loop; the finally below stops uvicorn
     # the model, tokenizer and libraries live as long as the process: out of the cyclic collector's scans, whose
     # full passes over them held the GIL for 100-300 ms under load (/health p99 0.25 s -> 0.06 s, docs/reliability.md)
     gc.freeze()

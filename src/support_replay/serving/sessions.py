@@ -23,10 +23,19 @@ from ..rollout.chat import parses_tool_calls
 from ..rollout.session import ChatTurn, SessionStore, TurnResult
 from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SESSIONS_PORT, NO_TELEMETRY
 from .http_errors import install_error_handlers
-from .security import Keys, guarded
 from .openai_format import chat_choice, chat_response, chat_stream, token_logprobs
+from .security import Keys, guarded
 
-SETTINGS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")
+SETTINGS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "logit_bias",
+)
 
 
 class SessionIn(BaseModel):
@@ -78,7 +87,9 @@ class SessionChatIn(BaseModel):
         if self.n != 1:
             raise RequestError(f"n={self.n}: a session is one trajectory; send n=1 (or open a session per sample)")
         if self.stop:
-            raise RequestError("stop: stop strings are not taken inside a session (the turn ends at the model's end-of-turn token)")
+            raise RequestError(
+                "stop: stop strings are not taken inside a session (the turn ends at the model's end-of-turn token)"
+            )
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise RequestError(f"response_format={self.response_format!r}: constrained decoding is not supported")
         parse_tools = parses_tool_calls(self.tool_choice)
@@ -97,11 +108,27 @@ class SessionChatIn(BaseModel):
 def turn_meta(store: SessionStore, sid: str, result: TurnResult) -> dict:
     """Replay metadata of one turn, only when asked: what the model sampled and its support."""
     c = result.completion
-    meta = {"session_id": sid, "turn": store.get(sid).turns - (1 if c is not None else 0), "split": result.split, "prompt_tokens": result.prompt_tokens}
+    meta = {
+        "session_id": sid,
+        "turn": store.get(sid).turns - (1 if c is not None else 0),
+        "split": result.split,
+        "prompt_tokens": result.prompt_tokens,
+    }
     if c is not None:
-        meta.update({"output_ids": c.output_ids, "finish_reason": c.finish_reason, "weight_versions": [s.to_json() for s in c.weight_versions]})
+        meta.update(
+            {
+                "output_ids": c.output_ids,
+                "finish_reason": c.finish_reason,
+                "weight_versions": [s.to_json() for s in c.weight_versions],
+            }
+        )
         if c.support is not None:
-            meta.update({"output_token_sampling_mask": c.support.to_lists(), "output_token_sampling_logprobs": c.log_mu.tolist()})
+            meta.update(
+                {
+                    "output_token_sampling_mask": c.support.to_lists(),
+                    "output_token_sampling_logprobs": c.log_mu.tolist(),
+                }
+            )
     return meta
 
 
@@ -125,7 +152,9 @@ def session_routes(store: SessionStore, model_name: str = "support-replay") -> A
         meta = turn_meta(store, sid, result) if body.return_meta_info else None
         response = chat_response(
             [chat_choice(0, result.content, result.tool_calls, result.finish_reason, logprobs, meta)],
-            model=body.model or model_name, prompt_tokens=result.prompt_tokens, completion_tokens=c.num_tokens if c is not None else 0,
+            model=body.model or model_name,
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=c.num_tokens if c is not None else 0,
         )
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
@@ -136,8 +165,13 @@ def session_routes(store: SessionStore, model_name: str = "support-replay") -> A
     async def state(sid: str):
         s = store.get(sid)
         return {
-            "session_id": s.id, "turns": s.turns, "finished": s.finished, "failed": s.failed, "splits": s.splits,
-            "samples": len(s.trajectories()), "response_tokens": sum(t.response_length for t in s.trajectories()),
+            "session_id": s.id,
+            "turns": s.turns,
+            "finished": s.finished,
+            "failed": s.failed,
+            "splits": s.splits,
+            "samples": len(s.trajectories()),
+            "response_tokens": sum(t.response_length for t in s.trajectories()),
             "metadata": s.metadata,
         }
 
@@ -150,8 +184,15 @@ def session_routes(store: SessionStore, model_name: str = "support-replay") -> A
     @routes.get("/sessions/{sid}/trajectory")
     async def trajectory(sid: str):
         s = store.get(sid)
-        return {"session_id": s.id, "finished": s.finished, "failed": s.failed, "reward": s.reward, "metadata": s.metadata,
-                "splits": s.splits, "samples": [t.to_json() for t in s.trajectories()]}
+        return {
+            "session_id": s.id,
+            "finished": s.finished,
+            "failed": s.failed,
+            "reward": s.reward,
+            "metadata": s.metadata,
+            "splits": s.splits,
+            "samples": [t.to_json() for t in s.trajectories()],
+        }
 
     @routes.delete("/sessions/{sid}")
     async def delete(sid: str):
@@ -161,9 +202,15 @@ def session_routes(store: SessionStore, model_name: str = "support-replay") -> A
     return routes
 
 
-def create_sessions_app(store: SessionStore, *, model_name: str = "support-replay", keys: Keys | None = None,
-                        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_hosts: list[str] | None = None,
-                        session_urls_open: bool = False):
+def create_sessions_app(
+    store: SessionStore,
+    *,
+    model_name: str = "support-replay",
+    keys: Keys | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    allowed_hosts: list[str] | None = None,
+    session_urls_open: bool = False,
+):
     """The ASGI app: session routes inside the same guards as the engine server's (Host check,
     body limit, JSON only, the API key on everything but /health). ``session_urls_open``: a
     session's own routes (``/sessions/<id>/...``) need no key, its random id being the secret (the
@@ -181,7 +228,9 @@ def create_sessions_app(store: SessionStore, *, model_name: str = "support-repla
 
     app.include_router(session_routes(store, model_name))
     open_paths = ("/health", "/sessions/") if session_urls_open else ("/health",)
-    return guarded(app, keys or Keys(), (), open_paths, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes)
+    return guarded(
+        app, keys or Keys(), (), open_paths, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes
+    )
 
 
 def serve_sessions(store: SessionStore, host: str = "127.0.0.1", port: int = DEFAULT_SESSIONS_PORT, **kwargs) -> None:

@@ -27,15 +27,25 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from ..core.logprobs import (
+    full_logprobs_and_entropy,
+    penalised_support_logprobs,
+    sparse_head_support_logprobs,
+    support_logprobs,
+    union_head_support_logprobs,
+)
+from ..core.parallel import (
+    context_parallel_positions,
+    vocab_parallel_full_logprobs_and_entropy,
+    vocab_parallel_support_logprobs,
+)
 from ..errors import ConfigError
-from ..core.logprobs import full_logprobs_and_entropy, penalised_support_logprobs, sparse_head_support_logprobs, support_logprobs, union_head_support_logprobs
 from ..modeling.batch_invariant import make_batch_invariant
+from ..modeling.context_parallel import ContextShard, assemble_rows, make_context_parallel
 from ..modeling.invariant_products import head_columns_invariant
 from ..modeling.linear_kernels import linear_function, model_linear, use_linear
 from ..modeling.packed_sequences import use_packed_attention
-from ..modeling.context_parallel import ContextShard, assemble_rows, make_context_parallel
 from ..modeling.tensor_parallel import VocabShard, parallelize_tensor
-from ..core.parallel import context_parallel_positions, vocab_parallel_full_logprobs_and_entropy, vocab_parallel_support_logprobs
 from .batches import MicroBatch
 from .layout import ParallelLayout
 
@@ -55,8 +65,10 @@ def plain_linear_head(hf: nn.Module) -> bool:
     """The sparse head computes ``h . W_j``: only valid for a bias-free linear head with no logit transform."""
     head, cfg = hf.get_output_embeddings(), hf.config
     return (
-        isinstance(head, nn.Linear) and head.bias is None
-        and not getattr(cfg, "final_logit_softcapping", None) and getattr(cfg, "logit_scale", 1.0) in (None, 1.0)
+        isinstance(head, nn.Linear)
+        and head.bias is None
+        and not getattr(cfg, "final_logit_softcapping", None)
+        and getattr(cfg, "logit_scale", 1.0) in (None, 1.0)
     )
 
 
@@ -67,7 +79,13 @@ class ScoringModel(nn.Module):
     the LM head weight are unsharded inside this forward, gradients included.
     """
 
-    def __init__(self, hf: nn.Module, batch_invariant: bool = False, compute_dtype: torch.dtype = torch.float32, linear_kernel: str = "torch"):
+    def __init__(
+        self,
+        hf: nn.Module,
+        batch_invariant: bool = False,
+        compute_dtype: torch.dtype = torch.float32,
+        linear_kernel: str = "torch",
+    ):
         super().__init__()
         if batch_invariant:  # the engine's deterministic forward on its linear kernel, so logits agree bit for bit
             make_batch_invariant(hf, linear_kernel)
@@ -77,14 +95,32 @@ class ScoringModel(nn.Module):
         # attention always, sdpa where the model runs it
         self.per_sequence_attention = batch_invariant or use_packed_attention(hf)
         self.hf = hf
-        self.batch_invariant = batch_invariant  # the sparse head then reads the batch's union of support ids in one product
+        self.batch_invariant = (
+            batch_invariant  # the sparse head then reads the batch's union of support ids in one product
+        )
         self.compute_dtype = compute_dtype  # bf16: autocast over fp32 weights
         self.vocab: VocabShard | None = None  # tensor parallel: this rank's LM head rows
         self.tp_group = None
         self.context: tuple | None = None  # context parallel: (group, rank, size, layout)
 
-    def forward(self, input_ids, attention_mask, rows_b, rows_t, targets, support, temperature, *, sparse: bool, full: bool, entropy: bool,
-                full_detached: bool, transform=None, position_ids=None, segments=None):
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        rows_b,
+        rows_t,
+        targets,
+        support,
+        temperature,
+        *,
+        sparse: bool,
+        full: bool,
+        entropy: bool,
+        full_detached: bool,
+        transform=None,
+        position_ids=None,
+        segments=None,
+    ):
         """``(logp, full log-prob, entropy)`` of the chosen rows.
 
         ``support`` is padded ``(ids, valid)`` under replay, None otherwise. ``sparse``
@@ -97,12 +133,18 @@ class ScoringModel(nn.Module):
         attention lays each sequence out from them). Under context parallelism each rank scores
         the rows whose logit position it holds and every rank gets all rows back.
         """
-        with torch.autocast(input_ids.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+        with torch.autocast(
+            input_ids.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32
+        ):
             h, mine = self._hidden_rows(input_ids, attention_mask, rows_b, rows_t, position_ids, segments)
             if mine is None:
-                return self._score_rows(h, targets, support, temperature, sparse, full, entropy, full_detached, transform)
+                return self._score_rows(
+                    h, targets, support, temperature, sparse, full, entropy, full_detached, transform
+                )
             local_support = (support[0][mine], support[1][mine]) if support is not None else None
-            scores = self._score_rows(h, targets[mine], local_support, temperature, sparse, full, entropy, full_detached, transform)
+            scores = self._score_rows(
+                h, targets[mine], local_support, temperature, sparse, full, entropy, full_detached, transform
+            )
         group = self.context[0]
         return tuple(assemble_rows(x, mine, group) if x is not None else None for x in scores)
 
@@ -113,7 +155,9 @@ class ScoringModel(nn.Module):
             # packed rows: the attention takes each sequence's keys from the segments (a keyword the
             # model passes down to its attention function)
             extra = {"packed_segments": segments} if self.per_sequence_attention and segments is not None else {}
-            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **extra).last_hidden_state
+            hidden = decoder(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **extra
+            ).last_hidden_state
             return hidden[rows_b, rows_t], None
         if position_ids is not None:  # refused by the run config (train/config.py)
             raise ConfigError("context parallelism scores unpacked rows only (--packed-scoring off)")
@@ -129,8 +173,12 @@ class ScoringModel(nn.Module):
         held = [torch.from_numpy(context_parallel_positions(padded, r, size, layout)).to(device) for r in range(size)]
         positions = held[rank]
         shard = ContextShard(group, positions, torch.argsort(torch.cat(held)), attention_mask.bool())
-        hidden = decoder(input_ids=input_ids[:, positions], position_ids=positions[None].expand(batch, -1),
-                         attention_mask=None, context_shard=shard).last_hidden_state
+        hidden = decoder(
+            input_ids=input_ids[:, positions],
+            position_ids=positions[None].expand(batch, -1),
+            attention_mask=None,
+            context_shard=shard,
+        ).last_hidden_state
         local = torch.full((padded,), -1, dtype=torch.long, device=device)
         local[positions] = torch.arange(len(positions), device=device)
         index = local[rows_t]
@@ -142,7 +190,9 @@ class ScoringModel(nn.Module):
         full_lp = ent = None
         if sparse:
             if self.batch_invariant:  # the engine's product over the union of support ids: its bits
-                logp = union_head_support_logprobs(h, head.weight, targets, support, temperature, linear=model_linear(self.hf))
+                logp = union_head_support_logprobs(
+                    h, head.weight, targets, support, temperature, linear=model_linear(self.hf)
+                )
             else:
                 logp = sparse_head_support_logprobs(h, head.weight, targets, support, temperature)
             if full_detached:
@@ -170,20 +220,48 @@ class ScoringModel(nn.Module):
         if self.vocab is None:
             return full_logprobs_and_entropy, support_logprobs
         shard = {"vocab_start": self.vocab.start, "group": self.tp_group}
-        return partial(vocab_parallel_full_logprobs_and_entropy, **shard), partial(vocab_parallel_support_logprobs, **shard)
+        return partial(vocab_parallel_full_logprobs_and_entropy, **shard), partial(
+            vocab_parallel_support_logprobs, **shard
+        )
 
 
-def load_scoring_model(path, device, batch_invariant: bool = False, compute_dtype: torch.dtype = torch.float32, linear_kernel: str = "torch") -> ScoringModel:
+def load_scoring_model(
+    path,
+    device,
+    batch_invariant: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+    linear_kernel: str = "torch",
+) -> ScoringModel:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     hf.config.use_cache = False
     return ScoringModel(hf, batch_invariant, compute_dtype, linear_kernel)
 
 
-def score_batch(model: ScoringModel, batch: MicroBatch, temperature: float, *, sparse: bool, full: bool = False, entropy: bool = False, full_detached: bool = False) -> BatchScores:
+def score_batch(
+    model: ScoringModel,
+    batch: MicroBatch,
+    temperature: float,
+    *,
+    sparse: bool,
+    full: bool = False,
+    entropy: bool = False,
+    full_detached: bool = False,
+) -> BatchScores:
     logp, full_lp, ent = model(
-        batch.input_ids, batch.attention_mask, batch.rows_b, batch.rows_t, batch.targets, batch.support, temperature,
-        sparse=sparse and batch.penalty is None, full=full, entropy=entropy, full_detached=full_detached, transform=batch.penalty,
-        position_ids=batch.position_ids, segments=batch.segments,
+        batch.input_ids,
+        batch.attention_mask,
+        batch.rows_b,
+        batch.rows_t,
+        batch.targets,
+        batch.support,
+        temperature,
+        sparse=sparse and batch.penalty is None,
+        full=full,
+        entropy=entropy,
+        full_detached=full_detached,
+        transform=batch.penalty,
+        position_ids=batch.position_ids,
+        segments=batch.segments,
     )
     return BatchScores(logp=logp, full=full_lp, entropy=ent)
 
@@ -222,9 +300,22 @@ def adamw(params, **settings) -> torch.optim.AdamW:
 class Actor:
     """The trained model, its optimizer, and the one scoring path of its policy ratio."""
 
-    def __init__(self, path, ctx, *, lr: float, betas: tuple[float, float], weight_decay: float, replay: bool, full_with_grad: bool,
-                 batch_invariant: bool = False, penalties: bool = False, layout: ParallelLayout | None = None,
-                 compute_dtype: torch.dtype = torch.float32, linear_kernel: str = "torch"):
+    def __init__(
+        self,
+        path,
+        ctx,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        weight_decay: float,
+        replay: bool,
+        full_with_grad: bool,
+        batch_invariant: bool = False,
+        penalties: bool = False,
+        layout: ParallelLayout | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+        linear_kernel: str = "torch",
+    ):
         self.ctx = ctx
         self.layout = layout or ParallelLayout()
         self.model = load_scoring_model(path, ctx.device, batch_invariant, compute_dtype, linear_kernel)
@@ -234,7 +325,14 @@ class Actor:
         # penalties transform the logits at the support ids: the dense head, so one path scores every pass
         # tensor parallel: the vocab-parallel dense head (the sparse head would gather rows across ranks)
         union_exact = not batch_invariant or head_columns_invariant(hf, linear_kernel)
-        self.sparse_head = (replay and not full_with_grad and not penalties and plain_linear_head(hf) and self.layout.tp == 1 and union_exact)
+        self.sparse_head = (
+            replay
+            and not full_with_grad
+            and not penalties
+            and plain_linear_head(hf)
+            and self.layout.tp == 1
+            and union_exact
+        )
         if self.layout.tp > 1:
             self.model.vocab = parallelize_tensor(hf, self.layout.mesh["tp"])
             self.model.tp_group = self.layout.group("tp")
@@ -252,8 +350,24 @@ class Actor:
     def vocab_size(self) -> int:
         return self.model.hf.get_output_embeddings().weight.shape[0]
 
-    def score(self, batch: MicroBatch, temperature: float, *, full: bool = False, entropy: bool = False, full_detached: bool = False) -> BatchScores:
-        return score_batch(self.model, batch, temperature, sparse=self.sparse_head, full=full, entropy=entropy, full_detached=full_detached)
+    def score(
+        self,
+        batch: MicroBatch,
+        temperature: float,
+        *,
+        full: bool = False,
+        entropy: bool = False,
+        full_detached: bool = False,
+    ) -> BatchScores:
+        return score_batch(
+            self.model,
+            batch,
+            temperature,
+            sparse=self.sparse_head,
+            full=full,
+            entropy=entropy,
+            full_detached=full_detached,
+        )
 
     def backward(self, loss: torch.Tensor) -> None:
         """Losses are normalised by the global token count already; FSDP averages gradients
@@ -276,4 +390,8 @@ class Actor:
         return {k.removeprefix(_PREFIX): v for k, v in state.items()}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        set_model_state_dict(self.model, {_PREFIX + k: v for k, v in state.items()}, options=StateDictOptions(full_state_dict=True, strict=False))
+        set_model_state_dict(
+            self.model,
+            {_PREFIX + k: v for k, v in state.items()},
+            options=StateDictOptions(full_state_dict=True, strict=False),
+        )

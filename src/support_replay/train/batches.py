@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import SampleError
 from ..core.penalties import Penalties, gathered_bias, history_counts, penalise, repetition_history_includes_prompt
-from ..rollout.sample import Sample
 from ..core.support import SupportTable
+from ..errors import SampleError
+from ..rollout.sample import Sample
 
 
 @dataclass
@@ -49,7 +49,9 @@ class PenaltyRows:
         return penalise(z, self.out_counts, self.seen, self.bias, self.penalties, self.semantics)
 
 
-def penalty_rows(p: Penalties, semantics: str, input_ids, attention_mask, rows_b, rows_pos, rows_start, ids) -> PenaltyRows:
+def penalty_rows(
+    p: Penalties, semantics: str, input_ids, attention_mask, rows_b, rows_pos, rows_start, ids
+) -> PenaltyRows:
     vocab = int(max(int(input_ids.max()), int(ids.max()))) + 1  # any bound above every id keeps the keys apart
     out, before = history_counts(input_ids, attention_mask.sum(1), rows_b, rows_pos, rows_start, ids, vocab)
     seen = (out > 0) | (before > 0) if repetition_history_includes_prompt(semantics) else out > 0
@@ -71,7 +73,9 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [N] float, 1 for tokens that train
     penalty: PenaltyRows | None = None  # the rollout's penalties at the support ids, when it had any
     position_ids: torch.Tensor | None = None  # [B, L] when packed: every response continues its prompt's positions
-    segments: torch.Tensor | None = None  # [B, L] when packed: -1 the prompt, j response j, -2 padding (the batch-invariant attention's layout)
+    segments: torch.Tensor | None = (
+        None  # [B, L] when packed: -1 the prompt, j response j, -2 padding (the batch-invariant attention's layout)
+    )
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +114,9 @@ def build_packed_micro_batch(samples: list[Sample], indices: list[int], replay: 
     every score and gradient is the unpacked one's math; the prompt is computed once per group.
     The batch's ``indices`` list the samples grouped by prompt, the order ``split`` returns them in."""
     rows = prompt_groups(samples, indices)
-    indices = [i for row in rows for i in row]  # the scored rows' order (the planner's already, when it planned for packing)
+    indices = [
+        i for row in rows for i in row
+    ]  # the scored rows' order (the planner's already, when it planned for packing)
     width = max(_packed_length(samples, row) for row in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     positions = torch.zeros(len(rows), width, dtype=torch.long)
@@ -129,7 +135,9 @@ def build_packed_micro_batch(samples: list[Sample], indices: list[int], replay: 
             positions[b, at : at + r] = torch.arange(n, n + r)
             segment[b, at : at + r] = j
             rows_b += [b] * r
-            rows_t += ([n - 1] + list(range(at, at + r - 1)))[:r]  # the first token is predicted by the prompt's last position
+            rows_t += ([n - 1] + list(range(at, at + r - 1)))[
+                :r
+            ]  # the first token is predicted by the prompt's last position
             at += r
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     q_seg, k_seg = segment[:, :, None], segment[:, None, :]
@@ -148,10 +156,19 @@ def build_packed_micro_batch(samples: list[Sample], indices: list[int], replay: 
     )
 
 
-def build_micro_batch(samples: list[Sample], indices: list[int], replay: bool, device, penalty_semantics: str = "sglang", pack: bool = False) -> MicroBatch:
+def build_micro_batch(
+    samples: list[Sample],
+    indices: list[int],
+    replay: bool,
+    device,
+    penalty_semantics: str = "sglang",
+    pack: bool = False,
+) -> MicroBatch:
     if pack:
         if samples[indices[0]].penalties.active:  # refused by the run config; a guard for direct callers
-            raise SampleError(f"samples {indices}: packed scoring does not replay penalties (their history is one sequence per row)")
+            raise SampleError(
+                f"samples {indices}: packed scoring does not replay penalties (their history is one sequence per row)"
+            )
         return build_packed_micro_batch(samples, indices, replay, device)
     chosen = [samples[i] for i in indices]
     width = max(len(s.prompt_ids) + s.response_length for s in chosen)
@@ -169,12 +186,25 @@ def build_micro_batch(samples: list[Sample], indices: list[int], replay: bool, d
         raise SampleError(f"samples {indices}: sampled with different penalties; a run replays one setting")
     penalty = None
     ids, mask = ids.to(device), mask.to(device)
-    rows_b, rows_t = torch.tensor(rows_b, dtype=torch.long, device=device), torch.tensor(rows_t, dtype=torch.long, device=device)
+    rows_b, rows_t = (
+        torch.tensor(rows_b, dtype=torch.long, device=device),
+        torch.tensor(rows_t, dtype=torch.long, device=device),
+    )
     fields = _token_fields(chosen, replay, device)
     if replay and chosen[0].penalties.active:
         starts = torch.tensor(rows_start, dtype=torch.long, device=device)
-        penalty = penalty_rows(chosen[0].penalties, penalty_semantics, ids, mask, rows_b, rows_t + 1, starts, fields["support"][0])
-    return MicroBatch(indices=list(indices), input_ids=ids, attention_mask=mask, rows_b=rows_b, rows_t=rows_t, penalty=penalty, **fields)
+        penalty = penalty_rows(
+            chosen[0].penalties, penalty_semantics, ids, mask, rows_b, rows_t + 1, starts, fields["support"][0]
+        )
+    return MicroBatch(
+        indices=list(indices),
+        input_ids=ids,
+        attention_mask=mask,
+        rows_b=rows_b,
+        rows_t=rows_t,
+        penalty=penalty,
+        **fields,
+    )
 
 
 def _token_fields(chosen: list[Sample], replay: bool, device) -> dict:
@@ -202,8 +232,17 @@ def output_starts(s: Sample) -> list[int]:
 
 
 def plan_optimizer_steps(
-    samples: list[Sample], *, global_batch: int, micro_batch: int, rank: int, world: int, replay: bool, device, penalty_semantics: str = "sglang",
-    max_tokens: int | None = None, pack: bool = False,
+    samples: list[Sample],
+    *,
+    global_batch: int,
+    micro_batch: int,
+    rank: int,
+    world: int,
+    replay: bool,
+    device,
+    penalty_semantics: str = "sglang",
+    max_tokens: int | None = None,
+    pack: bool = False,
 ) -> list[OptimizerStep]:
     """This rank's micro-batches for every optimizer step of the rollout: ``micro_batch`` samples
     each, or under ``max_tokens`` as many as fit that many padded tokens (``token_budget_split``).
@@ -220,7 +259,9 @@ def plan_optimizer_steps(
         masks = [samples[i].loss_mask for i in batch]
         steps.append(
             OptimizerStep(
-                micro_batches=[build_micro_batch(samples, part, replay, device, penalty_semantics, pack) for part in parts],
+                micro_batches=[
+                    build_micro_batch(samples, part, replay, device, penalty_semantics, pack) for part in parts
+                ],
                 tokens=int(sum(m.sum() for m in masks)),
                 sequences=int(sum(m.any() for m in masks)),
             )
@@ -246,7 +287,9 @@ def _padded_tokens(samples: list[Sample], part: list[int], pack: bool = False) -
     return len(part) * max(len(samples[i].prompt_ids) + samples[i].response_length for i in part)
 
 
-def token_budget_split(samples: list[Sample], shares: list[list[int]], max_tokens: int, pack: bool = False) -> list[list[list[int]]]:
+def token_budget_split(
+    samples: list[Sample], shares: list[list[int]], max_tokens: int, pack: bool = False
+) -> list[list[list[int]]]:
     """Every rank's share (longest first) cut into micro-batches of consecutive samples whose
     padded size (rows x longest row; a row is a sample, or packed a prompt and its responses)
     stays within ``max_tokens``; a sample longer than the budget
@@ -265,9 +308,14 @@ def token_budget_split(samples: list[Sample], shares: list[list[int]], max_token
     target = max(len(p) for p in plans)
     for r, parts in enumerate(plans):
         if len(shares[r]) < target:
-            raise SampleError(f"token budget {max_tokens}: rank {r} holds {len(shares[r])} samples, fewer than the {target} micro-batches another rank needs")
+            raise SampleError(
+                f"token budget {max_tokens}: rank {r} holds {len(shares[r])} samples, fewer than the {target} micro-batches another rank needs"
+            )
         while len(parts) < target:
-            k = max((j for j in range(len(parts)) if len(parts[j]) > 1), key=lambda j: _padded_tokens(samples, parts[j], pack))
+            k = max(
+                (j for j in range(len(parts)) if len(parts[j]) > 1),
+                key=lambda j: _padded_tokens(samples, parts[j], pack),
+            )
             half = len(parts[k]) // 2
             parts[k : k + 1] = [parts[k][:half], parts[k][half:]]
     return plans

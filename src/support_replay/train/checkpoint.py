@@ -135,6 +135,8 @@ def load_checkpoint(path: Path, actor) -> dict:
         raise SupportReplayError(f"checkpoint {path}: {problem}")
     actor.load_full_state_dict(load_file(str(path / "model.safetensors")))
     trainer = torch.load(path / "trainer.pt", weights_only=True)
-    set_optimizer_state_dict(actor.model, actor.optimizer, trainer["optimizer"], options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(
+        actor.model, actor.optimizer, trainer["optimizer"], options=StateDictOptions(full_state_dict=True)
+    )
     _set_rng_state(trainer["rng"])
     return json.loads((path / "state.json").read_text())

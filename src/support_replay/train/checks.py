@@ -31,7 +31,9 @@ def sample_age(sample: Sample, ages: dict[str, int]) -> int | None:
     return max(ages[v] for v in versions)
 
 
-def check_policy_lag(rollout: int, samples: list[Sample], pushed: list[str], max_lag: int, engine: str) -> tuple[dict, list[int]]:
+def check_policy_lag(
+    rollout: int, samples: list[Sample], pushed: list[str], max_lag: int, engine: str
+) -> tuple[dict, list[int]]:
     """Raise ``PolicyLagError`` naming the engine, the sample and the versions when a token was
     sampled by weights older than ``max_lag`` pushes (``pushed``: the versions in push order,
     the current one last) or by weights the trainer never pushed; returns the lag metrics and
@@ -51,16 +53,21 @@ def check_policy_lag(rollout: int, samples: list[Sample], pushed: list[str], max
             raise PolicyLagError(
                 f"rollout {rollout}, sample {s.index}: {engine} sampled it with weights {versions}, but the trainer "
                 f"pushed {pushed[-1]!r} last and --max-policy-lag={max_lag} allows "
-                f"{pushed[max(0, len(pushed) - 1 - max_lag):]}" + (f"; {unknown} were never pushed by this run" if unknown else "")
+                f"{pushed[max(0, len(pushed) - 1 - max_lag) :]}"
+                + (f"; {unknown} were never pushed by this run" if unknown else "")
             )
         lags.append(age)
     return {"policy_lag_max": max(lags), "policy_lag_mean": float(np.mean(lags))}, lags
 
 
-def compare_with_rollout(rollout: int, samples: list[Sample], trainer_logp: list[torch.Tensor], *, tolerance: float, fail: bool) -> dict:
+def compare_with_rollout(
+    rollout: int, samples: list[Sample], trainer_logp: list[torch.Tensor], *, tolerance: float, fail: bool
+) -> dict:
     """Per-token ``|log pi - log mu|`` statistics; raises ``CITestError`` naming the rollout,
     sample and position of the worst token when ``fail`` and it exceeds ``tolerance``."""
-    diffs = [np.abs(lp.detach().double().cpu().numpy() - s.log_mu.astype(np.float64)) for s, lp in zip(samples, trainer_logp)]
+    diffs = [
+        np.abs(lp.detach().double().cpu().numpy() - s.log_mu.astype(np.float64)) for s, lp in zip(samples, trainer_logp)
+    ]
     flat = np.concatenate(diffs)
     stats = {
         "train_rollout_logprob_abs_diff_max": float(flat.max()),

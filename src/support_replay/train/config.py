@@ -20,15 +20,19 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
+from ..core.penalties import Penalties
 from ..errors import ConfigError, SamplingParamsError
 from ..modeling.linear_kernels import LINEAR_KERNEL_HELP, resolve_linear_kernel
-from ..core.penalties import Penalties
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 
 MAX_DEFAULT_MICRO_BATCH = 8
 FP32_CI_TOLERANCE = 1e-3  # docs/training.md, "--ci-test": 40x the largest fp32 difference measured
 BF16_CI_TOLERANCE = 1.0  # docs/training.md: bf16 logits carry 8 bits of mantissa; up to 0.34 measured on SmolLM2
-NEUTRAL_PENALTIES = {"rollout_frequency_penalty": 0.0, "rollout_presence_penalty": 0.0, "rollout_repetition_penalty": 1.0}
+NEUTRAL_PENALTIES = {
+    "rollout_frequency_penalty": 0.0,
+    "rollout_presence_penalty": 0.0,
+    "rollout_repetition_penalty": 1.0,
+}
 
 
 def _flag(name: str) -> str:
@@ -39,93 +43,234 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # ---- model and data -------------------------------------------------------------
-    hf_checkpoint: str | None = Field(None, description="Hugging Face checkpoint directory; default: SmolLM2-135M-Instruct from the packaged GGUF")
+    hf_checkpoint: str | None = Field(
+        None, description="Hugging Face checkpoint directory; default: SmolLM2-135M-Instruct from the packaged GGUF"
+    )
     prompt_data: str | None = Field(None, description="JSONL or Parquet prompts; default: the built-in arithmetic task")
-    task_max_operand: int = Field(10, ge=1, description="the built-in arithmetic task's largest operand (its difficulty); ignored with --prompt-data")
+    task_max_operand: int = Field(
+        10,
+        ge=1,
+        description="the built-in arithmetic task's largest operand (its difficulty); ignored with --prompt-data",
+    )
     input_key: str = Field("prompt", description="field holding the prompt (a string, or a list of chat messages)")
     label_key: str = Field("label", description="field holding the reference answer")
     apply_chat_template: bool = Field(False, description="render prompts with the tokenizer's chat template")
     rm_type: Literal["math"] | None = Field("math", description="built-in reward: math = final-answer check")
-    custom_rm_path: str | None = Field(None, description="custom reward 'module:function(prompt, response, label) -> float'")
+    custom_rm_path: str | None = Field(
+        None, description="custom reward 'module:function(prompt, response, label) -> float'"
+    )
 
     # ---- rollout --------------------------------------------------------------------
     num_rollout: int = Field(20, ge=1, description="number of rollout + update steps")
     rollout_batch_size: int = Field(8, ge=1, description="prompts per rollout")
     n_samples_per_prompt: int = Field(4, ge=1, description="responses per prompt (the GRPO group)")
     rollout_max_response_len: int = Field(32, ge=1, description="max new tokens per response")
-    rollout_ignore_eos: bool = Field(False, description="every response runs to --rollout-max-response-len tokens, past end-of-sequence (the engines' ignore_eos): fixed-length benchmarks")
+    rollout_ignore_eos: bool = Field(
+        False,
+        description="every response runs to --rollout-max-response-len tokens, past end-of-sequence (the engines' ignore_eos): fixed-length benchmarks",
+    )
     rollout_temperature: float = Field(1.0, description="sampling temperature; the trainer divides actor logits by it")
     rollout_top_p: float = Field(0.8, description="top-p of rollout sampling, in (0, 1]")
     rollout_top_k: int = Field(32, description="top-k of rollout sampling, -1 or >= 1")
     rollout_min_p: float = Field(0.0, description="min-p of rollout sampling")
-    rollout_frequency_penalty: float = Field(0.0, description="frequency penalty of rollout sampling, replayed by the trainer (needs replay)")
-    rollout_presence_penalty: float = Field(0.0, description="presence penalty of rollout sampling, replayed by the trainer (needs replay)")
-    rollout_repetition_penalty: float = Field(1.0, description="repetition penalty of rollout sampling, replayed by the trainer (needs replay)")
-    rollout_logit_bias: str | None = Field(None, description="JSON file {token id: bias} added to the rollout logits, replayed by the trainer (needs replay)")
+    rollout_frequency_penalty: float = Field(
+        0.0, description="frequency penalty of rollout sampling, replayed by the trainer (needs replay)"
+    )
+    rollout_presence_penalty: float = Field(
+        0.0, description="presence penalty of rollout sampling, replayed by the trainer (needs replay)"
+    )
+    rollout_repetition_penalty: float = Field(
+        1.0, description="repetition penalty of rollout sampling, replayed by the trainer (needs replay)"
+    )
+    rollout_logit_bias: str | None = Field(
+        None,
+        description="JSON file {token id: bias} added to the rollout logits, replayed by the trainer (needs replay)",
+    )
     rollout_seed: int = Field(42, description="seeds every rollout request (by rollout and sample index)")
-    sampling_semantics: Literal["sglang", "vllm", "hf"] = Field("sglang", description="filter semantics of the embedded engine")
-    sampling_mask_max_tokens: int = Field(DEFAULT_SAMPLING_MASK_MAX_TOKENS, ge=1, description="largest support the engine may capture")
-    max_total_tokens: int | None = Field(None, ge=1, description="KV positions the in-process engine may hold at its peak (SGLang's flag; default: a quarter of the memory available at start, leaving the rest to the trainer)")
-    rollout_url: str | None = Field(None, description="rollout through this engine/router URL instead of the in-process engine")
-    rollout_engine: Literal["sglang", "vllm"] = Field("sglang", description="protocol spoken at --rollout-url: sglang (SGLang, our serve and router, smg) or vllm")
-    vllm_endpoint: Literal["generate", "completions"] = Field("generate", description="vLLM endpoint: /inference/v1/generate (needs --enable-scale-out; reports weight versions) or /v1/completions")
-    vllm_capture: Literal["processed_logprobs", "native"] = Field("processed_logprobs", description="how vLLM reveals the support: processed log-probs (--logprobs-mode processed_logprobs) or its native sampling_mask (--return-sampling-mask)")
-    max_policy_lag: int = Field(0, ge=0, description="how many weight pushes old a sampled token may be; 0: every token from the weights just pushed")
-    async_rollout: bool = Field(False, description="generate the next rollout while the trainer updates on this one (needs --max-policy-lag >= 1)")
-    weight_sync_mode: Literal["wait", "abort"] = Field("wait", description="requests running when weights are pushed: finish them on the old weights, or abort them (their groups are regenerated or dropped by --failed-group-policy)")
-    weight_transport: Literal["disk", "http"] = Field("disk", description="how weights reach a --rollout-url engine: a safetensors directory it can read (shared filesystem), or the body of POST /update_weights_from_safetensors (our serve and router, no shared filesystem)")
-    stale_sample_policy: Literal["fail", "drop", "regenerate"] = Field("fail", description="a group with a token older than --max-policy-lag: stop the run, drop the group, or generate it again on the current weights")
-    min_support_mass: float = Field(0.0, ge=0, le=1, description="drop from the loss a stale sample (lag >= 1) whose mean current-policy mass inside its replayed supports is below this (0: off)")
-    failed_group_policy: Literal["regenerate", "drop"] = Field("regenerate", description="a GRPO group with a response the engine never gave (down, overloaded, aborted): generate it again, or drop it")
-    max_regenerations: int = Field(2, ge=0, description="how many times a failed group is generated again before the run stops")
-    colocate: bool = Field(False, description="rollout engine in the trainer's process, weights synced in memory (the default without --rollout-url)")
-    sampling_mask_format: Literal["binary", "lists"] = Field("binary", description="how --rollout-url engines send the support: our compact binary form (SGLang ignores the ask and sends lists), or id lists")
+    sampling_semantics: Literal["sglang", "vllm", "hf"] = Field(
+        "sglang", description="filter semantics of the embedded engine"
+    )
+    sampling_mask_max_tokens: int = Field(
+        DEFAULT_SAMPLING_MASK_MAX_TOKENS, ge=1, description="largest support the engine may capture"
+    )
+    max_total_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="KV positions the in-process engine may hold at its peak (SGLang's flag; default: a quarter of the memory available at start, leaving the rest to the trainer)",
+    )
+    rollout_url: str | None = Field(
+        None, description="rollout through this engine/router URL instead of the in-process engine"
+    )
+    rollout_engine: Literal["sglang", "vllm"] = Field(
+        "sglang", description="protocol spoken at --rollout-url: sglang (SGLang, our serve and router, smg) or vllm"
+    )
+    vllm_endpoint: Literal["generate", "completions"] = Field(
+        "generate",
+        description="vLLM endpoint: /inference/v1/generate (needs --enable-scale-out; reports weight versions) or /v1/completions",
+    )
+    vllm_capture: Literal["processed_logprobs", "native"] = Field(
+        "processed_logprobs",
+        description="how vLLM reveals the support: processed log-probs (--logprobs-mode processed_logprobs) or its native sampling_mask (--return-sampling-mask)",
+    )
+    max_policy_lag: int = Field(
+        0,
+        ge=0,
+        description="how many weight pushes old a sampled token may be; 0: every token from the weights just pushed",
+    )
+    async_rollout: bool = Field(
+        False,
+        description="generate the next rollout while the trainer updates on this one (needs --max-policy-lag >= 1)",
+    )
+    weight_sync_mode: Literal["wait", "abort"] = Field(
+        "wait",
+        description="requests running when weights are pushed: finish them on the old weights, or abort them (their groups are regenerated or dropped by --failed-group-policy)",
+    )
+    weight_transport: Literal["disk", "http"] = Field(
+        "disk",
+        description="how weights reach a --rollout-url engine: a safetensors directory it can read (shared filesystem), or the body of POST /update_weights_from_safetensors (our serve and router, no shared filesystem)",
+    )
+    stale_sample_policy: Literal["fail", "drop", "regenerate"] = Field(
+        "fail",
+        description="a group with a token older than --max-policy-lag: stop the run, drop the group, or generate it again on the current weights",
+    )
+    min_support_mass: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="drop from the loss a stale sample (lag >= 1) whose mean current-policy mass inside its replayed supports is below this (0: off)",
+    )
+    failed_group_policy: Literal["regenerate", "drop"] = Field(
+        "regenerate",
+        description="a GRPO group with a response the engine never gave (down, overloaded, aborted): generate it again, or drop it",
+    )
+    max_regenerations: int = Field(
+        2, ge=0, description="how many times a failed group is generated again before the run stops"
+    )
+    colocate: bool = Field(
+        False,
+        description="rollout engine in the trainer's process, weights synced in memory (the default without --rollout-url)",
+    )
+    sampling_mask_format: Literal["binary", "lists"] = Field(
+        "binary",
+        description="how --rollout-url engines send the support: our compact binary form (SGLang ignores the ask and sends lists), or id lists",
+    )
 
     # ---- agents (multi-turn, tools) -----------------------------------------------------
-    agent: Literal["calculator", "chain"] | None = Field(None, description="built-in agent environment: calculator (arithmetic with a calculator tool) or chain (a multi-turn arithmetic dialogue); each brings its own tasks")
-    agent_path: str | None = Field(None, description="your agent: 'module:function', async run(client, sample) -> reward, or Miles' run_agent(base_url, prompt, request_kwargs=None, ...) (alias --custom-agent-function-path)")
-    max_turns: int = Field(8, ge=1, description="model turns per episode; later turns get an empty answer with finish_reason length")
-    max_episode_tokens: int = Field(512, ge=1, description="response tokens per episode (model and inserted); a turn that would pass it ends the episode")
-    session_history_policy: Literal["split", "reject"] = Field("split", description="when an agent's messages stop extending the recorded trajectory: start a new sample there, or refuse the turn")
-    chat_template: str | None = Field(None, description="chat template for sessions: a Jinja file or a built-in name (hermes_tools); default: the tokenizer's (calculator: hermes_tools)")
+    agent: Literal["calculator", "chain"] | None = Field(
+        None,
+        description="built-in agent environment: calculator (arithmetic with a calculator tool) or chain (a multi-turn arithmetic dialogue); each brings its own tasks",
+    )
+    agent_path: str | None = Field(
+        None,
+        description="your agent: 'module:function', async run(client, sample) -> reward, or Miles' run_agent(base_url, prompt, request_kwargs=None, ...) (alias --custom-agent-function-path)",
+    )
+    max_turns: int = Field(
+        8, ge=1, description="model turns per episode; later turns get an empty answer with finish_reason length"
+    )
+    max_episode_tokens: int = Field(
+        512,
+        ge=1,
+        description="response tokens per episode (model and inserted); a turn that would pass it ends the episode",
+    )
+    session_history_policy: Literal["split", "reject"] = Field(
+        "split",
+        description="when an agent's messages stop extending the recorded trajectory: start a new sample there, or refuse the turn",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="chat template for sessions: a Jinja file or a built-in name (hermes_tools); default: the tokenizer's (calculator: hermes_tools)",
+    )
     agent_timeout: float = Field(600.0, gt=0, description="seconds one episode may take before it counts as failed")
 
     # ---- training -------------------------------------------------------------------
     global_batch_size: int = Field(32, ge=1, description="samples per optimizer step")
-    tensor_model_parallel_size: int = Field(1, ge=1, description="trainer ranks that split each layer's heads, MLP and vocabulary (DTensor; the LM head scored vocab-parallel)")
-    context_parallel_size: int = Field(1, ge=1, description="trainer ranks that split each sequence by position (attention all-gathers keys and values)")
-    context_parallel_layout: Literal["zigzag", "contiguous"] = Field("zigzag", description="how --context-parallel-size splits a sequence: zigzag (2 chunks per rank, balanced causal work) or contiguous")
-    max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="padded tokens (samples x longest prompt + response) per forward/backward on one rank: short samples batch many, long ones few")
-    packed_scoring: Literal["auto", "on", "off"] = Field("auto", description="score a prompt's samples as one packed row, the prompt once and each response attending to it and to itself (same math, fewer tokens); auto: on unless penalties or context parallelism need rows of their own")
-    micro_batch_size: int | None = Field(None, ge=1, description=f"the older way: samples per forward/backward on one rank (default without a token budget: the largest divisor of --global-batch-size up to {MAX_DEFAULT_MICRO_BATCH})")
-    lr: float = Field(2e-5, gt=0, description="learning rate (AdamW); the default suits the built-in demo (a 135M model, 20 updates), large models train at about 1e-6")
+    tensor_model_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="trainer ranks that split each layer's heads, MLP and vocabulary (DTensor; the LM head scored vocab-parallel)",
+    )
+    context_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="trainer ranks that split each sequence by position (attention all-gathers keys and values)",
+    )
+    context_parallel_layout: Literal["zigzag", "contiguous"] = Field(
+        "zigzag",
+        description="how --context-parallel-size splits a sequence: zigzag (2 chunks per rank, balanced causal work) or contiguous",
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="padded tokens (samples x longest prompt + response) per forward/backward on one rank: short samples batch many, long ones few",
+    )
+    packed_scoring: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="score a prompt's samples as one packed row, the prompt once and each response attending to it and to itself (same math, fewer tokens); auto: on unless penalties or context parallelism need rows of their own",
+    )
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description=f"the older way: samples per forward/backward on one rank (default without a token budget: the largest divisor of --global-batch-size up to {MAX_DEFAULT_MICRO_BATCH})",
+    )
+    lr: float = Field(
+        2e-5,
+        gt=0,
+        description="learning rate (AdamW); the default suits the built-in demo (a 135M model, 20 updates), large models train at about 1e-6",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_beta1: float = Field(0.9, description="AdamW beta1")
     adam_beta2: float = Field(0.98, description="AdamW beta2")
     clip_grad: float = Field(1.0, description="max global gradient norm (0: off)")
-    advantage_estimator: Literal["grpo"] = Field("grpo", description="group-relative advantages: reward minus the group mean (over its std)")
+    advantage_estimator: Literal["grpo"] = Field(
+        "grpo", description="group-relative advantages: reward minus the group mean (over its std)"
+    )
     disable_grpo_std_normalization: bool = Field(False, description="GRPO advantages without dividing by the group std")
     eps_clip: float = Field(0.2, gt=0, description="PPO clip range (low side)")
     eps_clip_high: float | None = Field(None, description="PPO clip range, high side (default: eps_clip)")
-    loss_aggregation: Literal["token", "sequence"] = Field("token", description="mean over all trained tokens, or per sequence then over sequences")
+    loss_aggregation: Literal["token", "sequence"] = Field(
+        "token", description="mean over all trained tokens, or per sequence then over sequences"
+    )
     kl_coef: float = Field(0.0, ge=0, description="KL(actor || reference) penalty subtracted from the reward")
     use_kl_loss: bool = Field(False, description="add KL(actor || reference) to the loss")
     kl_loss_coef: float = Field(0.0, ge=0, description="weight of the KL loss")
     kl_loss_type: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator of the KL loss")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus (full-vocabulary entropy)")
-    use_rollout_logprobs: bool = Field(False, description="old log-probs from the rollout log mu instead of recomputing them")
+    use_rollout_logprobs: bool = Field(
+        False, description="old log-probs from the rollout log mu instead of recomputing them"
+    )
     use_tis: bool = Field(False, description="truncated importance sampling against the rollout log mu")
     tis_cap: float = Field(2.0, gt=0, description="truncation of the importance weight pi_old / mu")
-    tis_mode: Literal["truncate", "mask"] = Field("truncate", description="--use-tis weights: min(pi_old / mu, cap) (TIS), or 1 inside [1/cap, cap] and 0 outside (masked IS)")
+    tis_mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="--use-tis weights: min(pi_old / mu, cap) (TIS), or 1 inside [1/cap, cap] and 0 outside (masked IS)",
+    )
     seed: int = Field(1234, description="trainer seed (initialisation, shuffling)")
 
     # ---- checks, evaluation, output -------------------------------------------------
-    ci_test: bool = Field(False, description="fail unless the trainer's support log-probs match the rollout log mu on every token")
-    full_vocab_metrics_interval: int = Field(1, ge=1, description="under replay, score the full vocabulary for the metrics (full_vocab_ratio_*) every N rollouts only; the KL reward still takes it every rollout")
-    ci_test_tolerance: float | None = Field(None, ge=0, description=f"per-token max |log pi - log mu| allowed by --ci-test (default: {FP32_CI_TOLERANCE:g} in fp32, {BF16_CI_TOLERANCE:g} when either side runs bf16; 0 in true-on-policy mode)")
-    rollout_dtype: Literal["float32", "bfloat16"] = Field("float32", description="the in-process engine's weights and compute (a --rollout-url engine runs its own: say it here for the --ci-test tolerance)")
-    train_dtype: Literal["float32", "bfloat16"] = Field("float32", description="the trainer's compute (autocast; weights, gradients and optimizer state stay fp32)")
-    true_on_policy_mode: bool = Field(False, description="batch-invariant engine and trainer: rollout and trainer log-probs equal bit for bit (--ci-test then demands it)")
+    ci_test: bool = Field(
+        False, description="fail unless the trainer's support log-probs match the rollout log mu on every token"
+    )
+    full_vocab_metrics_interval: int = Field(
+        1,
+        ge=1,
+        description="under replay, score the full vocabulary for the metrics (full_vocab_ratio_*) every N rollouts only; the KL reward still takes it every rollout",
+    )
+    ci_test_tolerance: float | None = Field(
+        None,
+        ge=0,
+        description=f"per-token max |log pi - log mu| allowed by --ci-test (default: {FP32_CI_TOLERANCE:g} in fp32, {BF16_CI_TOLERANCE:g} when either side runs bf16; 0 in true-on-policy mode)",
+    )
+    rollout_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="the in-process engine's weights and compute (a --rollout-url engine runs its own: say it here for the --ci-test tolerance)",
+    )
+    train_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="the trainer's compute (autocast; weights, gradients and optimizer state stay fp32)"
+    )
+    true_on_policy_mode: bool = Field(
+        False,
+        description="batch-invariant engine and trainer: rollout and trainer log-probs equal bit for bit (--ci-test then demands it)",
+    )
     linear_kernel: Literal["auto", "torch", "onednn"] = Field("auto", description=LINEAR_KERNEL_HELP)
     eval_interval: int | None = Field(None, ge=1, description="evaluate every N rollouts")
     eval_prompt_data: str | None = Field(None, description="evaluation prompts (default: held-out built-in task)")
@@ -134,7 +279,9 @@ class RunConfig(BaseModel):
     eval_temperature: float = Field(0.0, ge=0, description="evaluation sampling temperature (0: greedy)")
     eval_top_p: float = Field(1.0, description="evaluation top-p")
     eval_top_k: int = Field(-1, description="evaluation top-k")
-    eval_max_response_len: int | None = Field(None, ge=1, description="evaluation max new tokens (default: the rollout one)")
+    eval_max_response_len: int | None = Field(
+        None, ge=1, description="evaluation max new tokens (default: the rollout one)"
+    )
     output_dir: str = Field("runs/latest", description="metrics, effective config, plot")
     save: str | None = Field(None, description="checkpoint directory")
     save_interval: int | None = Field(None, ge=1, description="checkpoint every N rollouts")
@@ -208,40 +355,96 @@ class RunConfig(BaseModel):
             bad("rollout_min_p", self.rollout_min_p, "must be in [0, 1]")
         replay = self.use_sampling_support_replay
         if self.rollout_temperature <= 0:
-            bad("rollout_temperature", self.rollout_temperature, "must be > 0 (the trainer divides the actor logits by it)")
+            bad(
+                "rollout_temperature",
+                self.rollout_temperature,
+                "must be > 0 (the trainer divides the actor logits by it)",
+            )
         if replay and self.rollout_top_k <= 0:
-            knob = ("rollout_top_p", self.rollout_top_p) if self.rollout_top_p < 1 else ("rollout_min_p", self.rollout_min_p)
-            bad(knob[0], knob[1], "a finite top-p or min-p needs a positive --rollout-top-k (the support would be unbounded)")
+            knob = (
+                ("rollout_top_p", self.rollout_top_p)
+                if self.rollout_top_p < 1
+                else ("rollout_min_p", self.rollout_min_p)
+            )
+            bad(
+                knob[0],
+                knob[1],
+                "a finite top-p or min-p needs a positive --rollout-top-k (the support would be unbounded)",
+            )
         if replay and self.rollout_top_k > self.sampling_mask_max_tokens:
-            bad("rollout_top_k", self.rollout_top_k, f"exceeds --sampling-mask-max-tokens={self.sampling_mask_max_tokens}")
+            bad(
+                "rollout_top_k",
+                self.rollout_top_k,
+                f"exceeds --sampling-mask-max-tokens={self.sampling_mask_max_tokens}",
+            )
         if self.max_total_tokens is not None and self.rollout_url:
-            bad("max_total_tokens", self.max_total_tokens, "bounds the in-process engine; give it to the engine at --rollout-url (serve --max-total-tokens)")
+            bad(
+                "max_total_tokens",
+                self.max_total_tokens,
+                "bounds the in-process engine; give it to the engine at --rollout-url (serve --max-total-tokens)",
+            )
         try:
             penalties = self.penalties
         except (SamplingParamsError, OSError, ValueError) as exc:
-            bad("rollout_logit_bias" if self.rollout_logit_bias else "rollout_repetition_penalty", self.rollout_logit_bias or self.rollout_repetition_penalty, str(exc))
+            bad(
+                "rollout_logit_bias" if self.rollout_logit_bias else "rollout_repetition_penalty",
+                self.rollout_logit_bias or self.rollout_repetition_penalty,
+                str(exc),
+            )
         if penalties.active and not replay:
             knob = next((n for n, v in NEUTRAL_PENALTIES.items() if getattr(self, n) != v), "rollout_logit_bias")
-            bad(knob, getattr(self, knob), "penalties and logit bias are replayed on the captured support only: turn replay on (rollout top_p < 1, top_k > 0 or min_p > 0)")
+            bad(
+                knob,
+                getattr(self, knob),
+                "penalties and logit bias are replayed on the captured support only: turn replay on (rollout top_p < 1, top_k > 0 or min_p > 0)",
+            )
         if penalties.active and self.sampling_semantics == "hf" and (penalties.frequency or penalties.presence):
             knob = "rollout_frequency_penalty" if penalties.frequency else "rollout_presence_penalty"
-            bad(knob, getattr(self, knob), "the hf semantics have no frequency or presence penalty (transformers has no such processor)")
+            bad(
+                knob,
+                getattr(self, knob),
+                "the hf semantics have no frequency or presence penalty (transformers has no such processor)",
+            )
         if self.ci_test and not replay:
-            bad("ci_test", True, "compares the trainer's log-probs with the rollout log mu, which only replay captures (rollout top_p < 1, top_k > 0 or min_p > 0)")
+            bad(
+                "ci_test",
+                True,
+                "compares the trainer's log-probs with the rollout log mu, which only replay captures (rollout top_p < 1, top_k > 0 or min_p > 0)",
+            )
         if self.true_on_policy_mode and "bfloat16" in (self.rollout_dtype, self.train_dtype):
             knob = "rollout_dtype" if self.rollout_dtype == "bfloat16" else "train_dtype"
-            bad(knob, "bfloat16", "true-on-policy mode runs the batch-invariant fp32 kernels on both sides; bf16 would need kernels of their own")
+            bad(
+                knob,
+                "bfloat16",
+                "true-on-policy mode runs the batch-invariant fp32 kernels on both sides; bf16 would need kernels of their own",
+            )
         if self.true_on_policy_mode and self.sampling_semantics == "hf":
-            bad("sampling_semantics", "hf", "true-on-policy mode needs a deterministic sampler (sglang or vllm); hf ties depend on the batch")
+            bad(
+                "sampling_semantics",
+                "hf",
+                "true-on-policy mode needs a deterministic sampler (sglang or vllm); hf ties depend on the batch",
+            )
         total = self.rollout_batch_size * self.n_samples_per_prompt
         if total % self.global_batch_size:
-            bad("global_batch_size", self.global_batch_size, f"must divide rollout_batch_size x n_samples_per_prompt = {total}")
+            bad(
+                "global_batch_size",
+                self.global_batch_size,
+                f"must divide rollout_batch_size x n_samples_per_prompt = {total}",
+            )
         if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
-            bad("micro_batch_size", self.micro_batch_size, f"counts samples, --max-tokens-per-micro-batch={self.max_tokens_per_micro_batch} tokens: give one of them")
+            bad(
+                "micro_batch_size",
+                self.micro_batch_size,
+                f"counts samples, --max-tokens-per-micro-batch={self.max_tokens_per_micro_batch} tokens: give one of them",
+            )
         if self.micro_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             bad("micro_batch_size", self.micro_batch_size, f"must divide --global-batch-size={self.global_batch_size}")
         if self.failed_group_policy == "drop" and self.global_batch_size % self.n_samples_per_prompt:
-            bad("failed_group_policy", "drop", f"drops whole groups, so --global-batch-size={self.global_batch_size} must be a multiple of --n-samples-per-prompt={self.n_samples_per_prompt}")
+            bad(
+                "failed_group_policy",
+                "drop",
+                f"drops whole groups, so --global-batch-size={self.global_batch_size} must be a multiple of --n-samples-per-prompt={self.n_samples_per_prompt}",
+            )
         if self.use_kl_loss and self.kl_loss_coef <= 0:
             bad("kl_loss_coef", self.kl_loss_coef, "must be > 0 with --use-kl-loss")
         if self.kl_loss_coef > 0 and not self.use_kl_loss:
@@ -249,39 +452,88 @@ class RunConfig(BaseModel):
         split = self.tensor_model_parallel_size > 1 or self.context_parallel_size > 1
         knob = "tensor_model_parallel_size" if self.tensor_model_parallel_size > 1 else "context_parallel_size"
         if split and penalties.active:
-            bad(knob, getattr(self, knob), "penalties are replayed on whole support rows of one rank; tensor and context parallelism do not split them yet")
+            bad(
+                knob,
+                getattr(self, knob),
+                "penalties are replayed on whole support rows of one rank; tensor and context parallelism do not split them yet",
+            )
         if split and self.true_on_policy_mode:
-            bad(knob, getattr(self, knob), "true-on-policy mode needs the engine's batch-invariant kernels, which run on one rank")
+            bad(
+                knob,
+                getattr(self, knob),
+                "true-on-policy mode needs the engine's batch-invariant kernels, which run on one rank",
+            )
         if self.packed_scoring == "on" and self._packing_conflict():
             bad("packed_scoring", "on", f"{self._packing_conflict()}: use --packed-scoring off or auto")
         if self.async_rollout and self.max_policy_lag < 1:
-            bad("async_rollout", True, "samples the next rollout on the weights before this update: needs --max-policy-lag >= 1")
-        if self.async_rollout and self.weight_sync_mode == "abort" and (self.failed_group_policy == "drop" or self.max_regenerations < 1):
-            bad("weight_sync_mode", "abort", "with --async-rollout every push aborts the rollout in flight, whose groups must then be generated again: "
-                "needs --failed-group-policy regenerate and --max-regenerations >= 1")
+            bad(
+                "async_rollout",
+                True,
+                "samples the next rollout on the weights before this update: needs --max-policy-lag >= 1",
+            )
+        if (
+            self.async_rollout
+            and self.weight_sync_mode == "abort"
+            and (self.failed_group_policy == "drop" or self.max_regenerations < 1)
+        ):
+            bad(
+                "weight_sync_mode",
+                "abort",
+                "with --async-rollout every push aborts the rollout in flight, whose groups must then be generated again: "
+                "needs --failed-group-policy regenerate and --max-regenerations >= 1",
+            )
         if self.weight_transport == "http" and (self.rollout_engine == "vllm" or not self.rollout_url):
-            bad("weight_transport", "http", "sends the weights to support-replay serve or router at --rollout-url; vLLM loads from a directory"
-                if self.rollout_url else "needs --rollout-url (the in-process engine takes the tensors in memory)")
+            bad(
+                "weight_transport",
+                "http",
+                "sends the weights to support-replay serve or router at --rollout-url; vLLM loads from a directory"
+                if self.rollout_url
+                else "needs --rollout-url (the in-process engine takes the tensors in memory)",
+            )
         if self.stale_sample_policy == "drop" and self.global_batch_size % self.n_samples_per_prompt:
-            bad("stale_sample_policy", "drop", f"drops whole groups, so --global-batch-size={self.global_batch_size} must be a multiple of --n-samples-per-prompt={self.n_samples_per_prompt}")
+            bad(
+                "stale_sample_policy",
+                "drop",
+                f"drops whole groups, so --global-batch-size={self.global_batch_size} must be a multiple of --n-samples-per-prompt={self.n_samples_per_prompt}",
+            )
         if self.min_support_mass > 0 and not replay:
-            bad("min_support_mass", self.min_support_mass, "measures the mass inside the replayed supports, which only replay captures")
+            bad(
+                "min_support_mass",
+                self.min_support_mass,
+                "measures the mass inside the replayed supports, which only replay captures",
+            )
         if self.min_support_mass > 0 and penalties.active:
-            bad("min_support_mass", self.min_support_mass, "the support mass is measured on the model's own distribution; with penalties the support was filtered on penalised logits")
+            bad(
+                "min_support_mass",
+                self.min_support_mass,
+                "the support mass is measured on the model's own distribution; with penalties the support was filtered on penalised logits",
+            )
         if self.tis_mode == "mask" and self.tis_cap <= 1:
             bad("tis_cap", self.tis_cap, "masked IS keeps ratios inside [1/cap, cap]: needs a cap > 1")
         if self.tis_mode != "truncate" and not self.use_tis:
             bad("tis_mode", self.tis_mode, "has no effect without --use-tis")
         if self.use_tis and self.use_rollout_logprobs:
-            bad("use_tis", True, "with --use-rollout-logprobs the old policy is the rollout's own, so pi_old / mu is 1 and there is nothing to correct")
+            bad(
+                "use_tis",
+                True,
+                "with --use-rollout-logprobs the old policy is the rollout's own, so pi_old / mu is 1 and there is nothing to correct",
+            )
         if self.custom_rm_path and ":" not in self.custom_rm_path:
             bad("custom_rm_path", self.custom_rm_path, "expected 'module:function'")
         if self.rm_type is None and not self.custom_rm_path:
             bad("rm_type", None, "give a reward: --rm-type math or --custom-rm-path module:function")
         if self.rollout_engine == "vllm" and not self.rollout_url:
-            bad("rollout_engine", "vllm", "needs --rollout-url of a running vLLM server (the in-process engine speaks for itself)")
+            bad(
+                "rollout_engine",
+                "vllm",
+                "needs --rollout-url of a running vLLM server (the in-process engine speaks for itself)",
+            )
         if self.rollout_engine == "vllm" and self.true_on_policy_mode:
-            bad("rollout_engine", "vllm", "true-on-policy mode needs our batch-invariant engine (support-replay serve --deterministic)")
+            bad(
+                "rollout_engine",
+                "vllm",
+                "true-on-policy mode needs our batch-invariant engine (support-replay serve --deterministic)",
+            )
         if self.colocate and self.rollout_url:
             bad("colocate", True, f"the in-process engine and --rollout-url={self.rollout_url!r} exclude each other")
         if self.resume and not self.save:
@@ -289,13 +541,21 @@ class RunConfig(BaseModel):
         if self.save_interval and not self.save:
             bad("save_interval", self.save_interval, "needs --save DIR to write checkpoints to")
         if self.rollout_ignore_eos and (self.agent or self.agent_path):
-            bad("rollout_ignore_eos", True, "an agent's turns end at end-of-sequence; fixed-length responses are for single-turn rollouts")
+            bad(
+                "rollout_ignore_eos",
+                True,
+                "an agent's turns end at end-of-sequence; fixed-length responses are for single-turn rollouts",
+            )
         if self.agent and self.agent_path:
             bad("agent_path", self.agent_path, f"and --agent={self.agent} exclude each other: one agent per run")
         if self.agent_path and not (":" in self.agent_path or "." in self.agent_path):
             bad("agent_path", self.agent_path, "expected 'module:function' (or Miles' 'module.function')")
         if self.agent and self.prompt_data:
-            bad("prompt_data", self.prompt_data, f"the built-in agent {self.agent!r} brings its own tasks; use --agent-path for your own data")
+            bad(
+                "prompt_data",
+                self.prompt_data,
+                f"the built-in agent {self.agent!r} brings its own tasks; use --agent-path for your own data",
+            )
         if self.eval_prompt_data and not self.eval_interval:
             bad("eval_prompt_data", self.eval_prompt_data, "has no effect without --eval-interval N")
         return self
@@ -306,7 +566,9 @@ class RunConfig(BaseModel):
         bias = json.loads(Path(self.rollout_logit_bias).read_text()) if self.rollout_logit_bias else None
         if bias is not None and not isinstance(bias, dict):
             raise ValueError("expected a JSON object {token id: bias}")
-        return Penalties.with_bias(self.rollout_frequency_penalty, self.rollout_presence_penalty, self.rollout_repetition_penalty, bias)
+        return Penalties.with_bias(
+            self.rollout_frequency_penalty, self.rollout_presence_penalty, self.rollout_repetition_penalty, bias
+        )
 
     @property
     def needs_reference(self) -> bool:
@@ -351,9 +613,18 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         flags = [_flag(name), *FLAG_ALIASES.get(name, ())]
         kind = _field_type(field.annotation)
         if kind is bool:
-            parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=field.description)
+            parser.add_argument(
+                *flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=field.description
+            )
         else:
-            parser.add_argument(*flags, dest=name, type=kind, default=None, choices=_choices(field.annotation), help=f"{field.description or ''} (default: {field.default})")
+            parser.add_argument(
+                *flags,
+                dest=name,
+                type=kind,
+                default=None,
+                choices=_choices(field.annotation),
+                help=f"{field.description or ''} (default: {field.default})",
+            )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -379,7 +650,11 @@ def _describe(exc: ValidationError) -> str:
         return str(err["ctx"]["error"]) if "error" in err.get("ctx", {}) else err["msg"]
     name = str(err["loc"][0])
     if err["type"] == "extra_forbidden":
-        why = "is derived from the rollout sampling settings and cannot be set" if name == "use_sampling_support_replay" else "unknown setting"
+        why = (
+            "is derived from the rollout sampling settings and cannot be set"
+            if name == "use_sampling_support_replay"
+            else "unknown setting"
+        )
         return f"{_flag(name)}={err.get('input')!r}: {why}"
     return f"{_flag(name)}={err.get('input')!r}: {err['msg']}"
 

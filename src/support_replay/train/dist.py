@@ -96,6 +96,7 @@ def gather_by_index(local: dict, n: int, ctx: DistContext) -> list:
     """Per-sample values (tensors, or tuples of tensors) held by different ranks, as one list
     in sample order on every rank."""
     if ctx.world > 1:
+
         def cpu(v):
             return tuple(t.cpu() for t in v) if isinstance(v, tuple) else v.cpu()
 

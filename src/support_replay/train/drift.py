@@ -40,7 +40,9 @@ def drift_metrics(masses: list[np.ndarray], ages: list[int | None]) -> dict:
     return out
 
 
-def gate_stale(samples: list[Sample], masses: list[np.ndarray], ages: list[int | None], threshold: float) -> tuple[list[Sample], int]:
+def gate_stale(
+    samples: list[Sample], masses: list[np.ndarray], ages: list[int | None], threshold: float
+) -> tuple[list[Sample], int]:
     """Samples with lag >= 1 whose mean support mass is below ``threshold`` leave the loss (their
     loss mask zeroed; they still count in the group's advantages); returns them and how many."""
     gated, out = 0, []
@@ -53,7 +55,9 @@ def gate_stale(samples: list[Sample], masses: list[np.ndarray], ages: list[int |
     return out, gated
 
 
-def support_drift(samples: list[Sample], logp, full, ages: list[int | None], replay: bool, min_mass: float = 0.0) -> tuple[dict, list[Sample]]:
+def support_drift(
+    samples: list[Sample], logp, full, ages: list[int | None], replay: bool, min_mass: float = 0.0
+) -> tuple[dict, list[Sample]]:
     """The drift metrics of a rollout and the samples that train (the gate applied when
     ``min_mass`` > 0): nothing to measure without replay, without the full-vocabulary scores of
     this rollout, or with penalties (the support was filtered on penalised logits)."""

@@ -26,12 +26,29 @@ from .batches import plan_optimizer_steps
 
 
 class LaggedScorer:
-    def __init__(self, checkpoint, device, *, keep: int, sparse: bool, batch_invariant: bool, temperature: float, micro_batch: int,
-                 max_tokens: int | None = None, compute_dtype: torch.dtype = torch.float32, pack: bool = False, linear_kernel: str = "torch"):
+    def __init__(
+        self,
+        checkpoint,
+        device,
+        *,
+        keep: int,
+        sparse: bool,
+        batch_invariant: bool,
+        temperature: float,
+        micro_batch: int,
+        max_tokens: int | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+        pack: bool = False,
+        linear_kernel: str = "torch",
+    ):
         self.keep, self.sparse, self.temperature, self.device = keep, sparse, temperature, device
         self.micro_batch, self.max_tokens, self.pack = micro_batch, max_tokens, pack
         self.states: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
-        self.model = load_scoring_model(checkpoint, device, batch_invariant, compute_dtype, linear_kernel).eval().requires_grad_(False)
+        self.model = (
+            load_scoring_model(checkpoint, device, batch_invariant, compute_dtype, linear_kernel)
+            .eval()
+            .requires_grad_(False)
+        )
 
     def add(self, version: str, state: dict[str, torch.Tensor]) -> None:
         """Keep ``version``'s weights (copied: the actor updates its own in place), dropping the
@@ -41,14 +58,18 @@ class LaggedScorer:
             self.states.popitem(last=False)
 
     @torch.no_grad()
-    def by_sampling_version(self, samples: list[Sample], current_logp: list[torch.Tensor], current: str, semantics: str) -> list[torch.Tensor]:
+    def by_sampling_version(
+        self, samples: list[Sample], current_logp: list[torch.Tensor], current: str, semantics: str
+    ) -> list[torch.Tensor]:
         """``current_logp`` (the actor's scores under ``current``) with every token sampled by an
         older version re-scored under that version's weights."""
         out = [lp.detach().clone() for lp in current_logp]
         older = sorted({v for s in samples for v in versions_of(s.weight_versions)} - {current})
         for version in older:
             if version not in self.states:  # check_policy_lag ran first: a version inside the window is kept
-                raise PolicyLagError(f"--ci-test: the weights of version {version!r} are not kept (window: {list(self.states)})")
+                raise PolicyLagError(
+                    f"--ci-test: the weights of version {version!r} are not kept (window: {list(self.states)})"
+                )
             chosen = [i for i, s in enumerate(samples) if version in versions_of(s.weight_versions)]
             scores = self._score([samples[i] for i in chosen], self.states[version], semantics)
             for i, logp in zip(chosen, scores):
@@ -59,8 +80,18 @@ class LaggedScorer:
 
     def _score(self, samples: list[Sample], state: dict[str, torch.Tensor], semantics: str) -> list[torch.Tensor]:
         self.model.hf.load_state_dict(state, strict=True)
-        steps = plan_optimizer_steps(samples, global_batch=len(samples), micro_batch=self.micro_batch, rank=0, world=1, replay=True,
-                                     device=self.device, penalty_semantics=semantics, max_tokens=self.max_tokens, pack=self.pack)
+        steps = plan_optimizer_steps(
+            samples,
+            global_batch=len(samples),
+            micro_batch=self.micro_batch,
+            rank=0,
+            world=1,
+            replay=True,
+            device=self.device,
+            penalty_semantics=semantics,
+            max_tokens=self.max_tokens,
+            pack=self.pack,
+        )
         scores: dict[int, torch.Tensor] = {}
         for batch in (mb for step in steps for mb in step.micro_batches):
             logp = score_batch(self.model, batch, self.temperature, sparse=self.sparse).logp

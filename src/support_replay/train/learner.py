@@ -12,8 +12,8 @@ from dataclasses import astuple, dataclass, fields, replace
 
 import torch
 
-from ..errors import ConfigError, NonFiniteError
 from ..core.losses import grpo_advantages, importance_weights, kl_estimate, policy_token_loss, token_weights
+from ..errors import ConfigError, NonFiniteError
 from ..rollout.sample import Sample
 from .actor import Actor, load_scoring_model, score_batch
 from .batches import MicroBatch, OptimizerStep, plan_optimizer_steps
@@ -74,7 +74,9 @@ class UpdateMetrics:
 @dataclass
 class BackwardResult:
     sums: StepSums  # over every rank
-    scores: dict[int, tuple[torch.Tensor, torch.Tensor]]  # this rank's samples -> (logp, full) of this forward, detached
+    scores: dict[
+        int, tuple[torch.Tensor, torch.Tensor]
+    ]  # this rank's samples -> (logp, full) of this forward, detached
 
 
 def episode_index(samples: list[Sample]) -> list[int] | None:
@@ -87,10 +89,14 @@ class Learner:
     def __init__(self, cfg: RunConfig, ctx, checkpoint_path):
         self.cfg, self.ctx = cfg, ctx
         self.replay = cfg.use_sampling_support_replay
-        self.layout = parallel_layout(ctx, tp=cfg.tensor_model_parallel_size, cp=cfg.context_parallel_size, cp_layout=cfg.context_parallel_layout)
+        self.layout = parallel_layout(
+            ctx, tp=cfg.tensor_model_parallel_size, cp=cfg.context_parallel_size, cp_layout=cfg.context_parallel_layout
+        )
         dp = self.layout.dp
         if cfg.global_batch_size % dp:
-            raise ConfigError(f"--global-batch-size={cfg.global_batch_size}: must be a multiple of the {dp} data-parallel ranks, so that every rank runs as many micro-batches")
+            raise ConfigError(
+                f"--global-batch-size={cfg.global_batch_size}: must be a multiple of the {dp} data-parallel ranks, so that every rank runs as many micro-batches"
+            )
         if (cfg.agent or cfg.agent_path) and cfg.session_history_policy == "split" and dp > 1:
             raise ConfigError(
                 f"--session-history-policy=split with {dp} data-parallel ranks: split episodes make the number of samples vary, and "
@@ -99,15 +105,35 @@ class Learner:
         self._planned_steps = 1
         self.measure_full = True  # full-vocabulary scores for the metrics in this rollout
         torch.manual_seed(cfg.seed)
-        self.linear_kernel = cfg.trainer_linear_kernel(ctx.device)  # the actor's, the reference's and the lagged scorer's forward
+        self.linear_kernel = cfg.trainer_linear_kernel(
+            ctx.device
+        )  # the actor's, the reference's and the lagged scorer's forward
         self.actor = Actor(
-            checkpoint_path, ctx, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
-            replay=self.replay, full_with_grad=cfg.use_kl_loss or cfg.entropy_coef > 0, batch_invariant=cfg.true_on_policy_mode,
-            penalties=cfg.penalties.active, layout=self.layout, compute_dtype=getattr(torch, cfg.train_dtype),
+            checkpoint_path,
+            ctx,
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            weight_decay=cfg.weight_decay,
+            replay=self.replay,
+            full_with_grad=cfg.use_kl_loss or cfg.entropy_coef > 0,
+            batch_invariant=cfg.true_on_policy_mode,
+            penalties=cfg.penalties.active,
+            layout=self.layout,
+            compute_dtype=getattr(torch, cfg.train_dtype),
             linear_kernel=self.linear_kernel,
         )
-        self.reference = load_scoring_model(checkpoint_path, ctx.device, compute_dtype=self.actor.model.compute_dtype,
-                                            linear_kernel=self.linear_kernel).eval().requires_grad_(False) if cfg.needs_reference else None
+        self.reference = (
+            load_scoring_model(
+                checkpoint_path,
+                ctx.device,
+                compute_dtype=self.actor.model.compute_dtype,
+                linear_kernel=self.linear_kernel,
+            )
+            .eval()
+            .requires_grad_(False)
+            if cfg.needs_reference
+            else None
+        )
         self.temperature = cfg.rollout_temperature
         self.pack = cfg.pack_groups  # decided once: the rule reads the rollout's penalties (a file for a logit bias)
 
@@ -120,21 +146,39 @@ class Learner:
         """One optimizer step per rollout and no KL reward: the update's own forward, taken
         before the step, gives the old log-probs, so no separate scoring pass is needed."""
         cfg = self.cfg
-        one_step = cfg.global_batch_size == cfg.rollout_batch_size * cfg.n_samples_per_prompt and self._planned_steps == 1
-        return one_step and cfg.kl_coef == 0 and cfg.min_support_mass == 0  # the drift gate reads the old scores before the update
+        one_step = (
+            cfg.global_batch_size == cfg.rollout_batch_size * cfg.n_samples_per_prompt and self._planned_steps == 1
+        )
+        return (
+            one_step and cfg.kl_coef == 0 and cfg.min_support_mass == 0
+        )  # the drift gate reads the old scores before the update
 
-    def plan(self, samples: list[Sample], rollout: int = 0, penalty_semantics: str | None = None) -> list[OptimizerStep]:
+    def plan(
+        self, samples: list[Sample], rollout: int = 0, penalty_semantics: str | None = None
+    ) -> list[OptimizerStep]:
         """This rank's micro-batches of the rollout; agent episodes split by a history rewrite can
         make more samples, hence more optimizer steps, than the config alone says. Decides too
         whether this rollout pays for the metrics-only full-vocabulary head. Penalties are
         replayed by ``penalty_semantics``, the sampling engine's rules (default: the in-process
         engine's, ``--sampling-semantics``)."""
         cfg, ctx = self.cfg, self.ctx
-        self.measure_full = not self.replay or cfg.kl_coef > 0 or cfg.min_support_mass > 0 or rollout % cfg.full_vocab_metrics_interval == 0
+        self.measure_full = (
+            not self.replay
+            or cfg.kl_coef > 0
+            or cfg.min_support_mass > 0
+            or rollout % cfg.full_vocab_metrics_interval == 0
+        )
         steps = plan_optimizer_steps(
-            samples, global_batch=cfg.global_batch_size, micro_batch=cfg.micro_batch, rank=self.layout.dp_rank, world=self.layout.dp,
-            replay=self.replay, device=ctx.device, penalty_semantics=penalty_semantics or cfg.sampling_semantics,
-            max_tokens=cfg.max_tokens_per_micro_batch, pack=self.pack,
+            samples,
+            global_batch=cfg.global_batch_size,
+            micro_batch=cfg.micro_batch,
+            rank=self.layout.dp_rank,
+            world=self.layout.dp,
+            replay=self.replay,
+            device=ctx.device,
+            penalty_semantics=penalty_semantics or cfg.sampling_semantics,
+            max_tokens=cfg.max_tokens_per_micro_batch,
+            pack=self.pack,
         )
         self._planned_steps = len(steps)
         return steps
@@ -177,15 +221,21 @@ class Learner:
             stats["kl_reward_penalty"] = float(kl.mean())
         episodes = episode_index(samples)
         if episodes is None:
-            return grpo_advantages(rewards, cfg.n_samples_per_prompt, normalize_std=not cfg.disable_grpo_std_normalization), stats
+            return grpo_advantages(
+                rewards, cfg.n_samples_per_prompt, normalize_std=not cfg.disable_grpo_std_normalization
+            ), stats
         # an agent episode split by a history rewrite is several samples: one advantage per episode
         first = torch.tensor(sorted({e: i for i, e in reversed(list(enumerate(episodes)))}.values()))
-        per_episode = grpo_advantages(rewards[first], cfg.n_samples_per_prompt, normalize_std=not cfg.disable_grpo_std_normalization)
+        per_episode = grpo_advantages(
+            rewards[first], cfg.n_samples_per_prompt, normalize_std=not cfg.disable_grpo_std_normalization
+        )
         return per_episode[torch.tensor(episodes)], stats
 
     # ---- the update ---------------------------------------------------------------------
 
-    def backward(self, rollout: int, step: OptimizerStep, samples: list[Sample], old: OldScores, advantages: torch.Tensor) -> BackwardResult:
+    def backward(
+        self, rollout: int, step: OptimizerStep, samples: list[Sample], old: OldScores, advantages: torch.Tensor
+    ) -> BackwardResult:
         """Forward and backward of this rank's micro-batches of one optimizer step."""
         sums, scores = StepSums(), {}
         for batch in step.micro_batches:
@@ -196,24 +246,42 @@ class Learner:
         total = [v / self.layout.replicas for v in all_reduce_sum(list(astuple(sums)), self.ctx)]
         return BackwardResult(StepSums(*total), scores)
 
-    def _micro_batch(self, rollout: int, batch: MicroBatch, step: OptimizerStep, samples, old: OldScores, advantages) -> tuple[StepSums, dict]:
+    def _micro_batch(
+        self, rollout: int, batch: MicroBatch, step: OptimizerStep, samples, old: OldScores, advantages
+    ) -> tuple[StepSums, dict]:
         cfg = self.cfg
-        sc = self.actor.score(batch, self.temperature, full=cfg.use_kl_loss, entropy=cfg.entropy_coef > 0, full_detached=self.fused and self.replay and self.measure_full)
+        sc = self.actor.score(
+            batch,
+            self.temperature,
+            full=cfg.use_kl_loss,
+            entropy=cfg.entropy_coef > 0,
+            full_detached=self.fused and self.replay and self.measure_full,
+        )
         full = sc.full if sc.full is not None else sc.logp
-        fresh = dict(zip(batch.indices, zip((x.detach() for x in batch.split(sc.logp)), (x.detach() for x in batch.split(full)))))
+        fresh = dict(
+            zip(batch.indices, zip((x.detach() for x in batch.split(sc.logp)), (x.detach() for x in batch.split(full))))
+        )
         if old.logp is None:  # fused: this forward runs before any step of the rollout, it is the old policy
             old_logp = sc.logp.detach()
         else:
             old_logp = torch.cat([old.logp[i] for i in batch.indices]).to(sc.logp.device)
-        log_mu = torch.cat([torch.from_numpy(samples[i].log_mu) for i in batch.indices]).to(sc.logp.device) if self.replay else None
+        log_mu = (
+            torch.cat([torch.from_numpy(samples[i].log_mu) for i in batch.indices]).to(sc.logp.device)
+            if self.replay
+            else None
+        )
         terms = policy_token_loss(
             sc.logp,
             log_mu if cfg.use_rollout_logprobs else old_logp,
-            torch.repeat_interleave(advantages[batch.indices].to(sc.logp.device), torch.tensor(batch.lengths, device=sc.logp.device)),
+            torch.repeat_interleave(
+                advantages[batch.indices].to(sc.logp.device), torch.tensor(batch.lengths, device=sc.logp.device)
+            ),
             clip_low=cfg.eps_clip,
             clip_high=cfg.eps_clip_high,
             importance_weights=importance_weights(old_logp, log_mu, cfg.tis_mode, cfg.tis_cap) if cfg.use_tis else None,
-            kl=kl_estimate(sc.full, torch.cat([old.ref[i] for i in batch.indices]), cfg.kl_loss_type) if cfg.use_kl_loss else None,
+            kl=kl_estimate(sc.full, torch.cat([old.ref[i] for i in batch.indices]), cfg.kl_loss_type)
+            if cfg.use_kl_loss
+            else None,
             kl_coef=cfg.kl_loss_coef,
             entropy=sc.entropy,
             entropy_coef=cfg.entropy_coef,
@@ -227,7 +295,13 @@ class Learner:
                 f"rollout {rollout}, sample {batch.indices[row]}, response position {n - int(ends[row - 1] if row else 0)}: "
                 f"the loss is {float(terms.total[n].detach())}; the run stops before anything is pushed or saved"
             )
-        weights = token_weights(batch.loss_mask, batch.lengths, cfg.loss_aggregation, batch_tokens=step.tokens, batch_sequences=step.sequences)
+        weights = token_weights(
+            batch.loss_mask,
+            batch.lengths,
+            cfg.loss_aggregation,
+            batch_tokens=step.tokens,
+            batch_sequences=step.sequences,
+        )
         loss = (terms.total * weights).sum()
         self.actor.backward(loss)
         with torch.no_grad():
@@ -246,5 +320,7 @@ class Learner:
         infinite gradient stops the run before the step (nothing pushed or saved)."""
         norm = self.actor.clip_and_step(self.cfg.clip_grad)
         if norm is None:
-            raise NonFiniteError(f"rollout {rollout}: the gradient norm is not finite; the run stops before the optimizer step")
+            raise NonFiniteError(
+                f"rollout {rollout}: the gradient norm is not finite; the run stops before the optimizer step"
+            )
         return norm

@@ -66,20 +66,48 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
     out = Path(cfg.output_dir)
     if ctx.is_main:
         cfg.save_effective(out)
-    sync = make_weight_sync(engine=rollouts.engine, url=cfg.rollout_url, rollout_engine=cfg.rollout_engine, staging=out / "weights",
-                            mode=cfg.weight_sync_mode, transport=cfg.weight_transport) if ctx.is_main else None
+    sync = (
+        make_weight_sync(
+            engine=rollouts.engine,
+            url=cfg.rollout_url,
+            rollout_engine=cfg.rollout_engine,
+            staging=out / "weights",
+            mode=cfg.weight_sync_mode,
+            transport=cfg.weight_transport,
+        )
+        if ctx.is_main
+        else None
+    )
     # --ci-test under a lag scores older tokens under the weights that sampled them, kept on rank 0
     keeps_versions = bool(cfg.ci_test and cfg.max_policy_lag)
-    lagged = LaggedScorer(checkpoint, ctx.device, keep=cfg.max_policy_lag + 1, sparse=learner.actor.sparse_head, batch_invariant=cfg.true_on_policy_mode,
-                          compute_dtype=learner.actor.model.compute_dtype,
-                          temperature=cfg.rollout_temperature, micro_batch=cfg.micro_batch, max_tokens=cfg.max_tokens_per_micro_batch,
-                          pack=learner.pack, linear_kernel=learner.linear_kernel) if ctx.is_main and keeps_versions else None
-    if cfg.rollout_url or start or keeps_versions:  # an engine of its own, or a resume: it samples with exactly these weights, so named
+    lagged = (
+        LaggedScorer(
+            checkpoint,
+            ctx.device,
+            keep=cfg.max_policy_lag + 1,
+            sparse=learner.actor.sparse_head,
+            batch_invariant=cfg.true_on_policy_mode,
+            compute_dtype=learner.actor.model.compute_dtype,
+            temperature=cfg.rollout_temperature,
+            micro_batch=cfg.micro_batch,
+            max_tokens=cfg.max_tokens_per_micro_batch,
+            pack=learner.pack,
+            linear_kernel=learner.linear_kernel,
+        )
+        if ctx.is_main and keeps_versions
+        else None
+    )
+    if (
+        cfg.rollout_url or start or keeps_versions
+    ):  # an engine of its own, or a resume: it samples with exactly these weights, so named
         push(sync if (cfg.rollout_url or start) else None, learner, ctx, pushed[-1], lagged)
     log = MetricsLog(out, cfg.num_rollout, start, progress=cfg.progress, enabled=ctx.is_main)
     tolerance = cfg.ci_tolerance
     if ctx.is_main and cfg.ci_test:
-        print(f"--ci-test: every token within {tolerance:g} of its log mu (rollout {cfg.rollout_dtype}, trainer {cfg.train_dtype})", flush=True)
+        print(
+            f"--ci-test: every token within {tolerance:g} of its log mu (rollout {cfg.rollout_dtype}, trainer {cfg.train_dtype})",
+            flush=True,
+        )
     producer = RolloutProducer(rollouts, cfg, ctx)  # a rollout in flight at a crash is generated again on resume
     try:
         producer.start(start)
@@ -92,7 +120,9 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
                 log.log({"rollout": r, "skipped": True, **failures, **clock, "time_step": time.perf_counter() - t0})
                 continue
             lag, ages = check_policy_lag(r, samples, pushed, cfg.max_policy_lag, rollouts.engine_name)
-            steps = learner.plan(samples, r, rollouts.penalty_semantics)  # micro-batches for every pass, planned once, on the device
+            steps = learner.plan(
+                samples, r, rollouts.penalty_semantics
+            )  # micro-batches for every pass, planned once, on the device
             with clock("score"):
                 old = learner.score_before_update(steps, len(samples))  # old log-probs (unless fused), reference
 
@@ -101,7 +131,14 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
                     return {}
                 if keeps_versions:
                     with clock("ci_test_lagged"):  # the extra forward of older tokens under their own weights
-                        logp = on_main(lambda: lagged.by_sampling_version(samples, logp, pushed[-1], rollouts.penalty_semantics) if lagged else None, ctx)
+                        logp = on_main(
+                            lambda: (
+                                lagged.by_sampling_version(samples, logp, pushed[-1], rollouts.penalty_semantics)
+                                if lagged
+                                else None
+                            ),
+                            ctx,
+                        )
                 return compare_with_rollout(r, samples, logp, tolerance=tolerance, fail=cfg.ci_test)
 
             check = ci_check(old.logp) if old.logp is not None else {}
@@ -112,18 +149,33 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
             with clock("update"):
                 per_step = []
                 for step in steps:
-                    result = learner.backward(r, step, trained, old, advantages)  # loss weighted by losses.token_weights
+                    result = learner.backward(
+                        r, step, trained, old, advantages
+                    )  # loss weighted by losses.token_weights
                     if old.logp is None:  # fused: that forward ran before any step, so it scored the old policy
                         old = learner.with_fresh_old(old, result.scores, len(samples))
                         check = ci_check(old.logp)
-                        drift, _ = support_drift(samples, old.logp, old.full, ages, learner.replay)  # no gate: it is never fused
-                    per_step.append((result.sums, learner.optimizer_step(r)))  # stops on a NaN gradient, before the step
+                        drift, _ = support_drift(
+                            samples, old.logp, old.full, ages, learner.replay
+                        )  # no gate: it is never fused
+                    per_step.append(
+                        (result.sums, learner.optimizer_step(r))
+                    )  # stops on a NaN gradient, before the step
             update = UpdateMetrics.mean(per_step)
             with clock("sync"):
                 pushed.append(policy_version(r + 1))
                 push(sync, learner, ctx, pushed[-1], lagged)
-            row = {"rollout": r, **rollout_metrics(samples, old.logp, old.full, learner.replay), **failures, **lag, **check, **drift,
-                   **adv_stats, **asdict(update), **clock}
+            row = {
+                "rollout": r,
+                **rollout_metrics(samples, old.logp, old.full, learner.replay),
+                **failures,
+                **lag,
+                **check,
+                **drift,
+                **adv_stats,
+                **asdict(update),
+                **clock,
+            }
             if cfg.eval_interval and (r + 1) % cfg.eval_interval == 0:
                 row.update(rollouts.evaluate(r))
             if cfg.save and cfg.save_interval and (r + 1) % cfg.save_interval == 0:

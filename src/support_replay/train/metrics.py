@@ -13,7 +13,9 @@ from ..core.losses import logprob_mismatch_metrics, support_size_metrics
 from ..rollout.sample import Sample
 
 
-def rollout_metrics(samples: list[Sample], old_logp: list[torch.Tensor], old_full: list[torch.Tensor] | None, replay: bool) -> dict:
+def rollout_metrics(
+    samples: list[Sample], old_logp: list[torch.Tensor], old_full: list[torch.Tensor] | None, replay: bool
+) -> dict:
     """Reward, lengths, and under replay: support sizes, bytes on the wire, and the ratio
     pi/mu the trainer saw before its update, on the support and (what a full-vocabulary
     scorer would have seen) on the full vocabulary."""
@@ -96,7 +98,10 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if row.get("skipped"):
-            print(f"step {row['rollout']}: skipped, every group dropped ({row.get('failed_samples', 0)} responses failed)", flush=True)
+            print(
+                f"step {row['rollout']}: skipped, every group dropped ({row.get('failed_samples', 0)} responses failed)",
+                flush=True,
+            )
             return
         line = (
             f"step {row['rollout']}: reward {row['reward_mean']:.3f}  |S| {row.get('support_mean', float('nan')):.1f}  "
@@ -130,8 +135,12 @@ def plot(rows: list[dict], path: Path) -> Path:
     a.set_xlabel("rollout")
     a.set_ylabel("mean reward")
     a.set_title("reward")
-    b.semilogy(steps, [max(r.get("train_rollout_logprob_abs_diff_max", 0.0), 1e-12) for r in rows], marker="o", label="max")
-    b.semilogy(steps, [max(r.get("train_rollout_logprob_abs_diff_mean", 0.0), 1e-12) for r in rows], marker="s", label="mean")
+    b.semilogy(
+        steps, [max(r.get("train_rollout_logprob_abs_diff_max", 0.0), 1e-12) for r in rows], marker="o", label="max"
+    )
+    b.semilogy(
+        steps, [max(r.get("train_rollout_logprob_abs_diff_mean", 0.0), 1e-12) for r in rows], marker="s", label="mean"
+    )
     b.set_xlabel("rollout")
     b.set_ylabel("|log pi - log mu|")
     b.set_title("trainer vs rollout log-prob (before the update)")

@@ -57,6 +57,7 @@ class RolloutProducer:
     def take(self, r: int, pushed: list[str]) -> tuple[list[Sample], dict]:
         """Rollout ``r`` on every rank, stale groups handled: ``(samples, what failed or was old)``.
         ``pushed``: the weight versions in push order, the current one last."""
+
         def on_rank_0():
             future = self.pending.pop(r, None)
             samples, stats = future.result() if future is not None else self._generate(r)
@@ -101,7 +102,9 @@ class RolloutProducer:
             for key in ("failed_samples", "regenerated_groups", "dropped_groups", "retries"):
                 stats[key] = stats.get(key, 0) + more.get(key, 0)
             # a group the engine failed to answer again may be dropped (--failed-group-policy): whole batches only
-            samples, stats = self.rollouts.whole_batches(renumbered(sorted(kept + again, key=lambda s: s.metadata["prompt"])), stats)
+            samples, stats = self.rollouts.whole_batches(
+                renumbered(sorted(kept + again, key=lambda s: s.metadata["prompt"])), stats
+            )
         worst = stale[0]
         raise PolicyLagError(
             f"rollout {r}, prompt {worst.metadata['prompt']}: still sampled by weights {[v.version for v in worst.weight_versions]} "

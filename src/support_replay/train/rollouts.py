@@ -15,13 +15,13 @@ from dataclasses import asdict, replace
 import numpy as np
 import torch
 
+from ..core.penalties import NO_PENALTIES
+from ..core.sampling import SamplingParams
 from ..errors import ConfigError, SupportReplayError
 from ..rollout import generate_samples, load_prompts, load_reward
-from ..core.penalties import NO_PENALTIES
-from ..rollout.episodes import generate_episodes
 from ..rollout.data import ArithmeticTask
+from ..rollout.episodes import generate_episodes
 from ..rollout.sample import Sample
-from ..core.sampling import SamplingParams
 from ..serving.security import LOOPBACK_HOSTS, Keys
 from .config import RunConfig
 from .dist import on_main
@@ -34,17 +34,23 @@ def _require_deterministic(url: str, linear_kernel: str, headers: dict | None = 
 
     info = httpx.get(url.rstrip("/") + "/model_info", timeout=30, headers=headers or {}).json()
     if not info.get("deterministic"):
-        raise SupportReplayError(f"--true-on-policy-mode: the engine at {url} is not deterministic; start it with `support-replay serve --deterministic`")
+        raise SupportReplayError(
+            f"--true-on-policy-mode: the engine at {url} is not deterministic; start it with `support-replay serve --deterministic`"
+        )
     theirs = info.get("linear_kernel", "torch")
     if theirs != linear_kernel:
-        raise SupportReplayError(f"--true-on-policy-mode: the engine at {url} runs its linear layers on {theirs!r}, this trainer on {linear_kernel!r}; "
-                                 f"their logits would differ in the last bits: start it with `--linear-kernel {linear_kernel}` or give this run `--linear-kernel {theirs}`")
+        raise SupportReplayError(
+            f"--true-on-policy-mode: the engine at {url} runs its linear layers on {theirs!r}, this trainer on {linear_kernel!r}; "
+            f"their logits would differ in the last bits: start it with `--linear-kernel {linear_kernel}` or give this run `--linear-kernel {theirs}`"
+        )
     for shape, plan in info.get("invariant_products", {}).items():  # the engine's CPU probed these; this one must agree
         out_features, in_features = map(int, shape.split("x"))
         mine = invariant_plan(linear_kernel, out_features, in_features, torch.float32, torch.get_num_threads())
         if mine is None or mine.describe() != plan:
-            raise SupportReplayError(f"--true-on-policy-mode: the engine at {url} runs its {shape} linear layers as {plan!r}, this trainer's CPU "
-                                     f"as {mine.describe() if mine else 'nothing invariant'!r}: their logits would differ; run both on one kind of CPU")
+            raise SupportReplayError(
+                f"--true-on-policy-mode: the engine at {url} runs its {shape} linear layers as {plan!r}, this trainer's CPU "
+                f"as {mine.describe() if mine else 'nothing invariant'!r}: their logits would differ; run both on one kind of CPU"
+            )
 
 
 REGENERATION_SEED_STRIDE = 1_000_003  # a stale group generated again draws with other seeds than the first time
@@ -60,7 +66,9 @@ def penalty_semantics_of(url: str, protocol: str, penalties, headers: dict | Non
     if protocol == "vllm":
         version = httpx.get(base + "/version", timeout=30, headers=headers).json().get("version", "")
         if not str(version).startswith(VLLM_PENALTY_VERSION):
-            raise ConfigError(f"vLLM {version} at {url}: penalties ({setting}) are replayed for vLLM {VLLM_PENALTY_VERSION}x only, whose code was read")
+            raise ConfigError(
+                f"vLLM {version} at {url}: penalties ({setting}) are replayed for vLLM {VLLM_PENALTY_VERSION}x only, whose code was read"
+            )
         return "vllm"
     info = httpx.get(base + "/server_info", timeout=30, headers=headers).json()
     if "semantics" in info:  # our engine (serve, or a router in front of it) says its own
@@ -80,13 +88,27 @@ class Rollouts:
     def __init__(self, cfg: RunConfig, ctx, checkpoint_path, tokenizer, vocab_size: int, weight_version: str):
         self.cfg, self.ctx, self.tokenizer = cfg, ctx, tokenizer
         self.replay = cfg.use_sampling_support_replay
-        self.params = SamplingParams(temperature=cfg.rollout_temperature, top_k=cfg.rollout_top_k, top_p=cfg.rollout_top_p, min_p=cfg.rollout_min_p)
-        self.prompts = load_prompts(cfg.prompt_data, cfg.input_key, cfg.label_key, seed=cfg.seed, max_operand=cfg.task_max_operand)
-        self.eval_prompts = load_prompts(cfg.eval_prompt_data, cfg.input_key, cfg.label_key, seed=cfg.seed + 1,
-                                         max_operand=cfg.task_max_operand) if cfg.eval_interval else None
+        self.params = SamplingParams(
+            temperature=cfg.rollout_temperature,
+            top_k=cfg.rollout_top_k,
+            top_p=cfg.rollout_top_p,
+            min_p=cfg.rollout_min_p,
+        )
+        self.prompts = load_prompts(
+            cfg.prompt_data, cfg.input_key, cfg.label_key, seed=cfg.seed, max_operand=cfg.task_max_operand
+        )
+        self.eval_prompts = (
+            load_prompts(
+                cfg.eval_prompt_data, cfg.input_key, cfg.label_key, seed=cfg.seed + 1, max_operand=cfg.task_max_operand
+            )
+            if cfg.eval_interval
+            else None
+        )
         self.reward_fn = load_reward(cfg.rm_type, cfg.custom_rm_path)
         self.engine = self.backend = None
-        self.engine_name = f"{cfg.rollout_engine} engine at {cfg.rollout_url}" if cfg.rollout_url else "in-process engine"
+        self.engine_name = (
+            f"{cfg.rollout_engine} engine at {cfg.rollout_url}" if cfg.rollout_url else "in-process engine"
+        )
         self.run_id = uuid.uuid4().hex[:12]  # request ids of this run: {run}/{rollout}/{sample}/{attempt}
         self.agent = self.sessions = None  # agents: set up on rank 0, which generates
         self.penalties = cfg.penalties
@@ -98,11 +120,15 @@ class Rollouts:
         if cfg.rollout_url and cfg.rollout_engine == "vllm":
             from ..backends.vllm import VLLMBackend
 
-            self.backend = VLLMBackend(cfg.rollout_url, vocab_size, endpoint=cfg.vllm_endpoint, capture=cfg.vllm_capture, api_key=keys.api)
+            self.backend = VLLMBackend(
+                cfg.rollout_url, vocab_size, endpoint=cfg.vllm_endpoint, capture=cfg.vllm_capture, api_key=keys.api
+            )
         elif cfg.rollout_url:
             from ..backends.sglang import SGLangBackend
 
-            self.backend = SGLangBackend(cfg.rollout_url, vocab_size, sampling_mask_format=cfg.sampling_mask_format, api_key=keys.api)
+            self.backend = SGLangBackend(
+                cfg.rollout_url, vocab_size, sampling_mask_format=cfg.sampling_mask_format, api_key=keys.api
+            )
             if cfg.true_on_policy_mode:
                 _require_deterministic(cfg.rollout_url, cfg.trainer_linear_kernel(ctx.device), keys.header(admin=False))
         else:  # the in-process engine: the only place the trainer imports it
@@ -111,9 +137,16 @@ class Rollouts:
             from ..engine.kv_budget import COLOCATED_SHARE
 
             self.engine = Engine.from_pretrained(
-                checkpoint_path, dtype=getattr(torch, cfg.rollout_dtype), semantics=cfg.sampling_semantics, sampling_mask_max_tokens=cfg.sampling_mask_max_tokens,
-                seed=cfg.rollout_seed, deterministic=cfg.true_on_policy_mode, weight_version=weight_version, linear_kernel=cfg.linear_kernel,
-                max_total_tokens=cfg.max_total_tokens, kv_share=COLOCATED_SHARE,
+                checkpoint_path,
+                dtype=getattr(torch, cfg.rollout_dtype),
+                semantics=cfg.sampling_semantics,
+                sampling_mask_max_tokens=cfg.sampling_mask_max_tokens,
+                seed=cfg.rollout_seed,
+                deterministic=cfg.true_on_policy_mode,
+                weight_version=weight_version,
+                linear_kernel=cfg.linear_kernel,
+                max_total_tokens=cfg.max_total_tokens,
+                kv_share=COLOCATED_SHARE,
             )
             self.backend = EngineBackend(self.engine)
         if cfg.agent or cfg.agent_path:
@@ -126,7 +159,9 @@ class Rollouts:
         if not self.penalties.active or not cfg.rollout_url:
             semantics = cfg.sampling_semantics
         else:
-            semantics = penalty_semantics_of(cfg.rollout_url, cfg.rollout_engine, self.penalties, Keys.load().header(admin=False))
+            semantics = penalty_semantics_of(
+                cfg.rollout_url, cfg.rollout_engine, self.penalties, Keys.load().header(admin=False)
+            )
         self.penalties.check(semantics, vocab_size, where=f"{self.engine_name} penalties")
         return semantics
 
@@ -143,34 +178,66 @@ class Rollouts:
             self.prompts, self.eval_prompts = self.agent.tasks(cfg.seed), self.agent.tasks(cfg.seed + 1)
         template = load_template(cfg.chat_template or self.agent.chat_template)
         self.session_settings = SessionSettings(
-            self.params, capture=self.replay, max_turns=cfg.max_turns, max_episode_tokens=cfg.max_episode_tokens,
-            max_new_tokens=cfg.rollout_max_response_len, history_policy=cfg.session_history_policy, penalties=self.penalties,
+            self.params,
+            capture=self.replay,
+            max_turns=cfg.max_turns,
+            max_episode_tokens=cfg.max_episode_tokens,
+            max_new_tokens=cfg.rollout_max_response_len,
+            history_policy=cfg.session_history_policy,
+            penalties=self.penalties,
         )
         self.sessions = SessionStore(self.backend, ChatRenderer(tokenizer, template), self.session_settings)
         # loopback names only (no DNS rebinding from a browser), a key of this run's own for everything but a
         # session's URL: the agents are handed session URLs (the session id, 128 random bits, is their key)
-        app = create_sessions_app(self.sessions, keys=Keys(api=secrets.token_hex(16)), allowed_hosts=LOOPBACK_HOSTS, session_urls_open=True)
+        app = create_sessions_app(
+            self.sessions, keys=Keys(api=secrets.token_hex(16)), allowed_hosts=LOOPBACK_HOSTS, session_urls_open=True
+        )
         self.session_server = ThreadedServer(app).start()
-        self.runner = AgentRunner(self.agent, self.sessions, self.session_server.url, reward_fn=self.reward_fn, timeout=cfg.agent_timeout)
+        self.runner = AgentRunner(
+            self.agent, self.sessions, self.session_server.url, reward_fn=self.reward_fn, timeout=cfg.agent_timeout
+        )
 
     def _produce(self, prompts, params, n, max_new, capture, rollout, seed, tag) -> tuple[list[Sample], dict]:
         """Rank 0: the samples and what failed. No collective here: with --async-rollout it runs
         on a background thread, one generation at a time (evaluation waits for the rollout)."""
         with self._lock:
             if self.agent is not None:
-                settings = replace(self.session_settings, params=params, capture=capture, max_new_tokens=max_new,
-                                   penalties=self.penalties if capture else NO_PENALTIES)
+                settings = replace(
+                    self.session_settings,
+                    params=params,
+                    capture=capture,
+                    max_new_tokens=max_new,
+                    penalties=self.penalties if capture else NO_PENALTIES,
+                )
                 samples, stats = generate_episodes(
-                    self.runner, prompts, n_samples=n, settings=settings, rollout=rollout, seed=seed,
-                    failed_group_policy=self.cfg.failed_group_policy, max_regenerations=self.cfg.max_regenerations,
+                    self.runner,
+                    prompts,
+                    n_samples=n,
+                    settings=settings,
+                    rollout=rollout,
+                    seed=seed,
+                    failed_group_policy=self.cfg.failed_group_policy,
+                    max_regenerations=self.cfg.max_regenerations,
                 )
             else:
                 samples, stats = generate_samples(
-                    self.backend, self.tokenizer, prompts, params=params, n_samples=n, max_new_tokens=max_new, capture=capture,
-                    reward_fn=self.reward_fn, rollout=rollout, seed=seed, apply_chat_template=self.cfg.apply_chat_template,
-                    rid_prefix=f"{self.run_id}/{tag}", failed_group_policy=self.cfg.failed_group_policy,
-                    max_regenerations=self.cfg.max_regenerations, penalties=self.penalties if capture else NO_PENALTIES,
-                    ignore_eos=self.cfg.rollout_ignore_eos and tag != "eval",  # evaluation answers end where the model ends them
+                    self.backend,
+                    self.tokenizer,
+                    prompts,
+                    params=params,
+                    n_samples=n,
+                    max_new_tokens=max_new,
+                    capture=capture,
+                    reward_fn=self.reward_fn,
+                    rollout=rollout,
+                    seed=seed,
+                    apply_chat_template=self.cfg.apply_chat_template,
+                    rid_prefix=f"{self.run_id}/{tag}",
+                    failed_group_policy=self.cfg.failed_group_policy,
+                    max_regenerations=self.cfg.max_regenerations,
+                    penalties=self.penalties if capture else NO_PENALTIES,
+                    ignore_eos=self.cfg.rollout_ignore_eos
+                    and tag != "eval",  # evaluation answers end where the model ends them
                 )
         return samples, asdict(stats)
 
@@ -182,8 +249,16 @@ class Rollouts:
         """Rank 0: rollout ``r``, ``n_samples_per_prompt`` responses to each of its prompts,
         rewarded, and what failed on the way."""
         cfg = self.cfg
-        samples, stats = self._produce(self.rollout_prompts(r), self.params, cfg.n_samples_per_prompt, cfg.rollout_max_response_len,
-                                       self.replay, r, cfg.rollout_seed, "train")
+        samples, stats = self._produce(
+            self.rollout_prompts(r),
+            self.params,
+            cfg.n_samples_per_prompt,
+            cfg.rollout_max_response_len,
+            self.replay,
+            r,
+            cfg.rollout_seed,
+            "train",
+        )
         return self.whole_batches(samples, stats)
 
     def regenerate(self, r: int, prompts: list[int], round_: int) -> tuple[list[Sample], dict]:
@@ -191,8 +266,16 @@ class Rollouts:
         seeds and request ids; ``metadata["prompt"]`` keeps the index in the rollout."""
         cfg = self.cfg
         every = self.rollout_prompts(r)
-        samples, stats = self._produce([every[g] for g in prompts], self.params, cfg.n_samples_per_prompt, cfg.rollout_max_response_len,
-                                       self.replay, r, cfg.rollout_seed + REGENERATION_SEED_STRIDE * round_, f"train-again{round_}")
+        samples, stats = self._produce(
+            [every[g] for g in prompts],
+            self.params,
+            cfg.n_samples_per_prompt,
+            cfg.rollout_max_response_len,
+            self.replay,
+            r,
+            cfg.rollout_seed + REGENERATION_SEED_STRIDE * round_,
+            f"train-again{round_}",
+        )
         for s in samples:
             s.metadata["prompt"] = prompts[s.metadata["prompt"]]
         return samples, stats
@@ -216,9 +299,25 @@ class Rollouts:
         task = self.eval_prompts
         offset = 10**6 if isinstance(task, ArithmeticTask) else 0  # held-out questions
         prompts = [task[offset + i] for i in range(min(cfg.n_eval_prompts, len(task)))]
-        params = SamplingParams(temperature=cfg.eval_temperature, top_k=cfg.eval_top_k, top_p=cfg.eval_top_p) if cfg.eval_temperature > 0 else SamplingParams(temperature=0.0)
-        samples, _ = self._produce(prompts, params, cfg.n_samples_per_eval_prompt, cfg.eval_max_response_len or cfg.rollout_max_response_len, False, r, cfg.rollout_seed + 7, "eval")
-        return {"eval_reward_mean": float(np.mean([s.reward for s in samples])), "eval_response_len": float(np.mean([s.response_length for s in samples]))}
+        params = (
+            SamplingParams(temperature=cfg.eval_temperature, top_k=cfg.eval_top_k, top_p=cfg.eval_top_p)
+            if cfg.eval_temperature > 0
+            else SamplingParams(temperature=0.0)
+        )
+        samples, _ = self._produce(
+            prompts,
+            params,
+            cfg.n_samples_per_eval_prompt,
+            cfg.eval_max_response_len or cfg.rollout_max_response_len,
+            False,
+            r,
+            cfg.rollout_seed + 7,
+            "eval",
+        )
+        return {
+            "eval_reward_mean": float(np.mean([s.reward for s in samples])),
+            "eval_response_len": float(np.mean([s.response_length for s in samples])),
+        }
 
     def release_engine_memory(self) -> None:
         """Between a synchronous rollout and the update: the in-process engine lets go of what it

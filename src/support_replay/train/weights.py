@@ -57,7 +57,9 @@ def _post(url: str, path: str, what: str, **kwargs) -> httpx.Response:
         hint = ""
         if reply.status_code == 404 and path in ("/collective_rpc", "/pause", "/update_weight_version"):
             hint = "; start the vLLM server with VLLM_SERVER_DEV_MODE=1 so that it mounts its weight-reload routes"
-        raise SupportReplayError(f"weight sync to {url}: {what} ({path}) answered HTTP {reply.status_code}: {reply.text[:300]}{hint}")
+        raise SupportReplayError(
+            f"weight sync to {url}: {what} ({path}) answered HTTP {reply.status_code}: {reply.text[:300]}{hint}"
+        )
     return reply
 
 
@@ -92,10 +94,21 @@ class SGLangSync(_StagedSync):
     def push(self, state: dict[str, torch.Tensor], version: str) -> None:
         body = {"model_path": str(self.stage(state)), "weight_version": version, "abort_all_requests": self.abort}
         try:
-            reply = httpx.post(self.url + "/update_weights_from_disk", json=body, timeout=SYNC_TIMEOUT, headers=Keys.load().header(admin=True))
+            reply = httpx.post(
+                self.url + "/update_weights_from_disk",
+                json=body,
+                timeout=SYNC_TIMEOUT,
+                headers=Keys.load().header(admin=True),
+            )
         except httpx.HTTPError as exc:
-            raise SupportReplayError(f"weight sync to {self.url}: loading the weights failed: {type(exc).__name__}: {exc}") from exc
-        if reply.status_code == 404 and httpx.get(self.url + "/v1/rl/workers", timeout=30, headers=Keys.load().header(admin=True)).status_code == 200:
+            raise SupportReplayError(
+                f"weight sync to {self.url}: loading the weights failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        if (
+            reply.status_code == 404
+            and httpx.get(self.url + "/v1/rl/workers", timeout=30, headers=Keys.load().header(admin=True)).status_code
+            == 200
+        ):
             return self._through_smg(body)  # smg: its RL control plane fans the call out
         if reply.status_code == 404:
             raise SupportReplayError(
@@ -103,17 +116,23 @@ class SGLangSync(_StagedSync):
                 "if it is smg, start it with --enable-rl so that its RL control plane can fan the call out"
             )
         if reply.status_code != 200:
-            raise SupportReplayError(f"weight sync to {self.url}: /update_weights_from_disk answered HTTP {reply.status_code}: {reply.text[:300]}")
+            raise SupportReplayError(
+                f"weight sync to {self.url}: /update_weights_from_disk answered HTTP {reply.status_code}: {reply.text[:300]}"
+            )
         _check_success(self.url, reply.json() if reply.content else {})
 
     def _through_smg(self, body: dict) -> None:
-        reply = _post(self.url, SMG_FANOUT, "fanning the weights out through smg", params={"selector": "engine=sglang"}, json=body)
+        reply = _post(
+            self.url, SMG_FANOUT, "fanning the weights out through smg", params={"selector": "engine=sglang"}, json=body
+        )
         results = reply.json().get("results") or {}
         if not results:
             raise SupportReplayError(f"weight sync to {self.url}: smg found no engine to load the weights into")
         for worker, result in results.items():
             if result.get("status") != 200:
-                raise SupportReplayError(f"weight sync to {self.url}: engine {result.get('url', worker)} answered HTTP {result.get('status')}: {str(result.get('body'))[:300]}")
+                raise SupportReplayError(
+                    f"weight sync to {self.url}: engine {result.get('url', worker)} answered HTTP {result.get('status')}: {str(result.get('body'))[:300]}"
+                )
             _check_success(result.get("url", worker), result.get("body") or {})
 
 
@@ -136,14 +155,22 @@ class BodySync:
         headers = {**Keys.load().header(admin=True), "Content-Type": "application/octet-stream"}
         params = {"weight_version": version, "abort_all_requests": str(self.abort).lower()}
         try:
-            reply = httpx.post(self.url + WEIGHTS_OVER_HTTP, content=body, params=params, headers=headers, timeout=SYNC_TIMEOUT)
+            reply = httpx.post(
+                self.url + WEIGHTS_OVER_HTTP, content=body, params=params, headers=headers, timeout=SYNC_TIMEOUT
+            )
         except httpx.HTTPError as exc:
-            raise SupportReplayError(f"weight sync to {self.url}: sending {len(body)} bytes of weights failed: {type(exc).__name__}: {exc}") from exc
+            raise SupportReplayError(
+                f"weight sync to {self.url}: sending {len(body)} bytes of weights failed: {type(exc).__name__}: {exc}"
+            ) from exc
         if reply.status_code == 404:
-            raise SupportReplayError(f"weight sync to {self.url}: {WEIGHTS_OVER_HTTP} is not served there (HTTP 404): --weight-transport http needs "
-                                     "support-replay serve or router; SGLang and vLLM load from a directory (--weight-transport disk)")
+            raise SupportReplayError(
+                f"weight sync to {self.url}: {WEIGHTS_OVER_HTTP} is not served there (HTTP 404): --weight-transport http needs "
+                "support-replay serve or router; SGLang and vLLM load from a directory (--weight-transport disk)"
+            )
         if reply.status_code != 200:
-            raise SupportReplayError(f"weight sync to {self.url}: {WEIGHTS_OVER_HTTP} answered HTTP {reply.status_code}: {reply.text[:300]}")
+            raise SupportReplayError(
+                f"weight sync to {self.url}: {WEIGHTS_OVER_HTTP} answered HTTP {reply.status_code}: {reply.text[:300]}"
+            )
         _check_success(self.url, reply.json() if reply.content else {})
 
 
@@ -152,14 +179,26 @@ class VLLMSync(_StagedSync):
         path = self.stage(state)
         _post(self.url, "/pause", "pausing generation", params={"mode": "abort" if self.abort else "wait"})
         try:
-            _post(self.url, "/collective_rpc", "reloading the weights", json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+            _post(
+                self.url,
+                "/collective_rpc",
+                "reloading the weights",
+                json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+            )
             _post(self.url, "/update_weight_version", "naming the weights", json={"new_version": version})
         finally:
             _post(self.url, "/resume", "resuming generation")
 
 
-def make_weight_sync(*, engine=None, url: str | None = None, rollout_engine: str = "sglang", staging: Path | None = None, mode: str = "wait",
-                     transport: str = "disk"):
+def make_weight_sync(
+    *,
+    engine=None,
+    url: str | None = None,
+    rollout_engine: str = "sglang",
+    staging: Path | None = None,
+    mode: str = "wait",
+    transport: str = "disk",
+):
     """The sync for the run's rollout engine: in-process, or over HTTP to an SGLang- or vLLM-speaking
     URL; ``mode`` (``WEIGHT_SYNC_MODES``) says what happens to requests in flight, ``transport``
     whether the weights go through a shared directory (``disk``) or the request body (``http``)."""

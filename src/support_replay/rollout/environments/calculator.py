@@ -23,7 +23,11 @@ TOOLS = [
         "function": {
             "name": "calculator",
             "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
-            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
         },
     }
 ]
@@ -31,15 +35,30 @@ SYSTEM = "Solve the problem. Use the calculator tool for arithmetic, then reply 
 
 
 def _shot(k: int, expression: str, result: int) -> list[dict]:
-    call = {"id": f"call_{k}", "type": "function", "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}
-    return [{"role": "user", "content": f"What is {expression}?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": f"call_{k}", "content": json.dumps({"result": result})}, {"role": "assistant", "content": str(result)}]
+    call = {
+        "id": f"call_{k}",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})},
+    }
+    return [
+        {"role": "user", "content": f"What is {expression}?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": f"call_{k}", "content": json.dumps({"result": result})},
+        {"role": "assistant", "content": str(result)},
+    ]
 
 
 # two worked exchanges in every prompt: without them SmolLM2-135M never writes a tool call
 # (0 of 32 samples); with them about a quarter of its first answers do (8 of 32)
 DEMONSTRATION = _shot(0, "12 * 3 + 4", 40) + _shot(1, "7 + 8 * 2", 23)
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv, ast.USub: operator.neg, ast.UAdd: operator.pos}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 
 
 class Tasks:
@@ -54,7 +73,11 @@ class Tasks:
         op1, op2 = rng.choice("+-*"), rng.choice("+-")
         expression = f"{a} {op1} {b} {op2} {c}"
         value = evaluate(expression)
-        messages = [{"role": "system", "content": SYSTEM}, *DEMONSTRATION, {"role": "user", "content": f"What is {expression}?"}]
+        messages = [
+            {"role": "system", "content": SYSTEM},
+            *DEMONSTRATION,
+            {"role": "user", "content": f"What is {expression}?"},
+        ]
         return Prompt(messages, str(int(value)))
 
     def __len__(self) -> int:
@@ -63,6 +86,7 @@ class Tasks:
 
 def evaluate(expression: str) -> float:
     """The value of a plain arithmetic expression (numbers, + - * /, parentheses); ``ValueError`` otherwise."""
+
     def walk(node):
         if isinstance(node, ast.Expression):
             return walk(node.body)
@@ -113,6 +137,12 @@ async def run(client, sample) -> float:
         if not message.tool_calls:
             return score(message.content, sample.label) if choice.finish_reason != "length" or message.content else 0.0
         for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name,
-                             "content": call_tool(call.function.name, call.function.arguments)})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call.id,
+                    "name": call.function.name,
+                    "content": call_tool(call.function.name, call.function.arguments),
+                }
+            )
     return 0.0
