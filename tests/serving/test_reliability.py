@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from support_replay import SamplingParams
 from support_replay.engine import Engine
-from support_replay.engine import engine as engine_module
+from support_replay.engine import sampling_step as engine_module
 from support_replay.engine.limits import EngineLimits
 from support_replay.errors import AbortedError, EngineError, OverloadedError, RequestError
 from support_replay.protocol import GenerateRequest

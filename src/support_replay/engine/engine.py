@@ -1,4 +1,12 @@
-"""The engine: a background loop over a continuously batched set of sequences.
+"""The engine: a background loop over a continuously batched set of sequences, composed of parts.
+
+    scheduler.py       the FIFO of requests and updates, admission within the batch and the KV budget
+    model_runner.py    prefill and decode over the slot cache (slot_cache.py, fused_step.py)
+    sampling_step.py   penalties, the core's sampler and capture (capture.py): a RowStep or RowFailure per row
+    stopping.py        EOS, stop tokens, stop strings, the token budget
+    running.py         a running request's state and its Completion
+    weight_updates.py  weights from disk or memory, checked before any is copied
+    ledger.py, limits.py, kv_budget.py   counts and request ids, request limits, the KV memory budget
 
 Each iteration admits waiting requests (prefilled together, merged into the running
 batch), runs one decode step for every running sequence, samples through the replay core
@@ -23,83 +31,33 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.torch import load_file
 
-from ..core.logprobs import full_logprobs, support_row_logprobs
-from ..core.penalties import dense_bias, dense_history, penalise
-from ..core.sampling import sample_tokens
-from ..core.support import SupportTable
-from ..errors import AbortedError, CapacityError, EngineError, RequestError, SamplingParamsError
+from ..core.penalties import dense_bias
+from ..errors import AbortedError, EngineError, RequestError, SamplingParamsError
 from ..modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
 from ..modeling.invariant_products import model_plans
 from ..modeling.linear_kernels import linear_function, resolve_linear_kernel, use_linear
-from ..protocol import (
-    DEFAULT_SAMPLING_MASK_MAX_TOKENS,
-    DEFAULT_WEIGHT_VERSION,
-    Completion,
-    GenerateRequest,
-    single_version,
-)
+from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest
 from .kv_budget import SERVE_SHARE, KVBudget, column_need, plan_shape
 from .ledger import Ledger
 from .limits import EngineLimits
 from .model_runner import ModelRunner, load_model_and_tokenizer
+from .row_step import RowFailure
+from .running import RunningRequest
+from .sampling_step import SamplingStep
+from .scheduler import Scheduler, prefill_buckets
 from .slot_cache import SlotCache
+from .stopping import StopConditions, eos_ids
+from .weight_updates import load_state, load_update
 
 log = logging.getLogger(__name__)
-
-UTF8_MAX_BYTES = 4  # a character is at most 4 bytes: a byte-level token run longer than that never completes one
-
-
-@dataclass
-class _Sequence:
-    """Engine-side state of one running request."""
-
-    request: GenerateRequest
-    future: Future
-    generator: torch.Generator
-    output_ids: list[int] = field(default_factory=list)
-    log_mu: list[float] = field(default_factory=list)
-    supports: list[np.ndarray] = field(default_factory=list)  # one canonical id array per token
-    full_logprobs: list[float] = field(default_factory=list)
-    support_row_logprobs: list[np.ndarray] = field(default_factory=list)
-    position: int = 0  # position id of the next token fed to the model
-    finish_reason: dict | None = None
-    text: str = ""
-    decoded: str = ""  # the output's text so far, decoded incrementally (stop strings)
-    decode_from: tuple[int, int] = (0, 0)  # (prefix, read) token offsets of the incremental decode
-    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # the request's logit bias as a row, built once at admission
-    failure: tuple[Exception, str] | None = None  # why it stopped early, answered once its row has left the batch
-    need: int = 0  # cache columns reserved for it: prompt + max_new_tokens + the write column (engine/kv_budget.py)
-
-
-PREFILL_PADDING = 2.0  # a prefill batch computes at most this many positions per real prompt token
-
-
-def prefill_buckets(seqs: list[_Sequence]) -> list[list[_Sequence]]:
-    """``seqs`` in groups prefilled together: by prompt length, a group closing when left-padding it
-    to its longest prompt would compute more than ``PREFILL_PADDING`` times its real tokens (one
-    8,000-token prompt admitted with ten short ones would otherwise pad all eleven to 8,000). A
-    GRPO group (one prompt, n times) stays whole: equal lengths pad nothing."""
-    buckets, current, real = [], [], 0
-    for seq in sorted(seqs, key=lambda s: len(s.request.input_ids)):
-        n = len(seq.request.input_ids)
-        if current and (len(current) + 1) * n > PREFILL_PADDING * (real + n):
-            buckets.append(current)
-            current, real = [], 0
-        current.append(seq)
-        real += n
-    return buckets + [current] if current else buckets
 
 
 class Engine:
@@ -148,20 +106,19 @@ class Engine:
         self.semantics = semantics
         self.capacity = int(sampling_mask_max_tokens)
         self.vocab_size = self.runner.vocab_size
-        self.eos_ids = self._eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self.weight_version = str(weight_version)
         self._seed_source = torch.Generator().manual_seed(seed)
-        self._inbox: queue.Queue = queue.Queue()  # ("generate" | "update", payload, future)
-        self._deferred: list = []  # inbox items taken out but not yet admitted (the KV budget had no room): first in line
-        self._update: tuple | None = None  # an update waiting for the batch to drain
-        self._running: list[_Sequence] = []
+        self.ledger = Ledger(self.limits.max_queue)  # queue count, request ids, aborts, counters
+        self.scheduler = Scheduler(self.ledger)
+        self.sample = SamplingStep(semantics, self.capacity)
+        self.stops = StopConditions(tokenizer, self.eos_ids)
+        self._running: list[RunningRequest] = []
         self._batch: SlotCache | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._looping_here = False  # ``run``: the loop runs in a caller's thread (serve's main thread)
-        self._admission = threading.Lock()  # held while a list is queued and while the loop drains the inbox
         self._driver = threading.Lock()  # held by whichever thread runs a step: the loop, or a caller in ``wait``
-        self.ledger = Ledger(self.limits.max_queue)  # queue count, request ids, aborts, counters
 
     @property
     def max_batch_size(self) -> int:
@@ -171,17 +128,6 @@ class Engine:
     def from_pretrained(cls, path, dtype=torch.float32, device: str = "cpu", **kwargs) -> Engine:
         model, tokenizer = load_model_and_tokenizer(path, dtype, device)
         return cls(model, tokenizer, device=device, **kwargs)
-
-    @staticmethod
-    def _eos_ids(model, tokenizer) -> set[int]:
-        ids = set()
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        for value in (gen_eos, getattr(model.config, "eos_token_id", None), tokenizer.eos_token_id):
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, (list, tuple)):
-                ids.update(int(v) for v in value)
-        return ids
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -245,14 +191,14 @@ class Engine:
         answered = self.ledger.enqueue(request, future)
         if answered is not None:  # a copy of the same rid, or a full queue
             return answered
-        self._inbox.put(("generate", request, future))
+        self.scheduler.put("generate", request, future)
         return future
 
     def submit_all(self, requests: list[GenerateRequest]) -> list[Future]:
         """Queue ``requests`` together: the loop admits them in one prefill where its batch has room,
         so a GRPO group sent at once shares its prompt's prefill (one at a time, the loop could take
         the first before the rest arrived and prefill them again, one step later)."""
-        with self._admission:
+        with self.scheduler.lock:
             return [self.submit(r) for r in requests]
 
     def abort(self, future: Future) -> None:
@@ -319,13 +265,13 @@ class Engine:
         if abort_all_requests:
             aborted = self.ledger.abort_all()
             log.info("weight update to %s aborts %d requests", version, aborted)
-        self._inbox.put(("update", (source, version), future))
+        self.scheduler.put("update", (source, version), future)
         return future
 
     def update_weight_version(self, version: str) -> Future:
         """Rename the current weights (SGLang's ``/update_weight_version``), in queue order like an update."""
         future: Future = Future()
-        self._inbox.put(("update", (None, version), future))
+        self.scheduler.put("update", (None, version), future)
         return future
 
     def release_packed_weights(self) -> None:
@@ -347,9 +293,8 @@ class Engine:
     # ---- the loop -----------------------------------------------------------------
 
     def _loop(self, alive: Callable[[], bool] = lambda: True) -> None:
-        while (
-            not self._stop.is_set() and alive()
-        ):  # each step runs without autograd (_guarded_step), leaving the thread's grad mode alone
+        # each step runs without autograd (_guarded_step), leaving the thread's grad mode alone
+        while not self._stop.is_set() and alive():
             self._guarded_step()
 
     def _guarded_step(self) -> None:
@@ -368,10 +313,13 @@ class Engine:
 
     def step(self, block: bool = False) -> None:
         """One iteration: a drained weight update, admissions, one decode step."""
-        if self._update is not None and not self._running:
-            self._apply_update(*self._update)
-            self._update = None
-        admitted = self._take_waiting(block and not self._running) if self._update is None else []
+        if self.scheduler.update is not None and not self._running:
+            self._apply_update(*self.scheduler.update)
+            self.scheduler.update = None
+        admitted = []
+        if self.scheduler.update is None:
+            room = self.max_batch_size - len(self._running)
+            admitted = self.scheduler.take(room, block and not self._running, self._fits, self._aborted_waiting)
         if admitted:
             self._admit(admitted)
         if self._running:
@@ -380,8 +328,7 @@ class Engine:
     def _apply_update(self, arg, future) -> None:
         source, version = arg
         try:
-            if source is not None:
-                self._load_state(_load_safetensors(source) if isinstance(source, Path) else source)
+            load_update(self.runner.model, source)
             if version is not None:
                 self.weight_version = str(version)
             future.set_result(self.weight_version)
@@ -389,57 +336,14 @@ class Engine:
             future.set_exception(exc if isinstance(exc, EngineError) else EngineError(f"update_weights: {exc}"))
 
     def _load_state(self, state: dict[str, torch.Tensor]) -> None:
-        params = self.runner.model.state_dict(keep_vars=True)  # tied weights appear under every name
-        unknown = [k for k in state if k not in params]
-        if unknown:
-            raise RequestError(f"unknown parameter {unknown[0]!r} ({len(unknown)} in all)")
-        for name, tensor in state.items():
-            if params[name].shape != tensor.shape:
-                raise RequestError(f"parameter {name!r}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
-        with torch.no_grad():
-            for name, tensor in state.items():
-                params[name].copy_(tensor)
+        load_state(self.runner.model, state)
 
-    def _take_waiting(self, block: bool) -> list:
-        """Pop requests in order until the batch is full, the KV budget has no room for the next one
-        (it waits, first in line), or an update is next in line."""
-        room = self.max_batch_size - len(self._running)
-        taken = []
-        if room <= 0:
-            return taken
-        try:
-            item = (
-                self._deferred.pop(0)
-                if self._deferred
-                else (self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait())
-            )
-        except queue.Empty:
-            return taken
-        with self._admission:  # a list being queued (submit_all) is whole before the rest is drained
-            while True:
-                kind, payload, future = item
-                if kind == "update":
-                    self._update = (payload, future)
-                    break
-                if not self.ledger.aborted([future]) and not self._fits(taken, payload):
-                    self._deferred.insert(0, item)
-                    break
-                why = self.ledger.dequeue(future)
-                if why is not None:
-                    self._finish_failed(payload, future, AbortedError(f"{why} before the request started"), "aborted")
-                elif future.set_running_or_notify_cancel():
-                    taken.append((payload, future))
-                if len(taken) >= room:
-                    break
-                try:
-                    item = self._deferred.pop(0) if self._deferred else self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-        return taken
+    def _aborted_waiting(self, request: GenerateRequest, future: Future, why: str) -> None:
+        self._finish_failed(request, future, AbortedError(f"{why} before the request started"), "aborted")
 
-    def _fits(self, taken: list, request: GenerateRequest) -> bool:
+    def _fits(self, taken: list[GenerateRequest], request: GenerateRequest) -> bool:
         """Whether ``request``, admitted with ``taken``, keeps the KV cache's peak within the budget."""
-        joining = [r for r, _ in taken] + [request]
+        joining = [*taken, request]
         held = (self._batch.slots, self._batch.capacity) if self._batch is not None else (0, 0)
         need = max([s.need for s in self._running] + [self._column_need(r) for r in joining])
         budget = self.kv_budget
@@ -456,7 +360,7 @@ class Engine:
                     seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
                 bias = dense_bias(request.penalties, self.vocab_size, self.runner.device)
                 seqs.append(
-                    _Sequence(
+                    RunningRequest(
                         request,
                         future,
                         torch.Generator().manual_seed(seed),
@@ -483,7 +387,7 @@ class Engine:
             for group, batch, logits in groups:
                 self._join(group, batch, logits)
 
-    def _join(self, group: list[_Sequence], batch: SlotCache, logits: torch.Tensor) -> None:
+    def _join(self, group: list[RunningRequest], batch: SlotCache, logits: torch.Tensor) -> None:
         """A prefilled group joins the running batch and samples its first tokens."""
         # every row's reservation at once, in the shape admission counted: the cache never grows while it decodes
         need = max(s.need for s in self._running + group)
@@ -498,7 +402,7 @@ class Engine:
         why = self.ledger.aborted([s.future for s in self._running])
         gone = [s for s in self._running if s.future in why]
         for seq in gone:  # cancelled by their clients or a weight update: stop spending steps on them
-            seq.finish_reason, seq.failure = {"type": "abort"}, (AbortedError(why[seq.future]), "aborted")
+            seq.fail(AbortedError(why[seq.future]), "aborted")
         if gone:
             self._retire()
             if not self._running:
@@ -510,139 +414,15 @@ class Engine:
             s.position += 1
         self._sample_and_advance(self._running, logits)
 
-    def _sample_and_advance(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+    def _sample_and_advance(self, seqs: list[RunningRequest], logits: torch.Tensor) -> None:
         """Sample one token for every sequence and record it; a row that fails fails its request alone."""
-        try:
-            steps = self._draw(seqs, logits)
-        except Exception:
-            log.exception("sampling %d rows failed; sampling them one by one", len(seqs))
-            steps = []
-            for row, seq in enumerate(seqs):
-                try:
-                    steps += self._draw([seq], logits[row : row + 1])
-                except Exception as exc:
-                    steps.append(exc)
-        for seq, step in zip(seqs, steps):
-            if isinstance(step, Exception):
-                seq.finish_reason, seq.failure = (
-                    {"type": "abort"},
-                    (step, "capture" if isinstance(step, CapacityError) else "sampling"),
-                )
+        for seq, row in zip(seqs, self.sample(seqs, logits)):
+            if isinstance(row, RowFailure):
+                seq.fail(row.error, row.where)
                 continue
-            token, support, log_mu, full, row_logprobs = step
-            if support is not None:
-                seq.supports.append(support)
-                seq.log_mu.append(log_mu)
-                if row_logprobs is not None:
-                    seq.support_row_logprobs.append(row_logprobs)
-            if full is not None:
-                seq.full_logprobs.append(full)
-            seq.output_ids.append(token)
-            self._check_finished(seq, token)
+            seq.record(row)
+            self.stops.check(seq, row.token)
         self._retire()
-
-    def _draw(self, seqs: list[_Sequence], logits: torch.Tensor) -> list:
-        """Per row: ``(token, support ids, log mu, full log-prob, support-mode log-probs)``, or the
-        exception that row's capture raised."""
-        logits = self._penalised(seqs, logits)
-        out = sample_tokens(
-            logits,
-            [s.request.params for s in seqs],
-            self.semantics,
-            generator=[s.generator for s in seqs],
-            capture=[s.request.return_sampling_mask for s in seqs],
-        )
-        full = self._full_logprobs(seqs, logits, out.tokens)
-        captured = dict(zip(out.captured.tolist(), range(len(out.captured))))
-        sizes, offsets, ids = out.support.sizes(), out.support.offsets, out.support.ids
-        log_mu, tokens = out.log_mu.tolist(), out.tokens.tolist()
-        steps = []
-        for row, seq in enumerate(seqs):
-            i = captured.get(row)
-            support = lp = row_logprobs = None
-            if i is not None:
-                if sizes[i] > self.capacity:
-                    steps.append(
-                        CapacityError(
-                            f"realized support of {int(sizes[i])} tokens at output position {len(seq.output_ids)} "
-                            f"exceeds sampling_mask_max_tokens={self.capacity}; nothing of this request is returned"
-                        )
-                    )
-                    continue
-                support, lp = ids[offsets[i] : offsets[i + 1]], log_mu[i]
-                if seq.request.sampling_logprobs_mode == "support":
-                    row_logprobs = self._support_row_logprobs(logits[row], support, seq.request.params)
-            steps.append((tokens[row], support, lp, None if full is None else full.get(row), row_logprobs))
-        return steps
-
-    def _penalised(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """Penalties and logit bias of the rows that have them, over each request's own history
-        (penalties.penalise, the trainer's transform); the filters and log mu see the result."""
-        rows = [i for i, s in enumerate(seqs) if s.request.penalties.active]
-        if not rows:
-            return logits
-        logits = logits.clone()
-        vocab = logits.shape[1]
-        for i in rows:
-            req = seqs[i].request
-            counts, seen = dense_history(req.input_ids, seqs[i].output_ids, vocab, self.semantics, logits.device)
-            logits[i] = penalise(logits[i].float(), counts, seen, seqs[i].bias, req.penalties, self.semantics).to(
-                logits.dtype
-            )
-        return logits
-
-    @staticmethod
-    def _support_row_logprobs(logits_row: torch.Tensor, row_ids: np.ndarray, params) -> np.ndarray:
-        """log mu of every id of the support, in O(|S|), with the selected token's bits."""
-        return support_row_logprobs(
-            logits_row, torch.from_numpy(row_ids.astype(np.int64)), params.temperature or 1.0
-        ).numpy()
-
-    def _full_logprobs(self, seqs, logits, tokens) -> dict[int, float] | None:
-        rows = [i for i, s in enumerate(seqs) if s.request.return_logprob]
-        if not rows:
-            return None
-        index = torch.tensor(rows)
-        temps = torch.tensor([seqs[i].request.params.temperature or 1.0 for i in rows])
-        logp = full_logprobs(
-            logits[index], tokens[index], temps
-        )  # the trainer's function, so they can agree bit for bit
-        return dict(zip(rows, logp.tolist()))
-
-    def _check_finished(self, seq: _Sequence, token: int) -> None:
-        req = seq.request
-        if not req.ignore_eos and token in self.eos_ids:
-            seq.finish_reason = {"type": "stop", "matched": token}
-        elif token in req.stop_token_ids:
-            seq.finish_reason = {"type": "stop", "matched": token}
-        elif req.stop:
-            new = self._decode_new_text(seq)
-            if new:  # a stop string not seen before ends in the new text: search only there
-                start = max(0, len(seq.decoded) - new - max(map(len, req.stop)) + 1)
-                window = seq.decoded[start:]
-                hits = [(window.find(s), s) for s in req.stop if s and s in window]
-                if hits:
-                    pos, matched = min(hits)
-                    seq.text = seq.decoded[: start + pos]
-                    seq.finish_reason = {"type": "stop", "matched": matched}
-        if seq.finish_reason is None and len(seq.output_ids) >= req.max_new_tokens:
-            seq.finish_reason = {"type": "length", "length": len(seq.output_ids)}
-
-    def _decode_new_text(self, seq: _Sequence) -> int:
-        """Append the text the newest tokens add to ``seq.decoded``; returns how many characters.
-        Decodes a few tokens per step (vLLM's incremental rule: the text of ``[prefix:]`` past that of
-        ``[prefix:read]``), not the whole output, and waits while a token may end inside a UTF-8
-        character (up to 4 tokens: a longer invalid run is final)."""
-        prefix, read = seq.decode_from
-        ids = seq.output_ids
-        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
-        text = self.tokenizer.decode(ids[prefix:], skip_special_tokens=True)
-        if text.endswith("\ufffd") and len(ids) - read < UTF8_MAX_BYTES:  # an incomplete character may still end
-            return 0
-        new = text[len(before) :]
-        seq.decoded += new
-        seq.decode_from = (read, len(ids))
-        return len(new)
 
     def _retire(self) -> None:
         keep = [i for i, s in enumerate(self._running) if s.finish_reason is None]
@@ -659,7 +439,7 @@ class Engine:
             if seq.failure is not None:
                 self._finish_failed(seq.request, seq.future, *seq.failure)
             elif not seq.future.done():
-                self._finish_ok(seq.request, seq.future, self._result(seq))
+                self._finish_ok(seq.request, seq.future, seq.completion(self.tokenizer, self.weight_version))
 
     # ---- answers ------------------------------------------------------------------
 
@@ -675,37 +455,3 @@ class Engine:
         self.ledger.failed(request, future, exc)
         if not future.done():
             future.set_exception(exc)
-
-    def _result(self, seq: _Sequence) -> Completion:
-        req = seq.request
-        text = (
-            seq.text
-            if seq.finish_reason.get("type") == "stop" and isinstance(seq.finish_reason.get("matched"), str)
-            else None
-        )
-        if text is None:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        capture = req.return_sampling_mask
-        return Completion(
-            output_ids=list(seq.output_ids),
-            finish_reason=seq.finish_reason,
-            log_mu=np.asarray(seq.log_mu, np.float32) if capture else None,
-            support=SupportTable.from_rows(seq.supports) if capture else None,
-            full_logprobs=np.asarray(seq.full_logprobs, np.float32) if req.return_logprob else None,
-            # an update waits for the running batch to drain: one version per response
-            weight_versions=single_version(self.weight_version, len(seq.output_ids)),
-            text=text,
-            support_row_logprobs=list(seq.support_row_logprobs)
-            if capture and req.sampling_logprobs_mode == "support"
-            else None,
-        )
-
-
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if not files:
-        raise RequestError(f"model_path: no .safetensors file at {path}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state

@@ -1,0 +1,62 @@
+"""Capture: the support, log mu and log-probs a request asked for, cut out of one step's sampling.
+
+One function per captured quantity, each over the rows that asked; the next replayed decision
+(expert routing, for instance) is one more function here and one more field of ``RowStep``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..core.logprobs import full_logprobs, support_row_logprobs
+from ..core.sampling import SampledTokens
+from ..errors import CapacityError
+from .row_step import RowFailure, RowStep
+
+
+def full_logprobs_of(requests, logits: torch.Tensor, tokens: torch.Tensor) -> dict[int, float]:
+    """Full-vocabulary log-probs of the sampled tokens, for the rows whose request has ``return_logprob``:
+    the trainer's function, so the two can agree bit for bit."""
+    rows = [i for i, r in enumerate(requests) if r.return_logprob]
+    if not rows:
+        return {}
+    index = torch.tensor(rows)
+    temps = torch.tensor([requests[i].params.temperature or 1.0 for i in rows])
+    return dict(zip(rows, full_logprobs(logits[index], tokens[index], temps).tolist()))
+
+
+def support_logprobs_of_row(logits_row: torch.Tensor, row_ids: np.ndarray, temperature: float | None) -> np.ndarray:
+    """log mu of every id of the support, in O(|S|), with the selected token's bits."""
+    ids = torch.from_numpy(row_ids.astype(np.int64))
+    return support_row_logprobs(logits_row, ids, temperature or 1.0).numpy()
+
+
+def captured_rows(
+    requests, logits: torch.Tensor, out: SampledTokens, capacity: int, output_lengths: list[int]
+) -> list[RowStep | RowFailure]:
+    """One record per row from a sampling step: the token, and the support and log mu where captured;
+    a support larger than ``capacity`` fails that row (nothing of its request is returned)."""
+    full = full_logprobs_of(requests, logits, out.tokens)
+    captured = dict(zip(out.captured.tolist(), range(len(out.captured))))
+    sizes, offsets, ids = out.support.sizes(), out.support.offsets, out.support.ids
+    log_mu, tokens = out.log_mu.tolist(), out.tokens.tolist()
+    rows: list[RowStep | RowFailure] = []
+    for row, request in enumerate(requests):
+        i = captured.get(row)
+        if i is None:
+            rows.append(RowStep(tokens[row], full_logprob=full.get(row)))
+            continue
+        if sizes[i] > capacity:
+            error = CapacityError(
+                f"realized support of {int(sizes[i])} tokens at output position {output_lengths[row]} "
+                f"exceeds sampling_mask_max_tokens={capacity}; nothing of this request is returned"
+            )
+            rows.append(RowFailure(error, "capture"))
+            continue
+        support = ids[offsets[i] : offsets[i + 1]]
+        row_logprobs = None
+        if request.sampling_logprobs_mode == "support":
+            row_logprobs = support_logprobs_of_row(logits[row], support, request.params.temperature)
+        rows.append(RowStep(tokens[row], support, log_mu[i], full.get(row), row_logprobs))
+    return rows

@@ -1,0 +1,68 @@
+"""One running request's state in the engine: what it has produced so far, and its answer."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..core.support import SupportTable
+from ..protocol import Completion, GenerateRequest, single_version
+from .row_step import RowStep
+
+
+@dataclass
+class RunningRequest:
+    """Engine-side state of one running request."""
+
+    request: GenerateRequest
+    future: Future
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    log_mu: list[float] = field(default_factory=list)
+    supports: list[np.ndarray] = field(default_factory=list)  # one canonical id array per token
+    full_logprobs: list[float] = field(default_factory=list)
+    support_row_logprobs: list[np.ndarray] = field(default_factory=list)
+    position: int = 0  # position id of the next token fed to the model
+    finish_reason: dict | None = None
+    text: str = ""
+    decoded: str = ""  # the output's text so far, decoded incrementally (stop strings)
+    decode_from: tuple[int, int] = (0, 0)  # (prefix, read) token offsets of the incremental decode
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # the request's logit bias as a row, built at admission
+    failure: tuple[Exception, str] | None = None  # why it stopped early, answered once its row has left the batch
+    need: int = 0  # cache columns reserved: prompt + max_new_tokens + the write column (engine/kv_budget.py)
+
+    def record(self, step: RowStep) -> None:
+        """Keep what one step sampled and captured for this request."""
+        if step.support is not None:
+            self.supports.append(step.support)
+            self.log_mu.append(step.log_mu)
+            if step.support_row_logprobs is not None:
+                self.support_row_logprobs.append(step.support_row_logprobs)
+        if step.full_logprob is not None:
+            self.full_logprobs.append(step.full_logprob)
+        self.output_ids.append(step.token)
+
+    def fail(self, error: Exception, where: str) -> None:
+        """Stop this request early; it is answered with ``error`` once its row has left the batch."""
+        self.finish_reason, self.failure = {"type": "abort"}, (error, where)
+
+    def completion(self, tokenizer, weight_version: str) -> Completion:
+        req = self.request
+        matched_string = self.finish_reason.get("type") == "stop" and isinstance(self.finish_reason.get("matched"), str)
+        text = self.text if matched_string else tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        capture = req.return_sampling_mask
+        support_mode = capture and req.sampling_logprobs_mode == "support"
+        return Completion(
+            output_ids=list(self.output_ids),
+            finish_reason=self.finish_reason,
+            log_mu=np.asarray(self.log_mu, np.float32) if capture else None,
+            support=SupportTable.from_rows(self.supports) if capture else None,
+            full_logprobs=np.asarray(self.full_logprobs, np.float32) if req.return_logprob else None,
+            # an update waits for the running batch to drain: one version per response
+            weight_versions=single_version(weight_version, len(self.output_ids)),
+            text=text,
+            support_row_logprobs=list(self.support_row_logprobs) if support_mode else None,
+        )
