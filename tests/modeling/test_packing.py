@@ -11,8 +11,9 @@ from support_replay.errors import ConfigError
 from support_replay.modeling.packed_sequences import packed_layout
 from support_replay.rollout.sample import Sample
 from support_replay.train import train
-from support_replay.train.actor import load_scoring_model, score_batch
+from support_replay.train.actor import load_scoring_model
 from support_replay.train.batches import build_micro_batch, plan_optimizer_steps
+from support_replay.train.scorer import Outputs, Scorer
 
 pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
 
@@ -54,7 +55,7 @@ def test_packed_scores_and_gradients_equal_unpacked(tiny_checkpoint, sparse):
         if pack:
             assert batch.input_ids.shape == (2, 14 + 21) and sorted(batch.indices) == sorted(order)
         model.zero_grad()
-        sc = score_batch(model, batch, 0.9, sparse=sparse, full=not sparse, entropy=not sparse)
+        sc = Scorer(model, 0.9, replay=True, sparse=sparse, outputs=Outputs(full=not sparse, entropy=not sparse))(batch)
         per_sample = dict(zip(batch.indices, batch.split(sc.logp)))
         weights = torch.cat([torch.from_numpy(samples[i].loss_mask).float() * (i + 1) for i in batch.indices])
         (sc.logp * weights).sum().backward()
@@ -165,7 +166,7 @@ def test_packed_batch_invariant_scores_are_the_unpacked_bits(tiny_checkpoint, th
     for pack in (False, True):
         batch = build_micro_batch(samples, order, True, "cpu", pack=pack)
         model.zero_grad()
-        sc = score_batch(model, batch, 0.9, sparse=sparse, full=not sparse, entropy=not sparse)
+        sc = Scorer(model, 0.9, replay=True, sparse=sparse, outputs=Outputs(full=not sparse, entropy=not sparse))(batch)
         scores[pack] = {i: s for i, s in zip(batch.indices, batch.split(sc.logp))}
         weights = torch.cat([torch.full((samples[i].response_length,), 0.5 + i) for i in batch.indices])
         (sc.logp * weights).sum().backward()
@@ -207,7 +208,7 @@ def test_packed_sdpa_attends_per_sequence_with_the_unpacked_math(tiny_checkpoint
     for pack in (False, True):
         batch = build_micro_batch(samples, order, True, "cpu", pack=pack)
         model.zero_grad()
-        sc = score_batch(model, batch, 0.9, sparse=False, full=True, entropy=True)
+        sc = Scorer(model, 0.9, replay=True, sparse=False, outputs=Outputs(full=True, entropy=True))(batch)
         weights = torch.cat([torch.full((samples[i].response_length,), 0.5 + i) for i in batch.indices])
         (sc.logp * weights + sc.entropy).sum().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -27,6 +27,7 @@ from support_replay.train.actor import Actor
 from support_replay.train.batches import plan_optimizer_steps
 from support_replay.train.dist import DistContext, gather_by_index, init_distributed
 from support_replay.train.layout import parallel_layout
+from support_replay.train.scorer import Outputs
 
 pytestmark = pytest.mark.slow
 LAYOUTS = [dict(tp=2), dict(cp=2, cp_layout="zigzag"), dict(cp=2, cp_layout="contiguous")]
@@ -72,7 +73,7 @@ def one_step(actor: Actor, samples, rank: int, world: int, ctx) -> tuple[list, d
     )[0]
     scores = {}
     for mb in step.micro_batches:
-        sc = actor.score(mb, TEMPERATURE, full=True, entropy=True)
+        sc = actor.score(mb, TEMPERATURE, Outputs(full=True, entropy=True))
         w = token_weights(mb.loss_mask, mb.lengths, "token", batch_tokens=step.tokens, batch_sequences=step.sequences)
         actor.backward(((sc.logp + 0.5 * sc.full - 0.1 * sc.entropy) * w).sum())
         scores.update(

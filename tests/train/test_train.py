@@ -21,9 +21,11 @@ from support_replay.protocol import GenerateRequest, VersionSpan
 from support_replay.rollout.generate import validate_request
 from support_replay.train import actor as actor_module
 from support_replay.train import rollouts as rollouts_module
+from support_replay.train import scorer as scorer_module
 from support_replay.train import train
 from support_replay.train import weights as weights_module
 from support_replay.train.checks import check_policy_lag
+from support_replay.train.scorer import Scorer
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
@@ -114,8 +116,7 @@ def test_sparse_head_and_dense_scores_agree_within_rounding(tiny_checkpoint, tmp
     batch = learner.plan(samples)[0].micro_batches[0]
     with torch.no_grad():
         sparse = learner.actor.score(batch, 1.0).logp
-        learner.actor.sparse_head = False
-        dense = learner.actor.score(batch, 1.0).logp
+        dense = Scorer(learner.actor.model, 1.0, replay=True, sparse=False)(batch).logp
     torch.testing.assert_close(sparse, dense, atol=1e-5, rtol=0)
     rollouts.close()
 
@@ -439,7 +440,8 @@ def test_full_vocabulary_metrics_every_n_rollouts(tiny_checkpoint, tmp_path, mon
     loss and --ci-test are the same either way."""
     calls = []
     original = actor_module.full_logprobs_and_entropy
-    monkeypatch.setattr(actor_module, "full_logprobs_and_entropy", lambda *a, **k: calls.append(1) or original(*a, **k))
+    for module in (actor_module, scorer_module):  # the dense head's and the metrics-only head's
+        monkeypatch.setattr(module, "full_logprobs_and_entropy", lambda *a, **k: calls.append(1) or original(*a, **k))
     every = train(run_config(tiny_checkpoint, tmp_path / "every", global_batch_size=8, micro_batch_size=4))
     n_every = len(calls)
     calls.clear()
@@ -456,7 +458,6 @@ def test_full_vocabulary_metrics_every_n_rollouts(tiny_checkpoint, tmp_path, mon
 
 def test_ignore_eos_runs_every_response_to_the_length_limit(tiny_checkpoint, tmp_path):
     import json
-
 
     bias = tmp_path / "bias.json"  # end-of-sequence first, every time
     bias.write_text(json.dumps({str(AutoTokenizer.from_pretrained(tiny_checkpoint).eos_token_id): 100.0}))

@@ -1,23 +1,16 @@
-"""The actor: a Hugging Face causal LM sharded with FSDP2, scoring micro-batches two ways.
+"""The actor: a Hugging Face causal LM sharded with FSDP2 (and TP / CP), its optimizer, and the
+scorers of its policy ratio.
 
-Per response token the actor yields the score of the policy ratio (support-normalised on
-the captured S_t under replay, full-vocabulary otherwise) and, when asked, the
-full-vocabulary log-prob and entropy (KL to the reference, entropy bonus, metrics). Only
-response positions reach the LM head.
-
-The ratio's score always comes from one path, fixed when the actor is built, so the old
-and the new log-probs of a PPO ratio are one function (docs/math.md, "which function
-scores"): the sparse head (``sparse_head_support_logprobs``, never forming ``[T, V]``;
-in true-on-policy mode ``union_head_support_logprobs``, the engine's bits) when the head
-is a plain linear layer, replay is on and nothing needs full-vocabulary scores with a
-gradient; otherwise the dense head and ``support_logprobs``, the engine's own function.
-Packed micro-batches (a prompt and its responses in one row) score the same way.
+``ScoringModel`` runs the decoder to the final hidden state of every response position and hands
+those rows to a ``Scorer`` (train/scorer.py) inside its forward, where FSDP2 has unsharded the
+head. Which head scores the ratio is fixed when the actor is built (sparse, union, dense,
+vocab-parallel, penalised; docs/math.md, "which function scores"), so the old and the new
+log-probs of a PPO ratio are one function. Packed micro-batches score the same way.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -27,13 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from ..core.logprobs import (
-    full_logprobs_and_entropy,
-    penalised_support_logprobs,
-    sparse_head_support_logprobs,
-    support_logprobs,
-    union_head_support_logprobs,
-)
+from ..core.logprobs import full_logprobs_and_entropy, support_logprobs
 from ..core.parallel import (
     context_parallel_positions,
     vocab_parallel_full_logprobs_and_entropy,
@@ -43,22 +30,14 @@ from ..errors import ConfigError
 from ..modeling.batch_invariant import make_batch_invariant
 from ..modeling.context_parallel import ContextShard, assemble_rows, make_context_parallel
 from ..modeling.invariant_products import head_columns_invariant
-from ..modeling.linear_kernels import linear_function, model_linear, use_linear
+from ..modeling.linear_kernels import linear_function, use_linear
 from ..modeling.packed_sequences import use_packed_attention
 from ..modeling.tensor_parallel import VocabShard, parallelize_tensor
 from .batches import MicroBatch
 from .layout import ParallelLayout
+from .scorer import BatchScores, Outputs, Scorer
 
 _PREFIX = "hf."
-
-
-@dataclass
-class BatchScores:
-    """Flat per-token scores of one micro-batch, response tokens in its sample order."""
-
-    logp: torch.Tensor  # the ratio's score: support-normalised under replay, else full-vocabulary
-    full: torch.Tensor | None  # full-vocabulary log-prob
-    entropy: torch.Tensor | None  # full-vocabulary entropy
 
 
 def plain_linear_head(hf: nn.Module) -> bool:
@@ -95,56 +74,30 @@ class ScoringModel(nn.Module):
         # attention always, sdpa where the model runs it
         self.per_sequence_attention = batch_invariant or use_packed_attention(hf)
         self.hf = hf
-        self.batch_invariant = (
-            batch_invariant  # the sparse head then reads the batch's union of support ids in one product
-        )
+        self.batch_invariant = batch_invariant  # the sparse head then reads the batch's union of support ids
         self.compute_dtype = compute_dtype  # bf16: autocast over fp32 weights
         self.vocab: VocabShard | None = None  # tensor parallel: this rank's LM head rows
         self.tp_group = None
         self.context: tuple | None = None  # context parallel: (group, rank, size, layout)
 
-    def forward(
-        self,
-        input_ids,
-        attention_mask,
-        rows_b,
-        rows_t,
-        targets,
-        support,
-        temperature,
-        *,
-        sparse: bool,
-        full: bool,
-        entropy: bool,
-        full_detached: bool,
-        transform=None,
-        position_ids=None,
-        segments=None,
-    ):
-        """``(logp, full log-prob, entropy)`` of the chosen rows.
+    def forward(self, batch: MicroBatch, scorer: Scorer):
+        """``(logp, full log-prob, entropy)`` of ``batch``'s scored rows, by ``scorer`` (train/scorer.py).
 
-        ``support`` is padded ``(ids, valid)`` under replay, None otherwise. ``sparse``
-        takes the sparse head for ``logp``; ``full`` / ``entropy`` ask for full-vocabulary
-        scores with a gradient, ``full_detached`` for a full-vocabulary log-prob without one
-        (metrics), which never changes ``logp``. ``transform`` (the rollout's penalties and
-        logit bias) applies to ``logp`` only: KL, entropy and metrics stay on the model's own
-        distribution. A packed batch brings its own ``position_ids``, a ``[B, 1, L, L]``
-        mask and its ``segments`` (``batches.build_packed_micro_batch``; the batch-invariant
-        attention lays each sequence out from them). Under context parallelism each rank scores
-        the rows whose logit position it holds and every rank gets all rows back.
+        The head runs inside this forward, where FSDP2 has unsharded it. A packed batch brings its
+        own ``position_ids``, a ``[B, 1, L, L]`` mask and its ``segments``
+        (``batches.build_packed_micro_batch``; the batch-invariant attention lays each sequence out
+        from them). Under context parallelism each rank scores the rows whose logit position it holds
+        and every rank gets all rows back.
         """
-        with torch.autocast(
-            input_ids.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32
-        ):
-            h, mine = self._hidden_rows(input_ids, attention_mask, rows_b, rows_t, position_ids, segments)
-            if mine is None:
-                return self._score_rows(
-                    h, targets, support, temperature, sparse, full, entropy, full_detached, transform
-                )
-            local_support = (support[0][mine], support[1][mine]) if support is not None else None
-            scores = self._score_rows(
-                h, targets[mine], local_support, temperature, sparse, full, entropy, full_detached, transform
+        on = self.compute_dtype != torch.float32
+        with torch.autocast(batch.input_ids.device.type, dtype=self.compute_dtype, enabled=on):
+            h, mine = self._hidden_rows(
+                batch.input_ids, batch.attention_mask, batch.rows_b, batch.rows_t, batch.position_ids, batch.segments
             )
+            if mine is None:
+                return scorer.rows(h, batch.targets, batch.support, batch.penalty)
+            support = (batch.support[0][mine], batch.support[1][mine]) if batch.support is not None else None
+            scores = scorer.rows(h, batch.targets[mine], support, batch.penalty)
         group = self.context[0]
         return tuple(assemble_rows(x, mine, group) if x is not None else None for x in scores)
 
@@ -185,36 +138,7 @@ class ScoringModel(nn.Module):
         mine = index >= 0
         return hidden[rows_b[mine], index[mine]], mine
 
-    def _score_rows(self, h, targets, support, temperature, sparse, full, entropy, full_detached, transform):
-        head = self.hf.get_output_embeddings()
-        full_lp = ent = None
-        if sparse:
-            if self.batch_invariant:  # the engine's product over the union of support ids: its bits
-                logp = union_head_support_logprobs(
-                    h, head.weight, targets, support, temperature, linear=model_linear(self.hf)
-                )
-            else:
-                logp = sparse_head_support_logprobs(h, head.weight, targets, support, temperature)
-            if full_detached:
-                with torch.no_grad():
-                    full_lp, _ = full_logprobs_and_entropy(head(h.detach()), targets, temperature)
-            return logp, full_lp, ent
-        logits = head(h)  # tensor parallel: this rank's vocabulary columns only
-        full_fn, support_fn = self._head_functions()
-        if full or entropy or support is None:
-            full_lp, ent = full_fn(logits, targets, temperature)
-        elif full_detached:
-            with torch.no_grad():
-                full_lp, _ = full_fn(logits.detach(), targets, temperature)
-        if support is None:
-            logp = full_lp
-        elif transform is not None:  # refused with tensor parallelism (train/config.py)
-            logp = penalised_support_logprobs(logits, targets, support, temperature, transform)
-        else:
-            logp = support_fn(logits, targets, support, temperature)
-        return logp, full_lp, ent if entropy else None
-
-    def _head_functions(self):
+    def head_functions(self):
         """``(full-vocabulary log-probs and entropy, support log-probs)`` of the logits the head
         returns: the core's, or their vocab-parallel forms over this rank's vocabulary columns."""
         if self.vocab is None:
@@ -235,35 +159,6 @@ def load_scoring_model(
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     hf.config.use_cache = False
     return ScoringModel(hf, batch_invariant, compute_dtype, linear_kernel)
-
-
-def score_batch(
-    model: ScoringModel,
-    batch: MicroBatch,
-    temperature: float,
-    *,
-    sparse: bool,
-    full: bool = False,
-    entropy: bool = False,
-    full_detached: bool = False,
-) -> BatchScores:
-    logp, full_lp, ent = model(
-        batch.input_ids,
-        batch.attention_mask,
-        batch.rows_b,
-        batch.rows_t,
-        batch.targets,
-        batch.support,
-        temperature,
-        sparse=sparse and batch.penalty is None,
-        full=full,
-        entropy=entropy,
-        full_detached=full_detached,
-        transform=batch.penalty,
-        position_ids=batch.position_ids,
-        segments=batch.segments,
-    )
-    return BatchScores(logp=logp, full=full_lp, entropy=ent)
 
 
 def clip_gradients(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -317,6 +212,7 @@ class Actor:
         linear_kernel: str = "torch",
     ):
         self.ctx = ctx
+        self.replay = replay
         self.layout = layout or ParallelLayout()
         self.model = load_scoring_model(path, ctx.device, batch_invariant, compute_dtype, linear_kernel)
         hf = self.model.hf
@@ -350,24 +246,13 @@ class Actor:
     def vocab_size(self) -> int:
         return self.model.hf.get_output_embeddings().weight.shape[0]
 
-    def score(
-        self,
-        batch: MicroBatch,
-        temperature: float,
-        *,
-        full: bool = False,
-        entropy: bool = False,
-        full_detached: bool = False,
-    ) -> BatchScores:
-        return score_batch(
-            self.model,
-            batch,
-            temperature,
-            sparse=self.sparse_head,
-            full=full,
-            entropy=entropy,
-            full_detached=full_detached,
-        )
+    def scorer(self, temperature: float, outputs: Outputs = Outputs()) -> Scorer:
+        """The scoring function of this actor's policy ratio with ``outputs`` beside it, chosen now."""
+        return Scorer(self.model, temperature, replay=self.replay, sparse=self.sparse_head, outputs=outputs)
+
+    def score(self, batch: MicroBatch, temperature: float, outputs: Outputs = Outputs()) -> BatchScores:
+        """One micro-batch through a scorer built for it (tests and one-off scoring; the recipe keeps its scorers)."""
+        return self.scorer(temperature, outputs)(batch)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Losses are normalised by the global token count already; FSDP averages gradients

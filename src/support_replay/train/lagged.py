@@ -4,7 +4,7 @@ With ``--max-policy-lag N`` a token may come from any of the last ``N + 1`` push
 while the trainer's score before the update is under the current one only. Rank 0 keeps the
 weights of the versions in that window on CPU (the full state dicts it gathers for the push
 anyway, copied) and scores the samples holding older tokens under them, with the actor's own
-scoring function (``score_batch``, same head, same support, same penalties) on a plain copy of
+scoring function (``Scorer``, same head, same support, same penalties) on a plain copy of
 the model; each token takes the score of its own version span. The check stays exact: the
 per-token comparison is the one ``compare_with_rollout`` makes without a lag.
 
@@ -21,8 +21,9 @@ import torch
 from ..errors import PolicyLagError
 from ..protocol import versions_of
 from ..rollout.sample import Sample
-from .actor import load_scoring_model, score_batch
+from .actor import load_scoring_model
 from .batches import plan_optimizer_steps
+from .scorer import Scorer
 
 
 class LaggedScorer:
@@ -49,6 +50,7 @@ class LaggedScorer:
             .eval()
             .requires_grad_(False)
         )
+        self.scorer = Scorer(self.model, temperature, replay=True, sparse=sparse)
 
     def add(self, version: str, state: dict[str, torch.Tensor]) -> None:
         """Keep ``version``'s weights (copied: the actor updates its own in place), dropping the
@@ -94,6 +96,6 @@ class LaggedScorer:
         )
         scores: dict[int, torch.Tensor] = {}
         for batch in (mb for step in steps for mb in step.micro_batches):
-            logp = score_batch(self.model, batch, self.temperature, sparse=self.sparse).logp
+            logp = self.scorer(batch).logp
             scores.update(zip(batch.indices, batch.split(logp)))
         return [scores[i] for i in range(len(samples))]

@@ -15,11 +15,12 @@ import torch
 from ..core.losses import grpo_advantages, importance_weights, kl_estimate, policy_token_loss, token_weights
 from ..errors import ConfigError, NonFiniteError
 from ..rollout.sample import Sample
-from .actor import Actor, load_scoring_model, score_batch
+from .actor import Actor, load_scoring_model
 from .batches import MicroBatch, OptimizerStep, plan_optimizer_steps
 from .config import RunConfig
 from .dist import all_reduce_sum, gather_by_index
 from .layout import parallel_layout
+from .scorer import Outputs, Scorer
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,18 @@ class Learner:
             else None
         )
         self.temperature = cfg.rollout_temperature
+        # every pass's scoring function, chosen now (train/scorer.py); which one runs depends on whether this
+        # rollout measures full-vocabulary scores and whether the update's forward is the old policy's (fused)
+        self._old_scorers = {m: self.actor.scorer(self.temperature, Outputs(full_detached=m)) for m in (False, True)}
+        grads = dict(full=cfg.use_kl_loss, entropy=cfg.entropy_coef > 0)
+        self._update_scorers = {
+            m: self.actor.scorer(self.temperature, Outputs(**grads, full_detached=m)) for m in (False, True)
+        }
+        self._reference_scorer = (
+            Scorer(self.reference, self.temperature, replay=self.replay, sparse=False, outputs=Outputs(full=True))
+            if self.reference is not None
+            else None
+        )
         self.pack = cfg.pack_groups  # decided once: the rule reads the rollout's penalties (a file for a logit bias)
 
     @property
@@ -191,11 +204,11 @@ class Learner:
         old, ref = {}, {}
         for batch in (mb for step in steps for mb in step.micro_batches):
             if not self.fused:
-                sc = self.actor.score(batch, self.temperature, full_detached=self.replay and self.measure_full)
+                sc = self._old_scorers[self.replay and self.measure_full](batch)
                 full = sc.full if sc.full is not None else sc.logp
                 old.update(zip(batch.indices, zip(batch.split(sc.logp), batch.split(full))))
             if self.reference is not None:
-                rs = score_batch(self.reference, batch, self.temperature, sparse=False, full=True)
+                rs = self._reference_scorer(batch)
                 ref.update(zip(batch.indices, batch.split(rs.full)))
         pairs = gather_by_index(old, num_samples, self.ctx) if old else None
         refs = gather_by_index(ref, num_samples, self.ctx) if ref else None
@@ -250,13 +263,7 @@ class Learner:
         self, rollout: int, batch: MicroBatch, step: OptimizerStep, samples, old: OldScores, advantages
     ) -> tuple[StepSums, dict]:
         cfg = self.cfg
-        sc = self.actor.score(
-            batch,
-            self.temperature,
-            full=cfg.use_kl_loss,
-            entropy=cfg.entropy_coef > 0,
-            full_detached=self.fused and self.replay and self.measure_full,
-        )
+        sc = self._update_scorers[self.fused and self.replay and self.measure_full](batch)
         full = sc.full if sc.full is not None else sc.logp
         fresh = dict(
             zip(batch.indices, zip((x.detach() for x in batch.split(sc.logp)), (x.detach() for x in batch.split(full))))
