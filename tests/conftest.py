@@ -84,13 +84,13 @@ def vllm_server(tiny_checkpoint, tmp_path_factory):
 def scored(monkeypatch):
     """Every (samples, trainer log pi) pair the recipe checked."""
     seen = []
-    from support_replay.train import loop as loop_module
+    from support_replay.train import checks as checks_module
 
-    original = loop_module.compare_with_rollout
+    original = checks_module.compare_with_rollout
 
     def keep(r, samples, logp, **kw):
         seen.append((samples, [x.clone() for x in logp]))
         return original(r, samples, logp, **kw)
 
-    monkeypatch.setattr(loop_module, "compare_with_rollout", keep)
+    monkeypatch.setattr(checks_module, "compare_with_rollout", keep)
     return seen

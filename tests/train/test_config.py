@@ -138,3 +138,17 @@ def test_flag_table_in_the_docs_is_current():
     assert flag_table() in docs, (
         "docs/training.md: regenerate the flag table with support_replay.train.config.flag_table()"
     )
+
+
+def test_the_docs_list_the_loops_steps_in_its_order():
+    """docs/training.md's numbered steps are the numbered step comments of train/loop.py, in order."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parents[2]
+    loop = (root / "src" / "support_replay" / "train" / "loop.py").read_text()
+    docs = (root / "docs" / "training.md").read_text()
+    section = docs[docs.index("## What one step does") : docs.index("## `--ci-test`")]
+    in_loop = re.findall(r"# (\d+)\. (\w+)", loop)
+    in_docs = [(n, name.lower()) for n, name in re.findall(r"^(\d+)\. \*\*(\w+)\*\*", section, re.M)]
+    assert in_loop == in_docs and len(in_loop) == 9, (in_loop, in_docs)

@@ -73,9 +73,12 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [N] float, 1 for tokens that train
     penalty: PenaltyRows | None = None  # the rollout's penalties at the support ids, when it had any
     position_ids: torch.Tensor | None = None  # [B, L] when packed: every response continues its prompt's positions
-    segments: torch.Tensor | None = (
-        None  # [B, L] when packed: -1 the prompt, j response j, -2 padding (the batch-invariant attention's layout)
-    )
+    # [B, L] when packed: -1 the prompt, j response j, -2 padding (the batch-invariant attention's layout)
+    segments: torch.Tensor | None = None
+    # room for the next replayed decisions, None until a capture fills them: the engine's expert choices per
+    # scored row and layer (routing replay), and the sampler's log mu of every support id (score centering)
+    routing: torch.Tensor | None = None
+    sampler_support_logp: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -140,3 +140,9 @@ def load_checkpoint(path: Path, actor) -> dict:
     )
     _set_rng_state(trainer["rng"])
     return json.loads((path / "state.json").read_text())
+
+
+def save_if_due(directory: str, interval: int, rollout: int, actor, ctx, row: dict) -> None:
+    """``--save DIR --save-interval N``: a checkpoint after every N-th rollout (all ranks call it)."""
+    if directory and interval and (rollout + 1) % interval == 0:
+        save_checkpoint(Path(directory), rollout + 1, actor, ctx, {"metrics": row})

@@ -16,6 +16,8 @@ import torch
 from ..errors import CITestError, PolicyLagError
 from ..protocol import versions_of
 from ..rollout.sample import Sample
+from .dist import on_main
+from .drift import support_drift
 
 
 def version_ages(pushed: list[str]) -> dict[str, int]:
@@ -84,3 +86,37 @@ def compare_with_rollout(
             f"(|diff| {diffs[worst][t]:.3e} > tolerance {tolerance:g}; {int((flat > tolerance).sum())} tokens over)"
         )
     return stats
+
+
+class RolloutChecks:
+    """--ci-test (every token against its log mu, under the weights that sampled it) and the support
+    drift of one rollout's old scores: ``checks(r, samples, old, ages)`` -> ``(metrics, trained)``,
+    ``trained`` being the samples left after the drift gate (``gate=False``: no gate)."""
+
+    def __init__(self, ctx, *, replay: bool, ci_test: bool, tolerance: float, min_support_mass: float, versions):
+        self.ctx, self.replay, self.ci_test, self.tolerance = ctx, replay, ci_test, tolerance
+        self.min_support_mass, self.versions = min_support_mass, versions
+        self.semantics = None  # the rollout's penalty semantics, set by the recipe once the engine is known
+
+    def __call__(self, r: int, samples: list[Sample], old, ages, clock, *, gate: bool = True) -> tuple[dict, list]:
+        metrics = self._ci_check(r, samples, old.logp, clock) if old.logp is not None else {}
+        drift, trained = support_drift(
+            samples, old.logp, old.full, ages, self.replay, self.min_support_mass if gate else 0.0
+        )
+        return {**metrics, **drift}, trained
+
+    def _ci_check(self, r: int, samples: list[Sample], logp: list, clock) -> dict:
+        if not self.replay:  # without replay there is no log mu to compare with
+            return {}
+        lagged = self.versions.lagged
+        if self.ci_test and self.versions.keeps_copies:
+            with clock("ci_test_lagged"):  # the extra forward of older tokens under their own weights
+                logp = on_main(
+                    lambda: (
+                        lagged.by_sampling_version(samples, logp, self.versions.current, self.semantics)
+                        if lagged
+                        else None
+                    ),
+                    self.ctx,
+                )
+        return compare_with_rollout(r, samples, logp, tolerance=self.tolerance, fail=self.ci_test)

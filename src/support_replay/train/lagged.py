@@ -99,3 +99,22 @@ class LaggedScorer:
             logp = self.scorer(batch).logp
             scores.update(zip(batch.indices, batch.split(logp)))
         return [scores[i] for i in range(len(samples))]
+
+
+def lagged_scorer(cfg, ctx, checkpoint, learner) -> LaggedScorer | None:
+    """Rank 0's scorer of older versions for --ci-test under a policy lag, or None."""
+    if not (ctx.is_main and cfg.ci_test and cfg.max_policy_lag):
+        return None
+    return LaggedScorer(
+        checkpoint,
+        ctx.device,
+        keep=cfg.max_policy_lag + 1,
+        sparse=learner.actor.sparse_head,
+        batch_invariant=cfg.true_on_policy_mode,
+        compute_dtype=learner.actor.model.compute_dtype,
+        temperature=cfg.rollout_temperature,
+        micro_batch=cfg.micro_batch,
+        max_tokens=cfg.max_tokens_per_micro_batch,
+        pack=learner.pack,
+        linear_kernel=learner.linear_kernel,
+    )

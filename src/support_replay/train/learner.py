@@ -246,6 +246,19 @@ class Learner:
 
     # ---- the update ---------------------------------------------------------------------
 
+    def update(
+        self, r: int, steps: list[OptimizerStep], trained: list[Sample], old: OldScores, advantages, num_samples: int
+    ) -> tuple[UpdateMetrics, OldScores]:
+        """Loss, backward and optimizer step per global batch (loss weighted by core/losses.token_weights).
+        Fused, the first step's forward ran before any step: its scores are the old policy's."""
+        per_step = []
+        for step in steps:
+            result = self.backward(r, step, trained, old, advantages)
+            if old.logp is None:
+                old = self.with_fresh_old(old, result.scores, num_samples)
+            per_step.append((result.sums, self.optimizer_step(r)))  # stops on a NaN gradient, before the step
+        return UpdateMetrics.mean(per_step), old
+
     def backward(
         self, rollout: int, step: OptimizerStep, samples: list[Sample], old: OldScores, advantages: torch.Tensor
     ) -> BackwardResult:

@@ -4,6 +4,8 @@ a plot at the end."""
 from __future__ import annotations
 
 import json
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -149,3 +151,20 @@ def plot(rows: list[dict], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+class Timings(dict):
+    """``with clock("update"): ...`` records ``time_update``; ``time_step`` runs from construction."""
+
+    def __init__(self):
+        super().__init__()
+        self._start = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self[f"time_{name}"] = time.perf_counter() - start
+
+    def total(self) -> dict:
+        return {**self, "time_step": time.perf_counter() - self._start}

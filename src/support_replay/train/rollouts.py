@@ -290,6 +290,11 @@ class Rollouts:
             samples = samples[:whole]
         return samples, stats
 
+    def evaluate_if_due(self, r: int) -> dict:
+        """``evaluate`` after every ``--eval-interval``-th rollout, else nothing."""
+        every = self.cfg.eval_interval
+        return self.evaluate(r) if every and (r + 1) % every == 0 else {}
+
     def evaluate(self, r: int) -> dict:
         """Mean reward on held-out prompts, capture off (greedy unless --eval-temperature); every rank gets it."""
         return on_main(lambda: self._evaluate(r), self.ctx)
