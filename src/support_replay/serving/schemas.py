@@ -163,6 +163,29 @@ class GenerateIn(BaseModel):
             raise ValueError("give exactly one of text or input_ids")
         return self
 
+    def to_requests(self, tokenize, max_queue: int) -> list[GenerateRequest]:
+        """One request per prompt, each per-prompt field broadcast as SGLang does (a single value for
+        every prompt; one ``rid`` over a batch becomes ``rid-0``, ``rid-1``, ...)."""
+        prompts = self.text if self.text is not None else self.input_ids
+        prompts = prompts if self.batched else [prompts]
+        check_fan_out(len(prompts), 1, max_queue)
+        prompts = [tokenize(p) if isinstance(p, str) else p for p in prompts]
+        n = len(prompts)
+        sp = self.sampling_params if self.sampling_params is not None else SamplingParamsIn()
+        sps = sp if isinstance(sp, list) else [sp] * n
+        rl = self.return_logprob if isinstance(self.return_logprob, list) else [self.return_logprob] * n
+        if len(sps) != n or len(rl) != n:
+            raise RequestError(f"sampling_params / return_logprob: {len(sps)} / {len(rl)} entries for {n} prompts")
+        rids = self.rid if isinstance(self.rid, list) else [self.rid] * n
+        if len(rids) != n or (self.rid is not None and not self.batched and isinstance(self.rid, list)):
+            raise RequestError(f"rid: {len(rids)} ids for {n} prompts")
+        if self.batched and isinstance(self.rid, str):
+            rids = [f"{self.rid}-{i}" for i in range(n)]  # SGLang's rule for one id over a batch
+        fields = dict(
+            return_sampling_mask=self.return_sampling_mask, sampling_logprobs_mode=self.sampling_logprobs_mode
+        )
+        return [s.to_request(p, return_logprob=r, rid=i, **fields) for p, s, r, i in zip(prompts, sps, rl, rids)]
+
     @property
     def batched(self) -> bool:
         if self.text is not None:

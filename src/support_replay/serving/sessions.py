@@ -22,6 +22,7 @@ from ..errors import RequestError
 from ..rollout.chat import parses_tool_calls
 from ..rollout.session import ChatTurn, SessionStore, TurnResult
 from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SESSIONS_PORT, NO_TELEMETRY
+from .health_routes import model_listing
 from .http_errors import install_error_handlers
 from .openai_format import chat_choice, chat_response, chat_stream, token_logprobs
 from .security import Keys, guarded
@@ -224,7 +225,7 @@ def create_sessions_app(
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "support-replay"}]}
+        return model_listing(model_name)
 
     app.include_router(session_routes(store, model_name))
     open_paths = ("/health", "/sessions/") if session_urls_open else ("/health",)

@@ -1,0 +1,80 @@
+"""Admin routes of the engine server: weight updates (from a directory under ``--weights-dir``, or
+one safetensors file in the body), the weight version's name, and ``/flush_cache``."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from fastapi import APIRouter, Query, Request
+
+from ..engine import Engine
+from .http_errors import error_response
+from .schemas import UpdateWeightsIn, UpdateWeightVersionIn
+from .security import WEIGHTS_OVER_HTTP
+
+ADMIN_PATHS = ("/update_weights_from_disk", WEIGHTS_OVER_HTTP, "/update_weight_version", "/flush_cache")
+
+
+def refused_weights_path(model_path: str, weights_dir: Path | None) -> str | None:
+    """Why ``model_path`` may not be loaded (403), or None: it must lie under ``--weights-dir``, and
+    so must every safetensors file it holds once links are resolved."""
+    if weights_dir is None:
+        return "weight loading is off: start the server with --weights-dir DIR to load safetensors from under DIR"
+    path = Path(model_path).resolve()
+    if not path.is_relative_to(weights_dir):
+        return f"model_path {model_path!r} is not under the weights directory {str(weights_dir)!r}"
+    files = path.glob("*.safetensors") if path.is_dir() else []
+    outside = [f for f in files if not f.resolve().is_relative_to(weights_dir)]
+    if outside:  # a link inside the directory to a file elsewhere
+        return (
+            f"model_path {model_path!r}: {outside[0].name} resolves outside the weights directory {str(weights_dir)!r}"
+        )
+    return None
+
+
+def admin_routes(engine: Engine, weights_dir: Path | None) -> APIRouter:
+    routes = APIRouter()
+
+    @routes.post("/update_weights_from_disk")
+    async def update_weights(body: UpdateWeightsIn):
+        refused = refused_weights_path(body.model_path, weights_dir)
+        if refused:
+            return error_response(403, refused)
+        update = engine.update_weights_from_disk(
+            Path(body.model_path).resolve(), body.weight_version, abort_all_requests=body.abort_all_requests
+        )
+        version = await asyncio.wrap_future(update)
+        return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version}
+
+    @routes.post(WEIGHTS_OVER_HTTP)
+    async def update_weights_from_safetensors(
+        request: Request, weight_version: str | None = Query(None, max_length=256), abort_all_requests: bool = False
+    ):
+        """The weights as one safetensors file in the body (no pickle: nothing in it runs), for a
+        trainer that shares no filesystem with the engine; admin key required, checked like
+        ``update_weights_from_disk`` (names and shapes) before anything is loaded."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load as load_safetensors
+
+        body = await request.body()
+        try:
+            state = load_safetensors(body)
+        except (SafetensorError, ValueError) as exc:
+            return error_response(400, f"body: not a safetensors file ({len(body)} bytes): {exc}")
+        update = engine.update_weights(state, weight_version, abort_all_requests=abort_all_requests)
+        version = await asyncio.wrap_future(update)
+        message = f"loaded {len(state)} tensors ({len(body)} bytes)"
+        return {"success": True, "message": message, "weight_version": version}
+
+    @routes.post("/update_weight_version")
+    async def update_weight_version(body: UpdateWeightVersionIn):
+        version = await asyncio.wrap_future(engine.update_weight_version(body.new_version))
+        return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+
+    @routes.post("/flush_cache")
+    async def flush_cache():
+        # The engine keeps no prefix cache between requests: there is nothing stale to drop.
+        return {"success": True, "message": "no prefix cache to flush"}
+
+    return routes

@@ -1,0 +1,44 @@
+"""What every route of the engine server does with the engine: submit and wait (dropping the
+requests when the client goes away), tokenize a prompt, and shape SGLang's ``meta_info``."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Request
+
+from ..engine import Engine
+from ..errors import EngineError, SupportReplayError
+from ..protocol import Completion, GenerateRequest
+from .disconnects import unless_disconnected
+from .sglang_format import meta_info
+
+
+class EngineCalls:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    async def run(self, requests: list[GenerateRequest], http_request: Request) -> list[Completion]:
+        """Submit, wait, and drop the requests from the engine if the client goes away meanwhile."""
+        engine = self.engine
+        futures = engine.submit_all(requests)  # admitted together: a group shares its prompt's prefill
+        answers = asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+
+        def abort_all(task):  # the client went away: the engine drops them; their (aborted) answers still come
+            for f in futures:
+                engine.abort(f)
+            return task
+
+        results = await unless_disconnected(answers, http_request, abort_all)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r if isinstance(r, SupportReplayError) else EngineError(f"internal engine error: {r}")
+        return results
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.engine.tokenizer(text)["input_ids"]
+
+    def meta_info(self, completion: Completion, request: GenerateRequest, sampling_mask_format: str) -> dict:
+        return meta_info(
+            completion, request, sampling_mask_format=sampling_mask_format, vocab_size=self.engine.vocab_size
+        )

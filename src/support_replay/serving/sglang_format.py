@@ -1,0 +1,37 @@
+"""SGLang's response shapes for our engine's completions (SGLang 0.5.23, docs/engines.md)."""
+
+from __future__ import annotations
+
+from ..core import wire
+from ..protocol import Completion, GenerateRequest
+
+
+def meta_info(completion: Completion, request: GenerateRequest, *, sampling_mask_format: str, vocab_size: int) -> dict:
+    """SGLang's ``meta_info`` of one completion, in SGLang 0.5.23's shapes (docs/engines.md).
+
+    The support goes as id lists (SGLang's form) unless the client asked for our binary
+    form; ``output_token_sampling_mask_length`` is the number of rows, as SGLang sends it.
+    """
+    meta = {
+        "finish_reason": completion.finish_reason,
+        "prompt_tokens": len(request.input_ids),
+        "completion_tokens": completion.num_tokens,
+        "weight_version": completion.weight_version,
+        "weight_versions": [span.to_json() for span in completion.weight_versions],
+    }
+    if request.return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, tok, None] for lp, tok in zip(completion.full_logprobs.tolist(), completion.output_ids)
+        ]
+    if request.return_sampling_mask:
+        support = completion.support
+        if sampling_mask_format == "binary":
+            meta["output_token_sampling_mask"] = wire.to_json(support, vocab_size, completion.output_ids)
+        else:
+            meta["output_token_sampling_mask"] = support.to_lists()
+        if request.sampling_logprobs_mode == "support":
+            meta["output_token_sampling_logprobs"] = [row.tolist() for row in completion.support_row_logprobs]
+        else:
+            meta["output_token_sampling_logprobs"] = completion.log_mu.tolist()
+        meta["output_token_sampling_mask_length"] = support.num_rows
+    return meta
