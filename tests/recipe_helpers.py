@@ -55,6 +55,8 @@ def agent_config(checkpoint, tmp_path, **overrides) -> RunConfig:
 
 def parts(checkpoint, cfg):
     """The learner and the rollout side of a run, without the loop (one process, no process group)."""
-    learner = Learner(cfg, ONE_RANK, checkpoint)
-    rollouts = Rollouts(cfg, ONE_RANK, checkpoint, AutoTokenizer.from_pretrained(checkpoint), learner.vocab_size, "0")
+    learner = Learner.from_config(cfg, ONE_RANK, checkpoint)
+    rollouts = Rollouts.from_config(
+        cfg, ONE_RANK, checkpoint, AutoTokenizer.from_pretrained(checkpoint), learner.vocab_size, "0"
+    )
     return learner, rollouts

@@ -64,7 +64,7 @@ def build_tiny_checkpoint(
     return path
 
 
-def greedy_decode(runner: ModelRunner, prompts, steps: int) -> list[torch.Tensor]:
+def greedy_decode(runner, prompts, steps: int) -> list[torch.Tensor]:
     """The logits of ``steps`` greedy decode steps after one prefill of ``prompts``."""
     batch, logits = runner.prefill(prompts)
     pos = torch.tensor([len(p) for p in prompts])

@@ -165,14 +165,14 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     print(
-        f"support-replay train: replay={'on' if cfg.use_sampling_support_replay else 'off'} "
-        f"(top_p={cfg.rollout_top_p}, top_k={cfg.rollout_top_k}, min_p={cfg.rollout_min_p}, T={cfg.rollout_temperature}), "
-        f"{cfg.num_rollout} rollouts of {cfg.rollout_batch_size}x{cfg.n_samples_per_prompt}, output {cfg.output_dir}",
+        f"support-replay train: replay={'on' if cfg.rollout.use_sampling_support_replay else 'off'} "
+        f"(top_p={cfg.rollout.rollout_top_p}, top_k={cfg.rollout.rollout_top_k}, min_p={cfg.rollout.rollout_min_p}, T={cfg.rollout.rollout_temperature}), "
+        f"{cfg.rollout.num_rollout} rollouts of {cfg.rollout.rollout_batch_size}x{cfg.rollout.n_samples_per_prompt}, output {cfg.output.output_dir}",
         flush=True,
     )
     rows = train(cfg)
     if rows:
-        print(f"done: metrics in {cfg.output_dir}/metrics.jsonl, plot in {cfg.output_dir}/metrics.png")
+        print(f"done: metrics in {cfg.output.output_dir}/metrics.jsonl, plot in {cfg.output.output_dir}/metrics.png")
     return 0
 
 

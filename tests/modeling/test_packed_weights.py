@@ -157,9 +157,9 @@ def test_a_synchronous_trainer_releases_the_engines_packs_before_it_updates(asyn
         def release_engine_memory(self):
             calls.append("release")
 
-    cfg = SimpleNamespace(async_rollout=asynchronous, num_rollout=2, stale_sample_policy="fail")
+    production = SimpleNamespace(async_rollout=asynchronous, stale_sample_policy="fail")
     producer = RolloutProducer(
-        Rollouts(), cfg, DistContext(rank=0, world=1, device=torch.device("cpu"), owns_group=False)
+        Rollouts(), production, 2, DistContext(rank=0, world=1, device=torch.device("cpu"), owns_group=False)
     )
     producer.start(0)
     producer.take(0, ["v0"])

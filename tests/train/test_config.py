@@ -152,3 +152,27 @@ def test_the_docs_list_the_loops_steps_in_its_order():
     in_loop = re.findall(r"# (\d+)\. (\w+)", loop)
     in_docs = [(n, name.lower()) for n, name in re.findall(r"^(\d+)\. \*\*(\w+)\*\*", section, re.M)]
     assert in_loop == in_docs and len(in_loop) == 9, (in_loop, in_docs)
+
+
+def test_sections_validate_their_own_fields_and_a_written_config_reads_back(tmp_path):
+    c = cfg("--lr", "3e-4", "--rollout-top-k", "16", "--max-policy-lag", "1", "--async-rollout")
+    assert c.optimizer.lr == 3e-4 and c.rollout.rollout_top_k == 16 and c.production.async_rollout
+    assert c.lr == c.optimizer.lr and c.rollout.sampling_params.top_k == 16  # one SamplingParams, built once
+    saved = c.save_effective(tmp_path / "out")
+    assert cfg("--config", str(saved)) == c  # flat flag keys, the derived switch included, read back
+    saved.write_text(
+        saved.read_text().replace('"use_sampling_support_replay": true', '"use_sampling_support_replay": false')
+    )
+    with pytest.raises(ConfigError, match="--use-sampling-support-replay=False: is derived"):
+        cfg("--config", str(saved))
+
+
+def test_help_groups_the_flags_by_section():
+    from support_replay.train.sections import SECTIONS
+
+    parser = build_parser()
+    train = next(a for a in parser._subparsers._group_actions[0].choices.values() if "--lr" in a.format_help())
+    text = train.format_help()
+    positions = [text.index(f"{cls.TITLE}:") for cls in SECTIONS.values()]
+    assert positions == sorted(positions)
+    assert text.index("optimizer and loss:") < text.index("\n  --lr LR") < text.index("replay and checks:")

@@ -1,11 +1,15 @@
-"""RunConfig: every setting of a training run, its flag, and the fail-closed rules (docs/contract.md).
+"""RunConfig: every setting of a training run, in sections, and the rules that join sections
+(docs/contract.md).
 
-Flags follow the RL frameworks of the field (slime / Miles style): each field ``foo_bar``
-is ``--foo-bar`` on the command line; booleans are switches. A YAML file (``--config``)
-gives defaults that flags override. A ``RunConfig`` is validated when it is built:
-constructing one with a setting that is invalid, or that replay cannot honour, raises
-``ConfigError`` naming the flag and the value. ``use_sampling_support_replay`` is derived
-from the rollout sampling settings and cannot be set.
+A run's config is made of small frozen sections (train/sections.py), each validated where it is
+defined; components take the sections they use. Flags follow the RL frameworks of the field
+(slime / Miles style): each field ``foo_bar`` of a section is ``--foo-bar`` on the command line,
+booleans are switches, ``--help`` groups them by section. A YAML file (``--config``) gives
+defaults that flags override; the config a run writes (``config.json``) has the same flat keys,
+so ``--config`` reads it back. ``RunConfig(**flat)`` builds one from flag names and validates it:
+a setting that is invalid, or that replay cannot honour, raises ``ConfigError`` naming the flag
+and the value. ``use_sampling_support_replay`` is derived from the rollout sampling settings and
+cannot be set. ``cfg.foo_bar`` reads a flag's value wherever it lives.
 """
 
 from __future__ import annotations
@@ -18,295 +22,80 @@ import typing
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..core.penalties import Penalties
-from ..errors import ConfigError, SamplingParamsError
-from ..modeling.linear_kernels import LINEAR_KERNEL_HELP, resolve_linear_kernel
-from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
+from ..errors import ConfigError
+from ..modeling.linear_kernels import resolve_linear_kernel
+from .sections import (
+    BF16_CI_TOLERANCE,
+    FP32_CI_TOLERANCE,
+    MAX_DEFAULT_MICRO_BATCH,
+    SECTIONS,
+    AgentConfig,
+    DataConfig,
+    EngineConfig,
+    EvalConfig,
+    OptimizerConfig,
+    OutputConfig,
+    ParallelConfig,
+    ProductionConfig,
+    ReplayConfig,
+    RolloutConfig,
+    bad,
+    flag,
+)
 
-MAX_DEFAULT_MICRO_BATCH = 8
-FP32_CI_TOLERANCE = 1e-3  # docs/training.md, "--ci-test": 40x the largest fp32 difference measured
-BF16_CI_TOLERANCE = 1.0  # docs/training.md: bf16 logits carry 8 bits of mantissa; up to 0.34 measured on SmolLM2
-NEUTRAL_PENALTIES = {
-    "rollout_frequency_penalty": 0.0,
-    "rollout_presence_penalty": 0.0,
-    "rollout_repetition_penalty": 1.0,
+__all__ = [
+    "BF16_CI_TOLERANCE",
+    "FP32_CI_TOLERANCE",
+    "MAX_DEFAULT_MICRO_BATCH",
+    "RunConfig",
+    "add_run_flags",
+    "config_from_args",
+    "flag_table",
+]
+
+FIELD_SECTION = {name: section for section, cls in SECTIONS.items() for name in cls.model_fields}
+DERIVED = {  # values a section computes, readable by name like a flag's
+    "use_sampling_support_replay": "rollout",
+    "sampling_params": "rollout",
+    "penalties": "rollout",
+    "micro_batch": "parallel",
+    "needs_reference": "optimizer",
+    "ci_tolerance": "replay",
 }
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+_flag = flag
 
 
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # ---- model and data -------------------------------------------------------------
-    hf_checkpoint: str | None = Field(
-        None, description="Hugging Face checkpoint directory; default: SmolLM2-135M-Instruct from the packaged GGUF"
-    )
-    prompt_data: str | None = Field(None, description="JSONL or Parquet prompts; default: the built-in arithmetic task")
-    task_max_operand: int = Field(
-        10,
-        ge=1,
-        description="the built-in arithmetic task's largest operand (its difficulty); ignored with --prompt-data",
-    )
-    input_key: str = Field("prompt", description="field holding the prompt (a string, or a list of chat messages)")
-    label_key: str = Field("label", description="field holding the reference answer")
-    apply_chat_template: bool = Field(False, description="render prompts with the tokenizer's chat template")
-    rm_type: Literal["math"] | None = Field("math", description="built-in reward: math = final-answer check")
-    custom_rm_path: str | None = Field(
-        None, description="custom reward 'module:function(prompt, response, label) -> float'"
-    )
-
-    # ---- rollout --------------------------------------------------------------------
-    num_rollout: int = Field(20, ge=1, description="number of rollout + update steps")
-    rollout_batch_size: int = Field(8, ge=1, description="prompts per rollout")
-    n_samples_per_prompt: int = Field(4, ge=1, description="responses per prompt (the GRPO group)")
-    rollout_max_response_len: int = Field(32, ge=1, description="max new tokens per response")
-    rollout_ignore_eos: bool = Field(
-        False,
-        description="every response runs to --rollout-max-response-len tokens, past end-of-sequence (the engines' ignore_eos): fixed-length benchmarks",
-    )
-    rollout_temperature: float = Field(1.0, description="sampling temperature; the trainer divides actor logits by it")
-    rollout_top_p: float = Field(0.8, description="top-p of rollout sampling, in (0, 1]")
-    rollout_top_k: int = Field(32, description="top-k of rollout sampling, -1 or >= 1")
-    rollout_min_p: float = Field(0.0, description="min-p of rollout sampling")
-    rollout_frequency_penalty: float = Field(
-        0.0, description="frequency penalty of rollout sampling, replayed by the trainer (needs replay)"
-    )
-    rollout_presence_penalty: float = Field(
-        0.0, description="presence penalty of rollout sampling, replayed by the trainer (needs replay)"
-    )
-    rollout_repetition_penalty: float = Field(
-        1.0, description="repetition penalty of rollout sampling, replayed by the trainer (needs replay)"
-    )
-    rollout_logit_bias: str | None = Field(
-        None,
-        description="JSON file {token id: bias} added to the rollout logits, replayed by the trainer (needs replay)",
-    )
-    rollout_seed: int = Field(42, description="seeds every rollout request (by rollout and sample index)")
-    sampling_semantics: Literal["sglang", "vllm", "hf"] = Field(
-        "sglang", description="filter semantics of the embedded engine"
-    )
-    sampling_mask_max_tokens: int = Field(
-        DEFAULT_SAMPLING_MASK_MAX_TOKENS, ge=1, description="largest support the engine may capture"
-    )
-    max_total_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="KV positions the in-process engine may hold at its peak (SGLang's flag; default: a quarter of the memory available at start, leaving the rest to the trainer)",
-    )
-    rollout_url: str | None = Field(
-        None, description="rollout through this engine/router URL instead of the in-process engine"
-    )
-    rollout_engine: Literal["sglang", "vllm"] = Field(
-        "sglang", description="protocol spoken at --rollout-url: sglang (SGLang, our serve and router, smg) or vllm"
-    )
-    vllm_endpoint: Literal["generate", "completions"] = Field(
-        "generate",
-        description="vLLM endpoint: /inference/v1/generate (needs --enable-scale-out; reports weight versions) or /v1/completions",
-    )
-    vllm_capture: Literal["processed_logprobs", "native"] = Field(
-        "processed_logprobs",
-        description="how vLLM reveals the support: processed log-probs (--logprobs-mode processed_logprobs) or its native sampling_mask (--return-sampling-mask)",
-    )
-    max_policy_lag: int = Field(
-        0,
-        ge=0,
-        description="how many weight pushes old a sampled token may be; 0: every token from the weights just pushed",
-    )
-    async_rollout: bool = Field(
-        False,
-        description="generate the next rollout while the trainer updates on this one (needs --max-policy-lag >= 1)",
-    )
-    weight_sync_mode: Literal["wait", "abort"] = Field(
-        "wait",
-        description="requests running when weights are pushed: finish them on the old weights, or abort them (their groups are regenerated or dropped by --failed-group-policy)",
-    )
-    weight_transport: Literal["disk", "http"] = Field(
-        "disk",
-        description="how weights reach a --rollout-url engine: a safetensors directory it can read (shared filesystem), or the body of POST /update_weights_from_safetensors (our serve and router, no shared filesystem)",
-    )
-    stale_sample_policy: Literal["fail", "drop", "regenerate"] = Field(
-        "fail",
-        description="a group with a token older than --max-policy-lag: stop the run, drop the group, or generate it again on the current weights",
-    )
-    min_support_mass: float = Field(
-        0.0,
-        ge=0,
-        le=1,
-        description="drop from the loss a stale sample (lag >= 1) whose mean current-policy mass inside its replayed supports is below this (0: off)",
-    )
-    failed_group_policy: Literal["regenerate", "drop"] = Field(
-        "regenerate",
-        description="a GRPO group with a response the engine never gave (down, overloaded, aborted): generate it again, or drop it",
-    )
-    max_regenerations: int = Field(
-        2, ge=0, description="how many times a failed group is generated again before the run stops"
-    )
-    colocate: bool = Field(
-        False,
-        description="rollout engine in the trainer's process, weights synced in memory (the default without --rollout-url)",
-    )
-    sampling_mask_format: Literal["binary", "lists"] = Field(
-        "binary",
-        description="how --rollout-url engines send the support: our compact binary form (SGLang ignores the ask and sends lists), or id lists",
-    )
-
-    # ---- agents (multi-turn, tools) -----------------------------------------------------
-    agent: Literal["calculator", "chain"] | None = Field(
-        None,
-        description="built-in agent environment: calculator (arithmetic with a calculator tool) or chain (a multi-turn arithmetic dialogue); each brings its own tasks",
-    )
-    agent_path: str | None = Field(
-        None,
-        description="your agent: 'module:function', async run(client, sample) -> reward, or Miles' run_agent(base_url, prompt, request_kwargs=None, ...) (alias --custom-agent-function-path)",
-    )
-    max_turns: int = Field(
-        8, ge=1, description="model turns per episode; later turns get an empty answer with finish_reason length"
-    )
-    max_episode_tokens: int = Field(
-        512,
-        ge=1,
-        description="response tokens per episode (model and inserted); a turn that would pass it ends the episode",
-    )
-    session_history_policy: Literal["split", "reject"] = Field(
-        "split",
-        description="when an agent's messages stop extending the recorded trajectory: start a new sample there, or refuse the turn",
-    )
-    chat_template: str | None = Field(
-        None,
-        description="chat template for sessions: a Jinja file or a built-in name (hermes_tools); default: the tokenizer's (calculator: hermes_tools)",
-    )
-    agent_timeout: float = Field(600.0, gt=0, description="seconds one episode may take before it counts as failed")
-
-    # ---- training -------------------------------------------------------------------
-    global_batch_size: int = Field(32, ge=1, description="samples per optimizer step")
-    tensor_model_parallel_size: int = Field(
-        1,
-        ge=1,
-        description="trainer ranks that split each layer's heads, MLP and vocabulary (DTensor; the LM head scored vocab-parallel)",
-    )
-    context_parallel_size: int = Field(
-        1,
-        ge=1,
-        description="trainer ranks that split each sequence by position (attention all-gathers keys and values)",
-    )
-    context_parallel_layout: Literal["zigzag", "contiguous"] = Field(
-        "zigzag",
-        description="how --context-parallel-size splits a sequence: zigzag (2 chunks per rank, balanced causal work) or contiguous",
-    )
-    max_tokens_per_micro_batch: int | None = Field(
-        None,
-        ge=1,
-        description="padded tokens (samples x longest prompt + response) per forward/backward on one rank: short samples batch many, long ones few",
-    )
-    packed_scoring: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="score a prompt's samples as one packed row, the prompt once and each response attending to it and to itself (same math, fewer tokens); auto: on unless penalties or context parallelism need rows of their own",
-    )
-    micro_batch_size: int | None = Field(
-        None,
-        ge=1,
-        description=f"the older way: samples per forward/backward on one rank (default without a token budget: the largest divisor of --global-batch-size up to {MAX_DEFAULT_MICRO_BATCH})",
-    )
-    lr: float = Field(
-        2e-5,
-        gt=0,
-        description="learning rate (AdamW); the default suits the built-in demo (a 135M model, 20 updates), large models train at about 1e-6",
-    )
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    adam_beta1: float = Field(0.9, description="AdamW beta1")
-    adam_beta2: float = Field(0.98, description="AdamW beta2")
-    clip_grad: float = Field(1.0, description="max global gradient norm (0: off)")
-    advantage_estimator: Literal["grpo"] = Field(
-        "grpo", description="group-relative advantages: reward minus the group mean (over its std)"
-    )
-    disable_grpo_std_normalization: bool = Field(False, description="GRPO advantages without dividing by the group std")
-    eps_clip: float = Field(0.2, gt=0, description="PPO clip range (low side)")
-    eps_clip_high: float | None = Field(None, description="PPO clip range, high side (default: eps_clip)")
-    loss_aggregation: Literal["token", "sequence"] = Field(
-        "token", description="mean over all trained tokens, or per sequence then over sequences"
-    )
-    kl_coef: float = Field(0.0, ge=0, description="KL(actor || reference) penalty subtracted from the reward")
-    use_kl_loss: bool = Field(False, description="add KL(actor || reference) to the loss")
-    kl_loss_coef: float = Field(0.0, ge=0, description="weight of the KL loss")
-    kl_loss_type: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator of the KL loss")
-    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus (full-vocabulary entropy)")
-    use_rollout_logprobs: bool = Field(
-        False, description="old log-probs from the rollout log mu instead of recomputing them"
-    )
-    use_tis: bool = Field(False, description="truncated importance sampling against the rollout log mu")
-    tis_cap: float = Field(2.0, gt=0, description="truncation of the importance weight pi_old / mu")
-    tis_mode: Literal["truncate", "mask"] = Field(
-        "truncate",
-        description="--use-tis weights: min(pi_old / mu, cap) (TIS), or 1 inside [1/cap, cap] and 0 outside (masked IS)",
-    )
-    seed: int = Field(1234, description="trainer seed (initialisation, shuffling)")
-
-    # ---- checks, evaluation, output -------------------------------------------------
-    ci_test: bool = Field(
-        False, description="fail unless the trainer's support log-probs match the rollout log mu on every token"
-    )
-    full_vocab_metrics_interval: int = Field(
-        1,
-        ge=1,
-        description="under replay, score the full vocabulary for the metrics (full_vocab_ratio_*) every N rollouts only; the KL reward still takes it every rollout",
-    )
-    ci_test_tolerance: float | None = Field(
-        None,
-        ge=0,
-        description=f"per-token max |log pi - log mu| allowed by --ci-test (default: {FP32_CI_TOLERANCE:g} in fp32, {BF16_CI_TOLERANCE:g} when either side runs bf16; 0 in true-on-policy mode)",
-    )
-    rollout_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
-        description="the in-process engine's weights and compute (a --rollout-url engine runs its own: say it here for the --ci-test tolerance)",
-    )
-    train_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="the trainer's compute (autocast; weights, gradients and optimizer state stay fp32)"
-    )
-    true_on_policy_mode: bool = Field(
-        False,
-        description="batch-invariant engine and trainer: rollout and trainer log-probs equal bit for bit (--ci-test then demands it)",
-    )
-    linear_kernel: Literal["auto", "torch", "onednn"] = Field("auto", description=LINEAR_KERNEL_HELP)
-    eval_interval: int | None = Field(None, ge=1, description="evaluate every N rollouts")
-    eval_prompt_data: str | None = Field(None, description="evaluation prompts (default: held-out built-in task)")
-    n_eval_prompts: int = Field(16, ge=1, description="prompts per evaluation")
-    n_samples_per_eval_prompt: int = Field(1, ge=1, description="responses per evaluation prompt")
-    eval_temperature: float = Field(0.0, ge=0, description="evaluation sampling temperature (0: greedy)")
-    eval_top_p: float = Field(1.0, description="evaluation top-p")
-    eval_top_k: int = Field(-1, description="evaluation top-k")
-    eval_max_response_len: int | None = Field(
-        None, ge=1, description="evaluation max new tokens (default: the rollout one)"
-    )
-    output_dir: str = Field("runs/latest", description="metrics, effective config, plot")
-    save: str | None = Field(None, description="checkpoint directory")
-    save_interval: int | None = Field(None, ge=1, description="checkpoint every N rollouts")
-    resume: bool = Field(False, description="continue from the latest checkpoint in --save")
-    progress: bool = Field(True, description="progress bar on the console")
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    production: ProductionConfig = Field(default_factory=ProductionConfig)
+    agents: AgentConfig = Field(default_factory=AgentConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
+    evaluation: EvalConfig = Field(default_factory=EvalConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
 
     def __init__(self, **values):
         try:
-            super().__init__(**values)
+            super().__init__(**_by_section(values))
         except ValidationError as exc:
             raise ConfigError(_describe(exc)) from None
 
-    @computed_field(description="derived: rollout top_p < 1, top_k > 0 or min_p > 0")
-    @property
-    def use_sampling_support_replay(self) -> bool:
-        return self.rollout_top_p < 1 or self.rollout_top_k > 0 or self.rollout_min_p > 0
+    def __getattr__(self, name: str):
+        section = FIELD_SECTION.get(name) or DERIVED.get(name)
+        if section is not None:
+            return getattr(getattr(self, section), name)
+        return super().__getattr__(name)
 
-    @property
-    def ci_tolerance(self) -> float:
-        """What --ci-test allows per token: the flag, or what the dtypes of the two sides allow."""
-        if self.true_on_policy_mode:
-            return 0.0
-        if self.ci_test_tolerance is not None:
-            return self.ci_test_tolerance
-        return BF16_CI_TOLERANCE if "bfloat16" in (self.rollout_dtype, self.train_dtype) else FP32_CI_TOLERANCE
+    def flat(self) -> dict:
+        """Every setting under its flag's name (and the derived replay switch), section by section."""
+        return {k: v for name in SECTIONS for k, v in getattr(self, name).model_dump().items()}
 
     def trainer_linear_kernel(self, device) -> str:
         """The trainer's forward products, resolved for its compute dtype; tensor-parallel layers
@@ -314,273 +103,160 @@ class RunConfig(BaseModel):
         parallelism) this is the engine's kernel, as the bitwise equality needs."""
         import torch
 
-        if self.tensor_model_parallel_size > 1:
+        if self.parallel.tensor_model_parallel_size > 1:
             return "torch"
-        return resolve_linear_kernel(self.linear_kernel, getattr(torch, self.train_dtype), device)
+        return resolve_linear_kernel(self.replay.linear_kernel, getattr(torch, self.replay.train_dtype), device)
 
     @property
     def pack_groups(self) -> bool:
         """Packed scoring: asked for, or by default wherever it composes (see ``_packing_conflict``)."""
-        return self.packed_scoring == "on" or (self.packed_scoring == "auto" and self._packing_conflict() is None)
+        mode = self.parallel.packed_scoring
+        return mode == "on" or (mode == "auto" and self._packing_conflict() is None)
 
     def _packing_conflict(self) -> str | None:
         """Why packed rows cannot serve this run, or None."""
-        if self.penalties.active:
+        if self.rollout.penalties.active:
             return "penalties and logit bias are replayed over each sequence's own history, one sequence per row"
-        if self.context_parallel_size > 1:
+        if self.parallel.context_parallel_size > 1:
             return "context parallelism splits one sequence per row by position"
         return None
 
-    @property
-    def micro_batch(self) -> int:
-        """Samples per forward/backward: the flag, or the largest divisor of the global batch up to 8."""
-        if self.micro_batch_size is not None:
-            return self.micro_batch_size
-        return max(d for d in range(1, MAX_DEFAULT_MICRO_BATCH + 1) if self.global_batch_size % d == 0)
-
-    # ---- fail closed ----------------------------------------------------------------
+    # ---- rules that join sections (each section checks its own) ----------------------
 
     @model_validator(mode="after")
     def _fail_closed(self):
-        """docs/contract.md and the cross-field rules; each rejection names the flag and the value."""
+        """docs/contract.md: each rejection names the flag and the value."""
+        self._check_replay()
+        self._check_batches()
+        self._check_parallel()
+        self._check_production()
+        self._check_agents()
+        return self
 
-        def bad(flag: str, value, why: str):
-            raise ValueError(f"{_flag(flag)}={value!r}: {why}")
-
-        if not 0 < self.rollout_top_p <= 1:
-            bad("rollout_top_p", self.rollout_top_p, "must be in (0, 1]")
-        if not (self.rollout_top_k == -1 or self.rollout_top_k >= 1):
-            bad("rollout_top_k", self.rollout_top_k, "must be -1 (off) or >= 1")
-        if not 0 <= self.rollout_min_p <= 1:
-            bad("rollout_min_p", self.rollout_min_p, "must be in [0, 1]")
-        replay = self.use_sampling_support_replay
-        if self.rollout_temperature <= 0:
-            bad(
-                "rollout_temperature",
-                self.rollout_temperature,
-                "must be > 0 (the trainer divides the actor logits by it)",
-            )
-        if replay and self.rollout_top_k <= 0:
-            knob = (
-                ("rollout_top_p", self.rollout_top_p)
-                if self.rollout_top_p < 1
-                else ("rollout_min_p", self.rollout_min_p)
-            )
-            bad(
-                knob[0],
-                knob[1],
-                "a finite top-p or min-p needs a positive --rollout-top-k (the support would be unbounded)",
-            )
-        if replay and self.rollout_top_k > self.sampling_mask_max_tokens:
-            bad(
-                "rollout_top_k",
-                self.rollout_top_k,
-                f"exceeds --sampling-mask-max-tokens={self.sampling_mask_max_tokens}",
-            )
-        if self.max_total_tokens is not None and self.rollout_url:
-            bad(
-                "max_total_tokens",
-                self.max_total_tokens,
-                "bounds the in-process engine; give it to the engine at --rollout-url (serve --max-total-tokens)",
-            )
-        try:
-            penalties = self.penalties
-        except (SamplingParamsError, OSError, ValueError) as exc:
-            bad(
-                "rollout_logit_bias" if self.rollout_logit_bias else "rollout_repetition_penalty",
-                self.rollout_logit_bias or self.rollout_repetition_penalty,
-                str(exc),
-            )
-        if penalties.active and not replay:
-            knob = next((n for n, v in NEUTRAL_PENALTIES.items() if getattr(self, n) != v), "rollout_logit_bias")
-            bad(
-                knob,
-                getattr(self, knob),
-                "penalties and logit bias are replayed on the captured support only: turn replay on (rollout top_p < 1, top_k > 0 or min_p > 0)",
-            )
-        if penalties.active and self.sampling_semantics == "hf" and (penalties.frequency or penalties.presence):
-            knob = "rollout_frequency_penalty" if penalties.frequency else "rollout_presence_penalty"
-            bad(
-                knob,
-                getattr(self, knob),
-                "the hf semantics have no frequency or presence penalty (transformers has no such processor)",
-            )
-        if self.ci_test and not replay:
-            bad(
-                "ci_test",
-                True,
-                "compares the trainer's log-probs with the rollout log mu, which only replay captures (rollout top_p < 1, top_k > 0 or min_p > 0)",
-            )
-        if self.true_on_policy_mode and "bfloat16" in (self.rollout_dtype, self.train_dtype):
-            knob = "rollout_dtype" if self.rollout_dtype == "bfloat16" else "train_dtype"
-            bad(
-                knob,
-                "bfloat16",
-                "true-on-policy mode runs the batch-invariant fp32 kernels on both sides; bf16 would need kernels of their own",
-            )
-        if self.true_on_policy_mode and self.sampling_semantics == "hf":
+    def _check_replay(self) -> None:
+        rollout, replay, engine = self.rollout, self.replay, self.engine
+        on = rollout.use_sampling_support_replay
+        needs_replay = "which only replay captures (rollout top_p < 1, top_k > 0 or min_p > 0)"
+        if replay.ci_test and not on:
+            bad("ci_test", True, f"compares the trainer's log-probs with the rollout log mu, {needs_replay}")
+        if replay.true_on_policy_mode and rollout.sampling_semantics == "hf":
             bad(
                 "sampling_semantics",
                 "hf",
                 "true-on-policy mode needs a deterministic sampler (sglang or vllm); hf ties depend on the batch",
             )
-        total = self.rollout_batch_size * self.n_samples_per_prompt
-        if total % self.global_batch_size:
-            bad(
-                "global_batch_size",
-                self.global_batch_size,
-                f"must divide rollout_batch_size x n_samples_per_prompt = {total}",
-            )
-        if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
-            bad(
-                "micro_batch_size",
-                self.micro_batch_size,
-                f"counts samples, --max-tokens-per-micro-batch={self.max_tokens_per_micro_batch} tokens: give one of them",
-            )
-        if self.micro_batch_size is not None and self.global_batch_size % self.micro_batch_size:
-            bad("micro_batch_size", self.micro_batch_size, f"must divide --global-batch-size={self.global_batch_size}")
-        if self.failed_group_policy == "drop" and self.global_batch_size % self.n_samples_per_prompt:
-            bad(
-                "failed_group_policy",
-                "drop",
-                f"drops whole groups, so --global-batch-size={self.global_batch_size} must be a multiple of --n-samples-per-prompt={self.n_samples_per_prompt}",
-            )
-        if self.use_kl_loss and self.kl_loss_coef <= 0:
-            bad("kl_loss_coef", self.kl_loss_coef, "must be > 0 with --use-kl-loss")
-        if self.kl_loss_coef > 0 and not self.use_kl_loss:
-            bad("kl_loss_coef", self.kl_loss_coef, "has no effect without --use-kl-loss")
-        split = self.tensor_model_parallel_size > 1 or self.context_parallel_size > 1
-        knob = "tensor_model_parallel_size" if self.tensor_model_parallel_size > 1 else "context_parallel_size"
-        if split and penalties.active:
-            bad(
-                knob,
-                getattr(self, knob),
-                "penalties are replayed on whole support rows of one rank; tensor and context parallelism do not split them yet",
-            )
-        if split and self.true_on_policy_mode:
-            bad(
-                knob,
-                getattr(self, knob),
-                "true-on-policy mode needs the engine's batch-invariant kernels, which run on one rank",
-            )
-        if self.packed_scoring == "on" and self._packing_conflict():
-            bad("packed_scoring", "on", f"{self._packing_conflict()}: use --packed-scoring off or auto")
-        if self.async_rollout and self.max_policy_lag < 1:
-            bad(
-                "async_rollout",
-                True,
-                "samples the next rollout on the weights before this update: needs --max-policy-lag >= 1",
-            )
-        if (
-            self.async_rollout
-            and self.weight_sync_mode == "abort"
-            and (self.failed_group_policy == "drop" or self.max_regenerations < 1)
-        ):
-            bad(
-                "weight_sync_mode",
-                "abort",
-                "with --async-rollout every push aborts the rollout in flight, whose groups must then be generated again: "
-                "needs --failed-group-policy regenerate and --max-regenerations >= 1",
-            )
-        if self.weight_transport == "http" and (self.rollout_engine == "vllm" or not self.rollout_url):
-            bad(
-                "weight_transport",
-                "http",
-                "sends the weights to support-replay serve or router at --rollout-url; vLLM loads from a directory"
-                if self.rollout_url
-                else "needs --rollout-url (the in-process engine takes the tensors in memory)",
-            )
-        if self.stale_sample_policy == "drop" and self.global_batch_size % self.n_samples_per_prompt:
-            bad(
-                "stale_sample_policy",
-                "drop",
-                f"drops whole groups, so --global-batch-size={self.global_batch_size} must be a multiple of --n-samples-per-prompt={self.n_samples_per_prompt}",
-            )
-        if self.min_support_mass > 0 and not replay:
-            bad(
-                "min_support_mass",
-                self.min_support_mass,
-                "measures the mass inside the replayed supports, which only replay captures",
-            )
-        if self.min_support_mass > 0 and penalties.active:
-            bad(
-                "min_support_mass",
-                self.min_support_mass,
-                "the support mass is measured on the model's own distribution; with penalties the support was filtered on penalised logits",
-            )
-        if self.tis_mode == "mask" and self.tis_cap <= 1:
-            bad("tis_cap", self.tis_cap, "masked IS keeps ratios inside [1/cap, cap]: needs a cap > 1")
-        if self.tis_mode != "truncate" and not self.use_tis:
-            bad("tis_mode", self.tis_mode, "has no effect without --use-tis")
-        if self.use_tis and self.use_rollout_logprobs:
-            bad(
-                "use_tis",
-                True,
-                "with --use-rollout-logprobs the old policy is the rollout's own, so pi_old / mu is 1 and there is nothing to correct",
-            )
-        if self.custom_rm_path and ":" not in self.custom_rm_path:
-            bad("custom_rm_path", self.custom_rm_path, "expected 'module:function'")
-        if self.rm_type is None and not self.custom_rm_path:
-            bad("rm_type", None, "give a reward: --rm-type math or --custom-rm-path module:function")
-        if self.rollout_engine == "vllm" and not self.rollout_url:
-            bad(
-                "rollout_engine",
-                "vllm",
-                "needs --rollout-url of a running vLLM server (the in-process engine speaks for itself)",
-            )
-        if self.rollout_engine == "vllm" and self.true_on_policy_mode:
+        if engine.rollout_engine == "vllm" and replay.true_on_policy_mode:
             bad(
                 "rollout_engine",
                 "vllm",
                 "true-on-policy mode needs our batch-invariant engine (support-replay serve --deterministic)",
             )
-        if self.colocate and self.rollout_url:
-            bad("colocate", True, f"the in-process engine and --rollout-url={self.rollout_url!r} exclude each other")
-        if self.resume and not self.save:
-            bad("resume", True, "needs --save DIR to resume from")
-        if self.save_interval and not self.save:
-            bad("save_interval", self.save_interval, "needs --save DIR to write checkpoints to")
-        if self.rollout_ignore_eos and (self.agent or self.agent_path):
+        if replay.min_support_mass > 0 and not on:
+            bad(
+                "min_support_mass",
+                replay.min_support_mass,
+                f"measures the mass inside the replayed supports, {needs_replay}",
+            )
+        if replay.min_support_mass > 0 and rollout.penalties.active:
+            bad(
+                "min_support_mass",
+                replay.min_support_mass,
+                "the support mass is measured on the model's own distribution; with penalties the support was "
+                "filtered on penalised logits",
+            )
+
+    def _check_batches(self) -> None:
+        rollout, parallel = self.rollout, self.parallel
+        total = rollout.rollout_batch_size * rollout.n_samples_per_prompt
+        if total % parallel.global_batch_size:
+            bad(
+                "global_batch_size",
+                parallel.global_batch_size,
+                f"must divide rollout_batch_size x n_samples_per_prompt = {total}",
+            )
+        whole_groups = parallel.global_batch_size % rollout.n_samples_per_prompt == 0
+        for name, value in (
+            ("failed_group_policy", self.production.failed_group_policy),
+            ("stale_sample_policy", self.production.stale_sample_policy),
+        ):
+            if value == "drop" and not whole_groups:
+                bad(
+                    name,
+                    "drop",
+                    f"drops whole groups, so --global-batch-size={parallel.global_batch_size} must be a multiple "
+                    f"of --n-samples-per-prompt={rollout.n_samples_per_prompt}",
+                )
+
+    def _check_parallel(self) -> None:
+        split = self.parallel.split
+        if split and self.rollout.penalties.active:
+            bad(
+                split,
+                getattr(self.parallel, split),
+                "penalties are replayed on whole support rows of one rank; tensor and context parallelism "
+                "do not split them yet",
+            )
+        if split and self.replay.true_on_policy_mode:
+            bad(
+                split,
+                getattr(self.parallel, split),
+                "true-on-policy mode needs the engine's batch-invariant kernels, which run on one rank",
+            )
+        if self.parallel.packed_scoring == "on" and self._packing_conflict():
+            bad("packed_scoring", "on", f"{self._packing_conflict()}: use --packed-scoring off or auto")
+
+    def _check_production(self) -> None:
+        production = self.production
+        regenerates = production.failed_group_policy == "regenerate" and production.max_regenerations >= 1
+        if production.async_rollout and self.engine.weight_sync_mode == "abort" and not regenerates:
+            bad(
+                "weight_sync_mode",
+                "abort",
+                "with --async-rollout every push aborts the rollout in flight, whose groups must then be "
+                "generated again: needs --failed-group-policy regenerate and --max-regenerations >= 1",
+            )
+
+    def _check_agents(self) -> None:
+        agents = self.agents
+        if self.rollout.rollout_ignore_eos and agents.enabled:
             bad(
                 "rollout_ignore_eos",
                 True,
                 "an agent's turns end at end-of-sequence; fixed-length responses are for single-turn rollouts",
             )
-        if self.agent and self.agent_path:
-            bad("agent_path", self.agent_path, f"and --agent={self.agent} exclude each other: one agent per run")
-        if self.agent_path and not (":" in self.agent_path or "." in self.agent_path):
-            bad("agent_path", self.agent_path, "expected 'module:function' (or Miles' 'module.function')")
-        if self.agent and self.prompt_data:
+        if agents.agent and self.data.prompt_data:
             bad(
                 "prompt_data",
-                self.prompt_data,
-                f"the built-in agent {self.agent!r} brings its own tasks; use --agent-path for your own data",
+                self.data.prompt_data,
+                f"the built-in agent {agents.agent!r} brings its own tasks; use --agent-path for your own data",
             )
-        if self.eval_prompt_data and not self.eval_interval:
-            bad("eval_prompt_data", self.eval_prompt_data, "has no effect without --eval-interval N")
-        return self
-
-    @property
-    def penalties(self) -> Penalties:
-        """The rollout's penalties and logit bias (``rollout_logit_bias`` read from its file)."""
-        bias = json.loads(Path(self.rollout_logit_bias).read_text()) if self.rollout_logit_bias else None
-        if bias is not None and not isinstance(bias, dict):
-            raise ValueError("expected a JSON object {token id: bias}")
-        return Penalties.with_bias(
-            self.rollout_frequency_penalty, self.rollout_presence_penalty, self.rollout_repetition_penalty, bias
-        )
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.kl_coef > 0 or self.use_kl_loss
 
     def save_effective(self, directory: str | Path) -> Path:
+        """``config.json`` under its flat flag names: ``--config`` reads it back."""
         path = Path(directory) / "config.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.model_dump(), indent=2) + "\n")
+        tmp.write_text(json.dumps(self.flat(), indent=2) + "\n")
         os.replace(tmp, path)
         return path
+
+
+def _by_section(values: dict) -> dict:
+    """Flat flag names (and whole sections) into one dict per section; an unknown name is refused."""
+    out: dict = {}
+    for name, value in values.items():
+        if name in SECTIONS:
+            given = value.model_dump(exclude_computed_fields=True) if isinstance(value, BaseModel) else dict(value)
+            out.setdefault(name, {}).update(given)
+        elif name in FIELD_SECTION:
+            out.setdefault(FIELD_SECTION[name], {})[name] = value
+        elif name in DERIVED:
+            raise ConfigError(
+                f"{flag(name)}={value!r}: is derived from the rollout sampling settings and cannot be set"
+            )
+        else:
+            raise ConfigError(f"{flag(name)}={value!r}: unknown setting")
+    return out
 
 
 # ---- flags -----------------------------------------------------------------------------
@@ -608,23 +284,25 @@ def _choices(annotation) -> tuple | None:
 
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML file of settings (flags override it)")
-    for name, field in RunConfig.model_fields.items():
-        flags = [_flag(name), *FLAG_ALIASES.get(name, ())]
-        kind = _field_type(field.annotation)
-        if kind is bool:
-            parser.add_argument(
-                *flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=field.description
-            )
-        else:
-            parser.add_argument(
-                *flags,
-                dest=name,
-                type=kind,
-                default=None,
-                choices=_choices(field.annotation),
-                help=f"{field.description or ''} (default: {field.default})",
-            )
+    parser.add_argument("--config", help="YAML file of settings (flags override it; a run's config.json reads back)")
+    for cls in SECTIONS.values():
+        group = parser.add_argument_group(cls.TITLE)
+        for name, field in cls.model_fields.items():
+            flags = [flag(name), *FLAG_ALIASES.get(name, ())]
+            kind = _field_type(field.annotation)
+            if kind is bool:
+                group.add_argument(
+                    *flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=field.description
+                )
+            else:
+                group.add_argument(
+                    *flags,
+                    dest=name,
+                    type=kind,
+                    default=None,
+                    choices=_choices(field.annotation),
+                    help=f"{field.description or ''} (default: {field.default})",
+                )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -636,36 +314,40 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config {args.config}: expected a mapping of settings")
         values.update({k.replace("-", "_"): v for k, v in loaded.items()})
-    for name in RunConfig.model_fields:
+    for name in FIELD_SECTION:
         value = getattr(args, name, None)
         if value is not None:
             values[name] = value
-    return RunConfig(**values)
+    # a run's config.json holds the derived switch too: read back, it must agree with what it derives from
+    derived = {k: values.pop(k) for k in list(values) if k == "use_sampling_support_replay"}
+    cfg = RunConfig(**values)
+    for name, value in derived.items():
+        if getattr(cfg, name) != value:
+            raise ConfigError(
+                f"{flag(name)}={value!r}: is derived from the rollout sampling settings and cannot be set"
+            )
+    return cfg
 
 
 def _describe(exc: ValidationError) -> str:
     """The first error of a pydantic validation, as ``--flag=value: why``."""
     err = exc.errors()[0]
-    if not err.get("loc"):  # a cross-field rule: its message already names the flag and the value
-        return str(err["ctx"]["error"]) if "error" in err.get("ctx", {}) else err["msg"]
-    name = str(err["loc"][0])
-    if err["type"] == "extra_forbidden":
-        why = (
-            "is derived from the rollout sampling settings and cannot be set"
-            if name == "use_sampling_support_replay"
-            else "unknown setting"
-        )
-        return f"{_flag(name)}={err.get('input')!r}: {why}"
-    return f"{_flag(name)}={err.get('input')!r}: {err['msg']}"
+    if "error" in err.get("ctx", {}):  # a rule of ours: its message already names the flag and the value
+        return str(err["ctx"]["error"])
+    name = str(err["loc"][-1]) if err.get("loc") else "config"
+    return f"{flag(name)}={err.get('input')!r}: {err['msg']}"
 
 
 def flag_table() -> str:
-    """The markdown table of every flag, its default and its meaning (docs/training.md holds it)."""
+    """The markdown table of every flag, its default and its meaning, by section (docs/training.md)."""
     lines = ["| flag | default | meaning |", "|---|---|---|"]
-    for name, field in RunConfig.model_fields.items():
-        flag = _flag(name)
-        if _field_type(field.annotation) is bool:
-            flag = f"{flag} / --no-{name.replace('_', '-')}"
-        meaning = (field.description or "").replace("|", "/")
-        lines.append(f"| `{flag}` | `{field.default}` | {meaning} |")
+    for cls in SECTIONS.values():
+        lines.append(f"| **{cls.TITLE}** | | |")
+        for name, field in cls.model_fields.items():
+            shown = flag(name)
+            if _field_type(field.annotation) is bool:
+                shown = f"{shown} / --no-{name.replace('_', '-')}"
+            meaning = (field.description or "").replace("|", "/")
+            default = field.default if field.default_factory is None else field.default_factory()
+            lines.append(f"| `{shown}` | `{default}` | {meaning} |")
     return "\n".join(lines) + "\n"

@@ -101,20 +101,22 @@ class LaggedScorer:
         return [scores[i] for i in range(len(samples))]
 
 
-def lagged_scorer(cfg, ctx, checkpoint, learner) -> LaggedScorer | None:
-    """Rank 0's scorer of older versions for --ci-test under a policy lag, or None."""
-    if not (ctx.is_main and cfg.ci_test and cfg.max_policy_lag):
+def lagged_scorer(learner, ctx, checkpoint, *, max_policy_lag: int, ci_test: bool) -> LaggedScorer | None:
+    """Rank 0's scorer of older versions for --ci-test under a policy lag (the learner's head,
+    batches and kernels), or None."""
+    if not (ctx.is_main and ci_test and max_policy_lag):
         return None
+    parallel = learner.parallel_cfg
     return LaggedScorer(
         checkpoint,
         ctx.device,
-        keep=cfg.max_policy_lag + 1,
+        keep=max_policy_lag + 1,
         sparse=learner.actor.sparse_head,
-        batch_invariant=cfg.true_on_policy_mode,
+        batch_invariant=learner.replay_cfg.true_on_policy_mode,
         compute_dtype=learner.actor.model.compute_dtype,
-        temperature=cfg.rollout_temperature,
-        micro_batch=cfg.micro_batch,
-        max_tokens=cfg.max_tokens_per_micro_batch,
+        temperature=learner.temperature,
+        micro_batch=parallel.micro_batch,
+        max_tokens=parallel.max_tokens_per_micro_batch,
         pack=learner.pack,
         linear_kernel=learner.linear_kernel,
     )

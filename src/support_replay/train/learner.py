@@ -21,6 +21,7 @@ from .config import RunConfig
 from .dist import all_reduce_sum, gather_by_index
 from .layout import parallel_layout
 from .scorer import Outputs, Scorer
+from .sections import AgentConfig, OptimizerConfig, ParallelConfig, ReplayConfig, RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -87,40 +88,55 @@ def episode_index(samples: list[Sample]) -> list[int] | None:
 
 
 class Learner:
-    def __init__(self, cfg: RunConfig, ctx, checkpoint_path):
-        self.cfg, self.ctx = cfg, ctx
-        self.replay = cfg.use_sampling_support_replay
+    def __init__(
+        self,
+        ctx,
+        checkpoint_path,
+        *,
+        rollout: RolloutConfig,
+        parallel: ParallelConfig,
+        optimizer: OptimizerConfig,
+        replay: ReplayConfig,
+        agents: AgentConfig,
+        pack: bool,
+        linear_kernel: str,
+    ):
+        self.ctx = ctx
+        self.rollout_cfg, self.parallel_cfg, self.optimizer_cfg = rollout, parallel, optimizer
+        self.replay_cfg, self.agents_cfg = replay, agents
+        self.replay = self.rollout_cfg.use_sampling_support_replay
         self.layout = parallel_layout(
-            ctx, tp=cfg.tensor_model_parallel_size, cp=cfg.context_parallel_size, cp_layout=cfg.context_parallel_layout
+            ctx,
+            tp=self.parallel_cfg.tensor_model_parallel_size,
+            cp=self.parallel_cfg.context_parallel_size,
+            cp_layout=self.parallel_cfg.context_parallel_layout,
         )
         dp = self.layout.dp
-        if cfg.global_batch_size % dp:
+        if self.parallel_cfg.global_batch_size % dp:
             raise ConfigError(
-                f"--global-batch-size={cfg.global_batch_size}: must be a multiple of the {dp} data-parallel ranks, so that every rank runs as many micro-batches"
+                f"--global-batch-size={self.parallel_cfg.global_batch_size}: must be a multiple of the {dp} data-parallel ranks, so that every rank runs as many micro-batches"
             )
-        if (cfg.agent or cfg.agent_path) and cfg.session_history_policy == "split" and dp > 1:
+        if self.agents_cfg.enabled and self.agents_cfg.session_history_policy == "split" and dp > 1:
             raise ConfigError(
                 f"--session-history-policy=split with {dp} data-parallel ranks: split episodes make the number of samples vary, and "
                 "the ranks would run different numbers of micro-batches; use --session-history-policy reject with several ranks"
             )
         self._planned_steps = 1
         self.measure_full = True  # full-vocabulary scores for the metrics in this rollout
-        torch.manual_seed(cfg.seed)
-        self.linear_kernel = cfg.trainer_linear_kernel(
-            ctx.device
-        )  # the actor's, the reference's and the lagged scorer's forward
+        torch.manual_seed(self.optimizer_cfg.seed)
+        self.linear_kernel = linear_kernel  # the actor's, the reference's and the lagged scorer's forward
         self.actor = Actor(
             checkpoint_path,
             ctx,
-            lr=cfg.lr,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            weight_decay=cfg.weight_decay,
+            lr=self.optimizer_cfg.lr,
+            betas=(self.optimizer_cfg.adam_beta1, self.optimizer_cfg.adam_beta2),
+            weight_decay=self.optimizer_cfg.weight_decay,
             replay=self.replay,
-            full_with_grad=cfg.use_kl_loss or cfg.entropy_coef > 0,
-            batch_invariant=cfg.true_on_policy_mode,
-            penalties=cfg.penalties.active,
+            full_with_grad=self.optimizer_cfg.use_kl_loss or self.optimizer_cfg.entropy_coef > 0,
+            batch_invariant=self.replay_cfg.true_on_policy_mode,
+            penalties=self.rollout_cfg.penalties.active,
             layout=self.layout,
-            compute_dtype=getattr(torch, cfg.train_dtype),
+            compute_dtype=getattr(torch, self.replay_cfg.train_dtype),
             linear_kernel=self.linear_kernel,
         )
         self.reference = (
@@ -132,14 +148,14 @@ class Learner:
             )
             .eval()
             .requires_grad_(False)
-            if cfg.needs_reference
+            if self.optimizer_cfg.needs_reference
             else None
         )
-        self.temperature = cfg.rollout_temperature
+        self.temperature = self.rollout_cfg.rollout_temperature
         # every pass's scoring function, chosen now (train/scorer.py); which one runs depends on whether this
         # rollout measures full-vocabulary scores and whether the update's forward is the old policy's (fused)
         self._old_scorers = {m: self.actor.scorer(self.temperature, Outputs(full_detached=m)) for m in (False, True)}
-        grads = dict(full=cfg.use_kl_loss, entropy=cfg.entropy_coef > 0)
+        grads = dict(full=self.optimizer_cfg.use_kl_loss, entropy=self.optimizer_cfg.entropy_coef > 0)
         self._update_scorers = {
             m: self.actor.scorer(self.temperature, Outputs(**grads, full_detached=m)) for m in (False, True)
         }
@@ -148,7 +164,22 @@ class Learner:
             if self.reference is not None
             else None
         )
-        self.pack = cfg.pack_groups  # decided once: the rule reads the rollout's penalties (a file for a logit bias)
+        self.pack = pack  # decided once: the rule reads the rollout's penalties (a file for a logit bias)
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, ctx, checkpoint_path) -> Learner:
+        """The learner of a run: the sections it uses, and what the run derives across them."""
+        return cls(
+            ctx,
+            checkpoint_path,
+            rollout=cfg.rollout,
+            parallel=cfg.parallel,
+            optimizer=cfg.optimizer,
+            replay=cfg.replay,
+            agents=cfg.agents,
+            pack=cfg.pack_groups,
+            linear_kernel=cfg.trainer_linear_kernel(ctx.device),
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -158,12 +189,13 @@ class Learner:
     def fused(self) -> bool:
         """One optimizer step per rollout and no KL reward: the update's own forward, taken
         before the step, gives the old log-probs, so no separate scoring pass is needed."""
-        cfg = self.cfg
         one_step = (
-            cfg.global_batch_size == cfg.rollout_batch_size * cfg.n_samples_per_prompt and self._planned_steps == 1
+            self.parallel_cfg.global_batch_size
+            == self.rollout_cfg.rollout_batch_size * self.rollout_cfg.n_samples_per_prompt
+            and self._planned_steps == 1
         )
         return (
-            one_step and cfg.kl_coef == 0 and cfg.min_support_mass == 0
+            one_step and self.optimizer_cfg.kl_coef == 0 and self.replay_cfg.min_support_mass == 0
         )  # the drift gate reads the old scores before the update
 
     def plan(
@@ -174,23 +206,23 @@ class Learner:
         whether this rollout pays for the metrics-only full-vocabulary head. Penalties are
         replayed by ``penalty_semantics``, the sampling engine's rules (default: the in-process
         engine's, ``--sampling-semantics``)."""
-        cfg, ctx = self.cfg, self.ctx
+        ctx = self.ctx
         self.measure_full = (
             not self.replay
-            or cfg.kl_coef > 0
-            or cfg.min_support_mass > 0
-            or rollout % cfg.full_vocab_metrics_interval == 0
+            or self.optimizer_cfg.kl_coef > 0
+            or self.replay_cfg.min_support_mass > 0
+            or rollout % self.replay_cfg.full_vocab_metrics_interval == 0
         )
         steps = plan_optimizer_steps(
             samples,
-            global_batch=cfg.global_batch_size,
-            micro_batch=cfg.micro_batch,
+            global_batch=self.parallel_cfg.global_batch_size,
+            micro_batch=self.parallel_cfg.micro_batch,
             rank=self.layout.dp_rank,
             world=self.layout.dp,
             replay=self.replay,
             device=ctx.device,
-            penalty_semantics=penalty_semantics or cfg.sampling_semantics,
-            max_tokens=cfg.max_tokens_per_micro_batch,
+            penalty_semantics=penalty_semantics or self.rollout_cfg.sampling_semantics,
+            max_tokens=self.parallel_cfg.max_tokens_per_micro_batch,
             pack=self.pack,
         )
         self._planned_steps = len(steps)
@@ -225,22 +257,25 @@ class Learner:
 
     def advantages(self, samples: list[Sample], old: OldScores) -> tuple[torch.Tensor, dict]:
         """GRPO advantages, the reward reduced by ``--kl-coef`` x the summed k1 KL first."""
-        cfg = self.cfg
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         stats = {}
-        if cfg.kl_coef > 0:
+        if self.optimizer_cfg.kl_coef > 0:
             kl = torch.stack([kl_estimate(f, r, "k1").sum() for f, r in zip(old.full, old.ref)])
-            rewards = rewards - cfg.kl_coef * kl
+            rewards = rewards - self.optimizer_cfg.kl_coef * kl
             stats["kl_reward_penalty"] = float(kl.mean())
         episodes = episode_index(samples)
         if episodes is None:
             return grpo_advantages(
-                rewards, cfg.n_samples_per_prompt, normalize_std=not cfg.disable_grpo_std_normalization
+                rewards,
+                self.rollout_cfg.n_samples_per_prompt,
+                normalize_std=not self.optimizer_cfg.disable_grpo_std_normalization,
             ), stats
         # an agent episode split by a history rewrite is several samples: one advantage per episode
         first = torch.tensor(sorted({e: i for i, e in reversed(list(enumerate(episodes)))}.values()))
         per_episode = grpo_advantages(
-            rewards[first], cfg.n_samples_per_prompt, normalize_std=not cfg.disable_grpo_std_normalization
+            rewards[first],
+            self.rollout_cfg.n_samples_per_prompt,
+            normalize_std=not self.optimizer_cfg.disable_grpo_std_normalization,
         )
         return per_episode[torch.tensor(episodes)], stats
 
@@ -275,7 +310,6 @@ class Learner:
     def _micro_batch(
         self, rollout: int, batch: MicroBatch, step: OptimizerStep, samples, old: OldScores, advantages
     ) -> tuple[StepSums, dict]:
-        cfg = self.cfg
         sc = self._update_scorers[self.fused and self.replay and self.measure_full](batch)
         full = sc.full if sc.full is not None else sc.logp
         fresh = dict(
@@ -292,19 +326,23 @@ class Learner:
         )
         terms = policy_token_loss(
             sc.logp,
-            log_mu if cfg.use_rollout_logprobs else old_logp,
+            log_mu if self.optimizer_cfg.use_rollout_logprobs else old_logp,
             torch.repeat_interleave(
                 advantages[batch.indices].to(sc.logp.device), torch.tensor(batch.lengths, device=sc.logp.device)
             ),
-            clip_low=cfg.eps_clip,
-            clip_high=cfg.eps_clip_high,
-            importance_weights=importance_weights(old_logp, log_mu, cfg.tis_mode, cfg.tis_cap) if cfg.use_tis else None,
-            kl=kl_estimate(sc.full, torch.cat([old.ref[i] for i in batch.indices]), cfg.kl_loss_type)
-            if cfg.use_kl_loss
+            clip_low=self.optimizer_cfg.eps_clip,
+            clip_high=self.optimizer_cfg.eps_clip_high,
+            importance_weights=importance_weights(
+                old_logp, log_mu, self.optimizer_cfg.tis_mode, self.optimizer_cfg.tis_cap
+            )
+            if self.optimizer_cfg.use_tis
             else None,
-            kl_coef=cfg.kl_loss_coef,
+            kl=kl_estimate(sc.full, torch.cat([old.ref[i] for i in batch.indices]), self.optimizer_cfg.kl_loss_type)
+            if self.optimizer_cfg.use_kl_loss
+            else None,
+            kl_coef=self.optimizer_cfg.kl_loss_coef,
             entropy=sc.entropy,
-            entropy_coef=cfg.entropy_coef,
+            entropy_coef=self.optimizer_cfg.entropy_coef,
         )
         bad = ~torch.isfinite(terms.total) & (batch.loss_mask > 0)
         if bool(bad.any()):  # before backward: nothing of it reaches the weights
@@ -318,7 +356,7 @@ class Learner:
         weights = token_weights(
             batch.loss_mask,
             batch.lengths,
-            cfg.loss_aggregation,
+            self.optimizer_cfg.loss_aggregation,
             batch_tokens=step.tokens,
             batch_sequences=step.sequences,
         )
@@ -338,7 +376,7 @@ class Learner:
     def optimizer_step(self, rollout: int) -> float:
         """Clip, step, zero the gradients; returns the gradient norm before clipping. A NaN or
         infinite gradient stops the run before the step (nothing pushed or saved)."""
-        norm = self.actor.clip_and_step(self.cfg.clip_grad)
+        norm = self.actor.clip_and_step(self.optimizer_cfg.clip_grad)
         if norm is None:
             raise NonFiniteError(
                 f"rollout {rollout}: the gradient norm is not finite; the run stops before the optimizer step"

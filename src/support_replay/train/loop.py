@@ -40,11 +40,14 @@ def train(cfg: RunConfig) -> list[dict]:
 
 def _run(cfg: RunConfig, ctx) -> list[dict]:
     learner, rollouts, versions, checks, start = _set_up(cfg, ctx)
-    log = MetricsLog(Path(cfg.output_dir), cfg.num_rollout, start, progress=cfg.progress, enabled=ctx.is_main)
-    producer = RolloutProducer(rollouts, cfg, ctx)  # a rollout in flight at a crash is generated again on resume
+    log = MetricsLog(
+        Path(cfg.output.output_dir), cfg.rollout.num_rollout, start, progress=cfg.output.progress, enabled=ctx.is_main
+    )
+    # a rollout in flight at a crash is generated again on resume
+    producer = RolloutProducer(rollouts, cfg.production, cfg.rollout.num_rollout, ctx)
     try:
         producer.start(start)
-        for r in range(start, cfg.num_rollout):
+        for r in range(start, cfg.rollout.num_rollout):
             clock = Timings()
             with clock("generate"):  # 1. generate (--async-rollout: generated during the last update)
                 samples, failures = producer.take(r, versions.pushed)
@@ -52,7 +55,9 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
             if not samples:  # every group dropped: nothing to learn from, nothing to push
                 log.log({"rollout": r, "skipped": True, **failures, **clock.total()})
                 continue
-            lag, ages = check_policy_lag(r, samples, versions.pushed, cfg.max_policy_lag, rollouts.engine_name)
+            lag, ages = check_policy_lag(
+                r, samples, versions.pushed, cfg.production.max_policy_lag, rollouts.engine_name
+            )
             steps = learner.plan(samples, r, rollouts.penalty_semantics)  # 2. plan
             with clock("score"):  # 3. score (unless fused), and the reference
                 old = learner.score_before_update(steps, len(samples))
@@ -69,7 +74,7 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
                 versions.advance(learner, ctx, r + 1)
             row = {"rollout": r, **rollout_metrics(samples, old.logp, old.full, learner.replay), **failures, **lag}
             row.update(**checked, **adv_stats, **asdict(update), **clock, **rollouts.evaluate_if_due(r))  # 8. metrics
-            save_if_due(cfg.save, cfg.save_interval, r, learner.actor, ctx, row)  # 9. save
+            save_if_due(cfg.output.save, cfg.output.save_interval, r, learner.actor, ctx, row)  # 9. save
             log.log({**row, **clock.total()})
     finally:
         producer.close()
@@ -80,45 +85,47 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
 
 def _set_up(cfg: RunConfig, ctx):
     """The learner, the rollout side, the versions and the checks, resumed from the latest checkpoint."""
-    checkpoint = Path(cfg.hf_checkpoint) if cfg.hf_checkpoint else on_main(smollm2_checkpoint, ctx)
-    learner = Learner(cfg, ctx, checkpoint)
-    found = latest_checkpoint(Path(cfg.save)) if cfg.resume else None
+    checkpoint = Path(cfg.data.hf_checkpoint) if cfg.data.hf_checkpoint else on_main(smollm2_checkpoint, ctx)
+    learner = Learner.from_config(cfg, ctx, checkpoint)
+    found = latest_checkpoint(Path(cfg.output.save)) if cfg.output.resume else None
     start = saved_rollout(found) if found is not None else 0
-    rollouts = Rollouts(
-        cfg, ctx, checkpoint, AutoTokenizer.from_pretrained(checkpoint), learner.vocab_size, policy_version(start)
-    )
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    rollouts = Rollouts.from_config(cfg, ctx, checkpoint, tokenizer, learner.vocab_size, policy_version(start))
     if found is not None:
         load_checkpoint(found, learner.actor)
-    out = Path(cfg.output_dir)
+    out = Path(cfg.output.output_dir)
     if ctx.is_main:
         cfg.save_effective(out)
     sync = None
     if ctx.is_main:
         sync = make_weight_sync(
             engine=rollouts.engine,
-            url=cfg.rollout_url,
-            rollout_engine=cfg.rollout_engine,
+            url=cfg.engine.rollout_url,
+            rollout_engine=cfg.engine.rollout_engine,
             staging=out / "weights",
-            mode=cfg.weight_sync_mode,
-            transport=cfg.weight_transport,
+            mode=cfg.engine.weight_sync_mode,
+            transport=cfg.engine.weight_transport,
         )
-    keeps = bool(cfg.ci_test and cfg.max_policy_lag)
-    versions = PolicyVersions(start, sync, lagged_scorer(cfg, ctx, checkpoint, learner), keeps)
-    if cfg.rollout_url or start or keeps:  # an engine of its own, or a resume: it samples exactly these weights
-        versions.push(learner, ctx, to_engine=bool(cfg.rollout_url or start))
+    keeps = bool(cfg.replay.ci_test and cfg.production.max_policy_lag)
+    lagged = lagged_scorer(
+        learner, ctx, checkpoint, max_policy_lag=cfg.production.max_policy_lag, ci_test=cfg.replay.ci_test
+    )
+    versions = PolicyVersions(start, sync, lagged, keeps)
+    if cfg.engine.rollout_url or start or keeps:  # an engine of its own, or a resume: it samples exactly these weights
+        versions.push(learner, ctx, to_engine=bool(cfg.engine.rollout_url or start))
     checks = RolloutChecks(
         ctx,
         replay=learner.replay,
-        ci_test=cfg.ci_test,
-        tolerance=cfg.ci_tolerance,
-        min_support_mass=cfg.min_support_mass,
+        ci_test=cfg.replay.ci_test,
+        tolerance=cfg.replay.ci_tolerance,
+        min_support_mass=cfg.replay.min_support_mass,
         versions=versions,
     )
     checks.semantics = rollouts.penalty_semantics
-    if ctx.is_main and cfg.ci_test:
+    if ctx.is_main and cfg.replay.ci_test:
         print(
-            f"--ci-test: every token within {cfg.ci_tolerance:g} of its log mu "
-            f"(rollout {cfg.rollout_dtype}, trainer {cfg.train_dtype})",
+            f"--ci-test: every token within {cfg.replay.ci_tolerance:g} of its log mu "
+            f"(rollout {cfg.replay.rollout_dtype}, trainer {cfg.replay.train_dtype})",
             flush=True,
         )
     return learner, rollouts, versions, checks, start

@@ -24,6 +24,7 @@ from ..errors import PolicyLagError
 from ..rollout.sample import Sample
 from .checks import sample_age, version_ages
 from .dist import on_main
+from .sections import ProductionConfig
 
 
 def renumbered(samples: list[Sample]) -> list[Sample]:
@@ -43,15 +44,19 @@ def renumbered(samples: list[Sample]) -> list[Sample]:
 
 
 class RolloutProducer:
-    def __init__(self, rollouts, cfg, ctx):
-        self.rollouts, self.cfg, self.ctx = rollouts, cfg, ctx
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout") if cfg.async_rollout and ctx.is_main else None
+    def __init__(self, rollouts, production: ProductionConfig, num_rollout: int, ctx):
+        self.rollouts, self.production_cfg, self.num_rollout, self.ctx = rollouts, production, num_rollout, ctx
+        self.pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="rollout")
+            if self.production_cfg.async_rollout and ctx.is_main
+            else None
+        )
         self.pending: dict[int, Future] = {}
 
     def start(self, r: int) -> None:
         """Rank 0 begins rollout ``r`` in the background (``--async-rollout``); otherwise nothing
         happens until ``take``."""
-        if self.pool is not None and r < self.cfg.num_rollout and r not in self.pending:
+        if self.pool is not None and r < self.num_rollout and r not in self.pending:
             self.pending[r] = self.pool.submit(self._generate, r)
 
     def take(self, r: int, pushed: list[str]) -> tuple[list[Sample], dict]:
@@ -80,22 +85,21 @@ class RolloutProducer:
         return samples, {**stats, "time_generation": time.perf_counter() - t0}
 
     def _fresh(self, r: int, samples: list[Sample], stats: dict, pushed: list[str]) -> tuple[list[Sample], dict]:
-        cfg = self.cfg
         stats = {**stats, "stale_samples": 0, "stale_groups_dropped": 0, "stale_groups_regenerated": 0}
-        if cfg.stale_sample_policy == "fail":  # check_policy_lag names the first one and stops the run
+        if self.production_cfg.stale_sample_policy == "fail":  # check_policy_lag names the first one and stops the run
             return samples, stats
         ages = version_ages(pushed)
-        for round_ in range(cfg.max_regenerations + 1):
-            stale = [s for s in samples if (sample_age(s, ages) or 0) > cfg.max_policy_lag]
+        for round_ in range(self.production_cfg.max_regenerations + 1):
+            stale = [s for s in samples if (sample_age(s, ages) or 0) > self.production_cfg.max_policy_lag]
             if not stale:
                 return samples, stats
             prompts = sorted({s.metadata["prompt"] for s in stale})
             stats["stale_samples"] += len(stale)
             kept = [s for s in samples if s.metadata["prompt"] not in prompts]
-            if cfg.stale_sample_policy == "drop":
+            if self.production_cfg.stale_sample_policy == "drop":
                 stats["stale_groups_dropped"] += len(prompts)
                 return self.rollouts.whole_batches(renumbered(kept), stats)
-            if round_ == cfg.max_regenerations:
+            if round_ == self.production_cfg.max_regenerations:
                 break
             again, more = self.rollouts.regenerate(r, prompts, round_ + 1)
             stats["stale_groups_regenerated"] += len(prompts)
@@ -108,6 +112,6 @@ class RolloutProducer:
         worst = stale[0]
         raise PolicyLagError(
             f"rollout {r}, prompt {worst.metadata['prompt']}: still sampled by weights {[v.version for v in worst.weight_versions]} "
-            f"after {cfg.max_regenerations} regenerations, but the trainer pushed {pushed[-1]!r} last and --max-policy-lag="
-            f"{cfg.max_policy_lag}: the engine does not load the weights it is sent"
+            f"after {self.production_cfg.max_regenerations} regenerations, but the trainer pushed {pushed[-1]!r} last and --max-policy-lag="
+            f"{self.production_cfg.max_policy_lag}: the engine does not load the weights it is sent"
         )

@@ -25,6 +25,7 @@ from ..rollout.sample import Sample
 from ..serving.security import LOOPBACK_HOSTS, Keys
 from .config import RunConfig
 from .dist import on_main
+from .sections import AgentConfig, DataConfig, EngineConfig, EvalConfig, ProductionConfig, ReplayConfig, RolloutConfig
 
 
 def _require_deterministic(url: str, linear_kernel: str, headers: dict | None = None) -> None:
@@ -85,52 +86,85 @@ def penalty_semantics_of(url: str, protocol: str, penalties, headers: dict | Non
 class Rollouts:
     """``engine_name`` says where samples come from, for messages: the URL and its protocol, or "in-process engine"."""
 
-    def __init__(self, cfg: RunConfig, ctx, checkpoint_path, tokenizer, vocab_size: int, weight_version: str):
-        self.cfg, self.ctx, self.tokenizer = cfg, ctx, tokenizer
-        self.replay = cfg.use_sampling_support_replay
-        self.params = SamplingParams(
-            temperature=cfg.rollout_temperature,
-            top_k=cfg.rollout_top_k,
-            top_p=cfg.rollout_top_p,
-            min_p=cfg.rollout_min_p,
-        )
+    def __init__(
+        self,
+        ctx,
+        checkpoint_path,
+        tokenizer,
+        vocab_size: int,
+        weight_version: str,
+        *,
+        data: DataConfig,
+        rollout: RolloutConfig,
+        engine: EngineConfig,
+        production: ProductionConfig,
+        agents: AgentConfig,
+        evaluation: EvalConfig,
+        replay: ReplayConfig,
+        global_batch_size: int,
+        seed: int,
+        trainer_kernel: str,
+    ):
+        self.ctx, self.tokenizer = ctx, tokenizer
+        self.data_cfg, self.rollout_cfg, self.engine_cfg, self.production_cfg = data, rollout, engine, production
+        self.agents_cfg, self.evaluation_cfg, self.replay_cfg = agents, evaluation, replay
+        self.global_batch_size, self.seed = global_batch_size, seed
+        self.replay = self.rollout_cfg.use_sampling_support_replay
+        self.params = rollout.sampling_params  # built once, with the config (its range rules are its own)
         self.prompts = load_prompts(
-            cfg.prompt_data, cfg.input_key, cfg.label_key, seed=cfg.seed, max_operand=cfg.task_max_operand
+            self.data_cfg.prompt_data,
+            self.data_cfg.input_key,
+            self.data_cfg.label_key,
+            seed=self.seed,
+            max_operand=self.data_cfg.task_max_operand,
         )
         self.eval_prompts = (
             load_prompts(
-                cfg.eval_prompt_data, cfg.input_key, cfg.label_key, seed=cfg.seed + 1, max_operand=cfg.task_max_operand
+                self.evaluation_cfg.eval_prompt_data,
+                self.data_cfg.input_key,
+                self.data_cfg.label_key,
+                seed=self.seed + 1,
+                max_operand=self.data_cfg.task_max_operand,
             )
-            if cfg.eval_interval
+            if self.evaluation_cfg.eval_interval
             else None
         )
-        self.reward_fn = load_reward(cfg.rm_type, cfg.custom_rm_path)
+        self.reward_fn = load_reward(self.data_cfg.rm_type, self.data_cfg.custom_rm_path)
         self.engine = self.backend = None
         self.engine_name = (
-            f"{cfg.rollout_engine} engine at {cfg.rollout_url}" if cfg.rollout_url else "in-process engine"
+            f"{self.engine_cfg.rollout_engine} engine at {self.engine_cfg.rollout_url}"
+            if self.engine_cfg.rollout_url
+            else "in-process engine"
         )
         self.run_id = uuid.uuid4().hex[:12]  # request ids of this run: {run}/{rollout}/{sample}/{attempt}
         self.agent = self.sessions = None  # agents: set up on rank 0, which generates
-        self.penalties = cfg.penalties
+        self.penalties = self.rollout_cfg.penalties
         self._lock = threading.Lock()  # one generation at a time: an evaluation waits for a rollout in flight
-        self.penalty_semantics = on_main(lambda: self._penalty_semantics(cfg, vocab_size), ctx)
+        self.penalty_semantics = on_main(lambda: self._penalty_semantics(vocab_size), ctx)
         if not ctx.is_main:
             return
         keys = Keys.load()
-        if cfg.rollout_url and cfg.rollout_engine == "vllm":
+        if self.engine_cfg.rollout_url and self.engine_cfg.rollout_engine == "vllm":
             from ..backends.vllm import VLLMBackend
 
             self.backend = VLLMBackend(
-                cfg.rollout_url, vocab_size, endpoint=cfg.vllm_endpoint, capture=cfg.vllm_capture, api_key=keys.api
+                self.engine_cfg.rollout_url,
+                vocab_size,
+                endpoint=self.engine_cfg.vllm_endpoint,
+                capture=self.engine_cfg.vllm_capture,
+                api_key=keys.api,
             )
-        elif cfg.rollout_url:
+        elif self.engine_cfg.rollout_url:
             from ..backends.sglang import SGLangBackend
 
             self.backend = SGLangBackend(
-                cfg.rollout_url, vocab_size, sampling_mask_format=cfg.sampling_mask_format, api_key=keys.api
+                self.engine_cfg.rollout_url,
+                vocab_size,
+                sampling_mask_format=self.engine_cfg.sampling_mask_format,
+                api_key=keys.api,
             )
-            if cfg.true_on_policy_mode:
-                _require_deterministic(cfg.rollout_url, cfg.trainer_linear_kernel(ctx.device), keys.header(admin=False))
+            if self.replay_cfg.true_on_policy_mode:
+                _require_deterministic(self.engine_cfg.rollout_url, trainer_kernel, keys.header(admin=False))
         else:  # the in-process engine: the only place the trainer imports it
             from ..backends.local import EngineBackend
             from ..engine import Engine
@@ -138,34 +172,58 @@ class Rollouts:
 
             self.engine = Engine.from_pretrained(
                 checkpoint_path,
-                dtype=getattr(torch, cfg.rollout_dtype),
-                semantics=cfg.sampling_semantics,
-                sampling_mask_max_tokens=cfg.sampling_mask_max_tokens,
-                seed=cfg.rollout_seed,
-                deterministic=cfg.true_on_policy_mode,
+                dtype=getattr(torch, self.replay_cfg.rollout_dtype),
+                semantics=self.rollout_cfg.sampling_semantics,
+                sampling_mask_max_tokens=self.rollout_cfg.sampling_mask_max_tokens,
+                seed=self.rollout_cfg.rollout_seed,
+                deterministic=self.replay_cfg.true_on_policy_mode,
                 weight_version=weight_version,
-                linear_kernel=cfg.linear_kernel,
-                max_total_tokens=cfg.max_total_tokens,
+                linear_kernel=self.replay_cfg.linear_kernel,
+                max_total_tokens=self.engine_cfg.max_total_tokens,
                 kv_share=COLOCATED_SHARE,
             )
             self.backend = EngineBackend(self.engine)
-        if cfg.agent or cfg.agent_path:
-            self._start_sessions(cfg, tokenizer)
+        if self.agents_cfg.agent or self.agents_cfg.agent_path:
+            self._start_sessions(tokenizer)
 
-    def _penalty_semantics(self, cfg: RunConfig, vocab_size: int) -> str:
+    @classmethod
+    def from_config(cls, cfg: RunConfig, ctx, checkpoint_path, tokenizer, vocab_size: int, weight_version: str):
+        """The rollout side of a run: the sections it uses."""
+        return cls(
+            ctx,
+            checkpoint_path,
+            tokenizer,
+            vocab_size,
+            weight_version,
+            data=cfg.data,
+            rollout=cfg.rollout,
+            engine=cfg.engine,
+            production=cfg.production,
+            agents=cfg.agents,
+            evaluation=cfg.evaluation,
+            replay=cfg.replay,
+            global_batch_size=cfg.parallel.global_batch_size,
+            seed=cfg.optimizer.seed,
+            trainer_kernel=cfg.trainer_linear_kernel(ctx.device),
+        )
+
+    def _penalty_semantics(self, vocab_size: int) -> str:
         """Whose penalty rules the trainer replays: the engine's that samples. Our engine says
         its semantics; SGLang and vLLM are accepted at the versions whose code was read
         (docs/math.md), or the run fails closed naming the engine and the setting."""
-        if not self.penalties.active or not cfg.rollout_url:
-            semantics = cfg.sampling_semantics
+        if not self.penalties.active or not self.engine_cfg.rollout_url:
+            semantics = self.rollout_cfg.sampling_semantics
         else:
             semantics = penalty_semantics_of(
-                cfg.rollout_url, cfg.rollout_engine, self.penalties, Keys.load().header(admin=False)
+                self.engine_cfg.rollout_url,
+                self.engine_cfg.rollout_engine,
+                self.penalties,
+                Keys.load().header(admin=False),
             )
         self.penalties.check(semantics, vocab_size, where=f"{self.engine_name} penalties")
         return semantics
 
-    def _start_sessions(self, cfg: RunConfig, tokenizer) -> None:
+    def _start_sessions(self, tokenizer) -> None:
         """Agents: a session store over the backend, served on loopback for the agents' OpenAI clients."""
         from ..rollout.agents import AgentRunner, load_agent
         from ..rollout.chat import ChatRenderer, load_template
@@ -173,17 +231,17 @@ class Rollouts:
         from ..serving.sessions import create_sessions_app
         from ..serving.threaded import ThreadedServer
 
-        self.agent = load_agent(cfg.agent or cfg.agent_path)
+        self.agent = load_agent(self.agents_cfg.agent or self.agents_cfg.agent_path)
         if self.agent.tasks is not None:  # a built-in environment brings its tasks
-            self.prompts, self.eval_prompts = self.agent.tasks(cfg.seed), self.agent.tasks(cfg.seed + 1)
-        template = load_template(cfg.chat_template or self.agent.chat_template)
+            self.prompts, self.eval_prompts = self.agent.tasks(self.seed), self.agent.tasks(self.seed + 1)
+        template = load_template(self.agents_cfg.chat_template or self.agent.chat_template)
         self.session_settings = SessionSettings(
             self.params,
             capture=self.replay,
-            max_turns=cfg.max_turns,
-            max_episode_tokens=cfg.max_episode_tokens,
-            max_new_tokens=cfg.rollout_max_response_len,
-            history_policy=cfg.session_history_policy,
+            max_turns=self.agents_cfg.max_turns,
+            max_episode_tokens=self.agents_cfg.max_episode_tokens,
+            max_new_tokens=self.rollout_cfg.rollout_max_response_len,
+            history_policy=self.agents_cfg.session_history_policy,
             penalties=self.penalties,
         )
         self.sessions = SessionStore(self.backend, ChatRenderer(tokenizer, template), self.session_settings)
@@ -194,7 +252,11 @@ class Rollouts:
         )
         self.session_server = ThreadedServer(app).start()
         self.runner = AgentRunner(
-            self.agent, self.sessions, self.session_server.url, reward_fn=self.reward_fn, timeout=cfg.agent_timeout
+            self.agent,
+            self.sessions,
+            self.session_server.url,
+            reward_fn=self.reward_fn,
+            timeout=self.agents_cfg.agent_timeout,
         )
 
     def _produce(self, prompts, params, n, max_new, capture, rollout, seed, tag) -> tuple[list[Sample], dict]:
@@ -216,8 +278,8 @@ class Rollouts:
                     settings=settings,
                     rollout=rollout,
                     seed=seed,
-                    failed_group_policy=self.cfg.failed_group_policy,
-                    max_regenerations=self.cfg.max_regenerations,
+                    failed_group_policy=self.production_cfg.failed_group_policy,
+                    max_regenerations=self.production_cfg.max_regenerations,
                 )
             else:
                 samples, stats = generate_samples(
@@ -231,32 +293,33 @@ class Rollouts:
                     reward_fn=self.reward_fn,
                     rollout=rollout,
                     seed=seed,
-                    apply_chat_template=self.cfg.apply_chat_template,
+                    apply_chat_template=self.data_cfg.apply_chat_template,
                     rid_prefix=f"{self.run_id}/{tag}",
-                    failed_group_policy=self.cfg.failed_group_policy,
-                    max_regenerations=self.cfg.max_regenerations,
+                    failed_group_policy=self.production_cfg.failed_group_policy,
+                    max_regenerations=self.production_cfg.max_regenerations,
                     penalties=self.penalties if capture else NO_PENALTIES,
-                    ignore_eos=self.cfg.rollout_ignore_eos
+                    ignore_eos=self.rollout_cfg.rollout_ignore_eos
                     and tag != "eval",  # evaluation answers end where the model ends them
                 )
         return samples, asdict(stats)
 
     def rollout_prompts(self, r: int) -> list:
-        cfg = self.cfg
-        return [self.prompts[r * cfg.rollout_batch_size + i] for i in range(cfg.rollout_batch_size)]
+        return [
+            self.prompts[r * self.rollout_cfg.rollout_batch_size + i]
+            for i in range(self.rollout_cfg.rollout_batch_size)
+        ]
 
     def produce(self, r: int) -> tuple[list[Sample], dict]:
         """Rank 0: rollout ``r``, ``n_samples_per_prompt`` responses to each of its prompts,
         rewarded, and what failed on the way."""
-        cfg = self.cfg
         samples, stats = self._produce(
             self.rollout_prompts(r),
             self.params,
-            cfg.n_samples_per_prompt,
-            cfg.rollout_max_response_len,
+            self.rollout_cfg.n_samples_per_prompt,
+            self.rollout_cfg.rollout_max_response_len,
             self.replay,
             r,
-            cfg.rollout_seed,
+            self.rollout_cfg.rollout_seed,
             "train",
         )
         return self.whole_batches(samples, stats)
@@ -264,16 +327,15 @@ class Rollouts:
     def regenerate(self, r: int, prompts: list[int], round_: int) -> tuple[list[Sample], dict]:
         """Rank 0: the groups of rollout ``r``'s ``prompts`` (indices) generated again, with fresh
         seeds and request ids; ``metadata["prompt"]`` keeps the index in the rollout."""
-        cfg = self.cfg
         every = self.rollout_prompts(r)
         samples, stats = self._produce(
             [every[g] for g in prompts],
             self.params,
-            cfg.n_samples_per_prompt,
-            cfg.rollout_max_response_len,
+            self.rollout_cfg.n_samples_per_prompt,
+            self.rollout_cfg.rollout_max_response_len,
             self.replay,
             r,
-            cfg.rollout_seed + REGENERATION_SEED_STRIDE * round_,
+            self.rollout_cfg.rollout_seed + REGENERATION_SEED_STRIDE * round_,
             f"train-again{round_}",
         )
         for s in samples:
@@ -283,16 +345,15 @@ class Rollouts:
     def whole_batches(self, samples: list[Sample], stats: dict) -> tuple[list[Sample], dict]:
         """Dropped groups can break the global batch: whole groups go from the end until it is
         whole (agent runs plan a short last step instead)."""
-        cfg = self.cfg
-        whole = len(samples) - len(samples) % cfg.global_batch_size
-        if whole < len(samples) and not (cfg.agent or cfg.agent_path):
-            stats["dropped_groups"] += (len(samples) - whole) // cfg.n_samples_per_prompt
+        whole = len(samples) - len(samples) % self.global_batch_size
+        if whole < len(samples) and not self.agents_cfg.enabled:
+            stats["dropped_groups"] += (len(samples) - whole) // self.rollout_cfg.n_samples_per_prompt
             samples = samples[:whole]
         return samples, stats
 
     def evaluate_if_due(self, r: int) -> dict:
         """``evaluate`` after every ``--eval-interval``-th rollout, else nothing."""
-        every = self.cfg.eval_interval
+        every = self.evaluation_cfg.eval_interval
         return self.evaluate(r) if every and (r + 1) % every == 0 else {}
 
     def evaluate(self, r: int) -> dict:
@@ -300,23 +361,26 @@ class Rollouts:
         return on_main(lambda: self._evaluate(r), self.ctx)
 
     def _evaluate(self, r: int) -> dict:
-        cfg = self.cfg
         task = self.eval_prompts
         offset = 10**6 if isinstance(task, ArithmeticTask) else 0  # held-out questions
-        prompts = [task[offset + i] for i in range(min(cfg.n_eval_prompts, len(task)))]
+        prompts = [task[offset + i] for i in range(min(self.evaluation_cfg.n_eval_prompts, len(task)))]
         params = (
-            SamplingParams(temperature=cfg.eval_temperature, top_k=cfg.eval_top_k, top_p=cfg.eval_top_p)
-            if cfg.eval_temperature > 0
+            SamplingParams(
+                temperature=self.evaluation_cfg.eval_temperature,
+                top_k=self.evaluation_cfg.eval_top_k,
+                top_p=self.evaluation_cfg.eval_top_p,
+            )
+            if self.evaluation_cfg.eval_temperature > 0
             else SamplingParams(temperature=0.0)
         )
         samples, _ = self._produce(
             prompts,
             params,
-            cfg.n_samples_per_eval_prompt,
-            cfg.eval_max_response_len or cfg.rollout_max_response_len,
+            self.evaluation_cfg.n_samples_per_eval_prompt,
+            self.evaluation_cfg.eval_max_response_len or self.rollout_cfg.rollout_max_response_len,
             False,
             r,
-            cfg.rollout_seed + 7,
+            self.rollout_cfg.rollout_seed + 7,
             "eval",
         )
         return {

@@ -1,0 +1,586 @@
+"""The sections of a run's config: small frozen models, each with its fields (flag, default,
+meaning) and the rules that need nothing outside it, validated where it is defined.
+
+Each field ``foo_bar`` is the flag ``--foo-bar`` (slime / Miles names). Rules that join two
+sections live in ``RunConfig`` (train/config.py). A rejection names the flag and the value.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, computed_field, model_validator
+
+from ..core.penalties import Penalties
+from ..core.sampling import SamplingParams
+from ..errors import SamplingParamsError
+from ..modeling.linear_kernels import LINEAR_KERNEL_HELP
+from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
+
+MAX_DEFAULT_MICRO_BATCH = 8
+FP32_CI_TOLERANCE = 1e-3  # docs/training.md, "--ci-test": 40x the largest fp32 difference measured
+BF16_CI_TOLERANCE = 1.0  # docs/training.md: bf16 logits carry 8 bits of mantissa; up to 0.34 measured on SmolLM2
+NEUTRAL_PENALTIES = {
+    "rollout_frequency_penalty": 0.0,
+    "rollout_presence_penalty": 0.0,
+    "rollout_repetition_penalty": 1.0,
+}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def bad(name: str, value, why: str):
+    """Reject ``value`` of the flag ``name``: ``--flag=value: why``."""
+    raise ValueError(f"{flag(name)}={value!r}: {why}")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(Section):
+    """Model, data and reward."""
+
+    TITLE: ClassVar[str] = "model, data and reward"
+
+    hf_checkpoint: str | None = Field(
+        None, description="Hugging Face checkpoint directory; default: SmolLM2-135M-Instruct from the packaged GGUF"
+    )
+    prompt_data: str | None = Field(None, description="JSONL or Parquet prompts; default: the built-in arithmetic task")
+    task_max_operand: int = Field(
+        10,
+        ge=1,
+        description="the built-in arithmetic task's largest operand (its difficulty); ignored with --prompt-data",
+    )
+    input_key: str = Field("prompt", description="field holding the prompt (a string, or a list of chat messages)")
+    label_key: str = Field("label", description="field holding the reference answer")
+    apply_chat_template: bool = Field(False, description="render prompts with the tokenizer's chat template")
+    rm_type: Literal["math"] | None = Field("math", description="built-in reward: math = final-answer check")
+    custom_rm_path: str | None = Field(
+        None, description="custom reward 'module:function(prompt, response, label) -> float'"
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.custom_rm_path and ":" not in self.custom_rm_path:
+            bad("custom_rm_path", self.custom_rm_path, "expected 'module:function'")
+        if self.rm_type is None and not self.custom_rm_path:
+            bad("rm_type", None, "give a reward: --rm-type math or --custom-rm-path module:function")
+        return self
+
+
+class RolloutConfig(Section):
+    """Rollout sizes and sampling."""
+
+    TITLE: ClassVar[str] = "rollout sizes and sampling"
+
+    num_rollout: int = Field(20, ge=1, description="number of rollout + update steps")
+    rollout_batch_size: int = Field(8, ge=1, description="prompts per rollout")
+    n_samples_per_prompt: int = Field(4, ge=1, description="responses per prompt (the GRPO group)")
+    rollout_max_response_len: int = Field(32, ge=1, description="max new tokens per response")
+    rollout_ignore_eos: bool = Field(
+        False,
+        description="every response runs to --rollout-max-response-len tokens, past end-of-sequence (the engines' ignore_eos): fixed-length benchmarks",
+    )
+    rollout_temperature: float = Field(1.0, description="sampling temperature; the trainer divides actor logits by it")
+    rollout_top_p: float = Field(0.8, description="top-p of rollout sampling, in (0, 1]")
+    rollout_top_k: int = Field(32, description="top-k of rollout sampling, -1 or >= 1")
+    rollout_min_p: float = Field(0.0, description="min-p of rollout sampling")
+    rollout_frequency_penalty: float = Field(
+        0.0, description="frequency penalty of rollout sampling, replayed by the trainer (needs replay)"
+    )
+    rollout_presence_penalty: float = Field(
+        0.0, description="presence penalty of rollout sampling, replayed by the trainer (needs replay)"
+    )
+    rollout_repetition_penalty: float = Field(
+        1.0, description="repetition penalty of rollout sampling, replayed by the trainer (needs replay)"
+    )
+    rollout_logit_bias: str | None = Field(
+        None,
+        description="JSON file {token id: bias} added to the rollout logits, replayed by the trainer (needs replay)",
+    )
+    rollout_seed: int = Field(42, description="seeds every rollout request (by rollout and sample index)")
+    sampling_semantics: Literal["sglang", "vllm", "hf"] = Field(
+        "sglang", description="filter semantics of the embedded engine"
+    )
+    sampling_mask_max_tokens: int = Field(
+        DEFAULT_SAMPLING_MASK_MAX_TOKENS, ge=1, description="largest support the engine may capture"
+    )
+
+    _params: SamplingParams | None = PrivateAttr(None)
+    _penalties: Penalties | None = PrivateAttr(None)
+
+    @computed_field(description="derived: rollout top_p < 1, top_k > 0 or min_p > 0")
+    @property
+    def use_sampling_support_replay(self) -> bool:
+        return self.sampling_params.replay_active
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        """The rollout's sampling settings (no seed: each request gets its own), built once; their
+        range rules are ``SamplingParams``'s."""
+        return self._params
+
+    @property
+    def penalties(self) -> Penalties:
+        return self._penalties
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.rollout_temperature <= 0:
+            bad(
+                "rollout_temperature",
+                self.rollout_temperature,
+                "must be > 0 (the trainer divides the actor logits by it)",
+            )
+        try:
+            params = SamplingParams(
+                self.rollout_temperature, self.rollout_top_k, self.rollout_top_p, self.rollout_min_p
+            )
+        except SamplingParamsError as exc:  # "top_p: must be in (0, 1], got 0.0": the flag is rollout_<field>
+            field, why = str(exc).split(": ", 1)
+            name = f"rollout_{field}"
+            bad(name, getattr(self, name), why.rsplit(", got ", 1)[0])
+        self._params = params
+        replay = params.replay_active
+        if replay and self.rollout_top_k <= 0:
+            knob = "rollout_top_p" if self.rollout_top_p < 1 else "rollout_min_p"
+            bad(
+                knob,
+                getattr(self, knob),
+                "a finite top-p or min-p needs a positive --rollout-top-k (the support would be unbounded)",
+            )
+        if replay and self.rollout_top_k > self.sampling_mask_max_tokens:
+            bad(
+                "rollout_top_k",
+                self.rollout_top_k,
+                f"exceeds --sampling-mask-max-tokens={self.sampling_mask_max_tokens}",
+            )
+        try:
+            penalties = self._read_penalties()
+        except (SamplingParamsError, OSError, ValueError) as exc:
+            knob = "rollout_logit_bias" if self.rollout_logit_bias else "rollout_repetition_penalty"
+            bad(knob, getattr(self, knob), str(exc))
+        self._penalties = penalties
+        if penalties.active and not replay:
+            knob = next((n for n, v in NEUTRAL_PENALTIES.items() if getattr(self, n) != v), "rollout_logit_bias")
+            bad(
+                knob,
+                getattr(self, knob),
+                "penalties and logit bias are replayed on the captured support only: turn replay on "
+                "(rollout top_p < 1, top_k > 0 or min_p > 0)",
+            )
+        if penalties.active and self.sampling_semantics == "hf" and (penalties.frequency or penalties.presence):
+            knob = "rollout_frequency_penalty" if penalties.frequency else "rollout_presence_penalty"
+            bad(
+                knob,
+                getattr(self, knob),
+                "the hf semantics have no frequency or presence penalty (transformers has no such processor)",
+            )
+        return self
+
+    def _read_penalties(self) -> Penalties:
+        """The rollout's penalties and logit bias (``rollout_logit_bias`` read from its file, once)."""
+        bias = json.loads(Path(self.rollout_logit_bias).read_text()) if self.rollout_logit_bias else None
+        if bias is not None and not isinstance(bias, dict):
+            raise ValueError("expected a JSON object {token id: bias}")
+        return Penalties.with_bias(
+            self.rollout_frequency_penalty, self.rollout_presence_penalty, self.rollout_repetition_penalty, bias
+        )
+
+
+class EngineConfig(Section):
+    """The rollout engine: where it runs, how weights reach it, the wire form."""
+
+    TITLE: ClassVar[str] = "the rollout engine: where it runs, how weights reach it, the wire form"
+
+    rollout_url: str | None = Field(
+        None, description="rollout through this engine/router URL instead of the in-process engine"
+    )
+    rollout_engine: Literal["sglang", "vllm"] = Field(
+        "sglang", description="protocol spoken at --rollout-url: sglang (SGLang, our serve and router, smg) or vllm"
+    )
+    vllm_endpoint: Literal["generate", "completions"] = Field(
+        "generate",
+        description="vLLM endpoint: /inference/v1/generate (needs --enable-scale-out; reports weight versions) or /v1/completions",
+    )
+    vllm_capture: Literal["processed_logprobs", "native"] = Field(
+        "processed_logprobs",
+        description="how vLLM reveals the support: processed log-probs (--logprobs-mode processed_logprobs) or its native sampling_mask (--return-sampling-mask)",
+    )
+    colocate: bool = Field(
+        False,
+        description="rollout engine in the trainer's process, weights synced in memory (the default without --rollout-url)",
+    )
+    max_total_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="KV positions the in-process engine may hold at its peak (SGLang's flag; default: a quarter of the memory available at start, leaving the rest to the trainer)",
+    )
+    weight_sync_mode: Literal["wait", "abort"] = Field(
+        "wait",
+        description="requests running when weights are pushed: finish them on the old weights, or abort them (their groups are regenerated or dropped by --failed-group-policy)",
+    )
+    weight_transport: Literal["disk", "http"] = Field(
+        "disk",
+        description="how weights reach a --rollout-url engine: a safetensors directory it can read (shared filesystem), or the body of POST /update_weights_from_safetensors (our serve and router, no shared filesystem)",
+    )
+    sampling_mask_format: Literal["binary", "lists"] = Field(
+        "binary",
+        description="how --rollout-url engines send the support: our compact binary form (SGLang ignores the ask and sends lists), or id lists",
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.max_total_tokens is not None and self.rollout_url:
+            bad(
+                "max_total_tokens",
+                self.max_total_tokens,
+                "bounds the in-process engine; give it to the engine at --rollout-url (serve --max-total-tokens)",
+            )
+        if self.weight_transport == "http" and (self.rollout_engine == "vllm" or not self.rollout_url):
+            why = (
+                "sends the weights to support-replay serve or router at --rollout-url; vLLM loads from a directory"
+                if self.rollout_url
+                else "needs --rollout-url (the in-process engine takes the tensors in memory)"
+            )
+            bad("weight_transport", "http", why)
+        if self.rollout_engine == "vllm" and not self.rollout_url:
+            bad(
+                "rollout_engine",
+                "vllm",
+                "needs --rollout-url of a running vLLM server (the in-process engine speaks for itself)",
+            )
+        if self.colocate and self.rollout_url:
+            bad("colocate", True, f"the in-process engine and --rollout-url={self.rollout_url!r} exclude each other")
+        return self
+
+
+class ProductionConfig(Section):
+    """Rollouts across updates: policy lag, stale and failed groups."""
+
+    TITLE: ClassVar[str] = "rollouts across updates: policy lag, stale and failed groups"
+
+    async_rollout: bool = Field(
+        False,
+        description="generate the next rollout while the trainer updates on this one (needs --max-policy-lag >= 1)",
+    )
+    max_policy_lag: int = Field(
+        0,
+        ge=0,
+        description="how many weight pushes old a sampled token may be; 0: every token from the weights just pushed",
+    )
+    stale_sample_policy: Literal["fail", "drop", "regenerate"] = Field(
+        "fail",
+        description="a group with a token older than --max-policy-lag: stop the run, drop the group, or generate it again on the current weights",
+    )
+    failed_group_policy: Literal["regenerate", "drop"] = Field(
+        "regenerate",
+        description="a GRPO group with a response the engine never gave (down, overloaded, aborted): generate it again, or drop it",
+    )
+    max_regenerations: int = Field(
+        2, ge=0, description="how many times a failed group is generated again before the run stops"
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.async_rollout and self.max_policy_lag < 1:
+            bad(
+                "async_rollout",
+                True,
+                "samples the next rollout on the weights before this update: needs --max-policy-lag >= 1",
+            )
+        return self
+
+
+class AgentConfig(Section):
+    """Agents (multi-turn, tools)."""
+
+    TITLE: ClassVar[str] = "agents (multi-turn, tools)"
+
+    agent: Literal["calculator", "chain"] | None = Field(
+        None,
+        description="built-in agent environment: calculator (arithmetic with a calculator tool) or chain (a multi-turn arithmetic dialogue); each brings its own tasks",
+    )
+    agent_path: str | None = Field(
+        None,
+        description="your agent: 'module:function', async run(client, sample) -> reward, or Miles' run_agent(base_url, prompt, request_kwargs=None, ...) (alias --custom-agent-function-path)",
+    )
+    max_turns: int = Field(
+        8, ge=1, description="model turns per episode; later turns get an empty answer with finish_reason length"
+    )
+    max_episode_tokens: int = Field(
+        512,
+        ge=1,
+        description="response tokens per episode (model and inserted); a turn that would pass it ends the episode",
+    )
+    session_history_policy: Literal["split", "reject"] = Field(
+        "split",
+        description="when an agent's messages stop extending the recorded trajectory: start a new sample there, or refuse the turn",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="chat template for sessions: a Jinja file or a built-in name (hermes_tools); default: the tokenizer's (calculator: hermes_tools)",
+    )
+    agent_timeout: float = Field(600.0, gt=0, description="seconds one episode may take before it counts as failed")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.agent or self.agent_path)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.agent and self.agent_path:
+            bad("agent_path", self.agent_path, f"and --agent={self.agent} exclude each other: one agent per run")
+        if self.agent_path and not (":" in self.agent_path or "." in self.agent_path):
+            bad("agent_path", self.agent_path, "expected 'module:function' (or Miles' 'module.function')")
+        return self
+
+
+class ParallelConfig(Section):
+    """Batches and parallelism."""
+
+    TITLE: ClassVar[str] = "batches and parallelism"
+
+    global_batch_size: int = Field(32, ge=1, description="samples per optimizer step")
+    tensor_model_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="trainer ranks that split each layer's heads, MLP and vocabulary (DTensor; the LM head scored vocab-parallel)",
+    )
+    context_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="trainer ranks that split each sequence by position (attention all-gathers keys and values)",
+    )
+    context_parallel_layout: Literal["zigzag", "contiguous"] = Field(
+        "zigzag",
+        description="how --context-parallel-size splits a sequence: zigzag (2 chunks per rank, balanced causal work) or contiguous",
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="padded tokens (samples x longest prompt + response) per forward/backward on one rank: short samples batch many, long ones few",
+    )
+    packed_scoring: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="score a prompt's samples as one packed row, the prompt once and each response attending to it and to itself (same math, fewer tokens); auto: on unless penalties or context parallelism need rows of their own",
+    )
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description=f"the older way: samples per forward/backward on one rank (default without a token budget: the largest divisor of --global-batch-size up to {MAX_DEFAULT_MICRO_BATCH})",
+    )
+
+    @property
+    def micro_batch(self) -> int:
+        """Samples per forward/backward: the flag, or the largest divisor of the global batch up to 8."""
+        if self.micro_batch_size is not None:
+            return self.micro_batch_size
+        return max(d for d in range(1, MAX_DEFAULT_MICRO_BATCH + 1) if self.global_batch_size % d == 0)
+
+    @property
+    def split(self) -> str | None:
+        """The flag that splits one sequence's work over ranks (tensor or context parallelism), or None."""
+        if self.tensor_model_parallel_size > 1:
+            return "tensor_model_parallel_size"
+        return "context_parallel_size" if self.context_parallel_size > 1 else None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
+            bad(
+                "micro_batch_size",
+                self.micro_batch_size,
+                f"counts samples, --max-tokens-per-micro-batch={self.max_tokens_per_micro_batch} tokens: give one of them",
+            )
+        if self.micro_batch_size is not None and self.global_batch_size % self.micro_batch_size:
+            bad("micro_batch_size", self.micro_batch_size, f"must divide --global-batch-size={self.global_batch_size}")
+        return self
+
+
+class OptimizerConfig(Section):
+    """Optimizer and loss."""
+
+    TITLE: ClassVar[str] = "optimizer and loss"
+
+    lr: float = Field(
+        2e-5,
+        gt=0,
+        description="learning rate (AdamW); the default suits the built-in demo (a 135M model, 20 updates), large models train at about 1e-6",
+    )
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_beta1: float = Field(0.9, description="AdamW beta1")
+    adam_beta2: float = Field(0.98, description="AdamW beta2")
+    clip_grad: float = Field(1.0, description="max global gradient norm (0: off)")
+    advantage_estimator: Literal["grpo"] = Field(
+        "grpo", description="group-relative advantages: reward minus the group mean (over its std)"
+    )
+    disable_grpo_std_normalization: bool = Field(False, description="GRPO advantages without dividing by the group std")
+    eps_clip: float = Field(0.2, gt=0, description="PPO clip range (low side)")
+    eps_clip_high: float | None = Field(None, description="PPO clip range, high side (default: eps_clip)")
+    loss_aggregation: Literal["token", "sequence"] = Field(
+        "token", description="mean over all trained tokens, or per sequence then over sequences"
+    )
+    kl_coef: float = Field(0.0, ge=0, description="KL(actor || reference) penalty subtracted from the reward")
+    use_kl_loss: bool = Field(False, description="add KL(actor || reference) to the loss")
+    kl_loss_coef: float = Field(0.0, ge=0, description="weight of the KL loss")
+    kl_loss_type: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator of the KL loss")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus (full-vocabulary entropy)")
+    use_rollout_logprobs: bool = Field(
+        False, description="old log-probs from the rollout log mu instead of recomputing them"
+    )
+    use_tis: bool = Field(False, description="truncated importance sampling against the rollout log mu")
+    tis_cap: float = Field(2.0, gt=0, description="truncation of the importance weight pi_old / mu")
+    tis_mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="--use-tis weights: min(pi_old / mu, cap) (TIS), or 1 inside [1/cap, cap] and 0 outside (masked IS)",
+    )
+    seed: int = Field(1234, description="trainer seed (initialisation, shuffling)")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0 or self.use_kl_loss
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.use_kl_loss and self.kl_loss_coef <= 0:
+            bad("kl_loss_coef", self.kl_loss_coef, "must be > 0 with --use-kl-loss")
+        if self.kl_loss_coef > 0 and not self.use_kl_loss:
+            bad("kl_loss_coef", self.kl_loss_coef, "has no effect without --use-kl-loss")
+        if self.tis_mode == "mask" and self.tis_cap <= 1:
+            bad("tis_cap", self.tis_cap, "masked IS keeps ratios inside [1/cap, cap]: needs a cap > 1")
+        if self.tis_mode != "truncate" and not self.use_tis:
+            bad("tis_mode", self.tis_mode, "has no effect without --use-tis")
+        if self.use_tis and self.use_rollout_logprobs:
+            bad(
+                "use_tis",
+                True,
+                "with --use-rollout-logprobs the old policy is the rollout's own, so pi_old / mu is 1 "
+                "and there is nothing to correct",
+            )
+        return self
+
+
+class ReplayConfig(Section):
+    """Replay and checks: dtypes, kernels, --ci-test, drift."""
+
+    TITLE: ClassVar[str] = "replay and checks: dtypes, kernels, --ci-test, drift"
+
+    ci_test: bool = Field(
+        False, description="fail unless the trainer's support log-probs match the rollout log mu on every token"
+    )
+    ci_test_tolerance: float | None = Field(
+        None,
+        ge=0,
+        description=f"per-token max |log pi - log mu| allowed by --ci-test (default: {FP32_CI_TOLERANCE:g} in fp32, {BF16_CI_TOLERANCE:g} when either side runs bf16; 0 in true-on-policy mode)",
+    )
+    full_vocab_metrics_interval: int = Field(
+        1,
+        ge=1,
+        description="under replay, score the full vocabulary for the metrics (full_vocab_ratio_*) every N rollouts only; the KL reward still takes it every rollout",
+    )
+    min_support_mass: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="drop from the loss a stale sample (lag >= 1) whose mean current-policy mass inside its replayed supports is below this (0: off)",
+    )
+    rollout_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="the in-process engine's weights and compute (a --rollout-url engine runs its own: say it here for the --ci-test tolerance)",
+    )
+    train_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="the trainer's compute (autocast; weights, gradients and optimizer state stay fp32)"
+    )
+    true_on_policy_mode: bool = Field(
+        False,
+        description="batch-invariant engine and trainer: rollout and trainer log-probs equal bit for bit (--ci-test then demands it)",
+    )
+    linear_kernel: Literal["auto", "torch", "onednn"] = Field("auto", description=LINEAR_KERNEL_HELP)
+
+    @property
+    def ci_tolerance(self) -> float:
+        """What --ci-test allows per token: the flag, or what the dtypes of the two sides allow."""
+        if self.true_on_policy_mode:
+            return 0.0
+        if self.ci_test_tolerance is not None:
+            return self.ci_test_tolerance
+        return BF16_CI_TOLERANCE if "bfloat16" in (self.rollout_dtype, self.train_dtype) else FP32_CI_TOLERANCE
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.true_on_policy_mode and "bfloat16" in (self.rollout_dtype, self.train_dtype):
+            knob = "rollout_dtype" if self.rollout_dtype == "bfloat16" else "train_dtype"
+            bad(
+                knob,
+                "bfloat16",
+                "true-on-policy mode runs the batch-invariant fp32 kernels on both sides; "
+                "bf16 would need kernels of their own",
+            )
+        return self
+
+
+class EvalConfig(Section):
+    """Evaluation."""
+
+    TITLE: ClassVar[str] = "evaluation"
+
+    eval_interval: int | None = Field(None, ge=1, description="evaluate every N rollouts")
+    eval_prompt_data: str | None = Field(None, description="evaluation prompts (default: held-out built-in task)")
+    n_eval_prompts: int = Field(16, ge=1, description="prompts per evaluation")
+    n_samples_per_eval_prompt: int = Field(1, ge=1, description="responses per evaluation prompt")
+    eval_temperature: float = Field(0.0, ge=0, description="evaluation sampling temperature (0: greedy)")
+    eval_top_p: float = Field(1.0, description="evaluation top-p")
+    eval_top_k: int = Field(-1, description="evaluation top-k")
+    eval_max_response_len: int | None = Field(
+        None, ge=1, description="evaluation max new tokens (default: the rollout one)"
+    )
+
+    def due(self, rollout: int) -> bool:
+        """Whether an evaluation follows rollout ``rollout``."""
+        return bool(self.eval_interval) and (rollout + 1) % self.eval_interval == 0
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.eval_prompt_data and not self.eval_interval:
+            bad("eval_prompt_data", self.eval_prompt_data, "has no effect without --eval-interval N")
+        return self
+
+
+class OutputConfig(Section):
+    """Logging and output."""
+
+    TITLE: ClassVar[str] = "logging and output"
+
+    output_dir: str = Field("runs/latest", description="metrics, effective config, plot")
+    save: str | None = Field(None, description="checkpoint directory")
+    save_interval: int | None = Field(None, ge=1, description="checkpoint every N rollouts")
+    resume: bool = Field(False, description="continue from the latest checkpoint in --save")
+    progress: bool = Field(True, description="progress bar on the console")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.resume and not self.save:
+            bad("resume", True, "needs --save DIR to resume from")
+        if self.save_interval and not self.save:
+            bad("save_interval", self.save_interval, "needs --save DIR to write checkpoints to")
+        return self
+
+
+SECTIONS = {
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "engine": EngineConfig,
+    "production": ProductionConfig,
+    "agents": AgentConfig,
+    "parallel": ParallelConfig,
+    "optimizer": OptimizerConfig,
+    "replay": ReplayConfig,
+    "evaluation": EvalConfig,
+    "output": OutputConfig,
+}
