@@ -21,12 +21,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..errors import SamplingParamsError
 from .logprobs import support_logprobs
-from .support import SupportTable
+from .support import SupportTable, offsets_from_sizes
 
 SEMANTICS = ("sglang", "vllm", "hf")
 
@@ -294,7 +293,6 @@ def sample_tokens(
         scored, scored_tokens, scored_temp = logits[index], tokens[index], scored_temp[index]
     with torch.no_grad():
         log_mu = support_logprobs(scored, scored_tokens, (ids, valid), scored_temp)
-    offsets = np.zeros(len(captured) + 1, dtype=np.int64)
-    np.cumsum(counts.cpu().numpy(), out=offsets[1:])
+    offsets = offsets_from_sizes(counts.cpu().numpy())
     support = SupportTable(cols.to(torch.int32).cpu().numpy(), offsets)
     return SampledTokens(tokens=tokens, support=support, log_mu=log_mu, captured=captured)

@@ -19,6 +19,14 @@ from ..errors import SupportError
 _ID_LIMIT = np.iinfo(np.int32).max
 
 
+def offsets_from_sizes(sizes) -> np.ndarray:
+    """CSR offsets (int64, starting at 0) of rows of the given sizes."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    return offsets
+
+
 def _as_int_array(values, name: str, dtype) -> np.ndarray:
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
@@ -68,8 +76,7 @@ class SupportTable:
     def from_lists(cls, rows: Iterable[Sequence[int]]) -> SupportTable:
         rows = list(rows)
         sizes = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
+        offsets = offsets_from_sizes(sizes)
         try:
             flat = np.fromiter((int(i) for r in rows for i in r), dtype=np.int64, count=int(offsets[-1]))
         except OverflowError:
@@ -94,23 +101,20 @@ class SupportTable:
             t = int(np.flatnonzero((lengths < 0) | (lengths > ids.shape[1]))[0])
             raise SupportError(f"row {t}: length {int(lengths[t])} outside [0, {ids.shape[1]}]")
         keep = np.arange(ids.shape[1])[None, :] < lengths[:, None]
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
+        offsets = offsets_from_sizes(lengths)
         return cls.from_csr(_as_int_array(ids[keep], "ids", np.int32), offsets)
 
     @classmethod
     def from_mask(cls, mask: torch.Tensor) -> SupportTable:
         """From a boolean ``[T, V]`` mask (ids come out ascending, already canonical)."""
         rows, cols = torch.nonzero(mask, as_tuple=True)
-        offsets = np.zeros(mask.shape[0] + 1, dtype=np.int64)
-        np.cumsum(mask.sum(-1).cpu().numpy(), out=offsets[1:])
+        offsets = offsets_from_sizes(mask.sum(-1).cpu().numpy())
         return cls(cols.to(torch.int32).cpu().numpy(), offsets)
 
     @classmethod
     def from_rows(cls, rows: Sequence[np.ndarray]) -> SupportTable:
         """From canonical (ascending, int32) id arrays, one per row, without re-sorting."""
-        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum([len(r) for r in rows], out=offsets[1:])
+        offsets = offsets_from_sizes([len(r) for r in rows])
         ids = np.concatenate(rows).astype(np.int32, copy=False) if rows else np.zeros(0, np.int32)
         return cls(ids, offsets)
 
@@ -173,8 +177,7 @@ class SupportTable:
             return SupportTable.empty()
         ids = np.concatenate([t.ids for t in tables])
         sizes = np.concatenate([t.sizes() for t in tables])
-        offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
+        offsets = offsets_from_sizes(sizes)
         return SupportTable(ids, offsets)
 
     def __add__(self, other: SupportTable) -> SupportTable:
@@ -195,8 +198,7 @@ class SupportTable:
             raise SupportError(f"select: row {bad} out of range for {self.num_rows} rows")
         rows = rows % max(self.num_rows, 1)
         sizes = self.sizes()[rows]
-        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
+        offsets = offsets_from_sizes(sizes)
         # position of every output id in the source: start of its source row + rank in row
         starts = np.repeat(self.offsets[rows], sizes)
         within = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], sizes)
@@ -228,12 +230,19 @@ class SupportTable:
         tokens = _as_int_array(tokens, "tokens", np.int64)
         if len(tokens) != self.num_rows:
             raise SupportError(f"contains: {len(tokens)} tokens for {self.num_rows} rows")
+        _, found = self.locate(tokens)
+        return found & (tokens >= 0)
+
+    def locate(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where ``tokens[t]`` stands in the flat ``ids`` if it is in row t, or where it would be
+        inserted to keep the row sorted, and whether it is there (one row per token, rows canonical):
+        a single ``searchsorted`` over ``row << 32 | id`` keys, which sort like (row, id)."""
         keys = (_row_index(self.offsets) << 32) | self.ids.astype(np.int64)
-        queries = (np.arange(self.num_rows, dtype=np.int64) << 32) | (tokens & 0xFFFFFFFF)
+        queries = (np.arange(self.num_rows, dtype=np.int64) << 32) | (tokens.astype(np.int64) & 0xFFFFFFFF)
         pos = np.searchsorted(keys, queries)
         found = pos < len(keys)
         found[found] = keys[pos[found]] == queries[found]
-        return found & (tokens >= 0)
+        return pos, found
 
     # ---- validation ---------------------------------------------------------------
 

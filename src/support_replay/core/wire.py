@@ -28,7 +28,7 @@ import struct
 import numpy as np
 
 from ..errors import SupportError, WireError
-from .support import SupportTable, _as_int_array, _row_index
+from .support import SupportTable, _as_int_array, _row_index, offsets_from_sizes
 
 MAGIC = b"SRPW"
 VERSION = 1
@@ -114,14 +114,8 @@ def _low_layout(widths: np.ndarray):
 
 
 def _drop_selected(table: SupportTable, selected: np.ndarray) -> SupportTable:
-    if len(selected) != table.num_rows:
-        raise WireError(f"selected: {len(selected)} tokens for {table.num_rows} support rows")
-    inside = table.contains(selected)
-    if not inside.all():
-        t = int(np.flatnonzero(~inside)[0])
-        raise WireError(f"row {t}: selected token {int(selected[t])} is not in its support")
-    keys = (_row_index(table.offsets) << 32) | table.ids.astype(np.int64)
-    where = np.searchsorted(keys, (np.arange(table.num_rows, dtype=np.int64) << 32) | selected)
+    """``table`` without each row's selected token (``encode`` validated that it is there)."""
+    where, _ = table.locate(selected)
     offsets = table.offsets - np.arange(table.num_rows + 1, dtype=np.int64)
     return SupportTable(np.delete(table.ids, where), offsets)
 
@@ -220,8 +214,7 @@ def decode(data: bytes, selected=None, vocab_size: int | None = None) -> Support
         remainders[idx] = _unpack_fixed(buf[pos : pos + size], len(idx), w)
         pos += size
     gaps = (quotients << widths) | remainders
-    offsets = np.zeros(rows + 1, np.int64)
-    np.cumsum(counts, out=offsets[1:])
+    offsets = offsets_from_sizes(counts)
     steps = gaps + 1
     running = np.cumsum(steps)
     row_base = np.repeat(np.concatenate(([0], running))[offsets[:-1]], counts)
@@ -237,11 +230,7 @@ def decode(data: bytes, selected=None, vocab_size: int | None = None) -> Support
 
 def _insert_selected(table: SupportTable, selected: np.ndarray) -> SupportTable:
     if table.nnz:
-        keys = (_row_index(table.offsets) << 32) | table.ids.astype(np.int64)
-        queries = (np.arange(table.num_rows, dtype=np.int64) << 32) | selected
-        where = np.searchsorted(keys, queries)
-        hit = where < len(keys)
-        hit[hit] = keys[where[hit]] == queries[hit]
+        where, hit = table.locate(selected)
         if hit.any():
             t = int(np.flatnonzero(hit)[0])
             raise WireError(f"row {t}: selected token {int(selected[t])} is stored twice")
