@@ -9,7 +9,7 @@ TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 VLLM_VENV := .venv-vllm
 WITH_VLLM ?= 1
 
-.PHONY: setup test test-fast test-floats-other-cpu run bench clean vllm fixtures flag-table
+.PHONY: setup lint format test test-fast test-floats-other-cpu run bench clean vllm fixtures flag-table
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,14 +34,23 @@ vllm: $(VLLM_VENV)/.installed
 # compare floats bit for bit or within an ulp bound run again under them (docs/reliability.md).
 OTHER_CPU := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 
-test: setup $(if $(filter 1,$(WITH_VLLM)),vllm)
+# House rules a tool keeps: ruff's format and lint (settings in pyproject.toml); `make format` applies them.
+lint: setup
+	$(VENV)/bin/ruff format --check --quiet src tests bench
+	$(VENV)/bin/ruff check --quiet src tests bench
+
+format: setup
+	$(VENV)/bin/ruff format --quiet src tests bench
+	$(VENV)/bin/ruff check --quiet --fix src tests bench
+
+test: lint $(if $(filter 1,$(WITH_VLLM)),vllm)
 	$(PY) -m pytest -q --durations=15
 	$(MAKE) test-floats-other-cpu
 
 test-floats-other-cpu: setup
 	$(OTHER_CPU) $(PY) -m pytest -q -m "float_bits and not slow" -p no:cacheprovider
 
-test-fast: setup
+test-fast: lint
 	$(PY) -m pytest -q --durations=15 -m "not slow"
 
 # Engine payload fixtures from the engines' own code (SGLang's wheel, a real vLLM server).

@@ -167,18 +167,22 @@ def main() -> None:
     for n in args.sessions:
         r = overhead(engine, tokenizer, n, args.turns, args.tokens)
         print(
-            f"| {n} | {r['turn_wall_ms']:.1f} | {r['turn_generate_ms']:.1f} | {r['overhead_ms']:.2f} | {r['overhead_share']:.2%} | {r['context_tokens']:.0f} |"
+            f"| {n} | {r['turn_wall_ms']:.1f} | {r['turn_generate_ms']:.1f} | {r['overhead_ms']:.2f} | "
+            f"{r['overhead_share']:.2%} | {r['context_tokens']:.0f} |"
         )
     r = episodes_per_minute(engine, tokenizer, args.episodes, args.episode_turns, args.tokens)
     print(
-        f"\ncalculator environment, {r['episodes']} episodes (4 per task), up to {args.episode_turns} turns x {args.tokens} tokens, "
-        f"mean {r['turns_mean']:.2f} turns, {r['tool_calls']} episodes with a tool call, {r['model_tokens']} model / {r['inserted_tokens']} inserted tokens\n"
+        f"\ncalculator environment, {r['episodes']} episodes (4 per task), up to {args.episode_turns} turns x "
+        f"{args.tokens} tokens, "
+        f"mean {r['turns_mean']:.2f} turns, {r['tool_calls']} episodes with a tool call, {r['model_tokens']} model / "
+        f"{r['inserted_tokens']} inserted tokens\n"
     )
     print("| path | seconds | episodes per minute |")
     print("|---|---:|---:|")
     print(f"| sessions over HTTP, openai client, the agent's turns | {r['ours_s']:.1f} | {r['ours_per_min']:.1f} |")
     print(
-        f"| same model tokens single-turn (one request per episode) | {r['single_turn_s']:.1f} | {r['single_turn_per_min']:.1f} |"
+        f"| same model tokens single-turn (one request per episode) | {r['single_turn_s']:.1f} | "
+        f"{r['single_turn_per_min']:.1f} |"
     )
     engine.shutdown()
 

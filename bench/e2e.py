@@ -80,17 +80,21 @@ PHASES = ("time_generate", "time_score", "time_update", "time_sync", "time_step"
 def print_steps(name: str, rows: list[dict]) -> dict[str, float]:
     """The per-step table of one run; returns the means of steps 1+ (step 0 is the warm-up)."""
     print(
-        f"\n{name}\n\n| step | generate s | score s | update s | sync s | total s | response len | max abs(log pi - log mu) |"
+        f"\n{name}\n\n| step | generate s | score s | update s | sync s | total s | response len | max abs(log pi - "
+        "log mu) |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['rollout']} | {r['time_generate']:.2f} | {r['time_score']:.2f} | {r['time_update']:.2f} | {r['time_sync']:.2f} | {r['time_step']:.2f} | {r['response_len_mean']:.1f} | {r['train_rollout_logprob_abs_diff_max']:.1e} |"
+            f"| {r['rollout']} | {r['time_generate']:.2f} | {r['time_score']:.2f} | {r['time_update']:.2f} | "
+            f"{r['time_sync']:.2f} | {r['time_step']:.2f} | {r['response_len_mean']:.1f} | "
+            f"{r['train_rollout_logprob_abs_diff_max']:.1e} |"
         )
     steady = rows[1:] or rows
     mean = {k: statistics.mean(r[k] for r in steady) for k in PHASES}
     print(
-        f"| mean (steps 1+) | {mean['time_generate']:.2f} | {mean['time_score']:.2f} | {mean['time_update']:.2f} | {mean['time_sync']:.2f} | {mean['time_step']:.2f} | | |"
+        f"| mean (steps 1+) | {mean['time_generate']:.2f} | {mean['time_score']:.2f} | {mean['time_update']:.2f} | "
+        f"{mean['time_sync']:.2f} | {mean['time_step']:.2f} | | |"
     )
     return mean
 
@@ -162,7 +166,8 @@ def pinned_runs(steps: int) -> dict[str, list[dict]]:
 
 def print_async_compare(runs: dict[str, list[dict]]) -> None:
     print(
-        "\n| run (engine core 0, trainer core 1) | generate s | wait for rollout s | score s | update s | of which lagged --ci-test s | sync s | step s | lag max | max abs(log pi - log mu) |"
+        "\n| run (engine core 0, trainer core 1) | generate s | wait for rollout s | score s | update s | of which "
+        "lagged --ci-test s | sync s | step s | lag max | max abs(log pi - log mu) |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     means = {}
@@ -184,20 +189,24 @@ def print_async_compare(runs: dict[str, list[dict]]) -> None:
         lag = max(r["policy_lag_max"] for r in rows)
         diff = max(r["train_rollout_logprob_abs_diff_max"] for r in rows)
         print(
-            f"| {name} | {m['time_generation']:.2f} | {m['time_generate']:.2f} | {m['time_score']:.2f} | {m['time_update']:.2f} | "
+            f"| {name} | {m['time_generation']:.2f} | {m['time_generate']:.2f} | {m['time_score']:.2f} | "
+            f"{m['time_update']:.2f} | "
             f"{m['time_ci_test_lagged']:.2f} | {m['time_sync']:.2f} | {m['time_step']:.2f} | {lag} | {diff:.1e} |"
         )
     sync = means["synchronous"]
     for name, m in means.items():
         if name != "synchronous":
             print(
-                f"\n{name}: step {m['time_step']:.2f} s vs synchronous {sync['time_step']:.2f} s: {sync['time_step'] / m['time_step']:.2f}x (measured, steps 1+)"
+                f"\n{name}: step {m['time_step']:.2f} s vs synchronous {sync['time_step']:.2f} s: "
+                f"{sync['time_step'] / m['time_step']:.2f}x (measured, steps 1+)"
             )
     train_phase = sync["time_score"] + sync["time_update"]
     estimate = max(sync["time_generation"], train_phase) + sync["time_sync"]
     print(
-        f"separate devices (estimate from the synchronous phases): max(generate {sync['time_generation']:.2f}, score + update {train_phase:.2f}) "
-        f"+ sync {sync['time_sync']:.2f} = {estimate:.2f} s per step vs {sync['time_step']:.2f} s synchronous ({sync['time_step'] / estimate:.2f}x)"
+        f"separate devices (estimate from the synchronous phases): max(generate {sync['time_generation']:.2f}, score "
+        f"+ update {train_phase:.2f}) "
+        f"+ sync {sync['time_sync']:.2f} = {estimate:.2f} s per step vs {sync['time_step']:.2f} s synchronous "
+        f"({sync['time_step'] / estimate:.2f}x)"
     )
 
 
@@ -343,11 +352,13 @@ def main() -> None:
             print("|---|---:|---:|")
             print(f"| TRL GRPOTrainer {__import__('trl').__version__} (fp32, its defaults) | {trl_mean:.2f} | |")
             print(
-                f"| support-replay, {args.dtype} (replay + --ci-test) | {mean['time_step']:.2f} | {trl_mean / mean['time_step']:.2f}x |"
+                f"| support-replay, {args.dtype} (replay + --ci-test) | {mean['time_step']:.2f} | "
+                f"{trl_mean / mean['time_step']:.2f}x |"
             )
             if bf16:
                 print(
-                    f"| support-replay, bfloat16 (replay + --ci-test) | {bf16['time_step']:.2f} | {trl_mean / bf16['time_step']:.2f}x |"
+                    f"| support-replay, bfloat16 (replay + --ci-test) | {bf16['time_step']:.2f} | "
+                    f"{trl_mean / bf16['time_step']:.2f}x |"
                 )
 
 

@@ -313,7 +313,8 @@ def compare_deterministic(path: Path, args) -> None:
     for e in engines.values():
         engine_rate(e, ids, 2, 4, True, 1)  # warm-up
     print(
-        f"model={args.model} dtype={args.dtype} linear kernel={engines[True].linear_kernel} prompt={len(ids)} tokens, new={args.new_tokens}, "
+        f"model={args.model} dtype={args.dtype} linear kernel={engines[True].linear_kernel} prompt={len(ids)} tokens, "
+        f"new={args.new_tokens}, "
         f"threads={torch.get_num_threads()}, {args.repeats} paired rounds"
     )
     print("\n| batch | normal tok/s (best) | deterministic tok/s (best) | deterministic / normal (median of rounds) |")
@@ -362,7 +363,8 @@ def compare_kernels(path: Path, args) -> None:
             )
             runner.use_fused = runner.fused is not None
     print(
-        f"model={args.model} dtype={args.dtype} deterministic={args.deterministic} GRPO shape 4 x 4 x {args.new_tokens} tokens, EOS ignored, "
+        f"model={args.model} dtype={args.dtype} deterministic={args.deterministic} GRPO shape 4 x 4 x "
+        f"{args.new_tokens} tokens, EOS ignored, "
         f"capture on, threads={torch.get_num_threads()}, median of {args.repeats} interleaved rounds"
     )
     print("\n| linear kernel | decode step | tok/s | vs torch, module tree |")
@@ -412,10 +414,13 @@ def main() -> None:
     ids = prompt_ids(engine)
     engine_rate(engine, ids, 2, 4, True, 1)  # warm-up
     print(
-        f"model={args.model} dtype={args.dtype} deterministic={args.deterministic} linear kernel={engine.linear_kernel} prompt={len(ids)} tokens, new={args.new_tokens}, threads={torch.get_num_threads()}, sampling={PARAMS}"
+        f"model={args.model} dtype={args.dtype} deterministic={args.deterministic} linear "
+        f"kernel={engine.linear_kernel} prompt={len(ids)} tokens, new={args.new_tokens}, "
+        f"threads={torch.get_num_threads()}, sampling={PARAMS}"
     )
     print(
-        f"\n| batch | capture off tok/s | capture on tok/s | end-to-end cost (median of {args.repeats} paired rounds) | "
+        f"\n| batch | capture off tok/s | capture on tok/s | end-to-end cost (median of {args.repeats} paired rounds) "
+        "| "
         "time outside the forward, on - off, share of the run |"
     )
     print("|---:|---:|---:|---:|---:|")
@@ -432,7 +437,8 @@ def main() -> None:
         extra = float(np.median([100 * (c[1] - o[1]) / c[2] for o, c in pairs]))
         print(f"| {b} | {off:.1f} | {on:.1f} | {cost:+.1f}% | {extra:+.1f}% |")
     print(
-        f"\n| 16 requests x {args.new_tokens} tokens, capture on | prefill per request tok/s | shared prefill tok/s | gain |"
+        f"\n| 16 requests x {args.new_tokens} tokens, capture on | prefill per request tok/s | shared prefill tok/s | "
+        "gain |"
     )
     print("|---|---:|---:|---:|")
     shapes = [("GRPO shape: 4 prompts x 4 samples", 4, 4), ("16 distinct prompts", 16, 1)]
@@ -461,11 +467,13 @@ def main() -> None:
         print("|---|---:|---:|")
         print(f"| Hugging Face generate (batch 16) | {hf:.1f} | {hf_eos:.1f} |")
         print(
-            f"| support-replay engine, capture on | {ours:.1f} ({ours / hf:.2f}x) | {ours_eos:.1f} ({ours_eos / hf_eos:.2f}x) |"
+            f"| support-replay engine, capture on | {ours:.1f} ({ours / hf:.2f}x) | {ours_eos:.1f} "
+            f"({ours_eos / hf_eos:.2f}x) |"
         )
         model = model.to(getattr(torch, args.dtype))
         print(
-            f"\n| {args.dtype}, 16 requests x {args.new_tokens} tokens, EOS ignored | HF generate tok/s | HF time in linear layers | ours tok/s | ratio | "
+            f"\n| {args.dtype}, 16 requests x {args.new_tokens} tokens, EOS ignored | HF generate tok/s | HF time in "
+            "linear layers | ours tok/s | ratio | "
             "bound from the linear layers | ratio / bound |"
         )
         print("|---|---:|---:|---:|---:|---:|---:|")
@@ -476,7 +484,8 @@ def main() -> None:
             work = prompts * per * args.new_tokens
             bound = (work / rate) / ours_linear
             print(
-                f"| {name} | {rate:.1f} | {100 * share:.0f}% | {ours_rate:.1f} | {ours_rate / rate:.2f}x | {bound:.2f}x | {ours_rate / rate / bound:.2f} |"
+                f"| {name} | {rate:.1f} | {100 * share:.0f}% | {ours_rate:.1f} | {ours_rate / rate:.2f}x | "
+                f"{bound:.2f}x | {ours_rate / rate / bound:.2f} |"
             )
     else:
         engine.shutdown()

@@ -133,10 +133,12 @@ def main() -> None:
     prompts = [render_prompt(engine.tokenizer, task[i], True)[0] for i in range(args.prompts)]
     mode = "true-on-policy (deterministic engine, batch-invariant scorer)" if args.true_on_policy else "normal mode"
     print(
-        f"SmolLM2-135M-Instruct, {args.prompts} prompts x {args.samples} samples, up to {args.new_tokens} tokens, temperature 1, sglang semantics, {mode}"
+        f"SmolLM2-135M-Instruct, {args.prompts} prompts x {args.samples} samples, up to {args.new_tokens} tokens, "
+        f"temperature 1, sglang semantics, {mode}"
     )
     print(
-        "\n| rollout sampling | tokens | full vocab: mean ratio | outside [0.9, 1.1] | replay: mean ratio | outside [0.9, 1.1] | log pi != log mu |"
+        "\n| rollout sampling | tokens | full vocab: mean ratio | outside [0.9, 1.1] | replay: mean ratio | outside "
+        "[0.9, 1.1] | log pi != log mu |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, kw in SETTINGS:
@@ -145,7 +147,8 @@ def main() -> None:
         )
         out = lambda r: np.mean((r < 0.9) | (r > 1.1))  # noqa: E731
         print(
-            f"| {name} | {len(full)} | {full.mean():.3f} | {out(full):.1%} | {replay.mean():.4f} | {out(replay):.1%} | {unequal} |"
+            f"| {name} | {len(full)} | {full.mean():.3f} | {out(full):.1%} | {replay.mean():.4f} | {out(replay):.1%} "
+            f"| {unequal} |"
         )
     if not args.true_on_policy:
         vocab = engine.vocab_size
@@ -164,14 +167,16 @@ def main() -> None:
         ]
         print("\nWith penalties (top_p 0.8, top_k 1024, sglang semantics):")
         print(
-            "\n| penalty | tokens | full vocab: mean ratio | outside | replay without the penalty: mean ratio | outside | replay with it: mean ratio | outside |"
+            "\n| penalty | tokens | full vocab: mean ratio | outside | replay without the penalty: mean ratio | "
+            "outside | replay with it: mean ratio | outside |"
         )
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for name, p in settings:
             full, plain, pen = penalty_ratios(engine, model, prompts, p, args.samples, args.new_tokens)
             out = lambda r: np.mean((r < 0.9) | (r > 1.1))  # noqa: E731
             print(
-                f"| {name} | {len(full)} | {full.mean():.3f} | {out(full):.1%} | {plain.mean():.3f} | {out(plain):.1%} | {pen.mean():.4f} | {out(pen):.1%} |"
+                f"| {name} | {len(full)} | {full.mean():.3f} | {out(full):.1%} | {plain.mean():.3f} | "
+                f"{out(plain):.1%} | {pen.mean():.4f} | {out(pen):.1%} |"
             )
     engine.shutdown()
 

@@ -82,14 +82,17 @@ def main() -> None:
     assert np.array_equal(quadratic_row_logprobs(row, ids, 1.0).numpy(), support_row_logprobs(row, ids, 1.0).numpy())
 
     print(
-        f"\nSmolLM2 fp32, {args.tokens} new tokens, median of {args.rounds}; the heavy request's supports: mean |S| {sizes.mean():.0f}"
+        f"\nSmolLM2 fp32, {args.tokens} new tokens, median of {args.rounds}; the heavy request's supports: mean |S| "
+        f"{sizes.mean():.0f}"
     )
     print(
-        "| good request alone (s) | beside the heavy one (s) | slowdown | heavy alone (s) | support-mode capture of one |S|=4096 row: before (ms) | now (ms) |"
+        "| good request alone (s) | beside the heavy one (s) | slowdown | heavy alone (s) | support-mode capture of "
+        "one |S|=4096 row: before (ms) | now (ms) |"
     )
     print("|---:|---:|---:|---:|---:|---:|")
     print(
-        f"| {alone:.2f} | {beside:.2f} | {beside / alone:.2f}x | {heavy_alone:.2f} | {old * 1000:.0f} | {new * 1000:.2f} |"
+        f"| {alone:.2f} | {beside:.2f} | {beside / alone:.2f}x | {heavy_alone:.2f} | {old * 1000:.0f} | "
+        f"{new * 1000:.2f} |"
     )
 
 

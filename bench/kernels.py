@@ -141,7 +141,8 @@ def main() -> None:
 
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
     print(
-        f"T={args.tokens} V={args.vocab} H={args.hidden} threads={torch.get_num_threads()} torch={torch.__version__} THP_MEM_ALLOC_ENABLE={thp}"
+        f"T={args.tokens} V={args.vocab} H={args.hidden} threads={torch.get_num_threads()} torch={torch.__version__} "
+        f"THP_MEM_ALLOC_ENABLE={thp}"
     )
     common = [
         "--tokens",

@@ -35,7 +35,8 @@ def main() -> None:
     path = smollm2_checkpoint()
     print(f"memory available at start: {available_bytes() / 2**30:.1f} GiB")
     print(
-        "\n| dtype | bytes per KV position | default budget (positions) | budget (GiB) | largest batch at 512 + 512 | at 2048 + 2048 | at 7,168 + 1,024 |"
+        "\n| dtype | bytes per KV position | default budget (positions) | budget (GiB) | largest batch at 512 + 512 | "
+        "at 2048 + 2048 | at 7,168 + 1,024 |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
@@ -43,9 +44,8 @@ def main() -> None:
         b = engine.kv_budget
         shapes = [largest_batch(b, p, n) for p, n in ((512, 512), (2048, 2048), (7168, 1024))]
         print(
-            f"| {str(dtype).removeprefix('torch.')} | {b.bytes_per_token:,} | {b.max_total_tokens:,} | {b.bytes / 2**30:.1f} | "
-            + " | ".join(f"{s:,}" for s in shapes)
-            + " |"
+            f"| {str(dtype).removeprefix('torch.')} | {b.bytes_per_token:,} | {b.max_total_tokens:,} | "
+            f"{b.bytes / 2**30:.1f} | " + " | ".join(f"{s:,}" for s in shapes) + " |"
         )
         del engine
 
@@ -75,15 +75,18 @@ def main() -> None:
     secs = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(
-        f"\n{len(reqs)} requests (one of {args.long:,} prompt tokens, {args.short} of 16), {args.max_new} new tokens each, {args.dtype}, "
+        f"\n{len(reqs)} requests (one of {args.long:,} prompt tokens, {args.short} of 16), {args.max_new} new tokens "
+        f"each, {args.dtype}, "
         f"default budget {engine.kv_budget.max_total_tokens:,} positions ({engine.kv_budget.bytes / 2**30:.1f} GiB):"
     )
     print(
-        "| answered | admissions (prefill batches) | time (s) | peak RSS (GiB) | RSS before (GiB) | the rectangle without a budget (GiB) |"
+        "| answered | admissions (prefill batches) | time (s) | peak RSS (GiB) | RSS before (GiB) | the rectangle "
+        "without a budget (GiB) |"
     )
     print("|---:|---:|---:|---:|---:|---:|")
     print(
-        f"| {sum(c.num_tokens == args.max_new for c in out)} of {len(reqs)} | {len(prefills)} | {secs:.1f} | {peak / 2**20:.1f} | "
+        f"| {sum(c.num_tokens == args.max_new for c in out)} of {len(reqs)} | {len(prefills)} | {secs:.1f} | "
+        f"{peak / 2**20:.1f} | "
         f"{before / 2**20:.1f} | {unbudgeted / 2**30:.1f} |"
     )
 

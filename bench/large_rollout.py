@@ -87,13 +87,15 @@ def main() -> None:
                         row, secs = run(ckpt, tmp / "c", args.prompts, args.samples, rurl)
                         results.append(("router -> serve", row, secs, overloaded(url) - before))
     print(
-        f"\n{args.prompts} prompts x {args.samples} samples = {args.prompts * args.samples} requests, one rollout, tiny model\n"
+        f"\n{args.prompts} prompts x {args.samples} samples = {args.prompts * args.samples} requests, one rollout, "
+        "tiny model\n"
     )
     print("| path | samples trained | failed samples | regenerated groups | engine 503s | time (s) |")
     print("|---|---|---|---|---|---|")
     for name, row, secs, busy in results:
         print(
-            f"| {name} | {row.get('samples', '?')} | {row['failed_samples']} | {row['regenerated_groups']} | {busy} | {secs:.1f} |"
+            f"| {name} | {row.get('samples', '?')} | {row['failed_samples']} | {row['regenerated_groups']} | {busy} | "
+            f"{secs:.1f} |"
         )
     print(
         json.dumps({name: {k: row[k] for k in ("failed_samples", "regenerated_groups")} for name, row, _, _ in results})

@@ -2,7 +2,8 @@
 
 1. One deterministic engine, queue 256, batch 64: 1,000 requests at once. Clients honour
    Retry-After on a 503 (up to 5 tries). Reports the statuses, the /health latency (p50/p99)
-   during the run (from a process of its own, every 50 ms), the engine's resident memory before and after, and whether every 200 answer
+   during the run (from a process of its own, every 50 ms), the engine's resident memory before and after,
+   and whether every 200 answer
    is bit-identical to the same request sent alone afterwards.
 2. Our router over three engines: 5,000 requests, 256 at a time; the share each engine served.
 
@@ -66,7 +67,8 @@ import json, sys, time, httpx
 url, stop_file, lat = sys.argv[1], sys.argv[2], []
 with httpx.Client() as client:
     while not __import__("os").path.exists(stop_file):
-        start = time.perf_counter(); client.get(url + "/health", timeout=60); lat.append(time.perf_counter() - start); time.sleep(0.05)
+        start = time.perf_counter(); client.get(url + "/health", timeout=60)
+        lat.append(time.perf_counter() - start); time.sleep(0.05)
 print(json.dumps(lat))
 """
 
@@ -127,7 +129,8 @@ def main() -> None:
     ok = statuses.get(200, 0)
     print(f"\n{args.requests:,} at once against one engine (queue 256, batch 64), {extra['elapsed_s']:.1f} s:")
     print(
-        "| answered 200 | 503 after 5 tries | other | /health p50 ms | /health p99 ms | RSS before MB | RSS after MB | 200s bit-identical alone |"
+        "| answered 200 | 503 after 5 tries | other | /health p50 ms | /health p99 ms | RSS before MB | RSS after MB "
+        "| 200s bit-identical alone |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     other = sum(v for k, v in statuses.items() if k not in (200, 503))
@@ -147,7 +150,8 @@ def main() -> None:
             served = {w["url"]: w["served"] for w in httpx.get(rurl + "/workers").json()}
     total = sum(served.values())
     print(
-        f"\n{args.router_requests:,} requests through our router over three engines, {elapsed:.1f} s, statuses {dict(statuses)}:"
+        f"\n{args.router_requests:,} requests through our router over three engines, {elapsed:.1f} s, statuses "
+        f"{dict(statuses)}:"
     )
     print("| engine | served | share |")
     print("|---|---:|---:|")

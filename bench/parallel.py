@@ -2,7 +2,8 @@
 
     python bench/parallel.py [--layouts 1,tp3,cp2,cp4] [--tokens 256] [--samples 8]
 
-SmolLM2-135M-Instruct (vocabulary 49,152; 9 heads, 3 key/value heads, so TP 1 or 3), fp32, one micro-batch of ``--samples`` sequences of
+SmolLM2-135M-Instruct (vocabulary 49,152; 9 heads, 3 key/value heads, so TP 1 or 3), fp32, one micro-batch of
+``--samples`` sequences of
 ``--tokens`` response tokens (prompt 32), scored with full-vocabulary log-probs and entropy
 with a gradient (what a KL loss or an entropy bonus asks for), forward and backward. Peak
 memory is the resident set's rise over the step on each rank (sampled every millisecond; the
@@ -136,7 +137,8 @@ def main() -> None:
     from processes import free_port
 
     print(
-        f"torch {torch.__version__}; SmolLM2-135M fp32, {args.samples} x ({32} prompt + {args.tokens} response) tokens, full-vocabulary scores with a gradient"
+        f"torch {torch.__version__}; SmolLM2-135M fp32, {args.samples} x ({32} prompt + {args.tokens} response) "
+        "tokens, full-vocabulary scores with a gradient"
     )
     print("\n| layout | ranks | peak memory rise per rank (max) MiB | step s (forward + backward) |")
     print("|---|---:|---:|---:|")

@@ -28,12 +28,14 @@ def run_one(length: int, group: int, steps: int) -> dict:
 import json, resource, statistics, tempfile
 from support_replay.train import train
 from support_replay.train.config import RunConfig
-cfg = RunConfig(num_rollout={steps}, rollout_batch_size=4, n_samples_per_prompt={group}, global_batch_size={4 * group}, rollout_max_response_len={length},
-                rollout_ignore_eos=True, task_max_operand=20, rollout_top_p=0.8, rollout_top_k=32, lr=1e-6, ci_test=True, progress=False,
+cfg = RunConfig(num_rollout={steps}, rollout_batch_size=4, n_samples_per_prompt={group},
+                global_batch_size={4 * group}, rollout_max_response_len={length}, rollout_ignore_eos=True,
+                task_max_operand=20, rollout_top_p=0.8, rollout_top_k=32, lr=1e-6, ci_test=True, progress=False,
                 output_dir=tempfile.mkdtemp())
 rows = train(cfg)[1:]
 keys = ("time_generate", "time_update", "time_step", "response_len_mean")
-print("RESULT", json.dumps({{**{{k: statistics.mean(r[k] for r in rows) for k in keys}}, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print("RESULT", json.dumps({{**{{k: statistics.mean(r[k] for r in rows) for k in keys}}, "peak_mib": peak,
                           "diff": max(r["train_rollout_logprob_abs_diff_max"] for r in rows)}}))
 """
     return _result(code)
@@ -45,7 +47,8 @@ import json, resource, statistics, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from e2e import trl_steps
 times = trl_steps({steps}, length={length}, group={group}, fixed_length=True)
-print("RESULT", json.dumps({{"time_step": statistics.mean(times[1:] or times), "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print("RESULT", json.dumps({{"time_step": statistics.mean(times[1:] or times), "peak_mib": peak}}))
 """
     return _result(code)
 
@@ -76,7 +79,8 @@ def main() -> None:
     except ImportError:
         trl_lengths = set()
     print(
-        "| response tokens | group size | samples | response len | generate s | update s | step s | peak memory MiB | max abs(log pi - log mu) "
+        "| response tokens | group size | samples | response len | generate s | update s | step s | peak memory MiB | "
+        "max abs(log pi - log mu) "
         "| TRL step s | TRL peak MiB | ours faster by |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -85,7 +89,8 @@ def main() -> None:
         t = run_trl(length, group, args.steps) if length in trl_lengths else None
         theirs = f"{t['time_step']:.2f} | {t['peak_mib']:.0f} | {t['time_step'] / r['time_step']:.2f}x" if t else "| |"
         print(
-            f"| {length} | {group} | {4 * group} | {r['response_len_mean']:.0f} | {r['time_generate']:.2f} | {r['time_update']:.2f} | {r['time_step']:.2f} | "
+            f"| {length} | {group} | {4 * group} | {r['response_len_mean']:.0f} | {r['time_generate']:.2f} | "
+            f"{r['time_update']:.2f} | {r['time_step']:.2f} | "
             f"{r['peak_mib']:.0f} | {r['diff']:.1e} | {theirs} |",
             flush=True,
         )

@@ -47,7 +47,8 @@ def _demo(args: argparse.Namespace) -> int:
         f"top_k={params.top_k}, top_p={params.top_p}, min_p={params.min_p}"
     )
     print(
-        "\n| semantics | mean |S| | singletons | wire B/token | ratio full-vocab | outside [0.9,1.1] | ratio replay | outside | log mu vs float64 |"
+        "\n| semantics | mean |S| | singletons | wire B/token | ratio full-vocab | outside [0.9,1.1] | ratio replay | "
+        "outside | log mu vs float64 |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for semantics in args.semantics:
@@ -128,7 +129,8 @@ def _keys(args: argparse.Namespace):
 
     if getattr(args, "api_key", None):
         print(
-            "support-replay: warning: --api-key shows in the process list; prefer --api-key-file or $SUPPORT_REPLAY_API_KEY",
+            "support-replay: warning: --api-key shows in the process list; prefer --api-key-file or "
+            "$SUPPORT_REPLAY_API_KEY",
             file=sys.stderr,
         )
     return Keys.load(args.api_key_file, args.admin_key_file, getattr(args, "api_key", None))
@@ -166,8 +168,10 @@ def _train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     print(
         f"support-replay train: replay={'on' if cfg.rollout.use_sampling_support_replay else 'off'} "
-        f"(top_p={cfg.rollout.rollout_top_p}, top_k={cfg.rollout.rollout_top_k}, min_p={cfg.rollout.rollout_min_p}, T={cfg.rollout.rollout_temperature}), "
-        f"{cfg.rollout.num_rollout} rollouts of {cfg.rollout.rollout_batch_size}x{cfg.rollout.n_samples_per_prompt}, output {cfg.output.output_dir}",
+        f"(top_p={cfg.rollout.rollout_top_p}, top_k={cfg.rollout.rollout_top_k}, min_p={cfg.rollout.rollout_min_p}, "
+        f"T={cfg.rollout.rollout_temperature}), "
+        f"{cfg.rollout.num_rollout} rollouts of {cfg.rollout.rollout_batch_size}x{cfg.rollout.n_samples_per_prompt}, "
+        f"output {cfg.output.output_dir}",
         flush=True,
     )
     rows = train(cfg)
@@ -234,7 +238,8 @@ def _sessions(args: argparse.Namespace) -> int:
     )
     store = SessionStore(backend, ChatRenderer(tokenizer, load_template(args.chat_template)), settings)
     print(
-        f"support-replay sessions on http://{args.host}:{args.port} in front of {args.backend_engine} at {args.backend} "
+        f"support-replay sessions on http://{args.host}:{args.port} in front of {args.backend_engine} at "
+        f"{args.backend} "
         f"(capture {'on' if capture else 'off'})",
         flush=True,
     )
@@ -295,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-total-tokens",
         type=int,
         default=None,
-        help="KV positions the engine may hold at its peak, as SGLang's flag counts them; a request waits until it fits "
+        help="KV positions the engine may hold at its peak, as SGLang's flag counts them; a request waits until it "
+        "fits "
         "(default: half the memory available at start)",
     )
     srv.add_argument(

@@ -131,7 +131,8 @@ def local_run(train_args: list[str], *, engines: int, nproc_per_node: int, serve
             )
         )
         print(
-            f"local-run: {engines} engine(s) {urls} behind the router {router}; {nproc_per_node} trainer rank(s); logs in {logs}",
+            f"local-run: {engines} engine(s) {urls} behind the router {router}; {nproc_per_node} trainer rank(s); "
+            f"logs in {logs}",
             flush=True,
         )
         trainer = [

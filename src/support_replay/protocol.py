@@ -180,7 +180,8 @@ def validate_completion(
             raise WireError(f"{where}: capture was requested but the response carries no support")
         if completion.support.num_rows != n or len(completion.log_mu) != n:
             raise WireError(
-                f"{where}: {completion.support.num_rows} support rows and {len(completion.log_mu)} log-probs for {n} tokens"
+                f"{where}: {completion.support.num_rows} support rows and {len(completion.log_mu)} log-probs for {n} "
+                "tokens"
             )
         try:
             completion.support.validate(vocab_size, ids, name=where)

@@ -118,7 +118,8 @@ for case in data["cases"]:
         continue
     choice = dict(case["response"]["choices"][0])
     choice["sampling_mask"] = case["revealed_support"]
-    native.append({"name": case["name"] + "_native_mask", "choice": GenerateTokensChoice.model_validate(choice).model_dump(mode="json")})
+    dumped = GenerateTokensChoice.model_validate(choice).model_dump(mode="json")
+    native.append({"name": case["name"] + "_native_mask", "choice": dumped})
 print(json.dumps(native))
 """
 

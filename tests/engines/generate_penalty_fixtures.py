@@ -191,8 +191,9 @@ for i in range(len(out)):
     prompt_t = torch.tensor(prompt if len(prompt) else [V], dtype=torch.long)[None]  # padded with V, as vLLM pads
     output = [int(t) for t in c["outputs"][i] if t >= 0]
     if c["frequency"][i] or c["presence"][i] or c["repetition"][i] != 1:
-        logits = apply_all_penalties(logits, prompt_t, torch.tensor([c["presence"][i]]), torch.tensor([c["frequency"][i]]),
-                                     torch.tensor([c["repetition"][i]]), [output])
+        presence, frequency = torch.tensor([c["presence"][i]]), torch.tensor([c["frequency"][i]])
+        repetition = torch.tensor([c["repetition"][i]])
+        logits = apply_all_penalties(logits, prompt_t, presence, frequency, repetition, [output])
     out[i] = logits[0].numpy()
 np.save(sys.argv[2], out)
 """

@@ -171,7 +171,8 @@ def test_packed_batch_invariant_scores_are_the_unpacked_bits(tiny_checkpoint, th
         weights = torch.cat([torch.full((samples[i].response_length,), 0.5 + i) for i in batch.indices])
         (sc.logp * weights).sum().backward()
         grads[pack] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    for i in order:  # the engine's bits are the unpacked forward's (tests/modeling/test_batch_invariant.py): now the packed one's too
+    # the engine's bits are the unpacked forward's (tests/modeling/test_batch_invariant.py): now the packed one's too
+    for i in order:
         assert torch.equal(scores[True][i], scores[False][i]), (
             i,
             (scores[True][i] - scores[False][i]).abs().max().item(),

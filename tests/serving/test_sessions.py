@@ -170,9 +170,11 @@ def test_an_edited_earlier_turn_splits_or_is_rejected(tokenizer, policy):
 
 
 REASONING_TEMPLATE = (  # drops the reasoning of assistant turns before the last user turn, as Qwen3's does
-    "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 "
+    "%}{% endif %}{% endfor %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{% if m.role == 'assistant' and loop.index0 < ns.last %}{{ m.content.split('</think>')[-1] }}{% else %}{{ m.content }}{% endif %}"
+    "{% if m.role == 'assistant' and loop.index0 < ns.last %}{{ m.content.split('</think>')[-1] }}{% else %}{{ "
+    "m.content }}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -192,7 +194,10 @@ def test_a_template_that_rewrites_earlier_turns_is_detected(tokenizer):
 
 
 def test_a_template_that_renders_a_model_turn_differently_is_detected(tokenizer):
-    trimming = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    trimming = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     store = SessionStore(
         ScriptedBackend(tokenizer, ["  7  ", "10"]),
         ChatRenderer(tokenizer, trimming),

@@ -46,7 +46,8 @@ def test_masked_importance_weights_keep_ratios_inside_the_band():
     [
         (
             dict(async_rollout=True),
-            "--async-rollout=True: samples the next rollout on the weights before this update: needs --max-policy-lag >= 1",
+            "--async-rollout=True: samples the next rollout on the weights before this update: needs --max-policy-lag "
+            ">= 1",
         ),
         (
             dict(async_rollout=True, max_policy_lag=1, weight_sync_mode="abort", failed_group_policy="drop"),

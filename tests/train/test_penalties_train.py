@@ -122,7 +122,8 @@ def test_engines_with_unpinned_penalty_rules_are_refused(monkeypatch):
     p = Penalties(repetition=1.1)
     with pytest.raises(
         ConfigError,
-        match=r"SGLang 0.5.23 at http://x \(disable_overlap_schedule=False\): penalties \(repetition_penalty=1.1\) are replayed",
+        match=r"SGLang 0.5.23 at http://x \(disable_overlap_schedule=False\): penalties \(repetition_penalty=1.1\) "
+        r"are replayed",
     ):
         rollouts_module.penalty_semantics_of("http://x", "sglang", p)
     answers["/server_info"]["disable_overlap_schedule"] = True

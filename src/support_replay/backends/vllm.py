@@ -242,7 +242,8 @@ class VLLMBackend:
         for i, req in enumerate(requests):
             if req.return_logprob:
                 raise WireError(
-                    f"request {i}: full-vocabulary log-probs are not available from a vLLM server that returns processed "
+                    f"request {i}: full-vocabulary log-probs are not available from a vLLM server that returns "
+                    "processed "
                     "log-probs; score them in the trainer"
                 )
         if self.endpoint == "generate":

@@ -133,7 +133,8 @@ class Engine:
 
     def start(self) -> Engine:
         if self._thread is None:
-            self._stop.clear()  # a shut-down engine starts again (its loop would otherwise exit at once and strand every request)
+            # a shut-down engine starts again (its loop would otherwise exit at once and strand every request)
+            self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="support-replay-engine", daemon=True)
             self._thread.start()
         return self
@@ -233,7 +234,8 @@ class Engine:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(
-                    f"engine: {sum(not f.done() for f in futures)} of {len(futures)} requests not done after {timeout} s"
+                    f"engine: {sum(not f.done() for f in futures)} of {len(futures)} requests not done after "
+                    f"{timeout} s"
                 )
             if self._thread is not None or self._looping_here:
                 concurrent.futures.wait(

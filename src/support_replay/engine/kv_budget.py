@@ -99,8 +99,10 @@ class KVBudget:
         alone = self.peak((0, 0), (1, need), 1, prompt_tokens)
         if alone > self.max_total_tokens:
             raise RequestError(
-                f"max_new_tokens: {prompt_tokens} prompt tokens + their reservation of {need} KV positions and the prefill's "
-                f"{2 * prompt_tokens} need {alone} positions, more than this engine's --max-total-tokens {self.max_total_tokens} "
+                f"max_new_tokens: {prompt_tokens} prompt tokens + their reservation of {need} KV positions and the "
+                "prefill's "
+                f"{2 * prompt_tokens} need {alone} positions, more than this engine's --max-total-tokens "
+                f"{self.max_total_tokens} "
                 f"({self.bytes_per_token} bytes each)"
             )
 

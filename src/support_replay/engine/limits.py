@@ -37,7 +37,8 @@ class EngineLimits:
             raise RequestError(f"max_new_tokens: {request.max_new_tokens} exceeds the limit of {self.max_new_tokens}")
         if context_length is not None and n + request.max_new_tokens > context_length:
             raise RequestError(
-                f"max_new_tokens: {n} prompt tokens + {request.max_new_tokens} new tokens exceed the context length {context_length}"
+                f"max_new_tokens: {n} prompt tokens + {request.max_new_tokens} new tokens exceed the context length "
+                f"{context_length}"
             )
         if len(request.stop) > self.max_stop_strings:
             raise RequestError(f"stop: {len(request.stop)} stop strings exceed the limit of {self.max_stop_strings}")

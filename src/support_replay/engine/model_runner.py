@@ -51,7 +51,8 @@ class ModelRunner:
         layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"} or getattr(model.config, "use_sliding_window", False):
             raise EngineError(
-                f"model: layer types {sorted(layer_types)} (sliding window: {getattr(model.config, 'use_sliding_window', False)}); "
+                f"model: layer types {sorted(layer_types)} (sliding window: "
+                f"{getattr(model.config, 'use_sliding_window', False)}); "
                 "the engine's slot cache serves full-attention layers only"
             )
         why = unsupported(model)

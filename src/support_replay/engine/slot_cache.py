@@ -94,7 +94,8 @@ class SlotCache(Cache):
             return
         if self.max_tokens is not None and held_shape[0] * held_shape[1] + slots * capacity > self.max_tokens:
             raise EngineError(
-                f"slot cache: {slots} x {capacity} positions beside the {held_shape[0]} x {held_shape[1]} held pass the KV "
+                f"slot cache: {slots} x {capacity} positions beside the {held_shape[0]} x {held_shape[1]} held pass "
+                "the KV "
                 f"budget of {self.max_tokens} (admission should have kept them out)"
             )
         self._reallocate(slots, capacity, like)

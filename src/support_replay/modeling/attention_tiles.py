@@ -29,7 +29,8 @@ class KeyLayout:
     derived: dict = field(default_factory=dict)  # what the decode step derives from it once (invariant_decode.py)
 
     def apply(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``key`` and ``value`` ``[B, G, k_len, d]`` in this layout, padded to ``width`` (views where no shift is needed)."""
+        """``key`` and ``value`` ``[B, G, k_len, d]`` in this layout, padded to ``width`` (views where no shift is
+        needed)."""
         if self.index is None:
             extra = self.width - self.k_len
             if extra > 0:

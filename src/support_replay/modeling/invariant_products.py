@@ -149,8 +149,10 @@ def _plan_or_refuse(kernel: str, weight: torch.Tensor) -> InvariantPlan:
     plan = invariant_plan(kernel, out_features, in_features, weight.dtype, torch.get_num_threads())
     if plan is None:
         raise NoInvariantProduct(
-            f"--true-on-policy-mode: no batch-invariant product for a {out_features}x{in_features} {weight.dtype} linear layer "
-            f"on the {kernel!r} kernel at {torch.get_num_threads()} threads on this CPU ({cpu_name()}): neither padding rows "
+            f"--true-on-policy-mode: no batch-invariant product for a {out_features}x{in_features} {weight.dtype} "
+            "linear layer "
+            f"on the {kernel!r} kernel at {torch.get_num_threads()} threads on this CPU ({cpu_name()}): neither "
+            "padding rows "
             f"to {PAD_CANDIDATES[kernel]} nor tiles of {TILE_CANDIDATES} rows keep a row's bits; try `--linear-kernel "
             f"{'torch' if kernel == 'onednn' else 'onednn'}` or run without --true-on-policy-mode"
         )

@@ -58,7 +58,8 @@ class PackedLayout:
     def gather(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``query`` ``[B, H, L, d]`` and ``key``/``value`` ``[B, G, L, d]`` as ``[S, H, Q, d]`` and ``[S, G, W, d]``."""
+        """``query`` ``[B, H, L, d]`` and ``key``/``value`` ``[B, G, L, d]`` as ``[S, H, Q, d]`` and
+        ``[S, G, W, d]``."""
         return _take(query, self.query_flat), _take(key, self.key_flat), _take(value, self.key_flat)
 
     def scatter(self, out: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,8 @@ PROBE_ROWS = (2, 3, 5, 8, 15, 16, 17, 31, 32, 33, 64, 100)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[out, in]`` (fp32 or bf16, CPU) reordered into oneDNN's layout for products of ``PACK_ROWS`` rows."""
+    """``weight`` ``[out, in]`` (fp32 or bf16, CPU) reordered into oneDNN's layout for products of
+    ``PACK_ROWS`` rows."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
 
 

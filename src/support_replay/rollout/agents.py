@@ -64,7 +64,8 @@ def load_agent(spec: str) -> Agent:
     style = "base_url" if params[:1] == ["base_url"] or "prompt" in params else "client"
     if style == "client" and len(params) < 2:
         raise ConfigError(
-            f"--agent-path={spec!r}: expected async run(client, sample) or run_agent(base_url, prompt, ...), got ({', '.join(params)})"
+            f"--agent-path={spec!r}: expected async run(client, sample) or run_agent(base_url, prompt, ...), got "
+            f"({', '.join(params)})"
         )
     return Agent(fn, style, spec)
 

@@ -103,7 +103,8 @@ class ChatRenderer:
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         if tools and not self.renders_tools:
             raise RequestError(
-                "tools: the model's chat template cannot render tools; start with --chat-template hermes_tools or a template that does"
+                "tools: the model's chat template cannot render tools; start with --chat-template hermes_tools or a "
+                "template that does"
             )
         try:
             return self.tokenizer.apply_chat_template(
@@ -131,7 +132,8 @@ def parses_tool_calls(tool_choice) -> bool:
     shows the tools but parses none; a forced call cannot be enforced while sampling: refused."""
     if tool_choice not in (None, "auto", "none"):
         raise RequestError(
-            f"tool_choice={tool_choice!r}: only 'auto' and 'none' are supported (a forced call cannot be enforced while sampling)"
+            f"tool_choice={tool_choice!r}: only 'auto' and 'none' are supported (a forced call cannot be enforced "
+            "while sampling)"
         )
     return tool_choice != "none"
 

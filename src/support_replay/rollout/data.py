@@ -64,7 +64,8 @@ def _rows(path: Path) -> list[dict]:
 
 
 def load_prompts(path: str | None, input_key: str, label_key: str, seed: int = 0, max_operand: int = 20):
-    """Prompts from a JSONL/Parquet file (``input_key`` text or chat messages, ``label_key``), or the arithmetic task."""
+    """Prompts from a JSONL/Parquet file (``input_key`` text or chat messages, ``label_key``), or the
+    arithmetic task."""
     if path is None:
         return ArithmeticTask(seed, max_operand)
     p = Path(path)

@@ -91,7 +91,8 @@ def complete_groups(
         if tries >= max_regenerations:
             g, _, error = failed[0]
             raise EngineUnavailable(
-                f"rollout {rollout}, group {g}: no complete answer after {tries + 1} attempts ({type(error).__name__}: {error})"
+                f"rollout {rollout}, group {g}: no complete answer after {tries + 1} attempts "
+                f"({type(error).__name__}: {error})"
             )
         stats.regenerated_groups += len(failed)
         pending, attempts, tries = [g for g, _, _ in failed], [a for _, a, _ in failed], tries + 1

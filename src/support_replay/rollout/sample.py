@@ -91,6 +91,7 @@ def validate_sample(sample: Sample, vocab_size: int, *, replay: bool, temperatur
     if wrong.any():
         t = int(np.flatnonzero(wrong)[0])
         raise SampleError(
-            f"{name} token {t}: an inserted token needs the singleton support and log mu 0 (|S|={int(sizes[t])}, log mu={lp[t]})"
+            f"{name} token {t}: an inserted token needs the singleton support and log mu 0 (|S|={int(sizes[t])}, log "
+            f"mu={lp[t]})"
         )
     return sample

@@ -64,7 +64,8 @@ MAX_METADATA_BYTES = 64 * 1024  # a session's metadata, as JSON: it rides along 
 
 def merge_metadata(session: Session, metadata: dict | None) -> None:
     """``metadata`` merged into ``session``'s, refused (400, nothing merged) when the result would pass
-    ``MAX_METADATA_BYTES`` as JSON or is not JSON (every ``/finish`` merges: without a bound a client grows it forever)."""
+    ``MAX_METADATA_BYTES`` as JSON or is not JSON (every ``/finish`` merges: without a bound a client grows
+    it forever)."""
     if not metadata:
         return
     merged = {**session.metadata, **metadata}
@@ -210,14 +211,17 @@ class Session:
             if not after.startswith(before):
                 at = _first_difference(before, after)
                 why = (
-                    f"template check: the chat template renders the recorded turns differently once the new messages are "
-                    f"added (at character {at}: {before[at : at + 40]!r} becomes {after[at : at + 40]!r}); it rewrites earlier turns"
+                    "template check: the chat template renders the recorded turns differently once the new messages "
+                    "are "
+                    f"added (at character {at}: {before[at : at + 40]!r} becomes {after[at : at + 40]!r}); it "
+                    "rewrites earlier turns"
                 )
             elif not before.startswith(spelled):
                 at = _first_difference(spelled, before)
                 why = (
                     f"template check: the chat template renders a recorded turn differently from the tokens the model "
-                    f"generated (at character {at}: the tokens spell {spelled[at : at + 40]!r}, the template {before[at : at + 40]!r})"
+                    f"generated (at character {at}: the tokens spell {spelled[at : at + 40]!r}, the template "
+                    f"{before[at : at + 40]!r})"
                 )
             else:
                 inserted = self.renderer.encode(after[len(spelled) :])

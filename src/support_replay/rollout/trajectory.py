@@ -87,7 +87,8 @@ class Trajectory:
             "weight_versions": [s.to_json() for s in sample.weight_versions],
             "finish_reason": self.finish_reason,
             "model_turns": self.model_turns,
-            "output_starts": sample.output_starts,  # where each engine request's output began: the penalties' history restarts there
+            # where each engine request's output began: the penalties' history restarts there
+            "output_starts": sample.output_starts,
             "penalties": self.penalties.to_json(),
         }
 

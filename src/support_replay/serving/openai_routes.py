@@ -104,7 +104,8 @@ def requests_for(body: OpenAIIn, prompt_ids: list[int], sp: SamplingParamsIn, *,
     """``n`` requests for one prompt (seeds ``seed + i`` when a seed is given)."""
     if top and not body.filtered:
         raise RequestError(
-            "top_logprobs: lists the ids of the sampled token's support, which needs top_k, top_p or min_p (the whole vocabulary is not a support)"
+            "top_logprobs: lists the ids of the sampled token's support, which needs top_k, top_p or min_p (the whole "
+            "vocabulary is not a support)"
         )
     capture = body.return_sampling_mask or (log_mu and body.filtered)
     mode = "support" if top else body.sampling_logprobs_mode

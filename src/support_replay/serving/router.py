@@ -7,7 +7,8 @@ requests; an engine that fails before answering (connection refused or dropped) 
 and the request is retried on another one with the same body, so the same ``rid`` and seed (an
 engine answers a repeated ``rid`` once); one that gives no answer within the request timeout
 answers 504 and is not retried (it may still be computing it). A client that goes away cancels
-the forwarded request. Requests of a session (header ``X-Session-Id``) all go to the engine its first turn went to and are not
+the forwarded request. Requests of a session (header ``X-Session-Id``) all go to the engine its first turn
+went to and are not
 retried elsewhere: the session's context, and its prefix cache, live there. Weight
 updates, version changes and cache flushes are broadcast to every engine, with the admin key.
 Health is checked periodically. The body limit, the JSON-only rule and the Host check are the
@@ -116,7 +117,10 @@ class Router:
                 continue
             except _TIMED_OUT as exc:
                 self.unserved += 1
-                message = f"{worker.url} gave no answer within the request timeout ({type(exc).__name__}); not retried elsewhere: it may still be running it"
+                message = (
+                    f"{worker.url} gave no answer within the request timeout ({type(exc).__name__}); "
+                    "not retried elsewhere: it may still be running it"
+                )
                 return JSONResponse({"error": {"message": message, "code": 504}}, status_code=504)
             finally:
                 worker.outstanding -= 1
@@ -152,7 +156,10 @@ class Router:
         except (*_RETRYABLE, *_TIMED_OUT) as exc:
             worker.healthy, worker.failures = False, worker.failures + 1
             self.unserved += 1
-            message = f"session {session[:80]}: its engine {worker.url} failed ({type(exc).__name__}); a session's turns are not moved to another engine"
+            message = (
+                f"session {session[:80]}: its engine {worker.url} failed ({type(exc).__name__}); "
+                "a session's turns are not moved to another engine"
+            )
             return JSONResponse({"error": {"message": message, "code": 502}}, status_code=502)
         finally:
             worker.outstanding -= 1
@@ -245,7 +252,8 @@ def create_router_app(
         target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
         if "/" + path in BROADCAST_PATHS:
             return await router.broadcast(request.method, target, body, headers)
-        # a client going away cancels the forwarded request: its connection to the engine closes, and the engine drops it
+        # a client going away cancels the forwarded request: its connection to the engine closes, and the engine drops
+        # it
         return await unless_disconnected(router.forward(request.method, target, body, headers), request, cancelled)
 
     return guarded(

@@ -41,7 +41,8 @@ def check_fan_out(prompts: int, n: int, queue: int) -> None:
     """Refuse (400) a request that would become more engine requests than the queue admits, before any is built."""
     if prompts * n > queue:
         raise RequestError(
-            f"prompts x n: {prompts} x {n} = {prompts * n} requests exceed the engine's queue of {queue}; send fewer at a time"
+            f"prompts x n: {prompts} x {n} = {prompts * n} requests exceed the engine's queue of {queue}; send fewer "
+            "at a time"
         )
 
 

@@ -102,7 +102,8 @@ class JSONOnly:
                 return await _send_error(
                     send,
                     403,
-                    f"{scope['path']} takes a binary body, so it needs the admin key: start the server with --admin-key-file",
+                    f"{scope['path']} takes a binary body, so it needs the admin key: start the server with "
+                    "--admin-key-file",
                 )
             if ctype != b"application/octet-stream":
                 return await _send_error(

@@ -312,7 +312,8 @@ def token_budget_split(
     for r, parts in enumerate(plans):
         if len(shares[r]) < target:
             raise SampleError(
-                f"token budget {max_tokens}: rank {r} holds {len(shares[r])} samples, fewer than the {target} micro-batches another rank needs"
+                f"token budget {max_tokens}: rank {r} holds {len(shares[r])} samples, fewer than the {target} "
+                "micro-batches another rank needs"
             )
         while len(parts) < target:
             k = max(

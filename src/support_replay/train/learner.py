@@ -114,12 +114,15 @@ class Learner:
         dp = self.layout.dp
         if self.parallel_cfg.global_batch_size % dp:
             raise ConfigError(
-                f"--global-batch-size={self.parallel_cfg.global_batch_size}: must be a multiple of the {dp} data-parallel ranks, so that every rank runs as many micro-batches"
+                f"--global-batch-size={self.parallel_cfg.global_batch_size}: must be a multiple of the {dp} "
+                "data-parallel ranks, so that every rank runs as many micro-batches"
             )
         if self.agents_cfg.enabled and self.agents_cfg.session_history_policy == "split" and dp > 1:
             raise ConfigError(
-                f"--session-history-policy=split with {dp} data-parallel ranks: split episodes make the number of samples vary, and "
-                "the ranks would run different numbers of micro-batches; use --session-history-policy reject with several ranks"
+                f"--session-history-policy=split with {dp} data-parallel ranks: split episodes make the number of "
+                "samples vary, and "
+                "the ranks would run different numbers of micro-batches; use --session-history-policy reject with "
+                "several ranks"
             )
         self._planned_steps = 1
         self.measure_full = True  # full-vocabulary scores for the metrics in this rollout
@@ -350,7 +353,8 @@ class Learner:
             ends = torch.cumsum(torch.tensor(batch.lengths), 0)
             row = int((ends <= n).sum())
             raise NonFiniteError(
-                f"rollout {rollout}, sample {batch.indices[row]}, response position {n - int(ends[row - 1] if row else 0)}: "
+                f"rollout {rollout}, sample {batch.indices[row]}, response position "
+                f"{n - int(ends[row - 1] if row else 0)}: "
                 f"the loss is {float(terms.total[n].detach())}; the run stops before anything is pushed or saved"
             )
         weights = token_weights(

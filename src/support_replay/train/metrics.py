@@ -101,13 +101,15 @@ class MetricsLog:
             f.write(json.dumps(row) + "\n")
         if row.get("skipped"):
             print(
-                f"step {row['rollout']}: skipped, every group dropped ({row.get('failed_samples', 0)} responses failed)",
+                f"step {row['rollout']}: skipped, every group dropped ({row.get('failed_samples', 0)} responses "
+                "failed)",
                 flush=True,
             )
             return
         line = (
             f"step {row['rollout']}: reward {row['reward_mean']:.3f}  |S| {row.get('support_mean', float('nan')):.1f}  "
-            f"max|dlogp| {row.get('train_rollout_logprob_abs_diff_max', float('nan')):.2e}  loss {row.get('loss', float('nan')):.4f}  "
+            f"max|dlogp| {row.get('train_rollout_logprob_abs_diff_max', float('nan')):.2e}  loss "
+            f"{row.get('loss', float('nan')):.4f}  "
             f"time {row.get('time_step', 0):.1f}s"
         )
         if self.bar is not None:

@@ -111,7 +111,9 @@ class RolloutProducer:
             )
         worst = stale[0]
         raise PolicyLagError(
-            f"rollout {r}, prompt {worst.metadata['prompt']}: still sampled by weights {[v.version for v in worst.weight_versions]} "
-            f"after {self.production_cfg.max_regenerations} regenerations, but the trainer pushed {pushed[-1]!r} last and --max-policy-lag="
+            f"rollout {r}, prompt {worst.metadata['prompt']}: still sampled by weights "
+            f"{[v.version for v in worst.weight_versions]} "
+            f"after {self.production_cfg.max_regenerations} regenerations, but the trainer pushed {pushed[-1]!r} last "
+            "and --max-policy-lag="
             f"{self.production_cfg.max_policy_lag}: the engine does not load the weights it is sent"
         )

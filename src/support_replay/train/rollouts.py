@@ -36,21 +36,26 @@ def _require_deterministic(url: str, linear_kernel: str, headers: dict | None = 
     info = httpx.get(url.rstrip("/") + "/model_info", timeout=30, headers=headers or {}).json()
     if not info.get("deterministic"):
         raise SupportReplayError(
-            f"--true-on-policy-mode: the engine at {url} is not deterministic; start it with `support-replay serve --deterministic`"
+            f"--true-on-policy-mode: the engine at {url} is not deterministic; start it with `support-replay serve "
+            "--deterministic`"
         )
     theirs = info.get("linear_kernel", "torch")
     if theirs != linear_kernel:
         raise SupportReplayError(
-            f"--true-on-policy-mode: the engine at {url} runs its linear layers on {theirs!r}, this trainer on {linear_kernel!r}; "
-            f"their logits would differ in the last bits: start it with `--linear-kernel {linear_kernel}` or give this run `--linear-kernel {theirs}`"
+            f"--true-on-policy-mode: the engine at {url} runs its linear layers on {theirs!r}, this trainer on "
+            f"{linear_kernel!r}; "
+            f"their logits would differ in the last bits: start it with `--linear-kernel {linear_kernel}` or give "
+            f"this run `--linear-kernel {theirs}`"
         )
     for shape, plan in info.get("invariant_products", {}).items():  # the engine's CPU probed these; this one must agree
         out_features, in_features = map(int, shape.split("x"))
         mine = invariant_plan(linear_kernel, out_features, in_features, torch.float32, torch.get_num_threads())
         if mine is None or mine.describe() != plan:
             raise SupportReplayError(
-                f"--true-on-policy-mode: the engine at {url} runs its {shape} linear layers as {plan!r}, this trainer's CPU "
-                f"as {mine.describe() if mine else 'nothing invariant'!r}: their logits would differ; run both on one kind of CPU"
+                f"--true-on-policy-mode: the engine at {url} runs its {shape} linear layers as {plan!r}, this "
+                "trainer's CPU "
+                f"as {mine.describe() if mine else 'nothing invariant'!r}: their logits would differ; run both on one "
+                "kind of CPU"
             )
 
 
@@ -68,7 +73,8 @@ def penalty_semantics_of(url: str, protocol: str, penalties, headers: dict | Non
         version = httpx.get(base + "/version", timeout=30, headers=headers).json().get("version", "")
         if not str(version).startswith(VLLM_PENALTY_VERSION):
             raise ConfigError(
-                f"vLLM {version} at {url}: penalties ({setting}) are replayed for vLLM {VLLM_PENALTY_VERSION}x only, whose code was read"
+                f"vLLM {version} at {url}: penalties ({setting}) are replayed for vLLM {VLLM_PENALTY_VERSION}x only, "
+                "whose code was read"
             )
         return "vllm"
     info = httpx.get(base + "/server_info", timeout=30, headers=headers).json()
@@ -77,8 +83,10 @@ def penalty_semantics_of(url: str, protocol: str, penalties, headers: dict | Non
     version, overlap_off = info.get("version"), info.get("disable_overlap_schedule")
     if version != SGLANG_PENALTY_VERSION or overlap_off is not True:
         raise ConfigError(
-            f"SGLang {version} at {url} (disable_overlap_schedule={overlap_off}): penalties ({setting}) are replayed for SGLang "
-            f"{SGLANG_PENALTY_VERSION} started with --disable-overlap-schedule only (its overlap scheduler counts the history one token late)"
+            f"SGLang {version} at {url} (disable_overlap_schedule={overlap_off}): penalties ({setting}) are replayed "
+            "for SGLang "
+            f"{SGLANG_PENALTY_VERSION} started with --disable-overlap-schedule only (its overlap scheduler counts the "
+            "history one token late)"
         )
     return "sglang"
 

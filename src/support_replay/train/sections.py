@@ -84,7 +84,8 @@ class RolloutConfig(Section):
     rollout_max_response_len: int = Field(32, ge=1, description="max new tokens per response")
     rollout_ignore_eos: bool = Field(
         False,
-        description="every response runs to --rollout-max-response-len tokens, past end-of-sequence (the engines' ignore_eos): fixed-length benchmarks",
+        description="every response runs to --rollout-max-response-len tokens, past end-of-sequence (the engines' "
+        "ignore_eos): fixed-length benchmarks",
     )
     rollout_temperature: float = Field(1.0, description="sampling temperature; the trainer divides actor logits by it")
     rollout_top_p: float = Field(0.8, description="top-p of rollout sampling, in (0, 1]")
@@ -206,32 +207,40 @@ class EngineConfig(Section):
     )
     vllm_endpoint: Literal["generate", "completions"] = Field(
         "generate",
-        description="vLLM endpoint: /inference/v1/generate (needs --enable-scale-out; reports weight versions) or /v1/completions",
+        description="vLLM endpoint: /inference/v1/generate (needs --enable-scale-out; reports weight versions) or "
+        "/v1/completions",
     )
     vllm_capture: Literal["processed_logprobs", "native"] = Field(
         "processed_logprobs",
-        description="how vLLM reveals the support: processed log-probs (--logprobs-mode processed_logprobs) or its native sampling_mask (--return-sampling-mask)",
+        description="how vLLM reveals the support: processed log-probs (--logprobs-mode processed_logprobs) or its "
+        "native sampling_mask (--return-sampling-mask)",
     )
     colocate: bool = Field(
         False,
-        description="rollout engine in the trainer's process, weights synced in memory (the default without --rollout-url)",
+        description="rollout engine in the trainer's process, weights synced in memory (the default without "
+        "--rollout-url)",
     )
     max_total_tokens: int | None = Field(
         None,
         ge=1,
-        description="KV positions the in-process engine may hold at its peak (SGLang's flag; default: a quarter of the memory available at start, leaving the rest to the trainer)",
+        description="KV positions the in-process engine may hold at its peak (SGLang's flag; default: a quarter of "
+        "the memory available at start, leaving the rest to the trainer)",
     )
     weight_sync_mode: Literal["wait", "abort"] = Field(
         "wait",
-        description="requests running when weights are pushed: finish them on the old weights, or abort them (their groups are regenerated or dropped by --failed-group-policy)",
+        description="requests running when weights are pushed: finish them on the old weights, or abort them (their "
+        "groups are regenerated or dropped by --failed-group-policy)",
     )
     weight_transport: Literal["disk", "http"] = Field(
         "disk",
-        description="how weights reach a --rollout-url engine: a safetensors directory it can read (shared filesystem), or the body of POST /update_weights_from_safetensors (our serve and router, no shared filesystem)",
+        description="how weights reach a --rollout-url engine: a safetensors directory it can read (shared "
+        "filesystem), or the body of POST /update_weights_from_safetensors (our serve and router, no "
+        "shared filesystem)",
     )
     sampling_mask_format: Literal["binary", "lists"] = Field(
         "binary",
-        description="how --rollout-url engines send the support: our compact binary form (SGLang ignores the ask and sends lists), or id lists",
+        description="how --rollout-url engines send the support: our compact binary form (SGLang ignores the ask and "
+        "sends lists), or id lists",
     )
 
     @model_validator(mode="after")
@@ -276,11 +285,13 @@ class ProductionConfig(Section):
     )
     stale_sample_policy: Literal["fail", "drop", "regenerate"] = Field(
         "fail",
-        description="a group with a token older than --max-policy-lag: stop the run, drop the group, or generate it again on the current weights",
+        description="a group with a token older than --max-policy-lag: stop the run, drop the group, or generate it "
+        "again on the current weights",
     )
     failed_group_policy: Literal["regenerate", "drop"] = Field(
         "regenerate",
-        description="a GRPO group with a response the engine never gave (down, overloaded, aborted): generate it again, or drop it",
+        description="a GRPO group with a response the engine never gave (down, overloaded, aborted): generate it "
+        "again, or drop it",
     )
     max_regenerations: int = Field(
         2, ge=0, description="how many times a failed group is generated again before the run stops"
@@ -304,11 +315,13 @@ class AgentConfig(Section):
 
     agent: Literal["calculator", "chain"] | None = Field(
         None,
-        description="built-in agent environment: calculator (arithmetic with a calculator tool) or chain (a multi-turn arithmetic dialogue); each brings its own tasks",
+        description="built-in agent environment: calculator (arithmetic with a calculator tool) or chain (a "
+        "multi-turn arithmetic dialogue); each brings its own tasks",
     )
     agent_path: str | None = Field(
         None,
-        description="your agent: 'module:function', async run(client, sample) -> reward, or Miles' run_agent(base_url, prompt, request_kwargs=None, ...) (alias --custom-agent-function-path)",
+        description="your agent: 'module:function', async run(client, sample) -> reward, or Miles' "
+        "run_agent(base_url, prompt, request_kwargs=None, ...) (alias --custom-agent-function-path)",
     )
     max_turns: int = Field(
         8, ge=1, description="model turns per episode; later turns get an empty answer with finish_reason length"
@@ -320,11 +333,13 @@ class AgentConfig(Section):
     )
     session_history_policy: Literal["split", "reject"] = Field(
         "split",
-        description="when an agent's messages stop extending the recorded trajectory: start a new sample there, or refuse the turn",
+        description="when an agent's messages stop extending the recorded trajectory: start a new sample there, or "
+        "refuse the turn",
     )
     chat_template: str | None = Field(
         None,
-        description="chat template for sessions: a Jinja file or a built-in name (hermes_tools); default: the tokenizer's (calculator: hermes_tools)",
+        description="chat template for sessions: a Jinja file or a built-in name (hermes_tools); default: the "
+        "tokenizer's (calculator: hermes_tools)",
     )
     agent_timeout: float = Field(600.0, gt=0, description="seconds one episode may take before it counts as failed")
 
@@ -350,7 +365,8 @@ class ParallelConfig(Section):
     tensor_model_parallel_size: int = Field(
         1,
         ge=1,
-        description="trainer ranks that split each layer's heads, MLP and vocabulary (DTensor; the LM head scored vocab-parallel)",
+        description="trainer ranks that split each layer's heads, MLP and vocabulary (DTensor; the LM head scored "
+        "vocab-parallel)",
     )
     context_parallel_size: int = Field(
         1,
@@ -359,21 +375,26 @@ class ParallelConfig(Section):
     )
     context_parallel_layout: Literal["zigzag", "contiguous"] = Field(
         "zigzag",
-        description="how --context-parallel-size splits a sequence: zigzag (2 chunks per rank, balanced causal work) or contiguous",
+        description="how --context-parallel-size splits a sequence: zigzag (2 chunks per rank, balanced causal work) "
+        "or contiguous",
     )
     max_tokens_per_micro_batch: int | None = Field(
         None,
         ge=1,
-        description="padded tokens (samples x longest prompt + response) per forward/backward on one rank: short samples batch many, long ones few",
+        description="padded tokens (samples x longest prompt + response) per forward/backward on one rank: short "
+        "samples batch many, long ones few",
     )
     packed_scoring: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="score a prompt's samples as one packed row, the prompt once and each response attending to it and to itself (same math, fewer tokens); auto: on unless penalties or context parallelism need rows of their own",
+        description="score a prompt's samples as one packed row, the prompt once and each response attending to it "
+        "and to itself (same math, fewer tokens); auto: on unless penalties or context parallelism need "
+        "rows of their own",
     )
     micro_batch_size: int | None = Field(
         None,
         ge=1,
-        description=f"the older way: samples per forward/backward on one rank (default without a token budget: the largest divisor of --global-batch-size up to {MAX_DEFAULT_MICRO_BATCH})",
+        description="the older way: samples per forward/backward on one rank (default without a token budget: the "
+        f"largest divisor of --global-batch-size up to {MAX_DEFAULT_MICRO_BATCH})",
     )
 
     @property
@@ -396,7 +417,8 @@ class ParallelConfig(Section):
             bad(
                 "micro_batch_size",
                 self.micro_batch_size,
-                f"counts samples, --max-tokens-per-micro-batch={self.max_tokens_per_micro_batch} tokens: give one of them",
+                f"counts samples, --max-tokens-per-micro-batch={self.max_tokens_per_micro_batch} tokens: give one of "
+                "them",
             )
         if self.micro_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             bad("micro_batch_size", self.micro_batch_size, f"must divide --global-batch-size={self.global_batch_size}")
@@ -411,7 +433,8 @@ class OptimizerConfig(Section):
     lr: float = Field(
         2e-5,
         gt=0,
-        description="learning rate (AdamW); the default suits the built-in demo (a 135M model, 20 updates), large models train at about 1e-6",
+        description="learning rate (AdamW); the default suits the built-in demo (a 135M model, 20 updates), large "
+        "models train at about 1e-6",
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_beta1: float = Field(0.9, description="AdamW beta1")
@@ -438,7 +461,8 @@ class OptimizerConfig(Section):
     tis_cap: float = Field(2.0, gt=0, description="truncation of the importance weight pi_old / mu")
     tis_mode: Literal["truncate", "mask"] = Field(
         "truncate",
-        description="--use-tis weights: min(pi_old / mu, cap) (TIS), or 1 inside [1/cap, cap] and 0 outside (masked IS)",
+        description="--use-tis weights: min(pi_old / mu, cap) (TIS), or 1 inside [1/cap, cap] and 0 outside (masked "
+        "IS)",
     )
     seed: int = Field(1234, description="trainer seed (initialisation, shuffling)")
 
@@ -477,29 +501,34 @@ class ReplayConfig(Section):
     ci_test_tolerance: float | None = Field(
         None,
         ge=0,
-        description=f"per-token max |log pi - log mu| allowed by --ci-test (default: {FP32_CI_TOLERANCE:g} in fp32, {BF16_CI_TOLERANCE:g} when either side runs bf16; 0 in true-on-policy mode)",
+        description=f"per-token max |log pi - log mu| allowed by --ci-test (default: {FP32_CI_TOLERANCE:g} in fp32, "
+        f"{BF16_CI_TOLERANCE:g} when either side runs bf16; 0 in true-on-policy mode)",
     )
     full_vocab_metrics_interval: int = Field(
         1,
         ge=1,
-        description="under replay, score the full vocabulary for the metrics (full_vocab_ratio_*) every N rollouts only; the KL reward still takes it every rollout",
+        description="under replay, score the full vocabulary for the metrics (full_vocab_ratio_*) every N rollouts "
+        "only; the KL reward still takes it every rollout",
     )
     min_support_mass: float = Field(
         0.0,
         ge=0,
         le=1,
-        description="drop from the loss a stale sample (lag >= 1) whose mean current-policy mass inside its replayed supports is below this (0: off)",
+        description="drop from the loss a stale sample (lag >= 1) whose mean current-policy mass inside its replayed "
+        "supports is below this (0: off)",
     )
     rollout_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
-        description="the in-process engine's weights and compute (a --rollout-url engine runs its own: say it here for the --ci-test tolerance)",
+        description="the in-process engine's weights and compute (a --rollout-url engine runs its own: say it here "
+        "for the --ci-test tolerance)",
     )
     train_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="the trainer's compute (autocast; weights, gradients and optimizer state stay fp32)"
     )
     true_on_policy_mode: bool = Field(
         False,
-        description="batch-invariant engine and trainer: rollout and trainer log-probs equal bit for bit (--ci-test then demands it)",
+        description="batch-invariant engine and trainer: rollout and trainer log-probs equal bit for bit (--ci-test "
+        "then demands it)",
     )
     linear_kernel: Literal["auto", "torch", "onednn"] = Field("auto", description=LINEAR_KERNEL_HELP)
 

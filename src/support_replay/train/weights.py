@@ -117,7 +117,8 @@ class SGLangSync(_StagedSync):
             )
         if reply.status_code != 200:
             raise SupportReplayError(
-                f"weight sync to {self.url}: /update_weights_from_disk answered HTTP {reply.status_code}: {reply.text[:300]}"
+                f"weight sync to {self.url}: /update_weights_from_disk answered HTTP {reply.status_code}: "
+                f"{reply.text[:300]}"
             )
         _check_success(self.url, reply.json() if reply.content else {})
 
@@ -131,7 +132,8 @@ class SGLangSync(_StagedSync):
         for worker, result in results.items():
             if result.get("status") != 200:
                 raise SupportReplayError(
-                    f"weight sync to {self.url}: engine {result.get('url', worker)} answered HTTP {result.get('status')}: {str(result.get('body'))[:300]}"
+                    f"weight sync to {self.url}: engine {result.get('url', worker)} answered HTTP "
+                    f"{result.get('status')}: {str(result.get('body'))[:300]}"
                 )
             _check_success(result.get("url", worker), result.get("body") or {})
 
@@ -164,7 +166,8 @@ class BodySync:
             ) from exc
         if reply.status_code == 404:
             raise SupportReplayError(
-                f"weight sync to {self.url}: {WEIGHTS_OVER_HTTP} is not served there (HTTP 404): --weight-transport http needs "
+                f"weight sync to {self.url}: {WEIGHTS_OVER_HTTP} is not served there (HTTP 404): --weight-transport "
+                "http needs "
                 "support-replay serve or router; SGLang and vLLM load from a directory (--weight-transport disk)"
             )
         if reply.status_code != 200:
