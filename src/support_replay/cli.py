@@ -238,9 +238,8 @@ def _sessions(args: argparse.Namespace) -> int:
     )
     store = SessionStore(backend, ChatRenderer(tokenizer, load_template(args.chat_template)), settings)
     print(
-        f"support-replay sessions on http://{args.host}:{args.port} in front of {args.backend_engine} at "
-        f"{args.backend} "
-        f"(capture {'on' if capture else 'off'})",
+        f"support-replay sessions on http://{args.host}:{args.port} in front of {args.backend_engine} "
+        f"at {args.backend} (capture {'on' if capture else 'off'})",
         flush=True,
     )
     serve_sessions(
@@ -259,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="support-replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_demo, _add_train, _add_serve, _add_sessions, _add_router, _add_local_run):
+        add(sub)
+    return parser
+
+
+def _add_demo(sub) -> None:
+    """The `demo` command: capture, transport and replay on synthetic logits."""
     demo = sub.add_parser("demo", help="capture, transport and replay the sampling support on synthetic logits")
     demo.add_argument("--tokens", type=int, default=4096)
     demo.add_argument("--vocab", type=int, default=49152)
@@ -271,12 +277,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
 
+
+def _add_train(sub) -> None:
+    """The `train` command: every RunConfig flag, grouped by section."""
     tr = sub.add_parser("train", help="GRPO with sampling-support replay (no flags: the built-in demo)")
     from .train.config import add_run_flags
 
     add_run_flags(tr)
     tr.set_defaults(func=_train)
 
+
+def _add_serve(sub) -> None:
+    """The `serve` command: the engine server and its limits."""
     srv = sub.add_parser("serve", help="run the engine server (SGLang /generate, OpenAI chat completions)")
     srv.add_argument("--hf-checkpoint", required=True, help="Hugging Face checkpoint directory (safetensors)")
     srv.add_argument("--host", default="127.0.0.1")
@@ -300,9 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-total-tokens",
         type=int,
         default=None,
-        help="KV positions the engine may hold at its peak, as SGLang's flag counts them; a request waits until it "
-        "fits "
-        "(default: half the memory available at start)",
+        help="KV positions the engine may hold at its peak, as SGLang's flag counts them; a request waits until "
+        "it fits (default: half the memory available at start)",
     )
     srv.add_argument(
         "--max-new-tokens", type=int, default=defaults.max_new_tokens, help="largest max_new_tokens a request may ask"
@@ -344,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--linear-kernel", choices=KERNELS, default="auto", help=LINEAR_KERNEL_HELP)
     srv.set_defaults(func=_serve)
 
+
+def _add_sessions(sub) -> None:
+    """The `sessions` command: multi-turn sessions in front of an engine or router."""
     ss = sub.add_parser(
         "sessions", help="multi-turn OpenAI sessions recorded token in, token out, in front of any engine or router"
     )
@@ -400,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_key_flags(ss)
     ss.set_defaults(func=_sessions)
 
+
+def _add_router(sub) -> None:
+    """The `router` command."""
     rt = sub.add_parser("router", help="forward raw request bodies over several engines")
     rt.add_argument("--engine", action="append", required=True, help="engine URL (repeat for more)")
     rt.add_argument("--host", default="127.0.0.1")
@@ -414,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_key_flags(rt)
     rt.set_defaults(func=_router)
 
+
+def _add_local_run(sub) -> None:
+    """The `local-run` command: a multi-process run on this machine."""
     lr = sub.add_parser(
         "local-run",
         help="engines, a router and torchrun trainer ranks as local processes (testing a multi-process run)",
@@ -424,7 +444,6 @@ def build_parser() -> argparse.ArgumentParser:
     lr.add_argument("--serve-arg", action="append", default=[], help="one more flag for every serve process (repeat)")
     lr.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: the trainer's flags (train's own)")
     lr.set_defaults(func=_local_run)
-    return parser
 
 
 def _local_run(args) -> int:

@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 from support_replay.engine import Engine
 from support_replay.engine.fused_step import unsupported
 from support_replay.engine.model_runner import ModelRunner
+from support_replay.engine.weight_updates import load_state
 from support_replay.errors import EngineError
 from support_replay.modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
 from support_replay.modeling.linear_kernels import linear_function, onednn_available, use_linear
@@ -62,7 +63,7 @@ def test_a_weight_update_written_in_place_reaches_the_fused_step(tiny_checkpoint
     prompts = [[5, 6, 7, 8], [9, 10]]
     before, _ = decode_both_ways(runner, prompts, 2)
     state = {name: t.detach() * 1.5 for name, t in runner.model.state_dict().items() if "proj" in name}
-    engine._load_state(state)
+    load_state(engine.runner.model, state)
     fused, tree = decode_both_ways(runner, prompts, 2)
     assert all(torch.equal(a, b) for a, b in zip(fused, tree))
     assert not torch.equal(fused[0], before[0])

@@ -113,8 +113,8 @@ def parse_meta_info(meta: dict, output_ids: list[int], vocab_size: int) -> tuple
     length = meta.get("output_token_sampling_mask_length")
     if length is not None and (isinstance(length, bool) or length != support.num_rows):
         raise WireError(
-            f"output_token_sampling_mask_length={length!r:.80}: SGLang sends the number of mask rows, "
-            f"{support.num_rows}"
+            f"output_token_sampling_mask_length={length!r:.80}: SGLang sends the number of mask "
+            f"rows, {support.num_rows}"
         )
     if isinstance(logprobs, list) and any(isinstance(v, list) for v in logprobs):
         if rows is None:
@@ -230,8 +230,8 @@ class SGLangBackend:
             )
             if not ok:
                 raise WireError(
-                    f"{where}: return_logprob was asked but meta_info has no output_token_logprobs [[logprob, id, "
-                    "text], ...]"
+                    f"{where}: return_logprob was asked but meta_info has no output_token_logprobs "
+                    "[[logprob, id, text], ...]"
                 )
             full = np.asarray([e[0] for e in entries], np.float32)
         return Completion(

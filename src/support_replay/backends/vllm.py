@@ -243,8 +243,7 @@ class VLLMBackend:
             if req.return_logprob:
                 raise WireError(
                     f"request {i}: full-vocabulary log-probs are not available from a vLLM server that returns "
-                    "processed "
-                    "log-probs; score them in the trainer"
+                    "processed log-probs; score them in the trainer"
                 )
         if self.endpoint == "generate":
             return fan_out(self.pool, self._one, requests, return_exceptions)

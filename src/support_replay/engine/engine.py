@@ -55,7 +55,7 @@ from .sampling_step import SamplingStep
 from .scheduler import Scheduler, prefill_buckets
 from .slot_cache import SlotCache
 from .stopping import StopConditions, eos_ids
-from .weight_updates import load_state, load_update
+from .weight_updates import load_update
 
 log = logging.getLogger(__name__)
 
@@ -336,9 +336,6 @@ class Engine:
             future.set_result(self.weight_version)
         except Exception as exc:
             future.set_exception(exc if isinstance(exc, EngineError) else EngineError(f"update_weights: {exc}"))
-
-    def _load_state(self, state: dict[str, torch.Tensor]) -> None:
-        load_state(self.runner.model, state)
 
     def _aborted_waiting(self, request: GenerateRequest, future: Future, why: str) -> None:
         self._finish_failed(request, future, AbortedError(f"{why} before the request started"), "aborted")

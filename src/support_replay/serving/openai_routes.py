@@ -132,54 +132,44 @@ def as_log_mu(c: Completion) -> Completion:
     return c
 
 
-def openai_routes(run, meta_info, model_name: str, renderer: ChatRenderer, max_requests: int) -> APIRouter:
-    """``run(requests, http_request)`` submits and waits; ``meta_info(completion, request,
-    sampling_mask_format)`` is SGLang's replay metadata of one completion; ``max_requests`` is the
-    most engine requests one body may become (the engine's queue)."""
-    routes = APIRouter()
-    decode = renderer.decode
+class OpenAIHandlers:
+    """The two endpoints over ``run(requests, http_request)`` (submit and wait) and ``meta_info(completion,
+    request, sampling_mask_format)`` (SGLang's replay metadata); ``max_requests`` is the most engine
+    requests one body may become (the engine's queue)."""
 
-    @routes.post("/v1/chat/completions")
-    async def chat(request: Request, body: ChatIn):
-        parse_tools = parses_tool_calls(body.tool_choice)
+    def __init__(self, run, meta_info, model_name: str, renderer: ChatRenderer, max_requests: int):
+        self.run, self.meta_info, self.model_name = run, meta_info, model_name
+        self.renderer, self.max_requests = renderer, max_requests
+
+    async def chat(self, request: Request, body: ChatIn):
+        renderer = self.renderer
         messages = [normalize_message(m, i) for i, m in enumerate(body.messages)]
         ids = renderer.encode(renderer.render(messages, body.tools, generation_prompt=True))
         top = body.top_logprobs or 0
-        reqs = requests_for(
-            body,
-            ids,
-            body.sampling(body.max_completion_tokens or body.max_tokens, 256),
-            log_mu=body.logprobs or bool(top),
-            top=top,
-        )
-        results = await run(reqs, request)
-        choices = []
-        for i, (req, c) in enumerate(zip(reqs, results)):
-            c = as_log_mu(c)
-            content, calls = parse_tool_calls(c.text) if body.tools and parse_tools else (c.text, [])
-            finish = "tool_calls" if calls else openai_finish(c)
-            logprobs = token_logprobs(c, decode, top) if (body.logprobs or top) else None
-            meta = (
-                {"output_ids": c.output_ids, **meta_info(c, req, body.sampling_mask_format)}
-                if body.return_meta_info
-                else None
-            )
-            choices.append(chat_choice(i, content, calls, finish, logprobs, meta))
-        response = chat_response(
-            choices,
-            model=body.model or model_name,
-            prompt_tokens=len(ids),
-            completion_tokens=sum(c.num_tokens for c in results),
-        )
+        sp = body.sampling(body.max_completion_tokens or body.max_tokens, 256)
+        reqs = requests_for(body, ids, sp, log_mu=body.logprobs or bool(top), top=top)
+        results = [as_log_mu(c) for c in await self.run(reqs, request)]
+        choices = [self._chat_choice(i, body, req, c, top) for i, (req, c) in enumerate(zip(reqs, results))]
+        completion_tokens = sum(c.num_tokens for c in results)
+        model = body.model or self.model_name
+        response = chat_response(choices, model=model, prompt_tokens=len(ids), completion_tokens=completion_tokens)
         if body.stream:
-            return StreamingResponse(
-                chat_stream(response, bool((body.stream_options or {}).get("include_usage"))),
-                media_type="text/event-stream",
-            )
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(chat_stream(response, usage), media_type="text/event-stream")
         return response
 
-    @routes.post("/v1/completions")
-    async def completions(request: Request, body: CompletionIn):
+    def _chat_choice(self, i: int, body: ChatIn, req, c: Completion, top: int) -> dict:
+        parse = body.tools and parses_tool_calls(body.tool_choice)
+        content, calls = parse_tool_calls(c.text) if parse else (c.text, [])
+        finish = "tool_calls" if calls else openai_finish(c)
+        logprobs = token_logprobs(c, self.renderer.decode, top) if (body.logprobs or top) else None
+        meta = self._meta(body, req, c) if body.return_meta_info else None
+        return chat_choice(i, content, calls, finish, logprobs, meta)
+
+    def _meta(self, body, req, c: Completion) -> dict:
+        return {"output_ids": c.output_ids, **self.meta_info(c, req, body.sampling_mask_format)}
+
+    async def completions(self, request: Request, body: CompletionIn):
         if body.echo or body.suffix or (body.best_of not in (None, body.n)):
             raise RequestError("echo, suffix and best_of are not supported")
         prompts = body.prompt
@@ -187,30 +177,30 @@ def openai_routes(run, meta_info, model_name: str, renderer: ChatRenderer, max_r
             prompts = [prompts]
         if not prompts:
             raise RequestError("prompt: empty")
-        check_fan_out(len(prompts), body.n, max_requests)
-        ids = [renderer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        check_fan_out(len(prompts), body.n, self.max_requests)
+        ids = [self.renderer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         top = body.logprobs or 0
         sp = body.sampling(body.max_tokens, 16)  # OpenAI's default max_tokens for completions
         reqs = [r for p in ids for r in requests_for(body, p, sp, log_mu=body.logprobs is not None, top=top)]
-        results = [as_log_mu(c) for c in await run(reqs, request)]
+        results = [as_log_mu(c) for c in await self.run(reqs, request)]
         choices = []
         for i, (req, c) in enumerate(zip(reqs, results)):
-            choice = text_choice(i, c.text, openai_finish(c), c, decode, body.logprobs)
+            choice = text_choice(i, c.text, openai_finish(c), c, self.renderer.decode, body.logprobs)
             if body.return_meta_info:
-                choice["meta_info"] = {"output_ids": c.output_ids, **meta_info(c, req, body.sampling_mask_format)}
+                choice["meta_info"] = self._meta(body, req, c)
             choices.append(choice)
-        response = {
-            **chat_response(
-                choices,
-                model=body.model or model_name,
-                prompt_tokens=sum(len(p) for p in ids),
-                completion_tokens=sum(c.num_tokens for c in results),
-                rid=new_id("cmpl"),
-            ),
-            "object": "text_completion",
-        }
+        usage = dict(prompt_tokens=sum(len(p) for p in ids), completion_tokens=sum(c.num_tokens for c in results))
+        response = chat_response(choices, model=body.model or self.model_name, rid=new_id("cmpl"), **usage)
+        response = {**response, "object": "text_completion"}
         if body.stream:
             return StreamingResponse(text_stream(response), media_type="text/event-stream")
         return response
 
+
+def openai_routes(run, meta_info, model_name: str, renderer: ChatRenderer, max_requests: int) -> APIRouter:
+    """``/v1/chat/completions`` and ``/v1/completions`` (``OpenAIHandlers`` says what they take)."""
+    handlers = OpenAIHandlers(run, meta_info, model_name, renderer, max_requests)
+    routes = APIRouter()
+    routes.add_api_route("/v1/chat/completions", handlers.chat, methods=["POST"])
+    routes.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
     return routes

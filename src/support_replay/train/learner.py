@@ -111,7 +111,18 @@ class Learner:
             cp=self.parallel_cfg.context_parallel_size,
             cp_layout=self.parallel_cfg.context_parallel_layout,
         )
-        dp = self.layout.dp
+        self._check_layout(self.layout.dp)
+        self._planned_steps = 1
+        self.measure_full = True  # full-vocabulary scores for the metrics in this rollout
+        torch.manual_seed(self.optimizer_cfg.seed)
+        self.linear_kernel = linear_kernel  # the actor's, the reference's and the lagged scorer's forward
+        self.actor, self.reference = self._models(checkpoint_path)
+        self.temperature = self.rollout_cfg.rollout_temperature
+        self._build_scorers()
+        self.pack = pack  # decided once: the rule reads the rollout's penalties (a file for a logit bias)
+
+    def _check_layout(self, dp: int) -> None:
+        """What the data-parallel layout needs of the batches: the same number of micro-batches on every rank."""
         if self.parallel_cfg.global_batch_size % dp:
             raise ConfigError(
                 f"--global-batch-size={self.parallel_cfg.global_batch_size}: must be a multiple of the {dp} "
@@ -120,41 +131,42 @@ class Learner:
         if self.agents_cfg.enabled and self.agents_cfg.session_history_policy == "split" and dp > 1:
             raise ConfigError(
                 f"--session-history-policy=split with {dp} data-parallel ranks: split episodes make the number of "
-                "samples vary, and "
-                "the ranks would run different numbers of micro-batches; use --session-history-policy reject with "
-                "several ranks"
+                "samples vary, and the ranks would run different numbers of micro-batches; use "
+                "--session-history-policy reject with several ranks"
             )
-        self._planned_steps = 1
-        self.measure_full = True  # full-vocabulary scores for the metrics in this rollout
-        torch.manual_seed(self.optimizer_cfg.seed)
-        self.linear_kernel = linear_kernel  # the actor's, the reference's and the lagged scorer's forward
-        self.actor = Actor(
+
+    def _models(self, checkpoint_path):
+        """The actor (FSDP2, TP / CP per the layout) and, for a KL term, the frozen reference."""
+        opt, ctx = self.optimizer_cfg, self.ctx
+        actor = Actor(
             checkpoint_path,
             ctx,
-            lr=self.optimizer_cfg.lr,
-            betas=(self.optimizer_cfg.adam_beta1, self.optimizer_cfg.adam_beta2),
-            weight_decay=self.optimizer_cfg.weight_decay,
+            lr=opt.lr,
+            betas=(opt.adam_beta1, opt.adam_beta2),
+            weight_decay=opt.weight_decay,
             replay=self.replay,
-            full_with_grad=self.optimizer_cfg.use_kl_loss or self.optimizer_cfg.entropy_coef > 0,
+            full_with_grad=opt.use_kl_loss or opt.entropy_coef > 0,
             batch_invariant=self.replay_cfg.true_on_policy_mode,
             penalties=self.rollout_cfg.penalties.active,
             layout=self.layout,
             compute_dtype=getattr(torch, self.replay_cfg.train_dtype),
             linear_kernel=self.linear_kernel,
         )
-        self.reference = (
+        reference = (
             load_scoring_model(
                 checkpoint_path,
                 ctx.device,
-                compute_dtype=self.actor.model.compute_dtype,
+                compute_dtype=actor.model.compute_dtype,
                 linear_kernel=self.linear_kernel,
             )
             .eval()
             .requires_grad_(False)
-            if self.optimizer_cfg.needs_reference
+            if opt.needs_reference
             else None
         )
-        self.temperature = self.rollout_cfg.rollout_temperature
+        return actor, reference
+
+    def _build_scorers(self) -> None:
         # every pass's scoring function, chosen now (train/scorer.py); which one runs depends on whether this
         # rollout measures full-vocabulary scores and whether the update's forward is the old policy's (fused)
         self._old_scorers = {m: self.actor.scorer(self.temperature, Outputs(full_detached=m)) for m in (False, True)}
@@ -167,7 +179,6 @@ class Learner:
             if self.reference is not None
             else None
         )
-        self.pack = pack  # decided once: the rule reads the rollout's penalties (a file for a logit bias)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, ctx, checkpoint_path) -> Learner:

@@ -119,24 +119,7 @@ class Rollouts:
         self.global_batch_size, self.seed = global_batch_size, seed
         self.replay = self.rollout_cfg.use_sampling_support_replay
         self.params = rollout.sampling_params  # built once, with the config (its range rules are its own)
-        self.prompts = load_prompts(
-            self.data_cfg.prompt_data,
-            self.data_cfg.input_key,
-            self.data_cfg.label_key,
-            seed=self.seed,
-            max_operand=self.data_cfg.task_max_operand,
-        )
-        self.eval_prompts = (
-            load_prompts(
-                self.evaluation_cfg.eval_prompt_data,
-                self.data_cfg.input_key,
-                self.data_cfg.label_key,
-                seed=self.seed + 1,
-                max_operand=self.data_cfg.task_max_operand,
-            )
-            if self.evaluation_cfg.eval_interval
-            else None
-        )
+        self.prompts, self.eval_prompts = self._load_prompts()
         self.reward_fn = load_reward(self.data_cfg.rm_type, self.data_cfg.custom_rm_path)
         self.engine = self.backend = None
         self.engine_name = (
@@ -151,11 +134,27 @@ class Rollouts:
         self.penalty_semantics = on_main(lambda: self._penalty_semantics(vocab_size), ctx)
         if not ctx.is_main:
             return
+        self.backend = self._connect(checkpoint_path, vocab_size, weight_version, trainer_kernel)
+        if self.agents_cfg.agent or self.agents_cfg.agent_path:
+            self._start_sessions(tokenizer)
+
+    def _load_prompts(self):
+        """The training prompts and, with --eval-interval, the evaluation's (held out by their seed)."""
+        data = self.data_cfg
+        keys = dict(max_operand=data.task_max_operand)
+        train = load_prompts(data.prompt_data, data.input_key, data.label_key, seed=self.seed, **keys)
+        if not self.evaluation_cfg.eval_interval:
+            return train, None
+        held_out = self.evaluation_cfg.eval_prompt_data
+        return train, load_prompts(held_out, data.input_key, data.label_key, seed=self.seed + 1, **keys)
+
+    def _connect(self, checkpoint_path, vocab_size: int, weight_version: str, trainer_kernel: str):
+        """Where samples come from: vLLM or SGLang (and ours) at --rollout-url, else an engine in this process."""
         keys = Keys.load()
         if self.engine_cfg.rollout_url and self.engine_cfg.rollout_engine == "vllm":
             from ..backends.vllm import VLLMBackend
 
-            self.backend = VLLMBackend(
+            return VLLMBackend(
                 self.engine_cfg.rollout_url,
                 vocab_size,
                 endpoint=self.engine_cfg.vllm_endpoint,
@@ -165,7 +164,7 @@ class Rollouts:
         elif self.engine_cfg.rollout_url:
             from ..backends.sglang import SGLangBackend
 
-            self.backend = SGLangBackend(
+            backend = SGLangBackend(
                 self.engine_cfg.rollout_url,
                 vocab_size,
                 sampling_mask_format=self.engine_cfg.sampling_mask_format,
@@ -173,6 +172,7 @@ class Rollouts:
             )
             if self.replay_cfg.true_on_policy_mode:
                 _require_deterministic(self.engine_cfg.rollout_url, trainer_kernel, keys.header(admin=False))
+            return backend
         else:  # the in-process engine: the only place the trainer imports it
             from ..backends.local import EngineBackend
             from ..engine import Engine
@@ -190,9 +190,7 @@ class Rollouts:
                 max_total_tokens=self.engine_cfg.max_total_tokens,
                 kv_share=COLOCATED_SHARE,
             )
-            self.backend = EngineBackend(self.engine)
-        if self.agents_cfg.agent or self.agents_cfg.agent_path:
-            self._start_sessions(tokenizer)
+            return EngineBackend(self.engine)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, ctx, checkpoint_path, tokenizer, vocab_size: int, weight_version: str):
