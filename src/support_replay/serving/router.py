@@ -107,9 +107,7 @@ class Router:
             tried.add(worker.url)
             worker.outstanding += 1
             try:
-                reply = await self.client.request(
-                    method, worker.url + path, content=body, headers={**headers, **self.keys.header(admin=False)}
-                )
+                reply = await self._send(worker, method, path, body, headers)
             except _RETRYABLE as exc:
                 worker.healthy, worker.failures = False, worker.failures + 1
                 last_error = f"{worker.url}: {type(exc).__name__}: {exc}"
@@ -117,16 +115,11 @@ class Router:
                 continue
             except _TIMED_OUT as exc:
                 self.unserved += 1
-                message = (
-                    f"{worker.url} gave no answer within the request timeout ({type(exc).__name__}); "
-                    "not retried elsewhere: it may still be running it"
-                )
-                return JSONResponse({"error": {"message": message, "code": 504}}, status_code=504)
+                timeout = f"{worker.url} gave no answer within the request timeout ({type(exc).__name__})"
+                return _error(f"{timeout}; not retried elsewhere: it may still be running it", 504)
             finally:
                 worker.outstanding -= 1
-            worker.served += 1
-            key = (worker.url, reply.status_code)
-            self.answered[key] = self.answered.get(key, 0) + 1
+            self._count(worker, reply)
             headers_out = {"Retry-After": reply.headers["retry-after"]} if "retry-after" in reply.headers else None
             return Response(
                 reply.content,
@@ -147,26 +140,29 @@ class Router:
         worker = self.session_worker(session)
         if worker is None:
             self.unserved += 1
-            return JSONResponse({"error": {"message": "no engine configured", "code": 503}}, status_code=503)
+            return _error("no engine configured", 503)
         worker.outstanding += 1
         try:
-            reply = await self.client.request(
-                method, worker.url + path, content=body, headers={**headers, **self.keys.header(admin=False)}
-            )
+            reply = await self._send(worker, method, path, body, headers)
         except (*_RETRYABLE, *_TIMED_OUT) as exc:
             worker.healthy, worker.failures = False, worker.failures + 1
             self.unserved += 1
-            message = (
-                f"session {session[:80]}: its engine {worker.url} failed ({type(exc).__name__}); "
-                "a session's turns are not moved to another engine"
-            )
-            return JSONResponse({"error": {"message": message, "code": 502}}, status_code=502)
+            failed = f"session {session[:80]}: its engine {worker.url} failed ({type(exc).__name__})"
+            return _error(f"{failed}; a session's turns are not moved to another engine", 502)
         finally:
             worker.outstanding -= 1
+        self._count(worker, reply)
+        return Response(reply.content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
+
+    async def _send(self, worker: Worker, method: str, path: str, body: bytes, headers: dict) -> httpx.Response:
+        """The request, raw body and headers as they came, with the router's API key to the engine."""
+        auth = {**headers, **self.keys.header(admin=False)}
+        return await self.client.request(method, worker.url + path, content=body, headers=auth)
+
+    def _count(self, worker: Worker, reply: httpx.Response) -> None:
         worker.served += 1
         key = (worker.url, reply.status_code)
         self.answered[key] = self.answered.get(key, 0) + 1
-        return Response(reply.content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
 
     async def broadcast(self, method: str, path: str, body: bytes, headers: dict) -> Response:
         async def one(w: Worker):
@@ -197,6 +193,10 @@ class Router:
         while True:
             await asyncio.sleep(self.health_interval)
             await self.check_health()
+
+
+def _error(message: str, code: int) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": code}}, status_code=code)
 
 
 def cancelled(task) -> Response:

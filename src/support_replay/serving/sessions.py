@@ -133,6 +133,11 @@ def turn_meta(store: SessionStore, sid: str, result: TurnResult) -> dict:
     return meta
 
 
+def _status(s) -> dict:
+    """What both the state and the trajectory of a session say of it."""
+    return {"session_id": s.id, "finished": s.finished, "failed": s.failed, "splits": s.splits, "metadata": s.metadata}
+
+
 def session_routes(store: SessionStore, model_name: str = "support-replay") -> APIRouter:
     routes = APIRouter()
 
@@ -165,16 +170,9 @@ def session_routes(store: SessionStore, model_name: str = "support-replay") -> A
     @routes.get("/sessions/{sid}")
     async def state(sid: str):
         s = store.get(sid)
-        return {
-            "session_id": s.id,
-            "turns": s.turns,
-            "finished": s.finished,
-            "failed": s.failed,
-            "splits": s.splits,
-            "samples": len(s.trajectories()),
-            "response_tokens": sum(t.response_length for t in s.trajectories()),
-            "metadata": s.metadata,
-        }
+        samples = s.trajectories()
+        response_tokens = sum(t.response_length for t in samples)
+        return {**_status(s), "turns": s.turns, "samples": len(samples), "response_tokens": response_tokens}
 
     @routes.post("/sessions/{sid}/finish")
     async def finish(sid: str, body: FinishIn | None = None):
@@ -185,15 +183,7 @@ def session_routes(store: SessionStore, model_name: str = "support-replay") -> A
     @routes.get("/sessions/{sid}/trajectory")
     async def trajectory(sid: str):
         s = store.get(sid)
-        return {
-            "session_id": s.id,
-            "finished": s.finished,
-            "failed": s.failed,
-            "reward": s.reward,
-            "metadata": s.metadata,
-            "splits": s.splits,
-            "samples": [t.to_json() for t in s.trajectories()],
-        }
+        return {**_status(s), "reward": s.reward, "samples": [t.to_json() for t in s.trajectories()]}
 
     @routes.delete("/sessions/{sid}")
     async def delete(sid: str):
