@@ -4,7 +4,7 @@
     model_runner.py    prefill and decode over the slot cache (slot_cache.py, fused_step.py)
     sampling_step.py   penalties, the core's sampler and capture (capture.py): a RowStep or RowFailure per row
     stopping.py        EOS, stop tokens, stop strings, the token budget
-    running.py         a running request's state and its Completion
+    running.py         a running request's state and its Completion; running_batch.py, the rows decoding together
     weight_updates.py  weights from disk or memory, checked before any is copied
     ledger.py, limits.py, kv_budget.py   counts and request ids, request limits, the KV memory budget
 
@@ -51,6 +51,7 @@ from .limits import EngineLimits
 from .model_runner import ModelRunner, load_model_and_tokenizer
 from .row_step import RowFailure
 from .running import RunningRequest
+from .running_batch import RunningBatch
 from .sampling_step import SamplingStep
 from .scheduler import Scheduler, prefill_buckets
 from .slot_cache import SlotCache
@@ -113,8 +114,7 @@ class Engine:
         self.scheduler = Scheduler(self.ledger)
         self.sample = SamplingStep(semantics, self.capacity)
         self.stops = StopConditions(tokenizer, self.eos_ids)
-        self._running: list[RunningRequest] = []
-        self._batch: SlotCache | None = None
+        self.batch = RunningBatch(self.runner)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._looping_here = False  # ``run``: the loop runs in a caller's thread (serve's main thread)
@@ -286,7 +286,7 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.batch)
 
     @property
     def num_waiting(self) -> int:
@@ -307,24 +307,23 @@ class Engine:
                 self.step(block=True)
             except Exception as exc:
                 log.exception("engine step failed")
-                failed, self._running, self._batch = self._running, [], None
-                for seq in failed:
+                for seq in self.batch.clear():
                     self._finish_failed(
                         seq.request, seq.future, EngineError(f"internal engine error during decode: {exc}"), "decode"
                     )
 
     def step(self, block: bool = False) -> None:
         """One iteration: a drained weight update, admissions, one decode step."""
-        if self.scheduler.update is not None and not self._running:
+        if self.scheduler.update is not None and not self.batch:
             self._apply_update(*self.scheduler.update)
             self.scheduler.update = None
         admitted = []
         if self.scheduler.update is None:
-            room = self.max_batch_size - len(self._running)
-            admitted = self.scheduler.take(room, block and not self._running, self._fits, self._aborted_waiting)
+            room = self.max_batch_size - len(self.batch)
+            admitted = self.scheduler.take(room, block and not self.batch, self._fits, self._aborted_waiting)
         if admitted:
             self._admit(admitted)
-        if self._running:
+        if self.batch:
             self._decode()
 
     def _apply_update(self, arg, future) -> None:
@@ -343,10 +342,10 @@ class Engine:
     def _fits(self, taken: list[GenerateRequest], request: GenerateRequest) -> bool:
         """Whether ``request``, admitted with ``taken``, keeps the KV cache's peak within the budget."""
         joining = [*taken, request]
-        held = (self._batch.slots, self._batch.capacity) if self._batch is not None else (0, 0)
-        need = max([s.need for s in self._running] + [self._column_need(r) for r in joining])
+        held = self.batch.held
+        need = max([s.need for s in self.batch.rows] + [self._column_need(r) for r in joining])
         budget = self.kv_budget
-        shape = plan_shape(held, len(self._running) + len(joining), need, self.max_batch_size, budget.max_total_tokens)
+        shape = plan_shape(held, len(self.batch) + len(joining), need, self.max_batch_size, budget.max_total_tokens)
         return budget.peak(held, shape, len(joining), max(len(r.input_ids) for r in joining)) <= budget.max_total_tokens
 
     def _admit(self, admitted) -> None:
@@ -386,32 +385,22 @@ class Engine:
             for group, batch, logits in groups:
                 self._join(group, batch, logits)
 
-    def _join(self, group: list[RunningRequest], batch: SlotCache, logits: torch.Tensor) -> None:
+    def _join(self, group: list[RunningRequest], cache: SlotCache, logits: torch.Tensor) -> None:
         """A prefilled group joins the running batch and samples its first tokens."""
-        # every row's reservation at once, in the shape admission counted: the cache never grows while it decodes
-        need = max(s.need for s in self._running + group)
-        if self._batch is not None:
-            self._batch.reserve(self._batch.size + len(group), need, batch.layers[0].k)
-        self._batch = self.runner.merge(self._batch, batch)
-        self._batch.reserve(self._batch.size, need, batch.layers[0].k)
-        self._running.extend(group)
+        self.batch.join(group, cache)
         self._sample_and_advance(group, logits)
 
     def _decode(self) -> None:
-        why = self.ledger.aborted([s.future for s in self._running])
-        gone = [s for s in self._running if s.future in why]
+        rows = self.batch.rows
+        why = self.ledger.aborted([s.future for s in rows])
+        gone = [s for s in rows if s.future in why]
         for seq in gone:  # cancelled by their clients or a weight update: stop spending steps on them
             seq.fail(AbortedError(why[seq.future]), "aborted")
         if gone:
             self._retire()
-            if not self._running:
+            if not self.batch:
                 return
-        last = torch.tensor([s.output_ids[-1] for s in self._running])
-        positions = torch.tensor([s.position for s in self._running])
-        logits = self.runner.decode(self._batch, last, positions)
-        for s in self._running:
-            s.position += 1
-        self._sample_and_advance(self._running, logits)
+        self._sample_and_advance(self.batch.rows, self.batch.decode())
 
     def _sample_and_advance(self, seqs: list[RunningRequest], logits: torch.Tensor) -> None:
         """Sample one token for every sequence and record it; a row that fails fails its request alone."""
@@ -424,17 +413,7 @@ class Engine:
         self._retire()
 
     def _retire(self) -> None:
-        keep = [i for i, s in enumerate(self._running) if s.finish_reason is None]
-        if len(keep) == len(self._running):
-            return
-        done = [s for s in self._running if s.finish_reason is not None]
-        self._batch, order = self.runner.keep(self._batch, keep)  # a leaving row's slot takes the last row
-        self._running = [self._running[i] for i in order]
-        if (
-            self._batch is not None
-        ):  # the rows that needed the most room may have left: hold no more than the rest reserved
-            self._batch.shrink(max(s.need for s in self._running))
-        for seq in done:  # answered after their rows left: a client that hears back sees the slot free
+        for seq in self.batch.retire():  # answered after their rows left: a client that hears back sees the slot free
             if seq.failure is not None:
                 self._finish_failed(seq.request, seq.future, *seq.failure)
             elif not seq.future.done():
