@@ -72,8 +72,9 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
                 checked, _ = checks(r, samples, old, ages, clock, gate=False)
             with clock("sync"):  # 7. sync
                 versions.advance(learner, ctx, r + 1)
-            row = {"rollout": r, **rollout_metrics(samples, old.logp, old.full, learner.replay), **failures, **lag}
-            row.update(**checked, **adv_stats, **asdict(update), **clock, **rollouts.evaluate_if_due(r))  # 8. metrics
+            measured = rollout_metrics(samples, old.logp, old.full, learner.replay)  # 8. metrics
+            row = {"rollout": r, **measured, **failures, **lag, **checked, **adv_stats, **asdict(update), **clock}
+            row.update(rollouts.evaluate_if_due(r))
             save_if_due(cfg.output.save, cfg.output.save_interval, r, learner.actor, ctx, row)  # 9. save
             log.log({**row, **clock.total()})
     finally:
