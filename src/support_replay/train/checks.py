@@ -93,10 +93,12 @@ class RolloutChecks:
     drift of one rollout's old scores: ``checks(r, samples, old, ages)`` -> ``(metrics, trained)``,
     ``trained`` being the samples left after the drift gate (``gate=False``: no gate)."""
 
-    def __init__(self, ctx, *, replay: bool, ci_test: bool, tolerance: float, min_support_mass: float, versions):
+    def __init__(
+        self, ctx, *, replay: bool, ci_test: bool, tolerance: float, min_support_mass: float, versions, semantics: str
+    ):
         self.ctx, self.replay, self.ci_test, self.tolerance = ctx, replay, ci_test, tolerance
         self.min_support_mass, self.versions = min_support_mass, versions
-        self.semantics = None  # the rollout's penalty semantics, set by the recipe once the engine is known
+        self.semantics = semantics  # whose penalty rules the lagged scorer replays (the engine's)
 
     def __call__(self, r: int, samples: list[Sample], old, ages, clock, *, gate: bool = True) -> tuple[dict, list]:
         metrics = self._ci_check(r, samples, old.logp, clock) if old.logp is not None else {}

@@ -121,8 +121,8 @@ def _set_up(cfg: RunConfig, ctx):
         tolerance=cfg.replay.ci_tolerance,
         min_support_mass=cfg.replay.min_support_mass,
         versions=versions,
+        semantics=rollouts.penalty_semantics,
     )
-    checks.semantics = rollouts.penalty_semantics
     if ctx.is_main and cfg.replay.ci_test:
         print(
             f"--ci-test: every token within {cfg.replay.ci_tolerance:g} of its log mu "
