@@ -156,3 +156,18 @@ def test_from_csr_sorts_rows(rows):
     flat = [i for r in rows for i in r]
     offsets = np.cumsum([0] + [len(r) for r in rows])
     assert SupportTable.from_csr(np.array(flat, np.int32), offsets).to_lists() == [sorted(r) for r in rows]
+
+
+def test_offsets_from_sizes_and_locate_against_a_loop():
+    from support_replay.core.support import offsets_from_sizes
+
+    rng = np.random.default_rng(3)
+    rows = [np.sort(rng.choice(50, size=int(k), replace=False)) for k in rng.integers(0, 6, size=40)]
+    table = SupportTable.from_rows(rows)
+    assert offsets_from_sizes([len(r) for r in rows]).tolist() == table.offsets.tolist()
+    assert offsets_from_sizes([]).tolist() == [0]
+    tokens = rng.integers(0, 50, size=len(rows))
+    pos, found = table.locate(tokens)
+    for t, (row, token) in enumerate(zip(rows, tokens)):
+        assert found[t] == (token in row)
+        assert pos[t] == table.offsets[t] + np.searchsorted(row, token)  # where it is, or would be inserted
