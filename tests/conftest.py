@@ -42,36 +42,13 @@ def vllm_server(tiny_checkpoint, tmp_path_factory):
     the token-in/token-out endpoint, and the dev-mode weight-reload routes. ``(url, checkpoint)``."""
     if not VLLM_PYTHON.exists():
         pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (make vllm)")
-    from processes import free_port, process
+    from processes import free_port, process, vllm_server_args
     from tiny_model import vllm_checkpoint
 
     ckpt = vllm_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("vllm-llama"))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = [
-        str(VLLM_PYTHON),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(ckpt),
-        "--served-model-name",
-        "tiny",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "256",
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--max-logprobs",
-        "-1",
-        "--gpu-memory-utilization",
-        "0.1",
-        "--enable-scale-out",
-    ]
+    args = vllm_server_args(VLLM_PYTHON, ckpt, port)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     try:
         with process(args, url, timeout=300):

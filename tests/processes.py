@@ -46,6 +46,20 @@ def engine_process(checkpoint, *extra: str):
     return process(args, url), url
 
 
+def vllm_server_args(python, checkpoint, port: int) -> list[str]:
+    """The real vLLM CPU server the tests and the fixture generator run: the tiny Llama in fp32,
+    processed log-probs (log mu), unlimited log-probs, and ``/inference/v1/generate``
+    (``--enable-scale-out``); its RL weight routes also need ``VLLM_SERVER_DEV_MODE=1``."""
+    return [
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(checkpoint), "--served-model-name", "tiny",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--max-model-len", "256",
+        "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
+        "--gpu-memory-utilization", "0.1", "--enable-scale-out",
+    ]  # fmt: skip
+
+
 def router_process(engine_urls: list[str], health_interval: float = 0.5):
     port = free_port()
     url = f"http://127.0.0.1:{port}"

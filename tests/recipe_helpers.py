@@ -11,46 +11,38 @@ from support_replay.train.rollouts import Rollouts
 ONE_RANK = DistContext(rank=0, world=1, device=torch.device("cpu"), owns_group=False)
 
 
+# what every test run shares: the tiny model, a short run, replay and --ci-test on
+COMMON = dict(
+    num_rollout=3, rollout_batch_size=2, global_batch_size=4, rollout_max_response_len=10, lr=1e-3,
+    progress=False, ci_test=True, rollout_top_p=0.8, rollout_top_k=32,
+)  # fmt: skip
+
+
 def run_config(checkpoint, tmp_path, **overrides) -> RunConfig:
+    """A single-turn GRPO run of groups of 4, rewarded by the share of digits."""
     values = dict(
+        COMMON,
         hf_checkpoint=str(checkpoint),
-        num_rollout=3,
-        rollout_batch_size=2,
-        n_samples_per_prompt=4,
-        global_batch_size=4,
-        micro_batch_size=2,
-        rollout_max_response_len=10,
-        lr=1e-3,
-        custom_rm_path="rewards_for_tests:digit_share",
         output_dir=str(tmp_path / "out"),
-        progress=False,
-        ci_test=True,
-        rollout_top_p=0.8,
-        rollout_top_k=32,
+        n_samples_per_prompt=4,
+        micro_batch_size=2,
+        custom_rm_path="rewards_for_tests:digit_share",
     )
-    values.update(overrides)
-    return RunConfig(**values)
+    return RunConfig(**{**values, **overrides})
 
 
 def agent_config(checkpoint, tmp_path, **overrides) -> RunConfig:
+    """An agent run of groups of 2, episodes of up to 3 turns and 256 tokens."""
     values = dict(
+        COMMON,
         hf_checkpoint=str(checkpoint),
+        output_dir=str(tmp_path / "out"),
         num_rollout=2,
-        rollout_batch_size=2,
         n_samples_per_prompt=2,
-        global_batch_size=4,
-        rollout_max_response_len=10,
         max_turns=3,
         max_episode_tokens=256,
-        lr=1e-3,
-        output_dir=str(tmp_path / "out"),
-        progress=False,
-        ci_test=True,
-        rollout_top_p=0.8,
-        rollout_top_k=32,
     )
-    values.update(overrides)
-    return RunConfig(**values)
+    return RunConfig(**{**values, **overrides})
 
 
 def parts(checkpoint, cfg):

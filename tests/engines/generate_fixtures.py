@@ -33,6 +33,7 @@ import torch
 HERE = Path(__file__).parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1] / "src")]
 
+from processes import vllm_server_args  # noqa: E402
 from support_replay import SamplingParams  # noqa: E402
 from support_replay.backends.sglang import SGLangBackend  # noqa: E402
 from support_replay.backends.vllm import VLLMBackend  # noqa: E402
@@ -133,30 +134,7 @@ def _vllm_checkpoint(path: Path) -> Path:
 
 
 def start_vllm(python: Path, checkpoint: Path, port: int, log: Path) -> subprocess.Popen:
-    args = [
-        str(python),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(checkpoint),
-        "--served-model-name",
-        "tiny",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "256",
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--max-logprobs",
-        "-1",
-        "--gpu-memory-utilization",
-        "0.1",
-        "--enable-scale-out",
-    ]
+    args = vllm_server_args(python, checkpoint, port)
     proc = subprocess.Popen(
         args, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     )

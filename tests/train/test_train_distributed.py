@@ -67,6 +67,19 @@ def _fsdp_worker(rank, world, port, checkpoint, out, results, global_batch, micr
     results[rank] = [r["loss"] for r in rows] if rank == 0 else "ok"
 
 
+def _one_and_two_ranks(checkpoint, tmp_path, global_batch, micro_batch, extra) -> dict:
+    """``_fsdp_worker``'s results on one rank and on two (outputs under ``tmp_path / "w1"`` and ``"w2"``)."""
+    manager = mp.Manager()
+    results = {}
+    for world in (1, 2):
+        res = manager.dict()
+        out = str(tmp_path / f"w{world}")
+        args = (world, free_port(), str(checkpoint), out, res, global_batch, micro_batch, extra)
+        mp.spawn(_fsdp_worker, args=args, nprocs=world, join=True)
+        results[world] = dict(res)
+    return results
+
+
 # two optimizer steps per rollout; or one, with the old-policy scoring fused into it; or that with
 # asynchronous rollouts (rank 0 generates during the update, --ci-test under the lag)
 @pytest.mark.parametrize(
@@ -75,22 +88,7 @@ def _fsdp_worker(rank, world, port, checkpoint, out, results, global_batch, micr
     ids=["two-steps", "fused", "async"],
 )
 def test_two_fsdp_ranks_equal_one(tiny_checkpoint, tmp_path, global_batch, micro_batch, extra):
-    manager = mp.Manager()
-    results = {}
-    for world in (1, 2):
-        res = manager.dict()
-        args = (
-            world,
-            free_port(),
-            str(tiny_checkpoint),
-            str(tmp_path / f"w{world}"),
-            res,
-            global_batch,
-            micro_batch,
-            extra,
-        )
-        mp.spawn(_fsdp_worker, args=args, nprocs=world, join=True)
-        results[world] = dict(res)
+    results = _one_and_two_ranks(tiny_checkpoint, tmp_path, global_batch, micro_batch, extra)
     np.testing.assert_allclose(results[2][0], results[1][0], atol=1e-6, rtol=0)
     one = load_file(str(tmp_path / "w1" / "ckpt" / "rollout_000003" / "model.safetensors"))
     two = load_file(str(tmp_path / "w2" / "ckpt" / "rollout_000003" / "model.safetensors"))
@@ -142,22 +140,7 @@ def test_agent_episodes_on_two_ranks(tiny_agent_checkpoint, tmp_path, extra):
 def test_two_ranks_under_a_token_budget_match_one(tiny_checkpoint, tmp_path):
     # the plans differ (one share cut by the budget, or two shares cut to equal counts), so the
     # sums associate differently: equal to rounding, not bit for bit
-    manager = mp.Manager()
-    results = {}
-    for world in (1, 2):
-        res = manager.dict()
-        args = (
-            world,
-            free_port(),
-            str(tiny_checkpoint),
-            str(tmp_path / f"w{world}"),
-            res,
-            8,
-            None,
-            dict(max_tokens_per_micro_batch=45),
-        )
-        mp.spawn(_fsdp_worker, args=args, nprocs=world, join=True)
-        results[world] = dict(res)
+    results = _one_and_two_ranks(tiny_checkpoint, tmp_path, 8, None, dict(max_tokens_per_micro_batch=45))
     np.testing.assert_allclose(results[2][0], results[1][0], atol=1e-5, rtol=0)
 
 

@@ -246,8 +246,8 @@ def _by_section(values: dict) -> dict:
     out: dict = {}
     for name, value in values.items():
         if name in SECTIONS:
-            given = value.model_dump(exclude_computed_fields=True) if isinstance(value, BaseModel) else dict(value)
-            out.setdefault(name, {}).update(given)
+            given = value.model_dump(include=set(type(value).model_fields)) if isinstance(value, BaseModel) else value
+            out.setdefault(name, {}).update(dict(given))
         elif name in FIELD_SECTION:
             out.setdefault(FIELD_SECTION[name], {})[name] = value
         elif name in DERIVED:
