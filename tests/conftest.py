@@ -6,7 +6,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_model import build_tiny_checkpoint  # noqa: E402
+from tiny_model import build_tiny_checkpoint, build_tiny_moe_checkpoint  # noqa: E402
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -29,6 +29,18 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 def tiny_agent_checkpoint(tmp_path_factory) -> Path:
     """The tiny model with room for multi-turn episodes and a tool system prompt (2,048 positions)."""
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-agents"), max_positions=2048)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random Qwen3-MoE (8 experts, top-2) with the tiny tokenizer."""
+    return build_tiny_moe_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-moe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random Mixtral (8 experts, top-2) with the tiny tokenizer."""
+    return build_tiny_moe_checkpoint(tmp_path_factory.mktemp("tiny-mixtral"), family="mixtral")
 
 
 VLLM_PYTHON = Path(

@@ -1,5 +1,6 @@
 """A tiny random Qwen3 checkpoint with a tokenizer trained offline: what engine tests run on
-(or a Llama one with tied embeddings, SmolLM2's shape)."""
+(or a Llama one with tied embeddings, SmolLM2's shape), and tiny mixtures of experts (Qwen3-MoE,
+Mixtral) with the same tokenizer."""
 
 from __future__ import annotations
 
@@ -60,6 +61,44 @@ def build_tiny_checkpoint(
     model = (LlamaForCausalLM if llama_tied else Qwen3ForCausalLM)(config)
     with torch.no_grad():  # a sharper distribution than the init, so supports vary in size
         model.lm_head.weight.mul_(25)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def build_tiny_moe_checkpoint(path: Path, family: str = "qwen3_moe", seed: int = 0, max_positions: int = 512) -> Path:
+    """A tiny random MoE model (8 experts, top-2, 2 layers) with the tiny tokenizer; its routers are
+    drawn wider than the init so tokens spread over the experts, and some choices are near ties."""
+    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    path = Path(path)
+    build_tiny_checkpoint(path, seed=seed, max_positions=max_positions)
+    tok = AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    if family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(**common, head_dim=16, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True)
+        )
+    elif family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=8))
+    else:
+        raise ValueError(family)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25)
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.4)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

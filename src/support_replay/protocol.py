@@ -16,6 +16,7 @@ from typing import Literal
 import numpy as np
 
 from .core.penalties import NO_PENALTIES, Penalties
+from .core.routing import RoutingShape, routing_problem
 from .core.sampling import SamplingParams
 from .core.support import SupportTable
 from .errors import RequestError, SupportError, WireError
@@ -33,7 +34,8 @@ class GenerateRequest:
     ``return_sampling_mask`` asks for the realized support and log mu of every generated
     token (replay); ``return_logprob`` for the full-vocabulary log-prob of every generated
     token; ``sampling_logprobs_mode="support"`` also for log mu of every id of each
-    support (SGLang's field names).
+    support (SGLang's field names); ``return_routed_experts`` for the experts a mixture-of-experts
+    model routed every prompt and output position to (``Completion.routed_experts``).
     """
 
     input_ids: list[int]
@@ -48,6 +50,7 @@ class GenerateRequest:
     rid: str | None = None  # idempotency key: the same id (with the same seed) is answered once
     routing_key: str | None = None  # a session's id: a router sends every turn to the same engine
     penalties: Penalties = NO_PENALTIES  # repetition / frequency / presence penalties, logit bias
+    return_routed_experts: bool = False  # SGLang's field: the top-k experts of every routed position
 
     def __post_init__(self):
         if not self.input_ids:
@@ -115,6 +118,9 @@ class Completion:
     text: str = ""
     support_row_logprobs: list[np.ndarray] | None = None  # "support" mode: log mu of every id of each row
     support_bytes: int = 0
+    # [prompt + output - 1, layers, top_k] int32: the experts of every position fed to the model (core/routing.py)
+    routed_experts: np.ndarray | None = None
+    routing_bytes: int = 0  # what the routing cost on the wire (0 in-process)
 
     @property
     def num_tokens(self) -> int:
@@ -158,10 +164,15 @@ def check_version_spans(spans: list[VersionSpan], num_tokens: int, where: str) -
 
 
 def validate_completion(
-    completion: Completion, request: GenerateRequest, vocab_size: int, index: int = 0
+    completion: Completion,
+    request: GenerateRequest,
+    vocab_size: int,
+    index: int = 0,
+    routing: RoutingShape | None = None,
 ) -> Completion:
     """The full rule set on one response, once, where it enters: raise ``WireError`` naming
-    the completion, the token and the rule (docs/contract.md, "fail closed")."""
+    the completion, the token and the rule (docs/contract.md, "fail closed"). ``routing`` is the
+    trainer's model's routing shape, which captured routing must fit."""
     where = f"completion {index}"
     n = completion.num_tokens
     if n == 0:
@@ -197,6 +208,8 @@ def validate_completion(
         if wrong.any():
             t = int(np.flatnonzero(wrong)[0])
             raise WireError(f"{where} token {t}: singleton support but log mu {lp[t]} != 0")
+    if request.return_routed_experts:
+        check_routed_experts(completion, request, routing, where)
     if request.return_logprob:
         full = completion.full_logprobs
         if full is None or len(full) != n:
@@ -205,3 +218,27 @@ def validate_completion(
             t = int(np.flatnonzero(~np.isfinite(full))[0])
             raise WireError(f"{where} token {t}: full-vocabulary log-prob {full[t]} is not finite")
     return completion
+
+
+def check_routed_experts(completion: Completion, request: GenerateRequest, shape: RoutingShape | None, where: str):
+    """Routing for every fed position (prompt + output - 1), of the model's layers and top-k, ids in range."""
+    routed = completion.routed_experts
+    if routed is None:
+        raise WireError(
+            f"{where}: routed experts were requested but the response carries none (is the server started with "
+            "--enable-return-routed-experts, and does a router on the path forward return_routed_experts?)"
+        )
+    positions = len(request.input_ids) + completion.num_tokens - 1
+    if shape is None:
+        problem = (
+            None
+            if routed.ndim == 3 and routed.shape[0] == positions
+            else (f"routing of shape {tuple(routed.shape)}, expected [{positions}, layers, top_k]")
+        )
+    else:
+        problem = routing_problem(routed, positions, shape)
+    if problem is not None:
+        raise WireError(
+            f"{where}: {problem} ({len(request.input_ids)} prompt + {completion.num_tokens} output tokens; the "
+            "last output token is never fed)"
+        )

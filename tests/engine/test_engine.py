@@ -157,7 +157,7 @@ def test_a_list_is_admitted_in_one_prefill_and_the_engine_restarts(tiny_checkpoi
     eng = Engine.from_pretrained(tiny_checkpoint).start()
     calls = []
     prefill = eng.runner.prefill
-    eng.runner.prefill = lambda batch: calls.append(len(batch)) or prefill(batch)
+    eng.runner.prefill = lambda batch, **kw: calls.append(len(batch)) or prefill(batch, **kw)
     try:
         group = [
             GenerateRequest([5, 6, 7, 8], SamplingParams(top_k=20, seed=i), max_new_tokens=4, ignore_eos=True)
@@ -180,11 +180,11 @@ def test_a_failed_decode_step_fails_its_requests_and_the_engine_serves_on(tiny_c
     decode = eng.runner.decode
     calls = []
 
-    def broken(*args):
+    def broken(*args, **kw):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("simulated kernel failure")
-        return decode(*args)
+        return decode(*args, **kw)
 
     eng.runner.decode = broken
     req = GenerateRequest([5, 6, 7], SamplingParams(top_k=20, seed=1), max_new_tokens=5, ignore_eos=True)

@@ -21,6 +21,7 @@ class EngineBackend:
     def __init__(self, engine: Engine, timeout: float | None = None):
         self.engine = engine  # not started: generate runs its steps in the calling thread (Engine.wait)
         self.vocab_size = engine.vocab_size
+        self.routing_shape = engine.runner.routing.shape if engine.runner.routing is not None else None
         self.timeout = timeout
 
     def generate(self, requests: list[GenerateRequest], *, return_exceptions: bool = False) -> list:
@@ -30,7 +31,7 @@ class EngineBackend:
         out = []
         for i, (req, future) in enumerate(zip(requests, futures)):
             try:
-                out.append(validate_completion(future.result(), req, self.vocab_size, i))
+                out.append(validate_completion(future.result(), req, self.vocab_size, i, self.routing_shape))
             except RequestError:
                 raise
             except EngineError as exc:

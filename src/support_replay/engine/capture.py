@@ -1,7 +1,7 @@
-"""Capture: the support, log mu and log-probs a request asked for, cut out of one step's sampling.
+"""Capture: the support, log mu and log-probs a request asked for, cut out of one step's sampling,
+and the experts a mixture-of-experts forward routed each fed token to.
 
-One function per captured quantity, each over the rows that asked; the next replayed decision
-(expert routing, for instance) is one more function here and one more field of ``RowStep``.
+One function per captured quantity, each over the rows that asked.
 """
 
 from __future__ import annotations
@@ -60,3 +60,12 @@ def captured_rows(
             row_logprobs = support_logprobs_of_row(logits[row], support, request.params.temperature)
         rows.append(RowStep(tokens[row], support, log_mu[i], full.get(row), row_logprobs))
     return rows
+
+
+def keep_routing(seqs, rows) -> None:
+    """Each sequence that asked keeps its rows of a forward's routing (``rows[i]``: a prompt's
+    ``[len, layers, top_k]`` after a prefill, one fed token's ``[layers, top_k]`` after a decode step),
+    as int32 (the wire narrows it)."""
+    for seq, routed in zip(seqs, rows):
+        if seq.request.return_routed_experts:
+            seq.routing.append(routed.numpy().astype(np.int32).reshape(-1, *routed.shape[-2:]))

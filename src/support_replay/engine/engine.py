@@ -45,6 +45,7 @@ from ..modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
 from ..modeling.invariant_products import model_plans
 from ..modeling.linear_kernels import linear_function, resolve_linear_kernel, use_linear
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest
+from .capture import keep_routing
 from .kv_budget import SERVE_SHARE, KVBudget, column_need, plan_shape
 from .ledger import Ledger
 from .limits import EngineLimits
@@ -169,6 +170,8 @@ class Engine:
             raise RequestError(
                 f"top_k={k} exceeds sampling_mask_max_tokens={self.capacity}: the support could not be captured"
             )
+        if request.return_routed_experts and self.runner.routing is None:
+            raise RequestError("return_routed_experts: this model has no experts to route (a dense model)")
         try:
             request.penalties.check(self.semantics, self.vocab_size)
         except SamplingParamsError as exc:
@@ -373,17 +376,25 @@ class Engine:
             return
         for bucket in prefill_buckets(seqs):  # prompts of like length together: the left padding stays small
             try:
-                groups = [(bucket, *self.runner.prefill([s.request.input_ids for s in bucket]))]
+                groups = [self._prefill(bucket)]
             except Exception:
                 log.exception("prefill of %d requests failed; prefilling them one by one", len(bucket))
                 groups = []
                 for seq in bucket:
                     try:
-                        groups.append(([seq], *self.runner.prefill([seq.request.input_ids])))
+                        groups.append(self._prefill([seq]))
                     except Exception as exc:
                         self._finish_failed(seq.request, seq.future, exc, "prefill")
             for group, batch, logits in groups:
                 self._join(group, batch, logits)
+
+    def _prefill(self, group: list[RunningRequest]) -> tuple[list[RunningRequest], SlotCache, torch.Tensor]:
+        """The group's prompts prefilled together; the rows that asked keep their prompts' routing."""
+        routing = any(s.request.return_routed_experts for s in group)
+        cache, logits = self.runner.prefill([s.request.input_ids for s in group], routing=routing)
+        if routing:
+            keep_routing(group, self.runner.routing_rows)
+        return group, cache, logits
 
     def _join(self, group: list[RunningRequest], cache: SlotCache, logits: torch.Tensor) -> None:
         """A prefilled group joins the running batch and samples its first tokens."""

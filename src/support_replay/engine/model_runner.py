@@ -8,7 +8,10 @@ positions its own. Their keys and values then move into the running batch's prea
 column per row in place and attends to a view of it (continuous batching: sequences join and
 leave between decode steps, each copying its own row only). For Llama and Qwen3 models the decode
 step is one function over the cache (engine/fused_step.py; on oneDNN over packed weights), the
-same bits as the module tree.
+same bits as the module tree. A mixture-of-experts model decodes through its modules, with the
+sparse blocks of modeling/moe.py; when some running request asks for its routing, the forward
+records every layer's top-k experts (``routing_rows``: one row per prompt position after a prefill,
+one per sequence after a decode step).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from ..errors import EngineError
+from ..modeling.moe import install_routing
 from .fused_step import FusedDecoder, unsupported
 from .slot_cache import SlotCache
 
@@ -55,7 +59,9 @@ class ModelRunner:
                 f"{getattr(model.config, 'use_sliding_window', False)}); "
                 "the engine's slot cache serves full-attention layers only"
             )
-        why = unsupported(model)
+        self.routing = install_routing(model)  # None for a dense model
+        self.routing_rows: list[torch.Tensor] | torch.Tensor | None = None  # the last forward's routing, when asked
+        why = unsupported(model) if self.routing is None else "a mixture-of-experts model"
         if why is not None:
             log.info("decode through the model's modules: %s", why)
         self.fused = FusedDecoder(model) if why is None else None  # one function per step, same bits
@@ -78,8 +84,9 @@ class ModelRunner:
         new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         return out.logits[:, -1, :].float(), new_cache
 
-    def prefill(self, prompts: list[list[int]]) -> tuple[SlotCache, torch.Tensor]:
+    def prefill(self, prompts: list[list[int]], routing: bool = False) -> tuple[SlotCache, torch.Tensor]:
         """Run the prompts (left-padded together); returns their slot cache and last-position logits.
+        With ``routing`` (a MoE model), ``routing_rows`` then holds each prompt's ``[len, layers, top_k]``.
 
         A prompt sent several times at once (a GRPO group) is prefilled once: its keys, values
         and logits are copied to every request that has it. Each distinct prompt's rows are what
@@ -91,7 +98,12 @@ class ModelRunner:
             first.setdefault(tuple(p) if self.share_prompts else i, (len(first), p))[0] for i, p in enumerate(prompts)
         ]
         distinct = [list(p) for _, p in first.values()]
+        self._record(routing)
         layers, logits = self._prefill(distinct)
+        if routing:
+            flat, length = self.routing.stacked(), max(len(p) for p in distinct)
+            rows = [flat[j * length + length - len(p) : (j + 1) * length] for j, p in enumerate(distinct)]
+            self.routing_rows = [rows[j] for j in index]
         cache = SlotCache(len(layers), align=self.key_block, max_rows=self.max_rows, max_tokens=self.max_tokens)
         cache.append(layers, [len(p) for p in prompts], index)
         return cache, logits[torch.tensor(index, device=logits.device)] if len(distinct) < len(prompts) else logits
@@ -109,14 +121,27 @@ class ModelRunner:
         logits, cache = self._forward(ids, mask, positions, DynamicCache())
         return [(layer.keys, layer.values) for layer in cache.layers], logits
 
-    def decode(self, batch: SlotCache, last_tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One decode step for every row: each row's key and value written at its own column."""
+    def _record(self, routing: bool) -> None:
+        self.routing_rows = None
+        if routing:
+            if self.routing is None:
+                raise EngineError("return_routed_experts: the model has no experts to route")
+            self.routing.record_next()
+
+    def decode(
+        self, batch: SlotCache, last_tokens: torch.Tensor, positions: torch.Tensor, routing: bool = False
+    ) -> torch.Tensor:
+        """One decode step for every row: each row's key and value written at its own column. With
+        ``routing``, ``routing_rows`` then holds the ``[rows, layers, top_k]`` experts of the fed tokens."""
+        self._record(routing)
         if self.use_fused:
             self.fused.check()
             return self.fused.step(batch, last_tokens.to(self.device), positions.to(self.device))
         mask = batch.prepare_decode()
         logits, _ = self._forward(last_tokens[:, None].to(self.device), mask, positions[:, None].to(self.device), batch)
         batch.finish_decode()
+        if routing:
+            self.routing_rows = self.routing.stacked()
         return logits
 
     @staticmethod

@@ -32,6 +32,9 @@ class RunningRequest:
     decode_from: tuple[int, int] = (0, 0)  # (prefix, read) token offsets of the incremental decode
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # the request's logit bias as a row, built at admission
     failure: tuple[Exception, str] | None = None  # why it stopped early, answered once its row has left the batch
+    routing: list[np.ndarray] = field(
+        default_factory=list
+    )  # [n, layers, top_k] chunks: the prompt, then each fed token
     need: int = 0  # cache columns reserved: prompt + max_new_tokens + the write column (engine/kv_budget.py)
 
     def record(self, step: RowStep) -> None:
@@ -65,4 +68,5 @@ class RunningRequest:
             weight_versions=single_version(weight_version, len(self.output_ids)),
             text=text,
             support_row_logprobs=list(self.support_row_logprobs) if support_mode else None,
+            routed_experts=np.concatenate(self.routing) if req.return_routed_experts else None,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .capture import keep_routing
 from .model_runner import ModelRunner
 from .running import RunningRequest
 from .slot_cache import SlotCache
@@ -38,7 +39,10 @@ class RunningBatch:
         """The next-token logits of every row, each fed its last token at its position."""
         last = torch.tensor([s.output_ids[-1] for s in self.rows])
         positions = torch.tensor([s.position for s in self.rows])
-        logits = self.runner.decode(self.cache, last, positions)
+        routing = any(s.request.return_routed_experts for s in self.rows)
+        logits = self.runner.decode(self.cache, last, positions, routing=routing)
+        if routing:
+            keep_routing(self.rows, self.runner.routing_rows)
         for s in self.rows:
             s.position += 1
         return logits
