@@ -57,6 +57,7 @@ test-fast: lint
 fixtures: setup vllm
 	$(PY) tests/engines/generate_fixtures.py
 	$(PY) tests/engines/generate_penalty_fixtures.py
+	$(PY) tests/engines/generate_routing_fixtures.py
 
 # The flag table of docs/training.md, from RunConfig (a test checks that it is current).
 flag-table: setup

@@ -14,7 +14,10 @@ log mu and ``meta_info`` look like are read from the wheel's files and run as th
 - ``sglang/srt/sampling/sampling_mask.py``: ``SamplingMaskRows`` / ``SamplingMaskChunk.to_lists``;
 - ``sglang/srt/managers/tokenizer_manager.py``: the block of ``_handle_batch_output`` that puts
   the mask into ``meta_info``;
-- ``sglang/srt/utils/weight_versions.py``: ``add_weight_versions_to_meta_info``.
+- ``sglang/srt/utils/weight_versions.py``: ``add_weight_versions_to_meta_info``;
+- ``sglang/srt/state_capturer/base.py`` and ``managers/detokenizer_manager.py``: the routed-experts
+  capture (device rows, host rows by KV slot, ``get_topk``) and its base64 encoding
+  (tests/engines/generate_routing_fixtures.py).
 
 Functions and classes are cut out of their files with ``ast`` and executed with the names
 they use; nothing is rewritten. ``load()`` fetches the wheel once (``pip download --no-deps``)
@@ -48,6 +51,8 @@ FILES = {
     "tokenizer_manager": "sglang/srt/managers/tokenizer_manager.py",
     "weight_versions": "sglang/srt/utils/weight_versions.py",
     "msgspec_utils": "sglang/srt/utils/msgspec_utils.py",
+    "topk_capturer": "sglang/srt/state_capturer/base.py",
+    "detokenizer_manager": "sglang/srt/managers/detokenizer_manager.py",
 }
 
 

@@ -60,10 +60,10 @@ def test_an_error_in_one_request_fails_it_alone_and_the_rest_are_bit_identical(
     if where == "prefill":
         original = deterministic_engine.runner.prefill
 
-        def prefill(prompts):
+        def prefill(prompts, **kw):
             if any(p[-1] == 9 + 3 for p in prompts):  # the prompt of request 3
                 raise RuntimeError("injected prefill failure")
-            return original(prompts)
+            return original(prompts, **kw)
 
         monkeypatch.setattr(deterministic_engine.runner, "prefill", prefill)
     else:

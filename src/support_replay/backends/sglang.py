@@ -7,6 +7,9 @@ the wheel: ``sglang/srt/managers/tokenizer_manager.py``): ``output_token_samplin
 ``output_token_sampling_mask_length`` (one integer: the number of mask rows), and the
 weights that sampled the tokens (``weight_versions`` spans, or only ``weight_version``).
 Our own server may send the mask in our base64 binary form instead, when asked.
+``routed_experts`` (``return_routed_experts``) is SGLang's base64 of raw int32
+``[prompt + output - 1, layers, top_k]``, read with the model's layers and top-k; our server sends
+vLLM's compact ``.npy`` form when asked (``routed_experts_format: "npy"``), told apart by its magic.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 
+from ..core.routing import RoutingShape, decode_int32, decode_npy
 from ..core.support import SupportTable
 from ..core.wire import from_json
 from ..errors import EngineUnavailable, SupportError, WireError
@@ -124,6 +128,21 @@ def parse_meta_info(meta: dict, output_ids: list[int], vocab_size: int) -> tuple
     return support, log_mu.astype(np.float32), size
 
 
+NPY_BASE64 = "k05VTVBZ"  # base64 of the magic that opens a .npy file
+
+
+def parse_routed_experts(value, shape: RoutingShape | None, where: str) -> tuple[np.ndarray, int]:
+    """``(routing [positions, layers, top_k], characters on the wire)`` from ``meta_info["routed_experts"]``."""
+    if isinstance(value, str) and value.startswith(NPY_BASE64):
+        return decode_npy(value, where), len(value)
+    if shape is None:
+        raise WireError(
+            f"{where}: routed_experts in SGLang's raw int32 form needs the model's layer count and top-k "
+            "(the backend was built without a routing shape)"
+        )
+    return decode_int32(value, shape.layers, shape.top_k, where), len(value)
+
+
 def parse_weight_versions(meta: dict, num_tokens: int, where: str):
     if "weight_versions" in meta:
         return parse_version_spans(meta["weight_versions"], num_tokens, where)
@@ -154,7 +173,9 @@ class SGLangBackend:
         sampling_mask_format: str = "binary",
         concurrency: int = 64,
         transport: httpx.BaseTransport | None = None,
+        routing_shape: RoutingShape | None = None,
     ):
+        self.routing_shape = routing_shape  # the trainer's model's: reads SGLang's raw routing, checks any
         if sampling_mask_format not in MASK_FORMATS:
             raise ValueError(f"sampling_mask_format: one of {MASK_FORMATS}, got {sampling_mask_format!r}")
         self.url = url.rstrip("/")
@@ -183,6 +204,9 @@ class SGLangBackend:
                 body["sampling_logprobs_mode"] = req.sampling_logprobs_mode
             if self.sampling_mask_format == "binary":
                 body["sampling_mask_format"] = "binary"
+        if req.return_routed_experts:
+            body["return_routed_experts"] = True
+            body["routed_experts_format"] = "npy"  # ours; SGLang ignores it and sends raw int32
         return body
 
     def generate(self, requests: list[GenerateRequest], *, return_exceptions: bool = False) -> list:
@@ -199,7 +223,7 @@ class SGLangBackend:
         completion = self.completion(item, req, index)
         if completion.finish_reason.get("type") == "abort":
             raise EngineUnavailable(f"completion {index}: the engine aborted it ({completion.finish_reason})")
-        return validate_completion(completion, req, self.vocab_size, index)
+        return validate_completion(completion, req, self.vocab_size, index, self.routing_shape)
 
     def completion(self, item: dict, req: GenerateRequest, index: int = 0) -> Completion:
         """The ``Completion`` of one ``/generate`` result object (not yet validated)."""
@@ -234,9 +258,14 @@ class SGLangBackend:
                     "[[logprob, id, text], ...]"
                 )
             full = np.asarray([e[0] for e in entries], np.float32)
+        routed, routing_bytes = None, 0
+        if req.return_routed_experts and meta.get("routed_experts") is not None:
+            routed, routing_bytes = parse_routed_experts(meta["routed_experts"], self.routing_shape, where)
         return Completion(
             output_ids=output_ids,
             finish_reason=meta.get("finish_reason") or {},
+            routed_experts=routed,
+            routing_bytes=routing_bytes,
             log_mu=log_mu,
             support=support,
             full_logprobs=full,

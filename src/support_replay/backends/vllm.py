@@ -23,6 +23,12 @@ Two ways to get the support:
   which needs a GPU backend) fills ``sampling_mask``; log mu is the processed log-prob of the
   sampled token (``--logprobs-mode processed_logprobs`` as well).
 
+Expert routing: a server started with ``--enable-return-routed-experts`` (Model Runner V2 as well,
+so not the CPU build) puts ``routed_experts`` in every choice of both endpoints: base64 of a
+``.npy`` ``[prompt + output - 1, layers, top_k]`` array, uint8 up to 256 experts
+(``entrypoints/scale_out/token_in_token_out/protocol.py``, ``utils/serial_utils.numpy2base64``).
+vLLM has no per-request switch; ``routed_experts_prompt_start`` stays 0 (the whole prompt).
+
 Every sampling setting is sent explicitly: vLLM fills the ones a request leaves out from the
 model's ``generation_config.json`` (``ModelConfig.get_diff_sampling_param``), which may hold
 a repetition penalty.
@@ -35,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 
+from ..core.routing import RoutingShape, decode_npy
 from ..core.support import SupportTable
 from ..errors import EngineUnavailable, SupportError, WireError
 from ..protocol import Completion, GenerateRequest, parse_version_spans, single_version, validate_completion
@@ -163,6 +170,14 @@ def _generate_logprobs(choice: dict, count: int, where: str) -> tuple[list | Non
     return (sampled if len(sampled) == count else None), top
 
 
+def _routing(choice: dict, req: GenerateRequest, where: str) -> dict:
+    """``routed_experts`` of a choice (the .npy form), when the request asked for it and it came."""
+    value = choice.get("routed_experts") if req.return_routed_experts else None
+    if value is None:  # validate_completion says what is missing
+        return {}
+    return {"routed_experts": decode_npy(value, where), "routing_bytes": len(value)}
+
+
 class VLLMBackend:
     def __init__(
         self,
@@ -177,7 +192,9 @@ class VLLMBackend:
         timeout: float | None = 600.0,
         concurrency: int = 64,
         transport: httpx.BaseTransport | None = None,
+        routing_shape: RoutingShape | None = None,
     ):
+        self.routing_shape = routing_shape  # the trainer's model's: captured routing must fit it
         if endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint: one of {ENDPOINTS}, got {endpoint!r}")
         if capture not in CAPTURES:
@@ -255,7 +272,7 @@ class VLLMBackend:
             if isinstance(c, Completion):
                 if before is not None and before == after:  # no update during the batch: one version sampled all
                     c.weight_versions = single_version(before, c.num_tokens)
-                c = validate_completion(c, req, self.vocab_size, i)
+                c = validate_completion(c, req, self.vocab_size, i, self.routing_shape)
             out.append(c)
         return out
 
@@ -276,7 +293,8 @@ class VLLMBackend:
         if choice.get("finish_reason") == "abort":
             raise EngineUnavailable(f"completion {index}: the engine aborted it")
         if self.endpoint == "generate":
-            return validate_completion(self.parse_generate_choice(choice, req, index), req, self.vocab_size, index)
+            completion = self.parse_generate_choice(choice, req, index)
+            return validate_completion(completion, req, self.vocab_size, index, self.routing_shape)
         return self.parse_completions_choice(choice, req, index)  # validated once its version is known
 
     def _capture(self, choice: dict, output_ids: list[int], sampled, top, req: GenerateRequest, where: str):
@@ -320,6 +338,7 @@ class VLLMBackend:
             log_mu=log_mu,
             support=support,
             weight_versions=parse_version_spans(spans, len(output_ids), where) if spans is not None else [],
+            **_routing(choice, req, where),
         )
 
     def parse_completions_choice(self, choice: dict, req: GenerateRequest, index: int = 0) -> Completion:
@@ -344,4 +363,5 @@ class VLLMBackend:
             log_mu=log_mu,
             support=support,
             text=text if isinstance(text, str) else "",
+            **_routing(choice, req, where),
         )

@@ -11,7 +11,7 @@ from ..engine import Engine
 from ..errors import EngineError, SupportReplayError
 from ..protocol import Completion, GenerateRequest
 from .disconnects import unless_disconnected
-from .sglang_format import meta_info
+from .sglang_format import ResponseForm, meta_info
 
 
 class EngineCalls:
@@ -38,7 +38,7 @@ class EngineCalls:
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenizer(text)["input_ids"]
 
-    def meta_info(self, completion: Completion, request: GenerateRequest, sampling_mask_format: str) -> dict:
-        return meta_info(
-            completion, request, sampling_mask_format=sampling_mask_format, vocab_size=self.engine.vocab_size
-        )
+    def meta_info(self, completion: Completion, request: GenerateRequest, form: ResponseForm) -> dict:
+        routing = self.engine.runner.routing
+        experts = routing.shape.num_experts if routing is not None else 0
+        return meta_info(completion, request, form=form, vocab_size=self.engine.vocab_size, num_experts=experts)

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from .. import __version__
 from .engine_calls import EngineCalls
 from .schemas import GenerateIn
+from .sglang_format import ResponseForm
 
 
 def native_routes(calls: EngineCalls, model_name: str) -> APIRouter:
@@ -41,7 +42,7 @@ def native_routes(calls: EngineCalls, model_name: str) -> APIRouter:
     async def generate(request: Request, body: GenerateIn):
         reqs = body.to_requests(calls.tokenize, engine.limits.max_queue)
         results = await calls.run(reqs, request)
-        fmt = body.sampling_mask_format
+        fmt = ResponseForm(body.sampling_mask_format, body.routed_experts_format, body.routed_experts_start_len)
         out = [
             {
                 "text": res.text,

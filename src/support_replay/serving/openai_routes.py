@@ -31,6 +31,7 @@ from .openai_format import (
     token_logprobs,
 )
 from .schemas import SamplingParamsIn, TextBatch, TokenBatch, TokenIds, bounded_batches, check_fan_out
+from .sglang_format import ResponseForm
 
 MAX_N = 64
 
@@ -167,7 +168,7 @@ class OpenAIHandlers:
         return chat_choice(i, content, calls, finish, logprobs, meta)
 
     def _meta(self, body, req, c: Completion) -> dict:
-        return {"output_ids": c.output_ids, **self.meta_info(c, req, body.sampling_mask_format)}
+        return {"output_ids": c.output_ids, **self.meta_info(c, req, ResponseForm(body.sampling_mask_format))}
 
     async def completions(self, request: Request, body: CompletionIn):
         if body.echo or body.suffix or (body.best_of not in (None, body.n)):

@@ -138,6 +138,9 @@ class GenerateIn(BaseModel):
     return_sampling_mask: bool = False
     sampling_logprobs_mode: Literal["selected", "support"] = "selected"
     sampling_mask_format: Literal["lists", "binary"] = "lists"
+    return_routed_experts: bool = False  # SGLang's: meta_info["routed_experts"], every fed position's experts
+    routed_experts_start_len: int = Field(0, ge=0)  # SGLang's: positions [start, prompt + output - 1)
+    routed_experts_format: Literal["sglang", "npy"] = "sglang"  # ours: npy is vLLM's compact .npy form
     logprob_start_len: int | list[int] = -1
     stream: bool = False
 
@@ -185,7 +188,15 @@ class GenerateIn(BaseModel):
         fields = dict(
             return_sampling_mask=self.return_sampling_mask, sampling_logprobs_mode=self.sampling_logprobs_mode
         )
-        return [s.to_request(p, return_logprob=r, rid=i, **fields) for p, s, r, i in zip(prompts, sps, rl, rids)]
+        out = [s.to_request(p, return_logprob=r, rid=i, **fields) for p, s, r, i in zip(prompts, sps, rl, rids)]
+        for i, req in enumerate(out):
+            req.return_routed_experts = self.return_routed_experts
+            if self.routed_experts_start_len > len(req.input_ids):  # SGLang's rule (managers/scheduler.py)
+                raise RequestError(
+                    f"routed_experts_start_len: {self.routed_experts_start_len} is past the "
+                    f"{len(req.input_ids)} input tokens of prompt {i}"
+                )
+        return out
 
     @property
     def batched(self) -> bool:

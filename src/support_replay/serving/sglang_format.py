@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..core import wire
+from ..core.routing import encode_int32, encode_npy
 from ..protocol import Completion, GenerateRequest
 
 
-def meta_info(completion: Completion, request: GenerateRequest, *, sampling_mask_format: str, vocab_size: int) -> dict:
+@dataclass(frozen=True)
+class ResponseForm:
+    """How a client asked for the captured data: the support's form, the routing's form and start."""
+
+    sampling_mask_format: str = "lists"
+    routed_experts_format: str = "sglang"
+    routed_experts_start_len: int = 0
+
+
+def meta_info(
+    completion: Completion, request: GenerateRequest, *, form: ResponseForm, vocab_size: int, num_experts: int = 0
+) -> dict:
     """SGLang's ``meta_info`` of one completion, in SGLang 0.5.23's shapes (docs/engines.md).
 
     The support goes as id lists (SGLang's form) unless the client asked for our binary
     form; ``output_token_sampling_mask_length`` is the number of rows, as SGLang sends it.
+    ``routed_experts`` is SGLang's raw int32 base64 of positions ``[start, prompt + output - 1)``,
+    or vLLM's compact ``.npy`` form where the client asked for ``npy``.
     """
+    sampling_mask_format = form.sampling_mask_format
     meta = {
         "finish_reason": completion.finish_reason,
         "prompt_tokens": len(request.input_ids),
@@ -34,4 +51,8 @@ def meta_info(completion: Completion, request: GenerateRequest, *, sampling_mask
         else:
             meta["output_token_sampling_logprobs"] = completion.log_mu.tolist()
         meta["output_token_sampling_mask_length"] = support.num_rows
+    if request.return_routed_experts:
+        routed = completion.routed_experts[form.routed_experts_start_len :]
+        npy = form.routed_experts_format == "npy"
+        meta["routed_experts"] = encode_npy(routed, num_experts) if npy else encode_int32(routed)
     return meta
