@@ -9,6 +9,13 @@ returns each rank's logit columns ``[T, V / tp]`` as a plain tensor: the scores 
 ``core/parallel.py``'s vocab-parallel functions, so no rank ever holds ``[T, V]``. A tied input
 embedding is split the same way (vocabulary rows) and re-tied, so the two stay one parameter.
 
+A mixture-of-experts layer splits its attention only: the sparse block (router and experts) stays
+whole on every TP rank, like the norms, and computes on the replicated hidden state after the
+attention's all-reduce. Splitting each expert by columns would cut its small products (a 768-wide
+expert of Qwen3-30B-A3B over 8 ranks is 96 columns) and add an all-reduce per layer for little
+memory, and expert parallelism (experts over ranks, all-to-all dispatch) is a layout of its own;
+replicated experts give every rank the single-device expert output, and the routing its bits.
+
 DTensor's autograd does the collectives of the backward; the vocab-parallel functions return
 each rank's own logit gradient, and the hidden state's partial gradients from the head are
 summed by DTensor (the head's input is replicated), so a loss replicated on the TP ranks
@@ -24,9 +31,23 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from ..errors import ConfigError
+from .moe import ROUTERS
 
-COLUMNS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-ROWS = ("self_attn.o_proj", "mlp.down_proj")
+ATTENTION_COLUMNS, MLP_COLUMNS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("mlp.gate_proj", "mlp.up_proj"),
+)
+ATTENTION_ROWS, MLP_ROWS = ("self_attn.o_proj",), ("mlp.down_proj",)
+COLUMNS, ROWS = ATTENTION_COLUMNS + MLP_COLUMNS, ATTENTION_ROWS + MLP_ROWS
+
+
+def _split(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The column- and row-split linears of ``layer``: attention only where its MLP is a sparse block."""
+    if any(type(m).__name__ in ROUTERS for m in layer.modules()):
+        return ATTENTION_COLUMNS, ATTENTION_ROWS
+    return COLUMNS, ROWS
+
+
 HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 
@@ -46,16 +67,18 @@ def check_tensor_parallel(hf: nn.Module, tp: int) -> None:
         raise ConfigError(
             f"--tensor-model-parallel-size={tp}: {type(hf).__name__} has no Llama-style decoder layers to split"
         )
+    columns, rows = _split(layers[0])
     missing = [
         name
-        for name in COLUMNS + ROWS
+        for name in columns + rows
         if not (_has(layers[0], name) and isinstance(layers[0].get_submodule(name), nn.Linear))
     ]
     if missing:
         raise ConfigError(
             f"--tensor-model-parallel-size={tp}: {type(hf).__name__} has no Llama-style {missing[0]} linear layer"
         )
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    split = ("num_attention_heads", "num_key_value_heads") + (("intermediate_size",) if columns == COLUMNS else ())
+    for name in split:
         value = getattr(cfg, name, None)
         if value is None or value % tp:
             raise ConfigError(f"--tensor-model-parallel-size={tp}: the model's {name}={value} is not a multiple of it")
@@ -66,7 +89,8 @@ def parallelize_tensor(hf: nn.Module, tp_mesh) -> VocabShard:
     check_tensor_parallel(hf, tp_mesh.size())
     tied = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
     for layer in hf.get_decoder().layers:
-        plan = {name: ColwiseParallel() for name in COLUMNS} | {name: RowwiseParallel() for name in ROWS}
+        columns, rows = _split(layer)
+        plan = {name: ColwiseParallel() for name in columns} | {name: RowwiseParallel() for name in rows}
         # per-head norms (Qwen3's q_norm, k_norm) see only this rank's heads: their weight becomes a
         # replicated DTensor over heads sharded on dim 2, so its partial gradients are summed
         plan |= {

@@ -117,6 +117,7 @@ def generate_samples(
     max_regenerations: int = 2,
     penalties: Penalties = NO_PENALTIES,
     ignore_eos: bool = False,
+    routing: bool = False,
 ) -> tuple[list[Sample], RolloutStats]:
     """``n_samples`` responses per prompt, grouped prompt by prompt, rewarded.
 
@@ -125,7 +126,8 @@ def generate_samples(
     ``max_regenerations`` times, then the run stops) or dropped, by ``failed_group_policy``.
     Every request carries an id ``{rid_prefix}/{rollout}/{sample}/{attempt}``, so an engine
     that receives it twice answers once. ``ignore_eos``: every response runs to
-    ``max_new_tokens``, past end-of-sequence (fixed-length benchmarks).
+    ``max_new_tokens``, past end-of-sequence (fixed-length benchmarks). ``routing``: each
+    response carries the experts a MoE engine routed its positions to (routing replay).
     """
     rendered = [render_prompt(tokenizer, p, apply_chat_template) for p in prompts]
     retries_before = backend.retries
@@ -144,6 +146,7 @@ def generate_samples(
                 rid_prefix,
                 penalties,
                 ignore_eos,
+                routing,
             )
             for g, attempt in zip(pending, attempts)
             for j in range(n_samples)
@@ -172,7 +175,18 @@ def generate_samples(
 
 
 def _request(
-    ids, params, seed, rollout, k, attempt, max_new_tokens, capture, rid_prefix, penalties, ignore_eos=False
+    ids,
+    params,
+    seed,
+    rollout,
+    k,
+    attempt,
+    max_new_tokens,
+    capture,
+    rid_prefix,
+    penalties,
+    ignore_eos=False,
+    routing=False,
 ) -> GenerateRequest:
     sp = SamplingParams(
         temperature=params.temperature,
@@ -190,6 +204,7 @@ def _request(
         rid=rid,
         penalties=penalties,
         ignore_eos=ignore_eos,
+        return_routed_experts=routing,
     )
     return validate_request(req, params.temperature, k)
 
@@ -229,4 +244,6 @@ def _sample(
         weight_versions=c.weight_versions,
         support_bytes=c.support_bytes,
         penalties=req.penalties,
+        routing=c.routed_experts,
+        routing_bytes=c.routing_bytes,
     )

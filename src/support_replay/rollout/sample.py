@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.penalties import NO_PENALTIES, Penalties
+from ..core.routing import RoutingShape, routing_problem
 from ..core.support import SupportTable
 from ..errors import SampleError, SupportError
 from ..protocol import VersionSpan
@@ -46,6 +47,12 @@ class Sample:
     output_starts: list[int] = field(
         default_factory=lambda: [0]
     )  # response positions where an engine request began its output
+    # [prompt + response - 1, layers, top_k] int32: the experts that computed each position (core/routing.py);
+    # FREE (-1) rows only after the last sampled token (inserted tokens no engine fed)
+    routing: np.ndarray | None = None
+    routing_bytes: int = 0  # what the routing cost on the wire
+    # (token-layer choices of decoded tokens whose routing differed when a later turn prefilled them, compared)
+    routing_recomputed: tuple[int, int] = (0, 0)
 
     @property
     def response_length(self) -> int:
@@ -95,3 +102,30 @@ def validate_sample(sample: Sample, vocab_size: int, *, replay: bool, temperatur
             f"mu={lp[t]})"
         )
     return sample
+
+
+def check_sample_routing(sample: Sample, shape: RoutingShape | None) -> None:
+    """Routing replay's rules for one sample: routing present, every position up to the last sampled
+    token routed, fitting the model (``shape``; None: a dense model, refused)."""
+    name = f"sample {sample.index}"
+    if shape is None:
+        raise SampleError(f"{name}: --use-rollout-routing-replay on a dense model (it has no experts to route)")
+    routed = sample.routing
+    if routed is None:
+        raise SampleError(
+            f"{name}: --use-rollout-routing-replay is on but the sample carries no routed experts (the engine must "
+            "capture them: return_routed_experts)"
+        )
+    positions = len(sample.prompt_ids) + sample.response_length - 1
+    free = (routed < 0).all(axis=(1, 2)) if routed.ndim == 3 else None
+    if free is not None and routed.shape[0] == positions:
+        sampled = np.flatnonzero(np.asarray(sample.loss_mask) == 1)
+        last = len(sample.prompt_ids) + int(sampled[-1]) - 1 if len(sampled) else 0  # what computes the last one
+        missing = np.flatnonzero(free[: last + 1])
+        if len(missing):
+            raise SampleError(f"{name}: position {int(missing[0])} has no routing, and a sampled token follows it")
+        routed = routed[: last + 1]
+        positions = last + 1
+    problem = routing_problem(routed, positions, shape)
+    if problem is not None:
+        raise SampleError(f"{name}: {problem}")

@@ -50,6 +50,7 @@ class SessionSettings:
     history_policy: Literal["split", "reject"] = "split"
     ttl: float = 900.0  # seconds a session may stay unused before it is dropped
     penalties: Penalties = NO_PENALTIES  # the run's; each turn is one engine request, its output history its own
+    routing: bool = False  # capture every turn's expert routing (routing replay on a MoE model)
 
     def __post_init__(self):
         if self.history_policy not in HISTORY_POLICIES:
@@ -173,6 +174,7 @@ class Session:
             rid=f"{self.id}/{self.turns}",
             routing_key=self.id,
             penalties=self.settings.penalties,
+            return_routed_experts=self.settings.routing,
         )
         try:
             completion = await generate(request)

@@ -3,6 +3,12 @@
 Model tokens carry the support and log mu the engine captured; inserted tokens (tool output,
 environment and user messages, chat-template glue) carry the singleton support, log mu 0 and
 loss mask 0 (docs/contract.md). Nothing here re-tokenizes: spans are appended as ids.
+
+Expert routing (MoE, routing replay): each turn's request routes the whole history again (the
+engine has no prefix cache), so a token decoded in turn t is computed once more by the prefill of
+turn t + 1. The trajectory keeps the final computation's routing, the one whose keys and values
+every later token attended to, and counts how often the two computations chose differently
+(``routing_recomputed``).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.penalties import NO_PENALTIES, Penalties
+from ..core.routing import FREE
 from ..core.support import SupportTable
 from ..protocol import Completion, VersionSpan
 from .sample import Sample
@@ -33,6 +40,10 @@ class Trajectory:
     penalties: Penalties = NO_PENALTIES
     output_starts: list[int] = field(default_factory=list)  # response positions where each model turn began
     finish_reason: dict | None = None
+    routing: np.ndarray | None = None  # the last turn's: every fed position of the history (the final computation)
+    routing_bytes: int = 0
+    routing_recomputed: tuple[int, int] = (0, 0)  # (choices that differed, compared) for re-prefilled decoded tokens
+    _decoded: tuple[int, int] = (0, 0)  # sequence positions [start, end) the last turn routed by decode steps
 
     @property
     def ids(self) -> list[int]:
@@ -62,6 +73,24 @@ class Trajectory:
         self.model_turns += 1
         self.support_bytes += completion.support_bytes
         self.finish_reason = completion.finish_reason
+        if completion.routed_experts is not None:
+            self._keep_routing(completion)
+
+    def _keep_routing(self, completion: Completion) -> None:
+        """The final prefill's routing; the decoded tokens it routed again compared with their first."""
+        routed = completion.routed_experts
+        start, end = self._decoded
+        if self.routing is not None and end > start:
+            before, after = self.routing[start:end], routed[start:end]
+            differ = int((np.sort(before, -1) != np.sort(after, -1)).any(-1).sum())
+            self.routing_recomputed = (
+                self.routing_recomputed[0] + differ,
+                self.routing_recomputed[1] + before[..., 0].size,
+            )
+        first_output = len(self.ids) - completion.num_tokens  # the output's first token: fed at the first decode step
+        self._decoded = (first_output, len(self.ids) - 1)
+        self.routing = routed
+        self.routing_bytes += completion.routing_bytes
 
     def _add_spans(self, start: int, offset: int, spans: list[VersionSpan]) -> None:
         # inserted tokens are context of the turn that follows them: they take its first version
@@ -123,4 +152,17 @@ class Trajectory:
             metadata=dict(metadata or {}),
             penalties=self.penalties,
             output_starts=list(self.output_starts) or [0],
+            routing=self._sample_routing(),
+            routing_bytes=self.routing_bytes,
+            routing_recomputed=self.routing_recomputed,
         )
+
+    def _sample_routing(self) -> np.ndarray | None:
+        """Every fed position's routing; positions after the last model turn (inserted, never fed) FREE."""
+        if self.routing is None:
+            return None
+        missing = len(self.ids) - 1 - len(self.routing)
+        if missing <= 0:
+            return self.routing.copy()
+        free = np.full((missing, *self.routing.shape[1:]), FREE, np.int32)
+        return np.concatenate([self.routing, free])

@@ -6,11 +6,18 @@ those rows to a ``Scorer`` (train/scorer.py) inside its forward, where FSDP2 has
 head. Which head scores the ratio is fixed when the actor is built (sparse, union, dense,
 vocab-parallel, penalised; docs/math.md, "which function scores"), so the old and the new
 log-probs of a PPO ratio are one function. Packed micro-batches score the same way.
+
+A mixture-of-experts model runs the sparse blocks of modeling/moe.py (the engine's). Under routing
+replay (``--use-rollout-routing-replay``) the actor's forwards route every position to the experts
+the engine chose (``MicroBatch.routing``); the reference model, a separate forward, keeps its own
+routing (the KL measures the reference as it would act). The full-vocabulary metrics of a pass come
+from the same forward as its ratio, the replayed one.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -26,11 +33,13 @@ from ..core.parallel import (
     vocab_parallel_full_logprobs_and_entropy,
     vocab_parallel_support_logprobs,
 )
+from ..core.routing import FREE
 from ..errors import ConfigError
 from ..modeling.batch_invariant import make_batch_invariant
 from ..modeling.context_parallel import ContextShard, assemble_rows, make_context_parallel
 from ..modeling.invariant_products import head_columns_invariant
 from ..modeling.linear_kernels import linear_function, use_linear
+from ..modeling.moe import install_routing
 from ..modeling.packed_sequences import use_packed_attention
 from ..modeling.tensor_parallel import VocabShard, parallelize_tensor
 from .batches import MicroBatch
@@ -74,6 +83,8 @@ class ScoringModel(nn.Module):
         # attention always, sdpa where the model runs it
         self.per_sequence_attention = batch_invariant or use_packed_attention(hf)
         self.hf = hf
+        self.routing = install_routing(hf)  # the sparse blocks' switch (None: a dense model)
+        self.replay_routing = False  # the actor under --use-rollout-routing-replay
         self.batch_invariant = batch_invariant  # the sparse head then reads the batch's union of support ids
         self.compute_dtype = compute_dtype  # bf16: autocast over fp32 weights
         self.vocab: VocabShard | None = None  # tensor parallel: this rank's LM head rows
@@ -92,7 +103,13 @@ class ScoringModel(nn.Module):
         on = self.compute_dtype != torch.float32
         with torch.autocast(batch.input_ids.device.type, dtype=self.compute_dtype, enabled=on):
             h, mine = self._hidden_rows(
-                batch.input_ids, batch.attention_mask, batch.rows_b, batch.rows_t, batch.position_ids, batch.segments
+                batch.input_ids,
+                batch.attention_mask,
+                batch.rows_b,
+                batch.rows_t,
+                batch.position_ids,
+                batch.segments,
+                self._replayed(batch),
             )
             if mine is None:
                 return scorer.rows(h, batch.targets, batch.support, batch.penalty)
@@ -101,16 +118,28 @@ class ScoringModel(nn.Module):
         group = self.context[0]
         return tuple(assemble_rows(x, mine, group) if x is not None else None for x in scores)
 
-    def _hidden_rows(self, input_ids, attention_mask, rows_b, rows_t, position_ids=None, segments=None):
-        """The final hidden state at every chosen row (CP: at this rank's rows, and which those are)."""
+    def _replayed(self, batch: MicroBatch) -> torch.Tensor | None:
+        """The routing this forward replays: the batch's, under routing replay; else None (its own)."""
+        if not self.replay_routing:
+            return None
+        if batch.routing is None:
+            raise ConfigError(
+                f"routing replay: the micro-batch of samples {batch.indices[:8]} carries no routed experts"
+            )
+        return batch.routing
+
+    def _hidden_rows(self, input_ids, attention_mask, rows_b, rows_t, position_ids=None, segments=None, routing=None):
+        """The final hidden state at every chosen row (CP: at this rank's rows, and which those are);
+        ``routing`` (``[B, L, layers, top_k]``) routes the sparse blocks' positions."""
         decoder = self.hf.get_decoder()
         if self.context is None:
             # packed rows: the attention takes each sequence's keys from the segments (a keyword the
             # model passes down to its attention function)
             extra = {"packed_segments": segments} if self.per_sequence_attention and segments is not None else {}
-            hidden = decoder(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **extra
-            ).last_hidden_state
+            with self._routes(routing):
+                hidden = decoder(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **extra
+                ).last_hidden_state
             return hidden[rows_b, rows_t], None
         if position_ids is not None:  # refused by the run config (train/config.py)
             raise ConfigError("context parallelism scores unpacked rows only (--packed-scoring off)")
@@ -126,17 +155,26 @@ class ScoringModel(nn.Module):
         held = [torch.from_numpy(context_parallel_positions(padded, r, size, layout)).to(device) for r in range(size)]
         positions = held[rank]
         shard = ContextShard(group, positions, torch.argsort(torch.cat(held)), attention_mask.bool())
-        hidden = decoder(
-            input_ids=input_ids[:, positions],
-            position_ids=positions[None].expand(batch, -1),
-            attention_mask=None,
-            context_shard=shard,
-        ).last_hidden_state
+        if routing is not None:  # this rank's positions' experts (padding routes itself)
+            routing = torch.nn.functional.pad(routing, (0, 0, 0, 0, 0, extra), value=FREE)[:, positions]
+        with self._routes(routing):
+            hidden = decoder(
+                input_ids=input_ids[:, positions],
+                position_ids=positions[None].expand(batch, -1),
+                attention_mask=None,
+                context_shard=shard,
+            ).last_hidden_state
         local = torch.full((padded,), -1, dtype=torch.long, device=device)
         local[positions] = torch.arange(len(positions), device=device)
         index = local[rows_t]
         mine = index >= 0
         return hidden[rows_b[mine], index[mine]], mine
+
+    def _routes(self, routing):
+        """The sparse blocks replay ``routing`` (flattened like the decoder's tokens) within; a no-op without it."""
+        if routing is None:
+            return nullcontext()
+        return self.routing.replaying(routing.reshape(-1, *routing.shape[-2:]))
 
     def head_functions(self):
         """``(full-vocabulary log-probs and entropy, support log-probs)`` of the logits the head
@@ -210,12 +248,19 @@ class Actor:
         layout: ParallelLayout | None = None,
         compute_dtype: torch.dtype = torch.float32,
         linear_kernel: str = "torch",
+        routing_replay: bool = False,
     ):
         self.ctx = ctx
         self.replay = replay
         self.layout = layout or ParallelLayout()
         self.model = load_scoring_model(path, ctx.device, batch_invariant, compute_dtype, linear_kernel)
         hf = self.model.hf
+        if routing_replay and self.model.routing is None:
+            raise ConfigError(
+                f"--use-rollout-routing-replay: {type(hf).__name__} is a dense model (it has no experts to route)"
+            )
+        self.model.replay_routing = routing_replay
+        self.routing_shape = self.model.routing.shape if self.model.routing is not None else None
         # true-on-policy: the union head, whose products are the engine's bits (logprobs.union_head_support_logprobs),
         # where this CPU's head product keeps a column's bits over a subset of columns (probed); else the full head
         # penalties transform the logits at the support ids: the dense head, so one path scores every pass

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..core.penalties import Penalties, gathered_bias, history_counts, penalise, repetition_history_includes_prompt
+from ..core.routing import FREE
 from ..core.support import SupportTable
 from ..errors import SampleError
 from ..rollout.sample import Sample
@@ -75,9 +76,9 @@ class MicroBatch:
     position_ids: torch.Tensor | None = None  # [B, L] when packed: every response continues its prompt's positions
     # [B, L] when packed: -1 the prompt, j response j, -2 padding (the batch-invariant attention's layout)
     segments: torch.Tensor | None = None
-    # room for the next replayed decisions, None until a capture fills them: the engine's expert choices per
-    # scored row and layer (routing replay), and the sampler's log mu of every support id (score centering)
+    # [B, L, layers, top_k] the engine's experts at every input position (routing replay; FREE: route freely)
     routing: torch.Tensor | None = None
+    # room for the next replayed decision, None until a capture fills it: the sampler's log mu of every support id
     sampler_support_logp: torch.Tensor | None = None
 
     @property
@@ -99,11 +100,14 @@ class OptimizerStep:
 
 
 def prompt_groups(samples: list[Sample], part: list[int]) -> list[list[int]]:
-    """``part``'s samples grouped by identical prompt tokens, in order of first appearance: the
-    rows of a packed micro-batch."""
-    rows: dict[tuple[int, ...], list[int]] = {}
+    """``part``'s samples grouped by identical prompt tokens (and, under routing replay, identical
+    prompt routing), in order of first appearance: the rows of a packed micro-batch."""
+    rows: dict[tuple, list[int]] = {}
     for i in part:
-        rows.setdefault(tuple(samples[i].prompt_ids), []).append(i)
+        s = samples[i]
+        # routing replay: the prompt is computed once per row, so its samples must have routed it alike
+        routed = s.routing[: len(s.prompt_ids)].tobytes() if s.routing is not None else b""
+        rows.setdefault((tuple(s.prompt_ids), routed), []).append(i)
     return list(rows.values())
 
 
@@ -147,7 +151,21 @@ def build_packed_micro_batch(samples: list[Sample], indices: list[int], replay: 
     sees = causal & (((k_seg == -1) & (q_seg != -2)) | ((q_seg == k_seg) & (q_seg >= 0)))
     sees |= torch.eye(width, dtype=torch.bool)  # a padding position sees itself: no row of the softmax is empty
     chosen = [samples[i] for i in indices]
+    routing = None
+    if _routed(chosen):
+        routing = _free_routing(chosen[0], len(rows), width)
+        for b, row in enumerate(rows):
+            first = samples[row[0]]
+            n = len(first.prompt_ids)
+            routing[b, :n] = torch.from_numpy(first.routing[:n])
+            at = n
+            for i in row:
+                s = samples[i]
+                routed = s.routing[n : n + s.response_length]  # the last response token's row is FREE
+                routing[b, at : at + len(routed)] = torch.from_numpy(routed)
+                at += s.response_length
     return MicroBatch(
+        routing=None if routing is None else routing.to(device),
         indices=list(indices),
         input_ids=ids.to(device),
         attention_mask=sees[:, None].to(device),
@@ -199,7 +217,13 @@ def build_micro_batch(
         penalty = penalty_rows(
             chosen[0].penalties, penalty_semantics, ids, mask, rows_b, rows_t + 1, starts, fields["support"][0]
         )
+    routing = None
+    if _routed(chosen):
+        routing = _free_routing(chosen[0], len(chosen), width)
+        for b, s in enumerate(chosen):
+            routing[b, : len(s.routing)] = torch.from_numpy(s.routing)
     return MicroBatch(
+        routing=None if routing is None else routing.to(device),
         indices=list(indices),
         input_ids=ids,
         attention_mask=mask,
@@ -208,6 +232,16 @@ def build_micro_batch(
         penalty=penalty,
         **fields,
     )
+
+
+def _routed(chosen: list[Sample]) -> bool:
+    """Whether the batch replays routing: its samples carry it (the run's checks demand all or none)."""
+    return chosen[0].routing is not None
+
+
+def _free_routing(first: Sample, rows: int, width: int) -> torch.Tensor:
+    """``[rows, width, layers, top_k]`` of FREE: every position routes itself until a capture fills it."""
+    return torch.full((rows, width, *first.routing.shape[1:]), FREE, dtype=torch.long)
 
 
 def _token_fields(chosen: list[Sample], replay: bool, device) -> dict:

@@ -14,7 +14,7 @@ import torch
 
 from ..core.losses import grpo_advantages, importance_weights, kl_estimate, policy_token_loss, token_weights
 from ..errors import ConfigError, NonFiniteError
-from ..rollout.sample import Sample
+from ..rollout.sample import Sample, check_sample_routing
 from .actor import Actor, load_scoring_model
 from .batches import MicroBatch, OptimizerStep, plan_optimizer_steps
 from .config import RunConfig
@@ -151,6 +151,7 @@ class Learner:
             layout=self.layout,
             compute_dtype=getattr(torch, self.replay_cfg.train_dtype),
             linear_kernel=self.linear_kernel,
+            routing_replay=self.replay_cfg.use_rollout_routing_replay,
         )
         reference = (
             load_scoring_model(
@@ -200,6 +201,25 @@ class Learner:
         return self.actor.vocab_size
 
     @property
+    def routing_shape(self):
+        """The trained model's routing shape (None: a dense model)."""
+        return self.actor.routing_shape
+
+    _agreement: tuple[int, int] = (0, 0)  # the last old-policy pass's (equal top-k sets, compared)
+
+    def _take_agreement(self) -> tuple[int, int]:
+        routing = self.actor.model.routing
+        return routing.take_agreement() if routing is not None else (0, 0)
+
+    def routing_metrics(self) -> dict:
+        """``routing_agreement``: the share of token-layer choices where the old policy's own top-k (the
+        actor before this rollout's update) equalled the replayed one, every rank; empty without routing replay."""
+        if not self.actor.model.replay_routing:
+            return {}
+        same, compared = all_reduce_sum([float(v) for v in self._agreement], self.ctx)
+        return {"routing_agreement": same / compared} if compared else {}
+
+    @property
     def fused(self) -> bool:
         """One optimizer step per rollout and no KL reward: the update's own forward, taken
         before the step, gives the old log-probs, so no separate scoring pass is needed."""
@@ -221,6 +241,9 @@ class Learner:
         replayed by ``penalty_semantics``, the sampling engine's rules (default: the in-process
         engine's, ``--sampling-semantics``)."""
         ctx = self.ctx
+        if self.replay_cfg.use_rollout_routing_replay:  # before any forward: every sample's routing fits the model
+            for s in samples:
+                check_sample_routing(s, self.routing_shape)
         self.measure_full = (
             not self.replay
             or self.optimizer_cfg.kl_coef > 0
@@ -248,6 +271,7 @@ class Learner:
     def score_before_update(self, steps: list[OptimizerStep], num_samples: int) -> OldScores:
         """Old log-probs (unless fused) and the reference's, on the planned micro-batches."""
         old, ref = {}, {}
+        self._take_agreement()  # routing agreement is the old policy's: measured on this pass (or the fused forward)
         for batch in (mb for step in steps for mb in step.micro_batches):
             if not self.fused:
                 sc = self._old_scorers[self.replay and self.measure_full](batch)
@@ -256,6 +280,8 @@ class Learner:
             if self.reference is not None:
                 rs = self._reference_scorer(batch)
                 ref.update(zip(batch.indices, batch.split(rs.full)))
+        if not self.fused:
+            self._agreement = self._take_agreement()
         pairs = gather_by_index(old, num_samples, self.ctx) if old else None
         refs = gather_by_index(ref, num_samples, self.ctx) if ref else None
         return OldScores(
@@ -305,7 +331,9 @@ class Learner:
             result = self.backward(r, step, trained, old, advantages)
             if old.logp is None:
                 old = self.with_fresh_old(old, result.scores, num_samples)
+                self._agreement = self._take_agreement()  # fused: this forward was the old policy's
             per_step.append((result.sums, self.optimizer_step(r)))  # stops on a NaN gradient, before the step
+        self._take_agreement()  # what later steps' forwards saw is not the old policy's
         return UpdateMetrics.mean(per_step), old
 
     def backward(

@@ -73,6 +73,7 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
             with clock("sync"):  # 7. sync
                 versions.advance(learner, ctx, r + 1)
             measured = rollout_metrics(samples, old.logp, old.full, learner.replay)  # 8. metrics
+            measured.update(learner.routing_metrics())
             row = {"rollout": r, **measured, **failures, **lag, **checked, **adv_stats, **asdict(update), **clock}
             row.update(rollouts.evaluate_if_due(r))
             save_if_due(cfg.output.save, cfg.output.save_interval, r, learner.actor, ctx, row)  # 9. save
@@ -91,7 +92,9 @@ def _set_up(cfg: RunConfig, ctx):
     found = latest_checkpoint(Path(cfg.output.save)) if cfg.output.resume else None
     start = saved_rollout(found) if found is not None else 0
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    rollouts = Rollouts.from_config(cfg, ctx, checkpoint, tokenizer, learner.vocab_size, policy_version(start))
+    rollouts = Rollouts.from_config(
+        cfg, ctx, checkpoint, tokenizer, learner.vocab_size, policy_version(start), learner.routing_shape
+    )
     if found is not None:
         load_checkpoint(found, learner.actor)
     out = Path(cfg.output.output_dir)

@@ -29,6 +29,7 @@ def rollout_metrics(
     }
     if any("turns" in s.metadata for s in samples):  # agent episodes
         out.update(agent_metrics(samples))
+    out.update(routing_metrics(samples))
     if not replay:
         return out
     # over the tokens the model sampled: inserted ones are singletons with a ratio of exactly 1
@@ -47,6 +48,22 @@ def rollout_metrics(
     replayed = logprob_mismatch_metrics(torch.cat(old_logp).cpu()[None], log_mu, mask)
     out["replay_ratio_mean"] = replayed["ratio_mean"]
     out["mismatch_kl"] = replayed["mismatch_kl"]
+    return out
+
+
+def routing_metrics(samples: list[Sample]) -> dict:
+    """What the routing cost on the wire per routed position, and how often a decoded token's experts
+    changed when a later turn's prefill computed it again (sessions); empty without captured routing."""
+    routed = [s for s in samples if s.routing is not None]
+    if not routed:
+        return {}
+    out = {}
+    received = sum(s.routing_bytes for s in routed)
+    if received:
+        out["routing_bytes_per_token"] = received / sum(len(s.routing) for s in routed)
+    differ, compared = (sum(s.routing_recomputed[i] for s in routed) for i in (0, 1))
+    if compared:
+        out["routing_recomputed_flip_share"] = differ / compared
     return out
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..core.penalties import NO_PENALTIES
+from ..core.routing import RoutingShape
 from ..core.sampling import SamplingParams
 from ..errors import ConfigError, SupportReplayError
 from ..rollout import generate_samples, load_prompts, load_reward
@@ -112,12 +113,15 @@ class Rollouts:
         global_batch_size: int,
         seed: int,
         trainer_kernel: str,
+        routing_shape: RoutingShape | None = None,
     ):
         self.ctx, self.tokenizer = ctx, tokenizer
         self.data_cfg, self.rollout_cfg, self.engine_cfg, self.production_cfg = data, rollout, engine, production
         self.agents_cfg, self.evaluation_cfg, self.replay_cfg = agents, evaluation, replay
         self.global_batch_size, self.seed = global_batch_size, seed
         self.replay = self.rollout_cfg.use_sampling_support_replay
+        self.routing = replay.use_rollout_routing_replay  # capture every position's experts (MoE)
+        self.routing_shape = routing_shape  # the trained model's, which captured routing must fit
         self.params = rollout.sampling_params  # built once, with the config (its range rules are its own)
         self.prompts, self.eval_prompts = self._load_prompts()
         self.reward_fn = load_reward(self.data_cfg.rm_type, self.data_cfg.custom_rm_path)
@@ -160,6 +164,7 @@ class Rollouts:
                 endpoint=self.engine_cfg.vllm_endpoint,
                 capture=self.engine_cfg.vllm_capture,
                 api_key=keys.api,
+                routing_shape=self.routing_shape,
             )
         elif self.engine_cfg.rollout_url:
             from ..backends.sglang import SGLangBackend
@@ -169,6 +174,7 @@ class Rollouts:
                 vocab_size,
                 sampling_mask_format=self.engine_cfg.sampling_mask_format,
                 api_key=keys.api,
+                routing_shape=self.routing_shape,
             )
             if self.replay_cfg.true_on_policy_mode:
                 _require_deterministic(self.engine_cfg.rollout_url, trainer_kernel, keys.header(admin=False))
@@ -193,7 +199,16 @@ class Rollouts:
             return EngineBackend(self.engine)
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, ctx, checkpoint_path, tokenizer, vocab_size: int, weight_version: str):
+    def from_config(
+        cls,
+        cfg: RunConfig,
+        ctx,
+        checkpoint_path,
+        tokenizer,
+        vocab_size: int,
+        weight_version: str,
+        routing_shape: RoutingShape | None = None,
+    ):
         """The rollout side of a run: the sections it uses."""
         return cls(
             ctx,
@@ -211,6 +226,7 @@ class Rollouts:
             global_batch_size=cfg.parallel.global_batch_size,
             seed=cfg.optimizer.seed,
             trainer_kernel=cfg.trainer_linear_kernel(ctx.device),
+            routing_shape=routing_shape,
         )
 
     def _penalty_semantics(self, vocab_size: int) -> str:
@@ -249,6 +265,7 @@ class Rollouts:
             max_new_tokens=self.rollout_cfg.rollout_max_response_len,
             history_policy=self.agents_cfg.session_history_policy,
             penalties=self.penalties,
+            routing=self.routing,
         )
         self.sessions = SessionStore(self.backend, ChatRenderer(tokenizer, template), self.session_settings)
         # loopback names only (no DNS rebinding from a browser), a key of this run's own for everything but a
@@ -276,6 +293,7 @@ class Rollouts:
                     capture=capture,
                     max_new_tokens=max_new,
                     penalties=self.penalties if capture else NO_PENALTIES,
+                    routing=capture and self.routing,
                 )
                 samples, stats = generate_episodes(
                     self.runner,
@@ -306,6 +324,7 @@ class Rollouts:
                     penalties=self.penalties if capture else NO_PENALTIES,
                     ignore_eos=self.rollout_cfg.rollout_ignore_eos
                     and tag != "eval",  # evaluation answers end where the model ends them
+                    routing=capture and self.routing,
                 )
         return samples, asdict(stats)
 

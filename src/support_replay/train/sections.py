@@ -525,6 +525,12 @@ class ReplayConfig(Section):
     train_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="the trainer's compute (autocast; weights, gradients and optimizer state stay fp32)"
     )
+    use_rollout_routing_replay: bool = Field(
+        False,
+        description="mixture-of-experts models: the engine returns the experts it routed every position to, and "
+        "the trainer's ratio forwards use them (Miles' R3; the combine weights are the current router's at those "
+        "experts, so the router still learns)",
+    )
     true_on_policy_mode: bool = Field(
         False,
         description="batch-invariant engine and trainer: rollout and trainer log-probs equal bit for bit (--ci-test "
