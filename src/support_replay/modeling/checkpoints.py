@@ -71,3 +71,13 @@ def smollm2_checkpoint(refresh: bool = False) -> Path:
         if staging.exists():
             shutil.rmtree(staging)
     return target
+
+
+def smollm2_moe_checkpoint(experts: int = 4, top_k: int = 2, noise: float = 0.02, router_std: float = 0.05) -> Path:
+    """SmolLM2-135M-Instruct sparsely upcycled into a Mixtral-shaped MoE (modeling/upcycle.py), made once."""
+    from .upcycle import upcycled_checkpoint
+
+    name = f"SmolLM2-135M-Instruct-upcycled-{experts}x{top_k}-n{noise:g}-r{router_std:g}"
+    return upcycled_checkpoint(
+        smollm2_checkpoint(), cache_dir() / name, experts=experts, top_k=top_k, noise=noise, router_std=router_std
+    )
