@@ -50,6 +50,7 @@ def test_the_core_imports_torch_and_numpy_alone():
             "struct",
             "base64",
             "binascii",
+            "io",
             "dataclasses",
             "collections",
             "typing",
