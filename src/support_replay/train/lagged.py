@@ -41,6 +41,7 @@ class LaggedScorer:
         compute_dtype: torch.dtype = torch.float32,
         pack: bool = False,
         linear_kernel: str = "torch",
+        routing_replay: bool = False,
     ):
         self.keep, self.sparse, self.temperature, self.device = keep, sparse, temperature, device
         self.micro_batch, self.max_tokens, self.pack = micro_batch, max_tokens, pack
@@ -50,6 +51,7 @@ class LaggedScorer:
             .eval()
             .requires_grad_(False)
         )
+        self.model.replay_routing = routing_replay  # the actor's forward: the samples' routing, as it replays it
         self.scorer = Scorer(self.model, temperature, replay=True, sparse=sparse)
 
     def add(self, version: str, state: dict[str, torch.Tensor]) -> None:
@@ -119,4 +121,5 @@ def lagged_scorer(learner, ctx, checkpoint, *, max_policy_lag: int, ci_test: boo
         max_tokens=parallel.max_tokens_per_micro_batch,
         pack=learner.pack,
         linear_kernel=learner.linear_kernel,
+        routing_replay=learner.actor.model.replay_routing,
     )
