@@ -59,10 +59,16 @@ def smollm2_checkpoint(refresh: bool = False) -> Path:
         raise SupportReplayError(f"GGUF conversion: missing {missing[:3]}, unexpected {unexpected[:3]}")
     if missing:  # tied embeddings: the head shares the input embedding
         plain.tie_weights()
+    return save_checkpoint(plain, tokenizer, target)
+
+
+def save_checkpoint(model, tokenizer, target: Path) -> Path:
+    """``model`` and ``tokenizer`` saved at ``target``: written beside it, then moved, so a half-written
+    checkpoint is never visible."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:  # write beside the target, then move: a half-written checkpoint is never visible
-        plain.save_pretrained(staging, safe_serialization=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         if target.exists():
             shutil.rmtree(target)

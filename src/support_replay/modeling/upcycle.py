@@ -10,8 +10,6 @@ downloaded here; this is how the benchmarks get a real-sized, real-text MoE (ben
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -77,17 +75,7 @@ def upcycled_checkpoint(dense_path: Path, target: Path, **settings) -> Path:
     target = Path(target)
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
+    from .checkpoints import save_checkpoint
+
     dense = AutoModelForCausalLM.from_pretrained(dense_path, dtype=torch.float32)
-    model = upcycle(dense, **settings)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".upcycle-"))
-    try:
-        model.save_pretrained(staging, safe_serialization=True)
-        AutoTokenizer.from_pretrained(dense_path).save_pretrained(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
-    return target
+    return save_checkpoint(upcycle(dense, **settings), AutoTokenizer.from_pretrained(dense_path), target)
