@@ -107,9 +107,7 @@ def test_sample_routing_fails_closed_naming_sample_position_and_layer(tiny_moe_c
 
 @pytest.mark.slow
 def test_asynchronous_rollouts_replay_the_routing_of_the_version_that_sampled(tiny_moe_checkpoint, tmp_path):
-    rows = train(
-        run_config(tiny_moe_checkpoint, tmp_path, async_rollout=True, max_policy_lag=1, num_rollout=3, **R3)
-    )
+    rows = train(run_config(tiny_moe_checkpoint, tmp_path, async_rollout=True, max_policy_lag=1, num_rollout=3, **R3))
     # --ci-test passed: a lagged token is scored under the weights and the routing that sampled it (the ratio
     # to the current policy, replay_ratio_mean, is off-policy by design here)
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
