@@ -89,3 +89,10 @@ def test_routing_the_backend_cannot_read_or_that_does_not_fit_fails_closed(moe_a
     wider = RoutingShape(layers=3, top_k=2, num_experts=8, moe_layers=(0, 1, 2))
     with pytest.raises(WireError, match="routing for 2 layers, the model has 3"):
         backend(engine, url, shape=wider).generate([request()])
+
+
+def test_the_openai_endpoints_refuse_routed_experts_by_name(moe_app):
+    _, client, _ = moe_app
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "return_routed_experts": True}
+    refused = client.post("/v1/chat/completions", json=body)
+    assert refused.status_code in (400, 422) and "return_routed_experts" in refused.text

@@ -61,6 +61,10 @@ class OpenAIIn(BaseModel):
     return_meta_info: bool = False
     sampling_logprobs_mode: Literal["selected", "support"] = "selected"
     sampling_mask_format: Literal["lists", "binary"] = "lists"
+    # vLLM's OpenAI endpoints return routed experts; ours do not yet (SGLang's /generate does): refused, not ignored
+    return_routed_experts: Literal[False] = Field(
+        False, description="routed experts come from /generate (meta_info.routed_experts) only"
+    )
 
     def sampling(self, max_tokens: int | None, default_max: int) -> SamplingParamsIn:
         return SamplingParamsIn(
