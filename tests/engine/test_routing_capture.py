@@ -15,6 +15,8 @@ from support_replay.modeling.batch_invariant import make_batch_invariant
 from support_replay.modeling.moe import install_routing
 from support_replay.protocol import GenerateRequest, validate_completion
 
+pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
+
 
 def requests(routing: bool, n: int = 5):
     prompts = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17]]

@@ -13,6 +13,8 @@ from support_replay.errors import ConfigError
 from support_replay.modeling.batch_invariant import make_batch_invariant
 from support_replay.modeling.moe import install_routing, routing_shape
 
+pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
+
 
 def load(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

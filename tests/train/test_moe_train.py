@@ -35,6 +35,7 @@ def test_grpo_on_mixtral_with_routing_replay(tiny_mixtral_checkpoint, tmp_path):
     assert_per_token(train(run_config(tiny_mixtral_checkpoint, tmp_path, num_rollout=2, **R3)))
 
 
+@pytest.mark.float_bits
 @pytest.mark.parametrize("routing", [False, True], ids=["own-routing", "r3"])
 def test_true_on_policy_on_a_moe_is_bitwise(tiny_moe_checkpoint, tmp_path, routing):
     rows = train(
