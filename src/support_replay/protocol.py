@@ -208,6 +208,8 @@ def validate_completion(
         if wrong.any():
             t = int(np.flatnonzero(wrong)[0])
             raise WireError(f"{where} token {t}: singleton support but log mu {lp[t]} != 0")
+    if request.return_sampling_mask and request.sampling_logprobs_mode == "support":
+        check_support_row_logprobs(completion, where)
     if request.return_routed_experts:
         check_routed_experts(completion, request, routing, where)
     if request.return_logprob:
@@ -218,6 +220,37 @@ def validate_completion(
             t = int(np.flatnonzero(~np.isfinite(full))[0])
             raise WireError(f"{where} token {t}: full-vocabulary log-prob {full[t]} is not finite")
     return completion
+
+
+SUPPORT_LSE_TOLERANCE = 1e-4  # |log-sum-exp of a row's log q| allowed: an engine's fp32 log-softmax over |S| ids
+
+
+def check_support_row_logprobs(completion: Completion, where: str) -> None:
+    """``"support"`` mode: one finite log q per support id, each row normalised (log-sum-exp 0 within
+    ``SUPPORT_LSE_TOLERANCE``), the selected id's value equal to its log mu."""
+    rows = completion.support_row_logprobs
+    if rows is None or len(rows) != completion.num_tokens:
+        n = None if rows is None else len(rows)
+        raise WireError(
+            f"{where}: sampling_logprobs_mode 'support' asked, {n} rows of log q for {completion.num_tokens} tokens"
+        )
+    sizes = completion.support.sizes()
+    for t, (row, tok) in enumerate(zip(rows, completion.output_ids)):
+        row = np.asarray(row, np.float64)
+        if row.shape != (int(sizes[t]),):
+            raise WireError(f"{where} token {t}: {row.size} log q values for a support of {int(sizes[t])} ids")
+        if not np.isfinite(row).all():
+            raise WireError(f"{where} token {t}: a log q value is not finite ({row[~np.isfinite(row)][0]})")
+        peak = row.max()
+        lse = peak + np.log(np.exp(row - peak).sum())
+        if abs(lse) > SUPPORT_LSE_TOLERANCE:
+            raise WireError(f"{where} token {t}: the support's log q values sum to exp({lse:.3g}), not 1")
+        selected = completion.support.row(t).tolist().index(tok)
+        if abs(row[selected] - float(completion.log_mu[t])) > 1e-6:
+            raise WireError(
+                f"{where} token {t}: log q of the selected id {row[selected]} differs from its log mu "
+                f"{completion.log_mu[t]}"
+            )
 
 
 def check_routed_experts(completion: Completion, request: GenerateRequest, shape: RoutingShape | None, where: str):

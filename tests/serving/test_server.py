@@ -39,7 +39,7 @@ def test_generate_text_with_capture(client, engine):
     body = r.json()
     meta = body["meta_info"]
     assert len(body["output_ids"]) == meta["completion_tokens"] == 8
-    table, logmu, _ = parse_meta_info(meta, body["output_ids"], engine.vocab_size)
+    table, logmu, *_ = parse_meta_info(meta, body["output_ids"], engine.vocab_size)
     assert len(logmu) == 8 and meta["output_token_sampling_mask_length"] == 8  # SGLang's shape: the number of rows
     assert isinstance(meta["output_token_sampling_mask"], list)  # lists unless the binary form was asked
     assert meta["weight_version"] == "default" and meta["weight_versions"] == [
@@ -67,7 +67,7 @@ def test_generate_batch_of_ids_binary_and_support_mode(client, engine):
     out = r.json()
     assert [len(o["output_ids"]) for o in out] == [5, 4]
     for o in out:
-        table, _, _ = parse_meta_info(o["meta_info"], o["output_ids"], engine.vocab_size)
+        table, *_ = parse_meta_info(o["meta_info"], o["output_ids"], engine.vocab_size)
         assert table.num_rows == len(o["output_ids"])
         assert isinstance(o["meta_info"]["output_token_sampling_mask"], str)
     r = client.post(
@@ -83,7 +83,7 @@ def test_generate_batch_of_ids_binary_and_support_mode(client, engine):
     rows = meta["output_token_sampling_logprobs"]
     for row, mask_row in zip(rows, meta["output_token_sampling_mask"]):
         assert len(row) == len(mask_row) and math.isclose(sum(math.exp(v) for v in row), 1.0, rel_tol=1e-5)
-    table, logmu, _ = parse_meta_info(meta, r.json()["output_ids"], engine.vocab_size)
+    table, logmu, *_ = parse_meta_info(meta, r.json()["output_ids"], engine.vocab_size)
     same = client.post(
         "/generate",
         json={

@@ -50,7 +50,7 @@ def test_concurrent_requests_through_the_router(tiny_checkpoint, reference_model
                 outs = list(pool.map(lambda i: ask(router_url, prompts[i], seed=i), range(16)))
             vocab = reference_model.config.vocab_size
             for ids, out in zip(prompts, outs):
-                table, logmu, _ = parse_meta_info(out["meta_info"], out["output_ids"], vocab)
+                table, logmu, *_ = parse_meta_info(out["meta_info"], out["output_ids"], vocab)
                 full = torch.tensor([ids + out["output_ids"]])
                 with torch.no_grad():
                     logits = reference_model(full).logits[0, len(ids) - 1 : -1].float()

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..core.routing import RoutingShape, decode_int32, decode_npy
 from ..core.support import SupportTable
-from ..core.wire import from_json
+from ..core.wire import floats_from_json, from_json
 from ..errors import EngineUnavailable, SupportError, WireError
 from ..protocol import Completion, GenerateRequest, parse_version_spans, single_version, validate_completion
 from .base import RetryCounter, fan_out, optional_fields, penalty_fields, post_json, session_headers
@@ -89,8 +89,20 @@ def _selected_in_support_mode(logprobs: list, rows: list[list[int]], output_ids:
     return picked
 
 
-def parse_meta_info(meta: dict, output_ids: list[int], vocab_size: int) -> tuple[SupportTable, np.ndarray, int]:
-    """``(support, log mu float32[T], support bytes)`` from an SGLang ``meta_info``.
+def _canonical_rows(logprobs: list, rows: list[list[int]]) -> list[np.ndarray]:
+    """``"support"`` mode's per-id values (SGLang's order: by descending weight) in each row's ascending id order."""
+    out = []
+    for t, (row_lp, row_ids) in enumerate(zip(logprobs, rows)):
+        values = _float_list(row_lp, f"output_token_sampling_logprobs[{t}]", len(row_ids))
+        out.append(values[np.argsort(np.asarray(row_ids), kind="stable")].astype(np.float32))
+    return out
+
+
+def parse_meta_info(
+    meta: dict, output_ids: list[int], vocab_size: int
+) -> tuple[SupportTable, np.ndarray, int, list[np.ndarray] | None]:
+    """``(support, log mu float32[T], support bytes, log q of every support id or None)`` from an
+    SGLang ``meta_info`` (the last in ``"support"`` mode, each row in ascending id order).
 
     Parses only: the one full validation happens in ``validate_completion``.
     """
@@ -120,12 +132,22 @@ def parse_meta_info(meta: dict, output_ids: list[int], vocab_size: int) -> tuple
             f"output_token_sampling_mask_length={length!r:.80}: SGLang sends the number of mask "
             f"rows, {support.num_rows}"
         )
-    if isinstance(logprobs, list) and any(isinstance(v, list) for v in logprobs):
+    row_logprobs = None
+    if isinstance(logprobs, str):  # ours: every id's log q with the binary mask, ascending id order
+        if rows is not None:
+            raise WireError("output_token_sampling_logprobs in binary form needs the mask in binary form")
+        row_logprobs = floats_from_json(logprobs, support.sizes(), "output_token_sampling_logprobs")
+        size += len(logprobs)
+        logprobs = [
+            float(r[support.row(t).tolist().index(tok)]) for t, (r, tok) in enumerate(zip(row_logprobs, output_ids))
+        ]
+    elif isinstance(logprobs, list) and any(isinstance(v, list) for v in logprobs):
         if rows is None:
             raise WireError("output_token_sampling_logprobs in 'support' mode needs the mask as id lists")
+        row_logprobs = _canonical_rows(logprobs, rows)
         logprobs = _selected_in_support_mode(logprobs, rows, output_ids)
     log_mu = _float_list(logprobs, "output_token_sampling_logprobs", n)
-    return support, log_mu.astype(np.float32), size
+    return support, log_mu.astype(np.float32), size, row_logprobs
 
 
 NPY_BASE64 = "k05VTVBZ"  # base64 of the magic that opens a .npy file
@@ -239,11 +261,11 @@ class SGLangBackend:
                 raise TypeError(f"meta_info is a {type(meta).__name__}")
         except (KeyError, TypeError, ValueError) as exc:
             raise WireError(f"{where}: malformed /generate result ({exc})") from exc
-        support = log_mu = full = None
+        support = log_mu = full = row_logprobs = None
         size = 0
         if req.return_sampling_mask:
             try:
-                support, log_mu, size = parse_meta_info(meta, output_ids, self.vocab_size)
+                support, log_mu, size, row_logprobs = parse_meta_info(meta, output_ids, self.vocab_size)
             except WireError as exc:
                 raise WireError(f"{where}: {exc}") from exc
         if req.return_logprob:
@@ -266,6 +288,7 @@ class SGLangBackend:
             finish_reason=meta.get("finish_reason") or {},
             routed_experts=routed,
             routing_bytes=routing_bytes,
+            support_row_logprobs=row_logprobs if req.sampling_logprobs_mode == "support" else None,
             log_mu=log_mu,
             support=support,
             full_logprobs=full,

@@ -91,8 +91,10 @@ def parse_native_mask(output_ids: list[int], sampling_mask, sampled_logprobs) ->
     return _table(rows, "sampling_mask"), np.asarray(sampled, np.float32)
 
 
-def parse_processed_logprobs(output_ids: list[int], top_logprobs, requested: int) -> tuple[SupportTable, np.ndarray]:
-    """``(support, log mu)`` from ``processed_logprobs``: per token a mapping id -> log-prob
+def parse_processed_logprobs(
+    output_ids: list[int], top_logprobs, requested: int
+) -> tuple[SupportTable, np.ndarray, list[np.ndarray]]:
+    """``(support, log mu, log q of every support id)`` from ``processed_logprobs``: per token a mapping id -> log-prob
     where the finite entries are the support (-inf arrives as -9999.0). When all ``requested``
     entries of a token are finite the support may be larger than what came back: fail closed."""
     if not top_logprobs:
@@ -103,7 +105,7 @@ def parse_processed_logprobs(output_ids: list[int], top_logprobs, requested: int
     if not isinstance(top_logprobs, list) or len(top_logprobs) != len(output_ids):
         n = len(top_logprobs) if isinstance(top_logprobs, list) else type(top_logprobs).__name__
         raise WireError(f"top_logprobs: {n} entries for {len(output_ids)} output tokens")
-    rows, picked = [], []
+    rows, picked, values = [], [], []
     for t, (entries, tok) in enumerate(zip(top_logprobs, output_ids)):
         if not isinstance(entries, dict) or not all(
             _is_int(i) and (v is None or _is_number(v)) for i, v in entries.items()
@@ -119,7 +121,8 @@ def parse_processed_logprobs(output_ids: list[int], top_logprobs, requested: int
             raise WireError(f"top_logprobs[{t}]: selected token {tok} has no finite processed log-prob")
         rows.append(sorted(finite))
         picked.append(finite[tok])
-    return _table(rows, "top_logprobs"), np.asarray(picked, np.float32)
+        values.append(np.asarray([finite[i] for i in rows[-1]], np.float32))  # every id's log q, ascending ids
+    return _table(rows, "top_logprobs"), np.asarray(picked, np.float32), values
 
 
 def _token_id(text: str, where: str) -> int:
@@ -257,6 +260,11 @@ class VLLMBackend:
 
     def generate(self, requests: list[GenerateRequest], *, return_exceptions: bool = False) -> list:
         for i, req in enumerate(requests):
+            if req.sampling_logprobs_mode == "support" and self.capture == "native":
+                raise WireError(
+                    f"request {i}: sampling_logprobs_mode 'support' (score centering) with --vllm-capture native: "
+                    "vLLM 0.32 returns no log-prob per support id with its sampling mask; use processed_logprobs"
+                )
             if req.return_logprob:
                 raise WireError(
                     f"request {i}: full-vocabulary log-probs are not available from a vLLM server that returns "
@@ -306,8 +314,9 @@ class VLLMBackend:
                         "(Model Runner V2, a GPU backend), or a proxy on the path stripped it"
                     )
                 support, log_mu = parse_native_mask(output_ids, choice["sampling_mask"], sampled)
+                rows = None
             else:
-                support, log_mu = parse_processed_logprobs(output_ids, top, self.requested_logprobs(req))
+                support, log_mu, rows = parse_processed_logprobs(output_ids, top, self.requested_logprobs(req))
         except WireError as exc:
             raise WireError(f"{where}: {exc}") from exc
         usable = isinstance(sampled, list) and all(_is_number(v) for v in sampled)
@@ -317,7 +326,7 @@ class VLLMBackend:
             raise WireError(
                 f"{where} token {t}: sampled log-prob {sampled[t]} disagrees with its support entry {log_mu[t]}"
             )
-        return support, log_mu
+        return support, log_mu, rows if req.sampling_logprobs_mode == "support" else None
 
     def parse_generate_choice(self, choice: dict, req: GenerateRequest, index: int = 0) -> Completion:
         """The ``Completion`` of one ``/inference/v1/generate`` choice (not yet validated)."""
@@ -327,10 +336,10 @@ class VLLMBackend:
         output_ids = choice.get("token_ids")
         if not isinstance(output_ids, list) or not all(_is_int(t) for t in output_ids):
             raise WireError(f"{where}: token_ids is not a list of token ids, got {output_ids!r:.80}")
-        support = log_mu = None
+        support = log_mu = rows = None
         if req.return_sampling_mask:
             sampled, top = _generate_logprobs(choice, len(output_ids), where)
-            support, log_mu = self._capture(choice, output_ids, sampled, top, req, where)
+            support, log_mu, rows = self._capture(choice, output_ids, sampled, top, req, where)
         spans = choice.get("weight_versions")
         return Completion(
             output_ids=list(output_ids),
@@ -338,6 +347,7 @@ class VLLMBackend:
             log_mu=log_mu,
             support=support,
             weight_versions=parse_version_spans(spans, len(output_ids), where) if spans is not None else [],
+            support_row_logprobs=rows,
             **_routing(choice, req, where),
         )
 
@@ -349,13 +359,13 @@ class VLLMBackend:
         if not isinstance(tokens, list) or not tokens:
             raise WireError(f"{where}: no token ids in the response (logprobs.tokens); the request must ask logprobs")
         output_ids = [_token_id(t, where) for t in tokens]
-        support = log_mu = None
+        support = log_mu = rows = None
         if req.return_sampling_mask:
             entries = lp.get("top_logprobs") or []
             if not isinstance(entries, list) or not all(e is None or isinstance(e, dict) for e in entries):
                 raise WireError(f"{where}: logprobs.top_logprobs is not a list of mappings")
             top = [{_token_id(k, where): v for k, v in (entry or {}).items()} for entry in entries]
-            support, log_mu = self._capture(choice, output_ids, lp.get("token_logprobs"), top, req, where)
+            support, log_mu, rows = self._capture(choice, output_ids, lp.get("token_logprobs"), top, req, where)
         text = choice.get("text")
         return Completion(
             output_ids=output_ids,
@@ -363,5 +373,6 @@ class VLLMBackend:
             log_mu=log_mu,
             support=support,
             text=text if isinstance(text, str) else "",
+            support_row_logprobs=rows,
             **_routing(choice, req, where),
         )

@@ -254,3 +254,28 @@ def from_json(text: str, selected=None, vocab_size: int | None = None) -> Suppor
     except (binascii.Error, UnicodeEncodeError) as exc:
         raise WireError(f"not valid base64: {exc}") from exc
     return decode(raw, selected, vocab_size)
+
+
+# ---- per-id values (the sampler's log q of every support id) -------------------------
+
+
+def floats_to_json(rows) -> str:
+    """Base64 of the rows' values as float32 little-endian, concatenated (4 bytes per support id, exact
+    for the engine's fp32 log-probs); the reader splits them by the support's row sizes."""
+    flat = np.concatenate([np.asarray(r, dtype="<f4") for r in rows]) if len(rows) else np.zeros(0, "<f4")
+    return base64.b64encode(flat.astype("<f4").tobytes()).decode("ascii")
+
+
+def floats_from_json(text, sizes: np.ndarray, where: str) -> list[np.ndarray]:
+    """``floats_to_json`` back into one float32 array per row of ``sizes`` ids."""
+    if not isinstance(text, str) or len(text) > MAX_STREAM_BYTES * 4 // 3 + 4:
+        raise WireError(f"{where}: expected a base64 string of float32 values")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise WireError(f"{where}: not base64: {exc}") from None
+    total = int(np.sum(sizes))
+    if len(raw) != 4 * total:
+        raise WireError(f"{where}: {len(raw)} bytes for {total} support ids (4 bytes each)")
+    flat = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    return np.split(flat, np.cumsum(sizes)[:-1]) if len(sizes) else []

@@ -118,6 +118,7 @@ def generate_samples(
     penalties: Penalties = NO_PENALTIES,
     ignore_eos: bool = False,
     routing: bool = False,
+    support_logprobs: bool = False,
 ) -> tuple[list[Sample], RolloutStats]:
     """``n_samples`` responses per prompt, grouped prompt by prompt, rewarded.
 
@@ -128,6 +129,7 @@ def generate_samples(
     that receives it twice answers once. ``ignore_eos``: every response runs to
     ``max_new_tokens``, past end-of-sequence (fixed-length benchmarks). ``routing``: each
     response carries the experts a MoE engine routed its positions to (routing replay).
+    ``support_logprobs``: the sampler's log q of every support id too (score centering).
     """
     rendered = [render_prompt(tokenizer, p, apply_chat_template) for p in prompts]
     retries_before = backend.retries
@@ -147,6 +149,7 @@ def generate_samples(
                 penalties,
                 ignore_eos,
                 routing,
+                support_logprobs,
             )
             for g, attempt in zip(pending, attempts)
             for j in range(n_samples)
@@ -187,6 +190,7 @@ def _request(
     penalties,
     ignore_eos=False,
     routing=False,
+    support_logprobs=False,
 ) -> GenerateRequest:
     sp = SamplingParams(
         temperature=params.temperature,
@@ -205,6 +209,7 @@ def _request(
         penalties=penalties,
         ignore_eos=ignore_eos,
         return_routed_experts=routing,
+        sampling_logprobs_mode="support" if capture and support_logprobs else "selected",
     )
     return validate_request(req, params.temperature, k)
 
@@ -246,4 +251,5 @@ def _sample(
         penalties=req.penalties,
         routing=c.routed_experts,
         routing_bytes=c.routing_bytes,
+        support_logq=np.concatenate(c.support_row_logprobs).astype(np.float32) if c.support_row_logprobs else None,
     )

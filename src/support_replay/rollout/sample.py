@@ -50,6 +50,8 @@ class Sample:
     # [prompt + response - 1, layers, top_k] int32: the experts that computed each position (core/routing.py);
     # FREE (-1) rows only after the last sampled token (inserted tokens no engine fed)
     routing: np.ndarray | None = None
+    # the sampler's log q of every support id, flat float32 aligned with ``support.ids`` (score centering)
+    support_logq: np.ndarray | None = None
     routing_bytes: int = 0  # what the routing cost on the wire
     # (token-layer choices of decoded tokens whose routing differed when a later turn prefilled them, compared)
     routing_recomputed: tuple[int, int] = (0, 0)

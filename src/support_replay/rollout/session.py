@@ -51,6 +51,7 @@ class SessionSettings:
     ttl: float = 900.0  # seconds a session may stay unused before it is dropped
     penalties: Penalties = NO_PENALTIES  # the run's; each turn is one engine request, its output history its own
     routing: bool = False  # capture every turn's expert routing (routing replay on a MoE model)
+    support_logprobs: bool = False  # the sampler's log q of every support id of every turn (score centering)
 
     def __post_init__(self):
         if self.history_policy not in HISTORY_POLICIES:
@@ -170,7 +171,7 @@ class Session:
             ),
             max_new_tokens=min(turn.max_tokens or self.settings.max_new_tokens, budget),
             return_sampling_mask=self.settings.capture or turn.logprobs,
-            sampling_logprobs_mode="support" if turn.top_logprobs else "selected",
+            sampling_logprobs_mode="support" if turn.top_logprobs or self.settings.support_logprobs else "selected",
             rid=f"{self.id}/{self.turns}",
             routing_key=self.id,
             penalties=self.settings.penalties,

@@ -33,6 +33,7 @@ class Trajectory:
     loss_mask: list[np.ndarray] = field(default_factory=list)  # pieces, int8
     log_mu: list[np.ndarray] = field(default_factory=list)  # pieces, float32
     supports: list[SupportTable] = field(default_factory=list)  # pieces
+    support_logq: list[np.ndarray] | None = field(default_factory=list)  # pieces; None once a turn lacks them
     spans: list[VersionSpan] = field(default_factory=list)
     versions_known: bool = True
     model_turns: int = 0
@@ -62,6 +63,8 @@ class Trajectory:
             if self.capture:
                 self.log_mu.append(np.zeros(len(inserted), np.float32))
                 self.supports.append(SupportTable.singleton(inserted))
+                if self.support_logq is not None:
+                    self.support_logq.append(np.zeros(len(inserted), np.float32))  # log q = log 1 on {a_t}
         offset = len(self.response_ids)
         self.output_starts.append(offset)
         self.response_ids += completion.output_ids
@@ -69,6 +72,11 @@ class Trajectory:
         if self.capture:
             self.log_mu.append(np.asarray(completion.log_mu, np.float32))
             self.supports.append(completion.support)
+            rows = completion.support_row_logprobs
+            if self.support_logq is not None and rows is not None:
+                self.support_logq.append(np.concatenate(rows).astype(np.float32))
+            else:
+                self.support_logq = None
         self._add_spans(start, offset, completion.weight_versions)
         self.model_turns += 1
         self.support_bytes += completion.support_bytes
@@ -153,6 +161,7 @@ class Trajectory:
             penalties=self.penalties,
             output_starts=list(self.output_starts) or [0],
             routing=self._sample_routing(),
+            support_logq=np.concatenate(self.support_logq) if self.capture and self.support_logq else None,
             routing_bytes=self.routing_bytes,
             routing_recomputed=self.routing_recomputed,
         )

@@ -46,7 +46,10 @@ def meta_info(
             meta["output_token_sampling_mask"] = wire.to_json(support, vocab_size, completion.output_ids)
         else:
             meta["output_token_sampling_mask"] = support.to_lists()
-        if request.sampling_logprobs_mode == "support":
+        if request.sampling_logprobs_mode == "support" and sampling_mask_format == "binary":
+            # ours: every id's log q, float32 little-endian, rows in the binary mask's (ascending) order
+            meta["output_token_sampling_logprobs"] = wire.floats_to_json(completion.support_row_logprobs)
+        elif request.sampling_logprobs_mode == "support":
             meta["output_token_sampling_logprobs"] = [row.tolist() for row in completion.support_row_logprobs]
         else:
             meta["output_token_sampling_logprobs"] = completion.log_mu.tolist()
