@@ -108,6 +108,33 @@ def support_row_logprobs(logits_row: torch.Tensor, ids: torch.Tensor, temperatur
     return (z - lse[:, None])[0]
 
 
+def support_rows_logprobs(z: torch.Tensor, valid: torch.Tensor, temperature=1.0) -> torch.Tensor:
+    """``log pi(v | S_t)`` for every id v of every support row: ``z`` ``[T, K]`` the (raw or penalised)
+    logits at the padded support ids, ``valid`` ``[T, K]``; ``[T, K]`` fp32, 0 at padding. Plain
+    autograd (score centering differentiates every id's log-prob, docs/math.md). The same ``z/T`` and
+    log-sum-exp as ``support_logprobs``, so the selected id's column is its value."""
+    rows = z.shape[0]
+    temp = _temperature_column(temperature, rows, z.device, _acc(z.dtype))
+    scaled = z.to(temp.dtype) / temp
+    lse, _ = _masked_logsumexp(scaled, valid)
+    return (scaled - lse[:, None]).masked_fill(~valid, 0.0)
+
+
+HEAD_ROWS_BUDGET = 1 << 24  # elements of the gathered head rows [n, K, H] at a time
+
+
+def head_rows_at(h: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` logits ``h . W[ids]`` of a linear head at the padded support ids, plain autograd, never
+    ``[N, V]``: rows in chunks so the gathered ``[n, K, H]`` head rows stay within ``HEAD_ROWS_BUDGET``."""
+    rows, width = ids.shape
+    step = max(1, HEAD_ROWS_BUDGET // max(1, width * h.shape[-1]))
+    parts = [
+        torch.bmm(weight[ids[i : i + step]].to(h.dtype), h[i : i + step, :, None]).squeeze(-1)
+        for i in range(0, rows, step)
+    ]
+    return torch.cat(parts) if parts else h.new_zeros(0, width)
+
+
 def penalised_support_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, support, temperature, transform
 ) -> torch.Tensor:

@@ -116,15 +116,25 @@ def policy_token_loss(
     kl_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    reinforce: tuple[torch.Tensor, str, float] | None = None,
+    centering: torch.Tensor | None = None,
 ) -> TokenLoss:
     """``-min(r A, clip(r, 1-lo, 1+hi) A) * w + kl_coef * KL - entropy_coef * H`` per token.
 
     ``r = exp(logp - old_logp)``: under replay both are support-normalised scores on the
     same S_t. ``importance_weights`` (e.g. truncated IS against the rollout log mu) are
-    detached; ``kl`` and ``entropy`` come from full-vocabulary scores. Weight the result
+    detached; ``kl`` and ``entropy`` come from full-vocabulary scores. ``reinforce`` (the
+    sampler's log mu, the weight's mode and cap) takes ``-A sg(w_a) log pi(a)`` instead of the
+    clipped surrogate; ``centering`` (``score_centering_term``) is added to it. Weight the result
     with ``token_weights``.
     """
-    total, clipped = ppo_token_loss(logp, old_logp, advantages, clip_low, clip_high)
+    if reinforce is not None:
+        total = reinforce_token_loss(logp, *reinforce[:1], advantages, *reinforce[1:])
+        clipped = torch.zeros_like(total, dtype=torch.bool)
+    else:
+        total, clipped = ppo_token_loss(logp, old_logp, advantages, clip_low, clip_high)
+    if centering is not None:
+        total = total + centering
     if importance_weights is not None:
         total = total * importance_weights.detach()
     if kl is not None:
@@ -132,6 +142,54 @@ def policy_token_loss(
     if entropy is not None:
         total = total - entropy_coef * entropy
     return TokenLoss(total=total, clipped=clipped, kl=kl, entropy=entropy)
+
+
+SC_WEIGHTS = ("none", "ratio", "tis", "mis")
+POLICY_LOSSES = ("ppo", "reinforce")
+
+
+def score_centering_weights(logp: torch.Tensor, logq: torch.Tensor, mode: str, cap: float) -> torch.Tensor:
+    """``w = f(p / q)`` (detached) of score centering and the REINFORCE loss (docs/math.md, "score centering"):
+    ``none`` 1; ``ratio`` p/q; ``tis`` min(p/q, cap); ``mis`` 1 where p/q lies in [1/cap, cap], else 0."""
+    if mode not in SC_WEIGHTS:
+        raise SupportReplayError(f"score_centering_weight: must be one of {SC_WEIGHTS}, got {mode!r}")
+    if mode == "none":
+        return torch.ones_like(logp)
+    ratio = torch.exp(logp.detach() - logq.detach())
+    if mode == "ratio":
+        return ratio
+    if mode == "tis":
+        return ratio.clamp(max=cap)
+    return ((ratio >= 1.0 / cap) & (ratio <= cap)).to(ratio.dtype)
+
+
+def reinforce_token_loss(logp: torch.Tensor, log_mu: torch.Tensor, advantages: torch.Tensor, mode: str, cap: float):
+    """Per-token ``-A * sg(w_a) * log pi(a)``: the importance-weighted policy gradient, no clipping."""
+    return -advantages * score_centering_weights(logp, log_mu, mode, cap) * logp
+
+
+def score_centering_term(
+    support_logp: torch.Tensor,
+    sampler_logq: torch.Tensor,
+    valid: torch.Tensor,
+    advantages: torch.Tensor,
+    mode: str,
+    cap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(+A * sum_v sg(q_v w_v) log pi(v), drift)`` per token over the support (padded ``[T, K]``).
+
+    Added to ``-A sg(w_a) log pi(a)`` its gradient is ``A (w_a s_a - sum_v q_v w_v s_v)``: the sampler-
+    expected score is subtracted, exactly, on the recorded support. ``drift`` is the L1 norm of that
+    expected score's gradient on the support logits per unit advantage, ``sum_v |q_v w_v - p_v sum_u q_u w_u|``
+    (times 1/T): what the uncentred loss pulls toward the sampler with."""  # fmt: skip
+    q = torch.exp(sampler_logq).masked_fill(~valid, 0.0)
+    w = score_centering_weights(support_logp, sampler_logq, mode, cap).masked_fill(~valid, 0.0)
+    coef = (q * w).detach()
+    term = advantages * (coef * support_logp).sum(-1)
+    with torch.no_grad():
+        p = torch.exp(support_logp).masked_fill(~valid, 0.0)
+        drift = (coef - p * coef.sum(-1, keepdim=True)).abs().sum(-1)
+    return term, drift
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:

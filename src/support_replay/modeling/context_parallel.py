@@ -66,10 +66,16 @@ class _AssembleRows(torch.autograd.Function):
         return grad, None  # the loss is replicated: each rank keeps the gradient of its own rows
 
 
+def replicated_sum(values: torch.Tensor, group) -> torch.Tensor:
+    """The sum over ``group`` of each rank's share (zeros where it has none), for a loss every rank of
+    the group computes alike: the backward hands each rank the gradient of its own share."""
+    return _AssembleRows.apply(values, group)
+
+
 def assemble_rows(values: torch.Tensor, mine: torch.Tensor, group) -> torch.Tensor:
-    """``[n_mine]`` values of this rank's rows -> ``[N]`` on every CP rank, exact, gradient passed through."""
-    full = values.new_zeros(mine.shape[0]).index_put((mine.nonzero().squeeze(1),), values)
-    return _AssembleRows.apply(full, group)
+    """``[n_mine, ...]`` values of this rank's rows -> ``[N, ...]`` on every CP rank, exact, gradient passed through."""
+    full = values.new_zeros((mine.shape[0], *values.shape[1:])).index_put((mine.nonzero().squeeze(1),), values)
+    return replicated_sum(full, group)
 
 
 def context_parallel_attention(

@@ -36,7 +36,7 @@ from ..core.parallel import (
 from ..core.routing import FREE
 from ..errors import ConfigError
 from ..modeling.batch_invariant import make_batch_invariant
-from ..modeling.context_parallel import ContextShard, assemble_rows, make_context_parallel
+from ..modeling.context_parallel import ContextShard, assemble_rows, make_context_parallel, replicated_sum
 from ..modeling.invariant_products import head_columns_invariant
 from ..modeling.linear_kernels import linear_function, use_linear
 from ..modeling.moe import install_routing
@@ -175,6 +175,16 @@ class ScoringModel(nn.Module):
         if routing is None:
             return nullcontext()
         return self.routing.replaying(routing.reshape(-1, *routing.shape[-2:]))
+
+    def logits_at(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``[N, K]`` logits at the padded support ids; under tensor parallelism each rank holds its vocabulary
+        columns, so its own ids' values are summed over the TP group (every rank gets all of them)."""
+        if self.vocab is None:
+            return logits.gather(1, ids)
+        start, size = self.vocab.start, logits.shape[1]
+        inside = (ids >= start) & (ids < start + size)
+        local = logits.gather(1, (ids - start).clamp(0, size - 1))
+        return replicated_sum(torch.where(inside, local, torch.zeros_like(local)), self.tp_group)
 
     def head_functions(self):
         """``(full-vocabulary log-probs and entropy, support log-probs)`` of the logits the head

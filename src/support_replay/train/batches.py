@@ -78,7 +78,7 @@ class MicroBatch:
     segments: torch.Tensor | None = None
     # [B, L, layers, top_k] the engine's experts at every input position (routing replay; FREE: route freely)
     routing: torch.Tensor | None = None
-    # room for the next replayed decision, None until a capture fills it: the sampler's log mu of every support id
+    # [N, K] the sampler's log q of every support id, laid out like ``support`` (score centering)
     sampler_support_logp: torch.Tensor | None = None
 
     @property
@@ -248,12 +248,27 @@ def _token_fields(chosen: list[Sample], replay: bool, device) -> dict:
     """What a micro-batch holds per response token, samples in order, in either layout: the
     lengths, targets and loss mask, and under replay the support, padded once onto the
     trainer's device (the one padding on the trainer's side)."""
+    table = SupportTable.concat([s.support for s in chosen]) if replay else None
+    logq = None
+    if replay and all(s.support_logq is not None for s in chosen):  # score centering: the sampler's log q
+        logq = _padded_values(table, np.concatenate([s.support_logq for s in chosen]), device)
     return dict(
         lengths=[s.response_length for s in chosen],
         targets=torch.tensor([t for s in chosen for t in s.response_ids], dtype=torch.long, device=device),
-        support=SupportTable.concat([s.support for s in chosen]).to_padded(device=device) if replay else None,
+        support=table.to_padded(device=device) if replay else None,
         loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in chosen]).astype(np.float32)).to(device),
+        sampler_support_logp=logq,
     )
+
+
+def _padded_values(table: SupportTable, values: np.ndarray, device) -> torch.Tensor:
+    """Per-id values aligned with ``table.ids`` laid out like ``table.to_padded()`` (0 at padding)."""
+    sizes = table.sizes()
+    rows = np.repeat(np.arange(len(sizes)), sizes)
+    columns = np.arange(len(values)) - np.repeat(table.offsets[:-1], sizes)
+    out = np.zeros((len(sizes), int(sizes.max()) if len(sizes) else 0), np.float32)
+    out[rows, columns] = values
+    return torch.from_numpy(out).to(device)
 
 
 def output_starts(s: Sample) -> list[int]:

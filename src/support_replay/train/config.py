@@ -151,6 +151,17 @@ class RunConfig(BaseModel):
                 "vllm",
                 "true-on-policy mode needs our batch-invariant engine (support-replay serve --deterministic)",
             )
+        if self.optimizer.policy_loss == "reinforce" and not on:
+            bad("policy_loss", "reinforce", f"weights by the sampler's log mu on the replayed support, {needs_replay}")
+        if self.optimizer.use_score_centering and not on:
+            bad("use_score_centering", True, f"centres the score on the replayed support, {needs_replay}")
+        if self.optimizer.use_score_centering and engine.rollout_engine == "vllm" and engine.vllm_capture == "native":
+            bad(
+                "use_score_centering",
+                True,
+                "with --vllm-capture native: vLLM 0.32's sampling mask carries no log-prob per support id; use "
+                "--vllm-capture processed_logprobs (logprobs >= |S| reveal every id's log q)",
+            )
         if replay.min_support_mass > 0 and not on:
             bad(
                 "min_support_mass",

@@ -12,7 +12,14 @@ from dataclasses import astuple, dataclass, fields, replace
 
 import torch
 
-from ..core.losses import grpo_advantages, importance_weights, kl_estimate, policy_token_loss, token_weights
+from ..core.losses import (
+    grpo_advantages,
+    importance_weights,
+    kl_estimate,
+    policy_token_loss,
+    score_centering_term,
+    token_weights,
+)
 from ..errors import ConfigError, NonFiniteError
 from ..rollout.sample import Sample, check_sample_routing
 from .actor import Actor, load_scoring_model
@@ -42,6 +49,7 @@ class StepSums:
     kl: float = 0.0
     entropy: float = 0.0
     tokens: float = 0.0
+    sc_drift: float = 0.0  # score centering: sum over trained tokens of |A| * the drift's logit-gradient norm
 
     def add(self, other: StepSums) -> None:
         for f in fields(self):
@@ -58,6 +66,7 @@ class UpdateMetrics:
     entropy: float
     grad_norm: float
     optimizer_steps: int
+    score_centering_drift: float = 0.0  # mean over trained tokens of |A| sum_v |q_v w_v - p_v sum_u q_u w_u|
 
     @staticmethod
     def mean(steps: list[tuple[StepSums, float]]) -> UpdateMetrics:
@@ -70,6 +79,7 @@ class UpdateMetrics:
             entropy=sum(s.entropy / max(s.tokens, 1) for s, _ in steps) / n,
             grad_norm=sum(norm for _, norm in steps) / n,
             optimizer_steps=n,
+            score_centering_drift=sum(s.sc_drift / max(s.tokens, 1) for s, _ in steps) / n,
         )
 
 
@@ -171,7 +181,11 @@ class Learner:
         # every pass's scoring function, chosen now (train/scorer.py); which one runs depends on whether this
         # rollout measures full-vocabulary scores and whether the update's forward is the old policy's (fused)
         self._old_scorers = {m: self.actor.scorer(self.temperature, Outputs(full_detached=m)) for m in (False, True)}
-        grads = dict(full=self.optimizer_cfg.use_kl_loss, entropy=self.optimizer_cfg.entropy_coef > 0)
+        grads = dict(
+            full=self.optimizer_cfg.use_kl_loss,
+            entropy=self.optimizer_cfg.entropy_coef > 0,
+            support_rows=self.optimizer_cfg.use_score_centering,
+        )
         self._update_scorers = {
             m: self.actor.scorer(self.temperature, Outputs(**grads, full_detached=m)) for m in (False, True)
         }
@@ -366,12 +380,20 @@ class Learner:
             if self.replay
             else None
         )
+        opt = self.optimizer_cfg
+        token_advantages = torch.repeat_interleave(
+            advantages[batch.indices].to(sc.logp.device), torch.tensor(batch.lengths, device=sc.logp.device)
+        )
+        centering = drift = None
+        if opt.use_score_centering:  # the sampler-expected score on the replayed support, subtracted
+            centering, drift = score_centering_term(
+                sc.support_logp, batch.sampler_support_logp, batch.support[1], token_advantages,
+                opt.score_centering_weight, opt.tis_cap,
+            )  # fmt: skip
         terms = policy_token_loss(
             sc.logp,
             log_mu if self.optimizer_cfg.use_rollout_logprobs else old_logp,
-            torch.repeat_interleave(
-                advantages[batch.indices].to(sc.logp.device), torch.tensor(batch.lengths, device=sc.logp.device)
-            ),
+            token_advantages,
             clip_low=self.optimizer_cfg.eps_clip,
             clip_high=self.optimizer_cfg.eps_clip_high,
             importance_weights=importance_weights(
@@ -385,6 +407,8 @@ class Learner:
             kl_coef=self.optimizer_cfg.kl_loss_coef,
             entropy=sc.entropy,
             entropy_coef=self.optimizer_cfg.entropy_coef,
+            reinforce=(log_mu, opt.score_centering_weight, opt.tis_cap) if opt.policy_loss == "reinforce" else None,
+            centering=centering,
         )
         bad = ~torch.isfinite(terms.total) & (batch.loss_mask > 0)
         if bool(bad.any()):  # before backward: nothing of it reaches the weights
@@ -413,6 +437,7 @@ class Learner:
                 kl=float((terms.kl * mask).sum()) if terms.kl is not None else 0.0,
                 entropy=float((terms.entropy * mask).sum()) if terms.entropy is not None else 0.0,
                 tokens=float(mask.sum()),
+                sc_drift=float((token_advantages.abs() * drift * mask).sum()) if drift is not None else 0.0,
             )
         return sums, fresh
 

@@ -114,6 +114,7 @@ class Rollouts:
         seed: int,
         trainer_kernel: str,
         routing_shape: RoutingShape | None = None,
+        support_logprobs: bool = False,
     ):
         self.ctx, self.tokenizer = ctx, tokenizer
         self.data_cfg, self.rollout_cfg, self.engine_cfg, self.production_cfg = data, rollout, engine, production
@@ -122,6 +123,7 @@ class Rollouts:
         self.replay = self.rollout_cfg.use_sampling_support_replay
         self.routing = replay.use_rollout_routing_replay  # capture every position's experts (MoE)
         self.routing_shape = routing_shape  # the trained model's, which captured routing must fit
+        self.support_logprobs = support_logprobs  # the sampler's log q of every support id (score centering)
         self.params = rollout.sampling_params  # built once, with the config (its range rules are its own)
         self.prompts, self.eval_prompts = self._load_prompts()
         self.reward_fn = load_reward(self.data_cfg.rm_type, self.data_cfg.custom_rm_path)
@@ -227,6 +229,7 @@ class Rollouts:
             seed=cfg.optimizer.seed,
             trainer_kernel=cfg.trainer_linear_kernel(ctx.device),
             routing_shape=routing_shape,
+            support_logprobs=cfg.optimizer.use_score_centering,
         )
 
     def _penalty_semantics(self, vocab_size: int) -> str:
@@ -266,6 +269,7 @@ class Rollouts:
             history_policy=self.agents_cfg.session_history_policy,
             penalties=self.penalties,
             routing=self.routing,
+            support_logprobs=self.support_logprobs,
         )
         self.sessions = SessionStore(self.backend, ChatRenderer(tokenizer, template), self.session_settings)
         # loopback names only (no DNS rebinding from a browser), a key of this run's own for everything but a
@@ -294,6 +298,7 @@ class Rollouts:
                     max_new_tokens=max_new,
                     penalties=self.penalties if capture else NO_PENALTIES,
                     routing=capture and self.routing,
+                    support_logprobs=capture and self.support_logprobs,
                 )
                 samples, stats = generate_episodes(
                     self.runner,
@@ -325,6 +330,7 @@ class Rollouts:
                     ignore_eos=self.rollout_cfg.rollout_ignore_eos
                     and tag != "eval",  # evaluation answers end where the model ends them
                     routing=capture and self.routing,
+                    support_logprobs=capture and self.support_logprobs,
                 )
         return samples, asdict(stats)
 

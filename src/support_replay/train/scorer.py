@@ -26,8 +26,10 @@ import torch
 
 from ..core.logprobs import (
     full_logprobs_and_entropy,
+    head_rows_at,
     penalised_support_logprobs,
     sparse_head_support_logprobs,
+    support_rows_logprobs,
     union_head_support_logprobs,
 )
 from ..errors import ConfigError
@@ -47,6 +49,7 @@ class Outputs:
     full: bool = False  # full-vocabulary log-prob with a gradient (KL loss)
     entropy: bool = False  # full-vocabulary entropy with a gradient (entropy bonus)
     full_detached: bool = False  # full-vocabulary log-prob without one (metrics)
+    support_rows: bool = False  # log pi(v | S_t) of every support id, with a gradient (score centering)
 
 
 @dataclass
@@ -56,7 +59,7 @@ class BatchScores:
     logp: torch.Tensor  # the ratio's score: support-normalised under replay, else full-vocabulary
     full: torch.Tensor | None = None  # full-vocabulary log-prob
     entropy: torch.Tensor | None = None  # full-vocabulary entropy
-    support_logp: torch.Tensor | None = None  # [N, K] log p of every support id, where a pass asks for it
+    support_logp: torch.Tensor | None = None  # [N, K] log p of every support id, where a pass asks for it (0: padding)
 
 
 def head_for(*, replay: bool, sparse: bool, batch_invariant: bool) -> str:
@@ -79,21 +82,40 @@ class Scorer:
         self.rows = getattr(self, f"_{self.head}_rows")  # called inside the model's forward (FSDP2 root)
 
     def __call__(self, batch: MicroBatch) -> BatchScores:
-        logp, full, entropy = self.model(batch, self)
-        return BatchScores(logp, full, entropy)
+        logp, full, entropy, rows = self.model(batch, self)
+        return BatchScores(logp, full, entropy, rows)
+
+    def _support_rows(self, z_at_ids, support, transform):
+        """``[N, K]`` log pi(v | S_t) of every support id from the logits at the padded ids (penalised where the
+        batch brings penalties), when the pass asks for them."""
+        if not self.outputs.support_rows:
+            return None
+        ids, valid = support
+        z = z_at_ids if transform is None else transform(z_at_ids.float(), ids)
+        return support_rows_logprobs(z, valid, self.temperature)
 
     def _sparse_rows(self, h, targets, support, transform):
         self._refuse_transform(transform)
         head = self.model.hf.get_output_embeddings()
         logp = sparse_head_support_logprobs(h, head.weight, targets, support, self.temperature)
-        return logp, self._detached_full(head, h, targets), None
+        rows = (
+            self._support_rows(head_rows_at(h, head.weight, support[0]), support, None)
+            if self.outputs.support_rows
+            else None
+        )
+        return logp, self._detached_full(head, h, targets), None, rows
 
     def _union_rows(self, h, targets, support, transform):
         self._refuse_transform(transform)
         head = self.model.hf.get_output_embeddings()
         linear = model_linear(self.model.hf)  # the engine's product over the union of support ids: its bits
         logp = union_head_support_logprobs(h, head.weight, targets, support, self.temperature, linear=linear)
-        return logp, self._detached_full(head, h, targets), None
+        rows = (
+            self._support_rows(head_rows_at(h, head.weight, support[0]), support, None)
+            if self.outputs.support_rows
+            else None
+        )
+        return logp, self._detached_full(head, h, targets), None, rows
 
     def _refuse_transform(self, transform) -> None:
         if transform is not None:  # the actor takes the dense head when the rollout has penalties
@@ -114,12 +136,17 @@ class Scorer:
             logp = penalised_support_logprobs(logits, targets, support, self.temperature, transform)
         else:
             logp = self._support_fn(logits, targets, support, self.temperature)
-        return logp, full, entropy
+        rows = (
+            self._support_rows(self.model.logits_at(logits, support[0]), support, transform)
+            if self.outputs.support_rows
+            else None
+        )
+        return logp, full, entropy, rows
 
     def _full_rows(self, h, targets, support, transform):
         logits = self.model.hf.get_output_embeddings()(h)
         full, entropy = self._full_fn(logits, targets, self.temperature)
-        return full, full, entropy if self.outputs.entropy else None
+        return full, full, entropy if self.outputs.entropy else None, None
 
     def _full_outputs(self, logits, targets):
         out = self.outputs

@@ -464,7 +464,28 @@ class OptimizerConfig(Section):
         description="--use-tis weights: min(pi_old / mu, cap) (TIS), or 1 inside [1/cap, cap] and 0 outside (masked "
         "IS)",
     )
+    policy_loss: Literal["ppo", "reinforce"] = Field(
+        "ppo",
+        description="ppo: the clipped surrogate on pi / pi_old; reinforce: -A sg(w) log pi, the importance-weighted "
+        "policy gradient against the sampler, no clipping, w from --score-centering-weight",
+    )
+    use_score_centering: bool = Field(
+        False,
+        description="subtract the sampler-expected score on the replayed support (score centering, docs/math.md): "
+        "adds A * sum_v sg(q_v w_v) log pi(v) per model token; needs --policy-loss reinforce",
+    )
+    score_centering_weight: Literal["none", "ratio", "tis", "mis"] = Field(
+        "none",
+        description="w = f(pi / q) of the reinforce loss and of score centering: none 1, ratio pi/q, tis "
+        "min(pi/q, --tis-cap), mis 1 inside [1/--tis-cap, --tis-cap] and 0 outside (with ratio the centring "
+        "term's gradient is 0 on the support: E_pi[s] = 0)",
+    )
     seed: int = Field(1234, description="trainer seed (initialisation, shuffling)")
+
+    @property
+    def weight_uses_cap(self) -> bool:
+        """Whether --tis-cap is read by the reinforce / score-centering weight."""
+        return self.policy_loss == "reinforce" and self.score_centering_weight in ("tis", "mis")
 
     @property
     def needs_reference(self) -> bool:
@@ -480,6 +501,23 @@ class OptimizerConfig(Section):
             bad("tis_cap", self.tis_cap, "masked IS keeps ratios inside [1/cap, cap]: needs a cap > 1")
         if self.tis_mode != "truncate" and not self.use_tis:
             bad("tis_mode", self.tis_mode, "has no effect without --use-tis")
+        if self.use_score_centering and self.policy_loss == "ppo":
+            bad(
+                "use_score_centering",
+                True,
+                "needs --policy-loss reinforce: the centring subtracts sum_v q_v w_v s_v, which equals the sampler-"
+                "expected part of the gradient only when every id's weight is a function of that id; PPO's clip "
+                "indicator depends on the sign of the advantage of the one sampled continuation, so a counterfactual "
+                "id's weight is undefined and the term is not known to be correct beside clipping",
+            )
+        if self.policy_loss == "reinforce" and self.use_tis:
+            bad("use_tis", True, "the reinforce loss is weighted by --score-centering-weight (tis, mis), not --use-tis")
+        if self.policy_loss == "reinforce" and self.use_rollout_logprobs:
+            bad("use_rollout_logprobs", True, "has no effect with --policy-loss reinforce (it reads no old log-probs)")
+        if "tis_cap" in self.model_fields_set and not (self.use_tis or self.weight_uses_cap):
+            bad("tis_cap", self.tis_cap, "is read by --use-tis or by --score-centering-weight tis|mis only")
+        if self.weight_uses_cap and self.score_centering_weight == "mis" and self.tis_cap <= 1:
+            bad("tis_cap", self.tis_cap, "the mis weight keeps ratios inside [1/cap, cap]: needs a cap > 1")
         if self.use_tis and self.use_rollout_logprobs:
             bad(
                 "use_tis",
