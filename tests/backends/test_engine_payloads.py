@@ -332,3 +332,45 @@ def test_vllm_completions_are_stamped_only_when_the_version_held():
     assert same.weight_versions == [VersionSpan("7", 0, 5)]
     (moved,) = backend.generate([vllm_request(case)])  # an update landed during the batch: no stamp
     assert moved.weight_versions == []
+
+
+# ---- the sampler's log q of every support id (score centering) ------------------------------------------
+
+
+def test_sglang_support_mode_rows_reach_the_completion_in_ascending_id_order():
+    c = sglang_answer(SUPPORT_MODE)
+    sent = SUPPORT_MODE["response"]["meta_info"]["output_token_sampling_logprobs"]
+    mask = SUPPORT_MODE["response"]["meta_info"]["output_token_sampling_mask"]
+    for t, row in enumerate(c.support_row_logprobs):
+        ids = c.support.row(t).tolist()
+        assert ids == sorted(mask[t])
+        assert row.tolist() == [np.float32(sent[t][mask[t].index(i)]) for i in ids]
+        assert row[ids.index(c.output_ids[t])] == c.log_mu[t]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m["output_token_sampling_logprobs"][1].__setitem__(-1, -0.01), "values sum to exp"),
+        (lambda m: m["output_token_sampling_logprobs"][2].__setitem__(0, float("nan")), "not finite"),
+    ],
+    ids=["unnormalised", "nan"],
+)
+def test_sglang_support_mode_rows_fail_closed(edit, message):
+    item = edited(SUPPORT_MODE, lambda m, i: edit(m))
+    with pytest.raises(WireError, match=message):
+        sglang_answer(SUPPORT_MODE, item)
+
+
+@pytest.mark.parametrize("case", [c for c in VLLM["cases"] if c["endpoint"] == "generate"], ids=lambda c: c["name"])
+def test_vllm_processed_logprobs_give_every_support_ids_log_q(case):
+    from support_replay.protocol import validate_completion
+
+    backend, req = vllm_backend(case), vllm_request(case)
+    req.sampling_logprobs_mode = "support"
+    c = validate_completion(backend.parse_generate_choice(case["response"]["choices"][0], req), req, case["vocab_size"])
+    for t, row in enumerate(c.support_row_logprobs):
+        assert len(row) == len(case["revealed_support"][t])
+        assert row[c.support.row(t).tolist().index(c.output_ids[t])] == c.log_mu[t]
+    with pytest.raises(WireError, match="--vllm-capture native"):
+        vllm_backend(case, capture="native").generate([req])

@@ -66,6 +66,13 @@ def make_samples(vocab: int, n: int = 8, seed: int = 0, routing_shape=None) -> l
     return samples
 
 
+def _row_spans(valid: torch.Tensor, lengths) -> list[slice]:
+    """Each sample's slice of the flat valid support entries (padding-free, so layouts compare)."""
+    counts = valid.sum(-1)
+    ends = torch.cumsum(torch.stack([c.sum() for c in torch.split(counts, list(lengths))]), 0).tolist()
+    return [slice(a, b) for a, b in zip([0, *ends[:-1]], ends)]
+
+
 def actor_for(name: str, checkpoint, ctx, layout=None) -> Actor:
     """The actor of a test model; a MoE one replays the samples' routing."""
     return Actor(
@@ -94,11 +101,18 @@ def one_step(actor: Actor, samples, rank: int, world: int, ctx) -> tuple[list, d
     )[0]
     scores = {}
     for mb in step.micro_batches:
-        sc = actor.score(mb, TEMPERATURE, Outputs(full=True, entropy=True))
+        sc = actor.score(mb, TEMPERATURE, Outputs(full=True, entropy=True, support_rows=True))
         w = token_weights(mb.loss_mask, mb.lengths, "token", batch_tokens=step.tokens, batch_sequences=step.sequences)
-        actor.backward(((sc.logp + 0.5 * sc.full - 0.1 * sc.entropy) * w).sum())
+        valid = mb.support[1]
+        # every support id's log-prob with a gradient (score centering's term): the vocab-parallel gather under TP
+        rows = (sc.support_logp * valid * torch.linspace(0.1, 0.3, valid.shape[1])).sum(-1)
+        actor.backward(((sc.logp + 0.5 * sc.full - 0.1 * sc.entropy + 0.2 * rows) * w).sum())
+        ids = [sc.support_logp[valid].detach()[s] for s in _row_spans(valid, mb.lengths)]
         scores.update(
-            {i: (lp.detach(), f.detach()) for i, lp, f in zip(mb.indices, mb.split(sc.logp), mb.split(sc.full))}
+            {
+                i: (lp.detach(), f.detach(), r)
+                for i, lp, f, r in zip(mb.indices, mb.split(sc.logp), mb.split(sc.full), ids)
+            }
         )
     grads = {
         name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
@@ -160,9 +174,12 @@ def test_four_ranks_in_each_layout_give_one_rank_s_scores_gradients_and_weights(
             # the MoE's expert products take the attention's last-bit differences through two more layers of
             # products (its routing replayed, so no expert changes): measured 1.4e-6 at worst
             tol = 1e-5 if "moe" in name else 1e-6
-            for (lp, f), (ref_lp, ref_f) in zip(scores, ref_scores):
+            for (lp, f, rows), (ref_lp, ref_f, ref_rows) in zip(scores, ref_scores):
                 torch.testing.assert_close(
                     lp, ref_lp, rtol=tol, atol=tol, msg=lambda m: f"{spec}: support log-probs: {m}"
+                )
+                torch.testing.assert_close(
+                    rows, ref_rows, rtol=tol, atol=tol, msg=lambda m: f"{spec}: every support id's log-prob: {m}"
                 )
                 torch.testing.assert_close(
                     f, ref_f, rtol=tol, atol=tol, msg=lambda m: f"{spec}: full-vocabulary log-probs: {m}"

@@ -35,7 +35,32 @@ def test_a_raw_logit_head_refuses_penalties(tiny_checkpoint, batch_invariant):
     hidden = model.hf.config.hidden_size
     h, targets = torch.randn(3, hidden), torch.tensor([1, 2, 3])
     support = (torch.tensor([[1, 4], [2, 5], [3, 6]]), torch.ones(3, 2, dtype=torch.bool))
-    logp, full, entropy = scorer.rows(h, targets, support, None)
-    assert logp.shape == (3,) and full.shape == (3,) and entropy is None
+    logp, full, entropy, rows = scorer.rows(h, targets, support, None)
+    assert logp.shape == (3,) and full.shape == (3,) and entropy is None and rows is None
     with pytest.raises(ConfigError, match=f"the {scorer.head} head scores raw logits"):
         scorer.rows(h, targets, support, object())
+
+
+@pytest.mark.parametrize(
+    "sparse, batch_invariant", [(True, False), (True, True), (False, False)], ids=["sparse", "union", "dense"]
+)
+def test_every_heads_support_rows_agree_and_hold_the_selected_score(tiny_checkpoint, sparse, batch_invariant):
+    """Score centering's log pi(v | S_t) of every support id: the same from every head (sparse and union
+    gather the head's rows, never [T, V]), the selected id's column the ratio's score, 0 at padding."""
+    model = load_scoring_model(tiny_checkpoint, "cpu", batch_invariant=batch_invariant)
+    scorer = Scorer(model, 0.8, replay=True, sparse=sparse, outputs=Outputs(support_rows=True))
+    dense = Scorer(load_scoring_model(tiny_checkpoint, "cpu"), 0.8, replay=True, sparse=False,
+                   outputs=Outputs(support_rows=True))  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(4, model.hf.config.hidden_size, generator=gen, requires_grad=True)
+    ids = torch.tensor([[1, 4, 9], [2, 5, 0], [3, 0, 0], [7, 8, 11]])
+    valid = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    targets = torch.tensor([4, 2, 3, 11])
+    logp, _, _, rows = scorer.rows(h, targets, (ids, valid), None)
+    _, _, _, reference = dense.rows(h, targets, (ids, valid), None)
+    torch.testing.assert_close(rows, reference, rtol=1e-5, atol=1e-5)
+    column = (ids == targets[:, None]).int().argmax(1)
+    torch.testing.assert_close(rows.gather(1, column[:, None]).squeeze(1), logp, rtol=1e-5, atol=1e-5)
+    assert (rows[~valid] == 0).all()
+    rows.sum().backward()
+    assert h.grad is not None and h.grad.abs().sum() > 0
