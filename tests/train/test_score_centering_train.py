@@ -87,3 +87,20 @@ def test_score_centering_on_agents_and_under_lag(tiny_agent_checkpoint, tmp_path
 def test_score_centering_settings_fail_closed(tiny_checkpoint, tmp_path, settings, match):
     with pytest.raises(ConfigError, match=match):
         run_config(tiny_checkpoint, tmp_path, **settings)
+
+
+def test_a_sample_without_log_q_is_refused_before_any_forward():
+    import numpy as np
+
+    from support_replay import SupportTable
+    from support_replay.errors import SampleError
+    from support_replay.rollout.sample import Sample, check_sample_support_logq
+
+    sample = Sample(2, 0, [1, 2], [3, 4], np.ones(2, np.int8), support=SupportTable.from_lists([[3, 5], [4]]))
+    with pytest.raises(SampleError, match="sample 2: --use-score-centering is on but the sample carries no log q"):
+        check_sample_support_logq(sample)
+    sample.support_logq = np.log(np.array([0.5, 0.5], np.float32))
+    with pytest.raises(SampleError, match="sample 2: 2 log q values for 3 support ids"):
+        check_sample_support_logq(sample)
+    sample.support_logq = np.log(np.array([0.5, 0.5, 1.0], np.float32))
+    check_sample_support_logq(sample)

@@ -144,8 +144,9 @@ def parse_meta_info(
     elif isinstance(logprobs, list) and any(isinstance(v, list) for v in logprobs):
         if rows is None:
             raise WireError("output_token_sampling_logprobs in 'support' mode needs the mask as id lists")
+        picked = _selected_in_support_mode(logprobs, rows, output_ids)  # checks the rows' alignment first
         row_logprobs = _canonical_rows(logprobs, rows)
-        logprobs = _selected_in_support_mode(logprobs, rows, output_ids)
+        logprobs = picked
     log_mu = _float_list(logprobs, "output_token_sampling_logprobs", n)
     return support, log_mu.astype(np.float32), size, row_logprobs
 

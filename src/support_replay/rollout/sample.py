@@ -131,3 +131,17 @@ def check_sample_routing(sample: Sample, shape: RoutingShape | None) -> None:
     problem = routing_problem(routed, positions, shape)
     if problem is not None:
         raise SampleError(f"{name}: {problem}")
+
+
+def check_sample_support_logq(sample: Sample) -> None:
+    """Score centering's rule for one sample: the sampler's log q of every support id, one finite value each
+    (a model token's row was validated where its completion entered; inserted tokens carry log q 0)."""
+    name = f"sample {sample.index}"
+    if sample.support is None or sample.support_logq is None:
+        raise SampleError(
+            f"{name}: --use-score-centering is on but the sample carries no log q per support id (the engine must "
+            "answer sampling_logprobs_mode 'support')"
+        )
+    ids = int(sample.support.offsets[-1])
+    if len(sample.support_logq) != ids or not np.isfinite(sample.support_logq).all():
+        raise SampleError(f"{name}: {len(sample.support_logq)} log q values for {ids} support ids, or one not finite")

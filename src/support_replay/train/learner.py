@@ -21,7 +21,7 @@ from ..core.losses import (
     token_weights,
 )
 from ..errors import ConfigError, NonFiniteError
-from ..rollout.sample import Sample, check_sample_routing
+from ..rollout.sample import Sample, check_sample_routing, check_sample_support_logq
 from .actor import Actor, load_scoring_model
 from .batches import MicroBatch, OptimizerStep, plan_optimizer_steps
 from .config import RunConfig
@@ -258,6 +258,9 @@ class Learner:
         if self.replay_cfg.use_rollout_routing_replay:  # before any forward: every sample's routing fits the model
             for s in samples:
                 check_sample_routing(s, self.routing_shape)
+        if self.optimizer_cfg.use_score_centering:  # and carries the sampler's log q of every support id
+            for s in samples:
+                check_sample_support_logq(s)
         self.measure_full = (
             not self.replay
             or self.optimizer_cfg.kl_coef > 0
