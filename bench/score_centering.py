@@ -3,6 +3,7 @@
     python bench/score_centering.py [--seeds 0,1,2] [--rollouts 10] [--out runs/score-centering]
                                     [--plot docs/score_centering.png]
     python bench/score_centering.py --read runs/score-centering [--plot ...]   # tables from runs made
+    python bench/score_centering.py --cost [--pairs 2]      # the update's time with SC off and on
 
 Each run is `support-replay train` on its defaults (SmolLM2-135M-Instruct, the arithmetic task, 8
 prompts x 4 samples at top_p 0.8 / top_k 32) with `--policy-loss reinforce --score-centering-weight
@@ -79,6 +80,21 @@ def transport_table(tokens: int = 20000, vocab: int = 49152) -> None:
     print(f"| log mu alone (SGLang's float list, for comparison) | {len(log_mu) / tokens:.1f} |")
 
 
+def cost(root: Path, pairs: int, rollouts: int = 4) -> None:
+    """The update's time, SC off and on, alternated (``pairs`` times), same seed and settings (engine fp32)."""
+    times = {"off": [], "on": []}
+    for p in range(pairs):
+        for arm in ("off", "on"):
+            out = root / f"cost-{arm}-{p}"
+            args = [sys.executable, "-m", "support_replay.cli", "train", "--seed", "0", "--output-dir", str(out)]
+            args += ["--num-rollout", str(rollouts), "--no-progress", *BASE, *ARMS[arm]]
+            subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
+            times[arm] += [r["time_update"] for r in rows(out)][1:]  # the first update warms up
+    off, on = np.mean(times["off"]), np.mean(times["on"])
+    print(f"\n| SC | updates | mean update s |\n|---|---:|---:|\n| off | {len(times['off'])} | {off:.3f} |")
+    print(f"| on | {len(times['on'])} | {on:.3f} |\n\nscore centering costs {on / off - 1:+.1%} of the update")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0,1,2")
@@ -86,7 +102,12 @@ def main() -> None:
     ap.add_argument("--out", default="runs/score-centering")
     ap.add_argument("--read", default=None, help="only read the runs under this folder")
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--cost", action="store_true", help="only time the update with SC off and on")
+    ap.add_argument("--pairs", type=int, default=2)
     args = ap.parse_args()
+    if args.cost:
+        cost(Path(args.out), args.pairs)
+        return
     root = Path(args.read or args.out)
     seeds = [int(s) for s in args.seeds.split(",")]
     results, walls = {}, {}
