@@ -85,24 +85,21 @@ class Scorer:
         logp, full, entropy, rows = self.model(batch, self)
         return BatchScores(logp, full, entropy, rows)
 
-    def _support_rows(self, z_at_ids, support, transform):
-        """``[N, K]`` log pi(v | S_t) of every support id from the logits at the padded ids (penalised where the
-        batch brings penalties), when the pass asks for them."""
+    def _support_rows(self, logits_at_ids, support, transform):
+        """``[N, K]`` log pi(v | S_t) of every support id, when the pass asks for them: ``logits_at_ids(ids)`` the
+        logits at the padded ids (penalised here where the batch brings penalties)."""
         if not self.outputs.support_rows:
             return None
         ids, valid = support
-        z = z_at_ids if transform is None else transform(z_at_ids.float(), ids)
+        z = logits_at_ids(ids)
+        z = z if transform is None else transform(z.float(), ids)
         return support_rows_logprobs(z, valid, self.temperature)
 
     def _sparse_rows(self, h, targets, support, transform):
         self._refuse_transform(transform)
         head = self.model.hf.get_output_embeddings()
         logp = sparse_head_support_logprobs(h, head.weight, targets, support, self.temperature)
-        rows = (
-            self._support_rows(head_rows_at(h, head.weight, support[0]), support, None)
-            if self.outputs.support_rows
-            else None
-        )
+        rows = self._support_rows(lambda ids: head_rows_at(h, head.weight, ids), support, None)
         return logp, self._detached_full(head, h, targets), None, rows
 
     def _union_rows(self, h, targets, support, transform):
@@ -110,11 +107,7 @@ class Scorer:
         head = self.model.hf.get_output_embeddings()
         linear = model_linear(self.model.hf)  # the engine's product over the union of support ids: its bits
         logp = union_head_support_logprobs(h, head.weight, targets, support, self.temperature, linear=linear)
-        rows = (
-            self._support_rows(head_rows_at(h, head.weight, support[0]), support, None)
-            if self.outputs.support_rows
-            else None
-        )
+        rows = self._support_rows(lambda ids: head_rows_at(h, head.weight, ids), support, None)
         return logp, self._detached_full(head, h, targets), None, rows
 
     def _refuse_transform(self, transform) -> None:
@@ -136,11 +129,7 @@ class Scorer:
             logp = penalised_support_logprobs(logits, targets, support, self.temperature, transform)
         else:
             logp = self._support_fn(logits, targets, support, self.temperature)
-        rows = (
-            self._support_rows(self.model.logits_at(logits, support[0]), support, transform)
-            if self.outputs.support_rows
-            else None
-        )
+        rows = self._support_rows(lambda ids: self.model.logits_at(logits, ids), support, transform)
         return logp, full, entropy, rows
 
     def _full_rows(self, h, targets, support, transform):
