@@ -514,7 +514,8 @@ class OptimizerConfig(Section):
             bad("use_tis", True, "the reinforce loss is weighted by --score-centering-weight (tis, mis), not --use-tis")
         if self.policy_loss == "reinforce" and self.use_rollout_logprobs:
             bad("use_rollout_logprobs", True, "has no effect with --policy-loss reinforce (it reads no old log-probs)")
-        if "tis_cap" in self.model_fields_set and not (self.use_tis or self.weight_uses_cap):
+        # against the default, not the fields set: a written config.json names every field
+        if self.tis_cap != type(self).model_fields["tis_cap"].default and not (self.use_tis or self.weight_uses_cap):
             bad("tis_cap", self.tis_cap, "is read by --use-tis or by --score-centering-weight tis|mis only")
         if self.weight_uses_cap and self.score_centering_weight == "mis" and self.tis_cap <= 1:
             bad("tis_cap", self.tis_cap, "the mis weight keeps ratios inside [1/cap, cap]: needs a cap > 1")
