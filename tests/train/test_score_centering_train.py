@@ -104,3 +104,12 @@ def test_a_sample_without_log_q_is_refused_before_any_forward():
         check_sample_support_logq(sample)
     sample.support_logq = np.log(np.array([0.5, 0.5, 1.0], np.float32))
     check_sample_support_logq(sample)
+
+
+def test_score_centering_composes_with_routing_replay_on_a_moe(tiny_moe_checkpoint, tmp_path):
+    rows = train(
+        run_config(tiny_moe_checkpoint, tmp_path, score_centering_weight="tis", tis_cap=1.5, num_rollout=2,
+                   use_rollout_routing_replay=True, **SC)
+    )  # fmt: skip
+    assert_per_token(rows)
+    assert all(r["routing_agreement"] == 1.0 for r in rows)
