@@ -129,7 +129,8 @@ def policy_token_loss(
     with ``token_weights``.
     """
     if reinforce is not None:
-        total = reinforce_token_loss(logp, *reinforce[:1], advantages, *reinforce[1:])
+        sampler_logp, mode, cap = reinforce
+        total = reinforce_token_loss(logp, sampler_logp, advantages, mode, cap)
         clipped = torch.zeros_like(total, dtype=torch.bool)
     else:
         total, clipped = ppo_token_loss(logp, old_logp, advantages, clip_low, clip_high)
@@ -145,7 +146,6 @@ def policy_token_loss(
 
 
 SC_WEIGHTS = ("none", "ratio", "tis", "mis")
-POLICY_LOSSES = ("ppo", "reinforce")
 
 
 def score_centering_weights(logp: torch.Tensor, logq: torch.Tensor, mode: str, cap: float) -> torch.Tensor:
@@ -179,9 +179,9 @@ def score_centering_term(
     """``(+A * sum_v sg(q_v w_v) log pi(v), drift)`` per token over the support (padded ``[T, K]``).
 
     Added to ``-A sg(w_a) log pi(a)`` its gradient is ``A (w_a s_a - sum_v q_v w_v s_v)``: the sampler-
-    expected score is subtracted, exactly, on the recorded support. ``drift`` is the L1 norm of that
-    expected score's gradient on the support logits per unit advantage, ``sum_v |q_v w_v - p_v sum_u q_u w_u|``
-    (times 1/T): what the uncentred loss pulls toward the sampler with."""  # fmt: skip
+    expected score is subtracted, exactly, on the recorded support. ``drift`` is the L1 norm of the removed
+    term's gradient on the scaled support logits z/T per unit advantage, ``sum_v |q_v w_v - p_v sum_u q_u w_u|``:
+    what the uncentred loss pulls toward the sampler with."""
     q = torch.exp(sampler_logq).masked_fill(~valid, 0.0)
     w = score_centering_weights(support_logp, sampler_logq, mode, cap).masked_fill(~valid, 0.0)
     coef = (q * w).detach()

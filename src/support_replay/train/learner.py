@@ -66,11 +66,16 @@ class UpdateMetrics:
     entropy: float
     grad_norm: float
     optimizer_steps: int
-    score_centering_drift: float = 0.0  # mean over trained tokens of |A| sum_v |q_v w_v - p_v sum_u q_u w_u|
+    score_centering_drift: float | None = None  # mean over trained tokens of |A| sum_v |q_v w_v - p_v sum_u q_u w_u|
+
+    def row(self) -> dict:
+        """The metrics row's fields (what was not measured left out)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
     @staticmethod
-    def mean(steps: list[tuple[StepSums, float]]) -> UpdateMetrics:
-        """From ``(sums, grad norm)`` per optimizer step: per-token means, averaged over steps."""
+    def mean(steps: list[tuple[StepSums, float]], centering: bool = False) -> UpdateMetrics:
+        """From ``(sums, grad norm)`` per optimizer step: per-token means, averaged over steps (the drift
+        only where score centering measured it)."""
         n = len(steps)
         return UpdateMetrics(
             loss=sum(s.loss for s, _ in steps) / n,
@@ -79,7 +84,7 @@ class UpdateMetrics:
             entropy=sum(s.entropy / max(s.tokens, 1) for s, _ in steps) / n,
             grad_norm=sum(norm for _, norm in steps) / n,
             optimizer_steps=n,
-            score_centering_drift=sum(s.sc_drift / max(s.tokens, 1) for s, _ in steps) / n,
+            score_centering_drift=sum(s.sc_drift / max(s.tokens, 1) for s, _ in steps) / n if centering else None,
         )
 
 
@@ -351,7 +356,7 @@ class Learner:
                 self._agreement = self._take_agreement()  # fused: this forward was the old policy's
             per_step.append((result.sums, self.optimizer_step(r)))  # stops on a NaN gradient, before the step
         self._take_agreement()  # what later steps' forwards saw is not the old policy's
-        return UpdateMetrics.mean(per_step), old
+        return UpdateMetrics.mean(per_step, self.optimizer_cfg.use_score_centering), old
 
     def backward(
         self, rollout: int, step: OptimizerStep, samples: list[Sample], old: OldScores, advantages: torch.Tensor

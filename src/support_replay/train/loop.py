@@ -8,7 +8,6 @@ fused path (the update's forward as the old policy's) in ``Learner.update``.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -74,7 +73,7 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
                 versions.advance(learner, ctx, r + 1)
             measured = rollout_metrics(samples, old.logp, old.full, learner.replay)  # 8. metrics
             measured.update(learner.routing_metrics())
-            row = {"rollout": r, **measured, **failures, **lag, **checked, **adv_stats, **asdict(update), **clock}
+            row = {"rollout": r, **measured, **failures, **lag, **checked, **adv_stats, **update.row(), **clock}
             row.update(rollouts.evaluate_if_due(r))
             save_if_due(cfg.output.save, cfg.output.save_interval, r, learner.actor, ctx, row)  # 9. save
             log.log({**row, **clock.total()})
