@@ -202,11 +202,11 @@ def model_plans(model: nn.Module, kernel: str) -> dict[str, InvariantPlan]:
     """The plan of every linear layer's weight shape of ``model`` (``"out x in"`` -> plan); raises
     ``NoInvariantProduct`` naming the first shape without one. Run once at start-up, so a run on a
     CPU without an invariant product stops before it samples anything."""
-    from .moe import moe_weight_shapes  # the sparse blocks' products: router and experts (modeling/moe.py)
+    from .moe import moe_weights  # the sparse blocks' products: router and experts (modeling/moe.py)
 
     weights = [module.weight for module in model.modules() if isinstance(module, nn.Linear)]
     plans = {}
-    for weight in weights + [w for w, _ in moe_weight_shapes(model)]:
+    for weight in weights + moe_weights(model):
         key = f"{weight.shape[0]}x{weight.shape[1]}"
         if key not in plans:
             plans[key] = _plan_or_refuse(kernel, weight)

@@ -49,17 +49,26 @@ def _decoder_layers(model: nn.Module):
     return list(getattr(decoder, "layers", []))
 
 
+def _named(modules, names):
+    return next((m for m in modules if type(m).__name__ in names), None)
+
+
 def moe_blocks(model: nn.Module) -> list[tuple[int, nn.Module, nn.Module]]:
-    """``(layer index, router, experts)`` of every sparse block, in layer order; a MoE module of a
-    family this project has not read is refused by name rather than routed some other way."""
+    """``(layer index, router, experts)`` of every sparse block (the module holding a known router and its
+    experts), in layer order; a MoE module of a family this project has not read is refused by name
+    rather than routed some other way."""
     blocks = []
     for i, layer in enumerate(_decoder_layers(model)):
         for module in layer.modules():
+            router = _named(module.children(), ROUTERS)
+            if router is not None:
+                experts = _named(module.children(), EXPERTS)
+                if experts is None:
+                    raise ConfigError(f"model: the {type(router).__name__} router has no experts beside it")
+                blocks.append((i, router, experts))
+                continue
             name = type(module).__name__
-            if name in ROUTERS:
-                experts = _sibling_experts(layer, module)
-                blocks.append((i, module, experts))
-            elif any(w in name for w in _MOE_WORDS) and name not in EXPERTS and not _holds_known_router(module):
+            if any(w in name for w in _MOE_WORDS) and name not in ROUTERS and name not in EXPERTS:
                 raise ConfigError(
                     f"model: layer {i} has a {name} module; mixture-of-experts support covers "
                     f"{sorted(ROUTERS)} (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral)"
@@ -67,27 +76,7 @@ def moe_blocks(model: nn.Module) -> list[tuple[int, nn.Module, nn.Module]]:
     return blocks
 
 
-def _holds_known_router(module: nn.Module) -> bool:
-    return any(type(m).__name__ in ROUTERS for m in module.children())
-
-
-def _sibling_experts(layer: nn.Module, router: nn.Module) -> nn.Module:
-    for module in layer.modules():
-        if type(module).__name__ in EXPERTS and any(child is router for child in _parent_of(layer, module).children()):
-            return module
-    raise ConfigError(f"model: the {type(router).__name__} router has no experts beside it")
-
-
-def _parent_of(root: nn.Module, target: nn.Module) -> nn.Module:
-    for module in root.modules():
-        if any(child is target for child in module.children()):
-            return module
-    return root
-
-
-def routing_shape(model: nn.Module) -> RoutingShape | None:
-    """The model's routing shape, or None for a dense model."""
-    blocks = moe_blocks(model)
+def _shape_of(model: nn.Module, blocks) -> RoutingShape | None:
     if not blocks:
         return None
     router = blocks[0][1]
@@ -99,12 +88,18 @@ def routing_shape(model: nn.Module) -> RoutingShape | None:
     )
 
 
-def moe_weight_shapes(model: nn.Module) -> list[tuple[torch.Tensor, str]]:
+def routing_shape(model: nn.Module) -> RoutingShape | None:
+    """The model's routing shape, or None for a dense model."""
+    return _shape_of(model, moe_blocks(model))
+
+
+def moe_weights(model: nn.Module) -> list[torch.Tensor]:
     """One weight of every product shape of the sparse blocks (router, each expert's two projections)."""
-    out = []
-    for _, router, experts in moe_blocks(model):
-        out += [(router.weight, "router"), (experts.gate_up_proj[0], "gate_up"), (experts.down_proj[0], "down")]
-    return out
+    return [
+        w
+        for _, router, experts in moe_blocks(model)
+        for w in (router.weight, experts.gate_up_proj[0], experts.down_proj[0])
+    ]
 
 
 class RoutingControl:
@@ -211,11 +206,12 @@ def install_routing(model: nn.Module) -> RoutingControl | None:
     existing = model.__dict__.get("_support_replay_routing")
     if existing is not None:
         return existing
-    shape = routing_shape(model)
+    blocks = moe_blocks(model)
+    shape = _shape_of(model, blocks)
     if shape is None:
         return None
     control = RoutingControl(model, shape)
-    for layer, router, experts in moe_blocks(model):
+    for layer, router, experts in blocks:
         for module in (router, experts):
             module.__dict__["_support_replay_routing"] = control
         router.__dict__["_support_replay_layer"] = layer
