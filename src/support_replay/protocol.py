@@ -234,23 +234,33 @@ def check_support_row_logprobs(completion: Completion, where: str) -> None:
         raise WireError(
             f"{where}: sampling_logprobs_mode 'support' asked, {n} rows of log q for {completion.num_tokens} tokens"
         )
-    sizes = completion.support.sizes()
-    for t, (row, tok) in enumerate(zip(rows, completion.output_ids)):
-        row = np.asarray(row, np.float64)
-        if row.shape != (int(sizes[t]),):
-            raise WireError(f"{where} token {t}: {row.size} log q values for a support of {int(sizes[t])} ids")
-        if not np.isfinite(row).all():
-            raise WireError(f"{where} token {t}: a log q value is not finite ({row[~np.isfinite(row)][0]})")
-        peak = row.max()
-        lse = peak + np.log(np.exp(row - peak).sum())
-        if abs(lse) > SUPPORT_LSE_TOLERANCE:
-            raise WireError(f"{where} token {t}: the support's log q values sum to exp({lse:.3g}), not 1")
-        selected = completion.support.row(t).tolist().index(tok)
-        if abs(row[selected] - float(completion.log_mu[t])) > 1e-6:
-            raise WireError(
-                f"{where} token {t}: log q of the selected id {row[selected]} differs from its log mu "
-                f"{completion.log_mu[t]}"
-            )
+    support = completion.support
+    sizes = support.sizes()
+    counts = np.fromiter((np.size(r) for r in rows), np.int64, len(rows))
+    if (counts != sizes).any():
+        t = int(np.flatnonzero(counts != sizes)[0])
+        raise WireError(f"{where} token {t}: {int(counts[t])} log q values for a support of {int(sizes[t])} ids")
+    flat = np.concatenate([np.asarray(r, np.float64).ravel() for r in rows])  # aligned with support.ids
+    starts = support.offsets[:-1]
+    bad = ~np.isfinite(flat)
+    if bad.any():
+        at = int(np.flatnonzero(bad)[0])
+        t = int(np.searchsorted(support.offsets, at, "right") - 1)
+        raise WireError(f"{where} token {t}: a log q value is not finite ({flat[at]})")
+    peak = np.maximum.reduceat(flat, starts)
+    lse = peak + np.log(np.add.reduceat(np.exp(flat - np.repeat(peak, sizes)), starts))
+    wrong = np.abs(lse) > SUPPORT_LSE_TOLERANCE
+    if wrong.any():
+        t = int(np.flatnonzero(wrong)[0])
+        raise WireError(f"{where} token {t}: the support's log q values sum to exp({lse[t]:.3g}), not 1")
+    position, _ = support.locate(np.asarray(completion.output_ids))  # the selected ids are in their rows
+    off = np.abs(flat[position] - np.asarray(completion.log_mu, np.float64)) > 1e-6
+    if off.any():
+        t = int(np.flatnonzero(off)[0])
+        raise WireError(
+            f"{where} token {t}: log q of the selected id {flat[position[t]]} differs from its log mu "
+            f"{completion.log_mu[t]}"
+        )
 
 
 def check_routed_experts(completion: Completion, request: GenerateRequest, shape: RoutingShape | None, where: str):
@@ -261,15 +271,7 @@ def check_routed_experts(completion: Completion, request: GenerateRequest, shape
             f"{where}: routed experts were requested but the response carries none (is the server started with "
             "--enable-return-routed-experts, and does a router on the path forward return_routed_experts?)"
         )
-    positions = len(request.input_ids) + completion.num_tokens - 1
-    if shape is None:
-        problem = (
-            None
-            if routed.ndim == 3 and routed.shape[0] == positions
-            else (f"routing of shape {tuple(routed.shape)}, expected [{positions}, layers, top_k]")
-        )
-    else:
-        problem = routing_problem(routed, positions, shape)
+    problem = routing_problem(routed, len(request.input_ids) + completion.num_tokens - 1, shape)
     if problem is not None:
         raise WireError(
             f"{where}: {problem} ({len(request.input_ids)} prompt + {completion.num_tokens} output tokens; the "

@@ -138,9 +138,11 @@ def parse_meta_info(
             raise WireError("output_token_sampling_logprobs in binary form needs the mask in binary form")
         row_logprobs = floats_from_json(logprobs, support.sizes(), "output_token_sampling_logprobs")
         size += len(logprobs)
-        logprobs = [
-            float(r[support.row(t).tolist().index(tok)]) for t, (r, tok) in enumerate(zip(row_logprobs, output_ids))
-        ]
+        position, found = support.locate(np.asarray(output_ids))
+        if not found.all():
+            t = int(np.flatnonzero(~found)[0])
+            raise WireError(f"output_token_sampling_mask[{t}]: selected token {output_ids[t]} is not in its support")
+        logprobs = np.concatenate(row_logprobs)[position].tolist() if row_logprobs else []
     elif isinstance(logprobs, list) and any(isinstance(v, list) for v in logprobs):
         if rows is None:
             raise WireError("output_token_sampling_logprobs in 'support' mode needs the mask as id lists")

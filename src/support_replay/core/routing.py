@@ -116,13 +116,16 @@ def decode_int32(value, layers: int, top_k: int, where: str) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i4").reshape(-1, layers, top_k).astype(np.int32)
 
 
-def routing_problem(routing: np.ndarray, positions: int, shape: RoutingShape) -> str | None:
+def routing_problem(routing: np.ndarray, positions: int, shape: RoutingShape | None) -> str | None:
     """Why ``routing`` is not a valid routing of ``positions`` positions of a model of ``shape``
-    (naming the position and layer), or None. Only the layers with experts are checked."""
+    (naming the position and layer), or None. Only the layers with experts are checked; without a
+    ``shape`` only the array's form and position count."""
     if routing.ndim != 3:
         return f"routing of {routing.ndim} dimensions, expected [positions, layers, top_k]"
     if routing.shape[0] != positions:
         return f"routing for {routing.shape[0]} positions, expected {positions}"
+    if shape is None:
+        return None
     if routing.shape[1] != shape.layers:
         return f"routing for {routing.shape[1]} layers, the model has {shape.layers}"
     if routing.shape[2] != shape.top_k:
