@@ -171,3 +171,14 @@ def test_offsets_from_sizes_and_locate_against_a_loop():
     for t, (row, token) in enumerate(zip(rows, tokens)):
         assert found[t] == (token in row)
         assert pos[t] == table.offsets[t] + np.searchsorted(row, token)  # where it is, or would be inserted
+
+
+def test_per_id_values_are_laid_out_like_the_padded_ids():
+    table = SupportTable.from_lists([[3, 7, 9], [2], [4, 5]])
+    values = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], np.float32)
+    ids, valid = table.to_padded()
+    padded = table.padded_values(values)
+    assert padded.shape == ids.shape and (padded[~valid] == 0).all()
+    assert padded[valid].tolist() == pytest.approx(values.tolist())
+    with pytest.raises(SupportError, match="padded_values: 5 values for 6 support ids"):
+        table.padded_values(values[:5])

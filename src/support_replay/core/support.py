@@ -213,17 +213,29 @@ class SupportTable:
         width = self.max_size() if k is None else int(k)
         if k is not None and width < self.max_size():
             raise SupportError(f"to_padded: K={width} is smaller than the largest support ({self.max_size()})")
-        sizes = self.sizes()
         rows = self.num_rows
-        cols = np.arange(width, dtype=np.int64)
-        valid = cols[None, :] < sizes[:, None]
-        src = self.offsets[:-1, None] + np.where(valid, cols[None, :], 0)
+        src, valid = self._padded_index(width)
         ids = self.ids[src] if self.nnz else np.zeros((rows, width), np.int32)
         ids_t = torch.from_numpy(ids.astype(np.int64, copy=False).reshape(rows, width))
         valid_t = torch.from_numpy(valid.reshape(rows, width))
         if device is not None:
             ids_t, valid_t = ids_t.to(device), valid_t.to(device)
         return ids_t, valid_t
+
+    def _padded_index(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(src[T, K], valid[T, K])``: the flat position of every padded entry (a row's first at padding)."""
+        cols = np.arange(width, dtype=np.int64)
+        valid = cols[None, :] < self.sizes()[:, None]
+        return self.offsets[:-1, None] + np.where(valid, cols[None, :], 0), valid
+
+    def padded_values(self, values: np.ndarray, device=None) -> torch.Tensor:
+        """Per-id ``values`` (aligned with ``ids``) laid out like ``to_padded()``: ``[T, K]`` float32, 0 at padding."""
+        if len(values) != self.nnz:
+            raise SupportError(f"padded_values: {len(values)} values for {self.nnz} support ids")
+        src, valid = self._padded_index(self.max_size())
+        out = np.where(valid, np.asarray(values, np.float32)[src], 0.0) if self.nnz else np.zeros(src.shape, np.float32)
+        out = torch.from_numpy(out.astype(np.float32, copy=False))
+        return out if device is None else out.to(device)
 
     def contains(self, tokens) -> np.ndarray:
         """``out[t]`` is True when ``tokens[t]`` lies in row t (rows must be canonical)."""

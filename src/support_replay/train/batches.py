@@ -251,7 +251,7 @@ def _token_fields(chosen: list[Sample], replay: bool, device) -> dict:
     table = SupportTable.concat([s.support for s in chosen]) if replay else None
     logq = None
     if replay and all(s.support_logq is not None for s in chosen):  # score centering: the sampler's log q
-        logq = _padded_values(table, np.concatenate([s.support_logq for s in chosen]), device)
+        logq = table.padded_values(np.concatenate([s.support_logq for s in chosen]), device)
     return dict(
         lengths=[s.response_length for s in chosen],
         targets=torch.tensor([t for s in chosen for t in s.response_ids], dtype=torch.long, device=device),
@@ -259,16 +259,6 @@ def _token_fields(chosen: list[Sample], replay: bool, device) -> dict:
         loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in chosen]).astype(np.float32)).to(device),
         sampler_support_logp=logq,
     )
-
-
-def _padded_values(table: SupportTable, values: np.ndarray, device) -> torch.Tensor:
-    """Per-id values aligned with ``table.ids`` laid out like ``table.to_padded()`` (0 at padding)."""
-    sizes = table.sizes()
-    rows = np.repeat(np.arange(len(sizes)), sizes)
-    columns = np.arange(len(values)) - np.repeat(table.offsets[:-1], sizes)
-    out = np.zeros((len(sizes), int(sizes.max()) if len(sizes) else 0), np.float32)
-    out[rows, columns] = values
-    return torch.from_numpy(out).to(device)
 
 
 def output_starts(s: Sample) -> list[int]:
