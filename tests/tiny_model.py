@@ -23,16 +23,8 @@ CORPUS = [
 ] * 20
 
 
-def build_tiny_checkpoint(
-    path: Path,
-    vocab_size: int = 384,
-    seed: int = 0,
-    max_positions: int = 512,
-    chat_template: str = CHAT_TEMPLATE,
-    llama_tied: bool = False,
-) -> Path:
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+def tiny_tokenizer(path: Path, vocab_size: int = 384, chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained offline on ``CORPUS``, saved at ``path``."""
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -44,19 +36,38 @@ def build_tiny_checkpoint(
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = chat_template
     fast.save_pretrained(path)
-    torch.manual_seed(seed)
-    config = (LlamaConfig if llama_tied else Qwen3Config)(
-        vocab_size=len(fast),
+    return fast
+
+
+def tiny_dims(tok, max_positions: int) -> dict:
+    """The config fields every tiny test model shares (2 layers, hidden 64, 4 heads over 2 KV heads)."""
+    return dict(
+        vocab_size=len(tok),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=llama_tied,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+
+
+def build_tiny_checkpoint(
+    path: Path,
+    vocab_size: int = 384,
+    seed: int = 0,
+    max_positions: int = 512,
+    chat_template: str = CHAT_TEMPLATE,
+    llama_tied: bool = False,
+) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fast = tiny_tokenizer(path, vocab_size, chat_template)
+    torch.manual_seed(seed)
+    config = (LlamaConfig if llama_tied else Qwen3Config)(
+        **tiny_dims(fast, max_positions), head_dim=16, tie_word_embeddings=llama_tied
     )
     model = (LlamaForCausalLM if llama_tied else Qwen3ForCausalLM)(config)
     with torch.no_grad():  # a sharper distribution than the init, so supports vary in size
@@ -68,25 +79,13 @@ def build_tiny_checkpoint(
 def build_tiny_moe_checkpoint(path: Path, family: str = "qwen3_moe", seed: int = 0, max_positions: int = 512) -> Path:
     """A tiny random MoE model (8 experts, top-2, 2 layers) with the tiny tokenizer; its routers are
     drawn wider than the init so tokens spread over the experts, and some choices are near ties."""
-    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     path = Path(path)
-    build_tiny_checkpoint(path, seed=seed, max_positions=max_positions)
-    tok = AutoTokenizer.from_pretrained(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = tiny_tokenizer(path)
     torch.manual_seed(seed)
-    common = dict(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts_per_tok=2,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=False,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    common = dict(tiny_dims(tok, max_positions), num_experts_per_tok=2, tie_word_embeddings=False)
     if family == "qwen3_moe":
         model = Qwen3MoeForCausalLM(
             Qwen3MoeConfig(**common, head_dim=16, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True)
