@@ -23,6 +23,10 @@ class WireError(SupportReplayError):
     """Encoded support bytes or an engine payload are malformed or incomplete."""
 
 
+class SamplerMismatch(WireError):
+    """The engine reports it sampled with settings other than the run's (its sampler record)."""
+
+
 class EngineUnavailable(WireError):
     """No answer from the engine after the retries: it is down, overloaded (503) or broke (5xx),
     or it aborted the request. The response never trains; its GRPO group is regenerated or

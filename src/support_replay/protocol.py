@@ -19,9 +19,20 @@ from .core.penalties import NO_PENALTIES, Penalties
 from .core.routing import RoutingShape, routing_problem
 from .core.sampling import SamplingParams
 from .core.support import SupportTable
-from .errors import RequestError, SupportError, WireError
+from .errors import RequestError, SamplerMismatch, SupportError, WireError
 
 LOGPROBS_MODES = ("selected", "support")
+# the sampling settings a client may leave out of a request (the engine then applies its own default)
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "logit_bias",
+)
 DEFAULT_SAMPLING_MASK_MAX_TOKENS = 4096  # SGLang's --sampling-mask-max-tokens default
 SESSION_HEADER = "X-Session-Id"  # a router keeps every request with the same value on one engine
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's name for the weights a server started with
@@ -51,6 +62,9 @@ class GenerateRequest:
     routing_key: str | None = None  # a session's id: a router sends every turn to the same engine
     penalties: Penalties = NO_PENALTIES  # repetition / frequency / presence penalties, logit bias
     return_routed_experts: bool = False  # SGLang's field: the top-k experts of every routed position
+    # the sampling settings sent explicitly (None: every one, as the trainer does to neutralise an engine's
+    # defaults); one left out takes the engine's default, as a user's own client would (the audit)
+    sent_sampling_fields: frozenset[str] | None = None
 
     def __post_init__(self):
         if not self.input_ids:
@@ -62,6 +76,9 @@ class GenerateRequest:
             raise RequestError(f"max_new_tokens: must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.rid is not None and (not isinstance(self.rid, str) or not 0 < len(self.rid) <= 256):
             raise RequestError(f"rid: must be a string of 1 to 256 characters, got {self.rid!r:.80}")
+        unknown = set(self.sent_sampling_fields or ()) - set(SAMPLING_FIELDS)
+        if unknown:
+            raise RequestError(f"sent_sampling_fields: {sorted(unknown)} are not sampling settings {SAMPLING_FIELDS}")
         if self.sampling_logprobs_mode not in LOGPROBS_MODES:
             raise RequestError(
                 f"sampling_logprobs_mode: must be one of {LOGPROBS_MODES}, got {self.sampling_logprobs_mode!r}"
@@ -121,6 +138,8 @@ class Completion:
     # [prompt + output - 1, layers, top_k] int32: the experts of every position fed to the model (core/routing.py)
     routed_experts: np.ndarray | None = None
     routing_bytes: int = 0  # what the routing cost on the wire (0 in-process)
+    # what the engine reports it sampled with (our serve: ``meta_info["sampler"]``); SGLang and vLLM send none
+    sampler: dict | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +149,45 @@ class Completion:
     def weight_version(self) -> str | None:
         """The version that sampled the last token (SGLang's ``meta_info.weight_version``)."""
         return self.weight_versions[-1].version if self.weight_versions else None
+
+
+ENGINE_NAME = "support-replay"
+
+
+def sampler_record(request: GenerateRequest, *, semantics: str, version: str) -> dict:
+    """What our engine sampled ``request`` with, as ``meta_info["sampler"]`` carries it: the effective
+    settings and penalties (a field the client left out shows the default that applied), the filter
+    semantics and the engine's name and version."""
+    return {"engine": ENGINE_NAME, "version": version, "semantics": semantics, **sampling_fields(request)}
+
+
+def sampling_fields(request: GenerateRequest) -> dict:
+    """The request's sampling settings under the names of ``SAMPLING_FIELDS``."""
+    return settings_by_field(request.params, request.penalties)
+
+
+def settings_by_field(params: SamplingParams, penalties: Penalties) -> dict:
+    """Sampling settings and penalties under the names of ``SAMPLING_FIELDS`` (the request fields)."""
+    p = params
+    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, **penalties.to_json()}
+
+
+def sampler_problem(record, request: GenerateRequest) -> str | None:
+    """Why an engine's sampler record disagrees with the request (a malformed record, a setting it
+    sampled with other than the request's), or None."""
+    if not isinstance(record, dict):
+        return f"the sampler record is not an object: {record!r:.80}"
+    missing = [k for k in SAMPLING_FIELDS if k not in record]
+    if missing:
+        return f"the sampler record lacks {missing}"
+    declared = sampling_fields(request)
+    for name in SAMPLING_FIELDS:
+        if record[name] != declared[name]:
+            return (
+                f"the engine reports it sampled with {name}={record[name]!r}, the run's is {declared[name]!r} (an "
+                "engine default applied to a field left out, or a proxy on the path rewrote the request)"
+            )
+    return None
 
 
 def parse_version_spans(spans, num_tokens: int, where: str) -> list[VersionSpan]:
@@ -208,6 +266,10 @@ def validate_completion(
         if wrong.any():
             t = int(np.flatnonzero(wrong)[0])
             raise WireError(f"{where} token {t}: singleton support but log mu {lp[t]} != 0")
+    if request.return_sampling_mask and completion.sampler is not None:  # our engine says what it sampled with
+        problem = sampler_problem(completion.sampler, request)
+        if problem is not None:
+            raise SamplerMismatch(f"{where}: {problem}")
     if request.return_sampling_mask and request.sampling_logprobs_mode == "support":
         check_support_row_logprobs(completion, where)
     if request.return_routed_experts:

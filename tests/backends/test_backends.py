@@ -87,6 +87,51 @@ def test_vllm_sends_every_sampling_setting_explicitly():
     assert params["logprobs"] == 5 and seen["token_ids"] == [1, 2, 3] and seen["output_mode"] == "tokens"
 
 
+def _sent(backend_class, **request_fields) -> dict:
+    seen = {}
+
+    def handler(request):
+        seen.update(json.loads(request.content))
+        return httpx.Response(400, json={"error": "stop here"})
+
+    extra = {"model": "m"} if backend_class is VLLMBackend else {}
+    with pytest.raises(WireError, match="HTTP 400"):
+        backend_class("http://engine", VOCAB, transport=mock(handler), **extra).generate([req(**request_fields)])
+    return seen["sampling_params"]
+
+
+@pytest.mark.parametrize("backend_class", [SGLangBackend, VLLMBackend])
+def test_a_request_naming_its_sent_fields_leaves_the_others_to_the_engine(backend_class):
+    """The audit's client sends what a user's client would: an unset setting takes the engine's default."""
+    params = _sent(backend_class, sent_sampling_fields=frozenset({"top_p"}))
+    assert params["top_p"] == 0.9
+    for name in ("temperature", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+        assert name not in params
+    assert "seed" in params or "sampling_seed" in params  # not a sampling setting: always sent
+    with pytest.raises(Exception, match="sent_sampling_fields"):
+        req(sent_sampling_fields=frozenset({"top_q"}))
+
+
+def test_a_sampler_record_other_than_the_request_fails_closed():
+    from support_replay import SupportTable
+    from support_replay.errors import SamplerMismatch
+    from support_replay.protocol import Completion, sampler_record, validate_completion
+
+    request = req()
+    record = sampler_record(request, semantics="sglang", version="0.1.0")
+    completion = Completion(
+        [2, 3], {"type": "length"}, np.zeros(2, np.float32), SupportTable.from_lists([[2], [3]]), sampler=record
+    )
+    assert validate_completion(completion, request, VOCAB) is completion
+    for name, value in (("top_k", 5), ("temperature", 0.7), ("repetition_penalty", 1.1)):
+        completion.sampler = {**record, name: value}
+        with pytest.raises(SamplerMismatch, match=f"sampled with {name}={value}, the run's is"):
+            validate_completion(completion, request, VOCAB, 3)
+    completion.sampler = {"engine": "support-replay"}
+    with pytest.raises(SamplerMismatch, match="lacks"):
+        validate_completion(completion, request, VOCAB)
+
+
 def test_engine_backend_and_http_backend_agree(tiny_checkpoint):
     from fastapi.testclient import TestClient
 
@@ -117,6 +162,7 @@ def test_engine_backend_and_http_backend_agree(tiny_checkpoint):
                 assert (x.support is None) == (y.support is None)
                 if x.support is not None:
                     assert x.support == y.support
+                    assert y.sampler == x.sampler and y.sampler["top_k"] == 16  # the record crossed the wire
                     # batches differ (HTTP requests reach the engine one by one),
                     # so logits may differ in the last bit until the engine is batch-invariant
                     np.testing.assert_allclose(x.log_mu, y.log_mu, atol=1e-5, rtol=0)

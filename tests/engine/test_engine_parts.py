@@ -106,6 +106,10 @@ def test_a_running_request_records_what_it_captured_and_answers_with_it():
     seq.record(RowStep(3, support=np.array([1, 3], np.int32), log_mu=-0.5))
     seq.record(RowStep(1, support=np.array([1], np.int32), log_mu=0.0))
     seq.finish_reason = {"type": "length", "length": 2}
-    c = seq.completion(Letters(), "v7")
+    c = seq.completion(Letters(), "v7", "sglang", "0.1.0")
     assert c.output_ids == [3, 1] and c.support.to_lists() == [[1, 3], [1]]
     assert c.log_mu.tolist() == [-0.5, 0.0] and c.weight_version == "v7" and c.text == "ca"
+    # the sampler record: the settings it sampled with, its semantics and version
+    assert c.sampler["engine"] == "support-replay" and c.sampler["semantics"] == "sglang"
+    assert c.sampler["version"] == "0.1.0" and c.sampler["top_k"] == req.params.top_k
+    assert c.sampler["temperature"] == req.params.temperature and c.sampler["repetition_penalty"] == 1.0

@@ -17,7 +17,7 @@ from typing import Protocol
 import httpx
 
 from ..errors import AbortedError, EngineOverloaded, EngineUnavailable, WireError
-from ..protocol import SESSION_HEADER, GenerateRequest
+from ..protocol import SAMPLING_FIELDS, SESSION_HEADER, GenerateRequest
 
 RETRIES = 3  # tries after the first
 RETRY_STATUSES = (502, 503, 504)
@@ -54,6 +54,14 @@ def penalty_fields(req: GenerateRequest) -> dict:
     if req.penalties.logit_bias:
         out["logit_bias"] = {str(i): b for i, b in req.penalties.logit_bias}
     return out
+
+
+def only_sent(params: dict, req: GenerateRequest) -> dict:
+    """``params`` without the sampling settings the request leaves to the engine's defaults
+    (``sent_sampling_fields``; None sends every one)."""
+    if req.sent_sampling_fields is None:
+        return params
+    return {k: v for k, v in params.items() if k not in SAMPLING_FIELDS or k in req.sent_sampling_fields}
 
 
 def optional_fields(req: GenerateRequest, seed_key: str) -> dict:

@@ -25,7 +25,7 @@ from ..core.support import SupportTable
 from ..core.wire import floats_from_json, from_json
 from ..errors import EngineUnavailable, SupportError, WireError
 from ..protocol import Completion, GenerateRequest, parse_version_spans, single_version, validate_completion
-from .base import RetryCounter, fan_out, optional_fields, penalty_fields, post_json, session_headers
+from .base import RetryCounter, fan_out, only_sent, optional_fields, penalty_fields, post_json, session_headers
 
 MASK_FORMATS = ("binary", "lists")
 STRIPPED_HINT = (
@@ -37,9 +37,10 @@ STRIPPED_HINT = (
 def sampling_params_json(req: GenerateRequest) -> dict:
     """Every sampling setting, sent explicitly: a server fills the ones left out from the
     model's generation_config.json (SGLang's default ``--sampling-defaults model``), which may
-    hold a repetition penalty the trainer would not know of."""
+    hold a repetition penalty the trainer would not know of. A request naming its
+    ``sent_sampling_fields`` (the audit, acting as a user's client) leaves the others out."""
     p = req.params
-    return {
+    params = {
         "temperature": p.temperature,
         "top_k": p.top_k,
         "top_p": p.top_p,
@@ -49,6 +50,7 @@ def sampling_params_json(req: GenerateRequest) -> dict:
         "ignore_eos": req.ignore_eos,
         **optional_fields(req, "sampling_seed"),
     }
+    return only_sent(params, req)
 
 
 # ---- meta_info -> (support, log mu) ------------------------------------------------------
@@ -298,4 +300,5 @@ class SGLangBackend:
             weight_versions=parse_weight_versions(meta, len(output_ids), where),
             text=item["text"] if isinstance(item.get("text"), str) else "",
             support_bytes=size,
+            sampler=meta.get("sampler") if req.return_sampling_mask else None,
         )

@@ -31,7 +31,10 @@ vLLM has no per-request switch; ``routed_experts_prompt_start`` stays 0 (the who
 
 Every sampling setting is sent explicitly: vLLM fills the ones a request leaves out from the
 model's ``generation_config.json`` (``ModelConfig.get_diff_sampling_param``), which may hold
-a repetition penalty.
+a repetition penalty. That is on ``/v1/completions`` (``CompletionRequest.to_sampling_params``:
+request, then server default, then OpenAI's); ``/inference/v1/generate`` takes a ``SamplingParams``
+as it comes and defaults only ``max_tokens`` (read from the 0.32 wheel). A request naming its
+``sent_sampling_fields`` (the audit, acting as a user's client) leaves the others out.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from ..core.routing import RoutingShape, decode_npy
 from ..core.support import SupportTable
 from ..errors import EngineUnavailable, SupportError, WireError
 from ..protocol import Completion, GenerateRequest, parse_version_spans, single_version, validate_completion
-from .base import RetryCounter, fan_out, optional_fields, penalty_fields, post_json, session_headers
+from .base import RetryCounter, fan_out, only_sent, optional_fields, penalty_fields, post_json, session_headers
 
 ENDPOINTS = ("generate", "completions")
 CAPTURES = ("processed_logprobs", "native")
@@ -232,7 +235,7 @@ class VLLMBackend:
         logprobs = (
             self.requested_logprobs(req) if req.return_sampling_mask and self.capture == "processed_logprobs" else 0
         )
-        return {
+        params = {
             "temperature": p.temperature,
             "top_p": p.top_p,
             "top_k": p.top_k,
@@ -243,6 +246,7 @@ class VLLMBackend:
             "logprobs": logprobs,
             **optional_fields(req, "seed"),
         }
+        return only_sent(params, req)
 
     def body(self, req: GenerateRequest) -> dict:
         params = self.sampling_params(req)

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from .. import __version__
 from ..core.penalties import dense_bias
 from ..errors import AbortedError, EngineError, RequestError, SamplingParamsError
 from ..modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
@@ -428,7 +429,11 @@ class Engine:
             if seq.failure is not None:
                 self._finish_failed(seq.request, seq.future, *seq.failure)
             elif not seq.future.done():
-                self._finish_ok(seq.request, seq.future, seq.completion(self.tokenizer, self.weight_version))
+                self._finish_ok(
+                    seq.request,
+                    seq.future,
+                    seq.completion(self.tokenizer, self.weight_version, self.semantics, __version__),
+                )
 
     # ---- answers ------------------------------------------------------------------
 

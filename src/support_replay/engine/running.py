@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..core.support import SupportTable
-from ..protocol import Completion, GenerateRequest, single_version
+from ..protocol import Completion, GenerateRequest, sampler_record, single_version
 from .row_step import RowStep
 
 
@@ -52,7 +52,8 @@ class RunningRequest:
         """Stop this request early; it is answered with ``error`` once its row has left the batch."""
         self.finish_reason, self.failure = {"type": "abort"}, (error, where)
 
-    def completion(self, tokenizer, weight_version: str) -> Completion:
+    def completion(self, tokenizer, weight_version: str, semantics: str, version: str) -> Completion:
+        """The answer; a captured one carries the sampler record (what this engine sampled it with)."""
         req = self.request
         matched_string = self.finish_reason.get("type") == "stop" and isinstance(self.finish_reason.get("matched"), str)
         text = self.text if matched_string else tokenizer.decode(self.output_ids, skip_special_tokens=True)
@@ -69,4 +70,5 @@ class RunningRequest:
             text=text,
             support_row_logprobs=list(self.support_row_logprobs) if support_mode else None,
             routed_experts=np.concatenate(self.routing) if req.return_routed_experts else None,
+            sampler=sampler_record(req, semantics=semantics, version=version) if capture else None,
         )

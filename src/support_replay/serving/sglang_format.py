@@ -54,6 +54,8 @@ def meta_info(
         else:
             meta["output_token_sampling_logprobs"] = completion.log_mu.tolist()
         meta["output_token_sampling_mask_length"] = support.num_rows
+        if completion.sampler is not None:  # ours: what the engine sampled with (SGLang sends no such record)
+            meta["sampler"] = completion.sampler
     if request.return_routed_experts:
         routed = completion.routed_experts[form.routed_experts_start_len :]
         npy = form.routed_experts_format == "npy"
