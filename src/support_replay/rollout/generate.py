@@ -119,6 +119,7 @@ def generate_samples(
     ignore_eos: bool = False,
     routing: bool = False,
     support_logprobs: bool = False,
+    sent_sampling_fields: frozenset[str] | None = None,
 ) -> tuple[list[Sample], RolloutStats]:
     """``n_samples`` responses per prompt, grouped prompt by prompt, rewarded.
 
@@ -130,6 +131,8 @@ def generate_samples(
     ``max_new_tokens``, past end-of-sequence (fixed-length benchmarks). ``routing``: each
     response carries the experts a MoE engine routed its positions to (routing replay).
     ``support_logprobs``: the sampler's log q of every support id too (score centering).
+    ``sent_sampling_fields``: the sampling settings sent explicitly (None: all; the audit sends what a
+    user's client would).
     """
     rendered = [render_prompt(tokenizer, p, apply_chat_template) for p in prompts]
     retries_before = backend.retries
@@ -150,6 +153,7 @@ def generate_samples(
                 ignore_eos,
                 routing,
                 support_logprobs,
+                sent_sampling_fields,
             )
             for g, attempt in zip(pending, attempts)
             for j in range(n_samples)
@@ -174,6 +178,8 @@ def generate_samples(
                 _sample(len(samples), position, req, c, rendered[g][1], prompts[g], tokenizer, reward_fn, rollout)
             )
             samples[-1].metadata["prompt"] = g  # which of ``prompts``: a stale group is generated again from it
+            if c.sampler is not None:  # what the engine reports it sampled with (checked against the request)
+                samples[-1].metadata["sampler"] = c.sampler
     return samples, stats
 
 
@@ -191,6 +197,7 @@ def _request(
     ignore_eos=False,
     routing=False,
     support_logprobs=False,
+    sent_sampling_fields=None,
 ) -> GenerateRequest:
     sp = SamplingParams(
         temperature=params.temperature,
@@ -210,6 +217,7 @@ def _request(
         ignore_eos=ignore_eos,
         return_routed_experts=routing,
         sampling_logprobs_mode="support" if capture and support_logprobs else "selected",
+        sent_sampling_fields=sent_sampling_fields,
     )
     return validate_request(req, params.temperature, k)
 

@@ -92,6 +92,67 @@ def penalty_semantics_of(url: str, protocol: str, penalties, headers: dict | Non
     return "sglang"
 
 
+def connect_backend(
+    engine_cfg: EngineConfig,
+    rollout_cfg: RolloutConfig,
+    replay_cfg: ReplayConfig,
+    checkpoint_path,
+    vocab_size: int,
+    weight_version: str,
+    trainer_kernel: str,
+    *,
+    routing_shape: RoutingShape | None = None,
+    kv_share: float | None = None,
+    vllm_max_logprobs: int = 20,
+):
+    """``(backend, in-process engine or None)``: vLLM or SGLang (and ours) at ``--rollout-url``, else an
+    engine in this process on ``checkpoint_path``. ``vllm_max_logprobs``: the processed log-probs a
+    request asks per token when it declares no top_k (-1: every id, for a server with --max-logprobs -1)."""
+    keys = Keys.load()
+    if engine_cfg.rollout_url and engine_cfg.rollout_engine == "vllm":
+        from ..backends.vllm import VLLMBackend
+
+        backend = VLLMBackend(
+            engine_cfg.rollout_url,
+            vocab_size,
+            endpoint=engine_cfg.vllm_endpoint,
+            capture=engine_cfg.vllm_capture,
+            api_key=keys.api,
+            routing_shape=routing_shape,
+            max_logprobs=vllm_max_logprobs,
+        )
+        return backend, None
+    if engine_cfg.rollout_url:
+        from ..backends.sglang import SGLangBackend
+
+        backend = SGLangBackend(
+            engine_cfg.rollout_url,
+            vocab_size,
+            sampling_mask_format=engine_cfg.sampling_mask_format,
+            api_key=keys.api,
+            routing_shape=routing_shape,
+        )
+        if replay_cfg.true_on_policy_mode:
+            _require_deterministic(engine_cfg.rollout_url, trainer_kernel, keys.header(admin=False))
+        return backend, None
+    from ..backends.local import EngineBackend  # the in-process engine: the only place the trainer imports it
+    from ..engine import Engine
+
+    engine = Engine.from_pretrained(
+        checkpoint_path,
+        dtype=getattr(torch, replay_cfg.rollout_dtype),
+        semantics=rollout_cfg.sampling_semantics,
+        sampling_mask_max_tokens=rollout_cfg.sampling_mask_max_tokens,
+        seed=rollout_cfg.rollout_seed,
+        deterministic=replay_cfg.true_on_policy_mode,
+        weight_version=weight_version,
+        linear_kernel=replay_cfg.linear_kernel,
+        max_total_tokens=engine_cfg.max_total_tokens,
+        **({"kv_share": kv_share} if kv_share is not None else {}),
+    )
+    return EngineBackend(engine), engine
+
+
 class Rollouts:
     """``engine_name`` says where samples come from, for messages: the URL and its protocol, or "in-process engine"."""
 
@@ -140,7 +201,7 @@ class Rollouts:
         self.penalty_semantics = on_main(lambda: self._penalty_semantics(vocab_size), ctx)
         if not ctx.is_main:
             return
-        self.backend = self._connect(checkpoint_path, vocab_size, weight_version, trainer_kernel)
+        self._connect(checkpoint_path, vocab_size, weight_version, trainer_kernel)
         if self.agents_cfg.agent or self.agents_cfg.agent_path:
             self._start_sessions(tokenizer)
 
@@ -156,49 +217,20 @@ class Rollouts:
 
     def _connect(self, checkpoint_path, vocab_size: int, weight_version: str, trainer_kernel: str):
         """Where samples come from: vLLM or SGLang (and ours) at --rollout-url, else an engine in this process."""
-        keys = Keys.load()
-        if self.engine_cfg.rollout_url and self.engine_cfg.rollout_engine == "vllm":
-            from ..backends.vllm import VLLMBackend
+        from ..engine.kv_budget import COLOCATED_SHARE
 
-            return VLLMBackend(
-                self.engine_cfg.rollout_url,
-                vocab_size,
-                endpoint=self.engine_cfg.vllm_endpoint,
-                capture=self.engine_cfg.vllm_capture,
-                api_key=keys.api,
-                routing_shape=self.routing_shape,
-            )
-        elif self.engine_cfg.rollout_url:
-            from ..backends.sglang import SGLangBackend
-
-            backend = SGLangBackend(
-                self.engine_cfg.rollout_url,
-                vocab_size,
-                sampling_mask_format=self.engine_cfg.sampling_mask_format,
-                api_key=keys.api,
-                routing_shape=self.routing_shape,
-            )
-            if self.replay_cfg.true_on_policy_mode:
-                _require_deterministic(self.engine_cfg.rollout_url, trainer_kernel, keys.header(admin=False))
-            return backend
-        else:  # the in-process engine: the only place the trainer imports it
-            from ..backends.local import EngineBackend
-            from ..engine import Engine
-            from ..engine.kv_budget import COLOCATED_SHARE
-
-            self.engine = Engine.from_pretrained(
-                checkpoint_path,
-                dtype=getattr(torch, self.replay_cfg.rollout_dtype),
-                semantics=self.rollout_cfg.sampling_semantics,
-                sampling_mask_max_tokens=self.rollout_cfg.sampling_mask_max_tokens,
-                seed=self.rollout_cfg.rollout_seed,
-                deterministic=self.replay_cfg.true_on_policy_mode,
-                weight_version=weight_version,
-                linear_kernel=self.replay_cfg.linear_kernel,
-                max_total_tokens=self.engine_cfg.max_total_tokens,
-                kv_share=COLOCATED_SHARE,
-            )
-            return EngineBackend(self.engine)
+        self.backend, self.engine = connect_backend(
+            self.engine_cfg,
+            self.rollout_cfg,
+            self.replay_cfg,
+            checkpoint_path,
+            vocab_size,
+            weight_version,
+            trainer_kernel,
+            routing_shape=self.routing_shape,
+            kv_share=COLOCATED_SHARE,
+        )
+        return self.backend
 
     @classmethod
     def from_config(
