@@ -4,6 +4,7 @@ Mixtral) with the same tokenizer."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -114,8 +115,13 @@ def greedy_decode(runner, prompts, steps: int) -> list[torch.Tensor]:
     return seen
 
 
+VLLM_DEFAULT_TOP_K = 5  # the vLLM model's generation_config.json sets it: vLLM's default for a request without top_k
+
+
 def vllm_checkpoint(tiny_checkpoint: Path, path: Path) -> Path:
-    """A Llama the CPU backend accepts (head_dim 64), with the tiny tokenizer."""
+    """A Llama the CPU backend accepts (head_dim 64), with the tiny tokenizer. Its generation_config.json
+    sets ``top_k``, which vLLM applies to a /v1/completions request that leaves top_k out: the trainer's
+    clients, which send every setting, must be unaffected, and the audit must find it."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
@@ -137,4 +143,7 @@ def vllm_checkpoint(tiny_checkpoint: Path, path: Path) -> Path:
         model.lm_head.weight.mul_(20)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
+    generation = path / "generation_config.json"
+    values = json.loads(generation.read_text()) if generation.exists() else {}
+    generation.write_text(json.dumps({**values, "top_k": VLLM_DEFAULT_TOP_K}, indent=2))
     return path

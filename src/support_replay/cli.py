@@ -6,6 +6,8 @@ serve    the embedded engine behind an SGLang-compatible /generate and an OpenAI
 router   forwards raw request bodies over several engines
 sessions multi-turn OpenAI chat sessions for agents, recorded token in, token out, in front of
          any engine or router (support, log mu and loss mask per token)
+audit    measure an engine's training-inference mismatch, split it by cause (truncation, penalties,
+         numerics), look for settings drift, and certify the setup (exit status 0: pass, 1: fail)
 demo     sample with top-k / top-p / min-p, capture S_t and log mu, ship the support over the
          wire codec, score it back, and show why replay matters: the importance ratio of a
          full-vocabulary scorer against the replayed one
@@ -180,6 +182,20 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit(args: argparse.Namespace) -> int:
+    from .audit import AuditSettings, run_audit, summary
+    from .train.config import config_from_args
+
+    cfg = config_from_args(args)
+    settings = AuditSettings(
+        **{k: getattr(args, k) for k in AuditSettings.model_fields if getattr(args, k) is not None}
+    )
+    report = run_audit(cfg, settings)
+    print(summary(report))
+    print(f"report: {cfg.output.output_dir}/audit.json, plot: {cfg.output.output_dir}/audit.png", flush=True)
+    return 0 if report["verdict"]["pass"] else 1
+
+
 def _router(args: argparse.Namespace) -> int:
     from .serving.router import run_router
 
@@ -258,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="support-replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_demo, _add_train, _add_serve, _add_sessions, _add_router, _add_local_run):
+    for add in (_add_demo, _add_train, _add_audit, _add_serve, _add_sessions, _add_router, _add_local_run):
         add(sub)
     return parser
 
@@ -285,6 +301,23 @@ def _add_train(sub) -> None:
 
     add_run_flags(tr)
     tr.set_defaults(func=_train)
+
+
+def _add_audit(sub) -> None:
+    """The `audit` command: train's flags (the run audited) and the certificate's."""
+    au = sub.add_parser(
+        "audit",
+        help="measure the training-inference mismatch of a setup, split it by cause, certify it (exit 0: pass)",
+        description="support-replay audit [train flags] [--max-mismatch-kl X] [--max-abs-logprob-diff Y] "
+        "[--expected-weight-version V]: samples with the run's settings from its rollout source, scores every "
+        "token with the trainer's forward, writes audit.json and audit.png to --output-dir (docs/audit.md)",
+    )
+    from .audit.settings import AuditSettings
+    from .train.config import add_run_flags, field_flags
+
+    add_run_flags(au)
+    field_flags(au.add_argument_group("the certificate"), AuditSettings)
+    au.set_defaults(func=_audit, output_dir="runs/audit")
 
 
 def _add_serve(sub) -> None:

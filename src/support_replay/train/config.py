@@ -52,6 +52,7 @@ __all__ = [
     "RunConfig",
     "add_run_flags",
     "config_from_args",
+    "field_flags",
     "flag_table",
 ]
 
@@ -297,23 +298,28 @@ def _choices(annotation) -> tuple | None:
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of settings (flags override it; a run's config.json reads back)")
     for cls in SECTIONS.values():
-        group = parser.add_argument_group(cls.TITLE)
-        for name, field in cls.model_fields.items():
-            flags = [flag(name), *FLAG_ALIASES.get(name, ())]
-            kind = _field_type(field.annotation)
-            if kind is bool:
-                group.add_argument(
-                    *flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=field.description
-                )
-            else:
-                group.add_argument(
-                    *flags,
-                    dest=name,
-                    type=kind,
-                    default=None,
-                    choices=_choices(field.annotation),
-                    help=f"{field.description or ''} (default: {field.default})",
-                )
+        field_flags(parser.add_argument_group(cls.TITLE), cls)
+
+
+def field_flags(group, cls) -> None:
+    """One flag per field of the pydantic model ``cls`` (``foo_bar`` is ``--foo-bar``; booleans are
+    switches), every default None so that only what was given reaches the model."""
+    for name, field in cls.model_fields.items():
+        flags = [flag(name), *FLAG_ALIASES.get(name, ())]
+        kind = _field_type(field.annotation)
+        if kind is bool:
+            group.add_argument(
+                *flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=field.description
+            )
+        else:
+            group.add_argument(
+                *flags,
+                dest=name,
+                type=kind,
+                default=None,
+                choices=_choices(field.annotation),
+                help=f"{field.description or ''} (default: {field.default})",
+            )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:

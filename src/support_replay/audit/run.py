@@ -1,0 +1,294 @@
+"""``support-replay audit``: sample from the run's rollout source, score every token with the trainer's
+forward, split the log-ratio by cause, look for settings drift, and certify (docs/audit.md).
+
+The audit reads the run's flags as ``train`` does and uses them where ``train`` would: the rollout
+source (``--rollout-url`` / ``--rollout-engine`` or the in-process engine), the checkpoint, the
+prompts, the sampling settings, the trainer's dtype, kernels and micro-batches. Its client sends
+only the sampling settings that differ from the API's neutral value, as a user's client does
+(``--send-neutral-sampling-settings`` sends them all, as the trainer does). It never pushes weights.
+"""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from pathlib import Path
+
+import httpx
+import torch
+
+from .. import __version__
+from ..errors import ConfigError, SamplerMismatch
+from ..protocol import DEFAULT_WEIGHT_VERSION
+from ..rollout import generate_samples, load_prompts, load_reward
+from ..serving.security import Keys
+from ..train.actor import Actor
+from ..train.batches import plan_optimizer_steps
+from ..train.config import RunConfig
+from ..train.dist import close_distributed, init_distributed
+from ..train.rollouts import connect_backend, penalty_semantics_of
+from . import findings as find
+from . import report as rep
+from .collect import score_samples
+from .settings import AuditSettings, declared_sampling, sent_fields
+
+
+def engine_identity(cfg: RunConfig) -> dict:
+    """The engine's name, version and filter semantics, as it reports them."""
+    url, protocol = cfg.engine.rollout_url, cfg.engine.rollout_engine
+    if not url:
+        return {"name": "support-replay (in-process)", "version": __version__, "semantics": cfg.sampling_semantics}
+    headers = Keys.load().header(admin=False)
+    base = url.rstrip("/")
+    if protocol == "vllm":
+        reply = httpx.get(base + "/version", timeout=30, headers=headers)
+        version = reply.json().get("version") if reply.status_code == 200 else None
+        return {"name": "vllm", "url": url, "version": version, "semantics": "vllm"}
+    reply = httpx.get(base + "/server_info", timeout=30, headers=headers)
+    info = reply.json() if reply.status_code == 200 else {}
+    ours = "semantics" in info  # our serve (or a router in front of it) says its own
+    return {
+        "name": "support-replay serve" if ours else "sglang",
+        "url": url,
+        "version": info.get("version"),
+        "semantics": info.get("semantics", "sglang"),
+    }
+
+
+def _refuse(cfg: RunConfig) -> None:
+    if cfg.parallel.split:
+        raise ConfigError(
+            f"--{cfg.parallel.split.replace('_', '-')}: the audit scores in one process (the sharded forward equals "
+            "it, tests/train/test_parallel*.py); drop the flag"
+        )
+    if cfg.agents.enabled:
+        raise ConfigError(
+            "--agent / --agent-path: the audit samples single-turn prompts; audit the engine without them"
+        )
+    unbounded = not cfg.use_sampling_support_replay
+    processed = cfg.engine.rollout_engine == "vllm" and cfg.engine.vllm_capture == "processed_logprobs"
+    if unbounded and not (cfg.engine.rollout_url and processed):
+        raise ConfigError(
+            f"--rollout-top-k={cfg.rollout_top_k} --rollout-top-p={cfg.rollout_top_p} --rollout-min-p="
+            f"{cfg.rollout_min_p}: the declared settings keep the whole vocabulary, a support only vLLM's processed "
+            "log-probs reveal (--rollout-engine vllm); declare a top_k for the other engines"
+        )
+
+
+def _generate(cfg: RunConfig, settings: AuditSettings, backend, tokenizer, sent):
+    data, rollout = cfg.data, cfg.rollout
+    task = load_prompts(
+        data.prompt_data, data.input_key, data.label_key, seed=cfg.optimizer.seed, max_operand=data.task_max_operand
+    )
+    prompts = [task[i] for i in range(min(rollout.rollout_batch_size, len(task)))]
+    return generate_samples(
+        backend,
+        tokenizer,
+        prompts,
+        params=rollout.sampling_params,
+        n_samples=rollout.n_samples_per_prompt,
+        max_new_tokens=rollout.rollout_max_response_len,
+        capture=True,
+        reward_fn=load_reward(data.rm_type, data.custom_rm_path),
+        rollout=0,
+        seed=rollout.rollout_seed,
+        apply_chat_template=data.apply_chat_template,
+        rid_prefix=f"audit-{uuid.uuid4().hex[:12]}",
+        failed_group_policy=cfg.production.failed_group_policy,
+        max_regenerations=cfg.production.max_regenerations,
+        penalties=rollout.penalties,
+        ignore_eos=rollout.rollout_ignore_eos,
+        routing=cfg.replay.use_rollout_routing_replay,
+        sent_sampling_fields=sent,
+    )[0]
+
+
+def run_audit(cfg: RunConfig, settings: AuditSettings) -> dict:
+    """Sample, score, split, check; write ``audit.json`` and ``audit.png`` to ``--output-dir``; the report."""
+    _refuse(cfg)
+    ctx = init_distributed()
+    try:
+        return _audit(cfg, settings, ctx)
+    finally:
+        close_distributed(ctx)
+
+
+def _audit(cfg: RunConfig, settings: AuditSettings, ctx) -> dict:
+    from transformers import AutoTokenizer
+
+    from ..modeling.checkpoints import smollm2_checkpoint
+
+    checkpoint = Path(cfg.data.hf_checkpoint) if cfg.data.hf_checkpoint else smollm2_checkpoint()
+    replay = cfg.use_sampling_support_replay
+    kernel = cfg.trainer_linear_kernel(ctx.device)
+    actor = Actor(
+        checkpoint,
+        ctx,
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        weight_decay=cfg.weight_decay,
+        replay=replay,
+        full_with_grad=False,
+        batch_invariant=cfg.true_on_policy_mode,
+        penalties=cfg.rollout.penalties.active,
+        compute_dtype=getattr(torch, cfg.train_dtype),
+        linear_kernel=kernel,
+        routing_replay=cfg.use_rollout_routing_replay,
+    )
+    identity = engine_identity(cfg)
+    penalties = cfg.rollout.penalties
+    semantics = identity["semantics"]
+    if penalties.active and cfg.engine.rollout_url:
+        semantics = penalty_semantics_of(
+            cfg.engine.rollout_url, cfg.engine.rollout_engine, penalties, Keys.load().header(admin=False)
+        )
+    penalties.check(semantics, actor.vocab_size, where="the run's penalties")
+    backend, engine = connect_backend(
+        cfg.engine,
+        cfg.rollout,
+        cfg.replay,
+        checkpoint,
+        actor.vocab_size,
+        DEFAULT_WEIGHT_VERSION,
+        kernel,
+        routing_shape=actor.routing_shape,
+        vllm_max_logprobs=settings.vllm_max_logprobs,
+    )
+    declared = declared_sampling(cfg.rollout)
+    sent = sent_fields(declared, settings.send_neutral_sampling_settings)
+    max_kl, max_abs = settings.thresholds(cfg.replay)
+    base = {
+        "report_version": rep.REPORT_VERSION,
+        "tool": {"name": "support-replay audit", "version": __version__},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "engine": identity,
+        "checkpoint": str(checkpoint),
+        "thresholds": {"max_mismatch_kl": max_kl, "max_abs_logprob_diff": max_abs},
+    }
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    try:
+        samples = _generate(cfg, settings, backend, tokenizer, sent)
+    except SamplerMismatch as exc:  # the engine says it sampled with other settings: fail closed, by name
+        report = {**base, "settings": {"declared": declared, "sent": sorted(sent)}, "error": str(exc)}
+        report["findings"] = [find.Finding("sampler", f"the engine's sampler record disagrees: {exc}", 0, []).to_json()]
+        report["verdict"] = {"pass": False, "reasons": [f"sampler: {exc}"]}
+        rep.write_json(report, cfg.output.output_dir)
+        return report
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    steps = plan_optimizer_steps(
+        samples,
+        global_batch=len(samples),
+        micro_batch=cfg.parallel.micro_batch,
+        rank=0,
+        world=1,
+        replay=True,
+        device=ctx.device,
+        penalty_semantics=semantics,
+        max_tokens=cfg.parallel.max_tokens_per_micro_batch,
+        pack=cfg.pack_groups,
+    )
+    trainer_scorer = actor.scorer(cfg.rollout_temperature)
+    evidence = not penalties.active  # supports were filtered on penalised logits: not comparable with the model's
+    scores = score_samples(actor, trainer_scorer, steps, samples, cfg.rollout.sampling_params, semantics, evidence)
+    parts = rep.causes(scores, replay)
+    report = {
+        **base,
+        "trainer": {
+            "dtype": cfg.train_dtype,
+            "linear_kernel": kernel,
+            "head": trainer_scorer.head,
+            "replay": replay,
+            "true_on_policy_mode": cfg.true_on_policy_mode,
+        },
+        "samples": len(samples),
+        "tokens": int(len(scores.sample)),
+        "settings": {
+            "declared": declared,
+            "sent": sorted(sent),
+            "semantics": semantics,
+            "observed": {"support": rep.support_figures(scores), "sampler_records": _records(samples)},
+        },
+        "causes": rep.cause_figures(parts, scores.full - scores.log_mu),
+        "head_residual": rep.head_residual(scores, replay),
+        "scorings": rep.scorings(scores, replay, penalties.active, max_kl, max_abs),
+    }
+    found = []
+    margin = find.margin_of(parts["numerics"])
+    if evidence:
+        drift, flips = find.filter_findings(scores, declared, actor.vocab_size, margin)
+        found += drift
+        report["boundary_flips"] = {
+            "checked": True,
+            "tokens": int(flips.sum()),
+            "share": float(flips.mean()),
+            "margin": margin,
+            "examples": find._examples(scores, flips),
+        }
+    else:
+        report["boundary_flips"] = {
+            "checked": False,
+            "why": "the supports were filtered on penalised logits; the filters are compared on the model's own",
+        }
+    temperature, figures = find.temperature_finding(scores, cfg.rollout_temperature)
+    report["settings"]["observed"]["temperature"] = figures
+    found += [temperature] if temperature else []
+    stale, report["staleness"] = find.staleness(samples, settings.expected_weight_version)
+    found += [stale] if stale else []
+    same, compared = scores.routing
+    report["routing"] = (
+        {
+            "replayed": True,
+            "choices_compared": compared,
+            "agreement": same / compared if compared else None,
+            "choices_differing": compared - same,
+        }
+        if cfg.use_rollout_routing_replay
+        else {"replayed": False}
+    )
+    report["findings"] = [f.to_json() for f in found]
+    report["worst_tokens"] = {
+        "total": rep.worst_tokens(scores, parts, "total"),
+        "numerics": rep.worst_tokens(scores, parts, "numerics"),
+    }
+    passed, reasons = rep.verdict(report)
+    report["verdict"] = {"pass": passed, "reasons": reasons}
+    rep.write(report, {"total": scores.full - scores.log_mu, **parts}, cfg.output.output_dir)
+    return report
+
+
+def _records(samples) -> list[dict]:
+    """The distinct sampler records the engine sent (our serve; SGLang and vLLM send none)."""
+    seen = []
+    for s in samples:
+        record = s.metadata.get("sampler")
+        if record is not None and record not in seen:
+            seen.append(record)
+    return seen
+
+
+def summary(report: dict) -> str:
+    """The console table of a report."""
+    lines = [
+        f"support-replay audit: {report['engine'].get('name')} {report['engine'].get('version') or ''} "
+        f"({report.get('samples', 0)} samples, {report.get('tokens', 0)} tokens)"
+    ]
+    if "causes" in report:
+        lines += ["", "| cause | mean | mean abs | max abs | share |", "|---|---:|---:|---:|---:|"]
+        for name in ("total", *rep.CAUSES):
+            c = report["causes"][name]
+            share = f"{c['share']:.1%}" if "share" in c else ""
+            lines.append(f"| {name} | {c['mean']:.3e} | {c['mean_abs']:.3e} | {c['max_abs']:.3e} | {share} |")
+        lines += ["", "| scoring | mismatch KL | max abs diff | ratio mean | pass |", "|---|---:|---:|---:|---|"]
+        for name, m in report["scorings"].items():
+            lines.append(
+                f"| {name} | {m['mismatch_kl']:.3e} | {m['abs_diff_max']:.3e} | {m['ratio_mean']:.4f} | "
+                f"{'pass' if m['pass'] else 'FAIL'} |"
+            )
+    for f in report.get("findings", []):
+        lines.append(f"finding {f['setting']}: {f['evidence']}")
+    verdict = report["verdict"]
+    lines.append("")
+    lines.append("PASS" if verdict["pass"] else "FAIL: " + "; ".join(verdict["reasons"]))
+    return "\n".join(lines)

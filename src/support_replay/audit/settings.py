@@ -1,0 +1,85 @@
+"""The audit's own settings: thresholds of the certificate, the expected weight version, what its
+client sends. Everything else comes from the run's flags (``train``'s), read as ``train`` reads them.
+
+Default thresholds follow the run's dtypes (docs/audit.md, "thresholds"): in fp32 the trainer and
+the engine agree on the same support to about 1e-5 per token, so 1e-3 (``--ci-test``'s tolerance)
+and a mismatch KL of 1e-4 leave a wide margin for numerics while the truncation bias of the
+gentlest filter users run (top_p 0.98, a ratio of 0.98 per token: KL 2e-4) fails; with bf16 on
+either side per-token differences reach a few tenths (0.34 measured on SmolLM2) and the KL a few
+1e-3, so 1.0 and 1e-2, which a top_p 0.8 truncation (KL 0.023) still fails. True-on-policy mode
+promises bitwise equality: 0 and 0.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..protocol import SAMPLING_FIELDS, settings_by_field
+
+FP32_MAX_MISMATCH_KL = 1e-4
+BF16_MAX_MISMATCH_KL = 1e-2
+# what a client that sets nothing gets from SGLang, vLLM (without a generation_config.json) and OpenAI's API
+NEUTRAL_SAMPLING = {
+    "temperature": 1.0,
+    "top_k": -1,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": {},
+}
+
+
+class AuditSettings(BaseModel):
+    """``support-replay audit``'s flags beside the run's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_mismatch_kl: float | None = Field(
+        None,
+        ge=0,
+        description="largest mean k3 KL(mu || pi) of the trainer's scoring that passes (default: "
+        f"{FP32_MAX_MISMATCH_KL:g} in fp32, {BF16_MAX_MISMATCH_KL:g} when either side runs bf16, 0 in true-on-policy "
+        "mode)",
+    )
+    max_abs_logprob_diff: float | None = Field(
+        None,
+        ge=0,
+        description="largest per-token |log pi - log mu| of the trainer's scoring that passes (default: --ci-test's "
+        "tolerance, 1e-3 in fp32, 1.0 with bf16, 0 in true-on-policy mode)",
+    )
+    expected_weight_version: str | None = Field(
+        None, description="the weight version every answer must report (a checkpoint has no version of its own)"
+    )
+    send_neutral_sampling_settings: bool = Field(
+        False,
+        description="send every sampling setting, neutral ones too, as the trainer does to neutralise an engine's "
+        "defaults (default: send only what differs from the API's neutral value, as a user's client does)",
+    )
+    vllm_max_logprobs: int = Field(
+        -1,
+        description="processed log-probs asked per token when the run declares no top_k (-1: every id; the vLLM "
+        "server needs --max-logprobs -1)",
+    )
+
+    def thresholds(self, replay) -> tuple[float, float]:
+        """``(max mismatch KL, max |log pi - log mu|)``: the flags, or the defaults of the run's dtypes."""
+        bf16 = "bfloat16" in (replay.rollout_dtype, replay.train_dtype)
+        kl = 0.0 if replay.true_on_policy_mode else (BF16_MAX_MISMATCH_KL if bf16 else FP32_MAX_MISMATCH_KL)
+        return (
+            self.max_mismatch_kl if self.max_mismatch_kl is not None else kl,
+            self.max_abs_logprob_diff if self.max_abs_logprob_diff is not None else replay.ci_tolerance,
+        )
+
+
+def declared_sampling(rollout) -> dict:
+    """The run's sampling settings under the request field names."""
+    return settings_by_field(rollout.sampling_params, rollout.penalties)
+
+
+def sent_fields(declared: dict, send_neutral: bool) -> frozenset[str]:
+    """The settings the audit's client sends: all, or those that differ from the neutral value."""
+    if send_neutral:
+        return frozenset(SAMPLING_FIELDS)
+    return frozenset(k for k in SAMPLING_FIELDS if declared[k] != NEUTRAL_SAMPLING[k])

@@ -1,0 +1,140 @@
+"""``support-replay audit`` end to end on the in-process engine with the tiny model: the split by cause,
+the certificate, the findings, the report read back and the exit status."""
+
+from dataclasses import replace
+
+import pytest
+
+from support_replay.audit import AuditSettings, run_audit
+from support_replay.audit import run as audit_run
+from support_replay.audit.report import read
+from support_replay.cli import main
+from support_replay.protocol import Completion, validate_completion
+from support_replay.train.config import RunConfig
+
+SHORT = dict(rollout_batch_size=4, n_samples_per_prompt=4, global_batch_size=16, rollout_max_response_len=16)
+
+
+def audit_config(checkpoint, tmp_path, **overrides) -> RunConfig:
+    values = dict(
+        SHORT,
+        hf_checkpoint=str(checkpoint),
+        output_dir=str(tmp_path / "audit"),
+        rollout_top_p=0.8,
+        rollout_top_k=32,
+        progress=False,
+    )
+    return RunConfig(**{**values, **overrides})
+
+
+def test_truncation_is_the_whole_full_vocabulary_bias_and_replay_is_certified(tiny_checkpoint, tmp_path):
+    cfg = audit_config(tiny_checkpoint, tmp_path)
+    report = run_audit(cfg, AuditSettings())
+    causes = report["causes"]
+    assert causes["truncation"]["share"] > 0.95 and causes["truncation"]["mean"] < 0
+    assert causes["penalties"]["max_abs"] == 0.0
+    scorings = report["scorings"]
+    assert not scorings["full_vocabulary"]["pass"] and scorings["support_replay"]["pass"]
+    assert scorings["trainer"]["pass"] and report["verdict"] == {"pass": True, "reasons": []}
+    assert report["findings"] == [] and report["boundary_flips"]["checked"]
+    # our engine says what it sampled with, and it is what the run declares
+    (record,) = report["settings"]["observed"]["sampler_records"]
+    assert record["engine"] == "support-replay" and record["top_p"] == 0.8 and record["top_k"] == 32
+    assert report["settings"]["sent"] == ["top_k", "top_p"]  # what differs from the neutral values
+    assert abs(report["settings"]["observed"]["temperature"]["fitted"] - 1.0) < 1e-3
+    # the report reads back, with its documented keys, and the plot is there
+    back = read(tmp_path / "audit" / "audit.json")
+    assert back == report
+    for key in ("engine", "settings", "causes", "scorings", "findings", "worst_tokens", "thresholds", "verdict"):
+        assert key in back
+    assert len(back["worst_tokens"]["total"]) == 10 and {"sample", "position", "truncation"} <= set(
+        back["worst_tokens"]["total"][0]
+    )
+    assert (tmp_path / "audit" / "audit.png").stat().st_size > 0
+    assert report["thresholds"] == {"max_mismatch_kl": 1e-4, "max_abs_logprob_diff": 1e-3}
+
+
+def test_a_repetition_penalty_shows_and_replay_without_it_fails(tiny_checkpoint, tmp_path):
+    cfg = audit_config(tiny_checkpoint, tmp_path, rollout_repetition_penalty=1.5)
+    report = run_audit(cfg, AuditSettings())
+    assert report["causes"]["penalties"]["share"] > 0.01
+    scorings = report["scorings"]
+    assert not scorings["support_replay"]["pass"]  # replay of the support without the penalty
+    assert scorings["support_replay_with_penalties"]["pass"] and report["verdict"]["pass"]
+    assert report["settings"]["sent"] == ["repetition_penalty", "top_k", "top_p"]
+    assert not report["boundary_flips"]["checked"]
+
+
+def test_true_on_policy_mode_has_no_numerics_at_all(tiny_checkpoint, tmp_path):
+    cfg = audit_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True)
+    report = run_audit(cfg, AuditSettings())
+    numerics = report["causes"]["numerics"]
+    assert numerics["max_abs"] == 0.0 and numerics["share"] == 0.0
+    assert report["scorings"]["trainer"]["abs_diff_max"] == 0.0
+    assert report["thresholds"] == {"max_mismatch_kl": 0.0, "max_abs_logprob_diff": 0.0} and report["verdict"]["pass"]
+
+
+class HotterEngine:
+    """A stand-in engine that samples at temperature 0.7 whatever a request says. ``record``: it still sends
+    our sampler record (a proxy rewrote the request on its way), checked where it enters as every backend
+    does; else none, as SGLang and vLLM."""
+
+    def __init__(self, inner, record: bool):
+        self.inner, self.record, self.vocab_size = inner, record, inner.vocab_size
+
+    @property
+    def retries(self) -> int:
+        return self.inner.retries
+
+    def generate(self, requests, *, return_exceptions=False):
+        hot = [replace(r, params=replace(r.params, temperature=0.7)) for r in requests]
+        out = self.inner.generate(hot, return_exceptions=return_exceptions)
+        for req, c in zip(requests, out):
+            if isinstance(c, Completion):
+                if self.record:
+                    validate_completion(c, req, self.vocab_size)
+                c.sampler = None
+        return out
+
+
+@pytest.fixture
+def hotter_engine(monkeypatch):
+    def use(record: bool):
+        connect = audit_run.connect_backend
+
+        def hot(*args, **kwargs):
+            backend, engine = connect(*args, **kwargs)
+            return HotterEngine(backend, record), engine
+
+        monkeypatch.setattr(audit_run, "connect_backend", hot)
+
+    return use
+
+
+def test_an_engine_sampling_at_another_temperature_is_caught_by_name(tiny_checkpoint, tmp_path, hotter_engine):
+    hotter_engine(record=False)
+    report = run_audit(audit_config(tiny_checkpoint, tmp_path), AuditSettings())
+    named = [f for f in report["findings"] if f["setting"] == "temperature"]
+    assert named and "0.7000" in named[0]["evidence"], report["findings"]
+    assert abs(report["settings"]["observed"]["temperature"]["fitted"] - 0.7) < 1e-3
+    assert not report["verdict"]["pass"] and any(r.startswith("temperature:") for r in report["verdict"]["reasons"])
+
+
+def test_a_sampler_record_that_disagrees_fails_the_audit_closed(tiny_checkpoint, tmp_path, hotter_engine):
+    hotter_engine(record=True)
+    report = run_audit(audit_config(tiny_checkpoint, tmp_path), AuditSettings())
+    assert not report["verdict"]["pass"] and report["findings"][0]["setting"] == "sampler"
+    assert "temperature=0.7" in report["error"] and "the run's is 1.0" in report["error"]
+    assert read(tmp_path / "audit" / "audit.json")["verdict"]["pass"] is False
+
+
+def test_the_exit_status_is_the_verdict(tiny_checkpoint, tmp_path, capsys):
+    flags = ["audit", "--hf-checkpoint", str(tiny_checkpoint), "--output-dir", str(tmp_path / "cli"), "--no-progress"]
+    flags += [f"--{k.replace('_', '-')}={v}" for k, v in SHORT.items()]
+    assert main(flags) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert main([*flags, "--max-abs-logprob-diff", "0"]) == 1  # fp32 numerics are not zero
+    out = capsys.readouterr().out
+    assert "FAIL: max |log pi - log mu|" in out and "--max-abs-logprob-diff 0" in out
+    assert main([*flags, "--tensor-model-parallel-size", "2"]) == 2  # refused by name
+    assert "--tensor-model-parallel-size" in capsys.readouterr().err
