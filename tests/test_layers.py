@@ -57,7 +57,7 @@ def test_the_core_imports_torch_and_numpy_alone():
         }, (path.name, third_party)
 
 
-@pytest.mark.parametrize("layer", ["backends", "rollout", "train"])
+@pytest.mark.parametrize("layer", ["backends", "rollout", "train", "audit"])
 def test_only_the_in_process_paths_import_the_engine(layer):
     for path in sorted((PACKAGE / layer).glob("*.py")):
         rel = f"{layer}/{path.name}"

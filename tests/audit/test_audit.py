@@ -116,6 +116,8 @@ def test_an_engine_sampling_at_another_temperature_is_caught_by_name(tiny_checkp
     report = run_audit(audit_config(tiny_checkpoint, tmp_path), AuditSettings())
     named = [f for f in report["findings"] if f["setting"] == "temperature"]
     assert named and "0.7000" in named[0]["evidence"], report["findings"]
+    # compared at the temperature that sampled them, the supports are the declared filters': nothing else is found
+    assert len(report["findings"]) == 1 and abs(report["boundary_flips"]["temperature"] - 0.7) < 1e-3
     assert abs(report["settings"]["observed"]["temperature"]["fitted"] - 0.7) < 1e-3
     assert not report["verdict"]["pass"] and any(r.startswith("temperature:") for r in report["verdict"]["reasons"])
 
@@ -138,3 +140,40 @@ def test_the_exit_status_is_the_verdict(tiny_checkpoint, tmp_path, capsys):
     assert "FAIL: max |log pi - log mu|" in out and "--max-abs-logprob-diff 0" in out
     assert main([*flags, "--tensor-model-parallel-size", "2"]) == 2  # refused by name
     assert "--tensor-model-parallel-size" in capsys.readouterr().err
+
+
+def test_routing_and_weight_versions_are_checked(tiny_moe_checkpoint, tmp_path):
+    cfg = audit_config(tiny_moe_checkpoint, tmp_path, use_rollout_routing_replay=True)
+    report = run_audit(cfg, AuditSettings(expected_weight_version="7"))
+    routing = report["routing"]
+    assert routing["replayed"] and routing["choices_compared"] > 0
+    assert routing["agreement"] == 1.0 and routing["choices_differing"] == 0  # the same weights route the same
+    (stale,) = [f for f in report["findings"] if f["setting"] == "weight_version"]
+    assert "expected every token from weights '7'" in stale["evidence"] and "by 'default'" in stale["evidence"]
+    assert report["staleness"]["tokens_by_version"] == {"default": report["tokens"]} and not report["verdict"]["pass"]
+
+
+@pytest.mark.slow
+def test_the_audit_of_a_server_answering_as_sglang(tiny_checkpoint, tmp_path):
+    """SGLang's own sampler and payload code (tests/engines/sglang_standin.py) behind --rollout-url."""
+    import sys
+    from pathlib import Path
+
+    from processes import free_port, process
+
+    engines = Path(__file__).parents[1] / "engines"
+    sys.path.insert(0, str(engines))
+    import sglang_code
+
+    try:
+        sglang_code.load()
+    except sglang_code.Unavailable as exc:
+        pytest.skip(f"SGLang's code is not available here: {exc}")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, str(engines / "sglang_standin.py"), "--checkpoint", str(tiny_checkpoint), "--port"]
+    with process([*command, str(port)], url):
+        report = run_audit(audit_config(tiny_checkpoint, tmp_path, rollout_url=url), AuditSettings())
+    assert report["engine"]["name"] == "sglang" and report["settings"]["observed"]["sampler_records"] == []
+    assert report["causes"]["truncation"]["share"] > 0.95 and report["verdict"]["pass"], report["verdict"]
+    assert report["findings"] == [] and report["boundary_flips"]["checked"]

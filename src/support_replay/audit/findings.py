@@ -33,7 +33,7 @@ class Finding:
         return asdict(self)
 
 
-def _examples(scores, where: np.ndarray, limit: int = 5) -> list:
+def examples(scores, where: np.ndarray, limit: int = 5) -> list:
     at = np.flatnonzero(where)[:limit]
     return [{"sample": int(scores.sample[i]), "position": int(scores.position[i])} for i in at]
 
@@ -60,7 +60,7 @@ def filter_findings(scores, declared: dict, vocab: int, margin: float) -> tuple[
                     f"{int(over.sum())} supports have more ids than the declared top_k={k} (up to "
                     f"{int(ev['observed'].max())}): the engine's top_k is larger, or none",
                     int(over.sum()),
-                    _examples(scores, over),
+                    examples(scores, over),
                 )
             )
             drift |= over
@@ -74,7 +74,7 @@ def filter_findings(scores, declared: dict, vocab: int, margin: float) -> tuple[
                     f"{float(ev['kept_mass'][over].max()):.4f}) is above the declared top_p={top_p}: the engine's "
                     "top_p is larger, or none",
                     int(over.sum()),
-                    _examples(scores, over),
+                    examples(scores, over),
                 )
             )
             drift |= over
@@ -88,7 +88,7 @@ def filter_findings(scores, declared: dict, vocab: int, margin: float) -> tuple[
                     f"{float(ev['kept_ratio'][under].min()):.4g}, under the declared min_p={min_p}: the engine's min_p "
                     "is smaller, or none",
                     int(under.sum()),
-                    _examples(scores, under),
+                    examples(scores, under),
                 )
             )
             drift |= under
@@ -125,7 +125,7 @@ def _narrower(scores, declared: dict, vocab: int, margin: float) -> tuple[list[F
                 f"settings (top_k={k}) keep the next id at the trainer's logits: the engine applies top_k={largest} "
                 "(an engine default, such as a generation_config.json the run does not declare?)",
                 n,
-                _examples(scores, cut),
+                examples(scores, cut),
             )
         )
     kept_mass = float(ev["kept_mass"].max())
@@ -136,7 +136,7 @@ def _narrower(scores, declared: dict, vocab: int, margin: float) -> tuple[list[F
                 f"{n} supports stop before the declared top_p={top_p}: no kept id has an exclusive prefix mass above "
                 f"{kept_mass:.4f} and every id left out has more: the engine applies a top_p of about {kept_mass:.3f}",
                 n,
-                _examples(scores, cut),
+                examples(scores, cut),
             )
         )
     kept_ratio = float(ev["kept_ratio"].min())
@@ -147,7 +147,7 @@ def _narrower(scores, declared: dict, vocab: int, margin: float) -> tuple[list[F
                 f"{n} supports leave out ids above the declared min_p={min_p}: every kept id has p / p_max >= "
                 f"{kept_ratio:.4g} and every id left out less: the engine applies a min_p of about {kept_ratio:.3g}",
                 n,
-                _examples(scores, cut),
+                examples(scores, cut),
             )
         )
     if not out:
@@ -157,10 +157,18 @@ def _narrower(scores, declared: dict, vocab: int, margin: float) -> tuple[list[F
                 f"{n} supports leave out an id the declared settings keep at the trainer's logits, and no single "
                 "top_k, top_p or min_p explains them all (a logit bias, a grammar, another filter?)",
                 n,
-                _examples(scores, cut),
+                examples(scores, cut),
             )
         )
     return out, cut
+
+
+def residuals(scores, temperature: float) -> np.ndarray:
+    """``log mu`` minus the support score at ``temperature``, per token (0 on singletons)."""
+    import torch
+
+    log_mu = torch.from_numpy(scores.log_mu)
+    return temperature_residual(scores.support_logits, scores.support_valid, scores.column, log_mu, temperature).numpy()
 
 
 def temperature_finding(scores, temperature: float) -> tuple[Finding | None, dict]:
@@ -193,7 +201,7 @@ def temperature_finding(scores, temperature: float) -> tuple[Finding | None, dic
             f"{figures['rows']} supports of two ids or more), not at the declared {temperature} (mean |error| "
             f"{at['declared']:.2e}): the engine samples at another temperature",
             figures["rows"],
-            _examples(scores, informative.numpy()),
+            examples(scores, informative.numpy()),
         ),
         figures,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import uuid
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -75,7 +76,7 @@ def _refuse(cfg: RunConfig) -> None:
         )
 
 
-def _generate(cfg: RunConfig, settings: AuditSettings, backend, tokenizer, sent):
+def _generate(cfg: RunConfig, backend, tokenizer, sent):
     data, rollout = cfg.data, cfg.rollout
     task = load_prompts(
         data.prompt_data, data.input_key, data.label_key, seed=cfg.optimizer.seed, max_operand=data.task_max_operand
@@ -113,21 +114,31 @@ def run_audit(cfg: RunConfig, settings: AuditSettings) -> dict:
         close_distributed(ctx)
 
 
-def _audit(cfg: RunConfig, settings: AuditSettings, ctx) -> dict:
-    from transformers import AutoTokenizer
+@dataclass
+class Setup:
+    """What an audit runs on: the trainer's actor, the rollout source and what it says of itself."""
 
+    checkpoint: Path
+    actor: Actor
+    kernel: str
+    backend: object
+    engine: object  # the in-process engine, or None
+    identity: dict
+    semantics: str  # the filter and penalty semantics the engine samples with
+
+
+def _set_up(cfg: RunConfig, settings: AuditSettings, ctx) -> Setup:
     from ..modeling.checkpoints import smollm2_checkpoint
 
     checkpoint = Path(cfg.data.hf_checkpoint) if cfg.data.hf_checkpoint else smollm2_checkpoint()
-    replay = cfg.use_sampling_support_replay
     kernel = cfg.trainer_linear_kernel(ctx.device)
-    actor = Actor(
+    actor = Actor(  # the trainer's model as train builds it, without the optimizer's work
         checkpoint,
         ctx,
         lr=cfg.lr,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         weight_decay=cfg.weight_decay,
-        replay=replay,
+        replay=cfg.use_sampling_support_replay,
         full_with_grad=False,
         batch_invariant=cfg.true_on_policy_mode,
         penalties=cfg.rollout.penalties.active,
@@ -136,8 +147,7 @@ def _audit(cfg: RunConfig, settings: AuditSettings, ctx) -> dict:
         routing_replay=cfg.use_rollout_routing_replay,
     )
     identity = engine_identity(cfg)
-    penalties = cfg.rollout.penalties
-    semantics = identity["semantics"]
+    penalties, semantics = cfg.rollout.penalties, identity["semantics"]
     if penalties.active and cfg.engine.rollout_url:
         semantics = penalty_semantics_of(
             cfg.engine.rollout_url, cfg.engine.rollout_engine, penalties, Keys.load().header(admin=False)
@@ -154,108 +164,136 @@ def _audit(cfg: RunConfig, settings: AuditSettings, ctx) -> dict:
         routing_shape=actor.routing_shape,
         vllm_max_logprobs=settings.vllm_max_logprobs,
     )
+    return Setup(checkpoint, actor, kernel, backend, engine, identity, semantics)
+
+
+def _audit(cfg: RunConfig, settings: AuditSettings, ctx) -> dict:
+    from transformers import AutoTokenizer
+
+    setup = _set_up(cfg, settings, ctx)
     declared = declared_sampling(cfg.rollout)
     sent = sent_fields(declared, settings.send_neutral_sampling_settings)
     max_kl, max_abs = settings.thresholds(cfg.replay)
-    base = {
+    report = {
         "report_version": rep.REPORT_VERSION,
         "tool": {"name": "support-replay audit", "version": __version__},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "engine": identity,
-        "checkpoint": str(checkpoint),
+        "engine": setup.identity,
+        "checkpoint": str(setup.checkpoint),
         "thresholds": {"max_mismatch_kl": max_kl, "max_abs_logprob_diff": max_abs},
+        "settings": {"declared": declared, "sent": sorted(sent), "semantics": setup.semantics},
     }
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     try:
-        samples = _generate(cfg, settings, backend, tokenizer, sent)
+        samples = _generate(cfg, setup.backend, AutoTokenizer.from_pretrained(setup.checkpoint), sent)
     except SamplerMismatch as exc:  # the engine says it sampled with other settings: fail closed, by name
-        report = {**base, "settings": {"declared": declared, "sent": sorted(sent)}, "error": str(exc)}
+        report["error"] = str(exc)
         report["findings"] = [find.Finding("sampler", f"the engine's sampler record disagrees: {exc}", 0, []).to_json()]
         report["verdict"] = {"pass": False, "reasons": [f"sampler: {exc}"]}
         rep.write_json(report, cfg.output.output_dir)
         return report
     finally:
-        if engine is not None:
-            engine.shutdown()
+        if setup.engine is not None:
+            setup.engine.shutdown()
+    score = _scoring(cfg, setup, samples, ctx)
+    scores = score(cfg.rollout.sampling_params)
+    replay = cfg.use_sampling_support_replay
+    parts = rep.causes(scores, replay)
+    report.update(
+        trainer={
+            "dtype": cfg.train_dtype,
+            "linear_kernel": setup.kernel,
+            "head": score.head,
+            "replay": replay,
+            "true_on_policy_mode": cfg.true_on_policy_mode,
+        },
+        samples=len(samples),
+        tokens=int(len(scores.sample)),
+        causes=rep.cause_figures(parts, scores.full - scores.log_mu),
+        head_residual=rep.head_residual(scores, replay),
+        scorings=rep.scorings(scores, replay, cfg.rollout.penalties.active, max_kl, max_abs),
+    )
+    report["settings"]["observed"] = {"support": rep.support_figures(scores), "sampler_records": _records(samples)}
+    found = _findings(cfg, settings, report, samples, scores, parts, score, setup.actor.vocab_size)
+    report["routing"] = _routing(cfg, scores)
+    report["findings"] = [f.to_json() for f in found]
+    report["worst_tokens"] = {k: rep.worst_tokens(scores, parts, k) for k in ("total", "numerics")}
+    passed, reasons = rep.verdict(report)
+    report["verdict"] = {"pass": passed, "reasons": reasons}
+    rep.write(report, {"total": scores.full - scores.log_mu, **parts}, cfg.output.output_dir)
+    return report
+
+
+def _scoring(cfg: RunConfig, setup: Setup, samples, ctx):
+    """``score(params) -> TokenScores``: the trainer's forward over the samples in the run's micro-batches,
+    the filter evidence read against ``params`` (where it can be: no penalties)."""
     steps = plan_optimizer_steps(
         samples,
         global_batch=len(samples),
         micro_batch=cfg.parallel.micro_batch,
         rank=0,
         world=1,
-        replay=True,
+        replay=True,  # every batch carries its support, also where the trainer scores the full vocabulary
         device=ctx.device,
-        penalty_semantics=semantics,
+        penalty_semantics=setup.semantics,
         max_tokens=cfg.parallel.max_tokens_per_micro_batch,
         pack=cfg.pack_groups,
     )
-    trainer_scorer = actor.scorer(cfg.rollout_temperature)
-    evidence = not penalties.active  # supports were filtered on penalised logits: not comparable with the model's
-    scores = score_samples(actor, trainer_scorer, steps, samples, cfg.rollout.sampling_params, semantics, evidence)
-    parts = rep.causes(scores, replay)
-    report = {
-        **base,
-        "trainer": {
-            "dtype": cfg.train_dtype,
-            "linear_kernel": kernel,
-            "head": trainer_scorer.head,
-            "replay": replay,
-            "true_on_policy_mode": cfg.true_on_policy_mode,
-        },
-        "samples": len(samples),
-        "tokens": int(len(scores.sample)),
-        "settings": {
-            "declared": declared,
-            "sent": sorted(sent),
-            "semantics": semantics,
-            "observed": {"support": rep.support_figures(scores), "sampler_records": _records(samples)},
-        },
-        "causes": rep.cause_figures(parts, scores.full - scores.log_mu),
-        "head_residual": rep.head_residual(scores, replay),
-        "scorings": rep.scorings(scores, replay, penalties.active, max_kl, max_abs),
-    }
+    trainer_scorer = setup.actor.scorer(cfg.rollout_temperature)
+    evidence = not cfg.rollout.penalties.active  # penalised supports are not comparable with the model's filter
+
+    def score(params):
+        return score_samples(setup.actor, trainer_scorer, steps, samples, params, setup.semantics, evidence)
+
+    score.head, score.evidence = trainer_scorer.head, evidence
+    return score
+
+
+def _findings(cfg, settings, report, samples, scores, parts, score, vocab: int) -> list:
+    """Temperature first: where log mu says the engine sampled at another temperature, the supports are
+    compared with the declared filters at that temperature, so that what is found there is what remains."""
     found = []
-    margin = find.margin_of(parts["numerics"])
-    if evidence:
-        drift, flips = find.filter_findings(scores, declared, actor.vocab_size, margin)
+    temperature, figures = find.temperature_finding(scores, cfg.rollout_temperature)
+    report["settings"]["observed"]["temperature"] = figures
+    found += [temperature] if temperature else []
+    if score.evidence:
+        compared, declared, numerics = scores, dict(report["settings"]["declared"]), parts["numerics"]
+        if temperature is not None:  # the numerics there are what log mu leaves unexplained at that temperature
+            declared["temperature"] = figures["fitted"]
+            compared = score(replace(cfg.rollout.sampling_params, temperature=figures["fitted"]))
+            numerics = find.residuals(scores, figures["fitted"])
+        margin = find.margin_of(numerics)
+        drift, flips = find.filter_findings(compared, declared, vocab, margin)
+        if temperature is not None:
+            at = f" (supports compared at the fitted temperature {figures['fitted']:.4f})"
+            drift = [replace(f, evidence=f.evidence + at) for f in drift]
         found += drift
         report["boundary_flips"] = {
             "checked": True,
+            "temperature": declared["temperature"],
             "tokens": int(flips.sum()),
             "share": float(flips.mean()),
             "margin": margin,
-            "examples": find._examples(scores, flips),
+            "examples": find.examples(compared, flips),
         }
     else:
         report["boundary_flips"] = {
             "checked": False,
             "why": "the supports were filtered on penalised logits; the filters are compared on the model's own",
         }
-    temperature, figures = find.temperature_finding(scores, cfg.rollout_temperature)
-    report["settings"]["observed"]["temperature"] = figures
-    found += [temperature] if temperature else []
     stale, report["staleness"] = find.staleness(samples, settings.expected_weight_version)
-    found += [stale] if stale else []
+    return found + ([stale] if stale else [])
+
+
+def _routing(cfg: RunConfig, scores) -> dict:
+    if not cfg.use_rollout_routing_replay:
+        return {"replayed": False}
     same, compared = scores.routing
-    report["routing"] = (
-        {
-            "replayed": True,
-            "choices_compared": compared,
-            "agreement": same / compared if compared else None,
-            "choices_differing": compared - same,
-        }
-        if cfg.use_rollout_routing_replay
-        else {"replayed": False}
-    )
-    report["findings"] = [f.to_json() for f in found]
-    report["worst_tokens"] = {
-        "total": rep.worst_tokens(scores, parts, "total"),
-        "numerics": rep.worst_tokens(scores, parts, "numerics"),
+    return {
+        "replayed": True,
+        "choices_compared": compared,
+        "agreement": same / compared if compared else None,
+        "choices_differing": compared - same,
     }
-    passed, reasons = rep.verdict(report)
-    report["verdict"] = {"pass": passed, "reasons": reasons}
-    rep.write(report, {"total": scores.full - scores.log_mu, **parts}, cfg.output.output_dir)
-    return report
 
 
 def _records(samples) -> list[dict]:
