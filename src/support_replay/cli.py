@@ -187,9 +187,8 @@ def _audit(args: argparse.Namespace) -> int:
     from .train.config import config_from_args
 
     cfg = config_from_args(args)
-    settings = AuditSettings(
-        **{k: getattr(args, k) for k in AuditSettings.model_fields if getattr(args, k) is not None}
-    )
+    given = {k: getattr(args, k) for k in AuditSettings.model_fields if getattr(args, k) is not None}
+    settings = AuditSettings.from_flags(**given)
     report = run_audit(cfg, settings)
     print(summary(report))
     print(f"report: {cfg.output.output_dir}/audit.json, plot: {cfg.output.output_dir}/audit.png", flush=True)

@@ -177,3 +177,14 @@ def test_the_audit_of_a_server_answering_as_sglang(tiny_checkpoint, tmp_path):
     assert report["engine"]["name"] == "sglang" and report["settings"]["observed"]["sampler_records"] == []
     assert report["causes"]["truncation"]["share"] > 0.95 and report["verdict"]["pass"], report["verdict"]
     assert report["findings"] == [] and report["boundary_flips"]["checked"]
+
+
+def test_bad_flags_and_an_unreachable_engine_are_errors_by_name(tiny_checkpoint, tmp_path, capsys):
+    base = ["audit", "--hf-checkpoint", str(tiny_checkpoint), "--output-dir", str(tmp_path / "cli")]
+    assert main([*base, "--max-mismatch-kl", "-1"]) == 2
+    assert "--max-mismatch-kl=-1.0" in capsys.readouterr().err
+    assert main([*base, "--rollout-top-k", "-1", "--rollout-top-p", "1.0"]) == 2  # nothing bounds the support
+    assert "only vLLM's processed log-probs reveal" in capsys.readouterr().err
+    assert main([*base, "--rollout-url", "http://127.0.0.1:9"]) == 2
+    assert "--rollout-url http://127.0.0.1:9: no usable answer" in capsys.readouterr().err
+    assert not (tmp_path / "cli" / "audit.json").exists()  # nothing half-written

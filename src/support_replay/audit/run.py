@@ -19,7 +19,7 @@ import httpx
 import torch
 
 from .. import __version__
-from ..errors import ConfigError, SamplerMismatch
+from ..errors import ConfigError, EngineUnavailable, SamplerMismatch
 from ..protocol import DEFAULT_WEIGHT_VERSION
 from ..rollout import generate_samples, load_prompts, load_reward
 from ..serving.security import Keys
@@ -39,14 +39,10 @@ def engine_identity(cfg: RunConfig) -> dict:
     url, protocol = cfg.engine.rollout_url, cfg.engine.rollout_engine
     if not url:
         return {"name": "support-replay (in-process)", "version": __version__, "semantics": cfg.sampling_semantics}
-    headers = Keys.load().header(admin=False)
-    base = url.rstrip("/")
     if protocol == "vllm":
-        reply = httpx.get(base + "/version", timeout=30, headers=headers)
-        version = reply.json().get("version") if reply.status_code == 200 else None
+        version = _get(url, "/version").get("version")
         return {"name": "vllm", "url": url, "version": version, "semantics": "vllm"}
-    reply = httpx.get(base + "/server_info", timeout=30, headers=headers)
-    info = reply.json() if reply.status_code == 200 else {}
+    info = _get(url, "/server_info")
     ours = "semantics" in info  # our serve (or a router in front of it) says its own
     return {
         "name": "support-replay serve" if ours else "sglang",
@@ -54,6 +50,16 @@ def engine_identity(cfg: RunConfig) -> dict:
         "version": info.get("version"),
         "semantics": info.get("semantics", "sglang"),
     }
+
+
+def _get(url: str, path: str) -> dict:
+    """The JSON object an engine answers at ``path`` ({} where it has no such route)."""
+    try:
+        reply = httpx.get(url.rstrip("/") + path, timeout=30, headers=Keys.load().header(admin=False))
+        info = reply.json() if reply.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError) as exc:
+        raise EngineUnavailable(f"--rollout-url {url}: no usable answer at {path} ({exc})") from exc
+    return info if isinstance(info, dict) else {}
 
 
 def _refuse(cfg: RunConfig) -> None:

@@ -12,8 +12,9 @@ promises bitwise equality: 0 and 0.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..errors import ConfigError
 from ..protocol import SAMPLING_FIELDS, settings_by_field
 
 FP32_MAX_MISMATCH_KL = 1e-4
@@ -62,6 +63,16 @@ class AuditSettings(BaseModel):
         description="processed log-probs asked per token when the run declares no top_k (-1: every id; the vLLM "
         "server needs --max-logprobs -1)",
     )
+
+    @classmethod
+    def from_flags(cls, **values) -> AuditSettings:
+        """The settings from flag values; a bad one is a ``ConfigError`` naming the flag and the value."""
+        from ..train.config import describe_validation
+
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            raise ConfigError(describe_validation(exc)) from None
 
     def thresholds(self, replay) -> tuple[float, float]:
         """``(max mismatch KL, max |log pi - log mu|)``: the flags, or the defaults of the run's dtypes."""

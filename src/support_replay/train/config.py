@@ -86,7 +86,7 @@ class RunConfig(BaseModel):
         try:
             super().__init__(**_by_section(values))
         except ValidationError as exc:
-            raise ConfigError(_describe(exc)) from None
+            raise ConfigError(describe_validation(exc)) from None
 
     def __getattr__(self, name: str):
         section = FIELD_SECTION.get(name) or DERIVED.get(name)
@@ -346,7 +346,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return cfg
 
 
-def _describe(exc: ValidationError) -> str:
+def describe_validation(exc: ValidationError) -> str:
     """The first error of a pydantic validation, as ``--flag=value: why``."""
     err = exc.errors()[0]
     if "error" in err.get("ctx", {}):  # a rule of ours: its message already names the flag and the value
