@@ -296,6 +296,9 @@ class Actor:
                 fully_shard(layer, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
         self.optimizer = adamw(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        self.scheduler = None  # the learning-rate schedule (train/schedule.py), stepped after every optimizer step
+        self.schedule: dict | None = None  # its settings, which a checkpoint keeps and a resume must match
+        self.last_lr = lr  # the learning rate of the last optimizer step
 
     @property
     def vocab_size(self) -> int:
@@ -320,8 +323,11 @@ class Actor:
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             return None
+        self.last_lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
         return norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

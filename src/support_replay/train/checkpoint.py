@@ -1,4 +1,4 @@
-"""Checkpoints: model, optimizer, RNG and the data position; resume continues exactly.
+"""Checkpoints: model, optimizer, learning-rate schedule, RNG and the data position; resume continues exactly.
 
 A checkpoint is written under a temporary name, every file fsynced, a manifest of SHA-256
 sums written last, the directory renamed into place and its parent fsynced: a crash at any
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
-from ..errors import SupportReplayError
+from ..errors import ConfigError, SupportReplayError
 from .weights import save_safetensors
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,10 @@ def save_checkpoint(directory: Path, rollout: int, actor, ctx, extra: dict) -> P
         if staging.exists():
             shutil.rmtree(staging)
         save_safetensors(model_state, staging)
-        torch.save({"optimizer": optim_state, "rng": _rng_state()}, staging / "trainer.pt")
+        schedule = (
+            {"settings": actor.schedule, "state": actor.scheduler.state_dict()} if actor.scheduler is not None else None
+        )
+        torch.save({"optimizer": optim_state, "scheduler": schedule, "rng": _rng_state()}, staging / "trainer.pt")
         (staging / "state.json").write_text(json.dumps({"rollout": rollout, **extra}, indent=2))
         files = sorted(p for p in staging.iterdir() if p.is_file())
         for path in files:
@@ -138,8 +141,22 @@ def load_checkpoint(path: Path, actor) -> dict:
     set_optimizer_state_dict(
         actor.model, actor.optimizer, trainer["optimizer"], options=StateDictOptions(full_state_dict=True)
     )
+    _load_schedule(path, actor, trainer.get("scheduler"))
     _set_rng_state(trainer["rng"])
     return json.loads((path / "state.json").read_text())
+
+
+def _load_schedule(path: Path, actor, saved: dict | None) -> None:
+    """The learning-rate schedule goes on where it was, if it is the run's (Megatron checks the same)."""
+    mine = actor.schedule if actor.scheduler is not None else None
+    theirs = saved["settings"] if saved is not None else None
+    if mine != theirs:
+        raise ConfigError(
+            f"checkpoint {path}: saved with the learning-rate schedule {theirs}, this run's is {mine}; resume with "
+            "the same --lr, --lr-warmup-*, --lr-decay-*, --min-lr and run length (or give --lr-decay-iters)"
+        )
+    if saved is not None:
+        actor.scheduler.load_state_dict(saved["state"])
 
 
 def save_if_due(directory: str, interval: int, rollout: int, actor, ctx, row: dict) -> None:

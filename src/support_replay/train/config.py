@@ -274,7 +274,8 @@ def _by_section(values: dict) -> dict:
 # ---- flags -----------------------------------------------------------------------------
 
 
-FLAG_ALIASES = {"agent_path": ("--custom-agent-function-path",)}  # the reference implementation's name
+# the reference implementation's names ("optimizer" is also a section's name, so the field is optimizer_name)
+FLAG_ALIASES = {"agent_path": ("--custom-agent-function-path",), "optimizer_name": ("--optimizer",)}
 
 
 def _field_type(annotation):

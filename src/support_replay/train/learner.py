@@ -27,6 +27,7 @@ from .batches import MicroBatch, OptimizerStep, plan_optimizer_steps
 from .config import RunConfig
 from .dist import all_reduce_sum, gather_by_index
 from .layout import parallel_layout
+from .schedule import lr_scheduler, warmup_steps
 from .scorer import Outputs, Scorer
 from .sections import AgentConfig, OptimizerConfig, ParallelConfig, ReplayConfig, RolloutConfig
 
@@ -66,6 +67,7 @@ class UpdateMetrics:
     entropy: float
     grad_norm: float
     optimizer_steps: int
+    lr: float  # the learning rate of the rollout's last optimizer step
     score_centering_drift: float | None = None  # mean over trained tokens of |A| sum_v |q_v w_v - p_v sum_u q_u w_u|
 
     def row(self) -> dict:
@@ -73,7 +75,7 @@ class UpdateMetrics:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
     @staticmethod
-    def mean(steps: list[tuple[StepSums, float]], centering: bool = False) -> UpdateMetrics:
+    def mean(steps: list[tuple[StepSums, float]], lr: float, centering: bool = False) -> UpdateMetrics:
         """From ``(sums, grad norm)`` per optimizer step: per-token means, averaged over steps (the drift
         only where score centering measured it)."""
         n = len(steps)
@@ -84,6 +86,7 @@ class UpdateMetrics:
             entropy=sum(s.entropy / max(s.tokens, 1) for s, _ in steps) / n,
             grad_norm=sum(norm for _, norm in steps) / n,
             optimizer_steps=n,
+            lr=lr,
             score_centering_drift=sum(s.sc_drift / max(s.tokens, 1) for s, _ in steps) / n if centering else None,
         )
 
@@ -132,6 +135,7 @@ class Learner:
         torch.manual_seed(self.optimizer_cfg.seed)
         self.linear_kernel = linear_kernel  # the actor's, the reference's and the lagged scorer's forward
         self.actor, self.reference = self._models(checkpoint_path)
+        self.actor.scheduler = self._lr_schedule()
         self.temperature = self.rollout_cfg.rollout_temperature
         self._build_scorers()
         self.pack = pack  # decided once: the rule reads the rollout's penalties (a file for a logit bias)
@@ -181,6 +185,27 @@ class Learner:
             else None
         )
         return actor, reference
+
+    def _lr_schedule(self):
+        """The run's learning-rate schedule over its optimizer steps (train/schedule.py)."""
+        opt, rollout = self.optimizer_cfg, self.rollout_cfg
+        per_rollout = max(
+            rollout.rollout_batch_size * rollout.n_samples_per_prompt // self.parallel_cfg.global_batch_size, 1
+        )
+        total = rollout.num_rollout * per_rollout
+        warmup = warmup_steps(total, opt.lr_warmup_iters, opt.lr_warmup_fraction)
+        end = opt.lr_decay_iters if opt.lr_decay_iters is not None else total
+        if opt.lr_decay_style != "constant" and end <= warmup:
+            raise ConfigError(
+                f"--lr-decay-iters={end}: the decay must end after the {warmup} warmup steps (the run has {total} "
+                "optimizer steps)"
+            )
+        if warmup < 2 and opt.lr_decay_style == "constant":
+            return None  # the learning rate never changes
+        self.actor.schedule = dict(
+            lr=opt.lr, warmup=warmup, decay_style=opt.lr_decay_style, decay_end=end, min_lr=opt.min_lr
+        )
+        return lr_scheduler(self.actor.optimizer, **self.actor.schedule)
 
     def _build_scorers(self) -> None:
         # every pass's scoring function, chosen now (train/scorer.py); which one runs depends on whether this
@@ -356,7 +381,7 @@ class Learner:
                 self._agreement = self._take_agreement()  # fused: this forward was the old policy's
             per_step.append((result.sums, self.optimizer_step(r)))  # stops on a NaN gradient, before the step
         self._take_agreement()  # what later steps' forwards saw is not the old policy's
-        return UpdateMetrics.mean(per_step, self.optimizer_cfg.use_score_centering), old
+        return UpdateMetrics.mean(per_step, self.actor.last_lr, self.optimizer_cfg.use_score_centering), old
 
     def backward(
         self, rollout: int, step: OptimizerStep, samples: list[Sample], old: OldScores, advantages: torch.Tensor

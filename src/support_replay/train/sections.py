@@ -436,6 +436,21 @@ class OptimizerConfig(Section):
         description="learning rate (AdamW); the default suits the built-in demo (a 135M model, 20 updates), large "
         "models train at about 1e-6",
     )
+    optimizer_name: Literal["adam"] = Field(
+        "adam",
+        description="also --optimizer: adam is AdamW, decoupled weight decay (Megatron's, slime's and Miles' adam)",
+    )
+    lr_warmup_iters: int = Field(0, ge=0, description="optimizer steps of linear warmup to --lr")
+    lr_warmup_fraction: float | None = Field(
+        None, ge=0, le=1, description="the warmup as a fraction of the run's optimizer steps (instead of iters)"
+    )
+    lr_decay_style: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="after the warmup: keep --lr, or decay it linearly or by a cosine to --min-lr"
+    )
+    lr_decay_iters: int | None = Field(
+        None, ge=1, description="the optimizer step at which the decay reaches --min-lr (default: the run's last)"
+    )
+    min_lr: float = Field(0.0, ge=0, description="the learning rate the decay ends at")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_beta1: float = Field(0.9, description="AdamW beta1")
     adam_beta2: float = Field(0.98, description="AdamW beta2")
@@ -493,6 +508,7 @@ class OptimizerConfig(Section):
 
     @model_validator(mode="after")
     def _check(self):
+        self._check_schedule()
         if self.use_kl_loss and self.kl_loss_coef <= 0:
             bad("kl_loss_coef", self.kl_loss_coef, "must be > 0 with --use-kl-loss")
         if self.kl_loss_coef > 0 and not self.use_kl_loss:
@@ -527,6 +543,25 @@ class OptimizerConfig(Section):
                 "and there is nothing to correct",
             )
         return self
+
+    def _check_schedule(self) -> None:
+        defaults = type(self).model_fields
+        if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
+            bad(
+                "lr_warmup_fraction", self.lr_warmup_fraction, f"and --lr-warmup-iters={self.lr_warmup_iters}: give one"
+            )
+        if self.min_lr > self.lr:
+            bad("min_lr", self.min_lr, f"is above --lr={self.lr}")
+        if self.lr_decay_style == "constant":
+            for name in ("lr_decay_iters", "min_lr"):
+                if getattr(self, name) != defaults[name].default:
+                    bad(name, getattr(self, name), "has no effect with --lr-decay-style constant")
+        if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
+            bad(
+                "lr_decay_iters",
+                self.lr_decay_iters,
+                f"must be after the warmup (--lr-warmup-iters={self.lr_warmup_iters})",
+            )
 
 
 class ReplayConfig(Section):
