@@ -50,3 +50,48 @@ def test_custom_reward_loading():
     assert load_reward("math", None) is math_reward
     with pytest.raises(SupportReplayError, match="--custom-rm-path='nope:x'"):
         load_reward(None, "nope:x")
+
+
+MATH_VERIFY_TABLE = [
+    # (label, response, reward): LaTeX fractions, \boxed{}, plain numbers, units, wrong answers
+    ("\\frac{1}{2}", "so the answer is $\\boxed{\\frac{1}{2}}$", 1.0),
+    ("\\frac{1}{2}", "the probability is 0.5", 1.0),
+    ("3/4", "We get \\boxed{\\dfrac{3}{4}}.", 1.0),
+    ("42", "12 + 30 = 42", 1.0),
+    ("42", "The answer is \\boxed{42}", 1.0),
+    ("10", "The total is $10 dollars.", 1.0),
+    ("\\sqrt{2}", "the side is $\\sqrt{2}$", 1.0),
+    ("42", "I think it is 41", 0.0),
+    ("\\frac{1}{2}", "\\boxed{\\frac{1}{3}}", 0.0),
+    ("7", "no number at all", 0.0),
+    (None, "\\boxed{7}", 0.0),
+]
+
+
+@pytest.mark.parametrize("label, response, reward", MATH_VERIFY_TABLE)
+def test_math_verify_reward(label, response, reward):
+    pytest.importorskip("math_verify")
+    fn = load_reward("math-verify", None)
+    assert fn("prompt", response, label) == reward
+
+
+def test_math_verify_runs_off_the_main_thread_too():
+    """Asynchronous rollouts reward on a background thread, where math-verify has no signal-based timeout."""
+    pytest.importorskip("math_verify")
+    import threading
+
+    fn, got = load_reward("math-verify", None), []
+    worker = threading.Thread(target=lambda: got.append(fn("p", "\\boxed{\\frac{2}{4}}", "\\frac{1}{2}")))
+    worker.start()
+    worker.join()
+    assert got == [1.0]
+
+
+def test_math_verify_not_installed_is_refused_by_name(monkeypatch):
+    import sys
+
+    from support_replay.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    with pytest.raises(ConfigError, match="--rm-type=math-verify: the math-verify package is not installed"):
+        load_reward("math-verify", None)

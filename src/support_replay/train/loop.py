@@ -22,6 +22,7 @@ from .learner import Learner
 from .metrics import MetricsLog, Timings, rollout_metrics
 from .producer import RolloutProducer
 from .rollouts import Rollouts
+from .trackers import Trackers
 from .versions import PolicyVersions, policy_version
 from .weights import make_weight_sync
 
@@ -39,8 +40,14 @@ def train(cfg: RunConfig) -> list[dict]:
 
 def _run(cfg: RunConfig, ctx) -> list[dict]:
     learner, rollouts, versions, checks, start = _set_up(cfg, ctx)
+    trackers = Trackers(cfg.output, cfg.flat(), enabled=ctx.is_main, start=start)
     log = MetricsLog(
-        Path(cfg.output.output_dir), cfg.rollout.num_rollout, start, progress=cfg.output.progress, enabled=ctx.is_main
+        Path(cfg.output.output_dir),
+        cfg.rollout.num_rollout,
+        start,
+        progress=cfg.output.progress,
+        enabled=ctx.is_main,
+        trackers=trackers,
     )
     # a rollout in flight at a crash is generated again on resume
     producer = RolloutProducer(rollouts, cfg.production, cfg.rollout.num_rollout, ctx)

@@ -93,9 +93,12 @@ def read_rows(path: Path) -> list[dict]:
 
 
 class MetricsLog:
-    def __init__(self, directory: Path, total: int, start: int = 0, progress: bool = True, enabled: bool = True):
+    def __init__(
+        self, directory: Path, total: int, start: int = 0, progress: bool = True, enabled: bool = True, trackers=None
+    ):
         self.path = Path(directory) / "metrics.jsonl"
         self.enabled = enabled
+        self.trackers = trackers  # W&B / TensorBoard beside the JSONL (train/trackers.py), or None
         self.rows: list[dict] = []
         self.bar = None
         if enabled:
@@ -116,6 +119,8 @@ class MetricsLog:
         self.rows.append(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        if self.trackers is not None:
+            self.trackers.log(row)
         if row.get("skipped"):
             print(
                 f"step {row['rollout']}: skipped, every group dropped ({row.get('failed_samples', 0)} responses "
@@ -138,6 +143,8 @@ class MetricsLog:
     def close(self) -> Path | None:
         if self.bar is not None:
             self.bar.close()
+        if self.trackers is not None:
+            self.trackers.close()
         if not self.enabled or not self.rows:
             return None
         return plot(self.rows, self.path.with_name("metrics.png"))

@@ -59,7 +59,11 @@ class DataConfig(Section):
     input_key: str = Field("prompt", description="field holding the prompt (a string, or a list of chat messages)")
     label_key: str = Field("label", description="field holding the reference answer")
     apply_chat_template: bool = Field(False, description="render prompts with the tokenizer's chat template")
-    rm_type: Literal["math"] | None = Field("math", description="built-in reward: math = final-answer check")
+    rm_type: Literal["math", "math-verify"] | None = Field(
+        "math",
+        description="built-in reward: math = the final number or \\boxed{} equals the label; math-verify = Hugging "
+        "Face's math-verify (LaTeX, fractions, \\boxed{}, units)",
+    )
     custom_rm_path: str | None = Field(
         None, description="custom reward 'module:function(prompt, response, label) -> float'"
     )
@@ -671,9 +675,27 @@ class OutputConfig(Section):
     save_interval: int | None = Field(None, ge=1, description="checkpoint every N rollouts")
     resume: bool = Field(False, description="continue from the latest checkpoint in --save")
     progress: bool = Field(True, description="progress bar on the console")
+    use_wandb: bool = Field(False, description="log every metric and the config to Weights & Biases (rank 0)")
+    wandb_project: str = Field("support-replay", description="the W&B project")
+    wandb_group: str | None = Field(None, description="the W&B run group")
+    wandb_run_name: str | None = Field(None, description="the W&B run name (default: W&B's)")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode (default: $WANDB_MODE, else W&B's own: online); offline writes the run locally"
+    )
+    wandb_dir: str | None = Field(None, description="where W&B writes its files (default: --output-dir)")
+    use_tensorboard: bool = Field(False, description="log every metric to TensorBoard event files (rank 0)")
+    tensorboard_dir: str | None = Field(
+        None, description="the event files' directory (default: OUTPUT_DIR/tensorboard)"
+    )
 
     @model_validator(mode="after")
     def _check(self):
+        defaults = type(self).model_fields
+        for name in ("wandb_project", "wandb_group", "wandb_run_name", "wandb_mode", "wandb_dir"):
+            if getattr(self, name) != defaults[name].default and not self.use_wandb:
+                bad(name, getattr(self, name), "has no effect without --use-wandb")
+        if self.tensorboard_dir is not None and not self.use_tensorboard:
+            bad("tensorboard_dir", self.tensorboard_dir, "has no effect without --use-tensorboard")
         if self.resume and not self.save:
             bad("resume", True, "needs --save DIR to resume from")
         if self.save_interval and not self.save:
