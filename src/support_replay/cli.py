@@ -486,6 +486,15 @@ def _local_run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["train"], ["audit"]):
+        from .train.reference_flags import refusals
+
+        refused = refusals(argv[1:])
+        if refused:  # the reference implementation's flags this trainer does not take: all of them, at once
+            lines = "\n".join(f"  {r}" for r in refused)
+            print(f"support-replay: error: flags this trainer does not take (remove them):\n{lines}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -151,6 +151,7 @@ def _set_up(cfg: RunConfig, settings: AuditSettings, ctx) -> Setup:
         compute_dtype=getattr(torch, cfg.train_dtype),
         linear_kernel=kernel,
         routing_replay=cfg.use_rollout_routing_replay,
+        attn_implementation=cfg.attn_implementation,
     )
     identity = engine_identity(cfg)
     penalties, semantics = cfg.rollout.penalties, identity["semantics"]

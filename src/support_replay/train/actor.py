@@ -203,8 +203,10 @@ def load_scoring_model(
     batch_invariant: bool = False,
     compute_dtype: torch.dtype = torch.float32,
     linear_kernel: str = "torch",
+    attn_implementation: str = "sdpa",
 ) -> ScoringModel:
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    hf = hf.to(device)
     hf.config.use_cache = False
     return ScoringModel(hf, batch_invariant, compute_dtype, linear_kernel)
 
@@ -259,11 +261,14 @@ class Actor:
         compute_dtype: torch.dtype = torch.float32,
         linear_kernel: str = "torch",
         routing_replay: bool = False,
+        attn_implementation: str = "sdpa",
     ):
         self.ctx = ctx
         self.replay = replay
         self.layout = layout or ParallelLayout()
-        self.model = load_scoring_model(path, ctx.device, batch_invariant, compute_dtype, linear_kernel)
+        self.model = load_scoring_model(
+            path, ctx.device, batch_invariant, compute_dtype, linear_kernel, attn_implementation
+        )
         hf = self.model.hf
         if routing_replay and self.model.routing is None:
             raise ConfigError(

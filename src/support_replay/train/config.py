@@ -120,6 +120,11 @@ class RunConfig(BaseModel):
             return "penalties and logit bias are replayed over each sequence's own history, one sequence per row"
         if self.parallel.context_parallel_size > 1:
             return "context parallelism splits one sequence per row by position"
+        if self.replay.attn_implementation != "sdpa" and not self.replay.true_on_policy_mode:
+            return (
+                "packed rows take each sequence's keys apart in the sdpa attention, not in "
+                f"{self.replay.attn_implementation}"
+            )
         return None
 
     # ---- rules that join sections (each section checks its own) ----------------------
@@ -213,6 +218,12 @@ class RunConfig(BaseModel):
                 split,
                 getattr(self.parallel, split),
                 "true-on-policy mode needs the engine's batch-invariant kernels, which run on one rank",
+            )
+        if self.parallel.context_parallel_size > 1 and self.replay.attn_implementation != "sdpa":
+            bad(
+                "attn_implementation",
+                self.replay.attn_implementation,
+                "context parallelism runs its own attention over the gathered keys and values",
             )
         if self.parallel.packed_scoring == "on" and self._packing_conflict():
             bad("packed_scoring", "on", f"{self._packing_conflict()}: use --packed-scoring off or auto")

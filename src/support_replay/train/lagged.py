@@ -42,12 +42,13 @@ class LaggedScorer:
         pack: bool = False,
         linear_kernel: str = "torch",
         routing_replay: bool = False,
+        attn_implementation: str = "sdpa",
     ):
         self.keep, self.sparse, self.temperature, self.device = keep, sparse, temperature, device
         self.micro_batch, self.max_tokens, self.pack = micro_batch, max_tokens, pack
         self.states: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self.model = (
-            load_scoring_model(checkpoint, device, batch_invariant, compute_dtype, linear_kernel)
+            load_scoring_model(checkpoint, device, batch_invariant, compute_dtype, linear_kernel, attn_implementation)
             .eval()
             .requires_grad_(False)
         )
@@ -122,4 +123,5 @@ def lagged_scorer(learner, ctx, checkpoint, *, max_policy_lag: int, ci_test: boo
         pack=learner.pack,
         linear_kernel=learner.linear_kernel,
         routing_replay=learner.actor.model.replay_routing,
+        attn_implementation=learner.replay_cfg.attn_implementation,
     )

@@ -142,6 +142,7 @@ class Learner:
 
     def _check_layout(self, dp: int) -> None:
         """What the data-parallel layout needs of the batches: the same number of micro-batches on every rank."""
+        self.parallel_cfg.check_world(self.ctx.world)  # Miles' --actor-num-* against the torchrun world
         if self.parallel_cfg.global_batch_size % dp:
             raise ConfigError(
                 f"--global-batch-size={self.parallel_cfg.global_batch_size}: must be a multiple of the {dp} "
@@ -171,6 +172,7 @@ class Learner:
             compute_dtype=getattr(torch, self.replay_cfg.train_dtype),
             linear_kernel=self.linear_kernel,
             routing_replay=self.replay_cfg.use_rollout_routing_replay,
+            attn_implementation=self.replay_cfg.attn_implementation,
         )
         reference = (
             load_scoring_model(
@@ -178,6 +180,7 @@ class Learner:
                 ctx.device,
                 compute_dtype=actor.model.compute_dtype,
                 linear_kernel=self.linear_kernel,
+                attn_implementation=self.replay_cfg.attn_implementation,
             )
             .eval()
             .requires_grad_(False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer
 
 from ..modeling.checkpoints import smollm2_checkpoint
@@ -32,9 +33,12 @@ __all__ = ["policy_version", "train"]
 def train(cfg: RunConfig) -> list[dict]:
     """Run ``cfg`` to the end; returns the metrics rows (rank 0)."""
     ctx = init_distributed()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic or cfg.replay.deterministic_mode)  # --deterministic-mode
     try:
         return _run(cfg, ctx)
     finally:
+        torch.use_deterministic_algorithms(deterministic)
         close_distributed(ctx)
 
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, computed_field, 
 
 from ..core.penalties import Penalties
 from ..core.sampling import SamplingParams
-from ..errors import SamplingParamsError
+from ..errors import ConfigError, SamplingParamsError
 from ..modeling.linear_kernels import LINEAR_KERNEL_HELP
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 
@@ -366,6 +366,18 @@ class ParallelConfig(Section):
     TITLE: ClassVar[str] = "batches and parallelism"
 
     global_batch_size: int = Field(32, ge=1, description="samples per optimizer step")
+    train_backend: Literal["fsdp", "megatron"] = Field(
+        "fsdp", description="fsdp: the trainer is FSDP2 over torchrun ranks, with DTensor TP and CP (Miles' name)"
+    )
+    actor_num_nodes: int | None = Field(
+        None,
+        ge=1,
+        description="Miles' layout: nodes of trainer ranks; with --actor-num-gpus-per-node, checked "
+        "against the torchrun world the run starts in",
+    )
+    actor_num_gpus_per_node: int | None = Field(
+        None, ge=1, description="Miles' layout: trainer ranks per node (processes on a CPU)"
+    )
     tensor_model_parallel_size: int = Field(
         1,
         ge=1,
@@ -426,7 +438,30 @@ class ParallelConfig(Section):
             )
         if self.micro_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             bad("micro_batch_size", self.micro_batch_size, f"must divide --global-batch-size={self.global_batch_size}")
+        if self.train_backend == "megatron":
+            bad("train_backend", "megatron", "the trainer is FSDP2 (with DTensor TP and CP): use --train-backend fsdp")
+        if (self.actor_num_nodes is None) != (self.actor_num_gpus_per_node is None):
+            given = "actor_num_nodes" if self.actor_num_nodes is not None else "actor_num_gpus_per_node"
+            bad(given, getattr(self, given), "give --actor-num-nodes and --actor-num-gpus-per-node together")
         return self
+
+    @property
+    def actor_ranks(self) -> int | None:
+        """The trainer ranks Miles' layout flags name (None: not given)."""
+        if self.actor_num_nodes is None:
+            return None
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    def check_world(self, world: int) -> None:
+        """The layout flags against the torchrun world the run started in."""
+        if self.actor_ranks is not None and self.actor_ranks != world:
+            raise ConfigError(
+                f"--actor-num-gpus-per-node={self.actor_num_gpus_per_node} with --actor-num-nodes="
+                f"{self.actor_num_nodes}: {self.actor_ranks} trainer ranks, but this run has {world}; start it with "
+                f"`torchrun --nnodes {self.actor_num_nodes} --nproc-per-node "
+                f"{self.actor_num_gpus_per_node} -m support_replay.cli train ...` or `support-replay local-run "
+                f"--nproc-per-node {self.actor_ranks} -- ...`, or drop both flags"
+            )
 
 
 class OptimizerConfig(Section):
@@ -615,6 +650,16 @@ class ReplayConfig(Section):
         "then demands it)",
     )
     linear_kernel: Literal["auto", "torch", "onednn"] = Field("auto", description=LINEAR_KERNEL_HELP)
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = Field(
+        "sdpa",
+        description="the trainer's attention, as transformers names it: sdpa or eager on this device (true-on-policy "
+        "mode and context parallelism run their own)",
+    )
+    deterministic_mode: bool = Field(
+        False,
+        description="torch.use_deterministic_algorithms in the trainer: an op without a deterministic kernel fails "
+        "instead of running (Miles' and slime's flag)",
+    )
 
     @property
     def ci_tolerance(self) -> float:
@@ -634,6 +679,25 @@ class ReplayConfig(Section):
                 "bfloat16",
                 "true-on-policy mode runs the batch-invariant fp32 kernels on both sides; "
                 "bf16 would need kernels of their own",
+            )
+        if self.attn_implementation.startswith("flash_attention"):
+            bad(
+                "attn_implementation",
+                self.attn_implementation,
+                "FlashAttention needs CUDA and the flash-attn kernels, which this trainer was not built and tested "
+                "with: use sdpa (the default) or eager",
+            )
+        if self.attn_implementation == "flex_attention":
+            bad(
+                "attn_implementation",
+                "flex_attention",
+                "is not wired into the trainer's packed scoring: use sdpa or eager",
+            )
+        if self.attn_implementation != "sdpa" and self.true_on_policy_mode:
+            bad(
+                "attn_implementation",
+                self.attn_implementation,
+                "true-on-policy mode runs the engine's batch-invariant attention in the trainer too",
             )
         return self
 
