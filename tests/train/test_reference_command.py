@@ -111,7 +111,6 @@ def test_reference_settings_that_cannot_hold_are_refused_by_name(flags, message,
 
 def test_eager_attention_trains_the_same_run(tiny_checkpoint, tmp_path):
     from recipe_helpers import run_config
-
     from support_replay.train import train
 
     rows = train(run_config(tiny_checkpoint, tmp_path, num_rollout=2, attn_implementation="eager"))

@@ -1,4 +1,4 @@
-"""Prompt data: JSONL or Parquet files, and the built-in arithmetic task."""
+"""Prompt data: JSONL or Parquet files, reasoning-gym tasks, and the built-in arithmetic task."""
 
 from __future__ import annotations
 
@@ -64,10 +64,14 @@ def _rows(path: Path) -> list[dict]:
 
 
 def load_prompts(path: str | None, input_key: str, label_key: str, seed: int = 0, max_operand: int = 20):
-    """Prompts from a JSONL/Parquet file (``input_key`` text or chat messages, ``label_key``), or the
-    arithmetic task."""
+    """Prompts from a JSONL/Parquet file (``input_key`` text or chat messages, ``label_key``), a reasoning-gym
+    task (``reasoning_gym:NAME``), or the arithmetic task."""
     if path is None:
         return ArithmeticTask(seed, max_operand)
+    from .reasoning_gym_tasks import PREFIX, ReasoningGymTask
+
+    if path.startswith(PREFIX):
+        return ReasoningGymTask(path[len(PREFIX) :], seed)
     p = Path(path)
     if not p.exists():
         raise SupportReplayError(f"--prompt-data={path!r}: no such file")

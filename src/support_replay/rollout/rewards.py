@@ -82,4 +82,9 @@ def load_reward(rm_type: str | None, custom_rm_path: str | None):
         return math_reward
     if rm_type == "math-verify":
         return _math_verify()
+    if rm_type == "reasoning_gym":
+        from .reasoning_gym_tasks import _reasoning_gym, reasoning_gym_reward
+
+        _reasoning_gym()  # installed, or refused by name now
+        return reasoning_gym_reward
     raise SupportReplayError(f"--rm-type={rm_type!r}: unknown reward")

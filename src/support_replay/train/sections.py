@@ -50,7 +50,11 @@ class DataConfig(Section):
     hf_checkpoint: str | None = Field(
         None, description="Hugging Face checkpoint directory; default: SmolLM2-135M-Instruct from the packaged GGUF"
     )
-    prompt_data: str | None = Field(None, description="JSONL or Parquet prompts; default: the built-in arithmetic task")
+    prompt_data: str | None = Field(
+        None,
+        description="JSONL or Parquet prompts, or reasoning_gym:NAME (a reasoning-gym task, generated offline); "
+        "default: the built-in arithmetic task",
+    )
     task_max_operand: int = Field(
         10,
         ge=1,
@@ -59,10 +63,11 @@ class DataConfig(Section):
     input_key: str = Field("prompt", description="field holding the prompt (a string, or a list of chat messages)")
     label_key: str = Field("label", description="field holding the reference answer")
     apply_chat_template: bool = Field(False, description="render prompts with the tokenizer's chat template")
-    rm_type: Literal["math", "math-verify"] | None = Field(
+    rm_type: Literal["math", "math-verify", "reasoning_gym"] | None = Field(
         "math",
         description="built-in reward: math = the final number or \\boxed{} equals the label; math-verify = Hugging "
-        "Face's math-verify (LaTeX, fractions, \\boxed{}, units)",
+        "Face's math-verify (LaTeX, fractions, \\boxed{}, units); reasoning_gym = the --prompt-data "
+        "reasoning_gym:NAME task's own scorer",
     )
     custom_rm_path: str | None = Field(
         None, description="custom reward 'module:function(prompt, response, label) -> float'"
@@ -74,6 +79,16 @@ class DataConfig(Section):
             bad("custom_rm_path", self.custom_rm_path, "expected 'module:function'")
         if self.rm_type is None and not self.custom_rm_path:
             bad("rm_type", None, "give a reward: --rm-type math or --custom-rm-path module:function")
+        task = (self.prompt_data or "").startswith("reasoning_gym:")
+        if self.rm_type == "reasoning_gym" and not task and not self.custom_rm_path:
+            bad("rm_type", "reasoning_gym", "scores reasoning-gym prompts: give --prompt-data reasoning_gym:NAME")
+        if task and self.rm_type != "reasoning_gym" and not self.custom_rm_path:
+            bad(
+                "prompt_data",
+                self.prompt_data,
+                f"reasoning-gym answers are scored by the task's own scorer: give --rm-type reasoning_gym (not "
+                f"{self.rm_type})",
+            )
         return self
 
 
