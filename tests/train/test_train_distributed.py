@@ -84,8 +84,8 @@ def _one_and_two_ranks(checkpoint, tmp_path, global_batch, micro_batch, extra) -
 # asynchronous rollouts (rank 0 generates during the update, --ci-test under the lag)
 @pytest.mark.parametrize(
     "global_batch, micro_batch, extra",
-    [(4, 2, {}), (8, 4, {}), (8, 4, dict(async_rollout=True, max_policy_lag=1))],
-    ids=["two-steps", "fused", "async"],
+    [(4, 2, {}), (8, 4, {}), (8, 4, dict(async_rollout=True, max_policy_lag=1)), (8, 4, dict(lora_rank=4, lr=1e-2))],
+    ids=["two-steps", "fused", "async", "lora"],
 )
 def test_two_fsdp_ranks_equal_one(tiny_checkpoint, tmp_path, global_batch, micro_batch, extra):
     results = _one_and_two_ranks(tiny_checkpoint, tmp_path, global_batch, micro_batch, extra)

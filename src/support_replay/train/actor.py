@@ -39,6 +39,7 @@ from ..modeling.batch_invariant import make_batch_invariant
 from ..modeling.context_parallel import ContextShard, assemble_rows, make_context_parallel, replicated_sum
 from ..modeling.invariant_products import head_columns_invariant
 from ..modeling.linear_kernels import linear_function, use_linear
+from ..modeling.lora import adapter_state, add_lora, from_adapter_state, merged_state
 from ..modeling.moe import install_routing
 from ..modeling.packed_sequences import use_packed_attention
 from ..modeling.tensor_parallel import VocabShard, parallelize_tensor
@@ -204,8 +205,11 @@ def load_scoring_model(
     compute_dtype: torch.dtype = torch.float32,
     linear_kernel: str = "torch",
     attn_implementation: str = "sdpa",
+    lora=None,
 ) -> ScoringModel:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    if lora is not None:  # before the forward's linears are chosen: the adapters' own linears take them too
+        add_lora(hf, lora)
     hf = hf.to(device)
     hf.config.use_cache = False
     return ScoringModel(hf, batch_invariant, compute_dtype, linear_kernel)
@@ -262,12 +266,14 @@ class Actor:
         linear_kernel: str = "torch",
         routing_replay: bool = False,
         attn_implementation: str = "sdpa",
+        lora=None,
     ):
         self.ctx = ctx
         self.replay = replay
         self.layout = layout or ParallelLayout()
+        self.lora = lora  # LoRA settings (modeling/lora.py): adapters train, the base stays frozen
         self.model = load_scoring_model(
-            path, ctx.device, batch_invariant, compute_dtype, linear_kernel, attn_implementation
+            path, ctx.device, batch_invariant, compute_dtype, linear_kernel, attn_implementation, lora
         )
         hf = self.model.hf
         if routing_replay and self.model.routing is None:
@@ -300,7 +306,8 @@ class Actor:
             for layer in hf.get_decoder().layers:
                 fully_shard(layer, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
-        self.optimizer = adamw(self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = adamw(trainable, lr=lr, betas=betas, weight_decay=weight_decay)
         self.scheduler = None  # the learning-rate schedule (train/schedule.py), stepped after every optimizer step
         self.schedule: dict | None = None  # its settings, which a checkpoint keeps and a resume must match
         self.last_lr = lr  # the learning rate of the last optimizer step
@@ -338,7 +345,20 @@ class Actor:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded CPU weights under the Hugging Face names, on rank 0 (every rank must call it)."""
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {k.removeprefix(_PREFIX): v for k, v in state.items()}
+        state = {k.removeprefix(_PREFIX): v for k, v in state.items()}
+        return merged_state(state, self.lora.scaling) if self.lora is not None else state
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter alone, unsharded, in peft's saved layout (every rank must call it)."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return adapter_state({k.removeprefix(_PREFIX): v for k, v in state.items()})
+
+    def load_adapter_state_dict(self, saved: dict[str, torch.Tensor]) -> None:
+        set_model_state_dict(
+            self.model,
+            {_PREFIX + k: v for k, v in from_adapter_state(saved).items()},
+            options=StateDictOptions(full_state_dict=True, strict=False),
+        )
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         set_model_state_dict(

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from ..errors import ConfigError, SupportReplayError
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 MANIFEST = "manifest.json"
+ADAPTER_FILE = "adapter_model.safetensors"  # peft's name
 
 
 def _rng_state() -> dict:
@@ -68,7 +69,8 @@ def _fsync(path: Path) -> None:
 
 def save_checkpoint(directory: Path, rollout: int, actor, ctx, extra: dict) -> Path | None:
     """``directory/rollout_{rollout}`` written atomically and durably by rank 0 (all ranks must call it)."""
-    model_state = actor.full_state_dict()
+    model_state = actor.full_state_dict()  # with LoRA: merged, a Hugging Face checkpoint as it stands
+    adapter = actor.adapter_state_dict() if actor.lora is not None else None
     optim_state = get_optimizer_state_dict(actor.model, actor.optimizer, options=_FULL)
     directory = Path(directory)
     target = directory / f"rollout_{rollout:06d}"
@@ -77,6 +79,9 @@ def save_checkpoint(directory: Path, rollout: int, actor, ctx, extra: dict) -> P
         if staging.exists():
             shutil.rmtree(staging)
         save_safetensors(model_state, staging)
+        if adapter is not None:  # the adapter alone, as peft saves one (PeftModel.from_pretrained reads it)
+            save_file(adapter, str(staging / ADAPTER_FILE))
+            actor.lora.peft_config().save_pretrained(str(staging))
         schedule = (
             {"settings": actor.schedule, "state": actor.scheduler.state_dict()} if actor.scheduler is not None else None
         )
@@ -136,7 +141,16 @@ def load_checkpoint(path: Path, actor) -> dict:
     problem = verify_checkpoint(path)
     if problem is not None:
         raise SupportReplayError(f"checkpoint {path}: {problem}")
-    actor.load_full_state_dict(load_file(str(path / "model.safetensors")))
+    if actor.lora is not None:  # the base stays the run's checkpoint; the adapter goes on where it was
+        if not (path / ADAPTER_FILE).exists():
+            raise ConfigError(
+                f"checkpoint {path}: has no LoRA adapter ({ADAPTER_FILE}); was it saved with --lora-rank?"
+            )
+        actor.load_adapter_state_dict(load_file(str(path / ADAPTER_FILE)))
+    else:
+        if (path / ADAPTER_FILE).exists():
+            raise ConfigError(f"checkpoint {path}: holds a LoRA adapter; resume it with the run's --lora-rank")
+        actor.load_full_state_dict(load_file(str(path / "model.safetensors")))
     trainer = torch.load(path / "trainer.pt", weights_only=True)
     set_optimizer_state_dict(
         actor.model, actor.optimizer, trainer["optimizer"], options=StateDictOptions(full_state_dict=True)

@@ -206,6 +206,20 @@ class RunConfig(BaseModel):
 
     def _check_parallel(self) -> None:
         split = self.parallel.split
+        if self.optimizer.lora_rank and split:
+            bad(
+                split,
+                getattr(self.parallel, split),
+                "LoRA trains under FSDP2 data parallelism; peft's layers are not split by the tensor- and "
+                "context-parallel plans (not built): drop the flag or --lora-rank",
+            )
+        if self.optimizer.lora_rank and self.replay.true_on_policy_mode:
+            bad(
+                "lora_rank",
+                self.optimizer.lora_rank,
+                "true-on-policy mode needs the trainer's bits to be the engine's, and the engine runs the merged "
+                "weights (W + BA) while the trainer runs W x + B A x: their rounding differs",
+            )
         if split and self.rollout.penalties.active:
             bad(
                 split,

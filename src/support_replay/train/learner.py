@@ -173,6 +173,7 @@ class Learner:
             linear_kernel=self.linear_kernel,
             routing_replay=self.replay_cfg.use_rollout_routing_replay,
             attn_implementation=self.replay_cfg.attn_implementation,
+            lora=opt.lora,
         )
         reference = (
             load_scoring_model(

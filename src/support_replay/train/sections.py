@@ -505,6 +505,14 @@ class OptimizerConfig(Section):
         None, ge=1, description="the optimizer step at which the decay reaches --min-lr (default: the run's last)"
     )
     min_lr: float = Field(0.0, ge=0, description="the learning rate the decay ends at")
+    lora_rank: int = Field(
+        0, ge=0, description="train LoRA adapters of this rank over frozen base weights (0: every weight)"
+    )
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the update is alpha / rank x B A")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA branch's input")
+    lora_target_modules: str = Field(
+        "all-linear", description="the modules that get adapters: all-linear (every linear but the LM head) or names"
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_beta1: float = Field(0.9, description="AdamW beta1")
     adam_beta2: float = Field(0.98, description="AdamW beta2")
@@ -563,6 +571,10 @@ class OptimizerConfig(Section):
     @model_validator(mode="after")
     def _check(self):
         self._check_schedule()
+        defaults = type(self).model_fields
+        for name in ("lora_alpha", "lora_dropout", "lora_target_modules"):
+            if not self.lora_rank and getattr(self, name) != defaults[name].default:
+                bad(name, getattr(self, name), "has no effect without --lora-rank")
         if self.use_kl_loss and self.kl_loss_coef <= 0:
             bad("kl_loss_coef", self.kl_loss_coef, "must be > 0 with --use-kl-loss")
         if self.kl_loss_coef > 0 and not self.use_kl_loss:
@@ -597,6 +609,15 @@ class OptimizerConfig(Section):
                 "and there is nothing to correct",
             )
         return self
+
+    @property
+    def lora(self):
+        """The LoRA settings (modeling/lora.py), or None for full fine-tuning."""
+        from ..modeling.lora import LoraSettings
+
+        if not self.lora_rank:
+            return None
+        return LoraSettings(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_target_modules)
 
     def _check_schedule(self) -> None:
         defaults = type(self).model_fields

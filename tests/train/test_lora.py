@@ -1,0 +1,57 @@
+"""LoRA RL: adapters train over frozen base weights, the engine samples the merged weights, --ci-test holds,
+checkpoints hold the adapter in peft's layout and a resume continues from it."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from recipe_helpers import run_config
+from support_replay.errors import ConfigError
+from support_replay.train import train
+from support_replay.train.config import RunConfig
+
+pytest.importorskip("peft")
+LORA = dict(lora_rank=4, lora_alpha=8.0, lr=1e-2, num_rollout=3)
+
+
+def test_lora_trains_adapters_the_engine_samples_merged_and_a_checkpoint_holds_the_adapter(tiny_checkpoint, tmp_path):
+    from peft import PeftModel
+
+    save = dict(save=str(tmp_path / "ckpt"), save_interval=3)
+    rows = train(run_config(tiny_checkpoint, tmp_path, **LORA, **save))
+    # the engine ran the merged weights after each update, the trainer W x + B A x: --ci-test within 1e-3
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
+    assert all(r["grad_norm"] > 0 for r in rows)
+    ckpt = tmp_path / "ckpt" / "rollout_000003"
+    base = load_file(str(tiny_checkpoint / "model.safetensors"))
+    merged = load_file(str(ckpt / "model.safetensors"))
+    assert set(merged) == set(base)  # the base model's names: a Hugging Face checkpoint as it stands
+    changed = [k for k in base if not torch.equal(base[k], merged[k])]
+    assert changed and all(k.endswith("proj.weight") for k in changed)  # only adapted linears moved
+    assert torch.equal(base["model.embed_tokens.weight"], merged["model.embed_tokens.weight"])
+    # peft reads the adapter; base + adapter and the merged checkpoint compute the same logits
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_checkpoint), str(ckpt)).eval()
+        merged_model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval()
+        merged_model.load_state_dict(merged, strict=False)  # the tied head is the embedding
+        torch.testing.assert_close(peft_model(ids).logits, merged_model(ids).logits, atol=1e-5, rtol=0)
+    # a resume continues from the adapter
+    resumed = train(run_config(tiny_checkpoint, tmp_path, **{**LORA, "num_rollout": 4}, resume=True, **save))
+    assert resumed[-1]["rollout"] == 3 and resumed[-1]["train_rollout_logprob_abs_diff_max"] <= 1e-3
+    with pytest.raises(ConfigError, match="holds a LoRA adapter"):
+        train(run_config(tiny_checkpoint, tmp_path, lr=1e-2, num_rollout=4, resume=True, **save))
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(lora_rank=4, tensor_model_parallel_size=2, global_batch_size=32), "--tensor-model-parallel-size=2: LoRA"),
+        (dict(lora_rank=4, true_on_policy_mode=True), "--lora-rank=4: true-on-policy mode"),
+        (dict(lora_alpha=32.0), "--lora-alpha=32.0: has no effect without --lora-rank"),
+    ],
+)
+def test_lora_settings_that_cannot_hold_are_refused(values, message):
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(**values)
