@@ -55,3 +55,11 @@ def test_lora_trains_adapters_the_engine_samples_merged_and_a_checkpoint_holds_t
 def test_lora_settings_that_cannot_hold_are_refused(values, message):
     with pytest.raises(ConfigError, match=message):
         RunConfig(**values)
+
+
+def test_lora_without_peft_is_refused_by_name(tiny_checkpoint, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
+    with pytest.raises(ConfigError, match="--lora-rank: the peft package is not installed"):
+        train(run_config(tiny_checkpoint, tmp_path, lora_rank=4, num_rollout=1))

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..errors import ConfigError
+
 ADAPTER = "default"  # peft's name of the one adapter
 
 
@@ -43,7 +45,12 @@ class LoraSettings:
 
 def add_lora(hf: nn.Module, settings: LoraSettings) -> nn.Module:
     """LoRA layers on ``hf``'s target modules, in place; every other weight frozen."""
-    from peft import inject_adapter_in_model
+    try:
+        from peft import inject_adapter_in_model
+    except ImportError:
+        raise ConfigError(
+            "--lora-rank: the peft package is not installed (pip install 'support-replay[lora]')"
+        ) from None
 
     inject_adapter_in_model(settings.peft_config(), hf)
     for name, param in hf.named_parameters():
