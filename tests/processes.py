@@ -46,6 +46,27 @@ def engine_process(checkpoint, *extra: str):
     return process(args, url), url
 
 
+ENGINES = Path(__file__).parent / "engines"
+
+
+def sglang_standin_process(checkpoint):
+    """``(process context, url)`` of a server answering as SGLang 0.5.23 through its own code
+    (``engines/sglang_standin.py``); skips the test where SGLang's code is not available."""
+    import pytest
+
+    sys.path.insert(0, str(ENGINES))
+    import sglang_code
+
+    try:
+        sglang_code.load()
+    except sglang_code.Unavailable as exc:
+        pytest.skip(f"SGLang's code is not available here: {exc}")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [sys.executable, str(ENGINES / "sglang_standin.py"), "--checkpoint", str(checkpoint), "--port", str(port)]
+    return process(args, url), url
+
+
 def vllm_server_args(python, checkpoint, port: int) -> list[str]:
     """The real vLLM CPU server the tests and the fixture generator run: the tiny Llama in fp32,
     processed log-probs (log mu), unlimited log-probs, and ``/inference/v1/generate``

@@ -156,23 +156,10 @@ def test_routing_and_weight_versions_are_checked(tiny_moe_checkpoint, tmp_path):
 @pytest.mark.slow
 def test_the_audit_of_a_server_answering_as_sglang(tiny_checkpoint, tmp_path):
     """SGLang's own sampler and payload code (tests/engines/sglang_standin.py) behind --rollout-url."""
-    import sys
-    from pathlib import Path
+    from processes import sglang_standin_process
 
-    from processes import free_port, process
-
-    engines = Path(__file__).parents[1] / "engines"
-    sys.path.insert(0, str(engines))
-    import sglang_code
-
-    try:
-        sglang_code.load()
-    except sglang_code.Unavailable as exc:
-        pytest.skip(f"SGLang's code is not available here: {exc}")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, str(engines / "sglang_standin.py"), "--checkpoint", str(tiny_checkpoint), "--port"]
-    with process([*command, str(port)], url):
+    standin, url = sglang_standin_process(tiny_checkpoint)
+    with standin:
         report = run_audit(audit_config(tiny_checkpoint, tmp_path, rollout_url=url), AuditSettings())
     assert report["engine"]["name"] == "sglang" and report["settings"]["observed"]["sampler_records"] == []
     assert report["causes"]["truncation"]["share"] > 0.95 and report["verdict"]["pass"], report["verdict"]

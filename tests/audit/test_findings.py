@@ -7,26 +7,16 @@ import numpy as np
 import pytest
 import torch
 
+from sampled_supports import VOCAB, random_logits
+from sampled_supports import sampled as draw
 from support_replay.audit.findings import filter_findings, temperature_finding
 from support_replay.core.mismatch_parts import filter_evidence
-from support_replay.core.sampling import SamplingParams, sample_tokens
-
-VOCAB = 400
-
-
-def _logits(rows: int = 64, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
-    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * scale
-
-
-def _sampled(logits, params, semantics="sglang", seed=1):
-    out = sample_tokens(logits, params, semantics, generator=torch.Generator().manual_seed(seed))
-    ids, valid = out.support.to_padded()
-    return out, ids, valid
+from support_replay.core.sampling import SamplingParams
 
 
 def _scores(logits, declared: SamplingParams, sampled: SamplingParams, semantics="sglang"):
     """What the audit collects, for supports ``sampled`` with one setting while the run ``declared`` another."""
-    out, ids, valid = _sampled(logits, sampled, semantics)
+    out, ids, valid = draw(logits, sampled, semantics)
     ev = filter_evidence(logits, ids, valid, declared, semantics)
     n = len(out.tokens)
     column = ((ids == out.tokens[:, None]) & valid).to(torch.uint8).argmax(-1)
@@ -58,7 +48,7 @@ def _declared(p: SamplingParams) -> dict:
     ids=["default-top-k", "narrower-top-p", "narrower-min-p", "wider-top-k", "wider-top-p", "lower-min-p"],
 )
 def test_a_support_filtered_with_another_setting_is_named(declared, sampled, setting, value):
-    logits = _logits(rows=128, scale=2.0)
+    logits = random_logits(rows=128, scale=2.0)
     scores = _scores(logits, declared, sampled)
     found, flips = filter_findings(scores, _declared(declared), VOCAB, margin=1e-3)
     named = [f for f in found if f.setting == setting]
@@ -68,14 +58,14 @@ def test_a_support_filtered_with_another_setting_is_named(declared, sampled, set
 
 def test_supports_as_declared_give_no_finding():
     p = SamplingParams(top_k=32, top_p=0.8)
-    scores = _scores(_logits(rows=128), p, p)
+    scores = _scores(random_logits(rows=128), p, p)
     found, flips = filter_findings(scores, _declared(p), VOCAB, margin=1e-3)
     assert found == [] and not flips.any()
     assert temperature_finding(scores, 1.0)[0] is None
 
 
 def test_log_mu_from_another_temperature_is_named():
-    logits = _logits(rows=128, scale=2.0)
+    logits = random_logits(rows=128, scale=2.0)
     scores = _scores(logits, SamplingParams(top_k=32), SamplingParams(temperature=0.6, top_k=32))
     finding, figures = temperature_finding(scores, 1.0)
     assert finding.setting == "temperature" and "0.6000" in finding.evidence

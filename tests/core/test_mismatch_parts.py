@@ -5,25 +5,15 @@ import math
 import pytest
 import torch
 
+from sampled_supports import VOCAB, random_logits
+from sampled_supports import sampled as draw
 from support_replay.core.mismatch_parts import filter_evidence, fit_temperature, ratio_parts, temperature_residual
-from support_replay.core.sampling import SamplingParams, sample_tokens
-
-VOCAB = 400
-
-
-def _logits(rows: int = 64, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
-    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * scale
-
-
-def _sampled(logits, params, semantics="sglang", seed=1):
-    out = sample_tokens(logits, params, semantics, generator=torch.Generator().manual_seed(seed))
-    ids, valid = out.support.to_padded()
-    return out, ids, valid
+from support_replay.core.sampling import SamplingParams
 
 
 def test_ratio_parts_match_a_float64_dense_reference():
-    logits = _logits()
-    out, ids, valid = _sampled(logits, SamplingParams(temperature=0.9, top_k=16, top_p=0.8))
+    logits = random_logits()
+    out, ids, valid = draw(logits, SamplingParams(temperature=0.9, top_k=16, top_p=0.8))
 
     def transform(z, ids):  # a penalty-like transform of the support logits
         return z - 0.5 * (ids % 3 == 0)
@@ -50,8 +40,8 @@ def test_ratio_parts_match_a_float64_dense_reference():
     ids=["top-p", "min-p", "top-k"],
 )
 def test_supports_sampled_with_the_declared_settings_are_what_the_evidence_expects(semantics, params):
-    logits = _logits()
-    _, ids, valid = _sampled(logits, params, semantics)
+    logits = random_logits()
+    _, ids, valid = draw(logits, params, semantics)
     ev = filter_evidence(logits, ids, valid, params, semantics)
     assert bool((ev["observed"] == ev["expected"]).all()) and bool((ev["common"] == ev["observed"]).all())
     assert bool((ev["kept_rank"] == ev["observed"] - 1).all())  # every support is a prefix of the ranking
@@ -63,8 +53,8 @@ def test_supports_sampled_with_the_declared_settings_are_what_the_evidence_expec
 
 
 def test_the_fitted_temperature_is_the_one_that_sampled():
-    logits = _logits(scale=2.0)
-    out, ids, valid = _sampled(logits, SamplingParams(temperature=0.7, top_k=32, top_p=0.95))
+    logits = random_logits(scale=2.0)
+    out, ids, valid = draw(logits, SamplingParams(temperature=0.7, top_k=32, top_p=0.95))
     z = logits.gather(1, ids)
     column = ((ids == out.tokens[:, None]) & valid).to(torch.uint8).argmax(-1)
     assert abs(fit_temperature(z, valid, column, out.log_mu) - 0.7) < 1e-3

@@ -2,33 +2,20 @@
 sampler and payload code), smg in front of two of our engines, and a real vLLM server."""
 
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
-from processes import engine_process, free_port, process
+from processes import engine_process, free_port, process, sglang_standin_process
 from recipe_helpers import run_config
 from support_replay.train import train
 
 pytestmark = pytest.mark.slow
-ENGINES = Path(__file__).parents[1] / "engines"
 
 
 def test_grpo_through_a_server_answering_as_sglang(tiny_checkpoint, tmp_path):
-    sys.path.insert(0, str(ENGINES))
-    import sglang_code
-
-    try:
-        sglang_code.load()
-    except sglang_code.Unavailable as exc:
-        pytest.skip(f"SGLang's code is not available here: {exc}")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with process(
-        [sys.executable, str(ENGINES / "sglang_standin.py"), "--checkpoint", str(tiny_checkpoint), "--port", str(port)],
-        url,
-    ):
+    standin, url = sglang_standin_process(tiny_checkpoint)
+    with standin:
         rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url))
         assert httpx.get(url + "/model_info").json()["weight_version"] == "3"
     for r in rows:  # SGLang's own log(w_sel / sum w) against our trainer's support log-probs

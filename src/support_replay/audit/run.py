@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
-import torch
 
 from .. import __version__
 from ..errors import ConfigError, EngineUnavailable, SamplerMismatch
@@ -138,20 +137,8 @@ def _set_up(cfg: RunConfig, settings: AuditSettings, ctx) -> Setup:
 
     checkpoint = Path(cfg.data.hf_checkpoint) if cfg.data.hf_checkpoint else smollm2_checkpoint()
     kernel = cfg.trainer_linear_kernel(ctx.device)
-    actor = Actor(  # the trainer's model as train builds it, without the optimizer's work
-        checkpoint,
-        ctx,
-        lr=cfg.lr,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        weight_decay=cfg.weight_decay,
-        replay=cfg.use_sampling_support_replay,
-        full_with_grad=False,
-        batch_invariant=cfg.true_on_policy_mode,
-        penalties=cfg.rollout.penalties.active,
-        compute_dtype=getattr(torch, cfg.train_dtype),
-        linear_kernel=kernel,
-        routing_replay=cfg.use_rollout_routing_replay,
-        attn_implementation=cfg.attn_implementation,
+    actor = Actor.for_run(  # the trainer's model as train builds it
+        checkpoint, ctx, rollout=cfg.rollout, optimizer=cfg.optimizer, replay=cfg.replay, linear_kernel=kernel
     )
     identity = engine_identity(cfg)
     penalties, semantics = cfg.rollout.penalties, identity["semantics"]

@@ -312,6 +312,27 @@ class Actor:
         self.schedule: dict | None = None  # its settings, which a checkpoint keeps and a resume must match
         self.last_lr = lr  # the learning rate of the last optimizer step
 
+    @classmethod
+    def for_run(cls, path, ctx, *, rollout, optimizer, replay, linear_kernel: str, layout=None, full_with_grad=False):
+        """The actor of a run from the sections it reads (the recipe's, and the audit's with the same forward)."""
+        return cls(
+            path,
+            ctx,
+            lr=optimizer.lr,
+            betas=(optimizer.adam_beta1, optimizer.adam_beta2),
+            weight_decay=optimizer.weight_decay,
+            replay=rollout.use_sampling_support_replay,
+            full_with_grad=full_with_grad,
+            batch_invariant=replay.true_on_policy_mode,
+            penalties=rollout.penalties.active,
+            layout=layout,
+            compute_dtype=getattr(torch, replay.train_dtype),
+            linear_kernel=linear_kernel,
+            routing_replay=replay.use_rollout_routing_replay,
+            attn_implementation=replay.attn_implementation,
+            lora=optimizer.lora,
+        )
+
     @property
     def vocab_size(self) -> int:
         return self.model.hf.get_output_embeddings().weight.shape[0]

@@ -158,22 +158,15 @@ class Learner:
     def _models(self, checkpoint_path):
         """The actor (FSDP2, TP / CP per the layout) and, for a KL term, the frozen reference."""
         opt, ctx = self.optimizer_cfg, self.ctx
-        actor = Actor(
+        actor = Actor.for_run(
             checkpoint_path,
             ctx,
-            lr=opt.lr,
-            betas=(opt.adam_beta1, opt.adam_beta2),
-            weight_decay=opt.weight_decay,
-            replay=self.replay,
-            full_with_grad=opt.use_kl_loss or opt.entropy_coef > 0,
-            batch_invariant=self.replay_cfg.true_on_policy_mode,
-            penalties=self.rollout_cfg.penalties.active,
-            layout=self.layout,
-            compute_dtype=getattr(torch, self.replay_cfg.train_dtype),
+            rollout=self.rollout_cfg,
+            optimizer=opt,
+            replay=self.replay_cfg,
             linear_kernel=self.linear_kernel,
-            routing_replay=self.replay_cfg.use_rollout_routing_replay,
-            attn_implementation=self.replay_cfg.attn_implementation,
-            lora=opt.lora,
+            layout=self.layout,
+            full_with_grad=opt.use_kl_loss or opt.entropy_coef > 0,
         )
         reference = (
             load_scoring_model(
