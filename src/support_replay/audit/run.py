@@ -26,6 +26,7 @@ from ..train.actor import Actor
 from ..train.batches import plan_optimizer_steps
 from ..train.config import RunConfig
 from ..train.dist import close_distributed, init_distributed
+from ..train.loop import deterministic_mode
 from ..train.rollouts import connect_backend, penalty_semantics_of
 from . import findings as find
 from . import report as rep
@@ -114,7 +115,8 @@ def run_audit(cfg: RunConfig, settings: AuditSettings) -> dict:
     _refuse(cfg)
     ctx = init_distributed()
     try:
-        return _audit(cfg, settings, ctx)
+        with deterministic_mode(cfg.replay.deterministic_mode):  # the trainer's kernels, as train chooses them
+            return _audit(cfg, settings, ctx)
     finally:
         close_distributed(ctx)
 

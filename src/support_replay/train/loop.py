@@ -8,6 +8,7 @@ fused path (the update's forward as the old policy's) in ``Learner.update``.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,13 +34,22 @@ __all__ = ["policy_version", "train"]
 def train(cfg: RunConfig) -> list[dict]:
     """Run ``cfg`` to the end; returns the metrics rows (rank 0)."""
     ctx = init_distributed()
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(deterministic or cfg.replay.deterministic_mode)  # --deterministic-mode
     try:
-        return _run(cfg, ctx)
+        with deterministic_mode(cfg.replay.deterministic_mode):
+            return _run(cfg, ctx)
     finally:
-        torch.use_deterministic_algorithms(deterministic)
         close_distributed(ctx)
+
+
+@contextmanager
+def deterministic_mode(on: bool):
+    """``--deterministic-mode``: torch's deterministic algorithms within (an op without one fails)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(before or on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 def _run(cfg: RunConfig, ctx) -> list[dict]:
