@@ -17,7 +17,7 @@ from typing import Protocol
 import httpx
 
 from ..errors import AbortedError, EngineOverloaded, EngineUnavailable, WireError
-from ..protocol import SAMPLING_FIELDS, SESSION_HEADER, GenerateRequest
+from ..protocol import SESSION_HEADER, GenerateRequest, sampling_fields
 
 RETRIES = 3  # tries after the first
 RETRY_STATUSES = (502, 503, 504)
@@ -43,25 +43,14 @@ class RetryCounter:
             self.value += 1
 
 
-def penalty_fields(req: GenerateRequest) -> dict:
-    """The penalties, always explicit (a server fills omitted ones from the model's
-    generation_config.json), and the logit bias when the request has one."""
-    out = {
-        "frequency_penalty": req.penalties.frequency,
-        "presence_penalty": req.penalties.presence,
-        "repetition_penalty": req.penalties.repetition,
-    }
-    if req.penalties.logit_bias:
-        out["logit_bias"] = {str(i): b for i, b in req.penalties.logit_bias}
-    return out
-
-
-def only_sent(params: dict, req: GenerateRequest) -> dict:
-    """``params`` without the sampling settings the request leaves to the engine's defaults
-    (``sent_sampling_fields``; None sends every one)."""
+def sampling_settings(req: GenerateRequest) -> dict:
+    """The sampling settings and penalties a request sends: every one explicitly (a server fills omitted ones
+    from the model's generation_config.json), the logit bias when it has one; only its
+    ``sent_sampling_fields`` where it names them (the audit, acting as a user's client)."""
+    out = {k: v for k, v in sampling_fields(req).items() if k != "logit_bias" or v}
     if req.sent_sampling_fields is None:
-        return params
-    return {k: v for k, v in params.items() if k not in SAMPLING_FIELDS or k in req.sent_sampling_fields}
+        return out
+    return {k: v for k, v in out.items() if k in req.sent_sampling_fields}
 
 
 def optional_fields(req: GenerateRequest, seed_key: str) -> dict:

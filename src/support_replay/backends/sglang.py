@@ -25,7 +25,7 @@ from ..core.support import SupportTable
 from ..core.wire import floats_from_json, from_json
 from ..errors import EngineUnavailable, SupportError, WireError
 from ..protocol import Completion, GenerateRequest, parse_version_spans, single_version, validate_completion
-from .base import RetryCounter, fan_out, only_sent, optional_fields, penalty_fields, post_json, session_headers
+from .base import RetryCounter, fan_out, optional_fields, post_json, sampling_settings, session_headers
 
 MASK_FORMATS = ("binary", "lists")
 STRIPPED_HINT = (
@@ -39,18 +39,12 @@ def sampling_params_json(req: GenerateRequest) -> dict:
     model's generation_config.json (SGLang's default ``--sampling-defaults model``), which may
     hold a repetition penalty the trainer would not know of. A request naming its
     ``sent_sampling_fields`` (the audit, acting as a user's client) leaves the others out."""
-    p = req.params
-    params = {
-        "temperature": p.temperature,
-        "top_k": p.top_k,
-        "top_p": p.top_p,
-        "min_p": p.min_p,
-        **penalty_fields(req),
+    return {
+        **sampling_settings(req),
         "max_new_tokens": req.max_new_tokens,
         "ignore_eos": req.ignore_eos,
         **optional_fields(req, "sampling_seed"),
     }
-    return only_sent(params, req)
 
 
 # ---- meta_info -> (support, log mu) ------------------------------------------------------

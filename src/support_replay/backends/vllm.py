@@ -48,7 +48,7 @@ from ..core.routing import RoutingShape, decode_npy
 from ..core.support import SupportTable
 from ..errors import EngineUnavailable, SupportError, WireError
 from ..protocol import Completion, GenerateRequest, parse_version_spans, single_version, validate_completion
-from .base import RetryCounter, fan_out, only_sent, optional_fields, penalty_fields, post_json, session_headers
+from .base import RetryCounter, fan_out, optional_fields, post_json, sampling_settings, session_headers
 
 ENDPOINTS = ("generate", "completions")
 CAPTURES = ("processed_logprobs", "native")
@@ -231,22 +231,16 @@ class VLLMBackend:
         return k + 1 if k > 0 else self.max_logprobs
 
     def sampling_params(self, req: GenerateRequest) -> dict:
-        p = req.params
         logprobs = (
             self.requested_logprobs(req) if req.return_sampling_mask and self.capture == "processed_logprobs" else 0
         )
-        params = {
-            "temperature": p.temperature,
-            "top_p": p.top_p,
-            "top_k": p.top_k,
-            "min_p": p.min_p,
-            **penalty_fields(req),
+        return {
+            **sampling_settings(req),
             "max_tokens": req.max_new_tokens,
             "ignore_eos": req.ignore_eos,
             "logprobs": logprobs,
             **optional_fields(req, "seed"),
         }
-        return only_sent(params, req)
 
     def body(self, req: GenerateRequest) -> dict:
         params = self.sampling_params(req)
