@@ -9,7 +9,7 @@ ids for the temperature fit, and where the support can be compared the filter ev
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -38,7 +38,6 @@ class TokenScores:
     column: torch.Tensor  # [N] the token's place in its padded row
     evidence: dict[str, np.ndarray] | None = None  # filter evidence (None: not comparable)
     routing: tuple[int, int] = (0, 0)  # (equal top-k choices, compared) under routing replay
-    notes: list[str] = field(default_factory=list)
 
 
 class AuditPass:
@@ -70,8 +69,6 @@ class AuditPass:
 
 def _rows(transform, cut: slice):
     """The penalty transform of a micro-batch restricted to rows ``cut``."""
-    from dataclasses import replace
-
     bias = transform.bias
     if bias is not None:
         bias = tuple(b[cut] for b in bias)

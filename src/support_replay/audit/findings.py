@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import torch
 
 from ..core.mismatch_parts import fit_temperature, temperature_residual
 
@@ -165,24 +166,19 @@ def _narrower(scores, declared: dict, vocab: int, margin: float) -> tuple[list[F
 
 def residuals(scores, temperature: float) -> np.ndarray:
     """``log mu`` minus the support score at ``temperature``, per token (0 on singletons)."""
-    import torch
-
     log_mu = torch.from_numpy(scores.log_mu)
     return temperature_residual(scores.support_logits, scores.support_valid, scores.column, log_mu, temperature).numpy()
 
 
 def temperature_finding(scores, temperature: float) -> tuple[Finding | None, dict]:
     """Whether log mu is reproduced at the declared temperature or clearly better at another."""
-    z, valid, column = scores.support_logits, scores.support_valid, scores.column
-    import torch
-
-    log_mu = torch.from_numpy(scores.log_mu)
-    fitted = fit_temperature(z, valid, column, log_mu)
-    informative = valid.sum(-1) >= 2
+    valid = scores.support_valid
+    fitted = fit_temperature(scores.support_logits, valid, scores.column, torch.from_numpy(scores.log_mu))
+    informative = (valid.sum(-1) >= 2).numpy()
     if math.isnan(fitted):
         return None, {"fitted": None, "rows": 0}
     at = {
-        name: float(temperature_residual(z, valid, column, log_mu, t)[informative].abs().mean())
+        name: float(np.abs(residuals(scores, t)[informative]).mean())
         for name, t in (("declared", temperature), ("fitted", fitted))
     }
     figures = {
@@ -201,7 +197,7 @@ def temperature_finding(scores, temperature: float) -> tuple[Finding | None, dic
             f"{figures['rows']} supports of two ids or more), not at the declared {temperature} (mean |error| "
             f"{at['declared']:.2e}): the engine samples at another temperature",
             figures["rows"],
-            examples(scores, informative.numpy()),
+            examples(scores, informative),
         ),
         figures,
     )

@@ -309,7 +309,7 @@ class Actor:
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = adamw(trainable, lr=lr, betas=betas, weight_decay=weight_decay)
         self.scheduler = None  # the learning-rate schedule (train/schedule.py), stepped after every optimizer step
-        self.schedule: dict | None = None  # its settings, which a checkpoint keeps and a resume must match
+        self.schedule: dict | None = None  # its settings (RunConfig.lr_schedule): a checkpoint keeps them
         self.last_lr = lr  # the learning rate of the last optimizer step
 
     @classmethod
@@ -364,15 +364,18 @@ class Actor:
         return norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded CPU weights under the Hugging Face names, on rank 0 (every rank must call it)."""
+        """Unsharded CPU weights under the Hugging Face names, on rank 0 (every rank must call it); with LoRA
+        the merged weights."""
+        return self.checkpoint_state()[0]
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        """``(full_state_dict(), the LoRA adapter alone in peft's saved layout or None)`` from one gather of the
+        unsharded weights (every rank must call it)."""
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         state = {k.removeprefix(_PREFIX): v for k, v in state.items()}
-        return merged_state(state, self.lora.scaling) if self.lora is not None else state
-
-    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """The LoRA adapter alone, unsharded, in peft's saved layout (every rank must call it)."""
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return adapter_state({k.removeprefix(_PREFIX): v for k, v in state.items()})
+        if self.lora is None:
+            return state, None
+        return merged_state(state, self.lora.scaling), adapter_state(state)
 
     def load_adapter_state_dict(self, saved: dict[str, torch.Tensor]) -> None:
         set_model_state_dict(

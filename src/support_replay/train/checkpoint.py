@@ -69,8 +69,7 @@ def _fsync(path: Path) -> None:
 
 def save_checkpoint(directory: Path, rollout: int, actor, ctx, extra: dict) -> Path | None:
     """``directory/rollout_{rollout}`` written atomically and durably by rank 0 (all ranks must call it)."""
-    model_state = actor.full_state_dict()  # with LoRA: merged, a Hugging Face checkpoint as it stands
-    adapter = actor.adapter_state_dict() if actor.lora is not None else None
+    model_state, adapter = actor.checkpoint_state()  # with LoRA: merged (a Hugging Face checkpoint) and the adapter
     optim_state = get_optimizer_state_dict(actor.model, actor.optimizer, options=_FULL)
     directory = Path(directory)
     target = directory / f"rollout_{rollout:06d}"
@@ -162,8 +161,7 @@ def load_checkpoint(path: Path, actor) -> dict:
 
 def _load_schedule(path: Path, actor, saved: dict | None) -> None:
     """The learning-rate schedule goes on where it was, if it is the run's (Megatron checks the same)."""
-    mine = actor.schedule if actor.scheduler is not None else None
-    theirs = saved["settings"] if saved is not None else None
+    mine, theirs = actor.schedule, saved["settings"] if saved is not None else None
     if mine != theirs:
         raise ConfigError(
             f"checkpoint {path}: saved with the learning-rate schedule {theirs}, this run's is {mine}; resume with "

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ..errors import ConfigError
 from ..modeling.linear_kernels import resolve_linear_kernel
+from .schedule import warmup_steps
 from .sections import (
     BF16_CI_TOLERANCE,
     FP32_CI_TOLERANCE,
@@ -109,6 +110,25 @@ class RunConfig(BaseModel):
         return resolve_linear_kernel(self.replay.linear_kernel, getattr(torch, self.replay.train_dtype), device)
 
     @property
+    def optimizer_steps(self) -> int:
+        """The run's optimizer steps: ``--num-rollout`` x the global batches of a rollout."""
+        rollout = self.rollout
+        return rollout.num_rollout * (
+            rollout.rollout_batch_size * rollout.n_samples_per_prompt // self.parallel.global_batch_size
+        )
+
+    @property
+    def lr_schedule(self) -> dict | None:
+        """The learning-rate schedule's settings in optimizer steps (``train/schedule.lr_scheduler``'s keywords),
+        or None where the rate never changes."""
+        opt, total = self.optimizer, self.optimizer_steps
+        warmup = warmup_steps(total, opt.lr_warmup_iters, opt.lr_warmup_fraction)
+        if warmup < 2 and opt.lr_decay_style == "constant":
+            return None
+        end = opt.lr_decay_iters if opt.lr_decay_iters is not None else total
+        return dict(lr=opt.lr, warmup=warmup, decay_style=opt.lr_decay_style, decay_end=end, min_lr=opt.min_lr)
+
+    @property
     def pack_groups(self) -> bool:
         """Packed scoring: asked for, or by default wherever it composes (see ``_packing_conflict``)."""
         mode = self.parallel.packed_scoring
@@ -120,7 +140,7 @@ class RunConfig(BaseModel):
             return "penalties and logit bias are replayed over each sequence's own history, one sequence per row"
         if self.parallel.context_parallel_size > 1:
             return "context parallelism splits one sequence per row by position"
-        if self.replay.attn_implementation != "sdpa" and not self.replay.true_on_policy_mode:
+        if self.replay.attn_implementation != "sdpa":
             return (
                 "packed rows take each sequence's keys apart in the sdpa attention, not in "
                 f"{self.replay.attn_implementation}"
@@ -134,6 +154,7 @@ class RunConfig(BaseModel):
         """docs/contract.md: each rejection names the flag and the value."""
         self._check_replay()
         self._check_batches()
+        self._check_schedule()
         self._check_parallel()
         self._check_production()
         self._check_agents()
@@ -203,6 +224,16 @@ class RunConfig(BaseModel):
                     f"drops whole groups, so --global-batch-size={parallel.global_batch_size} must be a multiple "
                     f"of --n-samples-per-prompt={rollout.n_samples_per_prompt}",
                 )
+
+    def _check_schedule(self) -> None:
+        schedule = self.lr_schedule
+        if schedule and schedule["decay_style"] != "constant" and schedule["decay_end"] <= schedule["warmup"]:
+            bad(
+                "lr_decay_iters",
+                schedule["decay_end"],
+                f"the decay must end after the {schedule['warmup']} warmup steps (the run has "
+                f"{self.optimizer_steps} optimizer steps)",
+            )
 
     def _check_parallel(self) -> None:
         split = self.parallel.split

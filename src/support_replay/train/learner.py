@@ -27,7 +27,7 @@ from .batches import MicroBatch, OptimizerStep, plan_optimizer_steps
 from .config import RunConfig
 from .dist import all_reduce_sum, gather_by_index
 from .layout import parallel_layout
-from .schedule import lr_scheduler, warmup_steps
+from .schedule import lr_scheduler
 from .scorer import Outputs, Scorer
 from .sections import AgentConfig, OptimizerConfig, ParallelConfig, ReplayConfig, RolloutConfig
 
@@ -118,6 +118,7 @@ class Learner:
         agents: AgentConfig,
         pack: bool,
         linear_kernel: str,
+        lr_schedule: dict | None = None,
     ):
         self.ctx = ctx
         self.rollout_cfg, self.parallel_cfg, self.optimizer_cfg = rollout, parallel, optimizer
@@ -135,7 +136,8 @@ class Learner:
         torch.manual_seed(self.optimizer_cfg.seed)
         self.linear_kernel = linear_kernel  # the actor's, the reference's and the lagged scorer's forward
         self.actor, self.reference = self._models(checkpoint_path)
-        self.actor.scheduler = self._lr_schedule()
+        self.actor.schedule = lr_schedule  # what a checkpoint keeps of it, and a resume must match
+        self.actor.scheduler = lr_scheduler(self.actor.optimizer, **lr_schedule) if lr_schedule else None
         self.temperature = self.rollout_cfg.rollout_temperature
         self._build_scorers()
         self.pack = pack  # decided once: the rule reads the rollout's penalties (a file for a logit bias)
@@ -183,27 +185,6 @@ class Learner:
         )
         return actor, reference
 
-    def _lr_schedule(self):
-        """The run's learning-rate schedule over its optimizer steps (train/schedule.py)."""
-        opt, rollout = self.optimizer_cfg, self.rollout_cfg
-        per_rollout = max(
-            rollout.rollout_batch_size * rollout.n_samples_per_prompt // self.parallel_cfg.global_batch_size, 1
-        )
-        total = rollout.num_rollout * per_rollout
-        warmup = warmup_steps(total, opt.lr_warmup_iters, opt.lr_warmup_fraction)
-        end = opt.lr_decay_iters if opt.lr_decay_iters is not None else total
-        if opt.lr_decay_style != "constant" and end <= warmup:
-            raise ConfigError(
-                f"--lr-decay-iters={end}: the decay must end after the {warmup} warmup steps (the run has {total} "
-                "optimizer steps)"
-            )
-        if warmup < 2 and opt.lr_decay_style == "constant":
-            return None  # the learning rate never changes
-        self.actor.schedule = dict(
-            lr=opt.lr, warmup=warmup, decay_style=opt.lr_decay_style, decay_end=end, min_lr=opt.min_lr
-        )
-        return lr_scheduler(self.actor.optimizer, **self.actor.schedule)
-
     def _build_scorers(self) -> None:
         # every pass's scoring function, chosen now (train/scorer.py); which one runs depends on whether this
         # rollout measures full-vocabulary scores and whether the update's forward is the old policy's (fused)
@@ -235,6 +216,7 @@ class Learner:
             agents=cfg.agents,
             pack=cfg.pack_groups,
             linear_kernel=cfg.trainer_linear_kernel(ctx.device),
+            lr_schedule=cfg.lr_schedule,
         )
 
     @property

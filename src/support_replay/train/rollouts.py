@@ -215,7 +215,7 @@ class Rollouts:
         held_out = self.evaluation_cfg.eval_prompt_data
         return train, load_prompts(held_out, data.input_key, data.label_key, seed=self.seed + 1, **keys)
 
-    def _connect(self, checkpoint_path, vocab_size: int, weight_version: str, trainer_kernel: str):
+    def _connect(self, checkpoint_path, vocab_size: int, weight_version: str, trainer_kernel: str) -> None:
         """Where samples come from: vLLM or SGLang (and ours) at --rollout-url, else an engine in this process."""
         from ..engine.kv_budget import COLOCATED_SHARE
 
@@ -230,7 +230,6 @@ class Rollouts:
             routing_shape=self.routing_shape,
             kv_share=COLOCATED_SHARE,
         )
-        return self.backend
 
     @classmethod
     def from_config(
