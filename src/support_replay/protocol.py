@@ -55,6 +55,12 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # vLLM's min_tokens / SGLang's min_new_tokens: EOS and the stop tokens are masked out before the filters
+    # (so they are outside the captured support) and stop strings do not end the output until then
+    min_new_tokens: int = 0
+    skip_special_tokens: bool = True  # the text only: output_ids keep every token
+    spaces_between_special_tokens: bool = True  # vLLM's: False joins adjacent special tokens without a space
+    include_stop_str_in_output: bool = False  # vLLM's (SGLang's no_stop_trim): the matched stop string or token
     return_sampling_mask: bool = False
     return_logprob: bool = False
     sampling_logprobs_mode: Literal["selected", "support"] = "selected"
@@ -74,6 +80,15 @@ class GenerateRequest:
             raise RequestError(f"input_ids: {bad!r} is not a token id")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise RequestError(f"max_new_tokens: must be an integer >= 1, got {self.max_new_tokens!r}")
+        if (
+            isinstance(self.min_new_tokens, bool)
+            or not isinstance(self.min_new_tokens, int)
+            or not 0 <= self.min_new_tokens <= self.max_new_tokens
+        ):
+            raise RequestError(
+                f"min_new_tokens: must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_new_tokens!r}"
+            )
         if self.rid is not None and (not isinstance(self.rid, str) or not 0 < len(self.rid) <= 256):
             raise RequestError(f"rid: must be a string of 1 to 256 characters, got {self.rid!r:.80}")
         unknown = set(self.sent_sampling_fields or ()) - set(SAMPLING_FIELDS)

@@ -53,9 +53,24 @@ def sampling_settings(req: GenerateRequest) -> dict:
     return {k: v for k, v in out.items() if k in req.sent_sampling_fields}
 
 
-def optional_fields(req: GenerateRequest, seed_key: str) -> dict:
-    """Seed and stop conditions of a request, only where it sets them (engines name the seed differently)."""
-    out = {}
+# the output-shaping settings under each engine's names, sent only where a request leaves their defaults
+OUTPUT_FIELD_NAMES = {
+    "sglang": {"min_new_tokens": "min_new_tokens", "include_stop_str_in_output": "no_stop_trim"},
+    "vllm": {"min_new_tokens": "min_tokens", "include_stop_str_in_output": "include_stop_str_in_output"},
+}
+OUTPUT_DEFAULTS = {
+    "min_new_tokens": 0,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "include_stop_str_in_output": False,
+}
+
+
+def optional_fields(req: GenerateRequest, seed_key: str, engine: str = "sglang") -> dict:
+    """Seed, stop conditions and output settings of a request, only where it sets them (engines name some of
+    them differently)."""
+    names = OUTPUT_FIELD_NAMES[engine]
+    out = {names.get(k, k): getattr(req, k) for k, default in OUTPUT_DEFAULTS.items() if getattr(req, k) != default}
     if req.params.seed is not None:
         out[seed_key] = req.params.seed
     if req.stop:

@@ -239,7 +239,7 @@ class VLLMBackend:
             "max_tokens": req.max_new_tokens,
             "ignore_eos": req.ignore_eos,
             "logprobs": logprobs,
-            **optional_fields(req, "seed"),
+            **optional_fields(req, "seed", "vllm"),
         }
 
     def body(self, req: GenerateRequest) -> dict:

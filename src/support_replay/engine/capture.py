@@ -33,11 +33,17 @@ def support_logprobs_of_row(logits_row: torch.Tensor, row_ids: np.ndarray, tempe
 
 
 def captured_rows(
-    requests, logits: torch.Tensor, out: SampledTokens, capacity: int, output_lengths: list[int]
+    requests,
+    logits: torch.Tensor,
+    out: SampledTokens,
+    capacity: int,
+    output_lengths: list[int],
+    full_logits: torch.Tensor | None = None,
 ) -> list[RowStep | RowFailure]:
     """One record per row from a sampling step: the token, and the support and log mu where captured;
-    a support larger than ``capacity`` fails that row (nothing of its request is returned)."""
-    full = full_logprobs_of(requests, logits, out.tokens)
+    a support larger than ``capacity`` fails that row (nothing of its request is returned). Full-vocabulary
+    log-probs come from ``full_logits`` where given (the logits before a min-tokens mask: the trainer's)."""
+    full = full_logprobs_of(requests, logits if full_logits is None else full_logits, out.tokens)
     captured = dict(zip(out.captured.tolist(), range(len(out.captured))))
     sizes, offsets, ids = out.support.sizes(), out.support.offsets, out.support.ids
     log_mu, tokens = out.log_mu.tolist(), out.tokens.tolist()

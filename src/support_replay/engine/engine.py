@@ -114,7 +114,7 @@ class Engine:
         self._seed_source = torch.Generator().manual_seed(seed)
         self.ledger = Ledger(self.limits.max_queue)  # queue count, request ids, aborts, counters
         self.scheduler = Scheduler(self.ledger)
-        self.sample = SamplingStep(semantics, self.capacity)
+        self.sample = SamplingStep(semantics, self.capacity, frozenset(self.eos_ids))
         self.stops = StopConditions(tokenizer, self.eos_ids)
         self.batch = RunningBatch(self.runner)
         self._stop = threading.Event()

@@ -11,6 +11,7 @@ import torch
 from ..core.support import SupportTable
 from ..protocol import Completion, GenerateRequest, sampler_record, single_version
 from .row_step import RowStep
+from .stopping import output_text
 
 
 @dataclass
@@ -56,7 +57,7 @@ class RunningRequest:
         """The answer; a captured one carries the sampler record (what this engine sampled it with)."""
         req = self.request
         matched_string = self.finish_reason.get("type") == "stop" and isinstance(self.finish_reason.get("matched"), str)
-        text = self.text if matched_string else tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        text = self.text if matched_string else output_text(tokenizer, self.output_ids, req, self.finish_reason)
         capture = req.return_sampling_mask
         support_mode = capture and req.sampling_logprobs_mode == "support"
         return Completion(

@@ -1,5 +1,5 @@
-"""The sampling half of a step: penalties over each request's history, the replay core's sampler,
-capture; one typed record per row, a failing row failing alone."""
+"""The sampling half of a step: penalties over each request's history, the min-tokens mask, the replay
+core's sampler, capture; one typed record per row, a failing row failing alone."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ log = logging.getLogger(__name__)
 class SamplingStep:
     """``step(seqs, logits) -> [RowStep | RowFailure]``, under the engine's filter semantics and capacity."""
 
-    def __init__(self, semantics: str, capacity: int):
+    def __init__(self, semantics: str, capacity: int, eos_ids: frozenset[int] = frozenset()):
         self.semantics = semantics
         self.capacity = capacity
+        self.eos_ids = frozenset(eos_ids)
 
     def __call__(self, seqs: list[RunningRequest], logits: torch.Tensor) -> list[RowStep | RowFailure]:
         try:
@@ -37,7 +38,8 @@ class SamplingStep:
         return rows
 
     def _draw(self, seqs: list[RunningRequest], logits: torch.Tensor) -> list[RowStep | RowFailure]:
-        logits = self._penalised(seqs, logits)
+        penalised = self._penalised(seqs, logits)
+        logits = self._masked(seqs, penalised)
         requests = [s.request for s in seqs]
         out = sample_tokens(
             logits,
@@ -46,7 +48,23 @@ class SamplingStep:
             generator=[s.generator for s in seqs],
             capture=[r.return_sampling_mask for r in requests],
         )
-        return captured_rows(requests, logits, out, self.capacity, [len(s.output_ids) for s in seqs])
+        lengths = [len(s.output_ids) for s in seqs]
+        return captured_rows(requests, logits, out, self.capacity, lengths, full_logits=penalised)
+
+    def _masked(self, seqs: list[RunningRequest], logits: torch.Tensor) -> torch.Tensor:
+        """EOS and the stop tokens at -inf in the rows still short of their ``min_new_tokens`` (vLLM's
+        min-tokens processor), before the filters: the captured support never holds a masked id, so the
+        trainer's support score needs nothing new."""
+        rows = [i for i, s in enumerate(seqs) if len(s.output_ids) < s.request.min_new_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            req = seqs[i].request
+            banned = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.eos_ids))
+            banned = sorted(t for t in banned if t < logits.shape[1])
+            logits[i, banned] = float("-inf")
+        return logits
 
     def _penalised(self, seqs: list[RunningRequest], logits: torch.Tensor) -> torch.Tensor:
         """Penalties and logit bias of the rows that have them, over each request's own history

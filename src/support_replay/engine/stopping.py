@@ -1,8 +1,12 @@
-"""Stop conditions: EOS, stop tokens, stop strings (decoded incrementally) and the token budget."""
+"""Stop conditions: EOS, stop tokens, stop strings (decoded incrementally) and the token budget; the
+output's text as vLLM and SGLang give it (the matched stop string or token left out unless asked)."""
 
 from __future__ import annotations
 
-from .running import RunningRequest
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # running.py decodes its answer with output_text below
+    from .running import RunningRequest
 
 UTF8_MAX_BYTES = 4  # a character is at most 4 bytes: a byte-level token run longer than that never completes one
 
@@ -32,13 +36,15 @@ class StopConditions:
             seq.finish_reason = {"type": "stop", "matched": token}
         elif req.stop:
             new = self._decode_new_text(seq)
-            if new:  # a stop string not seen before ends in the new text: search only there
+            if new and len(seq.output_ids) > req.min_new_tokens:  # vLLM: no stop string ends the first min_tokens
+                # a stop string not seen before ends in the new text: search only there
                 start = max(0, len(seq.decoded) - new - max(map(len, req.stop)) + 1)
                 window = seq.decoded[start:]
                 hits = [(window.find(s), s) for s in req.stop if s and s in window]
                 if hits:
                     pos, matched = min(hits)
-                    seq.text = seq.decoded[: start + pos]
+                    kept = len(matched) if req.include_stop_str_in_output else 0
+                    seq.text = seq.decoded[: start + pos + kept]
                     seq.finish_reason = {"type": "stop", "matched": matched}
         if seq.finish_reason is None and len(seq.output_ids) >= req.max_new_tokens:
             seq.finish_reason = {"type": "length", "length": len(seq.output_ids)}
@@ -50,11 +56,24 @@ class StopConditions:
         character (up to 4 tokens: a longer invalid run is final)."""
         prefix, read = seq.decode_from
         ids = seq.output_ids
-        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
-        text = self.tokenizer.decode(ids[prefix:], skip_special_tokens=True)
+        skip = seq.request.skip_special_tokens
+        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=skip)
+        text = self.tokenizer.decode(ids[prefix:], skip_special_tokens=skip)
         if text.endswith("\ufffd") and len(ids) - read < UTF8_MAX_BYTES:  # an incomplete character may still end
             return 0
         new = text[len(before) :]
         seq.decoded += new
         seq.decode_from = (read, len(ids))
         return len(new)
+
+
+def output_text(tokenizer, output_ids: list[int], request, finish_reason: dict) -> str:
+    """The text of an output that did not end on a stop string: a matched stop token (EOS or one of
+    ``stop_token_ids``) is left out unless ``include_stop_str_in_output`` (vLLM's detokenizer, SGLang's
+    ``no_stop_trim``); ``skip_special_tokens`` and ``spaces_between_special_tokens`` go to the tokenizer."""
+    ids = output_ids
+    stopped_on_token = finish_reason.get("type") == "stop" and isinstance(finish_reason.get("matched"), int)
+    if stopped_on_token and not request.include_stop_str_in_output:
+        ids = ids[:-1]
+    spacing = {} if request.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+    return tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens, **spacing)

@@ -22,7 +22,8 @@ def validation_message(exc: ValidationError | RequestValidationError) -> str:
     errors = exc.errors()
     parts = []
     for err in errors[:MAX_ERRORS_SHOWN]:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        # pydantic's own steps (``function-after[...]``, a union's ``list[...]``) are no field names
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and "[" not in str(p))
         parts.append(f"{loc or 'body'}: {err.get('msg')}")
     more = len(errors) - MAX_ERRORS_SHOWN
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")

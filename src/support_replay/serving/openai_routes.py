@@ -11,7 +11,7 @@ the output are parsed in the Hermes format. Answers are streamed once generated.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -30,6 +30,7 @@ from .openai_format import (
     text_stream,
     token_logprobs,
 )
+from .request_fields import check_undeclared
 from .schemas import SamplingParamsIn, TextBatch, TokenBatch, TokenIds, bounded_batches, check_fan_out
 from .sglang_format import ResponseForm
 
@@ -37,9 +38,11 @@ MAX_N = 64
 
 
 class OpenAIIn(BaseModel):
-    """Fields both OpenAI endpoints share, plus SGLang's ``top_k``/``min_p`` and our replay fields."""
+    """Fields both OpenAI endpoints share, plus vLLM's and SGLang's sampling extras and our replay fields;
+    any other field goes by ``request_fields`` (a no-op, taken at its default, or refused by name)."""
 
     model_config = ConfigDict(extra="allow")
+    route: ClassVar[str] = "/v1/completions"
 
     model: str | None = None
     temperature: float = 1.0
@@ -49,6 +52,12 @@ class OpenAIIn(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    no_stop_trim: bool = False  # SGLang's name for include_stop_str_in_output
     seed: int | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
@@ -66,6 +75,11 @@ class OpenAIIn(BaseModel):
         False, description="routed experts come from /generate (meta_info.routed_experts) only"
     )
 
+    @model_validator(mode="after")
+    def _declared_fields(self):
+        check_undeclared(self.model_extra, self.route)
+        return self
+
     def sampling(self, max_tokens: int | None, default_max: int) -> SamplingParamsIn:
         return SamplingParamsIn(
             temperature=self.temperature,
@@ -75,6 +89,11 @@ class OpenAIIn(BaseModel):
             max_new_tokens=max_tokens or default_max,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            min_new_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            no_stop_trim=self.include_stop_str_in_output or self.no_stop_trim,
             seed=self.seed,
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
@@ -88,6 +107,7 @@ class OpenAIIn(BaseModel):
 
 
 class ChatIn(OpenAIIn):
+    route: ClassVar[str] = "/v1/chat/completions"
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict | None = None

@@ -15,6 +15,7 @@ from ..core.penalties import Penalties
 from ..core.sampling import SamplingParams
 from ..errors import RequestError, SamplingParamsError
 from ..protocol import GenerateRequest
+from .request_fields import check_undeclared
 
 MAX_BATCH = (
     4096  # prompts in one request body: checked while parsing, before anything is built (the queue bounds it further)
@@ -46,6 +47,11 @@ def check_fan_out(prompts: int, n: int, queue: int) -> None:
         )
 
 
+def _declared_only(model: BaseModel, route: str) -> BaseModel:
+    check_undeclared(model.model_extra, route)
+    return model
+
+
 def _reject_stream(stream: bool) -> bool:
     if stream:
         raise ValueError("streaming is not supported; send stream=false")
@@ -53,9 +59,9 @@ def _reject_stream(stream: bool) -> bool:
 
 
 class SamplingParamsIn(BaseModel):
-    """SGLang's ``sampling_params`` object."""
+    """SGLang's ``sampling_params`` object; fields it does not declare go by ``request_fields``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -72,7 +78,13 @@ class SamplingParamsIn(BaseModel):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
-    min_new_tokens: int = 0
+    min_new_tokens: int = Field(0, ge=0)
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False  # SGLang's: keep the matched stop string or token in the text
+
+    @model_validator(mode="after")
+    def _declared_fields(self):
+        return _declared_only(self, "sampling_params")
 
     @model_validator(mode="before")
     @classmethod
@@ -93,8 +105,10 @@ class SamplingParamsIn(BaseModel):
     ) -> GenerateRequest:
         if self.n != 1:
             raise RequestError(f"sampling_params.n={self.n!r} is not supported (only 1)")
-        if self.min_new_tokens != 0:
-            raise RequestError(f"sampling_params.min_new_tokens={self.min_new_tokens!r} is not supported (only 0)")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise RequestError(
+                f"sampling_params.min_new_tokens={self.min_new_tokens} exceeds max_new_tokens={self.max_new_tokens}"
+            )
         try:
             penalties = Penalties.with_bias(
                 self.frequency_penalty, self.presence_penalty, self.repetition_penalty, self.logit_bias
@@ -115,6 +129,10 @@ class SamplingParamsIn(BaseModel):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            min_new_tokens=self.min_new_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.no_stop_trim,
             return_sampling_mask=return_sampling_mask,
             return_logprob=return_logprob,
             sampling_logprobs_mode=sampling_logprobs_mode,
@@ -126,7 +144,7 @@ class SamplingParamsIn(BaseModel):
 class GenerateIn(BaseModel):
     """SGLang ``/generate``: one prompt or a batch, as text or token ids."""
 
-    model_config = ConfigDict(extra="allow")  # fields of SGLang's we do not use are accepted and ignored
+    model_config = ConfigDict(extra="allow")  # SGLang's other fields go by request_fields: no-op or refused
 
     rid: str | Annotated[list[str], Field(max_length=MAX_BATCH)] | None = (
         None  # idempotency key(s): a repeated id gets the first answer
@@ -143,6 +161,10 @@ class GenerateIn(BaseModel):
     routed_experts_format: Literal["sglang", "npy"] = "sglang"  # ours: npy is vLLM's compact .npy form
     logprob_start_len: int | list[int] = -1
     stream: bool = False
+
+    @model_validator(mode="after")
+    def _declared_fields(self):
+        return _declared_only(self, "/generate")
 
     _no_stream = field_validator("stream")(classmethod(lambda cls, v: _reject_stream(v)))
     _bounded = model_validator(mode="before")(

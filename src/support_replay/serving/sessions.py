@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import RequestError
 from ..rollout.chat import parses_tool_calls
@@ -25,6 +25,7 @@ from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SESSIONS_PORT, NO_TELEMETRY
 from .health_routes import model_listing
 from .http_errors import install_error_handlers
 from .openai_format import chat_choice, chat_response, chat_stream, token_logprobs
+from .request_fields import check_undeclared
 from .security import Keys, guarded
 
 SETTINGS = (
@@ -57,7 +58,7 @@ class SessionChatIn(BaseModel):
     """OpenAI chat completions inside a session. Sampling fields are optional: left out, the
     run's rollout settings apply; given, they must equal them."""
 
-    model_config = ConfigDict(extra="allow")  # OpenAI fields we do not use (user, metadata, ...) are ignored
+    model_config = ConfigDict(extra="allow")  # other fields go by request_fields: a no-op, a default, or refused
 
     model: str | None = None
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -81,8 +82,12 @@ class SessionChatIn(BaseModel):
     logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     return_meta_info: bool = False
-    parallel_tool_calls: bool | None = None
     response_format: dict | None = None
+
+    @model_validator(mode="after")
+    def _declared_fields(self):
+        check_undeclared(self.model_extra, "a session's /v1/chat/completions")
+        return self
 
     def to_turn(self) -> ChatTurn:
         if self.n != 1:
