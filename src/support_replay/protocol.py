@@ -63,6 +63,9 @@ class GenerateRequest:
     include_stop_str_in_output: bool = False  # vLLM's (SGLang's no_stop_trim): the matched stop string or token
     return_sampling_mask: bool = False
     return_logprob: bool = False
+    # the k most likely ids of the full distribution after temperature, with their log-probs, per token (an
+    # unfiltered request's top log-probs; a filtered one lists its support, sampling_logprobs_mode "support")
+    top_logprobs: int = 0
     sampling_logprobs_mode: Literal["selected", "support"] = "selected"
     rid: str | None = None  # idempotency key: the same id (with the same seed) is answered once
     routing_key: str | None = None  # a session's id: a router sends every turn to the same engine
@@ -89,6 +92,8 @@ class GenerateRequest:
                 f"min_new_tokens: must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
                 f"got {self.min_new_tokens!r}"
             )
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) or self.top_logprobs < 0:
+            raise RequestError(f"top_logprobs: must be an integer >= 0, got {self.top_logprobs!r}")
         if self.rid is not None and (not isinstance(self.rid, str) or not 0 < len(self.rid) <= 256):
             raise RequestError(f"rid: must be a string of 1 to 256 characters, got {self.rid!r:.80}")
         unknown = set(self.sent_sampling_fields or ()) - set(SAMPLING_FIELDS)
@@ -153,6 +158,8 @@ class Completion:
     # [prompt + output - 1, layers, top_k] int32: the experts of every position fed to the model (core/routing.py)
     routed_experts: np.ndarray | None = None
     routing_bytes: int = 0  # what the routing cost on the wire (0 in-process)
+    # top_logprobs asked: per token (ids int64 [k], log-probs float32 [k]) of the full distribution, most likely first
+    top_logprobs: list[tuple[np.ndarray, np.ndarray]] | None = None
     # what the engine reports it sampled with (our serve: ``meta_info["sampler"]``); SGLang and vLLM send none
     sampler: dict | None = None
 

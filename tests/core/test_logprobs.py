@@ -157,3 +157,20 @@ def test_sparse_head_rejects_target_outside_support():
         sparse_head_support_logprobs(
             torch.zeros(2, 4), torch.zeros(6, 4), torch.tensor([1, 3]), SupportTable.from_lists([[1], [2]])
         )
+
+
+def test_top_full_logprobs_are_the_float64_top_k_with_the_full_logprobs_bits():
+    from support_replay.core.logprobs import top_full_logprobs
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 300, generator=g) * 3
+    temps = torch.tensor([1.0, 0.7, 1.3, 1.0, 2.0, 0.5])
+    values, ids = top_full_logprobs(logits, 7, temps)
+    ref = torch.log_softmax(logits.double() / temps[:, None].double(), dim=-1)
+    top = torch.topk(ref, 7, dim=-1)
+    assert torch.equal(ids, top.indices)
+    torch.testing.assert_close(values.double(), top.values, atol=1e-5, rtol=0)
+    own = full_logprobs(logits, ids[:, 0], temps)  # the most likely id's entry: the bits of its own log-prob
+    assert torch.equal(values[:, 0], own)
+    with pytest.raises(SupportError, match="k=0"):
+        top_full_logprobs(logits, 0)

@@ -1,6 +1,9 @@
 """The plain OpenAI surface of `serve`, driven by the real `openai` client as a user would:
-models, completions, chat, n, streaming, logprobs (log mu) and top_logprobs (the support's ids),
+models, completions, chat, n, streaming, logprobs (log mu) and top_logprobs (the support's ids, or the
+full distribution's most likely ids with no filter),
 and tools rendered or refused, never ignored."""
+
+import math
 
 import openai
 import pytest
@@ -121,8 +124,15 @@ def test_chat_streaming_n_and_top_logprobs(client):
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == first.message.content
     assert chunks[-1].usage.completion_tokens == len(meta["output_ids"])
-    with pytest.raises(openai.BadRequestError, match="top_logprobs: lists the ids of the sampled token's support"):
-        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, logprobs=True, top_logprobs=2)
+    # no filter: the full distribution's most likely ids, the sampled token's full-vocabulary log-prob among them
+    plain = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=4, seed=2, logprobs=True, top_logprobs=5
+    ).choices[0]
+    for entry in plain.logprobs.content:
+        values = [t.logprob for t in entry.top_logprobs]
+        assert len(values) == 5 and values == sorted(values, reverse=True)
+        assert entry.logprob <= values[0] and (entry.logprob < values[-1] or entry.logprob in values)
+        assert 0.0 < sum(math.exp(v) for v in values) <= 1.0 + 1e-5
 
 
 def test_tools_are_rendered_or_refused_never_ignored(client, tool_client):

@@ -233,6 +233,19 @@ def full_logprobs(logits, targets, temperature=1.0, chunk_rows: int = DEFAULT_CH
     return full_logprobs_and_entropy(logits, targets, temperature, chunk_rows)[0]
 
 
+def top_full_logprobs(logits: torch.Tensor, k: int, temperature=1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log-probs, ids)`` ``[T, k]`` of the ``k`` most likely ids of the full ``softmax(z/T)``, most likely
+    first (ties in id order): the top log-probs of an unfiltered request."""
+    if logits.ndim != 2 or not 1 <= k <= logits.shape[1]:
+        raise SupportError(f"top_full_logprobs: k={k} for logits of shape {tuple(logits.shape)}")
+    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]  # z/T keeps z's order for T > 0
+    rows = logits.shape[0]
+    temps = _temperature_column(temperature, rows, logits.device, _acc(logits.dtype)).expand(rows, k).reshape(-1)
+    # full_logprobs itself, so the sampled token's entry has the bits of its own log-prob
+    values = full_logprobs(logits.repeat_interleave(k, dim=0), ids.reshape(-1), temps)
+    return values.reshape(rows, k), ids
+
+
 def entropy(logits, temperature=1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
     """Full-vocabulary entropy of ``softmax(z/T)`` per row."""
     targets = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)

@@ -6,10 +6,12 @@ One function per captured quantity, each over the rows that asked.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
-from ..core.logprobs import full_logprobs, support_row_logprobs
+from ..core.logprobs import full_logprobs, support_row_logprobs, top_full_logprobs
 from ..core.sampling import SampledTokens
 from ..errors import CapacityError
 from .row_step import RowFailure, RowStep
@@ -24,6 +26,18 @@ def full_logprobs_of(requests, logits: torch.Tensor, tokens: torch.Tensor) -> di
     index = torch.tensor(rows)
     temps = torch.tensor([requests[i].params.temperature or 1.0 for i in rows])
     return dict(zip(rows, full_logprobs(logits[index], tokens[index], temps).tolist()))
+
+
+def top_logprobs_of(requests, logits: torch.Tensor) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """``(ids, log-probs)`` of the ``top_logprobs`` most likely ids of the full distribution, for the rows
+    that asked (one sort per row that asked, none for the others)."""
+    out = {}
+    for row, request in enumerate(requests):
+        k = min(request.top_logprobs, logits.shape[1])
+        if k:
+            values, ids = top_full_logprobs(logits[row : row + 1], k, request.params.temperature or 1.0)
+            out[row] = (ids[0].numpy().astype(np.int64), values[0].numpy().astype(np.float32))
+    return out
 
 
 def support_logprobs_of_row(logits_row: torch.Tensor, row_ids: np.ndarray, temperature: float | None) -> np.ndarray:
@@ -43,7 +57,16 @@ def captured_rows(
     """One record per row from a sampling step: the token, and the support and log mu where captured;
     a support larger than ``capacity`` fails that row (nothing of its request is returned). Full-vocabulary
     log-probs come from ``full_logits`` where given (the logits before a min-tokens mask: the trainer's)."""
-    full = full_logprobs_of(requests, logits if full_logits is None else full_logits, out.tokens)
+    full_logits = logits if full_logits is None else full_logits
+    full = full_logprobs_of(requests, full_logits, out.tokens)
+    top = top_logprobs_of(requests, full_logits)
+    rows = _captured(requests, logits, out, capacity, output_lengths, full)
+    return [
+        dataclasses.replace(r, top=top[i]) if i in top and isinstance(r, RowStep) else r for i, r in enumerate(rows)
+    ]
+
+
+def _captured(requests, logits, out: SampledTokens, capacity: int, output_lengths, full) -> list[RowStep | RowFailure]:
     captured = dict(zip(out.captured.tolist(), range(len(out.captured))))
     sizes, offsets, ids = out.support.sizes(), out.support.offsets, out.support.ids
     log_mu, tokens = out.log_mu.tolist(), out.tokens.tolist()

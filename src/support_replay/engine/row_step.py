@@ -16,6 +16,7 @@ class RowStep:
     log_mu: float | None = None  # log mu of the token, renormalised over S_t
     full_logprob: float | None = None  # full-vocabulary log-prob of the token (return_logprob)
     support_row_logprobs: np.ndarray | None = None  # log mu of every id of S_t (sampling_logprobs_mode "support")
+    top: tuple[np.ndarray, np.ndarray] | None = None  # (ids, log-probs) of the full distribution's top_logprobs
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ class RunningRequest:
     supports: list[np.ndarray] = field(default_factory=list)  # one canonical id array per token
     full_logprobs: list[float] = field(default_factory=list)
     support_row_logprobs: list[np.ndarray] = field(default_factory=list)
+    top_logprobs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     position: int = 0  # position id of the next token fed to the model
     finish_reason: dict | None = None
     text: str = ""
@@ -47,6 +48,8 @@ class RunningRequest:
                 self.support_row_logprobs.append(step.support_row_logprobs)
         if step.full_logprob is not None:
             self.full_logprobs.append(step.full_logprob)
+        if step.top is not None:
+            self.top_logprobs.append(step.top)
         self.output_ids.append(step.token)
 
     def fail(self, error: Exception, where: str) -> None:
@@ -72,4 +75,5 @@ class RunningRequest:
             support_row_logprobs=list(self.support_row_logprobs) if support_mode else None,
             routed_experts=np.concatenate(self.routing) if req.return_routed_experts else None,
             sampler=sampler_record(req, semantics=semantics, version=version) if capture else None,
+            top_logprobs=list(self.top_logprobs) if req.top_logprobs else None,
         )

@@ -22,19 +22,38 @@ def new_id(prefix: str) -> str:
 
 
 def token_logprobs(completion: Completion, decode, top: int) -> list[dict]:
-    """OpenAI chat ``logprobs.content`` entries: log mu per token, and up to ``top`` support ids."""
+    """OpenAI chat ``logprobs.content`` entries: log mu per token, and up to ``top`` ids of its support (the
+    full distribution's most likely ids for an unfiltered request)."""
     out = []
-    rows = completion.support_row_logprobs
-    for t, (token, lp) in enumerate(zip(completion.output_ids, completion.log_mu.tolist())):
+    for t, ((token, lp), (ids, values)) in enumerate(
+        zip(zip(completion.output_ids, completion.log_mu.tolist()), top_ids(completion, top))
+    ):
         text = decode([token])
         entry = {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
-        if top and rows is not None:
-            ids, values = completion.support.row(t), rows[t]
-            for k in np.argsort(-values, kind="stable")[:top]:
-                alt = decode([int(ids[k])])
-                entry["top_logprobs"].append({"token": alt, "logprob": float(values[k]), "bytes": list(alt.encode())})
+        for i, v in zip(ids, values):
+            alt = decode([i])
+            entry["top_logprobs"].append({"token": alt, "logprob": v, "bytes": list(alt.encode())})
         out.append(entry)
     return out
+
+
+def top_ids(completion: Completion, top: int) -> list[tuple[list[int], list[float]]]:
+    """Per token, up to ``top`` ``(ids, log-probs)``, most likely first: of the support where it was captured
+    with every id's log-prob, else of the full distribution (an unfiltered request's ``top_logprobs``)."""
+    n = completion.num_tokens
+    if not top:
+        return [([], [])] * n
+    rows = completion.support_row_logprobs
+    if rows is not None:
+        out = []
+        for t in range(n):
+            ids, values = completion.support.row(t), rows[t]
+            order = np.argsort(-values, kind="stable")[:top]
+            out.append(([int(ids[k]) for k in order], [float(values[k]) for k in order]))
+        return out
+    if completion.top_logprobs is not None:
+        return [(ids[:top].tolist(), values[:top].tolist()) for ids, values in completion.top_logprobs]
+    return [([], [])] * n
 
 
 def chat_choice(

@@ -3,7 +3,8 @@ with ``n``, ``stream``, ``logprobs``/``top_logprobs`` and tools (docs/agents.md)
 
 ``logprobs`` are log mu: the log-prob of each sampled token under the policy that sampled it,
 normalised over its support (with no top-k/top-p/min-p filter that is the full-vocabulary
-value). ``top_logprobs`` lists at most the ids of that support, so it needs a filter. Tools are
+value). ``top_logprobs`` lists at most the ids of that support, or with no filter the most likely
+ids of the full distribution after temperature. Tools are
 rendered by the chat template, or refused when the template cannot render them; tool calls in
 the output are parsed in the Hermes format. Answers are streamed once generated.
 """
@@ -127,24 +128,19 @@ class CompletionIn(OpenAIIn):
 
 def requests_for(body: OpenAIIn, prompt_ids: list[int], sp: SamplingParamsIn, *, log_mu: bool, top: int) -> list:
     """``n`` requests for one prompt (seeds ``seed + i`` when a seed is given)."""
-    if top and not body.filtered:
-        raise RequestError(
-            "top_logprobs: lists the ids of the sampled token's support, which needs top_k, top_p or min_p (the whole "
-            "vocabulary is not a support)"
-        )
     capture = body.return_sampling_mask or (log_mu and body.filtered)
     mode = "support" if top else body.sampling_logprobs_mode
     out = []
     for i in range(body.n):
         one = sp.model_copy(update={"seed": None if body.seed is None else body.seed + i})
-        out.append(
-            one.to_request(
-                list(prompt_ids),
-                return_sampling_mask=capture,
-                return_logprob=log_mu and not body.filtered,
-                sampling_logprobs_mode=mode,
-            )
+        req = one.to_request(
+            list(prompt_ids),
+            return_sampling_mask=capture,
+            return_logprob=log_mu and not body.filtered,
+            sampling_logprobs_mode=mode,
         )
+        req.top_logprobs = 0 if body.filtered else top  # unfiltered: the full distribution's most likely ids
+        out.append(req)
     return out
 
 

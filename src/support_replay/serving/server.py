@@ -2,6 +2,7 @@
 
     native_routes.py   SGLang's /generate, /model_info, /server_info
     openai_routes.py   /v1/chat/completions, /v1/completions
+    vllm_routes.py     vLLM's token-in/token-out /inference/v1/generate
     admin_routes.py    weight updates, the weight version, /flush_cache (admin key)
     health_routes.py   /health, /metrics (open), /v1/models
 
@@ -25,6 +26,8 @@ from .http_errors import engine_error_response, install_error_handlers
 from .native_routes import native_routes
 from .openai_routes import openai_routes
 from .security import DEFAULT_MAX_WEIGHTS_BYTES, LOOPBACK_HOSTS, WEIGHTS_OVER_HTTP, Keys, exposure_warnings, guarded
+from .vllm_routes import ROUTE as VLLM_GENERATE
+from .vllm_routes import vllm_routes
 
 
 def create_app(
@@ -52,6 +55,7 @@ def create_app(
     app.include_router(native_routes(calls, model_name))
     app.include_router(admin_routes(engine, Path(weights_dir).resolve() if weights_dir else None))
     app.include_router(openai_routes(calls.run, calls.meta_info, model_name, renderer, engine.limits.max_queue))
+    app.include_router(vllm_routes(calls.run, model_name, engine))
     return guarded(
         QueueGate(app, engine),
         keys or Keys(),
@@ -63,7 +67,7 @@ def create_app(
     )
 
 
-GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", VLLM_GENERATE)
 
 
 class QueueGate:
