@@ -31,6 +31,7 @@ from ..core.sampling import SamplingParams
 from ..errors import EngineError, HistoryMismatch, RequestError, SessionBusy, SessionFailed, SessionNotFound, WireError
 from ..protocol import Completion, GenerateRequest
 from .chat import ChatRenderer, normalize_message, parse_tool_calls
+from .client_sessions import ClientSessions
 from .sample import Sample
 from .trajectory import Trajectory
 
@@ -98,6 +99,20 @@ class ChatTurn:
 
 
 @dataclass
+class TokenTurn:
+    """One token-level request to a session (vLLM's /inference/v1/generate), as parsed by the HTTP layer."""
+
+    token_ids: list[int]
+    max_tokens: int | None = None
+    seed: int | None = None
+    sampling: dict = field(default_factory=dict)  # sampling fields the client set explicitly
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    skip_special_tokens: bool = True
+
+
+@dataclass
 class TurnResult:
     content: str
     tool_calls: list[dict]
@@ -132,24 +147,76 @@ class Session:
         self.reward: float | None = None
         self.last_used = time.monotonic()
         self._busy = False
-        self._last: tuple[list[dict], TurnResult] | None = None
+        self._last: tuple[list, object] | None = None  # the last turn's input and answer (a retry gets it again)
+        self.kind: str | None = None  # "chat" or "tokens": what its turns are, fixed by the first
 
     # ---- one turn -------------------------------------------------------------------
 
     async def chat(self, turn: ChatTurn, generate) -> TurnResult:
         """Run one turn; ``generate`` is ``async (GenerateRequest) -> Completion``."""
+        return await self._one_at_a_time("chat", lambda: self._chat(turn, generate))
+
+    async def tokens(self, turn: TokenTurn, generate) -> tuple[GenerateRequest | None, Completion | None]:
+        """Run one token-level turn (vLLM's /inference/v1/generate): ``(the engine request, its completion)``,
+        both None when the episode's turn or token budget was spent."""
+        return await self._one_at_a_time("tokens", lambda: self._tokens(turn, generate))
+
+    async def _one_at_a_time(self, kind: str, run):
         if self._busy:
             raise SessionBusy(f"session {self.id}: a turn is still running; send one request at a time")
         if self.finished or self.failed:
             raise RequestError(
                 f"session {self.id}: the session is {'finished' if self.finished else 'failed'}; no more turns"
             )
+        if self.kind not in (None, kind):
+            raise RequestError(
+                f"session {self.id}: a {self.kind} session takes no {kind} turn (chat messages or token ids, one "
+                "kind per session)"
+            )
         self._busy = True
         try:
-            return await self._chat(turn, generate)
+            return await run()
         finally:
             self._busy = False
             self.last_used = time.monotonic()
+
+    async def _tokens(self, turn: TokenTurn, generate):
+        ids = list(turn.token_ids)
+        if self._last is not None and ids == self._last[0]:
+            return self._last[1]  # a retry: the same answer, once
+        self._check_sampling(turn.sampling)
+        plan = self._token_plan(ids)
+        used = (0 if plan.new_prompt else self.current.response_length) + len(plan.inserted)
+        budget = self.settings.max_episode_tokens - used
+        if self.turns >= self.settings.max_turns or budget < 1:
+            return None, None
+        extra = {"stop_token_ids": list(turn.stop_token_ids), "skip_special_tokens": turn.skip_special_tokens}
+        request = self._request(plan, turn.max_tokens, budget, turn.seed, turn.logprobs, turn.top_logprobs, **extra)
+        completion = await self._generate(request, generate)
+        self._commit(plan, None, completion)
+        self.kind = "tokens"
+        self._last = (ids, (request, completion))
+        return request, completion
+
+    def _token_plan(self, ids: list[int]) -> _Plan:
+        """The new token ids extend the recorded trajectory (the extension is inserted), or a new sample starts."""
+        fresh = _Plan(ids, [], (self.renderer.decode(ids), ids))
+        if self.current is None:
+            return fresh
+        recorded = self.current.ids
+        if len(ids) > len(recorded) and ids[: len(recorded)] == recorded:
+            return _Plan(ids, ids[len(recorded) :], None)
+        at = next((i for i, (a, b) in enumerate(zip(ids, recorded)) if a != b), min(len(ids), len(recorded)))
+        why = (
+            f"history check: token_ids ({len(ids)}) do not extend the {len(recorded)} recorded tokens (they differ "
+            f"at position {at})"
+        )
+        if self.settings.history_policy == "reject":
+            raise HistoryMismatch(
+                f"session {self.id}, turn {self.turns}: {why}; the turn is refused (history_policy=reject)"
+            )
+        fresh.split = f"turn {self.turns}: {why}"
+        return fresh
 
     async def _chat(self, turn: ChatTurn, generate) -> TurnResult:
         messages = [normalize_message(m, i) for i, m in enumerate(turn.messages)]
@@ -163,22 +230,40 @@ class Session:
         if self.turns >= self.settings.max_turns or budget < 1:
             # the episode ends here; the trajectory stays as it is, valid
             return TurnResult("", [], "length", None, len(plan.input_ids), plan.split)
-        request = GenerateRequest(
+        request = self._request(plan, turn.max_tokens, budget, turn.seed, turn.logprobs, turn.top_logprobs)
+        completion = await self._generate(request, generate)
+        self._commit(plan, tools, completion)
+        result = self._answer(
+            messages, tools if turn.parse_tools else None, completion, len(plan.input_ids), plan.split
+        )
+        self._last = (messages, result)
+        self.kind = "chat"
+        return result
+
+    def _request(self, plan: _Plan, max_tokens, budget: int, seed, logprobs: bool, top: int, **extra):
+        """The turn's engine request: the run's settings, the session's seed for this turn unless given."""
+        mask = self.settings.capture or (logprobs and self.settings.params.replay_active)
+        return GenerateRequest(
             input_ids=plan.input_ids,
             params=SamplingParams(
                 **{f: getattr(self.settings.params, f) for f in SAMPLING_FIELDS},
-                seed=turn.seed if turn.seed is not None else session_turn_seed(self.seed, self.turns),
+                seed=seed if seed is not None else session_turn_seed(self.seed, self.turns),
             ),
-            max_new_tokens=min(turn.max_tokens or self.settings.max_new_tokens, budget),
-            return_sampling_mask=self.settings.capture or turn.logprobs,
-            sampling_logprobs_mode="support" if turn.top_logprobs or self.settings.support_logprobs else "selected",
+            max_new_tokens=min(max_tokens or self.settings.max_new_tokens, budget),
+            return_sampling_mask=mask,
+            return_logprob=logprobs and not mask,  # unfiltered, uncaptured: the full distribution's log-probs
+            top_logprobs=0 if mask else top,
+            sampling_logprobs_mode="support" if top or self.settings.support_logprobs else "selected",
             rid=f"{self.id}/{self.turns}",
             routing_key=self.id,
             penalties=self.settings.penalties,
             return_routed_experts=self.settings.routing,
+            **extra,
         )
+
+    async def _generate(self, request: GenerateRequest, generate) -> Completion:
         try:
-            completion = await generate(request)
+            return await generate(request)
         except RequestError:
             raise
         except (EngineError, WireError) as exc:  # down, overloaded, aborted, or a malformed answer
@@ -186,12 +271,6 @@ class Session:
             raise SessionFailed(
                 f"session {self.id}, turn {self.turns}: the engine failed the turn; the episode ends ({exc})"
             ) from exc
-        self._commit(plan, tools, completion)
-        result = self._answer(
-            messages, tools if turn.parse_tools else None, completion, len(plan.input_ids), plan.split
-        )
-        self._last = (messages, result)
-        return result
 
     def _check_sampling(self, given: dict) -> None:
         params = self.settings.params
@@ -282,6 +361,9 @@ class Session:
         return self.segments + ([self.current] if self.current is not None else [])
 
     def last_assistant_text(self) -> str:
+        if self.kind == "tokens" and self.current is not None:  # the model's last output, as text
+            ids = self.current.response_ids[self.current.output_starts[-1] :]
+            return self.renderer.tokenizer.decode(ids, skip_special_tokens=True)
         return next((m.get("content", "") for m in reversed(self.messages) if m["role"] == "assistant"), "")
 
     def to_samples(
@@ -341,6 +423,7 @@ class SessionStore:
         self.max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
+        self.clients = ClientSessions(self)  # sessions keyed by the client's X-Session-ID, task scopes
         # a thread per waiting turn: the backends block; the engine batches what arrives together
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="session-turn")
 
@@ -395,8 +478,15 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def __contains__(self, sid: str) -> bool:
+        with self._lock:
+            return sid in self._sessions
+
     async def chat(self, sid: str, turn: ChatTurn) -> TurnResult:
         return await self.get(sid).chat(turn, self.generate)
+
+    async def tokens(self, sid: str, turn: TokenTurn):
+        return await self.get(sid).tokens(turn, self.generate)
 
     async def generate(self, request: GenerateRequest) -> Completion:
         loop = asyncio.get_running_loop()

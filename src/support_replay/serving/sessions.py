@@ -2,6 +2,10 @@
 
     POST   /sessions                                   -> {"session_id": ...}
     POST   /sessions/{id}/v1/chat/completions          one turn (OpenAI schema, stream too)
+    POST   /sessions/{id}/inference/v1/generate        one token-level turn (vLLM's generate shapes)
+    GET    /sessions/{id}/v1/models
+    POST   /v1/chat/completions, /inference/v1/generate            the session named by X-Session-ID
+    POST   /tasks/{task}/v1/chat/completions (and generate)        the same, each id one sample of a task's group
     GET    /sessions/{id}                              turns, splits, state
     POST   /sessions/{id}/finish                       reward and metadata; no more turns
     GET    /sessions/{id}/trajectory                   the samples, token level, with replay data
@@ -14,19 +18,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, FastAPI
+import numpy as np
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import RequestError
+from ..protocol import SESSION_HEADER, Completion, GenerateRequest
 from ..rollout.chat import parses_tool_calls
-from ..rollout.session import ChatTurn, SessionStore, TurnResult
+from ..rollout.session import ChatTurn, SessionStore, TokenTurn, TurnResult
 from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SESSIONS_PORT, NO_TELEMETRY
 from .health_routes import model_listing
 from .http_errors import install_error_handlers
 from .openai_format import chat_choice, chat_response, chat_stream, token_logprobs
+from .openai_routes import as_log_mu
 from .request_fields import check_undeclared
 from .security import Keys, guarded
+from .vllm_routes import ROUTE as VLLM_GENERATE
+from .vllm_routes import VLLMGenerateIn, generate_response
 
 SETTINGS = (
     "temperature",
@@ -143,8 +152,40 @@ def _status(s) -> dict:
     return {"session_id": s.id, "finished": s.finished, "failed": s.failed, "splits": s.splits, "metadata": s.metadata}
 
 
+def token_turn(body: VLLMGenerateIn) -> TokenTurn:
+    """A session's turn from vLLM's generate body: the run's settings apply (a sampling field given must equal
+    them); what would make the trajectory other than what the trainer replays is refused by name."""
+    sp = body.sampling_params
+    given = sp.model_fields_set
+    refused = {"n": 1, "min_tokens": 0, "ignore_eos": False, "stop": None, "include_stop_str_in_output": False}
+    for name, default in refused.items():
+        if name in given and getattr(sp, name) not in (default, [], ""):
+            raise RequestError(
+                f"sampling_params.{name}={getattr(sp, name)!r}: not taken inside a session (a session is one "
+                "trajectory that ends at the model's end-of-turn or stop token)"
+            )
+    sampling = {k: getattr(sp, k) for k in SETTINGS if k in given}
+    if "top_k" in sampling and sampling["top_k"] == 0:
+        sampling["top_k"] = -1  # vLLM's 0 is no top-k
+    if sp.logit_bias:
+        sampling["logit_bias"] = {str(k): v for k, v in sp.logit_bias.items()}
+    return TokenTurn(
+        token_ids=list(body.token_ids),
+        max_tokens=sp.max_tokens,
+        seed=sp.seed,
+        sampling=sampling,
+        logprobs=sp.logprobs is not None,
+        top_logprobs=max(sp.logprobs or 0, 0),
+        stop_token_ids=list(sp.stop_token_ids or []),
+        skip_special_tokens=sp.skip_special_tokens,
+    )
+
+
 def session_routes(store: SessionStore, model_name: str = "support-replay") -> APIRouter:
+    """A session's routes under ``/sessions/<id>``; the same under ``/tasks/<task>`` and at the root for a
+    client that names its conversations with ``X-Session-ID``."""
     routes = APIRouter()
+    eos = {store.renderer.tokenizer.eos_token_id}
 
     @routes.post("/sessions")
     async def create(body: SessionIn | None = None):
@@ -152,14 +193,13 @@ def session_routes(store: SessionStore, model_name: str = "support-replay") -> A
         session = store.create(seed=body.seed, metadata=body.metadata)
         return {"session_id": session.id, "id": session.id}
 
-    @routes.post("/sessions/{sid}/v1/chat/completions")
     async def chat(sid: str, body: SessionChatIn):
         turn = body.to_turn()
         result = await store.chat(sid, turn)
         c = result.completion
         logprobs = None
         if turn.logprobs and c is not None:
-            logprobs = token_logprobs(c, store.renderer.decode, turn.top_logprobs)
+            logprobs = token_logprobs(as_log_mu(c), store.renderer.decode, turn.top_logprobs)
         meta = turn_meta(store, sid, result) if body.return_meta_info else None
         response = chat_response(
             [chat_choice(0, result.content, result.tool_calls, result.finish_reason, logprobs, meta)],
@@ -171,6 +211,51 @@ def session_routes(store: SessionStore, model_name: str = "support-replay") -> A
             usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(chat_stream(response, usage), media_type="text/event-stream")
         return response
+
+    async def tokens(sid: str, body: VLLMGenerateIn):
+        request, completion = await store.tokens(sid, token_turn(body))
+        if completion is None:  # the episode's budget is spent: nothing generated, the trajectory as it was
+            completion = Completion(output_ids=[], finish_reason={"type": "length"}, log_mu=np.zeros(0, np.float32))
+            request = GenerateRequest(list(body.token_ids))
+        decode = store.renderer.decode
+        return generate_response(body, [request], [as_log_mu(completion)], model=model_name, decode=decode, eos_ids=eos)
+
+    def keyed(request: Request, task: str | None) -> str:
+        return store.clients.session_for(request.headers.get(SESSION_HEADER), task).id
+
+    @routes.post("/sessions/{sid}/v1/chat/completions")
+    async def session_chat(sid: str, body: SessionChatIn):
+        return await chat(sid, body)
+
+    @routes.post("/v1/chat/completions")
+    async def client_chat(request: Request, body: SessionChatIn):
+        return await chat(keyed(request, None), body)
+
+    @routes.post("/tasks/{task}/v1/chat/completions")
+    async def task_chat(task: str, request: Request, body: SessionChatIn):
+        return await chat(keyed(request, task), body)
+
+    @routes.post("/sessions/{sid}" + VLLM_GENERATE)
+    async def session_tokens(sid: str, body: VLLMGenerateIn):
+        return await tokens(sid, body)
+
+    @routes.post(VLLM_GENERATE)
+    async def client_tokens(request: Request, body: VLLMGenerateIn):
+        return await tokens(keyed(request, None), body)
+
+    @routes.post("/tasks/{task}" + VLLM_GENERATE)
+    async def task_tokens(task: str, request: Request, body: VLLMGenerateIn):
+        return await tokens(keyed(request, task), body)
+
+    @routes.get("/sessions/{sid}/v1/models")
+    async def session_models(sid: str):
+        store.get(sid)
+        return model_listing(model_name)
+
+    @routes.get("/tasks/{task}/v1/models")
+    async def task_models(task: str):
+        store.clients.task_ids(task)
+        return model_listing(model_name)
 
     @routes.get("/sessions/{sid}")
     async def state(sid: str):
@@ -223,7 +308,7 @@ def create_sessions_app(
         return model_listing(model_name)
 
     app.include_router(session_routes(store, model_name))
-    open_paths = ("/health", "/sessions/") if session_urls_open else ("/health",)
+    open_paths = ("/health", "/sessions/", "/tasks/") if session_urls_open else ("/health",)
     return guarded(
         app, keys or Keys(), (), open_paths, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes
     )
