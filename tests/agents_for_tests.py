@@ -39,3 +39,28 @@ async def flaky(client, sample) -> float:
         raise RuntimeError("the agent's tool server is down")
     reply = await client.chat.completions.create(model="m", messages=sample.messages)
     return float(len(reply.choices[0].message.content or ""))
+
+
+async def harness_group(base_url, prompt, n, request_kwargs=None):
+    """A harness that names its own conversations, as verifiers does: ``n`` rollouts at once, one
+    X-Session-ID each, streamed chat; the first reports its reward with /finish, the rest are scored by
+    the run's reward function, the last one's reward comes back in the returned mapping."""
+    import asyncio
+
+    messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+    async def one(k: int, client: httpx.AsyncClient):
+        headers = {"X-Session-ID": f"trace-{k}", "Authorization": "Bearer EMPTY"}
+        history = list(messages)
+        for turn in range(2):
+            body = {"model": "m", "messages": history, "user": "harness", **(request_kwargs or {})}
+            r = await client.post(base_url + "/v1/chat/completions", json=body, headers=headers)
+            r.raise_for_status()
+            history += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}]
+            history += [{"role": "user", "content": f"Check step {turn}."}]
+        if k == 0:
+            (await client.post(base_url + "/finish", json={"reward": 0.25}, headers=headers)).raise_for_status()
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        await asyncio.gather(*(one(k, client) for k in range(n)))
+    return {f"trace-{n - 1}": 0.75}

@@ -117,3 +117,34 @@ def test_a_failed_episode_regenerates_its_group(tiny_agent_checkpoint, tmp_path)
         and rows[0]["regenerated_groups"] == 1
         and rows[0]["train_rollout_logprob_abs_diff_max"] <= 1e-3
     )
+
+
+def test_a_harness_that_names_its_conversations_trains_one_group_per_task(tiny_agent_checkpoint, tmp_path, scored):
+    rows = train(
+        agent_config(
+            tiny_agent_checkpoint,
+            tmp_path,
+            agent_path="agents_for_tests:harness_group",
+            n_samples_per_prompt=3,
+            global_batch_size=6,
+            custom_rm_path="rewards_for_tests:digit_share",
+            num_rollout=1,
+            ci_test=True,
+        )
+    )
+    samples = scored[0][0]
+    from rewards_for_tests import digit_share
+
+    assert rows[0]["episode_turns_mean"] == 2 and rows[0]["train_rollout_logprob_abs_diff_max"] <= 1e-3
+    by_group: dict = {}
+    for s in samples:
+        by_group.setdefault(s.group, []).append(s)
+    for group in by_group.values():  # one sample per X-Session-ID, in order of first sight within its task
+        traces = sorted(s.metadata["client_session_id"] for s in group)
+        assert traces == [f"trace-{k}" for k in range(len(group))]
+        for s in group:
+            trace = s.metadata["client_session_id"]
+            expected = {"trace-0": 0.25, f"trace-{len(group) - 1}": 0.75}.get(
+                trace, digit_share("", s.metadata["final_message"], None)
+            )
+            assert s.reward == expected and s.metadata["splits"] == []

@@ -10,6 +10,12 @@ Two signatures are accepted, told apart by their parameters:
   ``base_url`` ends in ``/sessions/<id>``; the agent posts OpenAI chat requests to
   ``base_url + "/v1/chat/completions"`` and returns nothing or a metadata dict; the run's
   reward function scores the finished trajectory (the prompt, the last assistant message).
+- a harness that names its own conversations (verifiers sends ``X-Session-ID``):
+  ``async def run_group(base_url, prompt, n, request_kwargs=None, metadata=None, agent_config=None)``
+  plays the task's ``n`` rollouts itself under ``base_url`` (``.../tasks/<task>``), one ``X-Session-ID``
+  per rollout; every id is one sample of the task's GRPO group. It returns nothing (the run's reward
+  function scores each conversation's last message, or ``POST base_url/finish`` with the id set a
+  reward) or a mapping ``{X-Session-ID: reward}``.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import inspect
 import math
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError, NonFiniteError, SessionFailed
+from ..errors import ConfigError, NonFiniteError, SessionFailed, SessionNotFound
 from .sample import Sample
 from .session import SessionSettings, SessionStore, merge_metadata
 from .user_code import load_function
@@ -44,7 +50,7 @@ class Episode:
 @dataclass
 class Agent:
     fn: object
-    style: str  # "client" | "base_url"
+    style: str  # "client" | "base_url" | "group"
     name: str
     tasks: object = None  # a built-in environment's own task source
     chat_template: str | None = None  # a built-in environment's template
@@ -62,6 +68,8 @@ def load_agent(spec: str) -> Agent:
         raise ConfigError(f"--agent-path={spec!r}: the agent must be an async function")
     params = list(inspect.signature(fn).parameters)
     style = "base_url" if params[:1] == ["base_url"] or "prompt" in params else "client"
+    if style == "base_url" and "n" in params:
+        style = "group"
     if style == "client" and len(params) < 2:
         raise ConfigError(
             f"--agent-path={spec!r}: expected async run(client, sample) or run_agent(base_url, prompt, ...), got "
@@ -92,33 +100,80 @@ class AgentRunner:
         try:  # a session that cannot be opened (too many open, bad metadata) fails this episode, not the rollout
             session = self.store.create(seed=seed, metadata=dict(ep.metadata), settings=settings)
             reward, meta = await asyncio.wait_for(self._play(ep, session.id, settings), self.timeout)
-            if session.failed:
-                raise SessionFailed(f"session {session.id}: {session.failed}")
-            if not session.trajectories():
-                raise SessionFailed(f"episode {ep.index}: the agent finished without a model turn")
-            merge_metadata(session, meta)
-            if reward is None:  # Miles' style: the run's reward function scores the trajectory
-                reward = self.reward_fn(_prompt_text(ep), session.last_assistant_text(), ep.label)
-            reward = float(reward)
-            if not math.isfinite(reward):
-                raise NonFiniteError(
-                    f"rollout {rollout}, episode {ep.index}: the reward is {reward}; nothing of this rollout trains"
-                )
-            return EpisodeResult(
-                session.to_samples(first_index=0, group=ep.group, reward=reward, label=ep.label, episode=ep.index)
-            )
+            return EpisodeResult(self._samples(session, ep, reward, meta, rollout))
         except NonFiniteError:
             raise
         except Exception as exc:  # the episode failed: its group is regenerated or dropped
-            return EpisodeResult(
-                [],
-                exc
-                if not isinstance(exc, asyncio.TimeoutError)
-                else SessionFailed(f"episode {ep.index}: no end after {self.timeout} s"),
-            )
+            return EpisodeResult([], self._timeout_named(exc, f"episode {ep.index}"))
         finally:
             if session is not None:
                 self.store.discard(session.id)
+
+    async def group(
+        self, ep: Episode, n: int, *, seeds: list[int], settings: SessionSettings, rollout: int
+    ) -> list[EpisodeResult]:
+        """A task's whole group from a harness that names its conversations: every ``X-Session-ID`` it opens
+        under the task's URL is one sample, ``ep.index + k`` in order of first sight. The group fails as one
+        (it is regenerated or dropped) when the harness fails or opens other than ``n`` conversations."""
+        scope = self.store.clients.open_task(n, seeds, settings=settings, metadata=dict(ep.metadata))
+        sessions = []
+        try:
+            rewards = await asyncio.wait_for(self._play_group(ep, scope.id, n, settings), self.timeout)
+            sessions = self.store.clients.close_task(scope.id)
+            if len(sessions) != n:
+                raise SessionFailed(f"task {ep.group}: the harness played {len(sessions)} of its {n} conversations")
+            out = []
+            for k, session in enumerate(sessions):
+                one = Episode(ep.index + k, ep.group, ep.prompt, ep.label, dict(ep.metadata), ep.max_turns)
+                reward = rewards.get(session.metadata["client_session_id"], session.reward)
+                out.append(EpisodeResult(self._samples(session, one, reward, {}, rollout)))
+            return out
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            return [EpisodeResult([], self._timeout_named(exc, f"task {ep.group}"))] * n
+        finally:
+            for session in sessions or self._scope_sessions(scope.id):
+                self.store.discard(session.id)
+
+    def _scope_sessions(self, task: str) -> list:
+        try:
+            return self.store.clients.close_task(task)
+        except SessionNotFound:
+            return []
+
+    def _samples(self, session, ep: Episode, reward, meta: dict, rollout: int) -> list[Sample]:
+        """The finished session's samples with its reward (the run's reward function's where none was given)."""
+        if session.failed:
+            raise SessionFailed(f"session {session.id}: {session.failed}")
+        if not session.trajectories():
+            raise SessionFailed(f"episode {ep.index}: the agent finished without a model turn")
+        merge_metadata(session, meta)
+        if reward is None:  # Miles' style: the run's reward function scores the trajectory
+            reward = self.reward_fn(_prompt_text(ep), session.last_assistant_text(), ep.label)
+        reward = float(reward)
+        if not math.isfinite(reward):
+            raise NonFiniteError(
+                f"rollout {rollout}, episode {ep.index}: the reward is {reward}; nothing of this rollout trains"
+            )
+        return session.to_samples(first_index=0, group=ep.group, reward=reward, label=ep.label, episode=ep.index)
+
+    def _timeout_named(self, exc: Exception, what: str) -> Exception:
+        return SessionFailed(f"{what}: no end after {self.timeout} s") if isinstance(exc, asyncio.TimeoutError) else exc
+
+    async def _play_group(self, ep: Episode, task: str, n: int, settings: SessionSettings) -> dict:
+        params = inspect.signature(self.agent.fn).parameters
+        kwargs = {"base_url": f"{self.base_url}/tasks/{task}", "prompt": ep.prompt, "n": n}
+        optional = {
+            "request_kwargs": {"max_tokens": settings.max_new_tokens},
+            "metadata": dict(ep.metadata),
+            "agent_config": ep.metadata.get("agent_config"),
+        }
+        kwargs.update({k: v for k, v in optional.items() if k in params})
+        out = await self.agent.fn(**kwargs)
+        if out is not None and not isinstance(out, dict):
+            raise ConfigError(f"--agent-path={self.agent.name}: a group harness returns None or {{id: reward}}")
+        return dict(out or {})
 
     async def _play(self, ep: Episode, sid: str, settings: SessionSettings):
         url = f"{self.base_url}/sessions/{sid}"

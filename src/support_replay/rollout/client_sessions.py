@@ -65,6 +65,15 @@ class ClientSessions:
                     ) from None
         return self._open(client_id, scope)
 
+    def find(self, client_id: str | None, task: str | None = None):
+        """The session already open for ``client_id`` (under ``task``); never opens one."""
+        client_id = check_client_id(client_id)
+        with self._lock:
+            sid = (self._scope(task).sessions if task is not None else self._plain).get(client_id)
+        if sid is None:
+            raise SessionNotFound(f"X-Session-ID {client_id!r:.80}: no conversation with that id")
+        return self.store.get(sid)
+
     def _scope(self, task: str) -> TaskScope:
         scope = self._tasks.get(task)
         if scope is None:

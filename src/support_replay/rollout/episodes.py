@@ -41,6 +41,10 @@ def generate_episodes(
             for g, attempt in zip(pending, attempts)
             for j in range(n_samples)
         ]
+        if runner.agent.style == "group":  # the harness plays each task's group itself
+            firsts = episodes[::n_samples]
+            seed_groups = [seeds[i * n_samples : (i + 1) * n_samples] for i in range(len(pending))]
+            return asyncio.run(_play_groups(runner, firsts, seed_groups, n_samples, settings, rollout))
         results = asyncio.run(_play_all(runner, episodes, seeds, settings, rollout))
         return [results[i * n_samples : (i + 1) * n_samples] for i in range(len(pending))]
 
@@ -71,4 +75,10 @@ async def _play_all(
 ):
     return await asyncio.gather(
         *(runner.episode(ep, seed=s, settings=settings, rollout=rollout) for ep, s in zip(episodes, seeds))
+    )
+
+
+async def _play_groups(runner: AgentRunner, firsts: list[Episode], seeds, n: int, settings, rollout: int):
+    return await asyncio.gather(
+        *(runner.group(ep, n, seeds=s, settings=settings, rollout=rollout) for ep, s in zip(firsts, seeds))
     )

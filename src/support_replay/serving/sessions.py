@@ -247,6 +247,13 @@ def session_routes(store: SessionStore, model_name: str = "support-replay") -> A
     async def task_tokens(task: str, request: Request, body: VLLMGenerateIn):
         return await tokens(keyed(request, task), body)
 
+    @routes.post("/tasks/{task}/finish")
+    async def task_finish(task: str, request: Request, body: FinishIn | None = None):
+        body = body or FinishIn()
+        session = store.clients.find(request.headers.get(SESSION_HEADER), task)
+        store.finish(session.id, body.reward, body.metadata)
+        return {"session_id": session.id, "finished": True}
+
     @routes.get("/sessions/{sid}/v1/models")
     async def session_models(sid: str):
         store.get(sid)
