@@ -63,6 +63,21 @@ from .weight_updates import load_update
 log = logging.getLogger(__name__)
 
 
+class StreamedFuture(Future):
+    """A request's future that also hears of every token as it is sampled (``on_token``, engine thread)."""
+
+    def __init__(self, on_token: Callable[[int], None]):
+        super().__init__()
+        self.on_token = on_token
+
+    def stream(self, token: int) -> None:
+        try:
+            self.on_token(token)
+        except Exception:  # a listener's failure is its own: the engine and the other rows go on
+            log.exception("a streaming listener failed; its request goes on unstreamed")
+            self.on_token = lambda _: None
+
+
 class Engine:
     def __init__(
         self,
@@ -183,10 +198,11 @@ class Engine:
     def _column_need(self, request: GenerateRequest) -> int:
         return column_need(len(request.input_ids), request.max_new_tokens, self.runner.key_block)
 
-    def submit(self, request: GenerateRequest) -> Future:
+    def submit(self, request: GenerateRequest, on_token: Callable[[int], None] | None = None) -> Future:
         """Queue a request; the future resolves to a ``Completion`` or raises ``EngineError``
-        (400 refused, 503 queue full, 4xx/5xx when it failed)."""
-        future: Future = Future()
+        (400 refused, 503 queue full, 4xx/5xx when it failed). ``on_token(id)`` is called on the engine's
+        thread with every token as it is sampled (streaming); a copy of a running ``rid`` streams nothing."""
+        future: Future = StreamedFuture(on_token) if on_token is not None else Future()
         try:
             self.validate(request)
         except EngineError as exc:
@@ -199,12 +215,13 @@ class Engine:
         self.scheduler.put("generate", request, future)
         return future
 
-    def submit_all(self, requests: list[GenerateRequest]) -> list[Future]:
+    def submit_all(self, requests: list[GenerateRequest], on_token: list | None = None) -> list[Future]:
         """Queue ``requests`` together: the loop admits them in one prefill where its batch has room,
         so a GRPO group sent at once shares its prompt's prefill (one at a time, the loop could take
         the first before the rest arrived and prefill them again, one step later)."""
+        callbacks = on_token or [None] * len(requests)
         with self.scheduler.lock:
-            return [self.submit(r) for r in requests]
+            return [self.submit(r, cb) for r, cb in zip(requests, callbacks)]
 
     def abort(self, future: Future) -> None:
         """The client of ``future`` went away: drop its request, waiting or running."""
@@ -422,6 +439,8 @@ class Engine:
                 continue
             seq.record(row)
             self.stops.check(seq, row.token)
+            if isinstance(seq.future, StreamedFuture):
+                seq.future.stream(row.token)
         self._retire()
 
     def _retire(self) -> None:

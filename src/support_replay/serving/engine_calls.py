@@ -12,6 +12,7 @@ from ..errors import EngineError, SupportReplayError
 from ..protocol import Completion, GenerateRequest
 from .disconnects import unless_disconnected
 from .sglang_format import ResponseForm, meta_info
+from .token_stream import IncrementalText, TokenStream
 
 
 class EngineCalls:
@@ -34,6 +35,13 @@ class EngineCalls:
             if isinstance(r, BaseException):
                 raise r if isinstance(r, SupportReplayError) else EngineError(f"internal engine error: {r}")
         return results
+
+    def token_stream(self, requests: list[GenerateRequest]) -> TokenStream:
+        """Submit ``requests`` with a token callback each (call on the event loop)."""
+        return TokenStream(self.engine, requests)
+
+    def incremental_text(self, request: GenerateRequest) -> IncrementalText:
+        return IncrementalText(self.engine.tokenizer, request, self.engine.eos_ids)
 
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenizer(text)["input_ids"]

@@ -6,12 +6,14 @@ normalised over its support (with no top-k/top-p/min-p filter that is the full-v
 value). ``top_logprobs`` lists at most the ids of that support, or with no filter the most likely
 ids of the full distribution after temperature. Tools are
 rendered by the chat template, or refused when the template cannot render them; tool calls in
-the output are parsed in the Hermes format. Answers are streamed once generated.
+the output are parsed in the Hermes format. Streams leave token by token as the engine samples
+(``openai_streaming.py``); with tool calls to parse they leave once the answer is whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
@@ -31,6 +33,7 @@ from .openai_format import (
     text_stream,
     token_logprobs,
 )
+from .openai_streaming import live_sse
 from .request_fields import check_undeclared
 from .schemas import SamplingParamsIn, TextBatch, TokenBatch, TokenIds, bounded_batches, check_fan_out
 from .sglang_format import ResponseForm
@@ -158,9 +161,22 @@ class OpenAIHandlers:
     request, sampling_mask_format)`` (SGLang's replay metadata); ``max_requests`` is the most engine
     requests one body may become (the engine's queue)."""
 
-    def __init__(self, run, meta_info, model_name: str, renderer: ChatRenderer, max_requests: int):
+    def __init__(self, run, meta_info, model_name: str, renderer: ChatRenderer, max_requests: int, live=None):
         self.run, self.meta_info, self.model_name = run, meta_info, model_name
         self.renderer, self.max_requests = renderer, max_requests
+        self.live = live  # EngineCalls (token_stream, incremental_text): streams leave as tokens are sampled
+
+    def _live(self, reqs):
+        """A live token stream of ``reqs``, or None where there is no engine to stream from; a request the
+        engine refuses at once raises here, before any chunk (a plain 4xx)."""
+        if self.live is None:
+            return None
+        stream = self.live.token_stream(reqs)
+        refused = stream.refused()
+        if refused is not None:
+            stream.abort()
+            raise refused
+        return stream
 
     async def chat(self, request: Request, body: ChatIn):
         renderer = self.renderer
@@ -169,6 +185,10 @@ class OpenAIHandlers:
         top = body.top_logprobs or 0
         sp = body.sampling(body.max_completion_tokens or body.max_tokens, 256)
         reqs = requests_for(body, ids, sp, log_mu=body.logprobs or bool(top), top=top)
+        parse = body.tools and parses_tool_calls(body.tool_choice)
+        stream = self._live(reqs) if body.stream and not parse else None  # tool calls parse from the whole text
+        if stream is not None:
+            return self._chat_live(stream, body, reqs, len(ids), top)
         results = [as_log_mu(c) for c in await self.run(reqs, request)]
         choices = [self._chat_choice(i, body, req, c, top) for i, (req, c) in enumerate(zip(reqs, results))]
         completion_tokens = sum(c.num_tokens for c in results)
@@ -179,6 +199,39 @@ class OpenAIHandlers:
             return StreamingResponse(chat_stream(response, usage), media_type="text/event-stream")
         return response
 
+    def _chat_live(self, stream, body: ChatIn, reqs, prompt_tokens: int, top: int) -> StreamingResponse:
+        head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time())}
+        head["model"] = body.model or self.model_name
+
+        def chunk(i: int, delta: dict, finish=None, logprobs=None) -> dict:
+            return {**head, "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+
+        def ending(i: int, c: Completion, text) -> list[dict]:
+            choice = self._chat_choice(i, body, reqs[i], as_log_mu(c), top)
+            rest = text.finish(choice["message"]["content"] or "")
+            out = [chunk(i, {"content": rest}, logprobs=choice["logprobs"])] if rest or choice["logprobs"] else []
+            last = chunk(i, {}, choice["finish_reason"])
+            if "meta_info" in choice:
+                last["choices"][0]["meta_info"] = choice["meta_info"]
+            return out + [last]
+
+        def usage(done: dict) -> dict | None:
+            if not (body.stream_options or {}).get("include_usage"):
+                return None
+            completion = sum(c.num_tokens for c in done.values())
+            counts = {"prompt_tokens": prompt_tokens, "completion_tokens": completion}
+            return {**head, "choices": [], "usage": {**counts, "total_tokens": prompt_tokens + completion}}
+
+        lines = live_sse(
+            stream,
+            [self.live.incremental_text(r) for r in reqs],
+            opening=[chunk(i, {"role": "assistant", "content": ""}) for i in range(len(reqs))],
+            delta=lambda i, text: chunk(i, {"content": text}),
+            ending=ending,
+            usage=usage,
+        )
+        return StreamingResponse(lines, media_type="text/event-stream")
+
     def _chat_choice(self, i: int, body: ChatIn, req, c: Completion, top: int) -> dict:
         parse = body.tools and parses_tool_calls(body.tool_choice)
         content, calls = parse_tool_calls(c.text) if parse else (c.text, [])
@@ -186,6 +239,35 @@ class OpenAIHandlers:
         logprobs = token_logprobs(c, self.renderer.decode, top) if (body.logprobs or top) else None
         meta = self._meta(body, req, c) if body.return_meta_info else None
         return chat_choice(i, content, calls, finish, logprobs, meta)
+
+    def _completions_live(self, stream, body: CompletionIn, reqs) -> StreamingResponse:
+        head = {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time())}
+        head["model"] = body.model or self.model_name
+
+        def chunk(i: int, text: str, finish=None, logprobs=None) -> dict:
+            return {**head, "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
+
+        def ending(i: int, c: Completion, text) -> list[dict]:
+            c = as_log_mu(c)
+            choice = text_choice(i, c.text, openai_finish(c), c, self.renderer.decode, body.logprobs)
+            if body.return_meta_info:
+                choice["meta_info"] = self._meta(body, reqs[i], c)
+            rest = text.finish(c.text)
+            out = [chunk(i, rest, logprobs=choice["logprobs"])] if rest or choice["logprobs"] else []
+            last = chunk(i, "", choice["finish_reason"])
+            if "meta_info" in choice:
+                last["choices"][0]["meta_info"] = choice["meta_info"]
+            return out + [last]
+
+        lines = live_sse(
+            stream,
+            [self.live.incremental_text(r) for r in reqs],
+            opening=[],
+            delta=lambda i, text: chunk(i, text),
+            ending=ending,
+            usage=lambda done: None,
+        )
+        return StreamingResponse(lines, media_type="text/event-stream")
 
     def _meta(self, body, req, c: Completion) -> dict:
         return {"output_ids": c.output_ids, **self.meta_info(c, req, ResponseForm(body.sampling_mask_format))}
@@ -203,6 +285,9 @@ class OpenAIHandlers:
         top = body.logprobs or 0
         sp = body.sampling(body.max_tokens, 16)  # OpenAI's default max_tokens for completions
         reqs = [r for p in ids for r in requests_for(body, p, sp, log_mu=body.logprobs is not None, top=top)]
+        stream = self._live(reqs) if body.stream else None
+        if stream is not None:
+            return self._completions_live(stream, body, reqs)
         results = [as_log_mu(c) for c in await self.run(reqs, request)]
         choices = []
         for i, (req, c) in enumerate(zip(reqs, results)):
@@ -218,9 +303,9 @@ class OpenAIHandlers:
         return response
 
 
-def openai_routes(run, meta_info, model_name: str, renderer: ChatRenderer, max_requests: int) -> APIRouter:
+def openai_routes(run, meta_info, model_name: str, renderer: ChatRenderer, max_requests: int, live=None) -> APIRouter:
     """``/v1/chat/completions`` and ``/v1/completions`` (``OpenAIHandlers`` says what they take)."""
-    handlers = OpenAIHandlers(run, meta_info, model_name, renderer, max_requests)
+    handlers = OpenAIHandlers(run, meta_info, model_name, renderer, max_requests, live)
     routes = APIRouter()
     routes.add_api_route("/v1/chat/completions", handlers.chat, methods=["POST"])
     routes.add_api_route("/v1/completions", handlers.completions, methods=["POST"])

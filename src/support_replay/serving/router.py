@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..protocol import SESSION_HEADER
@@ -121,12 +121,7 @@ class Router:
                 worker.outstanding -= 1
             self._count(worker, reply)
             headers_out = {"Retry-After": reply.headers["retry-after"]} if "retry-after" in reply.headers else None
-            return Response(
-                reply.content,
-                status_code=reply.status_code,
-                media_type=reply.headers.get("content-type"),
-                headers=headers_out,
-            )
+            return await relayed(reply, headers_out)
         self.unserved += 1
         return JSONResponse(
             {"error": {"message": f"no engine could serve the request ({last_error})", "code": 503}},
@@ -152,12 +147,14 @@ class Router:
         finally:
             worker.outstanding -= 1
         self._count(worker, reply)
-        return Response(reply.content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
+        return await relayed(reply)
 
     async def _send(self, worker: Worker, method: str, path: str, body: bytes, headers: dict) -> httpx.Response:
-        """The request, raw body and headers as they came, with the router's API key to the engine."""
+        """The request, raw body and headers as they came, with the router's API key to the engine; the
+        answer's body still to read (``relayed``), so a stream can pass through as it comes."""
         auth = {**headers, **self.keys.header(admin=False)}
-        return await self.client.request(method, worker.url + path, content=body, headers=auth)
+        request = self.client.build_request(method, worker.url + path, content=body, headers=auth)
+        return await self.client.send(request, stream=True)
 
     def _count(self, worker: Worker, reply: httpx.Response) -> None:
         worker.served += 1
@@ -193,6 +190,27 @@ class Router:
         while True:
             await asyncio.sleep(self.health_interval)
             await self.check_health()
+
+
+async def relayed(reply: httpx.Response, headers: dict | None = None) -> Response:
+    """The engine's answer to the client: an event stream chunk by chunk as the engine sends it (closing
+    it when the client goes away, which aborts the request there), anything else once read whole."""
+    media = reply.headers.get("content-type")
+    if media and media.startswith("text/event-stream"):
+
+        async def chunks():
+            try:
+                async for chunk in reply.aiter_raw():
+                    yield chunk
+            finally:
+                await reply.aclose()
+
+        return StreamingResponse(chunks(), status_code=reply.status_code, media_type=media, headers=headers)
+    try:
+        content = await reply.aread()
+    finally:
+        await reply.aclose()
+    return Response(content, status_code=reply.status_code, media_type=media, headers=headers)
 
 
 def _error(message: str, code: int) -> JSONResponse:

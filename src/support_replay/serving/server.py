@@ -54,7 +54,9 @@ def create_app(
     app.include_router(health_routes(engine, model_name))
     app.include_router(native_routes(calls, model_name))
     app.include_router(admin_routes(engine, Path(weights_dir).resolve() if weights_dir else None))
-    app.include_router(openai_routes(calls.run, calls.meta_info, model_name, renderer, engine.limits.max_queue))
+    app.include_router(
+        openai_routes(calls.run, calls.meta_info, model_name, renderer, engine.limits.max_queue, live=calls)
+    )
     app.include_router(vllm_routes(calls.run, model_name, engine))
     return guarded(
         QueueGate(app, engine),

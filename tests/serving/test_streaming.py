@@ -1,0 +1,92 @@
+"""Real token streaming on ``serve``: chunks leave as tokens are sampled (many deltas, the first long
+before the last token), the deltas concatenate to exactly the whole answer (stop strings, n, text
+completions), and a client that goes away mid-stream aborts its request."""
+
+import json
+import time
+
+import httpx
+import pytest
+
+from support_replay.engine import Engine
+from support_replay.serving.router import Router, create_router_app
+from support_replay.serving.server import create_app
+from support_replay.serving.threaded import ThreadedServer
+
+
+@pytest.fixture(scope="module")
+def served(tiny_agent_checkpoint):
+    engine = Engine.from_pretrained(tiny_agent_checkpoint, deterministic=True).start()
+    server = ThreadedServer(create_app(engine, model_name="tiny")).start()
+    router = ThreadedServer(create_router_app(Router([server.url], health_interval=0.5)), lifespan="on").start()
+    yield engine, server.url, router.url
+    router.stop()
+    server.stop()
+    engine.shutdown()
+
+
+def sse(url: str, route: str, body: dict) -> list[dict]:
+    events = []
+    with httpx.stream("POST", url + route, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def chat_text(events: list[dict], i: int = 0) -> str:
+    return "".join(
+        c["choices"][0]["delta"].get("content") or "" for c in events if c["choices"] and c["choices"][0]["index"] == i
+    )
+
+
+@pytest.mark.parametrize("extra", [{}, {"stop": [" the", "e"]}, {"n": 2, "seed": 4}, {"top_k": 8, "logprobs": True}])
+def test_streamed_deltas_are_the_whole_answer(served, extra):
+    _, url, _ = served
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 32, "seed": 3, **extra}
+    whole = httpx.post(url + "/v1/chat/completions", json=body).json()
+    events = sse(url, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    for choice in whole["choices"]:
+        assert chat_text(events, choice["index"]) == choice["message"]["content"]
+    assert events[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    finishes = [c["choices"][0]["finish_reason"] for c in events if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finishes == [c["finish_reason"] for c in whole["choices"]]
+    if "logprobs" in extra:  # the log-probs of every token, in the choice's last content chunk
+        streamed = [
+            e
+            for c in events
+            if c["choices"] and c["choices"][0]["logprobs"]
+            for e in c["choices"][0]["logprobs"]["content"]
+        ]
+        assert streamed == whole["choices"][0]["logprobs"]["content"]
+
+
+def test_tokens_leave_as_they_are_sampled_through_the_router_too(served):
+    _, url, router_url = served
+    body = {"prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True, "seed": 1}
+    whole = httpx.post(url + "/v1/completions", json=body).json()["choices"][0]["text"]
+    for base in (url, router_url):
+        events = sse(base, "/v1/completions", body)
+        deltas = [c["choices"][0]["text"] for c in events if c["choices"][0]["text"]]
+        assert "".join(deltas) == whole and len(deltas) >= 16  # one per token or few, not one at the end
+
+
+@pytest.mark.parametrize("through", ["serve", "router"])
+def test_a_client_that_goes_away_mid_stream_aborts_its_request(served, through):
+    engine, server_url, router_url = served
+    url = server_url if through == "serve" else router_url
+    before = engine.stats.requests["aborted"]
+    refused = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 5000, "stream": True})
+    assert refused.status_code == 400  # refused before any chunk: a plain error, not a broken stream
+    body = {"prompt": "Count:", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+    for _ in range(100):
+        if engine.stats.requests["aborted"] > before and engine.num_running == 0:
+            break
+        time.sleep(0.05)
+    assert engine.stats.requests["aborted"] == before + 1 and engine.num_running == 0
