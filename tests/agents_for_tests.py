@@ -64,3 +64,36 @@ async def harness_group(base_url, prompt, n, request_kwargs=None):
     async with httpx.AsyncClient(timeout=60) as client:
         await asyncio.gather(*(one(k, client) for k in range(n)))
     return {f"trace-{n - 1}": 0.75}
+
+
+CALCULATOR = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string", "maxLength": 6}},
+                "required": ["expression"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+
+
+async def forced_tool_call(client, sample) -> float:
+    """Forces a calculator call on its first turn (tool_choice: the function, by a grammar), answers it, and
+    lets the model reply freely; rewarded 1 when the call came back parsed."""
+    messages = sample.messages
+    choice = {"type": "function", "function": {"name": "calculator"}}
+    first = await client.chat.completions.create(
+        model="m", messages=messages, tools=CALCULATOR, tool_choice=choice, max_tokens=160
+    )
+    (call,) = first.choices[0].message.tool_calls
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"result": 42}'},
+    ]
+    await client.chat.completions.create(model="m", messages=messages, tools=CALCULATOR, tool_choice="none")
+    return float(first.choices[0].finish_reason == "tool_calls")

@@ -61,6 +61,8 @@ class GenerateRequest:
     skip_special_tokens: bool = True  # the text only: output_ids keep every token
     spaces_between_special_tokens: bool = True  # vLLM's: False joins adjacent special tokens without a space
     include_stop_str_in_output: bool = False  # vLLM's (SGLang's no_stop_trim): the matched stop string or token
+    # structured outputs: an llguidance grammar; the ids it forbids are masked before the filters (engine/grammar.py)
+    grammar: str | None = None
     return_sampling_mask: bool = False
     return_logprob: bool = False
     # the k most likely ids of the full distribution after temperature, with their log-probs, per token (an

@@ -125,7 +125,7 @@ def test_openai_shapes_tool_calls_logprobs_and_replay_metadata(served):
         ({"n": 2}, "n=2: a session is one trajectory"),
         ({"temperature": 0.5}, "differs from the run's rollout setting"),
         ({"presence_penalty": 0.5}, "presence_penalty=0.5 differs from the run's rollout setting 0.0"),
-        ({"tool_choice": "required", "tools": tools}, "tool_choice='required'"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": tools}, "'nope' is not among"),
     ]:
         with pytest.raises(openai.BadRequestError, match=why):
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], **bad)

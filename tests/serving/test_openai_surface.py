@@ -150,9 +150,13 @@ def test_tools_are_rendered_or_refused_never_ignored(client, tool_client):
         client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=4)
     r = tool_client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=4, seed=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    with pytest.raises(openai.BadRequestError, match="tool_choice="):
+    with pytest.raises(openai.BadRequestError, match="tool_choice: function 'clock' is not among"):
         tool_client.chat.completions.create(
-            model="tiny", messages=messages, tools=tools, tool_choice="required", max_tokens=4
+            model="tiny",
+            messages=messages,
+            tools=tools,
+            tool_choice={"type": "function", "function": {"name": "clock"}},
+            max_tokens=4,
         )
     with pytest.raises(openai.BadRequestError, match="repetition_penalty: must be > 0"):
         client.chat.completions.create(

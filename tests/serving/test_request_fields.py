@@ -145,5 +145,5 @@ def test_vllm_extras_that_change_what_is_sampled_are_honoured(url, tiny_agent_ch
         json={"text": "hi", "sampling_params": {"max_new_tokens": 8, "min_new_tokens": 8, "ignore_eos": False}},
     )
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 8
-    r = httpx.post(url + "/generate", json={"text": "hi", "sampling_params": {"regex": "[a-z]+"}})
-    assert r.status_code == 400 and "regex='[a-z]+': constrained decoding is not implemented" in r.text
+    r = httpx.post(url + "/generate", json={"text": "hi", "sampling_params": {"stop_regex": "[a-z]+"}})
+    assert r.status_code == 400 and "stop_regex='[a-z]+': stop regular expressions are not implemented" in r.text

@@ -94,7 +94,10 @@ def test_n_text_mode_and_refusals(served):
     for bad, why in [
         ({"sampling_params": {"logprobs": -1}}, "logprobs=-1 lists every id of the support"),
         ({"sampling_params": {"logprobs": 21}}, "at most 20 ids of the full distribution per token"),
-        ({"sampling_params": {"structured_outputs": {"json": {}}}}, "structured_outputs"),
+        (
+            {"sampling_params": {"structured_outputs": {"structural_tag": "{}"}}},
+            "['structural_tag'] are not implemented",
+        ),
         ({"sampling_params": {"frobnicate": 1}}, "frobnicate: not a field of sampling_params of " + ROUTE),
         ({"stream": True}, "streaming /inference/v1/generate is not implemented"),
         ({"features": {"mm_hashes": {}}}, "media input is not implemented"),

@@ -148,3 +148,19 @@ def test_a_harness_that_names_its_conversations_trains_one_group_per_task(tiny_a
                 trace, digit_share("", s.metadata["final_message"], None)
             )
             assert s.reward == expected and s.metadata["splits"] == []
+
+
+def test_ci_test_passes_on_agents_that_force_tool_calls(tiny_agent_checkpoint, tmp_path, scored):
+    rows = train(
+        agent_config(
+            tiny_agent_checkpoint,
+            tmp_path,
+            agent_path="agents_for_tests:forced_tool_call",
+            chat_template="hermes_tools",
+            num_rollout=1,
+        )
+    )
+    samples = scored[0][0]
+    assert rows[0]["train_rollout_logprob_abs_diff_max"] <= 1e-3 and rows[0]["episode_turns_mean"] == 2
+    assert all(s.reward == 1.0 and s.metadata["splits"] == [] for s in samples)  # the call rendered back unchanged
+    assert all('<tool_call>\n{"name": "calculator", "arguments": {"expression": "' in s.response_text for s in samples)

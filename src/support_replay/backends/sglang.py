@@ -39,12 +39,15 @@ def sampling_params_json(req: GenerateRequest) -> dict:
     model's generation_config.json (SGLang's default ``--sampling-defaults model``), which may
     hold a repetition penalty the trainer would not know of. A request naming its
     ``sent_sampling_fields`` (the audit, acting as a user's client) leaves the others out."""
-    return {
+    out = {
         **sampling_settings(req),
         "max_new_tokens": req.max_new_tokens,
         "ignore_eos": req.ignore_eos,
         **optional_fields(req, "sampling_seed"),
     }
+    if req.grammar is not None:  # ours (llguidance's serialized form): SGLang refuses the field, failing closed
+        out["grammar"] = req.grammar
+    return out
 
 
 # ---- meta_info -> (support, log mu) ------------------------------------------------------

@@ -263,6 +263,11 @@ class VLLMBackend:
                     f"request {i}: sampling_logprobs_mode 'support' (score centering) with --vllm-capture native: "
                     "vLLM 0.32 returns no log-prob per support id with its sampling mask; use processed_logprobs"
                 )
+            if req.grammar is not None:
+                raise WireError(
+                    f"request {i}: a grammar-constrained request (structured outputs) through the vLLM backend is "
+                    "not implemented; use our engine (serve, or in-process)"
+                )
             if req.return_logprob:
                 raise WireError(
                     f"request {i}: full-vocabulary log-probs are not available from a vLLM server that returns "

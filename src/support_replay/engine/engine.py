@@ -3,6 +3,7 @@
     scheduler.py       the FIFO of requests and updates, admission within the batch and the KV budget
     model_runner.py    prefill and decode over the slot cache (slot_cache.py, fused_step.py)
     sampling_step.py   penalties, the core's sampler and capture (capture.py): a RowStep or RowFailure per row
+    grammar.py         structured outputs: each constrained request's llguidance mask, before the filters
     stopping.py        EOS, stop tokens, stop strings, the token budget
     running.py         a running request's state and its Completion; running_batch.py, the rows decoding together
     weight_updates.py  weights from disk or memory, checked before any is copied
@@ -47,6 +48,7 @@ from ..modeling.invariant_products import model_plans
 from ..modeling.linear_kernels import linear_function, resolve_linear_kernel, use_linear
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest
 from .capture import keep_routing
+from .grammar import Grammars
 from .kv_budget import SERVE_SHARE, KVBudget, column_need, plan_shape
 from .ledger import Ledger
 from .limits import EngineLimits
@@ -129,7 +131,8 @@ class Engine:
         self._seed_source = torch.Generator().manual_seed(seed)
         self.ledger = Ledger(self.limits.max_queue)  # queue count, request ids, aborts, counters
         self.scheduler = Scheduler(self.ledger)
-        self.sample = SamplingStep(semantics, self.capacity, frozenset(self.eos_ids))
+        self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_ids)
+        self.sample = SamplingStep(semantics, self.capacity, frozenset(self.eos_ids), self.grammars)
         self.stops = StopConditions(tokenizer, self.eos_ids)
         self.batch = RunningBatch(self.runner)
         self._stop = threading.Event()
@@ -186,6 +189,8 @@ class Engine:
             raise RequestError(
                 f"top_k={k} exceeds sampling_mask_max_tokens={self.capacity}: the support could not be captured"
             )
+        if request.grammar is not None:
+            self._check_grammar(request)
         if request.return_routed_experts and self.runner.routing is None:
             raise RequestError("return_routed_experts: this model has no experts to route (a dense model)")
         try:
@@ -194,6 +199,25 @@ class Engine:
             raise RequestError(f"sampling_params: {exc} (engine semantics {self.semantics})") from exc
         self.limits.validate(request, self.context_length)
         self.kv_budget.check_alone(len(request.input_ids), self._column_need(request))
+
+    def _check_grammar(self, request: GenerateRequest) -> None:
+        """A constrained request's support must stay capturable, and the grammar must end the output."""
+        k = request.params.top_k
+        if request.return_sampling_mask and not 1 <= k <= self.capacity:
+            raise RequestError(
+                f"top_k={k}: a grammar-constrained request that captures its support needs a top_k in "
+                f"[1, sampling_mask_max_tokens={self.capacity}] (inside a JSON string a grammar allows most of the "
+                "vocabulary)"
+            )
+        if request.return_logprob or request.top_logprobs:
+            raise RequestError(
+                "logprobs: a grammar-constrained request's policy is the grammar-masked distribution; ask for its "
+                "log-probs with a top_k filter (they then come with the captured support)"
+            )
+        for name in ("ignore_eos", "min_new_tokens"):
+            if getattr(request, name):
+                raise RequestError(f"{name}={getattr(request, name)!r}: a grammar ends the output at EOS itself")
+        self.grammars.check(request.grammar)
 
     def _column_need(self, request: GenerateRequest) -> int:
         return column_need(len(request.input_ids), request.max_new_tokens, self.runner.key_block)
@@ -386,6 +410,7 @@ class Engine:
                         position=len(request.input_ids),
                         bias=bias,
                         need=self._column_need(request),
+                        grammar=self.grammars.matcher(request.grammar) if request.grammar is not None else None,
                     )
                 )
             except Exception as exc:
@@ -438,6 +463,12 @@ class Engine:
                 seq.fail(row.error, row.where)
                 continue
             seq.record(row)
+            if seq.grammar is not None:
+                try:
+                    self.grammars.advance(seq.grammar, row.token)
+                except Exception as exc:
+                    seq.fail(exc, "grammar")
+                    continue
             self.stops.check(seq, row.token)
             if isinstance(seq.future, StreamedFuture):
                 seq.future.stream(row.token)

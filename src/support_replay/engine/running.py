@@ -37,6 +37,7 @@ class RunningRequest:
     routing: list[np.ndarray] = field(
         default_factory=list
     )  # [n, layers, top_k] chunks: the prompt, then each fed token
+    grammar: object = None  # the request's llguidance matcher (structured outputs), built at admission
     need: int = 0  # cache columns reserved: prompt + max_new_tokens + the write column (engine/kv_budget.py)
 
     def record(self, step: RowStep) -> None:

@@ -1,5 +1,5 @@
-"""The sampling half of a step: penalties over each request's history, the min-tokens mask, the replay
-core's sampler, capture; one typed record per row, a failing row failing alone."""
+"""The sampling half of a step: penalties over each request's history, the grammar and min-tokens masks,
+the replay core's sampler, capture; one typed record per row, a failing row failing alone."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ log = logging.getLogger(__name__)
 class SamplingStep:
     """``step(seqs, logits) -> [RowStep | RowFailure]``, under the engine's filter semantics and capacity."""
 
-    def __init__(self, semantics: str, capacity: int, eos_ids: frozenset[int] = frozenset()):
+    def __init__(self, semantics: str, capacity: int, eos_ids: frozenset[int] = frozenset(), grammars=None):
         self.semantics = semantics
         self.capacity = capacity
         self.eos_ids = frozenset(eos_ids)
+        self.grammars = grammars  # engine/grammar.py: the structured outputs' masks
 
     def __call__(self, seqs: list[RunningRequest], logits: torch.Tensor) -> list[RowStep | RowFailure]:
         try:
@@ -55,6 +56,8 @@ class SamplingStep:
         """EOS and the stop tokens at -inf in the rows still short of their ``min_new_tokens`` (vLLM's
         min-tokens processor), before the filters: the captured support never holds a masked id, so the
         trainer's support score needs nothing new."""
+        if self.grammars is not None and any(s.grammar is not None for s in seqs):
+            logits = self.grammars.mask([s.grammar for s in seqs], logits)  # the grammar's, before the filters too
         rows = [i for i, s in enumerate(seqs) if len(s.output_ids) < s.request.min_new_tokens]
         if not rows:
             return logits

@@ -128,13 +128,8 @@ class ChatRenderer:
 
 
 def parses_tool_calls(tool_choice) -> bool:
-    """OpenAI's ``tool_choice``: ``auto`` (or unset) parses tool calls out of the output, ``none``
-    shows the tools but parses none; a forced call cannot be enforced while sampling: refused."""
-    if tool_choice not in (None, "auto", "none"):
-        raise RequestError(
-            f"tool_choice={tool_choice!r}: only 'auto' and 'none' are supported (a forced call cannot be enforced "
-            "while sampling)"
-        )
+    """OpenAI's ``tool_choice``: ``none`` shows the tools but parses no call out of the output; ``auto``
+    (or unset), ``required`` and a named function parse them (the last two force one by a grammar)."""
     return tool_choice != "none"
 
 

@@ -96,6 +96,7 @@ class ChatTurn:
     logprobs: bool = False
     parse_tools: bool = True  # tool_choice "none": tools are shown, calls are not parsed
     top_logprobs: int = 0
+    grammar: str | None = None  # structured outputs: response_format or a forced tool call (engine/grammar.py)
 
 
 @dataclass
@@ -230,7 +231,9 @@ class Session:
         if self.turns >= self.settings.max_turns or budget < 1:
             # the episode ends here; the trajectory stays as it is, valid
             return TurnResult("", [], "length", None, len(plan.input_ids), plan.split)
-        request = self._request(plan, turn.max_tokens, budget, turn.seed, turn.logprobs, turn.top_logprobs)
+        request = self._request(
+            plan, turn.max_tokens, budget, turn.seed, turn.logprobs, turn.top_logprobs, grammar=turn.grammar
+        )
         completion = await self._generate(request, generate)
         self._commit(plan, tools, completion)
         result = self._answer(

@@ -37,6 +37,7 @@ from .openai_streaming import live_sse
 from .request_fields import check_undeclared
 from .schemas import SamplingParamsIn, TextBatch, TokenBatch, TokenIds, bounded_batches, check_fan_out
 from .sglang_format import ResponseForm
+from .structured_outputs import response_format_grammar, tool_choice_grammar, vllm_grammar
 
 MAX_N = 64
 
@@ -62,6 +63,8 @@ class OpenAIIn(BaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     no_stop_trim: bool = False  # SGLang's name for include_stop_str_in_output
+    response_format: dict | None = None  # structured outputs (serving/structured_outputs.py)
+    structured_outputs: dict | None = None  # vLLM's
     seed: int | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
@@ -109,6 +112,19 @@ class OpenAIIn(BaseModel):
     def filtered(self) -> bool:
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
+    def grammar(self) -> str | None:
+        """The one structured-output constraint the body asks for (response_format, a forced tool call, vLLM's
+        structured_outputs), or None."""
+        grammars = {
+            "response_format": response_format_grammar(self.response_format),
+            "tool_choice": tool_choice_grammar(getattr(self, "tool_choice", None), getattr(self, "tools", None)),
+            "structured_outputs": vllm_grammar(self.structured_outputs),
+        }
+        given = {k: g for k, g in grammars.items() if g is not None}
+        if len(given) > 1:
+            raise RequestError(f"{sorted(given)}: give one structured-output constraint per request")
+        return next(iter(given.values()), None)
+
 
 class ChatIn(OpenAIIn):
     route: ClassVar[str] = "/v1/chat/completions"
@@ -133,6 +149,7 @@ def requests_for(body: OpenAIIn, prompt_ids: list[int], sp: SamplingParamsIn, *,
     """``n`` requests for one prompt (seeds ``seed + i`` when a seed is given)."""
     capture = body.return_sampling_mask or (log_mu and body.filtered)
     mode = "support" if top else body.sampling_logprobs_mode
+    grammar = body.grammar()
     out = []
     for i in range(body.n):
         one = sp.model_copy(update={"seed": None if body.seed is None else body.seed + i})
@@ -143,6 +160,7 @@ def requests_for(body: OpenAIIn, prompt_ids: list[int], sp: SamplingParamsIn, *,
             sampling_logprobs_mode=mode,
         )
         req.top_logprobs = 0 if body.filtered else top  # unfiltered: the full distribution's most likely ids
+        req.grammar = grammar
         out.append(req)
     return out
 

@@ -48,7 +48,6 @@ NO_OP_FIELDS = {
 
 # fields taken only at their default (null is the default too); any other value is refused, with the reason
 DEFAULT_ONLY = {
-    "response_format": ({"type": "text"}, "constrained decoding (json_object, json_schema) is not implemented"),
     "echo": (False, "echoing the prompt is not implemented"),
     "suffix": (None, "insertion (suffix) is not implemented"),
     "use_beam_search": (False, "beam search is not implemented: replay needs the sampler's support"),
@@ -67,7 +66,6 @@ DEFAULT_ONLY = {
     "logprob_token_ids": (None, "log-probs of chosen ids are not implemented"),
     "allowed_token_ids": (None, "an allowed-ids mask is not implemented"),
     "bad_words": (None, "bad words are not implemented"),
-    "structured_outputs": (None, "vLLM's structured_outputs field is not implemented"),
     "guided_json": (None, "guided decoding is not implemented"),
     "guided_regex": (None, "guided decoding is not implemented"),
     "guided_choice": (None, "guided decoding is not implemented"),
@@ -131,9 +129,6 @@ DEFAULT_ONLY = {
     "use_audio_in_video": (False, "media input is not implemented"),
     "video_config": (None, "media input is not implemented"),
     # SGLang's sampling_params
-    "json_schema": (None, "constrained decoding is not implemented"),
-    "regex": (None, "constrained decoding is not implemented"),
-    "ebnf": (None, "constrained decoding is not implemented"),
     "structural_tag": (None, "constrained decoding is not implemented"),
     "stop_regex": (None, "stop regular expressions are not implemented; send stop strings"),
     "beam_width": (None, "beam search is not implemented"),

@@ -16,6 +16,7 @@ from ..core.sampling import SamplingParams
 from ..errors import RequestError, SamplingParamsError
 from ..protocol import GenerateRequest
 from .request_fields import check_undeclared
+from .structured_outputs import sglang_grammar
 
 MAX_BATCH = (
     4096  # prompts in one request body: checked while parsing, before anything is built (the queue bounds it further)
@@ -81,6 +82,10 @@ class SamplingParamsIn(BaseModel):
     min_new_tokens: int = Field(0, ge=0)
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False  # SGLang's: keep the matched stop string or token in the text
+    json_schema: str | dict | None = None  # SGLang's structured outputs (serving/structured_outputs.py)
+    regex: str | None = None
+    ebnf: str | None = None
+    grammar: str | None = None  # ours: an llguidance grammar as SGLangBackend forwards a session's constraint
 
     @model_validator(mode="after")
     def _declared_fields(self):
@@ -133,6 +138,7 @@ class SamplingParamsIn(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.no_stop_trim,
+            grammar=sglang_grammar(self.json_schema, self.regex, self.ebnf, self.grammar),
             return_sampling_mask=return_sampling_mask,
             return_logprob=return_logprob,
             sampling_logprobs_mode=sampling_logprobs_mode,

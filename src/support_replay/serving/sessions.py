@@ -34,6 +34,7 @@ from .openai_format import chat_choice, chat_response, chat_stream, token_logpro
 from .openai_routes import as_log_mu
 from .request_fields import check_undeclared
 from .security import Keys, guarded
+from .structured_outputs import response_format_grammar, tool_choice_grammar
 from .vllm_routes import ROUTE as VLLM_GENERATE
 from .vllm_routes import VLLMGenerateIn, generate_response
 
@@ -105,8 +106,10 @@ class SessionChatIn(BaseModel):
             raise RequestError(
                 "stop: stop strings are not taken inside a session (the turn ends at the model's end-of-turn token)"
             )
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise RequestError(f"response_format={self.response_format!r}: constrained decoding is not supported")
+        format_grammar = response_format_grammar(self.response_format)
+        call_grammar = tool_choice_grammar(self.tool_choice, self.tools)
+        if format_grammar is not None and call_grammar is not None:
+            raise RequestError("response_format and a forced tool_choice: give one structured-output constraint")
         parse_tools = parses_tool_calls(self.tool_choice)
         return ChatTurn(
             messages=self.messages,
@@ -117,6 +120,7 @@ class SessionChatIn(BaseModel):
             logprobs=self.logprobs or bool(self.top_logprobs),
             parse_tools=parse_tools,
             top_logprobs=self.top_logprobs or 0,
+            grammar=format_grammar or call_grammar,
         )
 
 

@@ -25,6 +25,7 @@ from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, Completion, GenerateReq
 from .openai_format import token_logprobs, top_ids
 from .request_fields import check_undeclared
 from .schemas import SamplingParamsIn, TokenIds, check_fan_out
+from .structured_outputs import vllm_grammar
 
 MAX_N = 64
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: the most full-distribution ids per token (a support lists all)
@@ -56,6 +57,7 @@ class VLLMSamplingParamsIn(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: dict | None = None  # serving/structured_outputs.py
 
     @model_validator(mode="after")
     def _declared_fields(self):
@@ -129,6 +131,7 @@ class VLLMGenerateIn(BaseModel):
                 "(vLLM's default --max-logprobs); with a filter every id of the support can be listed"
             )
         base = sp.sglang_form(default_max)
+        grammar = vllm_grammar(sp.structured_outputs, "sampling_params.structured_outputs")
         out = []
         for i in range(sp.n):
             one = base.model_copy(update={"seed": None if sp.seed is None else sp.seed + i})
@@ -139,6 +142,7 @@ class VLLMGenerateIn(BaseModel):
                 sampling_logprobs_mode="support" if sp.filtered and top else "selected",
             )
             req.top_logprobs = 0 if sp.filtered else top
+            req.grammar = grammar
             out.append(req)
         return out
 
