@@ -53,6 +53,7 @@ from .kv_budget import SERVE_SHARE, KVBudget, column_need, plan_shape
 from .ledger import Ledger
 from .limits import EngineLimits
 from .model_runner import ModelRunner, load_model_and_tokenizer
+from .prefix_cache import PrefixCache
 from .row_step import RowFailure
 from .running import RunningRequest
 from .running_batch import RunningBatch
@@ -96,6 +97,7 @@ class Engine:
         linear_kernel: str = "auto",
         max_total_tokens: int | None = None,
         kv_share: float = SERVE_SHARE,
+        prefix_cache: bool = True,
     ):
         dtype = next(model.parameters()).dtype
         self.linear_kernel = resolve_linear_kernel(linear_kernel, dtype, device)
@@ -134,7 +136,10 @@ class Engine:
         self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_ids)
         self.sample = SamplingStep(semantics, self.capacity, frozenset(self.eos_ids), self.grammars)
         self.stops = StopConditions(tokenizer, self.eos_ids)
-        self.batch = RunningBatch(self.runner)
+        # finished rows' keys and values for later prompts that begin with them; none in the deterministic engine
+        self.prefix_cache = PrefixCache(enabled=prefix_cache and not deterministic)
+        self.batch = RunningBatch(self.runner, self.prefix_cache, self.kv_budget.max_total_tokens)
+        self._flush_cache = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._looping_here = False  # ``run``: the loop runs in a caller's thread (serve's main thread)
@@ -315,6 +320,12 @@ class Engine:
         self.scheduler.put("update", (source, version), future)
         return future
 
+    def flush_prefix_cache(self) -> int:
+        """Empty the prefix cache at the start of the loop's next step (``/flush_cache``); the entries
+        it held now."""
+        self._flush_cache = True
+        return len(self.prefix_cache.entries)
+
     def update_weight_version(self, version: str) -> Future:
         """Rename the current weights (SGLang's ``/update_weight_version``), in queue order like an update."""
         future: Future = Future()
@@ -362,6 +373,9 @@ class Engine:
         if self.scheduler.update is not None and not self.batch:
             self._apply_update(*self.scheduler.update)
             self.scheduler.update = None
+        if self._flush_cache:
+            self._flush_cache = False
+            self.prefix_cache.clear()
         admitted = []
         if self.scheduler.update is None:
             room = self.max_batch_size - len(self.batch)
@@ -373,6 +387,7 @@ class Engine:
 
     def _apply_update(self, arg, future) -> None:
         source, version = arg
+        self.prefix_cache.clear()  # keys and values of other weights (or another version's name) are not these
         try:
             load_update(self.runner.model, source)
             if version is not None:
@@ -391,7 +406,10 @@ class Engine:
         need = max([s.need for s in self.batch.rows] + [self._column_need(r) for r in joining])
         budget = self.kv_budget
         shape = plan_shape(held, len(self.batch) + len(joining), need, self.max_batch_size, budget.max_total_tokens)
-        return budget.peak(held, shape, len(joining), max(len(r.input_ids) for r in joining)) <= budget.max_total_tokens
+        peak = budget.peak(held, shape, len(joining), max(len(r.input_ids) for r in joining))
+        if peak + self.prefix_cache.tokens > budget.max_total_tokens:  # cached prefixes give way to a request
+            self.prefix_cache.evict_to(budget.max_total_tokens - peak)
+        return peak <= budget.max_total_tokens
 
     def _admit(self, admitted) -> None:
         """Prefill the new requests together; one that fails (its seed, its prompt) fails alone."""
@@ -419,25 +437,41 @@ class Engine:
             return
         for bucket in prefill_buckets(seqs):  # prompts of like length together: the left padding stays small
             try:
-                groups = [self._prefill(bucket)]
+                groups = self._prefill(bucket)
             except Exception:
                 log.exception("prefill of %d requests failed; prefilling them one by one", len(bucket))
                 groups = []
                 for seq in bucket:
                     try:
-                        groups.append(self._prefill([seq]))
+                        groups += self._prefill([seq])
                     except Exception as exc:
                         self._finish_failed(seq.request, seq.future, exc, "prefill")
             for group, batch, logits in groups:
                 self._join(group, batch, logits)
 
-    def _prefill(self, group: list[RunningRequest]) -> tuple[list[RunningRequest], SlotCache, torch.Tensor]:
-        """The group's prompts prefilled together; the rows that asked keep their prompts' routing."""
-        routing = any(s.request.return_routed_experts for s in group)
-        cache, logits = self.runner.prefill([s.request.input_ids for s in group], routing=routing)
-        if routing:
-            keep_routing(group, self.runner.routing_rows)
-        return group, cache, logits
+    def _prefill(self, group: list[RunningRequest]) -> list[tuple[list[RunningRequest], SlotCache, torch.Tensor]]:
+        """The group's prompts prefilled together, except those that begin with a cached prefix: each of
+        those prefills only its rest (engine/prefix_cache.py). The rows that asked keep their prompts'
+        routing (they bypass the cache: the cached positions' routing is not kept)."""
+        out, fresh = [], []
+        for seq in group:
+            entry, n = (
+                (None, 0) if seq.request.return_routed_experts else self.prefix_cache.match(seq.request.input_ids)
+            )
+            if entry is None:
+                fresh.append(seq)
+                continue
+            cache, logits = self.runner.prefill_after(seq.request.input_ids, entry.layers, n)
+            self.prefix_cache.stats.prefilled_tokens += len(seq.request.input_ids) - n
+            out.append(([seq], cache, logits))
+        if fresh:
+            routing = any(s.request.return_routed_experts for s in fresh)
+            cache, logits = self.runner.prefill([s.request.input_ids for s in fresh], routing=routing)
+            self.prefix_cache.stats.prefilled_tokens += sum(len(p) for p in {tuple(s.request.input_ids) for s in fresh})
+            if routing:
+                keep_routing(fresh, self.runner.routing_rows)
+            out.append((fresh, cache, logits))
+        return out
 
     def _join(self, group: list[RunningRequest], cache: SlotCache, logits: torch.Tensor) -> None:
         """A prefilled group joins the running batch and samples its first tokens."""

@@ -108,6 +108,22 @@ class ModelRunner:
         cache.append(layers, [len(p) for p in prompts], index)
         return cache, logits[torch.tensor(index, device=logits.device)] if len(distinct) < len(prompts) else logits
 
+    def prefill_after(
+        self, prompt: list[int], cached: list[tuple[torch.Tensor, torch.Tensor]], n: int
+    ) -> tuple[SlotCache, torch.Tensor]:
+        """One prompt whose first ``n`` positions' keys and values are ``cached`` (a prefix-cache hit,
+        ``[kv_heads, >= n, d]`` per layer): only the rest is computed, attending to them."""
+        cache = DynamicCache()
+        for index, (k, v) in enumerate(cached):
+            cache.update(k[None, :, :n].clone(), v[None, :, :n].clone(), index)
+        rest = torch.tensor([prompt[n:]], device=self.device)
+        mask = torch.ones(1, len(prompt), dtype=torch.long, device=self.device)
+        positions = torch.arange(n, len(prompt), device=self.device)[None]
+        logits, cache = self._forward(rest, mask, positions, cache)
+        slots = SlotCache(len(cached), align=self.key_block, max_rows=self.max_rows, max_tokens=self.max_tokens)
+        slots.append([(layer.keys, layer.values) for layer in cache.layers], [len(prompt)])
+        return slots, logits
+
     def _prefill(self, prompts: list[list[int]]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
         """Left-padded keys and values per layer and the last-position logits of ``prompts``."""
         length = max(len(p) for p in prompts)

@@ -7,15 +7,18 @@ import torch
 
 from .capture import keep_routing
 from .model_runner import ModelRunner
+from .prefix_cache import PrefixCache
 from .running import RunningRequest
 from .slot_cache import SlotCache
 
 
 class RunningBatch:
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, prefix_cache: PrefixCache | None = None, max_total_tokens: int = 0):
         self.runner = runner
         self.rows: list[RunningRequest] = []
         self.cache: SlotCache | None = None
+        self.prefix_cache = prefix_cache  # finished rows leave their keys and values there (engine/prefix_cache.py)
+        self.max_total_tokens = max_total_tokens
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -53,11 +56,28 @@ class RunningBatch:
         if len(keep) == len(self.rows):
             return []
         done = [s for s in self.rows if s.finish_reason is not None]
+        if self.prefix_cache is not None and self.prefix_cache.enabled:
+            self._keep_prefixes(done)
         self.cache, order = self.runner.keep(self.cache, keep)
         self.rows = [self.rows[i] for i in order]
         if self.cache is not None:  # the rows that needed the most room may have left: hold what the rest reserved
             self.cache.shrink(max(s.need for s in self.rows))
         return done
+
+    def _keep_prefixes(self, done: list[RunningRequest]) -> None:
+        """Every finished row's keys and values (prompt and fed outputs) into the prefix cache, within the
+        room the KV budget leaves beside the slot cache."""
+        slots, capacity = self.held
+        for seq in done:
+            if seq.failure is not None:
+                continue
+            row = self.rows.index(seq)
+            length = int(self.cache.lengths[row])
+            ids = (list(seq.request.input_ids) + seq.output_ids)[:length]
+            layers = [
+                (layer.k[row, :, :length].clone(), layer.v[row, :, :length].clone()) for layer in self.cache.layers
+            ]
+            self.prefix_cache.store(ids, layers, self.max_total_tokens - slots * capacity)
 
     def clear(self) -> list[RunningRequest]:
         """Every row out at once (a step of the whole batch failed); the cache is dropped."""

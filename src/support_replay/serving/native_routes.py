@@ -30,6 +30,7 @@ def native_routes(calls: EngineCalls, model_name: str) -> APIRouter:
             "invariant_products": engine.invariant_plans,
             "limits": engine.limits.to_json(),
             "max_total_tokens": engine.kv_budget.max_total_tokens,
+            "prefix_cache": engine.prefix_cache.to_json(),
         }
 
     # SGLang's /server_info and no /version: smg 1.13 takes a worker with /version for vLLM

@@ -1,0 +1,102 @@
+"""A prefix cache: the keys and values of finished sequences, reused by later prompts that begin with them.
+
+When a request finishes, its row's keys and values (prompt and every fed output token) are kept,
+keyed by those token ids. A later prompt whose first tokens equal an entry's (a session's next
+turn: the previous context plus the inserted tokens; another sample of a GRPO task; requests that
+share a system prompt) prefills only the rest, attending to the cached positions (SGLang's radix
+cache and vLLM's block hashing share KV across requests the same way; here an entry is one whole
+sequence and the match is the longest common prefix over the entries).
+
+The cache lives inside the engine's KV budget (engine/kv_budget.py): an entry is kept only where
+the slot cache leaves room, least recently used entries go first, and admission evicts entries
+before it makes a request wait. A weight update (or version change) and ``/flush_cache`` empty
+it: keys and values from other weights are not these weights'. The deterministic engine
+(true-on-policy) keeps none, so a prefill there is always the whole prompt's, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+MIN_MATCH = 8  # a shorter common prefix is not worth its own prefill
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0
+    hits: int = 0
+    reused_tokens: int = 0  # prompt positions taken from the cache
+    prefilled_tokens: int = 0  # prompt positions computed (with or without a hit)
+    stored: int = 0
+    evicted: int = 0
+
+
+@dataclass
+class Entry:
+    ids: np.ndarray  # int64 [n]: the token of every cached position
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), [kv_heads, n, head_dim]
+
+
+@dataclass
+class PrefixCache:
+    """Entries by token ids, least recently used first; ``tokens`` positions held in all."""
+
+    enabled: bool = True
+    entries: OrderedDict = field(default_factory=OrderedDict)
+    tokens: int = 0
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    def match(self, prompt: list[int]) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with ``prompt`` and that length, at most ``len(prompt) - 1``
+        (the last prompt token is always computed: its logits sample the first new token); ``(None, 0)``
+        below ``MIN_MATCH``."""
+        if not self.enabled or not self.entries:
+            return None, 0
+        self.stats.lookups += 1
+        query = np.asarray(prompt, np.int64)
+        best, best_n = None, 0
+        for key, entry in self.entries.items():
+            m = min(len(entry.ids), len(query) - 1)
+            if m <= best_n:
+                continue
+            differ = np.flatnonzero(entry.ids[:m] != query[:m])
+            n = int(differ[0]) if differ.size else m
+            if n > best_n:
+                best, best_n = key, n
+        if best is None or best_n < MIN_MATCH:
+            return None, 0
+        self.entries.move_to_end(best)
+        self.stats.hits += 1
+        self.stats.reused_tokens += best_n
+        return self.entries[best], best_n
+
+    def store(self, ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]], room: int) -> None:
+        """Keep a finished sequence, evicting the least recently used entries until ``room`` positions
+        (what the KV budget leaves beside the slot cache) hold it; nothing is kept that does not fit."""
+        if not self.enabled or len(ids) < MIN_MATCH or len(ids) > room:
+            return
+        key = tuple(ids)
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return
+        self.evict_to(room - len(ids))
+        self.entries[key] = Entry(np.asarray(ids, np.int64), layers)
+        self.tokens += len(ids)
+        self.stats.stored += 1
+
+    def evict_to(self, tokens: int) -> None:
+        """Least recently used entries out until at most ``tokens`` positions are held."""
+        while self.entries and self.tokens > max(tokens, 0):
+            _, entry = self.entries.popitem(last=False)
+            self.tokens -= len(entry.ids)
+            self.stats.evicted += 1
+
+    def clear(self) -> None:
+        self.evict_to(0)
+
+    def to_json(self) -> dict:
+        return {"enabled": self.enabled, "entries": len(self.entries), "tokens": self.tokens, **vars(self.stats)}

@@ -1,0 +1,70 @@
+"""The prefix cache: a prompt that begins with a finished sequence prefills only its rest, with the
+logits and keys/values of a whole prefill (float tolerance), log mu that a fresh forward reproduces;
+entries live inside the KV budget and give way to admissions; updates, /flush_cache and the
+deterministic engine keep none."""
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from support_replay import SamplingParams, support_logprobs
+from support_replay.engine import Engine
+from support_replay.protocol import GenerateRequest
+
+PARAMS = SamplingParams(temperature=1.0, top_k=16, top_p=0.9, seed=3)
+
+
+def first_turn(engine: Engine):
+    prompt = engine.tokenizer("System: you are a careful assistant. User: count to ten.")["input_ids"]
+    (c,) = engine.generate([GenerateRequest(prompt, PARAMS, max_new_tokens=12, ignore_eos=True)])
+    return prompt, c
+
+
+def test_a_prefill_after_a_cached_prefix_is_a_whole_prefill(tiny_checkpoint):
+    engine = Engine.from_pretrained(tiny_checkpoint)
+    prompt, c = first_turn(engine)
+    full = prompt + c.output_ids + engine.tokenizer(" User: and back.")["input_ids"]
+    entry, n = engine.prefix_cache.match(full)
+    assert n == len(prompt) + len(c.output_ids) - 1  # every fed position (the last token was never fed)
+    after_cache, after_logits = engine.runner.prefill_after(full, entry.layers, n)
+    whole_cache, whole_logits = engine.runner.prefill([full])
+    torch.testing.assert_close(after_logits, whole_logits, atol=1e-4, rtol=0)
+    for mine, theirs in zip(after_cache.layers, whole_cache.layers):
+        torch.testing.assert_close(mine.k[0, :, : len(full)], theirs.k[0, :, : len(full)], atol=1e-4, rtol=0)
+
+
+def test_a_sessions_next_turn_reuses_its_context_and_replays(tiny_checkpoint):
+    engine = Engine.from_pretrained(tiny_checkpoint)
+    prompt, c = first_turn(engine)
+    full = prompt + c.output_ids + engine.tokenizer(" User: and back.")["input_ids"]
+    before = engine.prefix_cache.stats.prefilled_tokens
+    req = GenerateRequest(full, PARAMS, max_new_tokens=8, return_sampling_mask=True)
+    (second,) = engine.generate([req])
+    stats = engine.prefix_cache.stats
+    assert stats.hits == 1 and stats.prefilled_tokens - before == len(full) - (len(prompt) + len(c.output_ids) - 1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([full + second.output_ids])).logits[0].float()
+    rows = logits[len(full) - 1 : len(full) - 1 + second.num_tokens]
+    again = support_logprobs(rows, torch.tensor(second.output_ids), second.support, 1.0)
+    torch.testing.assert_close(again, torch.tensor(second.log_mu), atol=1e-4, rtol=0)
+
+
+def test_entries_give_way_within_the_budget_and_are_dropped_on_updates(tiny_checkpoint, tmp_path):
+    engine = Engine.from_pretrained(tiny_checkpoint, max_total_tokens=600)
+    prompt, _ = first_turn(engine)
+    assert engine.prefix_cache.tokens > 0
+    big = GenerateRequest(list(range(5, 105)), PARAMS, max_new_tokens=290, ignore_eos=True)
+    (c,) = engine.generate([big])  # needs nearly the whole budget: the cached entries went first
+    assert c.num_tokens == 290 and engine.prefix_cache.stats.evicted >= 1
+    assert engine.prefix_cache.tokens <= engine.kv_budget.max_total_tokens
+    first_turn(engine)
+    assert engine.prefix_cache.entries
+    engine.wait([engine.update_weight_version("v2")])
+    assert not engine.prefix_cache.entries and engine.prefix_cache.tokens == 0
+    first_turn(engine)
+    assert engine.flush_prefix_cache() >= 1
+    engine.step()
+    assert not engine.prefix_cache.entries
+    deterministic = Engine.from_pretrained(tiny_checkpoint, deterministic=True)
+    first_turn(deterministic)
+    assert not deterministic.prefix_cache.enabled and not deterministic.prefix_cache.entries
