@@ -10,6 +10,12 @@
    real ``openai`` client (16 episodes), against the same episodes' model tokens generated
    single-turn: one request per episode, the episode's first prompt, as many new tokens as
    the episode's model turns had in all (the floor without multi-turn context).
+3. ``--prefix``: the prefix cache. ``--prefix-episodes`` (8) concurrent episodes of ``--turns`` (8)
+   turns: a 200-token system prompt shared by all, a user message of its own, then per turn 64
+   generated tokens (EOS ignored) and 32 inserted tokens; each turn's prompt is the whole context
+   so far. Prompt tokens computed (prefilled) and the episodes' wall time, with the prefix cache
+   and without; with ``--vllm`` the same episodes through vLLM CPU 0.32's ``/v1/completions``
+   (token prompts, its prefix caching on, as by default), its hit counts read from ``/metrics``.
 """
 
 from __future__ import annotations
@@ -149,6 +155,128 @@ def episodes_per_minute(engine, tokenizer, episodes: int, max_turns: int, tokens
     }
 
 
+SYSTEM_TOKENS, INSERTED_TOKENS = 200, 32
+
+
+def episode_prompts(tokenizer, episodes: int) -> tuple[list[list[int]], list[int]]:
+    """Each episode's first prompt (the shared 200-token system prompt, then its own question) and the
+    32 tokens inserted after every model turn."""
+    words = " ".join(f"Rule {i}: answer in full sentences and check every step." for i in range(60))
+    system = tokenizer(words, add_special_tokens=False)["input_ids"][:SYSTEM_TOKENS]
+    tool = tokenizer(" Tool result: " + "the value is 42, " * 20, add_special_tokens=False)["input_ids"]
+    firsts = [
+        system + tokenizer(f" Question {i}: what is {i} times 7?", add_special_tokens=False)["input_ids"]
+        for i in range(episodes)
+    ]
+    return firsts, tool[:INSERTED_TOKENS]
+
+
+def play_rounds(generate, firsts: list[list[int]], inserted: list[int], turns: int, tokens: int) -> float:
+    """Every episode's turns, the episodes' k-th turns sent together; ``generate(prompts) -> outputs``."""
+    contexts = [list(p) for p in firsts]
+    start = time.perf_counter()
+    for k in range(turns):
+        outputs = generate(contexts, tokens)
+        contexts = [c + out + (inserted if k < turns - 1 else []) for c, out in zip(contexts, outputs)]
+    return time.perf_counter() - start
+
+
+def ours_rounds(path, firsts, inserted, turns: int, tokens: int, cache: bool) -> dict:
+    engine = Engine.from_pretrained(path, prefix_cache=cache).start()
+
+    def generate(prompts, n):
+        reqs = [
+            GenerateRequest(p, PARAMS, max_new_tokens=n, ignore_eos=True, return_sampling_mask=True) for p in prompts
+        ]
+        return [c.output_ids for c in engine.generate(reqs)]
+
+    play_rounds(generate, [f[:40] for f in firsts[:2]], inserted, 2, 4)  # warm-up, other prompts
+    engine.prefix_cache.clear()
+    before = engine.prefix_cache.stats.prefilled_tokens
+    seconds = play_rounds(generate, firsts, inserted, turns, tokens)
+    prefilled = engine.prefix_cache.stats.prefilled_tokens - before
+    engine.shutdown()
+    return {"seconds": seconds, "prefilled": prefilled}
+
+
+def vllm_rounds(path, firsts, inserted, turns: int, tokens: int) -> dict:
+    import os
+    import re
+    import subprocess
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from processes import free_port
+    from support_replay.launch import wait_healthy
+
+    python = Path(__file__).parents[1] / ".venv-vllm" / "bin" / "python"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--served-model-name", "m",
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
+        "--gpu-memory-utilization", "0.2", "--enable-prefix-caching",
+    ]  # fmt: skip
+    log = Path(tempfile.mkdtemp()) / "vllm.log"
+    proc = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        wait_healthy(url, proc, 600, log)
+        client = httpx.Client(timeout=600)
+        pool = ThreadPoolExecutor(len(firsts))
+
+        def one(prompt, n):
+            body = {"model": "m", "prompt": prompt, "max_tokens": n, "ignore_eos": True, "top_k": 32, "top_p": 0.8}
+            body |= {"return_token_ids": True}
+            return client.post(url + "/v1/completions", json=body).json()["choices"][0]["token_ids"]
+
+        def generate(prompts, n):
+            return list(pool.map(lambda p: one(p, n), prompts))
+
+        def counters():
+            text = client.get(url + "/metrics").text
+            found = {}
+            for name in ("prefix_cache_queries", "prefix_cache_hits"):
+                m = re.search(rf"^vllm:{name}_total{{[^}}]*}} ([0-9.e+]+)$", text, re.M)
+                found[name] = float(m.group(1)) if m else float("nan")
+            return found
+
+        play_rounds(generate, [f[:40] for f in firsts[:2]], inserted, 2, 4)
+        before = counters()
+        seconds = play_rounds(generate, firsts, inserted, turns, tokens)
+        after = counters()
+        queried = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+        hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+        return {"seconds": seconds, "prefilled": queried - hits, "queried": queried}
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def prefix_reuse(path, tokenizer, episodes: int, turns: int, tokens: int, vllm: bool) -> None:
+    firsts, inserted = episode_prompts(tokenizer, episodes)
+    total = sum(
+        len(f) + k * (tokens + INSERTED_TOKENS) for f in firsts for k in range(turns)
+    )  # every turn's whole prompt
+    print(
+        f"\n{episodes} concurrent episodes x {turns} turns: {SYSTEM_TOKENS}-token shared system prompt, {tokens} "
+        f"generated + {INSERTED_TOKENS} inserted tokens per turn; {total} prompt tokens in all\n"
+    )
+    print("| engine | prompt tokens prefilled | fewer than every whole prompt | episodes wall s |")
+    print("|---|---:|---:|---:|")
+    runs = [
+        ("ours, prefix cache off", lambda: ours_rounds(path, firsts, inserted, turns, tokens, False)),
+        ("ours, prefix cache on", lambda: ours_rounds(path, firsts, inserted, turns, tokens, True)),
+    ]
+    if vllm:
+        runs.append(("vLLM CPU 0.32, prefix caching on", lambda: vllm_rounds(path, firsts, inserted, turns, tokens)))
+    for name, run in runs:
+        r = run()
+        print(f"| {name} | {r['prefilled']:.0f} | {1 - r['prefilled'] / total:.1%} | {r['seconds']:.1f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -157,8 +285,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--episodes", type=int, default=16)
     parser.add_argument("--episode-turns", type=int, default=4)
+    parser.add_argument("--prefix", action="store_true", help="only section 3, the prefix cache")
+    parser.add_argument("--prefix-episodes", type=int, default=8)
+    parser.add_argument("--vllm", action="store_true", help="with section 3: the vLLM CPU anchor (.venv-vllm)")
     args = parser.parse_args()
     path = resolve_model(args.model)
+    if args.prefix:
+        prefix_reuse(
+            path, AutoTokenizer.from_pretrained(path), args.prefix_episodes, args.turns, args.tokens, args.vllm
+        )
+        return
     engine = Engine.from_pretrained(path).start()
     tokenizer = AutoTokenizer.from_pretrained(path)
     print(f"model {path.name}, {args.turns} turns x {args.tokens} tokens per session\n")

@@ -2,6 +2,7 @@
 
     scheduler.py       the FIFO of requests and updates, admission within the batch and the KV budget
     model_runner.py    prefill and decode over the slot cache (slot_cache.py, fused_step.py)
+    prefix_cache.py    finished sequences' keys and values, reused by later prompts that begin with them
     sampling_step.py   penalties, the core's sampler and capture (capture.py): a RowStep or RowFailure per row
     grammar.py         structured outputs: each constrained request's llguidance mask, before the filters
     stopping.py        EOS, stop tokens, stop strings, the token budget
