@@ -8,21 +8,10 @@ import time
 import httpx
 import pytest
 
-from support_replay.engine import Engine
-from support_replay.serving.router import Router, create_router_app
-from support_replay.serving.server import create_app
-from support_replay.serving.threaded import ThreadedServer
-
 
 @pytest.fixture(scope="module")
-def served(tiny_agent_checkpoint):
-    engine = Engine.from_pretrained(tiny_agent_checkpoint, deterministic=True).start()
-    server = ThreadedServer(create_app(engine, model_name="tiny")).start()
-    router = ThreadedServer(create_router_app(Router([server.url], health_interval=0.5)), lifespan="on").start()
-    yield engine, server.url, router.url
-    router.stop()
-    server.stop()
-    engine.shutdown()
+def served(served_with_router):
+    return served_with_router
 
 
 def sse(url: str, route: str, body: dict) -> list[dict]:

@@ -11,24 +11,14 @@ import pytest
 from support_replay.backends.sglang import SGLangBackend
 from support_replay.backends.vllm import VLLMBackend
 from support_replay.core.sampling import SamplingParams
-from support_replay.engine import Engine
 from support_replay.protocol import GenerateRequest
-from support_replay.serving.router import Router, create_router_app
-from support_replay.serving.server import create_app
-from support_replay.serving.threaded import ThreadedServer
 
 ROUTE = "/inference/v1/generate"
 
 
 @pytest.fixture(scope="module")
-def served(tiny_agent_checkpoint):
-    engine = Engine.from_pretrained(tiny_agent_checkpoint, deterministic=True).start()
-    server = ThreadedServer(create_app(engine, model_name="tiny")).start()
-    router = ThreadedServer(create_router_app(Router([server.url], health_interval=0.5)), lifespan="on").start()
-    yield engine, server.url, router.url
-    router.stop()
-    server.stop()
-    engine.shutdown()
+def served(served_with_router):
+    return served_with_router
 
 
 def requests(engine) -> list[GenerateRequest]:

@@ -162,15 +162,7 @@ class AgentRunner:
         return SessionFailed(f"{what}: no end after {self.timeout} s") if isinstance(exc, asyncio.TimeoutError) else exc
 
     async def _play_group(self, ep: Episode, task: str, n: int, settings: SessionSettings) -> dict:
-        params = inspect.signature(self.agent.fn).parameters
-        kwargs = {"base_url": f"{self.base_url}/tasks/{task}", "prompt": ep.prompt, "n": n}
-        optional = {
-            "request_kwargs": {"max_tokens": settings.max_new_tokens},
-            "metadata": dict(ep.metadata),
-            "agent_config": ep.metadata.get("agent_config"),
-        }
-        kwargs.update({k: v for k, v in optional.items() if k in params})
-        out = await self.agent.fn(**kwargs)
+        out = await self.agent.fn(**self._base_url_kwargs(ep, f"{self.base_url}/tasks/{task}", settings, n=n))
         if out is not None and not isinstance(out, dict):
             raise ConfigError(f"--agent-path={self.agent.name}: a group harness returns None or {{id: reward}}")
         return dict(out or {})
@@ -184,16 +176,18 @@ class AgentRunner:
                 base_url=url + "/v1", api_key=self.api_key or "support-replay", max_retries=0, timeout=self.timeout
             ) as client:
                 return await self.agent.fn(client, ep), {}
+        out = await self.agent.fn(**self._base_url_kwargs(ep, url, settings))
+        return None, (out if isinstance(out, dict) else {})
+
+    def _base_url_kwargs(self, ep: Episode, url: str, settings: SessionSettings, **given) -> dict:
+        """Miles-style arguments: the URL and prompt, and the optional ones the function declares."""
         params = inspect.signature(self.agent.fn).parameters
-        kwargs = {"base_url": url, "prompt": ep.prompt}
         optional = {
             "request_kwargs": {"max_tokens": settings.max_new_tokens},
             "metadata": dict(ep.metadata),
             "agent_config": ep.metadata.get("agent_config"),
         }
-        kwargs.update({k: v for k, v in optional.items() if k in params})
-        out = await self.agent.fn(**kwargs)
-        return None, (out if isinstance(out, dict) else {})
+        return {"base_url": url, "prompt": ep.prompt, **given, **{k: v for k, v in optional.items() if k in params}}
 
 
 def _prompt_text(ep: Episode) -> str:
