@@ -1,0 +1,3 @@
+from sr_arith.taskset import SrArithTaskset
+
+__all__ = ["SrArithTaskset"]

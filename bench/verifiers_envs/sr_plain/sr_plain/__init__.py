@@ -1,0 +1,3 @@
+from sr_plain.taskset import SrPlainTaskset
+
+__all__ = ["SrPlainTaskset"]
