@@ -176,8 +176,8 @@ def token_entries(c: Completion, top: int) -> list[dict]:
 def generate_choice(i: int, body: VLLMGenerateIn, req: GenerateRequest, c: Completion, decode, eos_ids) -> dict:
     sp = body.sampling_params
     top = sp.logprobs or 0
-    if top == -1:  # the whole support
-        top = max(c.support.sizes().tolist(), default=0)
+    if top == -1:  # the whole support (an unfiltered session's answer has none to list)
+        top = max(c.support.sizes().tolist(), default=0) if c.support is not None else 0
     choice = {
         "index": i,
         "finish_reason": _finish_reason(c),
