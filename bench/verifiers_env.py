@@ -119,7 +119,12 @@ def main() -> None:
     finally:
         for proc in (sessions, serve):
             proc.terminate()
-            proc.wait(30)
+        for proc in (sessions, serve):
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:  # never leave a server behind to skew the next measurement
+                proc.kill()
+                proc.wait()
     print(json.dumps({"work": str(work)}))
 
 
