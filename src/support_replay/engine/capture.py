@@ -6,8 +6,6 @@ One function per captured quantity, each over the rows that asked.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
@@ -60,13 +58,6 @@ def captured_rows(
     full_logits = logits if full_logits is None else full_logits
     full = full_logprobs_of(requests, full_logits, out.tokens)
     top = top_logprobs_of(requests, full_logits)
-    rows = _captured(requests, logits, out, capacity, output_lengths, full)
-    return [
-        dataclasses.replace(r, top=top[i]) if i in top and isinstance(r, RowStep) else r for i, r in enumerate(rows)
-    ]
-
-
-def _captured(requests, logits, out: SampledTokens, capacity: int, output_lengths, full) -> list[RowStep | RowFailure]:
     captured = dict(zip(out.captured.tolist(), range(len(out.captured))))
     sizes, offsets, ids = out.support.sizes(), out.support.offsets, out.support.ids
     log_mu, tokens = out.log_mu.tolist(), out.tokens.tolist()
@@ -74,7 +65,7 @@ def _captured(requests, logits, out: SampledTokens, capacity: int, output_length
     for row, request in enumerate(requests):
         i = captured.get(row)
         if i is None:
-            rows.append(RowStep(tokens[row], full_logprob=full.get(row)))
+            rows.append(RowStep(tokens[row], full_logprob=full.get(row), top=top.get(row)))
             continue
         if sizes[i] > capacity:
             error = CapacityError(
@@ -87,7 +78,7 @@ def _captured(requests, logits, out: SampledTokens, capacity: int, output_length
         row_logprobs = None
         if request.sampling_logprobs_mode == "support":
             row_logprobs = support_logprobs_of_row(logits[row], support, request.params.temperature)
-        rows.append(RowStep(tokens[row], support, log_mu[i], full.get(row), row_logprobs))
+        rows.append(RowStep(tokens[row], support, log_mu[i], full.get(row), row_logprobs, top.get(row)))
     return rows
 
 

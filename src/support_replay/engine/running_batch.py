@@ -57,21 +57,20 @@ class RunningBatch:
             return []
         done = [s for s in self.rows if s.finish_reason is not None]
         if self.prefix_cache is not None and self.prefix_cache.enabled:
-            self._keep_prefixes(done)
+            self._keep_prefixes()
         self.cache, order = self.runner.keep(self.cache, keep)
         self.rows = [self.rows[i] for i in order]
         if self.cache is not None:  # the rows that needed the most room may have left: hold what the rest reserved
             self.cache.shrink(max(s.need for s in self.rows))
         return done
 
-    def _keep_prefixes(self, done: list[RunningRequest]) -> None:
+    def _keep_prefixes(self) -> None:
         """Every finished row's keys and values (prompt and fed outputs) into the prefix cache, within the
         room the KV budget leaves beside the slot cache."""
         slots, capacity = self.held
-        for seq in done:
-            if seq.failure is not None:
+        for row, seq in enumerate(self.rows):
+            if seq.finish_reason is None or seq.failure is not None:
                 continue
-            row = self.rows.index(seq)
             length = int(self.cache.lengths[row])
             ids = (list(seq.request.input_ids) + seq.output_ids)[:length]
             layers = [

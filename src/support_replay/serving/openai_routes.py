@@ -147,22 +147,15 @@ class CompletionIn(OpenAIIn):
 
 def requests_for(body: OpenAIIn, prompt_ids: list[int], sp: SamplingParamsIn, *, log_mu: bool, top: int) -> list:
     """``n`` requests for one prompt (seeds ``seed + i`` when a seed is given)."""
-    capture = body.return_sampling_mask or (log_mu and body.filtered)
-    mode = "support" if top else body.sampling_logprobs_mode
-    grammar = body.grammar()
-    out = []
-    for i in range(body.n):
-        one = sp.model_copy(update={"seed": None if body.seed is None else body.seed + i})
-        req = one.to_request(
-            list(prompt_ids),
-            return_sampling_mask=capture,
-            return_logprob=log_mu and not body.filtered,
-            sampling_logprobs_mode=mode,
-        )
-        req.top_logprobs = 0 if body.filtered else top  # unfiltered: the full distribution's most likely ids
-        req.grammar = grammar
-        out.append(req)
-    return out
+    return sp.n_requests(
+        prompt_ids,
+        body.n,
+        top_logprobs=0 if body.filtered else top,  # unfiltered: the full distribution's most likely ids
+        grammar=body.grammar(),
+        return_sampling_mask=body.return_sampling_mask or (log_mu and body.filtered),
+        return_logprob=log_mu and not body.filtered,
+        sampling_logprobs_mode="support" if top else body.sampling_logprobs_mode,
+    )
 
 
 def as_log_mu(c: Completion) -> Completion:

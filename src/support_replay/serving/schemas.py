@@ -99,6 +99,19 @@ class SamplingParamsIn(BaseModel):
             data = {k: v for k, v in data.items() if k != "sampling_seed"} | {"seed": data["sampling_seed"]}
         return data
 
+    def n_requests(self, input_ids: list[int], n: int, *, top_logprobs: int = 0, grammar=None, **capture) -> list:
+        """``n`` requests for one prompt, with seeds ``seed + i`` when a seed is given (the OpenAI routes' and
+        vLLM's rule for ``n``); ``capture`` as ``to_request`` takes it."""
+        out = []
+        for i in range(n):
+            one = self.model_copy(update={"seed": None if self.seed is None else self.seed + i})
+            req = one.to_request(list(input_ids), **capture)
+            req.top_logprobs = top_logprobs
+            if grammar is not None:
+                req.grammar = grammar
+            out.append(req)
+        return out
+
     def to_request(
         self,
         input_ids: list[int],

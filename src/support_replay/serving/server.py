@@ -57,7 +57,7 @@ def create_app(
     app.include_router(
         openai_routes(calls.run, calls.meta_info, model_name, renderer, engine.limits.max_queue, live=calls)
     )
-    app.include_router(vllm_routes(calls.run, model_name, engine))
+    app.include_router(vllm_routes(calls.run, model_name, engine, renderer.decode))
     return guarded(
         QueueGate(app, engine),
         keys or Keys(),

@@ -74,6 +74,7 @@ class VLLMSamplingParamsIn(BaseModel):
             top_p=self.top_p,
             top_k=self.top_k if self.top_k > 0 else -1,
             min_p=self.min_p,
+            seed=self.seed,
             max_new_tokens=self.max_tokens or default_max,
             min_new_tokens=self.min_tokens,
             stop=self.stop,
@@ -130,21 +131,15 @@ class VLLMGenerateIn(BaseModel):
                 f"sampling_params.logprobs={top}: at most {MAX_LOGPROBS} ids of the full distribution per token "
                 "(vLLM's default --max-logprobs); with a filter every id of the support can be listed"
             )
-        base = sp.sglang_form(default_max)
-        grammar = vllm_grammar(sp.structured_outputs, "sampling_params.structured_outputs")
-        out = []
-        for i in range(sp.n):
-            one = base.model_copy(update={"seed": None if sp.seed is None else sp.seed + i})
-            req = one.to_request(
-                list(self.token_ids),
-                return_sampling_mask=sp.filtered,
-                return_logprob=sp.logprobs is not None and not sp.filtered,
-                sampling_logprobs_mode="support" if sp.filtered and top else "selected",
-            )
-            req.top_logprobs = 0 if sp.filtered else top
-            req.grammar = grammar
-            out.append(req)
-        return out
+        return sp.sglang_form(default_max).n_requests(
+            self.token_ids,
+            sp.n,
+            top_logprobs=0 if sp.filtered else top,
+            grammar=vllm_grammar(sp.structured_outputs, "sampling_params.structured_outputs"),
+            return_sampling_mask=sp.filtered,
+            return_logprob=sp.logprobs is not None and not sp.filtered,
+            sampling_logprobs_mode="support" if sp.filtered and top else "selected",
+        )
 
 
 def _stop_reason(c: Completion, req: GenerateRequest, eos_ids: set[int]):
@@ -216,14 +211,11 @@ def generate_response(body: VLLMGenerateIn, reqs, results, *, model: str, decode
     }
 
 
-def vllm_routes(run, model_name: str, engine) -> APIRouter:
-    """``/inference/v1/generate`` over ``run(requests, http_request)`` (submit and wait) and ``engine``'s
-    tokenizer, EOS ids and limits."""
-    tokenizer, eos_ids, limits = engine.tokenizer, engine.eos_ids, engine.limits
+def vllm_routes(run, model_name: str, engine, decode) -> APIRouter:
+    """``/inference/v1/generate`` over ``run(requests, http_request)`` (submit and wait), ``engine``'s EOS ids
+    and limits, and ``decode`` (the chat renderer's: special tokens as the template writes them)."""
+    eos_ids, limits = engine.eos_ids, engine.limits
     routes = APIRouter()
-
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     @routes.post(ROUTE)
     async def generate(request: Request, body: VLLMGenerateIn):
