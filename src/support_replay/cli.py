@@ -82,7 +82,9 @@ def _serve(args: argparse.Namespace) -> int:
     import logging
 
     from .engine import Engine
+    from .engine.kv_budget import available_bytes, fraction_tokens, kv_bytes_per_token
     from .engine.limits import EngineLimits
+    from .engine.model_runner import load_model_and_tokenizer
     from .serving.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -96,9 +98,18 @@ def _serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
     )
     keys = _keys(args)
-    engine = Engine.from_pretrained(
-        args.hf_checkpoint,
-        dtype=dtype,
+    if args.mem_fraction_static is not None and args.max_total_tokens is not None:
+        raise SupportReplayError("serve: give --mem-fraction-static or --max-total-tokens, not both")
+    before = available_bytes()
+    model, tokenizer = load_model_and_tokenizer(args.hf_checkpoint, dtype, args.device)
+    max_total_tokens = args.max_total_tokens
+    if args.mem_fraction_static is not None:
+        max_total_tokens = fraction_tokens(
+            args.mem_fraction_static, before, available_bytes(), kv_bytes_per_token(model)
+        )
+    engine = Engine(
+        model,
+        tokenizer,
         device=args.device,
         semantics=args.semantics,
         sampling_mask_max_tokens=args.sampling_mask_max_tokens,
@@ -106,7 +117,9 @@ def _serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         deterministic=args.deterministic,
         linear_kernel=args.linear_kernel,
-        max_total_tokens=args.max_total_tokens,
+        max_total_tokens=max_total_tokens,
+        prefix_cache=not args.disable_radix_cache,
+        decode_log_interval=args.decode_log_interval,
     )
     print(f"support-replay engine: {args.hf_checkpoint} on http://{args.host}:{args.port}", flush=True)
     from .rollout.chat import load_template
@@ -164,7 +177,6 @@ def _add_key_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .train import train
     from .train.config import config_from_args
 
     cfg = config_from_args(args)
@@ -176,10 +188,26 @@ def _train(args: argparse.Namespace) -> int:
         f"output {cfg.output.output_dir}",
         flush=True,
     )
-    rows = train(cfg)
+    rows = _with_started_engines(cfg, _run_train)
     if rows:
         print(f"done: metrics in {cfg.output.output_dir}/metrics.jsonl, plot in {cfg.output.output_dir}/metrics.png")
     return 0
+
+
+def _run_train(cfg, as_given):
+    from .train import train
+
+    return train(cfg, as_given=as_given)
+
+
+def _with_started_engines(cfg, run):
+    """``run(cfg, as_given)``, through the engines the run starts when it starts any (started_engines.py)."""
+    if not cfg.launch.starts_engines:
+        return run(cfg, cfg)
+    from .started_engines import started_engines
+
+    with started_engines(cfg) as running:
+        return run(running, cfg)
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -189,7 +217,7 @@ def _audit(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     given = {k: getattr(args, k) for k in AuditSettings.model_fields if getattr(args, k) is not None}
     settings = AuditSettings.from_flags(**given)
-    report = run_audit(cfg, settings)
+    report = _with_started_engines(cfg, lambda running, _: run_audit(running, settings))
     print(summary(report))
     print(f"report: {cfg.output.output_dir}/audit.json, plot: {cfg.output.output_dir}/audit.png", flush=True)
     return 0 if report["verdict"]["pass"] else 1
@@ -319,6 +347,19 @@ def _add_audit(sub) -> None:
     au.set_defaults(func=_audit, output_dir="runs/audit")
 
 
+# serve's flags with SGLang's names and meanings: what a run's --sglang-* flags may give the engines it starts
+SERVE_SGLANG_FLAGS = (
+    "--mem-fraction-static",
+    "--max-total-tokens",
+    "--max-running-requests",
+    "--enable-deterministic-inference",
+    "--attention-backend",
+    "--disable-radix-cache",
+    "--decode-log-interval",
+    "--chat-template",
+)
+
+
 def _add_serve(sub) -> None:
     """The `serve` command: the engine server and its limits."""
     srv = sub.add_parser("serve", help="run the engine server (SGLang /generate, OpenAI chat completions)")
@@ -333,7 +374,14 @@ def _add_serve(sub) -> None:
         help="largest support a request may capture",
     )
     defaults = EngineLimits()
-    srv.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help="sequences decoded together")
+    srv.add_argument(
+        "--max-batch-size",
+        "--max-running-requests",
+        dest="max_batch_size",
+        type=int,
+        default=defaults.max_batch_size,
+        help="sequences decoded together (SGLang's --max-running-requests)",
+    )
     srv.add_argument(
         "--max-queue",
         type=int,
@@ -346,6 +394,13 @@ def _add_serve(sub) -> None:
         default=None,
         help="KV positions the engine may hold at its peak, as SGLang's flag counts them; a request waits until "
         "it fits (default: half the memory available at start)",
+    )
+    srv.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=None,
+        help="SGLang's: the share of the memory free at start for the weights and the KV pool (the pool: what is "
+        "free after loading less (1 - F) of what was free before); instead of --max-total-tokens",
     )
     srv.add_argument(
         "--max-new-tokens", type=int, default=defaults.max_new_tokens, help="largest max_new_tokens a request may ask"
@@ -381,8 +436,29 @@ def _add_serve(sub) -> None:
     )
     srv.add_argument(
         "--deterministic",
+        "--enable-deterministic-inference",
+        dest="deterministic",
         action="store_true",
-        help="batch-invariant forward: a sequence's logits do not depend on its batch (true-on-policy)",
+        help="batch-invariant forward: a sequence's logits do not depend on its batch (true-on-policy; SGLang's "
+        "--enable-deterministic-inference)",
+    )
+    srv.add_argument(
+        "--attention-backend",
+        choices=["torch_native"],
+        default="torch_native",
+        help="the model's torch attention over the slot cache (SGLang's torch_native; batch-invariant with "
+        "--deterministic); FlashAttention and FlashInfer backends need CUDA kernels this engine does not run",
+    )
+    srv.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="keep no finished sequences' keys and values for later prompts (the prefix cache; SGLang's flag)",
+    )
+    srv.add_argument(
+        "--decode-log-interval",
+        type=int,
+        default=0,
+        help="log SGLang's decode line (running requests, KV use, throughput, queue) every N decode steps (0: off)",
     )
     srv.add_argument("--linear-kernel", choices=KERNELS, default="auto", help=LINEAR_KERNEL_HELP)
     srv.set_defaults(func=_serve)
@@ -487,7 +563,9 @@ def _local_run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    server_args: list[str] = []
     if argv[:1] in (["train"], ["audit"]):
+        from .train.launch_config import LaunchConfig, split_server_args
         from .train.reference_flags import refusals
 
         refused = refusals(argv[1:])
@@ -495,7 +573,13 @@ def main(argv: list[str] | None = None) -> int:
             lines = "\n".join(f"  {r}" for r in refused)
             print(f"support-replay: error: flags this trainer does not take (remove them):\n{lines}", file=sys.stderr)
             return 2
+        # the --sglang-* flags that are not ours go, as given, to the servers of the engines the run starts
+        known = {"--" + name.replace("_", "-") for name in LaunchConfig.model_fields}
+        rest, server_args = split_server_args(argv[1:], known)
+        argv = argv[:1] + rest
     args = build_parser().parse_args(argv)
+    if server_args:
+        args.sglang_server_args = tuple(server_args)
     try:
         return args.func(args)
     except SupportReplayError as exc:

@@ -10,6 +10,7 @@ ranks (docs/scaling.md). Here they all listen on loopback ports, their logs go t
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -53,6 +54,8 @@ def process(args: list[str], url: str | None, log: Path, timeout: float = 120.0,
     terminated after it."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
+        out.write(f"$ {shlex.join(args)}\n")  # what ran, first
+        out.flush()
         proc = subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         )
@@ -79,6 +82,33 @@ def _flag_value(args: list[str], flag: str) -> str | None:
     return None
 
 
+def engines_behind_router(
+    stack: ExitStack,
+    commands: list[list[str]],
+    ports: list[int],
+    logs: Path,
+    *,
+    host: str = "127.0.0.1",
+    router_port: int | None = None,
+    request_timeout: float | None = None,
+    start_timeout: float = 600.0,
+) -> tuple[list[str], str]:
+    """Engine ``i`` (``commands[i]``, listening on loopback ``ports[i]``) and our router in front of them, in
+    ``stack``, each healthy before the next starts; ``(engine URLs, router URL)``."""
+    urls = []
+    for i, (port, command) in enumerate(zip(ports, commands)):
+        url = f"http://127.0.0.1:{port}"
+        stack.enter_context(process(command, url, logs / f"engine{i}.log", timeout=start_timeout))
+        urls.append(url)
+    router_port = router_port or free_port()
+    router = f"http://{host}:{router_port}"
+    command = [sys.executable, "-m", "support_replay.cli", "router", "--host", host, "--port", str(router_port)]
+    if request_timeout is not None:
+        command += ["--request-timeout", str(request_timeout)]
+    stack.enter_context(process([*command, *(a for u in urls for a in ("--engine", u))], router, logs / "router.log"))
+    return urls, router
+
+
 def local_run(train_args: list[str], *, engines: int, nproc_per_node: int, serve_args: list[str] | None = None) -> int:
     """``engines`` serve processes behind a router and ``nproc_per_node`` torchrun trainer ranks
     running ``train train_args --rollout-url ROUTER``; returns the trainer's exit status."""
@@ -98,38 +128,22 @@ def local_run(train_args: list[str], *, engines: int, nproc_per_node: int, serve
     logs = output / "logs"
     cli = [sys.executable, "-m", "support_replay.cli"]
     with ExitStack() as stack:
-        urls = []
-        for i in range(engines):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            stack.enter_context(
-                process(
-                    [
-                        *cli,
-                        "serve",
-                        "--hf-checkpoint",
-                        checkpoint,
-                        "--port",
-                        str(port),
-                        "--weights-dir",
-                        str(output),
-                        *(serve_args or []),
-                    ],
-                    url,
-                    logs / f"engine{i}.log",
-                    timeout=600,
-                )
-            )
-            urls.append(url)
-        port = free_port()
-        router = f"http://127.0.0.1:{port}"
-        stack.enter_context(
-            process(
-                [*cli, "router", "--port", str(port), *(a for u in urls for a in ("--engine", u))],
-                router,
-                logs / "router.log",
-            )
-        )
+        ports = [free_port() for _ in range(engines)]
+        commands = [
+            [
+                *cli,
+                "serve",
+                "--hf-checkpoint",
+                checkpoint,
+                "--port",
+                str(port),
+                "--weights-dir",
+                str(output),
+                *(serve_args or []),
+            ]
+            for port in ports
+        ]
+        urls, router = engines_behind_router(stack, commands, ports, logs)
         print(
             f"local-run: {engines} engine(s) {urls} behind the router {router}; {nproc_per_node} trainer rank(s); "
             f"logs in {logs}",

@@ -9,7 +9,7 @@ from support_replay import SamplingParams
 from support_replay.engine import Engine
 from support_replay.engine import slot_cache as slot_cache_module
 from support_replay.engine.kv_budget import KVBudget, largest_batch, plan_shape
-from support_replay.errors import RequestError
+from support_replay.errors import ConfigError, RequestError
 from support_replay.protocol import GenerateRequest
 
 
@@ -140,3 +140,28 @@ def test_a_long_row_gone_leaves_its_room_to_the_next_admissions(tiny_checkpoint,
     assert (
         len(prefills) <= 4 and max(prefills) > 32
     )  # was 8 prefills of at most 11: the rectangle kept the long row's length
+
+
+def test_mem_fraction_static_leaves_sglangs_pool():
+    """SGLang 0.5.23: pool = free after loading - free before x (1 - fraction), in positions."""
+    from support_replay.engine.kv_budget import fraction_tokens
+
+    gib = 2**30
+    # 20 GiB free before, 2 GiB of weights loaded: 0.4 keeps 12 GiB for the rest, the pool is 18 - 12 = 6 GiB
+    assert fraction_tokens(0.4, 20 * gib, 18 * gib, 1024) == 6 * gib // 1024
+    with pytest.raises(ConfigError, match="mem_fraction_static=0.1: leaves no KV pool"):
+        fraction_tokens(0.1, 20 * gib, 17 * gib, 1024)
+    with pytest.raises(ConfigError, match="must be in \\(0, 1\\)"):
+        fraction_tokens(1.5, 20 * gib, 18 * gib, 1024)
+
+
+def test_the_decode_line_comes_every_interval_steps():
+    from support_replay.engine.decode_log import DecodeLog
+
+    log = DecodeLog(3)
+    lines = [log.step(running=4, tokens=40, budget=400, queued=2) for _ in range(7)]
+    assert [line is not None for line in lines] == [False, False, True, False, False, True, False]
+    head = "Decode batch, #running-req: 4, #token: 40, token usage: 0.10, gen throughput (token/s): "
+    assert lines[2].startswith(head)
+    assert lines[2].endswith(", #queue-req: 2")
+    assert all(line is None for line in (DecodeLog(0).step(1, 1, 1, 0) for _ in range(5)))

@@ -67,15 +67,13 @@ def test_the_reference_command_runs_once_the_refused_flags_are_removed(tiny_agen
             tokens = without(tokens, flag)
         removed += named
     assert code == 0, capsys.readouterr().err
-    # refused, each by name: the engine launch flags, the weight buffer, FlashAttention on a CPU, and the 2-GPU
-    # layout in a 1-process run; everything else worked with its meaning
+    # refused, each by name: the weight buffer, a flag SGLang 0.5.23 does not have, FlashAttention 3 on a CPU (the
+    # engines' and the trainer's) and the 2-GPU layout in a 1-process run; everything else worked with its
+    # meaning: the run started a serve engine with --mem-fraction-static 0.4, --decode-log-interval 1000 and
+    # --enable-deterministic-inference
     assert sorted(removed) == sorted(
         [
             "--update-weight-buffer-size",
-            "--rollout-num-gpus-per-engine",
-            "--sglang-mem-fraction-static",
-            "--sglang-decode-log-interval",
-            "--sglang-enable-deterministic-inference",
             "--sglang-true-on-policy-contract",
             "--sglang-attention-backend",
             "--attn-implementation",
@@ -83,15 +81,20 @@ def test_the_reference_command_runs_once_the_refused_flags_are_removed(tiny_agen
             "--actor-num-nodes",
         ]
     )
+    command = (tmp_path / "out" / "logs" / "engine0.log").read_text().splitlines()[0]
+    assert " serve " in command  # and --true-on-policy-mode found it deterministic (rollouts._require_deterministic)
+    for given in ("--mem-fraction-static 0.4", "--decode-log-interval 1000", "--enable-deterministic-inference"):
+        assert given in command
     rows = [__import__("json").loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["train_rollout_logprob_abs_diff_max"] == 0.0 for r in rows)  # bitwise
     assert all(r["lr"] == 1e-6 for r in rows)
 
 
 def test_refusals_are_reported_all_at_once(capsys):
-    assert main(["train", "--sglang-mem-fraction-static", "0.4", "--update-weight-buffer-size=1024", "--lr", "1"]) == 2
+    argv = ["train", "--sglang-true-on-policy-contract", "v1", "--update-weight-buffer-size=1024", "--lr", "1"]
+    assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "--sglang-mem-fraction-static: an SGLang launch flag" in err
+    assert "--sglang-true-on-policy-contract: not a flag of SGLang 0.5.23's server" in err
     assert "--update-weight-buffer-size: weights reach the engine whole" in err
 
 

@@ -49,6 +49,7 @@ from ..modeling.invariant_products import model_plans
 from ..modeling.linear_kernels import linear_function, resolve_linear_kernel, use_linear
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest
 from .capture import keep_routing
+from .decode_log import DecodeLog
 from .grammar import Grammars
 from .kv_budget import SERVE_SHARE, KVBudget, column_need, plan_shape
 from .ledger import Ledger
@@ -99,6 +100,7 @@ class Engine:
         max_total_tokens: int | None = None,
         kv_share: float = SERVE_SHARE,
         prefix_cache: bool = True,
+        decode_log_interval: int = 0,
     ):
         dtype = next(model.parameters()).dtype
         self.linear_kernel = resolve_linear_kernel(linear_kernel, dtype, device)
@@ -140,6 +142,7 @@ class Engine:
         # finished rows' keys and values for later prompts that begin with them; none in the deterministic engine
         self.prefix_cache = PrefixCache(enabled=prefix_cache and not deterministic)
         self.batch = RunningBatch(self.runner, self.prefix_cache, self.kv_budget.max_total_tokens)
+        self.decode_log = DecodeLog(decode_log_interval)  # serve --decode-log-interval: SGLang's line every N steps
         self._flush_cache = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -490,6 +493,9 @@ class Engine:
             if not self.batch:
                 return
         self._sample_and_advance(self.batch.rows, self.batch.decode())
+        if self.decode_log.interval:
+            tokens = sum(len(s.request.input_ids) + len(s.output_ids) for s in self.batch.rows)
+            self.decode_log.step(len(self.batch), tokens, self.kv_budget.max_total_tokens, self.ledger.queued)
 
     def _sample_and_advance(self, seqs: list[RunningRequest], logits: torch.Tensor) -> None:
         """Sample one token for every sequence and record it; a row that fails fails its request alone."""

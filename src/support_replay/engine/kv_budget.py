@@ -37,6 +37,23 @@ def available_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def fraction_tokens(fraction: float, before: int, after: int, per_token: int) -> int:
+    """SGLang's ``--mem-fraction-static``: the KV pool is what is free once the weights are loaded (``after``)
+    less the share of what was free before loading (``before``) that the fraction leaves to the rest of the
+    process, ``before x (1 - fraction)`` (SGLang 0.5.23, ``kv_cache_configurator._profile_available_bytes``);
+    in positions of ``per_token`` bytes."""
+    if not 0 < fraction < 1:
+        raise ConfigError(f"mem_fraction_static: must be in (0, 1), got {fraction}")
+    pool = after - before * (1 - fraction)
+    if pool < per_token:
+        raise ConfigError(
+            f"mem_fraction_static={fraction}: leaves no KV pool ({after / 2**30:.2f} GiB free after the weights, "
+            f"{before * (1 - fraction) / 2**30:.2f} GiB kept for the rest of {before / 2**30:.2f} GiB): give a larger "
+            "fraction or --max-total-tokens"
+        )
+    return int(pool // per_token)
+
+
 def kv_bytes_per_token(model) -> int:
     """Keys and values of one position over every layer, in the model's dtype."""
     config = model.config

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ..errors import ConfigError
 from ..modeling.linear_kernels import resolve_linear_kernel
 from .schedule import warmup_steps
+from .section_base import bad, flag
 from .sections import (
     BF16_CI_TOLERANCE,
     FP32_CI_TOLERANCE,
@@ -36,14 +37,13 @@ from .sections import (
     DataConfig,
     EngineConfig,
     EvalConfig,
+    LaunchConfig,
     OptimizerConfig,
     OutputConfig,
     ParallelConfig,
     ProductionConfig,
     ReplayConfig,
     RolloutConfig,
-    bad,
-    flag,
 )
 
 __all__ = [
@@ -75,6 +75,7 @@ class RunConfig(BaseModel):
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
     production: ProductionConfig = Field(default_factory=ProductionConfig)
     agents: AgentConfig = Field(default_factory=AgentConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
@@ -158,6 +159,7 @@ class RunConfig(BaseModel):
         self._check_parallel()
         self._check_production()
         self._check_agents()
+        self._check_launch()
         return self
 
     def _check_replay(self) -> None:
@@ -299,6 +301,55 @@ class RunConfig(BaseModel):
                 f"the built-in agent {agents.agent!r} brings its own tasks; use --agent-path for your own data",
             )
 
+    def _check_launch(self) -> None:
+        launch, engine = self.launch, self.engine
+        if not launch.starts_engines:
+            return
+        per = launch.rollout_num_gpus_per_engine
+        if engine.rollout_url:
+            bad("rollout_url", engine.rollout_url, f"--rollout-num-gpus-per-engine={per} starts the engines itself")
+        if engine.rollout_engine == "vllm":
+            bad("rollout_engine", "vllm", "the engines this run starts speak SGLang's protocol (serve or SGLang)")
+        if engine.max_total_tokens is not None:
+            bad(
+                "max_total_tokens",
+                engine.max_total_tokens,
+                "bounds the in-process engine; the started engines take --sglang-max-total-tokens or "
+                "--sglang-mem-fraction-static",
+            )
+        if launch.launch_server == "support-replay" and per > 1:
+            bad(
+                "rollout_num_gpus_per_engine",
+                per,
+                "support-replay serve runs an engine in one process (no tensor parallelism): give 1, or "
+                "--launch-server sglang on a machine with SGLang and its GPUs",
+            )
+        if launch.launch_server == "sglang" and self.replay.true_on_policy_mode:
+            bad(
+                "launch_server",
+                "sglang",
+                "true-on-policy mode checks the engine runs our batch-invariant kernels (support-replay serve "
+                "--deterministic); SGLang's deterministic inference is not bitwise with this trainer",
+            )
+        if launch.launch_server == "sglang" and engine.weight_transport == "http":
+            bad("weight_transport", "http", "SGLang loads weights from a directory (/update_weights_from_disk)")
+        launch.engine_count(self.parallel.actor_ranks or 1, engine.colocate)  # refuses a count that does not divide
+
+    def with_rollout_url(self, url: str, engines: int) -> RunConfig:
+        """This run with the ``engines`` it started behind ``url``: rollouts through it, as with ``--rollout-url``,
+        ``--sglang-server-concurrency`` requests in flight per engine (Miles' client)."""
+        values = {k: v for k, v in self.flat().items() if k not in DERIVED and k not in LaunchConfig.model_fields}
+        concurrency = self.launch.sglang_server_concurrency * engines
+        return RunConfig(
+            **{
+                **values,
+                "rollout_url": url,
+                "colocate": False,
+                "rollout_engine": "sglang",
+                "rollout_concurrency": concurrency,
+            }
+        )
+
     def save_effective(self, directory: str | Path) -> Path:
         """``config.json`` under its flat flag names: ``--config`` reads it back."""
         path = Path(directory) / "config.json"
@@ -362,6 +413,8 @@ def field_flags(group, cls) -> None:
     """One flag per field of the pydantic model ``cls`` (``foo_bar`` is ``--foo-bar``; booleans are
     switches), every default None so that only what was given reaches the model."""
     for name, field in cls.model_fields.items():
+        if not has_flag(field):
+            continue
         flags = [flag(name), *FLAG_ALIASES.get(name, ())]
         kind = _field_type(field.annotation)
         if kind is bool:
@@ -377,6 +430,11 @@ def field_flags(group, cls) -> None:
                 choices=_choices(field.annotation),
                 help=f"{field.description or ''} (default: {field.default})",
             )
+
+
+def has_flag(field) -> bool:
+    """False for a field set another way (``sglang_server_args``: the ``--sglang-*`` flags collected)."""
+    return (field.json_schema_extra or {}).get("flag", True)
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -418,6 +476,8 @@ def flag_table() -> str:
     for cls in SECTIONS.values():
         lines.append(f"| **{cls.TITLE}** | | |")
         for name, field in cls.model_fields.items():
+            if not has_flag(field):
+                continue
             shown = flag(name)
             if _field_type(field.annotation) is bool:
                 shown = f"{shown} / --no-{name.replace('_', '-')}"

@@ -31,12 +31,13 @@ from .weights import make_weight_sync
 __all__ = ["policy_version", "train"]
 
 
-def train(cfg: RunConfig) -> list[dict]:
-    """Run ``cfg`` to the end; returns the metrics rows (rank 0)."""
+def train(cfg: RunConfig, as_given: RunConfig | None = None) -> list[dict]:
+    """Run ``cfg`` to the end; returns the metrics rows (rank 0). ``as_given``: the config to write and log
+    when ``cfg`` is it running through the engines it started (``--rollout-num-gpus-per-engine``)."""
     ctx = init_distributed()
     try:
         with deterministic_mode(cfg.replay.deterministic_mode):
-            return _run(cfg, ctx)
+            return _run(cfg, ctx, as_given or cfg)
     finally:
         close_distributed(ctx)
 
@@ -52,9 +53,9 @@ def deterministic_mode(on: bool):
         torch.use_deterministic_algorithms(before)
 
 
-def _run(cfg: RunConfig, ctx) -> list[dict]:
-    learner, rollouts, versions, checks, start = _set_up(cfg, ctx)
-    trackers = Trackers(cfg.output, cfg.flat(), enabled=ctx.is_main, start=start)
+def _run(cfg: RunConfig, ctx, as_given: RunConfig) -> list[dict]:
+    learner, rollouts, versions, checks, start = _set_up(cfg, ctx, as_given)
+    trackers = Trackers(cfg.output, as_given.flat(), enabled=ctx.is_main, start=start)
     log = MetricsLog(
         Path(cfg.output.output_dir),
         cfg.rollout.num_rollout,
@@ -105,7 +106,7 @@ def _run(cfg: RunConfig, ctx) -> list[dict]:
     return log.rows
 
 
-def _set_up(cfg: RunConfig, ctx):
+def _set_up(cfg: RunConfig, ctx, as_given: RunConfig):
     """The learner, the rollout side, the versions and the checks, resumed from the latest checkpoint."""
     checkpoint = Path(cfg.data.hf_checkpoint) if cfg.data.hf_checkpoint else on_main(smollm2_checkpoint, ctx)
     learner = Learner.from_config(cfg, ctx, checkpoint)
@@ -119,7 +120,7 @@ def _set_up(cfg: RunConfig, ctx):
         load_checkpoint(found, learner.actor)
     out = Path(cfg.output.output_dir)
     if ctx.is_main:
-        cfg.save_effective(out)
+        as_given.save_effective(out)  # --config reads it back: the launch flags, not the address they gave
     sync = None
     if ctx.is_main:
         sync = make_weight_sync(

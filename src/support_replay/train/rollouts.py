@@ -131,6 +131,7 @@ def connect_backend(
             sampling_mask_format=engine_cfg.sampling_mask_format,
             api_key=keys.api,
             routing_shape=routing_shape,
+            concurrency=engine_cfg.rollout_concurrency,
         )
         if replay_cfg.true_on_policy_mode:
             _require_deterministic(engine_cfg.rollout_url, trainer_kernel, keys.header(admin=False))

@@ -11,13 +11,15 @@ import json
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, computed_field, model_validator
+from pydantic import Field, PrivateAttr, computed_field, model_validator
 
 from ..core.penalties import Penalties
 from ..core.sampling import SamplingParams
 from ..errors import ConfigError, SamplingParamsError
 from ..modeling.linear_kernels import LINEAR_KERNEL_HELP
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
+from .launch_config import LaunchConfig
+from .section_base import Section, bad
 
 MAX_DEFAULT_MICRO_BATCH = 8
 FP32_CI_TOLERANCE = 1e-3  # docs/training.md, "--ci-test": 40x the largest fp32 difference measured
@@ -27,19 +29,6 @@ NEUTRAL_PENALTIES = {
     "rollout_presence_penalty": 0.0,
     "rollout_repetition_penalty": 1.0,
 }
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def bad(name: str, value, why: str):
-    """Reject ``value`` of the flag ``name``: ``--flag=value: why``."""
-    raise ValueError(f"{flag(name)}={value!r}: {why}")
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class DataConfig(Section):
@@ -255,6 +244,9 @@ class EngineConfig(Section):
         description="how weights reach a --rollout-url engine: a safetensors directory it can read (shared "
         "filesystem), or the body of POST /update_weights_from_safetensors (our serve and router, no "
         "shared filesystem)",
+    )
+    rollout_concurrency: int = Field(
+        64, ge=1, description="requests the rollout client keeps in flight at --rollout-url (the engines batch them)"
     )
     sampling_mask_format: Literal["binary", "lists"] = Field(
         "binary",
@@ -807,6 +799,7 @@ SECTIONS = {
     "data": DataConfig,
     "rollout": RolloutConfig,
     "engine": EngineConfig,
+    "launch": LaunchConfig,
     "production": ProductionConfig,
     "agents": AgentConfig,
     "parallel": ParallelConfig,

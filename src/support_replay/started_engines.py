@@ -1,0 +1,201 @@
+"""The engines a training run starts itself: Miles' launch path, on local-run's processes.
+
+``train --rollout-num-gpus-per-engine G`` (train/launch_config.py) starts ``rollout_num_gpus / G``
+engines beside the trainer, each a server process on a free loopback port, our router in front of
+them, and trains through the router as with ``--rollout-url``; they stop when the run ends. Rank 0
+starts them; every rank hears the router's address (or why they did not start). The server is
+``support-replay serve`` or SGLang's ``python -m sglang.launch_server``. Its command line is the
+launch's flags (the model, the port, the device, ``--rollout-dtype``, ``--rollout-seed``, the rollout's
+sampler and capture, ``--deterministic`` under ``--true-on-policy-mode``), then the ``--sglang-*``
+flags without their prefix. Before anything starts, that command line is parsed by the server's own
+parser: ours (serve takes the SGLang names of the flags it implements, ``SERVE_SGLANG_FLAGS``), or
+SGLang's ``prepare_server_args`` (the function its ``launch_server`` calls), run from the SGLang this
+Python has. Weights reach the engines as they reach any ``--rollout-url`` engine
+(``/update_weights_from_disk`` from the run's directory, or their body with ``--weight-transport http``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+
+from .errors import ConfigError
+from .launch import engines_behind_router, free_port
+from .train.config import RunConfig
+from .train.launch_config import SGLANG_PREFIX
+
+# SGLang flags the launch sets from the run itself (Miles sets the same ones: its prefixed flags skip them)
+LAUNCH_SETS = {
+    "model-path": "the engines load --hf-checkpoint",
+    "tp-size": "each engine's tensor-parallel size is --rollout-num-gpus-per-engine",
+    "host": "the engines listen on loopback; --sglang-router-ip places the router",
+    "port": "each engine gets a free port; --sglang-router-port places the router",
+    "base-gpu-id": "engine i starts at device i x --rollout-num-gpus-per-engine",
+    "dtype": "the engines run --rollout-dtype",
+    "random-seed": "the engines are seeded by --rollout-seed",
+    "enable-return-routed-experts": "set by --use-rollout-routing-replay",
+    "rl-on-policy-target": "set by --true-on-policy-mode (with --enable-deterministic-inference)",
+}
+CHECK_SGLANG = "import sys\nfrom sglang.srt.server_args import prepare_server_args\nprepare_server_args(sys.argv[1:])\n"
+ENGINE_START_TIMEOUT = 900.0  # seconds: a large checkpoint loads before /health answers
+
+
+def server_flags(given: tuple[str, ...]) -> list[str]:
+    """The ``--sglang-*`` flags without their prefix; one the launch sets itself is refused by name."""
+    out = []
+    for token in given:
+        if token.startswith(SGLANG_PREFIX):
+            name = token[len(SGLANG_PREFIX) :].split("=", 1)[0]
+            if name in LAUNCH_SETS:
+                raise ConfigError(f"{SGLANG_PREFIX}{name}: {LAUNCH_SETS[name]}")
+            token = "--" + token[len(SGLANG_PREFIX) :]
+        out.append(token)
+    return out
+
+
+def engine_command(cfg: RunConfig, checkpoint: str, port: int, index: int, weights_dir: Path) -> list[str]:
+    """The command line of engine ``index`` on ``port``."""
+    launch, rollout, replay = cfg.launch, cfg.rollout, cfg.replay
+    per = launch.rollout_num_gpus_per_engine
+    extra = server_flags(launch.sglang_server_args)
+    if launch.launch_server == "sglang":
+        command = [sys.executable, "-m", "sglang.launch_server", "--model-path", checkpoint]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--tp-size", str(per)]
+        command += ["--base-gpu-id", str(index * per), "--dtype", replay.rollout_dtype]
+        command += ["--random-seed", str(rollout.rollout_seed)]
+        if replay.use_rollout_routing_replay:
+            command.append("--enable-return-routed-experts")
+        return command + extra
+    command = [sys.executable, "-m", "support_replay.cli", "serve", "--hf-checkpoint", checkpoint]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--weights-dir", str(weights_dir)]
+    command += ["--dtype", replay.rollout_dtype, "--seed", str(rollout.rollout_seed)]
+    command += ["--semantics", rollout.sampling_semantics, "--linear-kernel", replay.linear_kernel]
+    command += ["--sampling-mask-max-tokens", str(rollout.sampling_mask_max_tokens)]
+    if torch.cuda.is_available():
+        command += ["--device", f"cuda:{index % torch.cuda.device_count()}"]
+    if replay.true_on_policy_mode and "--enable-deterministic-inference" not in extra:
+        command.append("--deterministic")
+    return command + extra
+
+
+LAUNCH_SERVE_FLAGS = {  # what engine_command gives serve itself
+    "--hf-checkpoint",
+    "--host",
+    "--port",
+    "--weights-dir",
+    "--dtype",
+    "--seed",
+    "--semantics",
+    "--linear-kernel",
+    "--sampling-mask-max-tokens",
+    "--device",
+    "--deterministic",
+}
+
+
+def check_serve_command(command: list[str]) -> None:
+    """Parse ``command`` with serve's own parser; a flag it does not take is refused by its ``--sglang-`` name."""
+    from .cli import SERVE_SGLANG_FLAGS, build_parser
+
+    at = command.index("serve")
+    for token in command[at + 1 :]:
+        name = token.split("=", 1)[0]
+        if name.startswith("--") and name not in SERVE_SGLANG_FLAGS and name not in LAUNCH_SERVE_FLAGS:
+            raise ConfigError(
+                f"{SGLANG_PREFIX}{name[2:]}: a flag of SGLang's server that support-replay serve does not implement "
+                f"(it takes {', '.join(SGLANG_PREFIX + f[2:] for f in SERVE_SGLANG_FLAGS)}); --launch-server "
+                "sglang starts SGLang with it on a machine that has SGLang"
+            )
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            build_parser().parse_args(command[at:])
+    except SystemExit:
+        said = err.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]  # "argument --x/--y: why"
+        names, _, why = said.removeprefix("argument ").partition(": ")
+        sglang = [n for n in names.split("/") if n in SERVE_SGLANG_FLAGS]
+        where = f"{SGLANG_PREFIX}{sglang[0][2:]}" if sglang else names
+        raise ConfigError(f"{where}: {why} (support-replay serve's parser, for the engines this run starts)") from None
+
+
+def check_sglang_command(command: list[str], env: dict | None = None) -> None:
+    """Parse ``command`` with SGLang's ``prepare_server_args``, in a Python that has SGLang (this one, or
+    ``env``'s ``PYTHONPATH``); its error is the refusal."""
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK_SGLANG, *command[3:]],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
+    if done.returncode == 0:
+        return
+    if "No module named 'sglang" in done.stderr:
+        raise ConfigError(
+            "--launch-server=sglang: SGLang is not installed in this Python (install it on a machine with its "
+            "GPUs, or use --launch-server support-replay)"
+        )
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    raise ConfigError(f"SGLang's parser refuses the engines' command line: {lines[-1] if lines else done.returncode}")
+
+
+def check_command(cfg: RunConfig, command: list[str]) -> None:
+    if cfg.launch.launch_server == "sglang":
+        check_sglang_command(command)
+    else:
+        check_serve_command(command)
+
+
+def start(cfg: RunConfig, stack: ExitStack, engines: int) -> str:
+    """Start ``engines`` servers and the router in ``stack``; the router's URL, once every engine is healthy."""
+    from .modeling.checkpoints import smollm2_checkpoint
+
+    checkpoint = cfg.data.hf_checkpoint or str(smollm2_checkpoint())
+    output = Path(cfg.output.output_dir).resolve()
+    logs = output / "logs"
+    ports = [free_port() for _ in range(engines)]
+    commands = [engine_command(cfg, checkpoint, port, i, output) for i, port in enumerate(ports)]
+    check_command(cfg, commands[0])  # every engine's differs only in its port and device
+    launch = cfg.launch
+    urls, router = engines_behind_router(
+        stack,
+        commands,
+        ports,
+        logs,
+        host=launch.sglang_router_ip,
+        router_port=launch.sglang_router_port,
+        request_timeout=launch.sglang_router_request_timeout_secs,
+        start_timeout=ENGINE_START_TIMEOUT,
+    )
+    print(
+        f"started {engines} {launch.launch_server} engine(s) {urls} behind the router {router}; logs in {logs}",
+        flush=True,
+    )
+    return router
+
+
+@contextmanager
+def started_engines(cfg: RunConfig):
+    """``cfg`` as it runs with the engines it starts (rank 0 starts them; they stop at the end of the block)."""
+    from .train.dist import close_distributed, init_distributed, on_main
+
+    ctx = init_distributed()
+    stack = ExitStack()
+    try:
+        cfg.parallel.check_world(ctx.world)
+        try:
+            engines = cfg.launch.engine_count(ctx.world, cfg.engine.colocate)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        url = on_main(lambda: start(cfg, stack, engines), ctx)
+        yield cfg.with_rollout_url(url, engines)
+    finally:
+        stack.close()
+        close_distributed(ctx)
