@@ -73,6 +73,7 @@ class GenerateRequest:
     routing_key: str | None = None  # a session's id: a router sends every turn to the same engine
     penalties: Penalties = NO_PENALTIES  # repetition / frequency / presence penalties, logit bias
     return_routed_experts: bool = False  # SGLang's field: the top-k experts of every routed position
+    lora_path: str | None = None  # SGLang's field: the loaded LoRA adapter to run with (engine/lora_adapter.py)
     # the sampling settings sent explicitly (None: every one, as the trainer does to neutralise an engine's
     # defaults); one left out takes the engine's default, as a user's own client would (the audit)
     sent_sampling_fields: frozenset[str] | None = None

@@ -63,3 +63,48 @@ def test_lora_without_peft_is_refused_by_name(tiny_checkpoint, tmp_path, monkeyp
     monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
     with pytest.raises(ConfigError, match="--lora-rank: the peft package is not installed"):
         train(run_config(tiny_checkpoint, tmp_path, lora_rank=4, num_rollout=1))
+
+
+@pytest.mark.slow
+def test_the_adapter_alone_reaches_a_served_engine_and_samples_as_the_merged_weights(tiny_checkpoint, tmp_path):
+    """--lora-sync adapter through a serve engine the run starts: the engine merges the adapter as the trainer does,
+    so every rollout is the merged-weights run's, bit for bit, for a fraction of the bytes per push (the engine's
+    batch-invariant forward makes a rollout independent of how its requests were batched)."""
+    from support_replay.started_engines import started_engines
+
+    runs = {}
+    launch = dict(rollout_num_gpus_per_engine=1, sglang_server_args=("--sglang-enable-deterministic-inference",))
+    for sync in ("merged", "adapter"):
+        cfg = run_config(tiny_checkpoint, tmp_path / sync, **LORA, **launch, lora_sync=sync, progress=False)
+        with started_engines(cfg) as running:
+            runs[sync] = train(running, as_given=cfg)
+    same = ("reward_mean", "response_len_mean", "train_rollout_logprob_abs_diff_max", "loss", "grad_norm")
+    for merged_row, adapter_row in zip(runs["merged"], runs["adapter"]):
+        assert {k: merged_row[k] for k in same} == {k: adapter_row[k] for k in same}
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in runs["adapter"])
+    weights = tmp_path / "adapter" / "out" / "weights"
+    assert [p.name for p in weights.iterdir()] == ["adapter-3"]  # the last one; the engine read each in turn
+    adapter_bytes = (weights / "adapter-3" / "adapter_model.safetensors").stat().st_size
+    merged_bytes = (tmp_path / "merged" / "out" / "weights" / "model.safetensors").stat().st_size
+    assert adapter_bytes < merged_bytes / 4
+    assert not (weights / "model.safetensors").exists()  # no merged weights were staged
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(lora_sync="adapter"), "--lora-sync='adapter': sends the LoRA adapter: needs --lora-rank"),
+        (dict(lora_rank=4, lora_sync="adapter"), "the in-process engine takes the merged weights in memory"),
+        (
+            dict(lora_rank=4, lora_sync="adapter", rollout_url="http://x:1", weight_transport="http"),
+            "--weight-transport disk",
+        ),
+        (
+            dict(lora_rank=4, lora_sync="adapter", rollout_url="http://x:1", async_rollout=True, max_policy_lag=1),
+            "requests in flight at every push",
+        ),
+    ],
+)
+def test_adapter_sync_settings_that_cannot_hold_are_refused(values, message):
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(**values)

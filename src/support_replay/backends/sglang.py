@@ -198,8 +198,10 @@ class SGLangBackend:
         concurrency: int = 64,
         transport: httpx.BaseTransport | None = None,
         routing_shape: RoutingShape | None = None,
+        lora_path: str | None = None,
     ):
         self.routing_shape = routing_shape  # the trainer's model's: reads SGLang's raw routing, checks any
+        self.lora_path = lora_path  # the loaded LoRA adapter every request runs with (SGLang's field), or None
         if sampling_mask_format not in MASK_FORMATS:
             raise ValueError(f"sampling_mask_format: one of {MASK_FORMATS}, got {sampling_mask_format!r}")
         self.url = url.rstrip("/")
@@ -222,6 +224,9 @@ class SGLangBackend:
         }
         if req.rid is not None:
             body["rid"] = req.rid
+        lora = req.lora_path if req.lora_path is not None else self.lora_path
+        if lora is not None:
+            body["lora_path"] = lora
         if req.return_sampling_mask:
             body["return_sampling_mask"] = True
             if req.sampling_logprobs_mode != "selected":

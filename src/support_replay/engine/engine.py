@@ -54,6 +54,7 @@ from .grammar import Grammars
 from .kv_budget import SERVE_SHARE, KVBudget, column_need, plan_shape
 from .ledger import Ledger
 from .limits import EngineLimits
+from .lora_adapter import AdapterSlot, read_adapter
 from .model_runner import ModelRunner, load_model_and_tokenizer
 from .prefix_cache import PrefixCache
 from .row_step import RowFailure
@@ -142,6 +143,8 @@ class Engine:
         # finished rows' keys and values for later prompts that begin with them; none in the deterministic engine
         self.prefix_cache = PrefixCache(enabled=prefix_cache and not deterministic)
         self.batch = RunningBatch(self.runner, self.prefix_cache, self.kv_budget.max_total_tokens)
+        self.adapters = AdapterSlot()  # a LoRA adapter merged into the weights (SGLang's /load_lora_adapter)
+        self._adapter_lock = threading.Lock()  # a load or unload and its place in the queue, together
         self.decode_log = DecodeLog(decode_log_interval)  # serve --decode-log-interval: SGLang's line every N steps
         self._flush_cache = False
         self._stop = threading.Event()
@@ -200,6 +203,7 @@ class Engine:
             )
         if request.grammar is not None:
             self._check_grammar(request)
+        self.adapters.check_request(request.lora_path)
         if request.return_routed_experts and self.runner.routing is None:
             raise RequestError("return_routed_experts: this model has no experts to route (a dense model)")
         try:
@@ -316,7 +320,26 @@ class Engine:
         """Same as ``update_weights_from_disk`` with tensors in memory (colocated trainer)."""
         return self._queue_update(state_dict, version, abort_all_requests)
 
-    def _queue_update(self, source, version: str | None, abort_all_requests: bool) -> Future:
+    def load_lora_adapter(self, name: str, path: str | Path) -> Future:
+        """SGLang's ``/load_lora_adapter``: the adapter at ``path`` merged into the weights once the running
+        batch has drained (engine/lora_adapter.py); resolves to the weight version."""
+        adapter = read_adapter(name, path, self.runner.model)  # a bad adapter is refused before it queues
+        with self._adapter_lock:
+            self.adapters.queue_load(adapter)
+            return self._queue_update(lambda model: self.adapters.merged(adapter, model), None, False, adapter=True)
+
+    def unload_lora_adapter(self, name: str) -> Future:
+        """SGLang's ``/unload_lora_adapter``: the base weights back, bit for bit, once the batch has drained."""
+        with self._adapter_lock:
+            self.adapters.queue_unload(name)
+            return self._queue_update(lambda model: self.adapters.restored(), None, False, adapter=True)
+
+    def _queue_update(self, source, version: str | None, abort_all_requests: bool, adapter: bool = False) -> Future:
+        if self.adapters.queued is not None and not adapter:
+            raise RequestError(
+                f"weights: adapter {self.adapters.queued.name!r} is merged into the weights; unload it before "
+                "loading other weights (its base would be stale)"
+            )
         future: Future = Future()
         if abort_all_requests:
             aborted = self.ledger.abort_all()

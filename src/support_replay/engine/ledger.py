@@ -54,6 +54,7 @@ def fingerprint(request: GenerateRequest) -> bytes:
         r.return_logprob,
         r.sampling_logprobs_mode,
         r.penalties,
+        r.lora_path,
     )
     return hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
 

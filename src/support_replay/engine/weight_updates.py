@@ -35,7 +35,10 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
             params[name].copy_(tensor)
 
 
-def load_update(model: torch.nn.Module, source: Path | dict | None) -> None:
-    """An update's weights: a path to read, tensors, or ``None`` (a rename only)."""
+def load_update(model: torch.nn.Module, source) -> None:
+    """An update's weights: a path to read, tensors, a function of the model that gives them (a LoRA
+    adapter's merge, computed when the update applies), or ``None`` (a rename only)."""
+    if callable(source):
+        source = source(model)
     if source is not None:
         load_state(model, load_safetensors(source) if isinstance(source, Path) else source)

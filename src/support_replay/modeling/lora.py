@@ -62,6 +62,12 @@ def is_adapter_key(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
+def merge_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``W + scaling B A`` in fp32, in ``W``'s dtype: the one merge the trainer and an engine given the adapter
+    alone both compute (the same bits from the same tensors)."""
+    return (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
+
+
 def merged_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
     """The weights under the base model's names, each adapted layer's ``W + scaling B A``."""
     out = {}
@@ -71,7 +77,7 @@ def merged_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, to
         if key.endswith(".base_layer.weight"):
             prefix = key[: -len(".base_layer.weight")]
             a, b = state[f"{prefix}.lora_A.{ADAPTER}.weight"], state[f"{prefix}.lora_B.{ADAPTER}.weight"]
-            out[f"{prefix}.weight"] = (value.float() + scaling * (b.float() @ a.float())).to(value.dtype)
+            out[f"{prefix}.weight"] = merge_weight(value, a, b, scaling)
         else:
             out[key.replace(".base_layer.", ".")] = value
     return out

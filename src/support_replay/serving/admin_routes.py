@@ -1,5 +1,6 @@
 """Admin routes of the engine server: weight updates (from a directory under ``--weights-dir``, or
-one safetensors file in the body), the weight version's name, and ``/flush_cache``."""
+one safetensors file in the body), a LoRA adapter from a directory under it (SGLang's
+``/load_lora_adapter`` and ``/unload_lora_adapter``), the weight version's name, and ``/flush_cache``."""
 
 from __future__ import annotations
 
@@ -7,13 +8,22 @@ import asyncio
 from pathlib import Path
 
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
 
 from ..engine import Engine
+from ..errors import RequestError
 from .http_errors import error_response
-from .schemas import UpdateWeightsIn, UpdateWeightVersionIn
+from .schemas import LoadLoRAAdapterIn, UnloadLoRAAdapterIn, UpdateWeightsIn, UpdateWeightVersionIn
 from .security import WEIGHTS_OVER_HTTP
 
-ADMIN_PATHS = ("/update_weights_from_disk", WEIGHTS_OVER_HTTP, "/update_weight_version", "/flush_cache")
+ADMIN_PATHS = (
+    "/update_weights_from_disk",
+    WEIGHTS_OVER_HTTP,
+    "/update_weight_version",
+    "/flush_cache",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
+)
 
 
 def refused_weights_path(model_path: str, weights_dir: Path | None) -> str | None:
@@ -66,6 +76,28 @@ def admin_routes(engine: Engine, weights_dir: Path | None) -> APIRouter:
         version = await asyncio.wrap_future(update)
         message = f"loaded {len(state)} tensors ({len(body)} bytes)"
         return {"success": True, "message": message, "weight_version": version}
+
+    async def adapter_update(start):
+        """SGLang's ``LoRAUpdateOutput``: 200 with the adapters loaded, or 400 with ``success: false``."""
+        try:
+            await asyncio.wrap_future(start())
+        except RequestError as exc:  # SGLang's fields beside our error object
+            return JSONResponse(
+                {"success": False, "error_message": str(exc), "error": {"message": str(exc), "code": 400}},
+                status_code=400,
+            )
+        return {"success": True, "error_message": None, "loaded_adapters": engine.adapters.listing()}
+
+    @routes.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterIn):
+        refused = refused_weights_path(body.lora_path, weights_dir)
+        if refused:
+            return error_response(403, refused.replace("model_path", "lora_path"))
+        return await adapter_update(lambda: engine.load_lora_adapter(body.lora_name, Path(body.lora_path).resolve()))
+
+    @routes.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterIn):
+        return await adapter_update(lambda: engine.unload_lora_adapter(body.lora_name))
 
     @routes.post("/update_weight_version")
     async def update_weight_version(body: UpdateWeightVersionIn):

@@ -36,7 +36,14 @@ from .security import DEFAULT_MAX_WEIGHTS_BYTES, WEIGHTS_OVER_HTTP, Keys, guarde
 
 log = logging.getLogger(__name__)
 
-BROADCAST_PATHS = ("/update_weights_from_disk", WEIGHTS_OVER_HTTP, "/update_weight_version", "/flush_cache")
+BROADCAST_PATHS = (
+    "/update_weights_from_disk",
+    WEIGHTS_OVER_HTTP,
+    "/update_weight_version",
+    "/flush_cache",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
+)
 OPEN_PATHS = ("/health", "/metrics")
 DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds for one engine to answer one request
 _FORWARD_HEADERS = ("content-type", "accept", SESSION_HEADER.lower())

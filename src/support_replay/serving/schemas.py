@@ -178,6 +178,8 @@ class GenerateIn(BaseModel):
     return_routed_experts: bool = False  # SGLang's: meta_info["routed_experts"], every fed position's experts
     routed_experts_start_len: int = Field(0, ge=0)  # SGLang's: positions [start, prompt + output - 1)
     routed_experts_format: Literal["sglang", "npy"] = "sglang"  # ours: npy is vLLM's compact .npy form
+    # SGLang's: the loaded LoRA adapter (its name or path) each prompt runs with (engine/lora_adapter.py)
+    lora_path: str | Annotated[list[str | None], Field(max_length=MAX_BATCH)] | None = None
     logprob_start_len: int | list[int] = -1
     stream: bool = False
 
@@ -189,7 +191,8 @@ class GenerateIn(BaseModel):
     _bounded = model_validator(mode="before")(
         classmethod(
             lambda cls, data: bounded_batches(
-                data, ("text", "input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len")
+                data,
+                ("text", "input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len", "lora_path"),
             )
         )
     )
@@ -230,7 +233,11 @@ class GenerateIn(BaseModel):
             return_sampling_mask=self.return_sampling_mask, sampling_logprobs_mode=self.sampling_logprobs_mode
         )
         out = [s.to_request(p, return_logprob=r, rid=i, **fields) for p, s, r, i in zip(prompts, sps, rl, rids)]
-        for i, req in enumerate(out):
+        loras = self.lora_path if isinstance(self.lora_path, list) else [self.lora_path] * n
+        if len(loras) != n:
+            raise RequestError(f"lora_path: {len(loras)} entries for {n} prompts")
+        for i, (req, lora) in enumerate(zip(out, loras)):
+            req.lora_path = lora
             req.return_routed_experts = self.return_routed_experts
             if self.routed_experts_start_len > len(req.input_ids):  # SGLang's rule (managers/scheduler.py)
                 raise RequestError(
@@ -244,6 +251,24 @@ class GenerateIn(BaseModel):
         if self.text is not None:
             return isinstance(self.text, list)
         return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+
+class LoadLoRAAdapterIn(BaseModel):
+    """SGLang's ``/load_lora_adapter`` body (``LoadLoRAAdapterReqInput``): a peft adapter directory under a name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    pinned: bool = False  # SGLang's: kept in its adapter memory pool; ours holds the one adapter merged anyway
+
+
+class UnloadLoRAAdapterIn(BaseModel):
+    """SGLang's ``/unload_lora_adapter`` body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)
 
 
 class UpdateWeightVersionIn(BaseModel):

@@ -160,6 +160,7 @@ class RunConfig(BaseModel):
         self._check_production()
         self._check_agents()
         self._check_launch()
+        self._check_lora_sync()
         return self
 
     def _check_replay(self) -> None:
@@ -274,6 +275,30 @@ class RunConfig(BaseModel):
             )
         if self.parallel.packed_scoring == "on" and self._packing_conflict():
             bad("packed_scoring", "on", f"{self._packing_conflict()}: use --packed-scoring off or auto")
+
+    def _check_lora_sync(self) -> None:
+        engine = self.engine
+        if engine.lora_sync != "adapter":
+            return
+        remote = engine.rollout_url or self.launch.starts_engines
+        why = None
+        if not self.optimizer.lora_rank:
+            why = "sends the LoRA adapter: needs --lora-rank"
+        elif not remote:
+            why = "the in-process engine takes the merged weights in memory: needs --rollout-url (or started engines)"
+        elif engine.rollout_engine == "vllm":
+            why = "speaks SGLang's adapter routes (our serve, SGLang); vLLM's /v1/load_lora_adapter is not wired"
+        elif engine.weight_transport == "http":
+            why = (
+                "the adapter is loaded from a directory the engine reads (SGLang's lora_path): --weight-transport disk"
+            )
+        elif self.production.async_rollout:
+            why = (
+                "swaps the adapter by an unload and a load (SGLang refuses to load a loaded name), between which a "
+                "request in flight fails; --async-rollout has requests in flight at every push"
+            )
+        if why:
+            bad("lora_sync", "adapter", why)
 
     def _check_production(self) -> None:
         production = self.production

@@ -130,6 +130,7 @@ def _set_up(cfg: RunConfig, ctx, as_given: RunConfig):
             staging=out / "weights",
             mode=cfg.engine.weight_sync_mode,
             transport=cfg.engine.weight_transport,
+            adapter=cfg.optimizer.lora if cfg.engine.lora_sync == "adapter" else None,
         )
     keeps = bool(cfg.replay.ci_test and cfg.production.max_policy_lag)
     lagged = lagged_scorer(

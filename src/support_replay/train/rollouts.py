@@ -27,6 +27,7 @@ from ..serving.security import LOOPBACK_HOSTS, Keys
 from .config import RunConfig
 from .dist import on_main
 from .sections import AgentConfig, DataConfig, EngineConfig, EvalConfig, ProductionConfig, ReplayConfig, RolloutConfig
+from .weights import ADAPTER_NAME
 
 
 def _require_deterministic(url: str, linear_kernel: str, headers: dict | None = None) -> None:
@@ -132,6 +133,7 @@ def connect_backend(
             api_key=keys.api,
             routing_shape=routing_shape,
             concurrency=engine_cfg.rollout_concurrency,
+            lora_path=ADAPTER_NAME if engine_cfg.lora_sync == "adapter" else None,
         )
         if replay_cfg.true_on_policy_mode:
             _require_deterministic(engine_cfg.rollout_url, trainer_kernel, keys.header(admin=False))

@@ -245,6 +245,11 @@ class EngineConfig(Section):
         "filesystem), or the body of POST /update_weights_from_safetensors (our serve and router, no "
         "shared filesystem)",
     )
+    lora_sync: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="with --lora-rank, what reaches a --rollout-url engine: the merged weights, or the adapter "
+        "alone (SGLang's /unload_lora_adapter + /load_lora_adapter; our serve merges it as the trainer does)",
+    )
     rollout_concurrency: int = Field(
         64, ge=1, description="requests the rollout client keeps in flight at --rollout-url (the engines batch them)"
     )

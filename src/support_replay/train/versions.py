@@ -25,9 +25,9 @@ class PolicyVersions:
         return self.pushed[-1]
 
     def push(self, learner, ctx, *, to_engine: bool = True) -> None:
-        state = learner.actor.full_state_dict()
+        state, adapter = learner.actor.checkpoint_state()  # with LoRA: merged, and the adapter alone
         if ctx.is_main and to_engine and self.sync is not None:
-            self.sync.push(state, self.current)
+            self.sync.push(adapter if getattr(self.sync, "takes_adapter", False) else state, self.current)
         if self.lagged is not None:
             self.lagged.add(self.current, state)
 

@@ -193,6 +193,45 @@ class VLLMSync(_StagedSync):
             _post(self.url, "/resume", "resuming generation")
 
 
+ADAPTER_NAME = "policy"  # the name the trainer's LoRA adapter is loaded under (--lora-sync adapter)
+
+
+class AdapterSync:
+    """``--lora-sync adapter``: the LoRA adapter alone, as peft saves one, in a directory per version the
+    engine reads; SGLang's ``/unload_lora_adapter`` (after the first push) then ``/load_lora_adapter``
+    under ``ADAPTER_NAME`` (SGLang 0.5.23 refuses to load a name or a path that is loaded), then
+    ``/update_weight_version``. Requests name the adapter in ``lora_path`` (SGLangBackend)."""
+
+    takes_adapter = True
+
+    def __init__(self, url: str, staging: Path, lora):
+        self.url, self.staging, self.lora = url.rstrip("/"), Path(staging), lora
+        self.loaded: Path | None = None
+
+    def push(self, adapter: dict[str, torch.Tensor], version: str) -> None:
+        from safetensors.torch import save_file
+
+        path = self.staging / f"adapter-{version}"
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        save_file({k: v.detach().contiguous() for k, v in adapter.items()}, str(path / "adapter_model.safetensors"))
+        self.lora.peft_config().save_pretrained(str(path))
+        if self.loaded is not None:
+            _post(self.url, "/unload_lora_adapter", "unloading the last adapter", json={"lora_name": ADAPTER_NAME})
+        reply = _post(
+            self.url,
+            "/load_lora_adapter",
+            "loading the adapter",
+            json={"lora_name": ADAPTER_NAME, "lora_path": str(path)},
+        )
+        _check_success(self.url, reply.json() if reply.content else {})
+        _post(self.url, "/update_weight_version", "naming the weights", json={"new_version": version})
+        if self.loaded is not None and self.loaded != path:
+            shutil.rmtree(self.loaded, ignore_errors=True)
+        self.loaded = path
+
+
 def make_weight_sync(
     *,
     engine=None,
@@ -201,16 +240,20 @@ def make_weight_sync(
     staging: Path | None = None,
     mode: str = "wait",
     transport: str = "disk",
+    adapter=None,
 ):
     """The sync for the run's rollout engine: in-process, or over HTTP to an SGLang- or vLLM-speaking
     URL; ``mode`` (``WEIGHT_SYNC_MODES``) says what happens to requests in flight, ``transport``
-    whether the weights go through a shared directory (``disk``) or the request body (``http``)."""
+    whether the weights go through a shared directory (``disk``) or the request body (``http``);
+    ``adapter`` (the LoRA settings, ``--lora-sync adapter``): the adapter alone to an SGLang-speaking URL."""
     if mode not in WEIGHT_SYNC_MODES:
         raise SupportReplayError(f"weight sync mode: one of {WEIGHT_SYNC_MODES}, got {mode!r}")
     if engine is not None:
         return InProcessSync(engine, mode)
     if url is None:
         return None
+    if adapter is not None:
+        return AdapterSync(url, staging, adapter)
     if transport == "http":
         return BodySync(url, mode)
     return (VLLMSync if rollout_engine == "vllm" else SGLangSync)(url, staging, mode)
