@@ -62,11 +62,13 @@ def vllm_server(tiny_checkpoint, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     args = vllm_server_args(VLLM_PYTHON, ckpt, port)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     try:
         with process(args, url, timeout=300):
             yield url, ckpt
     finally:
         os.environ.pop("VLLM_SERVER_DEV_MODE", None)
+        os.environ.pop("VLLM_ALLOW_RUNTIME_LORA_UPDATING", None)
 
 
 @pytest.fixture

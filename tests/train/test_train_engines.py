@@ -9,6 +9,7 @@ import pytest
 from processes import engine_process, free_port, process, sglang_standin_process
 from recipe_helpers import run_config
 from support_replay.train import train
+from support_replay.train.weights import ADAPTER_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -101,6 +102,25 @@ def test_grpo_through_real_vllm_with_weight_sync(vllm_server, tmp_path):
         assert r["policy_lag_max"] == 0
     assert rows[0]["support_mean"] > 1
     assert any(abs(r["loss"]) > 0 for r in rows)
+
+
+def test_lora_adapters_alone_through_real_vllm(vllm_server, tmp_path):
+    """--lora-sync adapter: vLLM loads the adapter in place (/v1/load_lora_adapter) and computes W x + B A x as the
+    trainer does; every rollout within --ci-test's bound, the base model untouched."""
+    url, ckpt = vllm_server
+    lora = dict(lora_rank=4, lora_alpha=8.0, lr=2e-3, lora_sync="adapter")
+    try:
+        rows = train(run_config(ckpt, tmp_path, rollout_url=url, rollout_engine="vllm", **lora))
+        models = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+        assert ADAPTER_NAME in models and httpx.get(url + "/weight_info").json()["weight_version"] == "3"
+    finally:  # the server is shared by the session: the adapter goes, the base model stays as it was
+        httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": ADAPTER_NAME})
+        httpx.post(url + "/update_weight_version", json={"new_version": "default"})
+    for r in rows:
+        assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0
+    assert all(r["grad_norm"] > 0 for r in rows)  # the adapter trained on every rollout
+    staged = sorted(p.name for p in (tmp_path / "out" / "weights").iterdir())
+    assert staged == ["adapter-3"]  # the adapter alone was staged, never the merged weights
 
 
 def test_grpo_with_penalties_through_real_vllm(vllm_server, tmp_path):

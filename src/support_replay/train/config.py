@@ -286,8 +286,6 @@ class RunConfig(BaseModel):
             why = "sends the LoRA adapter: needs --lora-rank"
         elif not remote:
             why = "the in-process engine takes the merged weights in memory: needs --rollout-url (or started engines)"
-        elif engine.rollout_engine == "vllm":
-            why = "speaks SGLang's adapter routes (our serve, SGLang); vLLM's /v1/load_lora_adapter is not wired"
         elif engine.weight_transport == "http":
             why = (
                 "the adapter is loaded from a directory the engine reads (SGLang's lora_path): --weight-transport disk"

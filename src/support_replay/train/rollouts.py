@@ -121,6 +121,7 @@ def connect_backend(
             api_key=keys.api,
             routing_shape=routing_shape,
             max_logprobs=vllm_max_logprobs,
+            model=ADAPTER_NAME if engine_cfg.lora_sync == "adapter" else None,
         )
         return backend, None
     if engine_cfg.rollout_url:

@@ -248,7 +248,8 @@ class EngineConfig(Section):
     lora_sync: Literal["merged", "adapter"] = Field(
         "merged",
         description="with --lora-rank, what reaches a --rollout-url engine: the merged weights, or the adapter "
-        "alone (SGLang's /unload_lora_adapter + /load_lora_adapter; our serve merges it as the trainer does)",
+        "alone (SGLang's /load_lora_adapter, our serve merging it as the trainer does; vLLM's /v1/load_lora_adapter, "
+        "in place)",
     )
     rollout_concurrency: int = Field(
         64, ge=1, description="requests the rollout client keeps in flight at --rollout-url (the engines batch them)"

@@ -57,6 +57,11 @@ def _post(url: str, path: str, what: str, **kwargs) -> httpx.Response:
         hint = ""
         if reply.status_code == 404 and path in ("/collective_rpc", "/pause", "/update_weight_version"):
             hint = "; start the vLLM server with VLLM_SERVER_DEV_MODE=1 so that it mounts its weight-reload routes"
+        if reply.status_code == 404 and path == "/v1/load_lora_adapter":
+            hint = (
+                "; start the vLLM server with --enable-lora --max-lora-rank R and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True so that it mounts its adapter routes"
+            )
         raise SupportReplayError(
             f"weight sync to {url}: {what} ({path}) answered HTTP {reply.status_code}: {reply.text[:300]}{hint}"
         )
@@ -196,19 +201,17 @@ class VLLMSync(_StagedSync):
 ADAPTER_NAME = "policy"  # the name the trainer's LoRA adapter is loaded under (--lora-sync adapter)
 
 
-class AdapterSync:
+class _AdapterSync:
     """``--lora-sync adapter``: the LoRA adapter alone, as peft saves one, in a directory per version the
-    engine reads; SGLang's ``/unload_lora_adapter`` (after the first push) then ``/load_lora_adapter``
-    under ``ADAPTER_NAME`` (SGLang 0.5.23 refuses to load a name or a path that is loaded), then
-    ``/update_weight_version``. Requests name the adapter in ``lora_path`` (SGLangBackend)."""
+    engine reads, loaded under ``ADAPTER_NAME``; requests name it (SGLang's ``lora_path``, vLLM's ``model``)."""
 
     takes_adapter = True
 
-    def __init__(self, url: str, staging: Path, lora):
-        self.url, self.staging, self.lora = url.rstrip("/"), Path(staging), lora
+    def __init__(self, url: str, staging: Path, lora, mode: str = "wait"):
+        self.url, self.staging, self.lora, self.abort = url.rstrip("/"), Path(staging), lora, mode == "abort"
         self.loaded: Path | None = None
 
-    def push(self, adapter: dict[str, torch.Tensor], version: str) -> None:
+    def stage(self, adapter: dict[str, torch.Tensor], version: str) -> Path:
         from safetensors.torch import save_file
 
         path = self.staging / f"adapter-{version}"
@@ -217,19 +220,43 @@ class AdapterSync:
         path.mkdir(parents=True)
         save_file({k: v.detach().contiguous() for k, v in adapter.items()}, str(path / "adapter_model.safetensors"))
         self.lora.peft_config().save_pretrained(str(path))
+        return path
+
+    def push(self, adapter: dict[str, torch.Tensor], version: str) -> None:
+        path = self.stage(adapter, version)
+        self.load(path, version)
+        if self.loaded is not None and self.loaded != path:
+            shutil.rmtree(self.loaded, ignore_errors=True)  # the engine read it at the last push
+        self.loaded = path
+
+
+class SGLangAdapterSync(_AdapterSync):
+    """SGLang's routes (and our serve's, through our router): ``/unload_lora_adapter`` (after the first push),
+    ``/load_lora_adapter`` (SGLang 0.5.23 refuses to load a name or a path that is loaded), then
+    ``/update_weight_version``."""
+
+    def load(self, path: Path, version: str) -> None:
         if self.loaded is not None:
             _post(self.url, "/unload_lora_adapter", "unloading the last adapter", json={"lora_name": ADAPTER_NAME})
-        reply = _post(
-            self.url,
-            "/load_lora_adapter",
-            "loading the adapter",
-            json={"lora_name": ADAPTER_NAME, "lora_path": str(path)},
-        )
+        body = {"lora_name": ADAPTER_NAME, "lora_path": str(path)}
+        reply = _post(self.url, "/load_lora_adapter", "loading the adapter", json=body)
         _check_success(self.url, reply.json() if reply.content else {})
         _post(self.url, "/update_weight_version", "naming the weights", json={"new_version": version})
-        if self.loaded is not None and self.loaded != path:
-            shutil.rmtree(self.loaded, ignore_errors=True)
-        self.loaded = path
+
+
+class VLLMAdapterSync(_AdapterSync):
+    """vLLM 0.32 (observed on the CPU server): generation paused as for a weight reload, ``/v1/load_lora_adapter``
+    with ``load_inplace`` (one name, replaced in place; needs ``--enable-lora --max-lora-rank R`` and
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), ``/update_weight_version`` (``VLLM_SERVER_DEV_MODE=1``), resumed."""
+
+    def load(self, path: Path, version: str) -> None:
+        _post(self.url, "/pause", "pausing generation", params={"mode": "abort" if self.abort else "wait"})
+        try:
+            body = {"lora_name": ADAPTER_NAME, "lora_path": str(path), "load_inplace": True}
+            _post(self.url, "/v1/load_lora_adapter", "loading the adapter", json=body)
+            _post(self.url, "/update_weight_version", "naming the weights", json={"new_version": version})
+        finally:
+            _post(self.url, "/resume", "resuming generation")
 
 
 def make_weight_sync(
@@ -253,7 +280,7 @@ def make_weight_sync(
     if url is None:
         return None
     if adapter is not None:
-        return AdapterSync(url, staging, adapter)
+        return (VLLMAdapterSync if rollout_engine == "vllm" else SGLangAdapterSync)(url, staging, adapter, mode)
     if transport == "http":
         return BodySync(url, mode)
     return (VLLMSync if rollout_engine == "vllm" else SGLangSync)(url, staging, mode)
