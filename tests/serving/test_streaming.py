@@ -79,3 +79,30 @@ def test_a_client_that_goes_away_mid_stream_aborts_its_request(served, through):
             break
         time.sleep(0.05)
     assert engine.stats.requests["aborted"] == before + 1 and engine.num_running == 0
+
+
+def test_incremental_text_spells_multibyte_characters_whole_and_decodes_a_few_tokens_per_step(tmp_path):
+    """The deltas, then the rest at the end, are the answer's text; a character spelled over several byte tokens
+    leaves whole; each token costs a decode of a few tokens, not of the whole output again."""
+    from support_replay.protocol import GenerateRequest
+    from support_replay.serving.token_stream import IncrementalText
+    from tiny_model import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(tmp_path)
+    text = "héllo wörld, ünïcode ✓ 日本語 and more plain words " * 8
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    decoded = []
+    original = tokenizer.decode
+
+    def counting(token_ids, **kw):
+        decoded.append(len(token_ids))
+        return original(token_ids, **kw)
+
+    tokenizer.decode = counting
+    stream = IncrementalText(tokenizer, GenerateRequest([1], stop=["zzz"]), eos_ids=set())
+    deltas = [stream.push(t) for t in ids]
+    tokenizer.decode = original
+    full = tokenizer.decode(ids)
+    assert "".join(deltas) + stream.finish(full) == full
+    assert not any("\ufffd" in d for d in deltas)  # no half character ever left
+    assert sum(decoded) <= 12 * len(ids)  # a few tokens per step (a whole re-decode would be ~len(ids)^2 / 2)

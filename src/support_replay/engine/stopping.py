@@ -50,21 +50,26 @@ class StopConditions:
             seq.finish_reason = {"type": "length", "length": len(seq.output_ids)}
 
     def _decode_new_text(self, seq: RunningRequest) -> int:
-        """Append the text the newest tokens add to ``seq.decoded``; returns how many characters.
-        Decodes a few tokens per step (vLLM's incremental rule: the text of ``[prefix:]`` past that of
-        ``[prefix:read]``), not the whole output, and waits while a token may end inside a UTF-8
-        character (up to 4 tokens: a longer invalid run is final)."""
-        prefix, read = seq.decode_from
-        ids = seq.output_ids
-        skip = seq.request.skip_special_tokens
-        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=skip)
-        text = self.tokenizer.decode(ids[prefix:], skip_special_tokens=skip)
-        if text.endswith("\ufffd") and len(ids) - read < UTF8_MAX_BYTES:  # an incomplete character may still end
+        """Append the text the newest tokens add to ``seq.decoded``; returns how many characters."""
+        step = decode_increment(self.tokenizer, seq.output_ids, seq.decode_from, seq.request.skip_special_tokens)
+        if step is None:
             return 0
-        new = text[len(before) :]
+        new, seq.decode_from = step
         seq.decoded += new
-        seq.decode_from = (read, len(ids))
         return len(new)
+
+
+def decode_increment(tokenizer, ids: list[int], decode_from: tuple[int, int], skip: bool):
+    """``(the text the newest of ids add, the next offsets)``, or None while a token may end inside a UTF-8
+    character (up to 4 tokens: a longer invalid run is final). Decodes a few tokens per step, not the whole
+    output (vLLM's incremental rule: the text of ``ids[prefix:]`` past that of ``ids[prefix:read]``, so a
+    tokenizer's treatment of a leading space cancels out)."""
+    prefix, read = decode_from
+    before = tokenizer.decode(ids[prefix:read], skip_special_tokens=skip)
+    text = tokenizer.decode(ids[prefix:], skip_special_tokens=skip)
+    if text.endswith("\ufffd") and len(ids) - read < UTF8_MAX_BYTES:  # an incomplete character may still end
+        return None
+    return text[len(before) :], (read, len(ids))
 
 
 def output_text(tokenizer, output_ids: list[int], request, finish_reason: dict) -> str:

@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
+from ..engine.stopping import decode_increment
 from ..protocol import GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -55,20 +56,27 @@ class TokenStream:
 
 
 class IncrementalText:
-    """The text one request's tokens add, chunk by chunk, decoded as the answer's text is."""
+    """The text one request's tokens add, chunk by chunk, decoded as the engine's stop check decodes it: a few
+    tokens per step (``stopping.decode_increment``), not the whole output again at every token."""
 
     def __init__(self, tokenizer, request: GenerateRequest, eos_ids: set[int]):
         self.tokenizer, self.request = tokenizer, request
         self.stop_tokens = set(request.stop_token_ids) | (set() if request.ignore_eos else set(eos_ids))
         self.hold = max(map(len, request.stop), default=1) - 1  # a stop string's first characters may be here
         self.ids: list[int] = []
+        self.decoded, self.decode_from = "", (0, 0)
         self.sent = ""
 
     def push(self, token: int) -> str:
         self.ids.append(token)
         if token in self.stop_tokens and len(self.ids) > self.request.min_new_tokens:
             return ""  # it may end the answer, and the answer leaves its text out: the end says
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.request.skip_special_tokens)
+        step = decode_increment(self.tokenizer, self.ids, self.decode_from, self.request.skip_special_tokens)
+        if step is None:
+            return ""
+        new, self.decode_from = step
+        self.decoded += new
+        text = self.decoded
         if text.endswith("\ufffd"):  # a character still being spelled byte by byte
             return ""
         safe = text[: len(text) - self.hold] if self.hold else text
