@@ -3,6 +3,8 @@ one GRPO group, token-level turns in vLLM's generate shapes, and ``top_logprobs`
 whose backend carries the support in our binary form, over HTTP with the tiny engine."""
 
 import asyncio
+import json
+import time
 
 import httpx
 import numpy as np
@@ -158,3 +160,42 @@ def test_token_turns_extend_the_trajectory_and_anything_else_splits(served, tiny
         url + "/v1/chat/completions", headers=headers, json={"messages": [{"role": "user", "content": "x"}]}
     )
     assert chat.status_code == 400 and "a tokens session takes no chat turn" in chat.text
+
+
+def test_a_session_turn_streams_as_it_is_sampled_and_records_the_same_trajectory(served):
+    """Without tools a turn's text leaves token by token (through SGLang's streamed /generate to the engine); the
+    deltas are the answer a whole turn gives, and the trajectory records the same tokens."""
+    store, url = served
+    question = [{"role": "user", "content": "Count: one two three four five six"}]
+    body = {"model": "tiny", "messages": question, "max_tokens": 8, "seed": 11, "logprobs": True}
+    events = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True},
+                      headers={"X-Session-ID": "streamed"}, timeout=60) as reply:  # fmt: skip
+        assert reply.status_code == 200
+        events = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"].get("content") for e in events if e["choices"]]
+    whole = httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Session-ID": "whole"}, timeout=60).json()
+    assert "".join(d or "" for d in deltas) == whole["choices"][0]["message"]["content"]
+    assert sum(1 for d in deltas if d) > 1  # token by token, not one chunk at the end
+    assert events[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    streamed, plain = (store.get(store.clients.session_for(k, None).id) for k in ("streamed", "whole"))
+    assert streamed.current.ids == plain.current.ids and streamed.turns == plain.turns == 1
+    refused = httpx.post(url + "/v1/chat/completions", json={**body, "stream": True, "messages": [{}]},
+                         headers={"X-Session-ID": "streamed"}, timeout=60)  # fmt: skip
+    assert refused.status_code == 400  # refused before any token: a plain HTTP error, not a 200 stream
+
+
+def test_a_client_that_leaves_a_streamed_turn_drops_it_and_the_session_goes_on(served):
+    store, url = served
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Write a long story"}], "max_tokens": 400}
+    headers = {"X-Session-ID": "leaves"}
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, headers=headers) as reply:
+        next(line for line in reply.iter_lines() if '"content"' in line)  # the first chunk, then gone
+    session = store.get(store.clients.session_for("leaves", None).id)
+    for _ in range(100):  # the engine drops the turn (or it had finished already)
+        if not session._busy:
+            break
+        time.sleep(0.05)
+    assert not session.failed and session.turns in (0, 1)
+    again = httpx.post(url + "/v1/chat/completions", json={**body, "max_tokens": 4}, headers=headers, timeout=60)
+    assert again.status_code == 200  # the session takes its next turn

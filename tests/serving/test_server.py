@@ -162,7 +162,7 @@ def test_info_endpoints(client, engine):
             400,
             "exceeds sampling_mask_max_tokens=64",
         ),
-        ({"text": "a", "stream": True}, 400, "streaming is not supported"),
+        ({"text": ["a", "b"], "stream": True}, 400, "a streamed /generate takes one prompt"),
         ({"text": ["a", "b"], "sampling_params": [{}]}, 400, "1 / 2 entries for 2 prompts"),
         ({"text": "a", "sampling_logprobs_mode": "all"}, 400, "sampling_logprobs_mode"),
         ({"text": 5}, 400, "text"),

@@ -106,3 +106,23 @@ def test_incremental_text_spells_multibyte_characters_whole_and_decodes_a_few_to
     assert "".join(deltas) + stream.finish(full) == full
     assert not any("\ufffd" in d for d in deltas)  # no half character ever left
     assert sum(decoded) <= 12 * len(ids)  # a few tokens per step (a whole re-decode would be ~len(ids)^2 / 2)
+
+
+@pytest.mark.parametrize("through", ["serve", "router"])
+def test_sglang_generate_streams_the_ids_so_far_then_the_whole_answer(served, through):
+    """SGLang's streamed /generate (its default form): one chunk per token with the ids and text so far, then the
+    very answer a plain /generate gives (support, log mu and all), then [DONE]."""
+    _, serve_url, router_url = served
+    url = serve_url if through == "serve" else router_url
+    body = {"input_ids": [5, 6, 7, 8], "return_sampling_mask": True, "return_logprob": True}
+    body["sampling_params"] = {"max_new_tokens": 10, "temperature": 1.0, "top_k": 16, "top_p": 0.9, "seed": 5}
+    events = sse(url, "/generate", body)
+    whole = httpx.post(url + "/generate", json=body, timeout=60).json()
+    *progress, last = events
+    assert [len(e["output_ids"]) for e in progress] == list(range(1, len(whole["output_ids"]) + 1))
+    assert all(e["meta_info"]["finish_reason"] is None for e in progress)
+    assert last["output_ids"] == whole["output_ids"] and last["text"] == whole["text"]
+    assert {**last["meta_info"], "id": None} == {**whole["meta_info"], "id": None}
+    assert whole["text"].startswith(progress[-2]["text"] if len(progress) > 1 else "")
+    batched = httpx.post(url + "/generate", json={**body, "input_ids": [[5, 6], [7, 8]], "stream": True}, timeout=60)
+    assert batched.status_code == 400 and "a streamed /generate takes one prompt" in batched.text

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 
 from ..engine import Engine
 from ..errors import EngineError, EngineOverloaded, EngineUnavailable, OverloadedError, RequestError
-from ..protocol import GenerateRequest, validate_completion
+from ..protocol import Completion, GenerateRequest, validate_completion
 
 
 class EngineBackend:
@@ -41,6 +41,27 @@ class EngineBackend:
                     raise failed from exc
                 out.append(failed)
         return out
+
+    def generate_streaming(self, req: GenerateRequest, on_token, cancelled=None) -> Completion:
+        """One request, ``on_token(id)`` called as the engine samples each token; ``cancelled`` (an ``Event``)
+        aborts it."""
+        future = self.engine.submit(req, on_token)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while not future.done():
+            if cancelled is not None and cancelled.is_set():
+                self.engine.abort(future)
+            if deadline is not None and time.monotonic() > deadline:
+                raise EngineUnavailable(f"completion 0: not done after {self.timeout} s")
+            try:
+                self.engine.wait([future], 0.05)  # a few steps here (or by the loop), then look at cancelled again
+            except TimeoutError:
+                pass
+        try:
+            return validate_completion(future.result(), req, self.vocab_size, 0, self.routing_shape)
+        except RequestError:
+            raise
+        except EngineError as exc:
+            raise EngineUnavailable(f"completion 0: {exc}") from exc
 
     def _submit_as_room_allows(self, requests: list[GenerateRequest]) -> list[Future]:
         """Every request's future, each submitted once the engine's queue has room for it; returns

@@ -254,6 +254,40 @@ class SGLangBackend:
             raise EngineUnavailable(f"completion {index}: the engine aborted it ({completion.finish_reason})")
         return validate_completion(completion, req, self.vocab_size, index, self.routing_shape)
 
+    def generate_streaming(self, req: GenerateRequest, on_token, cancelled=None) -> Completion:
+        """One request through a streamed ``/generate`` (SGLang's chunks: the ids so far, then the whole answer):
+        ``on_token(id)`` for every token as it arrives; ``cancelled`` (an ``Event``) closes the stream, which
+        aborts the request at the engine. No retry: tokens may have gone out already."""
+        body = {**self.body(req), "stream": True}
+        url = self.url + "/generate"
+        seen, last = 0, None
+        try:
+            with self.client.stream("POST", url, json=body, headers=session_headers(req)) as reply:
+                if reply.status_code != 200:
+                    reply.read()
+                    kind = EngineUnavailable if reply.status_code in (499, 502, 503, 504) else WireError
+                    raise kind(f"request 0: {url} answered HTTP {reply.status_code}: {reply.text[:500]}")
+                for line in reply.iter_lines():
+                    if cancelled is not None and cancelled.is_set():
+                        raise EngineUnavailable(f"request 0: the client of {url}'s stream went away")
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    last = json.loads(line[len("data: ") :])
+                    if "error" in last:
+                        raise EngineUnavailable(f"request 0: {url} failed the stream: {str(last['error'])[:300]}")
+                    ids = last.get("output_ids") or []
+                    for token in ids[seen:]:
+                        on_token(token)
+                    seen = len(ids)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"request 0: {url}'s stream broke: {type(exc).__name__}: {exc}") from exc
+        if last is None or (last.get("meta_info") or {}).get("finish_reason") is None:
+            raise EngineUnavailable(f"request 0: {url}'s stream ended before the answer")
+        completion = self.completion(last, req, 0)
+        if completion.finish_reason.get("type") == "abort":
+            raise EngineUnavailable(f"completion 0: the engine aborted it ({completion.finish_reason})")
+        return validate_completion(completion, req, self.vocab_size, 0, self.routing_shape)
+
     def completion(self, item: dict, req: GenerateRequest, index: int = 0) -> Completion:
         """The ``Completion`` of one ``/generate`` result object (not yet validated)."""
         where = f"completion {index}"

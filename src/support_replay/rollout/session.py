@@ -485,8 +485,12 @@ class SessionStore:
         with self._lock:
             return sid in self._sessions
 
-    async def chat(self, sid: str, turn: ChatTurn) -> TurnResult:
-        return await self.get(sid).chat(turn, self.generate)
+    async def chat(self, sid: str, turn: ChatTurn, on_token=None, cancelled=None) -> TurnResult:
+        """One turn; ``on_token(request, id)`` (on a worker thread) as each token is sampled, when given;
+        ``cancelled`` (an ``Event``) drops the turn at the engine."""
+        if on_token is None:
+            return await self.get(sid).chat(turn, self.generate)
+        return await self.get(sid).chat(turn, lambda request: self.generate_streaming(request, on_token, cancelled))
 
     async def tokens(self, sid: str, turn: TokenTurn):
         return await self.get(sid).tokens(turn, self.generate)
@@ -494,6 +498,26 @@ class SessionStore:
     async def generate(self, request: GenerateRequest) -> Completion:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, lambda: self.backend.generate([request])[0])
+
+    async def generate_streaming(self, request: GenerateRequest, on_token, cancelled=None) -> Completion:
+        """``generate``, the tokens handed to ``on_token`` as the engine samples them (our engine in process, or
+        SGLang's streamed /generate: our serve and router, SGLang); a backend that streams nothing (vLLM's)
+        hands them over once the answer is whole."""
+        stream = getattr(self.backend, "generate_streaming", None)
+        if stream is None:
+            completion = await self.generate(request)
+            for token in completion.output_ids:
+                on_token(request, token)
+            return completion
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self._pool, lambda: stream(request, lambda token: on_token(request, token), cancelled)
+            )
+        except (EngineError, WireError):
+            if cancelled is not None and cancelled.is_set():  # the client went away: the turn is dropped, not failed
+                raise asyncio.CancelledError from None
+            raise
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

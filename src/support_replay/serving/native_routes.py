@@ -5,9 +5,12 @@ from __future__ import annotations
 import uuid
 
 from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 
 from .. import __version__
 from .engine_calls import EngineCalls
+from .openai_format import _sse
+from .openai_streaming import error_body
 from .schemas import GenerateIn
 from .sglang_format import ResponseForm
 
@@ -42,16 +45,53 @@ def native_routes(calls: EngineCalls, model_name: str) -> APIRouter:
     @routes.post("/generate")
     async def generate(request: Request, body: GenerateIn):
         reqs = body.to_requests(calls.tokenize, engine.limits.max_queue)
-        results = await calls.run(reqs, request)
         fmt = ResponseForm(body.sampling_mask_format, body.routed_experts_format, body.routed_experts_start_len)
-        out = [
-            {
-                "text": res.text,
-                "output_ids": res.output_ids,
-                "meta_info": {"id": uuid.uuid4().hex, **calls.meta_info(res, req, fmt)},
-            }
-            for req, res in zip(reqs, results)
-        ]
+        if body.stream:
+            return streamed(reqs[0], fmt)
+        results = await calls.run(reqs, request)
+        out = [answer(req, res, fmt, uuid.uuid4().hex) for req, res in zip(reqs, results)]
         return out if body.batched else out[0]
+
+    def answer(req, res, fmt, rid: str) -> dict:
+        return {
+            "text": res.text,
+            "output_ids": res.output_ids,
+            "meta_info": {"id": rid, **calls.meta_info(res, req, fmt)},
+        }
+
+    def streamed(req, fmt) -> StreamingResponse:
+        """SGLang 0.5.23's stream (its default, non-incremental): a chunk per token with the ids and text so far,
+        then the whole answer as the last chunk (the support, log mu and the rest of ``meta_info``), then
+        ``[DONE]``. A client that goes away aborts the request."""
+        stream = calls.token_stream([req])
+        refused = stream.refused()
+        if refused is not None:
+            stream.abort()
+            raise refused
+        text, rid = calls.incremental_text(req), uuid.uuid4().hex
+        progress = {"id": rid, "finish_reason": None, "prompt_tokens": len(req.input_ids)}
+
+        async def lines():
+            ids: list[int] = []
+            try:
+                async for kind, _, value in stream.events():
+                    if kind == "token":
+                        ids.append(value)
+                        text.push(value)
+                        chunk = {
+                            "text": text.sent,
+                            "output_ids": ids,
+                            "meta_info": {**progress, "completion_tokens": len(ids)},
+                        }
+                        yield _sse(chunk)
+                    elif value.exception() is not None:
+                        yield _sse(error_body(value.exception()))
+                    else:
+                        yield _sse(answer(req, value.result(), fmt, rid))
+                yield "data: [DONE]\n\n"
+            finally:
+                stream.abort()
+
+        return StreamingResponse(lines(), media_type="text/event-stream")
 
     return routes

@@ -13,7 +13,8 @@ from .openai_format import _sse
 from .token_stream import IncrementalText, TokenStream
 
 
-def _error(exc: BaseException) -> dict:
+def error_body(exc: BaseException) -> dict:
+    """OpenAI's error object for a request that failed after its stream began (the status line has gone)."""
     status = exc.status if isinstance(exc, EngineError) else 500
     kind = "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": str(exc), "type": kind, "code": status}}
@@ -41,7 +42,7 @@ async def live_sse(
                     yield _sse(delta(i, text))
                 continue
             if value.exception() is not None:
-                yield _sse(_error(value.exception()))
+                yield _sse(error_body(value.exception()))
                 break
             done[i] = value.result()
             for chunk in ending(i, done[i], texts[i]):

@@ -53,12 +53,6 @@ def _declared_only(model: BaseModel, route: str) -> BaseModel:
     return model
 
 
-def _reject_stream(stream: bool) -> bool:
-    if stream:
-        raise ValueError("streaming is not supported; send stream=false")
-    return stream
-
-
 class SamplingParamsIn(BaseModel):
     """SGLang's ``sampling_params`` object; fields it does not declare go by ``request_fields``."""
 
@@ -181,13 +175,18 @@ class GenerateIn(BaseModel):
     # SGLang's: the loaded LoRA adapter (its name or path) each prompt runs with (engine/lora_adapter.py)
     lora_path: str | Annotated[list[str | None], Field(max_length=MAX_BATCH)] | None = None
     logprob_start_len: int | list[int] = -1
-    stream: bool = False
+    stream: bool = False  # SGLang's: one SSE chunk per token (the ids and text so far), then the whole answer
 
     @model_validator(mode="after")
     def _declared_fields(self):
         return _declared_only(self, "/generate")
 
-    _no_stream = field_validator("stream")(classmethod(lambda cls, v: _reject_stream(v)))
+    @model_validator(mode="after")
+    def _one_prompt_streams(self):
+        if self.stream and self.batched:
+            raise ValueError("stream: a streamed /generate takes one prompt (send the batch's prompts apart)")
+        return self
+
     _bounded = model_validator(mode="before")(
         classmethod(
             lambda cls, data: bounded_batches(

@@ -1,7 +1,7 @@
 """The session endpoint: OpenAI chat completions bound to a recorded trajectory (docs/agents.md).
 
     POST   /sessions                                   -> {"session_id": ...}
-    POST   /sessions/{id}/v1/chat/completions          one turn (OpenAI schema, stream too)
+    POST   /sessions/{id}/v1/chat/completions          one turn (OpenAI schema; streamed as it is sampled)
     POST   /sessions/{id}/inference/v1/generate        one token-level turn (vLLM's generate shapes)
     GET    /sessions/{id}/v1/models
     POST   /v1/chat/completions, /inference/v1/generate            the session named by X-Session-ID
@@ -34,6 +34,7 @@ from .openai_format import chat_choice, chat_response, chat_stream, token_logpro
 from .openai_routes import as_log_mu
 from .request_fields import check_undeclared
 from .security import Keys, guarded
+from .session_streaming import live_turn
 from .structured_outputs import response_format_grammar, tool_choice_grammar
 from .vllm_routes import ROUTE as VLLM_GENERATE
 from .vllm_routes import VLLMGenerateIn, generate_response
@@ -199,20 +200,26 @@ def session_routes(store: SessionStore, model_name: str = "support-replay") -> A
 
     async def chat(sid: str, body: SessionChatIn):
         turn = body.to_turn()
-        result = await store.chat(sid, turn)
-        c = result.completion
-        logprobs = None
-        if turn.logprobs and c is not None:
-            logprobs = token_logprobs(as_log_mu(c), store.renderer.decode, turn.top_logprobs)
-        meta = turn_meta(store, sid, result) if body.return_meta_info else None
-        response = chat_response(
-            [chat_choice(0, result.content, result.tool_calls, result.finish_reason, logprobs, meta)],
-            model=body.model or model_name,
-            prompt_tokens=result.prompt_tokens,
-            completion_tokens=c.num_tokens if c is not None else 0,
-        )
+        usage = bool((body.stream_options or {}).get("include_usage"))
+
+        def respond(result: TurnResult) -> dict:
+            c = result.completion
+            logprobs = None
+            if turn.logprobs and c is not None:
+                logprobs = token_logprobs(as_log_mu(c), store.renderer.decode, turn.top_logprobs)
+            meta = turn_meta(store, sid, result) if body.return_meta_info else None
+            return chat_response(
+                [chat_choice(0, result.content, result.tool_calls, result.finish_reason, logprobs, meta)],
+                model=body.model or model_name,
+                prompt_tokens=result.prompt_tokens,
+                completion_tokens=c.num_tokens if c is not None else 0,
+            )
+
+        if body.stream and not (turn.tools and turn.parse_tools):  # tool calls parse from the whole text
+            lines = await live_turn(store, sid, turn, body.model or model_name, respond, usage)
+            return StreamingResponse(lines, media_type="text/event-stream")
+        response = respond(await store.chat(sid, turn))
         if body.stream:
-            usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(chat_stream(response, usage), media_type="text/event-stream")
         return response
 

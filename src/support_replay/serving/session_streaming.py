@@ -1,0 +1,72 @@
+"""A session's turn streamed as it is sampled: OpenAI chat chunks whose text deltas leave as the engine samples
+the tokens (``token_stream.IncrementalText``), then the rest of the answer, its log-probs and finish reason,
+usage if asked and ``[DONE]``; the deltas concatenate to the whole answer's content. A turn refused before its
+first token (a busy session, a history the policy rejects) is a plain HTTP error; one that fails later ends the
+stream with OpenAI's error object. A client that goes away drops the turn at the engine (the session records
+nothing of it). Turns that parse tool calls stream once whole (the calls parse from the whole text)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from ..rollout.session import ChatTurn, SessionStore
+from .openai_format import _sse, new_id
+from .openai_streaming import error_body
+from .token_stream import IncrementalText
+
+
+async def live_turn(store: SessionStore, sid: str, turn: ChatTurn, model: str, respond, include_usage: bool):
+    """The SSE lines of one streamed turn; ``respond(result)`` builds the whole answer's response."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    cancelled = threading.Event()
+
+    def on_token(request, token: int) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, ("token", request, token))
+
+    task = asyncio.ensure_future(store.chat(sid, turn, on_token=on_token, cancelled=cancelled))
+    task.add_done_callback(lambda _: queue.put_nowait(("done", None, None)))
+    first = await queue.get()
+    if first[0] == "done" and task.exception() is not None:
+        raise task.exception()  # refused before anything was sampled: the route's HTTP error
+    eos = {store.renderer.tokenizer.eos_token_id}
+    head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+
+    def chunk(delta: dict, finish=None, logprobs=None) -> str:
+        return _sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
+
+    async def lines():
+        text = None
+        event = first
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            while event[0] == "token":
+                _, request, token = event
+                text = text or IncrementalText(store.renderer.tokenizer, request, eos)
+                delta = text.push(token)
+                if delta:
+                    yield chunk({"content": delta})
+                event = await queue.get()
+            if task.exception() is not None:
+                yield _sse(error_body(task.exception()))
+            else:
+                response = respond(task.result())
+                choice = response["choices"][0]
+                content = choice["message"]["content"] or ""
+                rest = text.finish(content) if text is not None else content
+                if rest or choice["logprobs"]:
+                    yield chunk({"content": rest}, logprobs=choice["logprobs"])
+                last = {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]}
+                if "meta_info" in choice:
+                    last["choices"][0]["meta_info"] = choice["meta_info"]
+                yield _sse(last)
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": response["usage"]})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not task.done():  # the client went away: the engine drops the turn
+                cancelled.set()
+
+    return lines()
