@@ -16,15 +16,6 @@ from .http_errors import error_response
 from .schemas import LoadLoRAAdapterIn, UnloadLoRAAdapterIn, UpdateWeightsIn, UpdateWeightVersionIn
 from .security import WEIGHTS_OVER_HTTP
 
-ADMIN_PATHS = (
-    "/update_weights_from_disk",
-    WEIGHTS_OVER_HTTP,
-    "/update_weight_version",
-    "/flush_cache",
-    "/load_lora_adapter",
-    "/unload_lora_adapter",
-)
-
 
 def refused_weights_path(model_path: str, weights_dir: Path | None) -> str | None:
     """Why ``model_path`` may not be loaded (403), or None: it must lie under ``--weights-dir``, and

@@ -32,18 +32,11 @@ from ..protocol import SESSION_HEADER
 from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT, NO_TELEMETRY
 from .disconnects import unless_disconnected
 from .metrics import render_router_metrics
-from .security import DEFAULT_MAX_WEIGHTS_BYTES, WEIGHTS_OVER_HTTP, Keys, guarded
+from .security import ADMIN_PATHS, DEFAULT_MAX_WEIGHTS_BYTES, WEIGHTS_OVER_HTTP, Keys, guarded
 
 log = logging.getLogger(__name__)
 
-BROADCAST_PATHS = (
-    "/update_weights_from_disk",
-    WEIGHTS_OVER_HTTP,
-    "/update_weight_version",
-    "/flush_cache",
-    "/load_lora_adapter",
-    "/unload_lora_adapter",
-)
+BROADCAST_PATHS = ADMIN_PATHS  # every route that changes an engine's state reaches every engine
 OPEN_PATHS = ("/health", "/metrics")
 DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds for one engine to answer one request
 _FORWARD_HEADERS = ("content-type", "accept", SESSION_HEADER.lower())

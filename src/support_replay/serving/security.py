@@ -25,6 +25,15 @@ LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
 
 
 WEIGHTS_OVER_HTTP = "/update_weights_from_safetensors"  # ours: the weights in the body, no shared filesystem
+# the routes that change an engine's state: the admin key guards them, our router sends them to every engine
+ADMIN_PATHS = (
+    "/update_weights_from_disk",
+    WEIGHTS_OVER_HTTP,
+    "/update_weight_version",
+    "/flush_cache",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
+)
 DEFAULT_MAX_WEIGHTS_BYTES = 64 * 2**30
 
 

@@ -19,13 +19,21 @@ from ..engine import Engine
 from ..errors import ConfigError, EngineError, OverloadedError
 from ..rollout.chat import ChatRenderer
 from . import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES, NO_TELEMETRY
-from .admin_routes import ADMIN_PATHS, admin_routes
+from .admin_routes import admin_routes
 from .engine_calls import EngineCalls
 from .health_routes import OPEN_PATHS, health_routes
 from .http_errors import engine_error_response, install_error_handlers
 from .native_routes import native_routes
 from .openai_routes import openai_routes
-from .security import DEFAULT_MAX_WEIGHTS_BYTES, LOOPBACK_HOSTS, WEIGHTS_OVER_HTTP, Keys, exposure_warnings, guarded
+from .security import (
+    ADMIN_PATHS,
+    DEFAULT_MAX_WEIGHTS_BYTES,
+    LOOPBACK_HOSTS,
+    WEIGHTS_OVER_HTTP,
+    Keys,
+    exposure_warnings,
+    guarded,
+)
 from .vllm_routes import ROUTE as VLLM_GENERATE
 from .vllm_routes import vllm_routes
 
