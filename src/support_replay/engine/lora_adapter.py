@@ -47,9 +47,11 @@ def read_adapter(name: str, path: str | Path, model) -> Adapter:
         raise RequestError(
             f"lora_path: {path} is not a peft adapter directory ({CONFIG_FILE}, {WEIGHTS_FILE}): {exc}"
         ) from None
-    for key in ("use_dora", "use_rslora"):
-        if config.get(key):
-            raise RequestError(f"lora_path: {path}: {key} adapters are not served (plain LoRA: W + alpha / r B A)")
+    for key in ("use_dora", "use_rslora", "lora_bias", "fan_in_fan_out", "rank_pattern", "alpha_pattern"):
+        if config.get(key):  # each changes the update away from one alpha / r B A per layer
+            raise RequestError(
+                f"lora_path: {path}: {key}={config[key]!r} is not served (plain LoRA: W + alpha / r B A)"
+            )
     if config.get("modules_to_save"):
         raise RequestError(f"lora_path: {path}: modules_to_save {config['modules_to_save']} are not served")
     rank, alpha = config.get("r"), config.get("lora_alpha")

@@ -7,7 +7,7 @@ trainer, behind our router: ``support-replay serve`` (``--launch-server support-
 default; it takes the SGLang names of the flags it implements) or SGLang itself
 (``--launch-server sglang``, on a machine that has it). The ``--sglang-*`` flags are collected as
 given (``sglang_server_args``) and handed to that server without the prefix; the server's own
-parser checks them before anything starts (train/engine_launch.py). Miles' own flags for its client
+parser checks them before anything starts (started_engines.py). Miles' own flags for its client
 and router (``--sglang-server-concurrency``, ``--sglang-router-*``) are fields here.
 """
 
