@@ -22,8 +22,11 @@ pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN linear op")
 
 
-def test_auto_picks_onednn_for_fp32_on_a_cpu_only():
-    assert resolve_linear_kernel("auto", torch.float32, "cpu") == ("onednn" if onednn_available() else "torch")
+def test_auto_picks_the_probed_product_for_fp32_on_a_cpu_only():
+    from support_replay.modeling.kernel_probe import probed_kernel
+
+    probed = probed_kernel() if onednn_available() else "torch"
+    assert resolve_linear_kernel("auto", torch.float32, "cpu") == probed
     assert resolve_linear_kernel("auto", torch.bfloat16, "cpu") == "torch"
     assert resolve_linear_kernel("torch", torch.float32, "cpu") == "torch"
     with pytest.raises(ConfigError, match="linear_kernel: 'onednn' runs fp32 on a CPU .* torch.bfloat16 on cpu"):

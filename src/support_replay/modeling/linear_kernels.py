@@ -7,7 +7,8 @@ project's CPU it takes 0.65x the time of MKL at the 8-32 rows of a decode step (
 docs/benchmarks.md). Whether a kernel's rows keep their bits whatever the row count depends on
 the CPU and is probed, never assumed (modeling/invariant_products.py). Its results differ from
 MKL's in the last bits, so the two sides of a true-on-policy run must use the same one.
-``auto`` picks ``onednn`` for fp32 on a CPU when PyTorch has it, else ``torch``. The trainer's
+``auto`` takes, for fp32 on a CPU where PyTorch has oneDNN, whichever of the two a probe measured faster on
+this machine (modeling/kernel_probe.py, kept per machine so every process agrees), else ``torch``. The trainer's
 backward stays plain products (``_OneDNNLinear``): only the forward's bits are promised.
 """
 
@@ -24,7 +25,8 @@ from torch import nn
 KERNELS = ("auto", "torch", "onednn")
 LINEAR_KERNEL_HELP = (
     "the linear-layer product of the engine and of the trainer's forward: onednn (fp32 on a CPU, 0.65x MKL's time "
-    "at decode sizes), torch (F.linear), auto (onednn where it runs; bf16 and tensor-parallel layers take torch)"
+    "at decode sizes on an AMD EPYC), torch (F.linear), auto (the faster of the two on this machine, measured once; "
+    "bf16 and tensor-parallel layers take torch)"
 )
 
 
@@ -52,7 +54,11 @@ def resolve_linear_kernel(name: str, dtype: torch.dtype, device: str | torch.dev
         raise ConfigError(f"linear_kernel: {name!r} is not one of {list(KERNELS)}")
     usable = torch.device(device).type == "cpu" and dtype == torch.float32 and onednn_available()
     if name == "auto":
-        return "onednn" if usable else "torch"
+        if not usable:
+            return "torch"
+        from .kernel_probe import probed_kernel
+
+        return probed_kernel()  # the faster of the two on this machine, measured once (modeling/kernel_probe.py)
     if name == "onednn" and not usable:
         raise ConfigError(
             f"linear_kernel: 'onednn' runs fp32 on a CPU with PyTorch's oneDNN ops (here: {dtype} on {device}, "

@@ -1,0 +1,130 @@
+"""Which fp32 product ``--linear-kernel auto`` takes on this machine: measured once, kept, never assumed.
+
+Which product is faster depends on the CPU (oneDNN's packed product took 0.65x MKL's time at decode sizes on an
+AMD EPYC; on an Intel Xeon with AMX MKL's path did better). The candidates are the two ``auto`` chooses between:
+MKL through ``F.linear`` (``torch``) and oneDNN's product over weights packed once (``onednn``, what the
+engine's decode step runs, modeling/packed_weights.py). Each is timed at a decode step's 16 rows on the layer
+shapes of a small model, alternating, the median of several rounds; oneDNN is taken when it needs at most
+``MARGIN`` of MKL's time (a near tie keeps PyTorch's default). Bits are not the question here: each kernel's
+bit-stability is probed where it is used (modeling/invariant_products.py, packed_weights.py).
+
+The answer is kept in the user cache under everything that can change it: the CPU's model and flags,
+PyTorch's version, and the ISA caps torch, MKL and oneDNN read from the environment. So every process of a run
+on one machine (engine, trainer ranks, a later run) resolves ``auto`` alike, as a true-on-policy run needs
+(the trainer refuses an engine on another kernel); a lock makes the first process's measurement everyone's.
+``SUPPORT_REPLAY_AUTO_KERNEL=torch|onednn`` pins it instead.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+MARGIN = 0.95  # oneDNN must take at most this share of MKL's time
+ROWS = 16
+SHAPES = ((1024, 1024), (4096, 1024), (1024, 4096))  # (out, in): attention, MLP up and down of a small model
+ROUNDS, CALLS = 5, 10
+ENV_CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR")
+PIN = "SUPPORT_REPLAY_AUTO_KERNEL"
+
+
+def cpu_identity() -> str:
+    """The CPU's model name and a digest of its flags (/proc/cpuinfo), or the platform's processor string."""
+    fields: dict[str, str] = {}
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())  # the first CPU's
+    except OSError:
+        pass
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    return f"{model} [{hashlib.sha1(fields.get('flags', '').encode()).hexdigest()[:12]}]"
+
+
+def probe_key() -> str:
+    caps = ",".join(f"{k}={os.environ.get(k, '')}" for k in ENV_CAPS)
+    return f"{cpu_identity()} | torch {torch.__version__} | {caps}"
+
+
+def measure() -> dict:
+    """Milliseconds of MKL's and oneDNN's packed fp32 products at ``ROWS`` rows over ``SHAPES`` (medians, summed)."""
+    from .packed_weights import pack_weight, packed_linear
+
+    gen = torch.Generator().manual_seed(0)
+    totals = {"torch": 0.0, "onednn": 0.0}
+    for out_features, in_features in SHAPES:
+        x = torch.randn(ROWS, in_features, generator=gen)
+        w = torch.randn(out_features, in_features, generator=gen)
+        packed = pack_weight(w)
+        runs = {"torch": lambda: F.linear(x, w), "onednn": lambda: packed_linear(x, packed)}
+        times = {name: [] for name in runs}
+        for fn in runs.values():
+            fn()  # first calls pick their kernels
+        for _ in range(ROUNDS):
+            for name, fn in runs.items():  # alternating: the machine's drift falls on both
+                start = time.perf_counter()
+                for _ in range(CALLS):
+                    fn()
+                times[name].append((time.perf_counter() - start) / CALLS)
+        for name in runs:
+            totals[name] += 1e3 * statistics.median(times[name])
+    return totals
+
+
+def _choose(totals: dict) -> str:
+    return "onednn" if totals["onednn"] <= MARGIN * totals["torch"] else "torch"
+
+
+@functools.cache
+def probed_kernel() -> str:
+    """``torch`` or ``onednn``: the faster fp32 product on this machine (kept in the user cache)."""
+    pinned = os.environ.get(PIN)
+    if pinned:
+        if pinned not in ("torch", "onednn"):
+            from ..errors import ConfigError
+
+            raise ConfigError(f"{PIN}={pinned!r}: give torch or onednn")
+        return pinned
+    return probe_record()["choice"]
+
+
+def probe_record() -> dict:
+    """This machine's measurement: ``{"choice", "torch_ms", "onednn_ms", "threads"}`` (measured once, under a lock)."""
+    from .checkpoints import cache_dir
+
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path, key = directory / "kernel-probe.json", probe_key()
+    with open(directory / "kernel-probe.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first process measures; the others read its answer
+        kept = _read(path)
+        if key not in kept:
+            totals = measure()
+            kept[key] = {
+                "choice": _choose(totals),
+                "torch_ms": round(totals["torch"], 4),
+                "onednn_ms": round(totals["onednn"], 4),
+                "threads": torch.get_num_threads(),
+            }
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(kept, indent=2) + "\n")
+            os.replace(tmp, path)
+        return kept[key]
+
+
+def _read(path: Path) -> dict:
+    try:
+        kept = json.loads(path.read_text())
+        return kept if isinstance(kept, dict) else {}
+    except (OSError, ValueError):
+        return {}
