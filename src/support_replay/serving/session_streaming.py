@@ -34,8 +34,11 @@ async def live_turn(store: SessionStore, sid: str, turn: ChatTurn, model: str, r
     eos = {store.renderer.tokenizer.eos_token_id}
     head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
 
+    def chunk_body(delta: dict, finish=None, logprobs=None) -> dict:
+        return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+
     def chunk(delta: dict, finish=None, logprobs=None) -> str:
-        return _sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
+        return _sse(chunk_body(delta, finish, logprobs))
 
     async def lines():
         text = None
@@ -58,7 +61,7 @@ async def live_turn(store: SessionStore, sid: str, turn: ChatTurn, model: str, r
                 rest = text.finish(content) if text is not None else content
                 if rest or choice["logprobs"]:
                     yield chunk({"content": rest}, logprobs=choice["logprobs"])
-                last = {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]}
+                last = chunk_body({}, choice["finish_reason"])
                 if "meta_info" in choice:
                     last["choices"][0]["meta_info"] = choice["meta_info"]
                 yield _sse(last)
