@@ -1,13 +1,14 @@
-"""The KV memory budget on SmolLM2-135M-Instruct (docs/engines.md, "KV memory budget").
+"""The KV memory budget and the block pool on SmolLM2-135M-Instruct (docs/engines.md, "KV memory budget").
 
 1. The largest batch x context one admission takes under the default budget (half the memory
-   available at start, serve's share), fp32 and bf16, next to what the slot cache's rectangle
-   holds per position.
+   available at start, serve's share), fp32 and bf16.
 2. 64 requests at once: one prompt of 8,000 tokens and 63 of 16, 32 new tokens each, under the
    default budget: every request answered, the engine process's peak RSS, how many admissions it
-   took, and what the cache without a budget would have asked for (64 slots x the long row).
+   took, and what a rectangle of slots would have asked for (64 slots x the long row).
+3. What the pool's gather costs a decode step: batch x width, the step's time, the time of its
+   30 layers' gathers, their share (``--gather-only`` runs this table alone).
 
-    python bench/kv_budget.py [--long 8000] [--short 63] [--max-new 32] [--dtype float32]
+    python bench/kv_budget.py [--long 8000] [--short 63] [--max-new 32] [--dtype float32] [--gather-only]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from support_replay import SamplingParams
 from support_replay.engine import Engine
 from support_replay.engine.kv_budget import available_bytes, column_need, kv_bytes_per_token, largest_batch
+from support_replay.engine.paged_cache import PagedCache
 from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.protocol import GenerateRequest
 
@@ -31,8 +33,11 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=63)
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--gather-only", action="store_true")
     args = ap.parse_args()
     path = smollm2_checkpoint()
+    if args.gather_only:
+        return gather_costs(path)
     print(f"memory available at start: {available_bytes() / 2**30:.1f} GiB")
     print(
         "\n| dtype | bytes per KV position | default budget (positions) | budget (GiB) | largest batch at 512 + 512 | "
@@ -42,7 +47,8 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         engine = Engine.from_pretrained(path, dtype=dtype)
         b = engine.kv_budget
-        shapes = [largest_batch(b, p, n) for p, n in ((512, 512), (2048, 2048), (7168, 1024))]
+        page = engine.runner.pool.block_size
+        shapes = [largest_batch(b, p, n, page) for p, n in ((512, 512), (2048, 2048), (7168, 1024))]
         print(
             f"| {str(dtype).removeprefix('torch.')} | {b.bytes_per_token:,} | {b.max_total_tokens:,} | "
             f"{b.bytes / 2**30:.1f} | " + " | ".join(f"{s:,}" for s in shapes) + " |"
@@ -80,8 +86,8 @@ def main() -> None:
         f"default budget {engine.kv_budget.max_total_tokens:,} positions ({engine.kv_budget.bytes / 2**30:.1f} GiB):"
     )
     print(
-        "| answered | admissions (prefill batches) | time (s) | peak RSS (GiB) | RSS before (GiB) | the rectangle "
-        "without a budget (GiB) |"
+        "| answered | admissions (prefill batches) | time (s) | peak RSS (GiB) | RSS before (GiB) | a rectangle of "
+        "slots without a budget (GiB) |"
     )
     print("|---:|---:|---:|---:|---:|---:|")
     print(
@@ -89,6 +95,48 @@ def main() -> None:
         f"{peak / 2**20:.1f} | "
         f"{before / 2**20:.1f} | {unbudgeted / 2**30:.1f} |"
     )
+
+    del engine
+    gather_costs(path)
+
+
+def gather_costs(path, steps: int = 12) -> None:
+    """Decode steps of ``batch`` rows at ``width`` positions (fp32, fused step): the step and its gathers."""
+    engine = Engine.from_pretrained(path)
+    spent = [0.0]
+    real = PagedCache.attended
+
+    def timed(self, layer):
+        start = time.perf_counter()
+        out = real(self, layer)
+        spent[0] += time.perf_counter() - start
+        return out
+
+    PagedCache.attended = timed
+    print("\n| batch | width (positions) | decode step (ms) | its gathers (ms) | share |")
+    print("|---:|---:|---:|---:|---:|")
+    gen = torch.Generator().manual_seed(1)
+    for batch, width in ((16, 128), (16, 640), (64, 640), (16, 2048)):
+        prompts = [
+            torch.randint(100, engine.vocab_size, (width - steps,), generator=gen).tolist() for _ in range(batch)
+        ]
+        reqs = [
+            GenerateRequest(p, SamplingParams(top_k=50, seed=i), max_new_tokens=steps, ignore_eos=True)
+            for i, p in enumerate(prompts)
+        ]
+        futures = engine.submit_all(reqs)
+        engine.step()  # the admission's prefill
+        times = []
+        while not all(f.done() for f in futures):
+            spent[0] = 0.0
+            start = time.perf_counter()
+            engine.step()
+            times.append((time.perf_counter() - start, spent[0]))
+        times = sorted(times[1:-1])  # the first and last steps do more than decode
+        step, gathers = times[len(times) // 2]
+        print(f"| {batch} | {width:,} | {step * 1e3:.1f} | {gathers * 1e3:.1f} | {gathers / step:.0%} |")
+    PagedCache.attended = real
+    engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -120,6 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_total_tokens=max_total_tokens,
         prefix_cache=not args.disable_radix_cache,
         decode_log_interval=args.decode_log_interval,
+        page_size=args.page_size,
     )
     print(f"support-replay engine: {args.hf_checkpoint} on http://{args.host}:{args.port}", flush=True)
     from .rollout.chat import load_template
@@ -351,6 +352,7 @@ def _add_audit(sub) -> None:
 SERVE_SGLANG_FLAGS = (
     "--mem-fraction-static",
     "--max-total-tokens",
+    "--page-size",
     "--max-running-requests",
     "--enable-deterministic-inference",
     "--attention-backend",
@@ -394,6 +396,13 @@ def _add_serve(sub) -> None:
         default=None,
         help="KV positions the engine may hold at its peak, as SGLang's flag counts them; a request waits until "
         "it fits (default: half the memory available at start)",
+    )
+    srv.add_argument(
+        "--page-size",
+        type=int,
+        default=16,
+        help="KV positions per block of the engine's pool (SGLang's flag; vLLM's --block-size): a row holds its own "
+        "length in whole blocks, and a prefix is shared by whole blocks",
     )
     srv.add_argument(
         "--mem-fraction-static",
@@ -446,7 +455,7 @@ def _add_serve(sub) -> None:
         "--attention-backend",
         choices=["torch_native"],
         default="torch_native",
-        help="the model's torch attention over the slot cache (SGLang's torch_native; batch-invariant with "
+        help="the model's torch attention over the rows' gathered blocks (SGLang's torch_native; batch-invariant with "
         "--deterministic); FlashAttention and FlashInfer backends need CUDA kernels this engine does not run",
     )
     srv.add_argument(

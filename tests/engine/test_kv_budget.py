@@ -7,8 +7,10 @@ import pytest
 
 from support_replay import SamplingParams
 from support_replay.engine import Engine
-from support_replay.engine import slot_cache as slot_cache_module
-from support_replay.engine.kv_budget import KVBudget, largest_batch, plan_shape
+from support_replay.engine.block_pool import BlockPool
+from support_replay.engine.kv_budget import KVBudget, column_need, largest_batch
+from support_replay.engine.model_runner import ModelRunner
+from support_replay.engine.paged_cache import PagedCache
 from support_replay.errors import ConfigError, RequestError
 from support_replay.protocol import GenerateRequest
 
@@ -28,18 +30,30 @@ def requests(lengths, max_new=6):
 
 @pytest.fixture
 def peaks(monkeypatch):
-    """Every reservation's peak: the positions held plus the new buffers while they are copied."""
+    """The KV positions held at every moment that can be a peak: each block taken (blocks held), each
+    prefill (held + its padded keys and values), each decode step's gather (held + one layer's copy)."""
     seen = []
-    real = slot_cache_module.SlotCache.reserve
+    real_allocate, real_attended, real_prefill = BlockPool.allocate, PagedCache.attended, ModelRunner._prefill
 
-    def watched(self, rows, columns, like):
-        before = (self.slots, self.capacity)
-        real(self, rows, columns, like)
-        after = (self.slots, self.capacity)
-        if after != before:
-            seen.append(before[0] * before[1] + after[0] * after[1])
+    def allocate(self, n):
+        ids = real_allocate(self, n)
+        seen.append(self.used * self.block_size)
+        return ids
 
-    monkeypatch.setattr(slot_cache_module.SlotCache, "reserve", watched)
+    def attended(self, layer):
+        out = real_attended(self, layer)
+        storage = self.pool.storage[layer]
+        copy = self._buffer.numel() // (2 * storage.shape[1] * storage.shape[4])  # positions of one layer
+        seen.append(self.pool.used * self.pool.block_size + -(-copy // self.pool.num_layers))
+        return out
+
+    def prefill(self, prompts):
+        seen.append(self.pool.used * self.pool.block_size + len(prompts) * max(map(len, prompts)))
+        return real_prefill(self, prompts)
+
+    monkeypatch.setattr(BlockPool, "allocate", allocate)
+    monkeypatch.setattr(PagedCache, "attended", attended)
+    monkeypatch.setattr(ModelRunner, "_prefill", prefill)
     return seen
 
 
@@ -47,14 +61,14 @@ def test_a_long_prompt_beside_many_short_ones_stays_within_the_budget(tiny_check
     budget = 2400
     free = Engine.from_pretrained(tiny_checkpoint, deterministic=True, max_total_tokens=10**7)
     tight = Engine.from_pretrained(tiny_checkpoint, deterministic=True, max_total_tokens=budget)
-    reqs = requests([300] + [3] * 31)  # one long prompt beside short ones: the rectangle makes every slot long
+    reqs = requests([300] + [3] * 31)  # one long prompt beside short ones: each holds its own length in blocks
     alone = free.generate(reqs)
     peaks.clear()
     prefills = []
     real_prefill = tight.runner._prefill
     tight.runner._prefill = lambda prompts: prefills.append(len(prompts)) or real_prefill(prompts)
     out = tight.generate(reqs)
-    assert peaks and max(peaks) <= budget  # every growth, held + new
+    assert peaks and max(peaks) <= budget  # every block taken, every prefill, every gather
     assert len(prefills) > 1  # all 32 at once would pass it (32 x 320 positions): the rest waited for rows to leave
     for a, b in zip(alone, out):  # waiting changed when each ran, not what it sampled
         assert a.output_ids == b.output_ids and np.array_equal(a.log_mu, b.log_mu) and a.support == b.support
@@ -62,7 +76,7 @@ def test_a_long_prompt_beside_many_short_ones_stays_within_the_budget(tiny_check
 
 def test_requests_wait_for_room_and_none_fails(tiny_checkpoint, peaks):
     engine = Engine.from_pretrained(tiny_checkpoint, max_total_tokens=400)
-    futures = engine.submit_all(requests([20] * 24, max_new=10))  # each reserves 31 columns and 40 for its prefill
+    futures = engine.submit_all(requests([20] * 24, max_new=10))  # each reserves 2 blocks of 16, its prefill 20
     engine.wait(futures)
     assert all(f.exception() is None for f in futures) and max(peaks) <= 400
     assert engine.stats.requests["ok"] == 24
@@ -73,18 +87,17 @@ def test_a_request_that_can_never_fit_is_refused_with_its_numbers(tiny_checkpoin
     future = engine.submit(requests([60], max_new=10)[0])
     with pytest.raises(
         RequestError,
-        match=r"60 prompt tokens \+ their reservation of 71 KV positions and the prefill's 120 need 191 positions, "
-        r"more than this engine's --max-total-tokens 100 \(\d+ bytes each\)",
+        match=r"60 prompt tokens \+ their reservation of 80 KV positions, the prefill's 60 and a decode step's "
+        r"gathered 40 need 180 positions, more than this engine's --max-total-tokens 100 \(\d+ bytes each\)",
     ):
         future.result()
 
 
-def test_growth_never_passes_the_budget_and_doubles_where_it_fits():
-    assert plan_shape((16, 64), 17, 64, 64, None) == (32, 64)  # no budget: the dimension that ran out doubles
-    assert plan_shape((16, 64), 17, 64, 64, 16 * 64 + 32 * 64) == (32, 64)
-    assert plan_shape((16, 64), 17, 64, 64, 16 * 64 + 32 * 64 - 1) == (17, 64)  # only as far as needed
-    assert plan_shape((16, 64), 16, 65, 64, 10**9) == (16, 128)
-    assert plan_shape((0, 0), 3, 10, 64, 10**9) == (3, 10)
+def test_a_reservation_is_whole_blocks_of_its_own_length_and_the_peak_counts_each_part():
+    assert column_need(10, 5, 16) == 16 and column_need(10, 6, 16) == 32 and column_need(10, 5, 1) == 16
+    budget = KVBudget(1000, 8, layers=4)
+    # held and growing 100, two reservations, a prefill of 20, the gathered copy of 3 rows x 32 over 4 layers
+    assert budget.peak(100, [16, 32], 20, rows=3, width=32) == 100 + 48 + 20 + 24
 
 
 def test_the_default_budget_is_a_share_of_available_memory_and_the_largest_batch_follows(tiny_checkpoint):
@@ -99,7 +112,8 @@ def test_the_default_budget_is_a_share_of_available_memory_and_the_largest_batch
     )
     colocated = Engine.from_pretrained(tiny_checkpoint, kv_share=COLOCATED_SHARE).kv_budget.max_total_tokens
     assert colocated < engine.kv_budget.max_total_tokens
-    assert largest_batch(KVBudget(1000, 8), prompt_tokens=10, max_new_tokens=9) == 1000 // (20 + 20)
+    # each: 20 reserved, 10 prefilled, 20 / 2 layers of the gathered copy
+    assert largest_batch(KVBudget(1000, 8, layers=2), prompt_tokens=10, max_new_tokens=9) == 1000 // (20 + 10 + 10)
 
 
 def test_the_flag_bounds_the_in_process_engine_and_is_refused_for_a_remote_one(tiny_checkpoint, tmp_path):
@@ -127,19 +141,20 @@ def test_prefills_group_prompts_of_like_length(tiny_checkpoint):
     assert batches == [[4]]  # a GRPO group: one prompt, prefilled once
 
 
-def test_a_long_row_gone_leaves_its_room_to_the_next_admissions(tiny_checkpoint, peaks):
-    """One 300-token request among short ones: once it has left, the cache holds only what the rest
-    reserved, so the waiting short requests are admitted together instead of ten at a time."""
-    engine = Engine.from_pretrained(tiny_checkpoint, max_total_tokens=3 * 333 * 11)
+def test_a_long_row_holds_only_its_own_blocks_so_short_ones_fit_beside_it(tiny_checkpoint, peaks):
+    """One 300-token request among 63 short ones, all admitted at once: each row holds its own length in
+    blocks (336 and 64 positions), where a rectangle of slots would make all 64 as long as the longest."""
+    reserved = 336 + 63 * 64
+    gathered = 64 * 336 // 2  # a decode step's copy: every row at the longest width, one of the 2 layers
+    budget = reserved + 63 * 16 + gathered  # the bucket of short prompts is the larger prefill
+    assert 64 * 336 > budget - gathered  # the rectangle alone would not fit
+    engine = Engine.from_pretrained(tiny_checkpoint, max_total_tokens=budget)
     prefills = []
     real = engine.runner._prefill
     engine.runner._prefill = lambda prompts: prefills.append(len(prompts)) or real(prompts)
-    reqs = requests([300] + [16] * 63, max_new=32)
-    out = engine.generate(reqs)
-    assert all(c.num_tokens == 32 for c in out) and max(peaks) <= 3 * 333 * 11
-    assert (
-        len(prefills) <= 4 and max(prefills) > 32
-    )  # was 8 prefills of at most 11: the rectangle kept the long row's length
+    out = engine.generate(requests([300] + [16] * 63, max_new=32))
+    assert all(c.num_tokens == 32 for c in out) and max(peaks) <= budget
+    assert len(prefills) == 2 and prefills[1] == 1  # one admission: the short bucket, the long prompt
 
 
 def test_mem_fraction_static_leaves_sglangs_pool():

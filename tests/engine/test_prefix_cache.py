@@ -25,11 +25,20 @@ def test_a_prefill_after_a_cached_prefix_is_a_whole_prefill(tiny_checkpoint):
     full = prompt + c.output_ids + engine.tokenizer(" User: and back.")["input_ids"]
     entry, n = engine.prefix_cache.match(full)
     assert n == len(prompt) + len(c.output_ids) - 1  # every fed position (the last token was never fed)
-    after_cache, after_logits = engine.runner.prefill_after(full, entry.layers, n)
+    after_cache, after_logits = engine.runner.prefill_after(full, entry.blocks, n)
+    page = engine.runner.pool.block_size
+    assert after_cache.tables[0][: n // page] == entry.blocks[: n // page]  # the whole cached blocks, shared
+    assert all(engine.runner.pool.refs[b] == 2 for b in entry.blocks[: n // page])
     whole_cache, whole_logits = engine.runner.prefill([full])
     torch.testing.assert_close(after_logits, whole_logits, atol=1e-4, rtol=0)
-    for mine, theirs in zip(after_cache.layers, whole_cache.layers):
-        torch.testing.assert_close(mine.k[0, :, : len(full)], theirs.k[0, :, : len(full)], atol=1e-4, rtol=0)
+    pool = engine.runner.pool
+    mine = pool.read(after_cache.tables[0], len(full))
+    theirs = pool.read(whole_cache.tables[0], len(full))
+    for (k, v), (k2, v2) in zip(mine, theirs):
+        torch.testing.assert_close(k, k2, atol=1e-4, rtol=0)
+        torch.testing.assert_close(v, v2, atol=1e-4, rtol=0)
+    after_cache.release()
+    assert all(engine.runner.pool.refs[b] == 1 for b in entry.blocks)  # the entry's own hold stays
 
 
 def test_a_sessions_next_turn_reuses_its_context_and_replays(tiny_checkpoint):
@@ -53,9 +62,9 @@ def test_entries_give_way_within_the_budget_and_are_dropped_on_updates(tiny_chec
     engine = Engine.from_pretrained(tiny_checkpoint, max_total_tokens=600)
     prompt, _ = first_turn(engine)
     assert engine.prefix_cache.tokens > 0
-    big = GenerateRequest(list(range(5, 105)), PARAMS, max_new_tokens=290, ignore_eos=True)
-    (c,) = engine.generate([big])  # needs nearly the whole budget: the cached entries went first
-    assert c.num_tokens == 290 and engine.prefix_cache.stats.evicted >= 1
+    big = GenerateRequest(list(range(5, 105)), PARAMS, max_new_tokens=210, ignore_eos=True)
+    (c,) = engine.generate([big])  # 580 of the 600 alone (320 reserved, 100 prefilled, 160 gathered): the entries went
+    assert c.num_tokens == 210 and engine.prefix_cache.stats.evicted >= 1
     assert engine.prefix_cache.tokens <= engine.kv_budget.max_total_tokens
     first_turn(engine)
     assert engine.prefix_cache.entries

@@ -1,8 +1,9 @@
 """The engine: a background loop over a continuously batched set of sequences, composed of parts.
 
     scheduler.py       the FIFO of requests and updates, admission within the batch and the KV budget
-    model_runner.py    prefill and decode over the slot cache (slot_cache.py, fused_step.py)
-    prefix_cache.py    finished sequences' keys and values, reused by later prompts that begin with them
+    model_runner.py    prefill and decode over the rows' block tables (paged_cache.py, fused_step.py)
+    block_pool.py      every layer's keys and values in fixed-size blocks, counted by holder
+    prefix_cache.py    finished sequences' blocks, shared with later prompts that begin with them
     sampling_step.py   penalties, the core's sampler and capture (capture.py): a RowStep or RowFailure per row
     grammar.py         structured outputs: each constrained request's llguidance mask, before the filters
     stopping.py        EOS, stop tokens, stop strings, the token budget
@@ -17,9 +18,9 @@ EOS, a stop token, a stop string or their token budget. Requests and weight upda
 one FIFO: an update applies once every request submitted before it has finished, and
 requests submitted after it run on the new weights (docs/engines.md).
 
-Admission keeps the KV cache within its budget (engine/kv_budget.py): each request reserves its
-prompt plus ``max_new_tokens`` when it is admitted, in queue order, and waits until it fits;
-prompts of like length are prefilled together.
+Admission keeps the KV pool within its budget (engine/kv_budget.py): each request reserves its
+prompt plus ``max_new_tokens`` in whole blocks when it is admitted, in queue order, and waits
+until it fits; prompts of like length are prefilled together.
 
 One request never takes others down (docs/reliability.md): a request outside the limits is
 refused before it takes a slot (400), a full queue answers 503, and an error while admitting,
@@ -48,21 +49,22 @@ from ..modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
 from ..modeling.invariant_products import model_plans
 from ..modeling.linear_kernels import linear_function, resolve_linear_kernel, use_linear
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest
+from .block_pool import BlockPool
 from .capture import keep_routing
 from .decode_log import DecodeLog
 from .grammar import Grammars
-from .kv_budget import SERVE_SHARE, KVBudget, column_need, plan_shape
+from .kv_budget import SERVE_SHARE, KVBudget, column_need, round_up
 from .ledger import Ledger
 from .limits import EngineLimits
 from .lora_adapter import AdapterSlot, read_adapter
 from .model_runner import ModelRunner, load_model_and_tokenizer
+from .paged_cache import PagedCache
 from .prefix_cache import PrefixCache
 from .row_step import RowFailure
 from .running import RunningRequest
 from .running_batch import RunningBatch
 from .sampling_step import SamplingStep
 from .scheduler import Scheduler, prefill_buckets
-from .slot_cache import SlotCache
 from .stopping import StopConditions, eos_ids
 from .weight_updates import load_update
 
@@ -102,6 +104,7 @@ class Engine:
         kv_share: float = SERVE_SHARE,
         prefix_cache: bool = True,
         decode_log_interval: int = 0,
+        page_size: int = 16,
     ):
         dtype = next(model.parameters()).dtype
         self.linear_kernel = resolve_linear_kernel(linear_kernel, dtype, device)
@@ -121,13 +124,9 @@ class Engine:
         self.limits = limits
         # KV positions held at the peak, in total (engine/kv_budget.py): admission waits until a request fits
         self.kv_budget = KVBudget.for_model(model, max_total_tokens, kv_share)
-        self.runner = ModelRunner(
-            model,
-            device,
-            key_block=KEY_BLOCK if deterministic else 1,
-            max_rows=limits.max_batch_size,
-            max_tokens=self.kv_budget.max_total_tokens,
-        )
+        # every row's keys and values in blocks of page_size positions (SGLang's --page-size)
+        pool = BlockPool(model.config.num_hidden_layers, page_size, self.kv_budget.max_total_tokens)
+        self.runner = ModelRunner(model, device, key_block=KEY_BLOCK if deterministic else 1, pool=pool)
         self.tokenizer = tokenizer
         self.semantics = semantics
         self.capacity = int(sampling_mask_max_tokens)
@@ -141,8 +140,8 @@ class Engine:
         self.sample = SamplingStep(semantics, self.capacity, frozenset(self.eos_ids), self.grammars)
         self.stops = StopConditions(tokenizer, self.eos_ids)
         # finished rows' keys and values for later prompts that begin with them; none in the deterministic engine
-        self.prefix_cache = PrefixCache(enabled=prefix_cache and not deterministic)
-        self.batch = RunningBatch(self.runner, self.prefix_cache, self.kv_budget.max_total_tokens)
+        self.prefix_cache = PrefixCache(pool, enabled=prefix_cache and not deterministic)
+        self.batch = RunningBatch(self.runner, self.prefix_cache)
         self.adapters = AdapterSlot()  # a LoRA adapter merged into the weights (SGLang's /load_lora_adapter)
         self._adapter_lock = threading.Lock()  # a load or unload and its place in the queue, together
         self.decode_log = DecodeLog(decode_log_interval)  # serve --decode-log-interval: SGLang's line every N steps
@@ -211,7 +210,8 @@ class Engine:
         except SamplingParamsError as exc:
             raise RequestError(f"sampling_params: {exc} (engine semantics {self.semantics})") from exc
         self.limits.validate(request, self.context_length)
-        self.kv_budget.check_alone(len(request.input_ids), self._column_need(request))
+        need = self._column_need(request)
+        self.kv_budget.check_alone(len(request.input_ids), need, self._attended_width(need))
 
     def _check_grammar(self, request: GenerateRequest) -> None:
         """A constrained request's support must stay capturable, and the grammar must end the output."""
@@ -233,7 +233,11 @@ class Engine:
         self.grammars.check(request.grammar)
 
     def _column_need(self, request: GenerateRequest) -> int:
-        return column_need(len(request.input_ids), request.max_new_tokens, self.runner.key_block)
+        return column_need(len(request.input_ids), request.max_new_tokens, self.runner.pool.block_size)
+
+    def _attended_width(self, need: int) -> int:
+        """The gathered width of a decode step whose longest row reserved ``need`` positions."""
+        return round_up(round_up(need, self.runner.key_block), self.runner.pool.block_size)
 
     def submit(self, request: GenerateRequest, on_token: Callable[[int], None] | None = None) -> Future:
         """Queue a request; the future resolves to a ``Completion`` or raises ``EngineError``
@@ -429,14 +433,19 @@ class Engine:
     def _fits(self, taken: list[GenerateRequest], request: GenerateRequest) -> bool:
         """Whether ``request``, admitted with ``taken``, keeps the KV cache's peak within the budget."""
         joining = [*taken, request]
-        held = self.batch.held
-        need = max([s.need for s in self.batch.rows] + [self._column_need(r) for r in joining])
-        budget = self.kv_budget
-        shape = plan_shape(held, len(self.batch) + len(joining), need, self.max_batch_size, budget.max_total_tokens)
-        peak = budget.peak(held, shape, len(joining), max(len(r.input_ids) for r in joining))
-        if peak + self.prefix_cache.tokens > budget.max_total_tokens:  # cached prefixes give way to a request
-            self.prefix_cache.evict_to(budget.max_total_tokens - peak)
-        return peak <= budget.max_total_tokens
+        needs = [self._column_need(r) for r in joining]
+        width = self._attended_width(max([s.need for s in self.batch.rows] + needs))
+        # the prefills run bucket after bucket (scheduler.prefill_buckets), each padded to its longest prompt
+        buckets = prefill_buckets(joining, length=lambda r: len(r.input_ids))
+        prefill = max(len(b) * max(len(r.input_ids) for r in b) for b in buckets)
+        budget, rows = self.kv_budget, len(self.batch) + len(joining)
+
+        def peak() -> int:
+            return budget.peak(self.batch.committed(), needs, prefill, rows, width)
+
+        while peak() > budget.max_total_tokens and self.prefix_cache.entries:  # cached prefixes give way
+            self.prefix_cache.evict_oldest()
+        return peak() <= budget.max_total_tokens
 
     def _admit(self, admitted) -> None:
         """Prefill the new requests together; one that fails (its seed, its prompt) fails alone."""
@@ -476,7 +485,7 @@ class Engine:
             for group, batch, logits in groups:
                 self._join(group, batch, logits)
 
-    def _prefill(self, group: list[RunningRequest]) -> list[tuple[list[RunningRequest], SlotCache, torch.Tensor]]:
+    def _prefill(self, group: list[RunningRequest]) -> list[tuple[list[RunningRequest], PagedCache, torch.Tensor]]:
         """The group's prompts prefilled together, except those that begin with a cached prefix: each of
         those prefills only its rest (engine/prefix_cache.py). The rows that asked keep their prompts'
         routing (they bypass the cache: the cached positions' routing is not kept)."""
@@ -488,7 +497,7 @@ class Engine:
             if entry is None:
                 fresh.append(seq)
                 continue
-            cache, logits = self.runner.prefill_after(seq.request.input_ids, entry.layers, n)
+            cache, logits = self.runner.prefill_after(seq.request.input_ids, entry.blocks, n)
             self.prefix_cache.stats.prefilled_tokens += len(seq.request.input_ids) - n
             out.append(([seq], cache, logits))
         if fresh:
@@ -500,7 +509,7 @@ class Engine:
             out.append((fresh, cache, logits))
         return out
 
-    def _join(self, group: list[RunningRequest], cache: SlotCache, logits: torch.Tensor) -> None:
+    def _join(self, group: list[RunningRequest], cache: PagedCache, logits: torch.Tensor) -> None:
         """A prefilled group joins the running batch and samples its first tokens."""
         self.batch.join(group, cache)
         self._sample_and_advance(group, logits)

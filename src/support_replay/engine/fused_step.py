@@ -1,4 +1,4 @@
-"""The engine's decode step as one function over the slot cache, outside Hugging Face's module tree.
+"""The engine's decode step as one function over the paged cache, outside Hugging Face's module tree.
 
 Hugging Face's forward pays, at every decode step, module calls, keyword plumbing and mask
 building that a step of one token per row does not need. This step runs the same operations
@@ -41,7 +41,7 @@ from ..errors import EngineError
 from ..modeling.invariant_products import fused_columns_keep_bits
 from ..modeling.linear_kernels import model_kernel, model_linear
 from ..modeling.packed_weights import Pack, pack, packed_linear
-from .slot_cache import SlotCache
+from .paged_cache import PagedCache
 
 FAMILIES = {"llama", "qwen3"}  # the layer layouts this step was written from and is tested on
 
@@ -117,7 +117,7 @@ class _Layer:
 
 
 class FusedDecoder:
-    """One decode step of a Llama or Qwen3 causal LM (``unsupported(model)`` is None) over a SlotCache.
+    """One decode step of a Llama or Qwen3 causal LM (``unsupported(model)`` is None) over a PagedCache.
 
     Every projection runs through the product the model's linear layers use (``model_linear``:
     ``F.linear``, oneDNN's, or the padded product of the batch-invariant forward); the
@@ -177,8 +177,8 @@ class FusedDecoder:
             self._head_version = head._version
 
     @torch.no_grad()  # not inference mode: buffers the cache grows here are moved later outside it
-    def step(self, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, V]`` (float32) of one new token per row; writes its keys and values at each row's column."""
+    def step(self, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, V]`` (float32) of one new token per row; writes its keys and values at each row's position."""
         mask = cache.prepare_decode()  # [B, 1, 1, width], True where a key is seen
         attention, rope = self.attention, self.rope
         x = self.embed.forward(tokens[:, None])
@@ -193,12 +193,11 @@ class FusedDecoder:
             return plain(x, weight, bias)
 
         cos, sin = self.rotary.forward(x, positions[:, None])
-        size, width = cache.size, cache.width
         if self.additive_mask:  # what sdpa turns a boolean mask into, once per step instead of once per layer
             mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(
                 mask.logical_not(), float("-inf")
             )
-        for layer, slots in zip(self.layers, cache.layers):
+        for index, layer in enumerate(self.layers):
             residual = x
             h = layer.input_norm(x)
             packs = layer.packs
@@ -208,12 +207,13 @@ class FusedDecoder:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q, k = rope(q, k, cos, sin)
-            slots.write(k, v)
+            cache.write(index, k, v)
+            keys, values = cache.attended(index)
             out, _ = attention(
                 layer.attn,
                 q,
-                slots.k[:size, :, :width],
-                slots.v[:size, :, :width],
+                keys,
+                values,
                 mask,
                 dropout=0.0,
                 scaling=layer.scaling,

@@ -1,15 +1,15 @@
 """The engine's KV memory budget: how many key/value positions it may hold at its peak.
 
 ``--max-total-tokens`` counts KV token positions, as SGLang's flag of that name counts its token
-pool. Our slot cache is a rectangle, ``slots x capacity`` positions per layer (engine/slot_cache.py),
-so what the budget bounds is that rectangle at its peak: the buffers held, the new ones while a
-grown cache is copied into them, and an admission's prefill (its padded ``[n, L]`` keys and values
-and the group's own cache before it joins: ``2 n L``). Admission reserves every request's prompt
-plus ``max_new_tokens`` up front (no retraction: a request once admitted always finishes), in queue
-order; a request that does not fit waits until rows leave, and one that could never fit, even
-alone, is refused with the numbers. The rectangle is the price of the cache's decode speed: one
-long row makes every slot that long, so long and short requests share the budget unevenly (a block
-pool with paged attention would not; docs/engines.md says why it is not built yet).
+pool. Keys and values live in a pool of fixed-size blocks (engine/block_pool.py), so what a row
+holds is its own length in whole blocks, whatever the other rows' lengths. The peak the budget
+bounds is: the blocks held (running rows, cached prefixes), what the running rows may still grow
+into, the joining requests' reservations, an admission's prefill (its padded ``[n, L]`` keys and
+values before they are written into blocks: ``n L``), and the one layer's gathered keys and values
+a decode step attends to (``rows x width / layers``). Admission reserves every request's prompt
+plus ``max_new_tokens`` up front, in whole blocks (no retraction: a request once admitted always
+finishes), in queue order; a request that does not fit waits until rows leave, cached prefixes
+give way first, and one that could never fit, even alone, is refused with the numbers.
 
 The default budget is a share of the memory available when the engine starts: half in ``serve``,
 a quarter beside a colocated trainer.
@@ -64,32 +64,15 @@ def kv_bytes_per_token(model) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * itemsize
 
 
-def plan_shape(
-    held: tuple[int, int], rows: int, columns: int, max_rows: int, max_tokens: int | None
-) -> tuple[int, int]:
-    """The ``(slots, capacity)`` the cache grows to for ``rows`` rows of ``columns`` positions, from
-    ``held``: the dimension that ran out doubles (slots up to ``max_rows``), unless the copy's peak
-    (held plus new) would pass ``max_tokens``, in which case it grows only as far as needed."""
-    slots, capacity = held
-    if rows <= slots and columns <= capacity:
-        return held
-    doubled = (
-        slots if rows <= slots else min(max(rows, 2 * slots), max(rows, max_rows)),
-        capacity if columns <= capacity else max(columns, 2 * capacity),
-    )
-    if max_tokens is None:
-        return doubled
-    exact = (max(rows, slots), max(columns, capacity))
-    for shape in (doubled, (exact[0], doubled[1]), (doubled[0], exact[1]), exact):
-        if slots * capacity + shape[0] * shape[1] <= max_tokens:
-            return shape
-    return exact
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 @dataclass(frozen=True)
 class KVBudget:
     max_total_tokens: int
     bytes_per_token: int
+    layers: int = 1  # a decode step's gathered copy is one layer's: its positions count 1 / layers
 
     def __post_init__(self):
         if self.max_total_tokens < 1:
@@ -100,36 +83,43 @@ class KVBudget:
         per_token = kv_bytes_per_token(model)
         if max_total_tokens is None:
             max_total_tokens = max(1, int(available_bytes() * share) // per_token)
-        return cls(int(max_total_tokens), per_token)
+        return cls(int(max_total_tokens), per_token, model.config.num_hidden_layers)
 
     @property
     def bytes(self) -> int:
         return self.max_total_tokens * self.bytes_per_token
 
-    def peak(self, held: tuple[int, int], shape: tuple[int, int], prefill_rows: int, prefill_length: int) -> int:
-        """Positions at the peak of an admission: held buffers, the grown ones while copied, the prefill."""
-        grown = shape[0] * shape[1] if shape != held else 0
-        return held[0] * held[1] + grown + 2 * prefill_rows * prefill_length
+    def attended(self, rows: int, width: int) -> int:
+        """Positions of a decode step's gathered keys and values (one layer's, reused by every layer)."""
+        return -(-rows * width // self.layers)
 
-    def check_alone(self, prompt_tokens: int, need: int) -> None:
+    def peak(self, committed: int, needs: list[int], prefill_tokens: int, rows: int, width: int) -> int:
+        """Positions at the peak of an admission: what is held and may still grow (``committed``), the
+        joining requests' reservations, their prefill, and a decode step's gathered copy."""
+        return committed + sum(needs) + prefill_tokens + self.attended(rows, width)
+
+    def check_alone(self, prompt_tokens: int, need: int, width: int) -> None:
         """Refuse (400) a request that could not be admitted even into an empty engine."""
-        alone = self.peak((0, 0), (1, need), 1, prompt_tokens)
+        copy = self.attended(1, width)
+        alone = self.peak(0, [need], prompt_tokens, 1, width)
         if alone > self.max_total_tokens:
             raise RequestError(
-                f"max_new_tokens: {prompt_tokens} prompt tokens + their reservation of {need} KV positions and the "
-                "prefill's "
-                f"{2 * prompt_tokens} need {alone} positions, more than this engine's --max-total-tokens "
-                f"{self.max_total_tokens} "
-                f"({self.bytes_per_token} bytes each)"
+                f"max_new_tokens: {prompt_tokens} prompt tokens + their reservation of {need} KV positions, the "
+                f"prefill's {prompt_tokens} and a decode step's gathered {copy} need {alone} positions, more than "
+                f"this engine's --max-total-tokens {self.max_total_tokens} ({self.bytes_per_token} bytes each)"
             )
 
 
-def column_need(prompt_tokens: int, max_new_tokens: int, align: int) -> int:
-    """Cache columns a request may fill: its prompt, every new token, the write column, rounded up to ``align``."""
-    return -(-(prompt_tokens + max_new_tokens + 1) // align) * align
+def column_need(prompt_tokens: int, max_new_tokens: int, page: int) -> int:
+    """KV positions a request reserves: its prompt, every new token, the write position, in whole blocks of ``page``."""
+    return round_up(prompt_tokens + max_new_tokens + 1, page)
 
 
-def largest_batch(budget: KVBudget, prompt_tokens: int, max_new_tokens: int, align: int = 1) -> int:
+def largest_batch(budget: KVBudget, prompt_tokens: int, max_new_tokens: int, page: int = 1, align: int = 1) -> int:
     """How many requests of this shape one admission takes into an empty engine (a GRPO group sent together)."""
-    need = column_need(prompt_tokens, max_new_tokens, align)
-    return budget.max_total_tokens // (need + 2 * prompt_tokens)
+    need = column_need(prompt_tokens, max_new_tokens, page)
+    width = round_up(round_up(need, align), page)
+    n = budget.max_total_tokens // (need + prompt_tokens)
+    while n > 0 and budget.peak(0, [need] * n, n * prompt_tokens, n, width) > budget.max_total_tokens:
+        n -= 1
+    return n

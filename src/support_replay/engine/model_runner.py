@@ -1,12 +1,12 @@
-"""Batched prefill and decode of a Hugging Face causal LM over the engine's slot cache.
+"""Batched prefill and decode of a Hugging Face causal LM over the engine's block pool.
 
 New sequences are prefilled together, left-padded to a common length, with Hugging Face's
 dynamic cache (identical prompts admitted together are prefilled once and their rows copied);
 the 2-D attention mask hides the padding and explicit position ids keep every sequence's
-positions its own. Their keys and values then move into the running batch's preallocated
-``SlotCache`` (engine/slot_cache.py), position by position, and every decode step writes one
-column per row in place and attends to a view of it (continuous batching: sequences join and
-leave between decode steps, each copying its own row only). For Llama and Qwen3 models the decode
+positions its own. Their keys and values are then written into their blocks of the pool
+(engine/block_pool.py, engine/paged_cache.py), and every decode step writes one position per row
+in place and attends to the rows' blocks gathered into one view (continuous batching: sequences
+join and leave between decode steps, copying nothing). For Llama and Qwen3 models the decode
 step is one function over the cache (engine/fused_step.py; on oneDNN over packed weights), the
 same bits as the module tree. A mixture-of-experts model decodes through its modules, with the
 sparse blocks of modeling/moe.py; when some running request asks for its routing, the forward
@@ -25,8 +25,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from ..errors import EngineError
 from ..modeling.moe import install_routing
+from .block_pool import BlockPool
 from .fused_step import FusedDecoder, unsupported
-from .slot_cache import SlotCache
+from .paged_cache import PagedCache
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +42,12 @@ def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype = torch.float3
 
 
 class ModelRunner:
-    def __init__(
-        self, model, device: str = "cpu", key_block: int = 1, max_rows: int | None = None, max_tokens: int | None = None
-    ):
+    def __init__(self, model, device: str = "cpu", key_block: int = 1, pool: BlockPool | None = None):
         self.model = model
         self.device = device
-        self.key_block = key_block  # the slot cache attends to whole blocks of this many keys
-        self.max_rows, self.max_tokens = max_rows, max_tokens  # the slot caches' bounds: batch size, KV budget
+        self.key_block = key_block  # a decode step attends to whole blocks of this many keys
+        # every row's keys and values (engine/block_pool.py); unbounded but for the engine's budget
+        self.pool = pool or BlockPool(model.config.num_hidden_layers, 16, 1 << 24)
         params = inspect.signature(model.forward).parameters
         # transformers 5 calls the cache argument `cache`; earlier releases `past_key_values`
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -57,7 +57,7 @@ class ModelRunner:
             raise EngineError(
                 f"model: layer types {sorted(layer_types)} (sliding window: "
                 f"{getattr(model.config, 'use_sliding_window', False)}); "
-                "the engine's slot cache serves full-attention layers only"
+                "the engine's paged cache serves full-attention layers only"
             )
         self.routing = install_routing(model)  # None for a dense model
         self.routing_rows: list[torch.Tensor] | torch.Tensor | None = None  # the last forward's routing, when asked
@@ -84,8 +84,8 @@ class ModelRunner:
         new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         return out.logits[:, -1, :].float(), new_cache
 
-    def prefill(self, prompts: list[list[int]], routing: bool = False) -> tuple[SlotCache, torch.Tensor]:
-        """Run the prompts (left-padded together); returns their slot cache and last-position logits.
+    def prefill(self, prompts: list[list[int]], routing: bool = False) -> tuple[PagedCache, torch.Tensor]:
+        """Run the prompts (left-padded together); returns their rows of the pool and last-position logits.
         With ``routing`` (a MoE model), ``routing_rows`` then holds each prompt's ``[len, layers, top_k]``.
 
         A prompt sent several times at once (a GRPO group) is prefilled once: its keys, values
@@ -104,25 +104,24 @@ class ModelRunner:
             flat, length = self.routing.stacked(), max(len(p) for p in distinct)
             rows = [flat[j * length + length - len(p) : (j + 1) * length] for j, p in enumerate(distinct)]
             self.routing_rows = [rows[j] for j in index]
-        cache = SlotCache(len(layers), align=self.key_block, max_rows=self.max_rows, max_tokens=self.max_tokens)
+        cache = PagedCache(self.pool, align=self.key_block)
         cache.append(layers, [len(p) for p in prompts], index)
         return cache, logits[torch.tensor(index, device=logits.device)] if len(distinct) < len(prompts) else logits
 
-    def prefill_after(
-        self, prompt: list[int], cached: list[tuple[torch.Tensor, torch.Tensor]], n: int
-    ) -> tuple[SlotCache, torch.Tensor]:
-        """One prompt whose first ``n`` positions' keys and values are ``cached`` (a prefix-cache hit,
-        ``[kv_heads, >= n, d]`` per layer): only the rest is computed, attending to them."""
+    def prefill_after(self, prompt: list[int], blocks: list[int], n: int) -> tuple[PagedCache, torch.Tensor]:
+        """One prompt whose first ``n`` positions' keys and values are in ``blocks`` (a prefix-cache hit):
+        only the rest is computed, attending to them; the row's table begins with the whole ones, shared."""
         cache = DynamicCache()
-        for index, (k, v) in enumerate(cached):
-            cache.update(k[None, :, :n].clone(), v[None, :, :n].clone(), index)
+        for index, (k, v) in enumerate(self.pool.read(blocks, n)):
+            cache.update(k[None], v[None], index)
         rest = torch.tensor([prompt[n:]], device=self.device)
         mask = torch.ones(1, len(prompt), dtype=torch.long, device=self.device)
         positions = torch.arange(n, len(prompt), device=self.device)[None]
         logits, cache = self._forward(rest, mask, positions, cache)
-        slots = SlotCache(len(cached), align=self.key_block, max_rows=self.max_rows, max_tokens=self.max_tokens)
-        slots.append([(layer.keys, layer.values) for layer in cache.layers], [len(prompt)])
-        return slots, logits
+        rows = PagedCache(self.pool, align=self.key_block)
+        shared = blocks[: n // self.pool.block_size]
+        rows.append([(layer.keys, layer.values) for layer in cache.layers], [len(prompt)], shared=shared)
+        return rows, logits
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
         """Left-padded keys and values per layer and the last-position logits of ``prompts``."""
@@ -145,9 +144,9 @@ class ModelRunner:
             self.routing.record_next()
 
     def decode(
-        self, batch: SlotCache, last_tokens: torch.Tensor, positions: torch.Tensor, routing: bool = False
+        self, batch: PagedCache, last_tokens: torch.Tensor, positions: torch.Tensor, routing: bool = False
     ) -> torch.Tensor:
-        """One decode step for every row: each row's key and value written at its own column. With
+        """One decode step for every row: each row's key and value written at its own position. With
         ``routing``, ``routing_rows`` then holds the ``[rows, layers, top_k]`` experts of the fed tokens."""
         self._record(routing)
         if self.use_fused:
@@ -161,7 +160,7 @@ class ModelRunner:
         return logits
 
     @staticmethod
-    def merge(a: SlotCache | None, b: SlotCache) -> SlotCache:
+    def merge(a: PagedCache | None, b: PagedCache) -> PagedCache:
         """Rows of ``a`` then rows of ``b`` (only ``b``'s rows are copied)."""
         if a is None or a.size == 0:
             return b
@@ -169,8 +168,8 @@ class ModelRunner:
         return a
 
     @staticmethod
-    def keep(batch: SlotCache, rows: list[int]) -> tuple[SlotCache | None, list[int]]:
+    def keep(batch: PagedCache, rows: list[int]) -> tuple[PagedCache | None, list[int]]:
         """Only the given rows; returns the batch (None when empty) and the kept rows' old indices
-        in their new order (a leaving row's slot takes the last row)."""
+        in their new order."""
         order = batch.keep(rows)
         return (batch if order else None), order

@@ -1,17 +1,20 @@
-"""A prefix cache: the keys and values of finished sequences, reused by later prompts that begin with them.
+"""A prefix cache: the KV blocks of finished sequences, shared with later prompts that begin with them.
 
-When a request finishes, its row's keys and values (prompt and every fed output token) are kept,
-keyed by those token ids. A later prompt whose first tokens equal an entry's (a session's next
-turn: the previous context plus the inserted tokens; another sample of a GRPO task; requests that
-share a system prompt) prefills only the rest, attending to the cached positions (SGLang's radix
-cache and vLLM's block hashing share KV across requests the same way; here an entry is one whole
-sequence and the match is the longest common prefix over the entries).
+When a request finishes, its row's blocks of the KV pool (prompt and every fed output token)
+pass to the cache without a copy (engine/block_pool.py counts their holders), keyed by those
+token ids. A later prompt whose first tokens equal an entry's (a session's next turn: the
+previous context plus the inserted tokens; another sample of a GRPO task; requests that share a
+system prompt) prefills only the rest, attending to the cached positions, and its block table
+begins with the entry's whole blocks, shared (SGLang's radix cache and vLLM's block hashing share
+KV across requests the same way; here an entry is one whole sequence and the match is the
+longest common prefix over the entries).
 
-The cache lives inside the engine's KV budget (engine/kv_budget.py): an entry is kept only where
-the slot cache leaves room, least recently used entries go first, and admission evicts entries
-before it makes a request wait. A weight update (or version change) and ``/flush_cache`` empty
-it: keys and values from other weights are not these weights'. The deterministic engine
-(true-on-policy) keeps none, so a prefill there is always the whole prompt's, bit for bit.
+The cache lives inside the engine's KV budget (engine/kv_budget.py): its blocks count as held,
+least recently used entries go first, and admission evicts entries before it makes a request
+wait (a block also held by a running row stays until that row leaves). A weight update (or
+version change) and ``/flush_cache`` empty it: keys and values from other weights are not these
+weights'. The deterministic engine (true-on-policy) keeps none, so a prefill there is always the
+whole prompt's, bit for bit.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
+
+from .block_pool import BlockPool
 
 MIN_MATCH = 8  # a shorter common prefix is not worth its own prefill
 
@@ -38,13 +42,14 @@ class CacheStats:
 @dataclass
 class Entry:
     ids: np.ndarray  # int64 [n]: the token of every cached position
-    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), [kv_heads, n, head_dim]
+    blocks: list[int]  # the pool's blocks holding its positions (the last one partly)
 
 
 @dataclass
 class PrefixCache:
     """Entries by token ids, least recently used first; ``tokens`` positions held in all."""
 
+    pool: BlockPool | None = None
     enabled: bool = True
     entries: OrderedDict = field(default_factory=OrderedDict)
     tokens: int = 0
@@ -74,29 +79,29 @@ class PrefixCache:
         self.stats.reused_tokens += best_n
         return self.entries[best], best_n
 
-    def store(self, ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]], room: int) -> None:
-        """Keep a finished sequence, evicting the least recently used entries until ``room`` positions
-        (what the KV budget leaves beside the slot cache) hold it; nothing is kept that does not fit."""
-        if not self.enabled or len(ids) < MIN_MATCH or len(ids) > room:
+    def store(self, ids: list[int], blocks: list[int]) -> None:
+        """Keep a finished sequence's blocks (one more holder each: the row lets its own hold go after)."""
+        if not self.enabled or len(ids) < MIN_MATCH:
             return
         key = tuple(ids)
         if key in self.entries:
             self.entries.move_to_end(key)
             return
-        self.evict_to(room - len(ids))
-        self.entries[key] = Entry(np.asarray(ids, np.int64), layers)
+        self.pool.share(blocks)
+        self.entries[key] = Entry(np.asarray(ids, np.int64), list(blocks))
         self.tokens += len(ids)
         self.stats.stored += 1
 
-    def evict_to(self, tokens: int) -> None:
-        """Least recently used entries out until at most ``tokens`` positions are held."""
-        while self.entries and self.tokens > max(tokens, 0):
-            _, entry = self.entries.popitem(last=False)
-            self.tokens -= len(entry.ids)
-            self.stats.evicted += 1
+    def evict_oldest(self) -> None:
+        """The least recently used entry out (its blocks go back to the pool unless a running row holds them)."""
+        _, entry = self.entries.popitem(last=False)
+        self.pool.release(entry.blocks)
+        self.tokens -= len(entry.ids)
+        self.stats.evicted += 1
 
     def clear(self) -> None:
-        self.evict_to(0)
+        while self.entries:
+            self.evict_oldest()
 
     def to_json(self) -> dict:
         return {"enabled": self.enabled, "entries": len(self.entries), "tokens": self.tokens, **vars(self.stats)}

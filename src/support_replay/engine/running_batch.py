@@ -1,5 +1,5 @@
-"""The rows decoding together and their slot cache: join after a prefill, one decode step's logits,
-and the retirement of finished rows (a leaving row's slot takes the last row)."""
+"""The rows decoding together and their block tables: join after a prefill, one decode step's logits,
+and the retirement of finished rows (their blocks go back to the pool, or to the prefix cache)."""
 
 from __future__ import annotations
 
@@ -7,35 +7,33 @@ import torch
 
 from .capture import keep_routing
 from .model_runner import ModelRunner
+from .paged_cache import PagedCache
 from .prefix_cache import PrefixCache
 from .running import RunningRequest
-from .slot_cache import SlotCache
 
 
 class RunningBatch:
-    def __init__(self, runner: ModelRunner, prefix_cache: PrefixCache | None = None, max_total_tokens: int = 0):
+    def __init__(self, runner: ModelRunner, prefix_cache: PrefixCache | None = None):
         self.runner = runner
         self.rows: list[RunningRequest] = []
-        self.cache: SlotCache | None = None
-        self.prefix_cache = prefix_cache  # finished rows leave their keys and values there (engine/prefix_cache.py)
-        self.max_total_tokens = max_total_tokens
+        self.cache: PagedCache | None = None
+        self.prefix_cache = prefix_cache  # finished rows leave their blocks there (engine/prefix_cache.py)
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    @property
-    def held(self) -> tuple[int, int]:
-        """``(slots, capacity)`` the cache holds now (engine/kv_budget.py plans from it)."""
-        return (self.cache.slots, self.cache.capacity) if self.cache is not None else (0, 0)
+    def committed(self) -> int:
+        """KV positions the pool holds (running rows, cached prefixes) plus what the running rows may
+        still grow into within their reservations (engine/kv_budget.py)."""
+        pool = self.runner.pool
+        page = pool.block_size
+        tables = self.cache.tables if self.cache is not None else []
+        growth = sum(max(0, s.need // page - len(t)) for s, t in zip(self.rows, tables))
+        return (pool.used + growth) * page
 
-    def join(self, group: list[RunningRequest], cache: SlotCache) -> None:
-        """A prefilled group joins: every row's reservation at once, in the shape admission counted,
-        so the cache never grows while it decodes."""
-        need = max(s.need for s in self.rows + group)
-        if self.cache is not None:
-            self.cache.reserve(self.cache.size + len(group), need, cache.layers[0].k)
+    def join(self, group: list[RunningRequest], cache: PagedCache) -> None:
+        """A prefilled group joins (its blocks are already in the pool: nothing is copied)."""
         self.cache = self.runner.merge(self.cache, cache)
-        self.cache.reserve(self.cache.size, need, cache.layers[0].k)
         self.rows.extend(group)
 
     def decode(self) -> torch.Tensor:
@@ -60,25 +58,21 @@ class RunningBatch:
             self._keep_prefixes()
         self.cache, order = self.runner.keep(self.cache, keep)
         self.rows = [self.rows[i] for i in order]
-        if self.cache is not None:  # the rows that needed the most room may have left: hold what the rest reserved
-            self.cache.shrink(max(s.need for s in self.rows))
         return done
 
     def _keep_prefixes(self) -> None:
-        """Every finished row's keys and values (prompt and fed outputs) into the prefix cache, within the
-        room the KV budget leaves beside the slot cache."""
-        slots, capacity = self.held
+        """Every finished row's blocks (prompt and fed outputs) pass to the prefix cache."""
         for row, seq in enumerate(self.rows):
             if seq.finish_reason is None or seq.failure is not None:
                 continue
             length = int(self.cache.lengths[row])
             ids = (list(seq.request.input_ids) + seq.output_ids)[:length]
-            layers = [
-                (layer.k[row, :, :length].clone(), layer.v[row, :, :length].clone()) for layer in self.cache.layers
-            ]
-            self.prefix_cache.store(ids, layers, self.max_total_tokens - slots * capacity)
+            self.prefix_cache.store(ids, self.cache.row_blocks(row))
 
     def clear(self) -> list[RunningRequest]:
-        """Every row out at once (a step of the whole batch failed); the cache is dropped."""
-        rows, self.rows, self.cache = self.rows, [], None
+        """Every row out at once (a step of the whole batch failed); their blocks go back."""
+        rows, self.rows = self.rows, []
+        if self.cache is not None:
+            self.cache.release()
+        self.cache = None
         return rows

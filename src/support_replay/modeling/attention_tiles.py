@@ -1,6 +1,6 @@
 """The fixed shapes of the batch-invariant attention and where each key sits in them.
 
-Both sides of a true-on-policy run (the engine's left-padded slot cache, the trainer's
+Both sides of a true-on-policy run (the engine's gathered KV blocks, the trainer's
 right-padded batch) cut keys into blocks of ``KEY_BLOCK`` positions counted from each
 sequence's start and queries into tiles of ``ROW_BLOCK`` rows. ``key_layout`` says, for one
 attention mask, which cache column holds each sequence position; a forward's layers share one
@@ -49,7 +49,7 @@ def key_layout(allowed: torch.Tensor) -> KeyLayout:
     width = -(-int((k_len - start).max()) // KEY_BLOCK) * KEY_BLOCK
     if bool(
         (start == 0).all()
-    ):  # already aligned (the trainer's batch; the engine's slot cache, whole blocks wide): no gather
+    ):  # already aligned (the trainer's batch; the engine's gathered blocks, whole key blocks wide): no gather
         extra = width - k_len
         aligned = F.pad(allowed, (0, extra)) if extra > 0 else allowed
         return KeyLayout(width, aligned[:, :, :width], None, k_len)

@@ -103,7 +103,7 @@ def _step_masks(layout: KeyLayout, groups: int, repeat: int, dtype: torch.dtype)
 
 def one_query_per_sequence(query, key, value, layout: KeyLayout, scale: float) -> torch.Tensor:
     """``[B, 1, H, d]`` attention output of a decode step; ``key`` and ``value`` are in ``layout``
-    (``[B, G, width, d]``, views of the engine's slot cache where its strides allow)."""
+    (``[B, G, width, d]``, the engine's gathered blocks: a rectangle's inner strides)."""
     batch, heads, _, dim = query.shape
     groups, width = key.shape[1], key.shape[2]
     repeat = heads // groups

@@ -33,6 +33,8 @@ def native_routes(calls: EngineCalls, model_name: str) -> APIRouter:
             "invariant_products": engine.invariant_plans,
             "limits": engine.limits.to_json(),
             "max_total_tokens": engine.kv_budget.max_total_tokens,
+            "page_size": engine.runner.pool.block_size,
+            "kv_blocks": {"total": engine.runner.pool.blocks, "used": engine.runner.pool.used},
             "prefix_cache": engine.prefix_cache.to_json(),
         }
 

@@ -1,0 +1,132 @@
+"""The engine's paged cache: rows hold block tables over one pool, joining and leaving copy nothing,
+decode writes in place and gathers what a rectangle of slots would hold, blocks are shared by
+holder count, and a request's answer does not depend on who joined or left around it."""
+
+import numpy as np
+import pytest
+import torch
+
+from support_replay import SamplingParams
+from support_replay.engine import Engine
+from support_replay.engine.block_pool import BlockPool
+from support_replay.engine.paged_cache import PagedCache
+from support_replay.errors import EngineError
+from support_replay.protocol import GenerateRequest
+
+pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
+
+
+def filled(lengths, heads=2, dim=3, layers=2, page=4, blocks=64):
+    """A cache whose row i holds value 100 * i + position at every held position (values: the negative)."""
+    cache = PagedCache(BlockPool(layers, page, blocks * page))
+    width = max(lengths)
+    keys = torch.zeros(len(lengths), heads, width, dim)
+    for i, n in enumerate(lengths):
+        keys[i, :, width - n :] = (100 * i + torch.arange(n, dtype=torch.float32))[None, :, None]
+    cache.append([(keys, -keys)] * layers, list(lengths))
+    return cache
+
+
+def held(cache, row, layer=0):
+    """Row ``row``'s keys at its held positions, read back from the pool."""
+    keys, values = cache.pool.read(cache.tables[row], int(cache.lengths[row]))[layer]
+    assert torch.equal(values, -keys)
+    return keys[0, :, 0]
+
+
+def test_rows_hold_their_own_length_in_blocks_and_leaving_frees_them_without_a_copy():
+    cache = filled([3, 5, 2, 4, 6])
+    assert [len(t) for t in cache.tables] == [1, 2, 1, 1, 2]  # pages of 4: a row's length, not the longest's
+    pool = cache.pool
+    assert pool.used == 7
+    storage = [layer.clone() for layer in pool.storage]
+    order = cache.keep([0, 2, 4])
+    assert order == [0, 2, 4] and cache.size == 3 and cache.lengths.tolist() == [3, 2, 6]
+    assert pool.used == 4 and all(
+        torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(storage, pool.storage)
+    )  # no copy
+    for slot, row in enumerate(order):
+        assert torch.equal(held(cache, slot), 100 * row + torch.arange(int(cache.lengths[slot]), dtype=torch.float32))
+    assert cache.keep([]) == [] and cache.size == 0
+    assert pool.used == 0 and pool.storage is None  # nothing held: the memory goes back
+
+
+def test_decode_writes_each_rows_position_and_takes_a_block_as_it_grows():
+    cache = filled([2, 4])
+    mask = cache.prepare_decode()
+    assert mask[:, 0, 0].tolist() == [[True, True, True, False, False], [True] * 5]  # width 5: row 0 sees positions 0-2
+    assert [len(t) for t in cache.tables] == [1, 2]  # row 1 writes position 4: its second block, taken now
+    new = torch.full((2, 2, 1, 3), 7.0)
+    keys, values = cache.layers[0].update(new, -new)
+    assert keys.shape == (2, 2, 5, 3) and keys[0, 0, 2, 0] == 7 and keys[1, 0, 4, 0] == 7 and keys[1, 0, 3, 0] == 103
+    assert torch.equal(values, -keys) and keys.stride()[-2:] == (3, 1)  # a rectangle's inner layout
+    assert keys[0, 0, 3:].abs().sum() == 0  # past row 0's length: its fresh block's zeros
+    cache.finish_decode()
+    for _ in range(6):
+        cache.prepare_decode()
+        for layer in cache.layers:
+            layer.update(new, -new)
+        cache.finish_decode()
+    assert cache.lengths.tolist() == [9, 11] and [len(t) for t in cache.tables] == [3, 3]
+    assert held(cache, 1)[:5].tolist() == [100, 101, 102, 103, 7]
+
+
+def test_blocks_are_shared_by_holder_count_and_handed_out_lowest_first():
+    pool = BlockPool(num_layers=1, block_size=4, max_tokens=16)
+    pool.ensure(1, 2, torch.float32, "cpu")
+    a = pool.allocate(3)
+    assert a == [1, 2, 3] and pool.free == 1
+    pool.share(a[:2])  # a prefix cache entry holds the first two
+    pool.release(a)
+    assert pool.used == 2 and pool.allocate(2) == [3, 4]
+    with pytest.raises(EngineError, match="1 blocks asked with 0 of 4 free"):
+        pool.allocate(1)
+    pool.release([1, 2])
+    assert pool.allocate(1) == [1]
+    with pytest.raises(EngineError, match="released more often than it was held"):
+        pool.release([2])
+
+
+def test_a_block_handed_out_again_starts_as_zeros_only_the_first_time():
+    """Zeroed once (the storage is made with ``torch.empty``); later it holds some row's finite values."""
+    pool = BlockPool(num_layers=1, block_size=2, max_tokens=8)
+    pool.ensure(1, 1, torch.float32, "cpu")
+    pool.storage[0].fill_(float("nan"))  # what empty memory may hold
+    first = pool.allocate(1)
+    assert torch.equal(pool.storage[0][:, :, first[0]], torch.zeros(2, 1, 2, 1))
+    pool.storage[0][:, :, first[0]] = 5.0
+    pool.release(first)  # storage dropped: nothing held
+    pool.ensure(1, 1, torch.float32, "cpu")
+    assert pool.allocate(1) == first and pool.storage[0][:, :, first[0]].abs().sum() == 0  # new storage: zeroed again
+
+
+def test_requests_joining_and_leaving_mid_flight_answer_as_alone(tiny_checkpoint):
+    """Deterministic engine, driven step by step: three requests start, two more join after three
+    decode steps, all with different lengths so they leave at different steps (each leaving slot
+    taken by the last row); every answer equals the same request alone, bit for bit."""
+    engine = Engine.from_pretrained(tiny_checkpoint, deterministic=True)
+    reqs = [
+        GenerateRequest(
+            [5 + i, 6, 7, 8][: 2 + i % 3],
+            SamplingParams(top_k=20, top_p=0.9, seed=i),
+            max_new_tokens=3 + 2 * i,
+            ignore_eos=True,
+            return_sampling_mask=True,
+        )
+        for i in range(5)
+    ]
+    first = [engine.submit(r) for r in reqs[:3]]
+    for _ in range(4):
+        engine.step()
+    late = [engine.submit(r) for r in reqs[3:]]
+    while not all(f.done() for f in first + late):
+        engine.step()
+    together = [f.result() for f in first + late]
+    for req, got in zip(reqs, together):
+        alone = engine.generate([req])[0]
+        assert (
+            got.output_ids == alone.output_ids
+            and np.array_equal(got.log_mu, alone.log_mu)
+            and got.support == alone.support
+        )
+    engine.shutdown()
