@@ -9,6 +9,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_model import build_tiny_checkpoint, build_tiny_moe_checkpoint  # noqa: E402
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test whose true-on-policy engine or actor is refused because this CPU's kernels (at these ISA
+    limits) offer no batch-invariant product skips, naming the CPU: the refusal itself is what the
+    product promises there, and tests/modeling/test_invariant_products.py tests it by name."""
+    from support_replay.errors import NoInvariantProduct
+
+    try:
+        return (yield)
+    except NoInvariantProduct as exc:
+        from support_replay.modeling.invariant_products import cpu_name
+
+        pytest.skip(f"no batch-invariant product on this CPU ({cpu_name()}) with these kernels: {exc}")
+
+
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
 def threads(request):
     """Torch at 1 and at 2 threads (the machine's cores): bit-level facts are checked at both."""

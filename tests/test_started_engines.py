@@ -102,6 +102,7 @@ def test_the_sglang_command_line_parses_in_sglangs_own_parser(tmp_path):
     except sglang_code.Unavailable as exc:
         pytest.skip(f"SGLang's parser is not available here: {exc}")
     server = (*SEED_SGLANG, "--sglang-enable-lora", "--sglang-max-lora-rank", "16", "--sglang-lora-target-modules=all")
+    server += ("--sglang-page-size", "16")
     cfg = launched(launch_server="sglang", sglang_server_args=server, rollout_num_gpus_per_engine=2)
     command = engine_command(cfg, "/models/qwen3", 30001, 1, tmp_path)
     assert command[1:3] == ["-m", "sglang.launch_server"]
@@ -128,6 +129,8 @@ def test_two_trainer_ranks_train_through_the_two_engines_they_started(tiny_check
         "2",
         "--sglang-max-running-requests",
         "8",
+        "--sglang-page-size",
+        "8",
         "--sglang-server-concurrency",
         "4",
     ]
@@ -144,7 +147,7 @@ def test_two_trainer_ranks_train_through_the_two_engines_they_started(tiny_check
     logs = out / "logs"
     assert {p.name for p in logs.iterdir()} == {"engine0.log", "engine1.log", "router.log"}
     engine_logs = [(logs / f"engine{i}.log").read_text() for i in (0, 1)]
-    assert all("--max-running-requests 8" in log.splitlines()[0] for log in engine_logs)
+    assert all("--max-running-requests 8 --page-size 8" in log.splitlines()[0] for log in engine_logs)
     assert any("Decode batch, #running-req: " in log for log in engine_logs)  # --decode-log-interval 2
     written = json.loads((out / "config.json").read_text())  # as given: --config starts the engines again
     assert written["rollout_url"] is None and written["rollout_num_gpus_per_engine"] == 1

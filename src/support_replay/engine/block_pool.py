@@ -38,8 +38,8 @@ class BlockPool:
         self.blocks = max(1, max_tokens // block_size)  # handed out at most; block 0 (zeros) comes on top
         self.storage: list[torch.Tensor] | None = None  # per layer [2, kv_heads, blocks + 1, block_size, head_dim]
         self.refs = np.zeros(self.blocks + 1, np.int32)
-        self._free = list(range(1, self.blocks + 1))  # a heap: the lowest block first keeps touched memory compact
-        self._zeroed = 0  # blocks 1.._zeroed have been zeroed once
+        self._released: list[int] = []  # a heap of blocks handed out before and free again: lowest first
+        self._next = 1  # blocks from here on were never handed out since the storage was made
         self.used = 0  # blocks held by someone
 
     @property
@@ -60,7 +60,6 @@ class BlockPool:
         self.storage = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
         for layer in self.storage:
             layer[:, :, 0].zero_()
-        self._zeroed = 0
 
     def allocate(self, n: int) -> list[int]:
         """``n`` free blocks, lowest first, each held once; admission reserved them, so running out is a bug."""
@@ -71,15 +70,17 @@ class BlockPool:
             )
         if self.storage is None:
             raise EngineError("block pool: blocks asked before the storage was made (ensure comes first)")
-        ids = [heapq.heappop(self._free) for _ in range(n)]
+        # released blocks first (the lowest), then never-used ones: the touched memory stays compact
+        ids = [heapq.heappop(self._released) for _ in range(min(n, len(self._released)))]
+        fresh = list(range(self._next, self._next + n - len(ids)))
+        self._next += len(fresh)
+        ids += fresh
         self.refs[ids] = 1
         self.used += n
-        fresh = [i for i in ids if i > self._zeroed]
-        if fresh:
+        if fresh:  # zeroed the first time: the storage was made with torch.empty
             index = torch.tensor(fresh, device=self.storage[0].device)
             for layer in self.storage:
                 layer.index_fill_(2, index, 0)
-            self._zeroed = max(self._zeroed, max(fresh))
         return ids
 
     def share(self, ids: list[int]) -> None:
@@ -92,12 +93,12 @@ class BlockPool:
         for i in ids:
             self.refs[i] -= 1
             if self.refs[i] == 0:
-                heapq.heappush(self._free, i)
+                heapq.heappush(self._released, i)
                 self.used -= 1
             elif self.refs[i] < 0:
                 raise EngineError(f"block pool: block {i} released more often than it was held")
-        if self.used == 0:
-            self.storage = None  # nothing held: the memory goes back
+        if self.used == 0:  # nothing held: the memory goes back, and every block is new again
+            self.storage, self._released, self._next = None, [], 1
 
     def flat(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s storage as ``[2, kv_heads, (blocks + 1) * page, head_dim]`` (block * page + offset)."""
