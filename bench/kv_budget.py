@@ -106,9 +106,9 @@ def gather_costs(path, steps: int = 12) -> None:
     spent = [0.0]
     real = PagedCache.attended
 
-    def timed(self, layer):
+    def timed(self, layer, group=None):
         start = time.perf_counter()
-        out = real(self, layer)
+        out = real(self, layer, group)
         spent[0] += time.perf_counter() - start
         return out
 

@@ -54,9 +54,19 @@ def test_fused_decode_is_the_module_tree_bit_for_bit(tiny_checkpoint, tied_llama
         [11, 12],
         [20 + i % 30 for i in range(9)],
     ]  # left padding, block edge at 64
+    # rows of unlike lengths attend in groups at their own widths: the batch-invariant attention keeps its
+    # bits at any width; sdpa's change with it, so there the fused step also attends at the batch's width
     fused, tree = decode_both_ways(runner, prompts, 6)
     for t, (a, b) in enumerate(zip(fused, tree)):
-        assert torch.equal(a, b), (t, (a - b).abs().max().item())
+        if deterministic:
+            assert torch.equal(a, b), (t, (a - b).abs().max().item())
+        else:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    if not deterministic:
+        runner.fused.group_rows = False
+        fused, tree = decode_both_ways(runner, prompts, 6)
+        for t, (a, b) in enumerate(zip(fused, tree)):
+            assert torch.equal(a, b), (t, (a - b).abs().max().item())
 
 
 def test_a_weight_update_written_in_place_reaches_the_fused_step(tiny_checkpoint):

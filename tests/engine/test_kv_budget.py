@@ -40,10 +40,11 @@ def peaks(monkeypatch):
         seen.append(self.used * self.block_size)
         return ids
 
-    def attended(self, layer):
-        out = real_attended(self, layer)
+    def attended(self, layer, group=None):
+        out = real_attended(self, layer, group)
         storage = self.pool.storage[layer]
-        copy = self._buffer.numel() // (2 * storage.shape[1] * storage.shape[4])  # positions of one layer
+        held = 0 if self._buffer is None else self._buffer.numel()
+        copy = held // (2 * storage.shape[1] * storage.shape[4])  # positions of one layer's gathered copy
         seen.append(self.pool.used * self.pool.block_size + -(-copy // self.pool.num_layers))
         return out
 

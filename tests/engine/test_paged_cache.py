@@ -9,21 +9,21 @@ import torch
 from support_replay import SamplingParams
 from support_replay.engine import Engine
 from support_replay.engine.block_pool import BlockPool
-from support_replay.engine.paged_cache import PagedCache
+from support_replay.engine.paged_cache import PagedCache, attention_groups, strided_runs
 from support_replay.errors import EngineError
 from support_replay.protocol import GenerateRequest
 
 pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
 
 
-def filled(lengths, heads=2, dim=3, layers=2, page=4, blocks=64):
+def filled(lengths, heads=2, dim=3, layers=2, page=4, blocks=64, reserve=None, pool=None):
     """A cache whose row i holds value 100 * i + position at every held position (values: the negative)."""
-    cache = PagedCache(BlockPool(layers, page, blocks * page))
+    cache = PagedCache(pool or BlockPool(layers, page, blocks * page))
     width = max(lengths)
     keys = torch.zeros(len(lengths), heads, width, dim)
     for i, n in enumerate(lengths):
         keys[i, :, width - n :] = (100 * i + torch.arange(n, dtype=torch.float32))[None, :, None]
-    cache.append([(keys, -keys)] * layers, list(lengths))
+    cache.append([(keys, -keys)] * layers, list(lengths), reserve=reserve)
     return cache
 
 
@@ -71,6 +71,52 @@ def test_decode_writes_each_rows_position_and_takes_a_block_as_it_grows():
     assert held(cache, 1)[:5].tolist() == [100, 101, 102, 103, 7]
 
 
+def test_rows_of_unlike_lengths_attend_in_groups_at_their_own_widths():
+    assert attention_groups([100, 3, 60, 40, 2, 10], align=1) == [[0, 2], [3], [5], [1, 4]]
+    assert attention_groups([64, 60, 70, 66], align=1) == [[2, 3, 0, 1]]  # like lengths: one group
+    assert len(attention_groups([200, 3], align=64)) == 2 and len(attention_groups([100, 3], align=64)) == 1
+    cache = filled([9, 2, 3, 8], page=4)
+    whole = cache.prepare_decode()
+    assert len(cache.groups) == 1 and whole.shape == (4, 1, 1, 10)
+    every, _ = cache.attended(0)
+    every = every.clone()
+    mask = cache.prepare_decode(grouped=True)
+    assert mask.shape == (4, 1, 1, 10) and [g.rows.tolist() for g in cache.groups] == [[0, 3], [1, 2]]
+    for group in cache.groups:
+        keys, values = cache.attended(0, group)
+        assert keys.shape == (group.size, 2, group.width, 3) and torch.equal(values, -keys)
+        assert torch.equal(keys, every[group.rows, :, : group.width])  # what the whole gather holds there
+        assert torch.equal(group.mask, whole[group.rows, :, :, : group.width])
+    with pytest.raises(EngineError, match="attention groups"):
+        cache.attended(0)
+
+
+def test_rows_whose_reservations_lie_at_one_stride_are_attended_in_place():
+    """A prefilled group's rows take their reservations as one run: their decode attention reads the
+    storage through a strided view (nothing gathered), the same values as a gather of their blocks."""
+    pool = BlockPool(2, 4, 64 * 4)
+    cache = filled([5, 7, 6], reserve=[3, 3, 3], pool=pool)
+    assert cache.tables == [[1, 2, 3], [4, 5, 6], [7, 8, 9]] and cache.runs == [True] * 3
+    late = filled([2, 9], pool=pool)  # no reservation: blocks as it grows, gathered
+    cache.extend(late)
+    cache.prepare_decode(grouped=True)
+    in_place = [g for g in cache.groups if g.gather is None]
+    assert len(in_place) == 1 and in_place[0].rows.tolist() == [0, 1, 2] and in_place[0].stride == 3
+    keys, values = cache.attended(1, in_place[0])
+    assert keys.shape == (3, 2, 8, 3) and keys.stride()[-2:] == (3, 1) and torch.equal(values, -keys)
+    for row in range(3):
+        n = int(cache.lengths[row])
+        assert torch.equal(keys[row, 0, :n, 0], 100 * row + torch.arange(n, dtype=torch.float32))
+    new = torch.full((5, 2, 1, 3), 7.0)
+    cache.write(1, new, -new)
+    assert keys[1, 0, 7, 0] == 7  # a view: the write is seen without another gather
+    with pytest.raises(EngineError, match="past its reservation"):
+        for _ in range(6):
+            cache.finish_decode()
+            cache.prepare_decode(grouped=True)
+    assert strided_runs([1, None, 4, 10, 7], [[1, 2, 3], [], [4, 5, 6], [10, 11, 12], [7, 8, 9]]) == [([0, 2, 4, 3], 3)]
+
+
 def test_blocks_are_shared_by_holder_count_and_handed_out_lowest_first():
     pool = BlockPool(num_layers=1, block_size=4, max_tokens=16)
     pool.ensure(1, 2, torch.float32, "cpu")
@@ -83,21 +129,23 @@ def test_blocks_are_shared_by_holder_count_and_handed_out_lowest_first():
         pool.allocate(1)
     pool.release([1, 2])
     assert pool.allocate(1) == [1]
-    with pytest.raises(EngineError, match="released more often than it was held"):
+    with pytest.raises(EngineError, match="released more often than held"):
         pool.release([2])
 
 
-def test_a_block_handed_out_again_starts_as_zeros_only_the_first_time():
-    """Zeroed once (the storage is made with ``torch.empty``); later it holds some row's finite values."""
-    pool = BlockPool(num_layers=1, block_size=2, max_tokens=8)
+def test_the_cpu_storage_is_zero_filled_memory_made_at_first_write_and_dropped_when_nothing_is_held():
+    pool = BlockPool(num_layers=2, block_size=2, max_tokens=8)
     pool.ensure(1, 1, torch.float32, "cpu")
-    pool.storage[0].fill_(float("nan"))  # what empty memory may hold
-    first = pool.allocate(1)
-    assert torch.equal(pool.storage[0][:, :, first[0]], torch.zeros(2, 1, 2, 1))
-    pool.storage[0][:, :, first[0]] = 5.0
-    pool.release(first)  # storage dropped: nothing held
+    assert all(torch.equal(layer, torch.zeros(2, 1, 5, 2, 1)) for layer in pool.storage)  # the OS's zero pages
+    first = pool.allocate(2)
+    pool.storage[0][:, :, first] = 5.0
+    pool.release(first)
+    assert pool.storage is None and pool.used == 0  # nothing held: the memory went back
     pool.ensure(1, 1, torch.float32, "cpu")
-    assert pool.allocate(1) == first and pool.storage[0][:, :, first[0]].abs().sum() == 0  # new storage: zeroed again
+    assert pool.allocate(1) == [1] and pool.storage[0].abs().sum() == 0
+    assert pool.allocate_run(3) == [2, 3, 4] and pool.free == 0 and pool.allocate(0) == []
+    pool.release([1, 3])
+    assert pool.allocate_run(2) is None and pool.allocate(2) == [1, 3]  # free, but not one after the other
 
 
 def test_requests_joining_and_leaving_mid_flight_answer_as_alone(tiny_checkpoint):

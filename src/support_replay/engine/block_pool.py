@@ -5,23 +5,26 @@ offset ``p % block_size`` of its block ``p // block_size``. Blocks are counted b
 finished sequence's blocks pass to the prefix cache (engine/prefix_cache.py) without a copy, and
 a later prompt that begins with a cached prefix takes that prefix's whole blocks into its own
 table (a block is only ever written at positions past every sharer's length, so a shared block
-is never written). A block returns to the free list when its last holder lets it go. This is
-the layout of vLLM's paged KV cache and of SGLang's token pool with a page size; the page size
-is SGLang's ``--page-size``.
+is never written). A block returns to the pool when its last holder lets it go. This is the
+layout of vLLM's paged KV cache and of SGLang's token pool with a page size; the page size is
+SGLang's ``--page-size``.
 
 Storage is ``[2, kv_heads, blocks + 1, block_size, head_dim]`` per layer (keys and values of a
-layer gathered by one index), made on first use at the budget's size with ``torch.empty``: the
-operating system backs only the pages a block has been written to, and the lowest free blocks
-are handed out first, so the memory a process holds follows the blocks in use. Block 0 is all
-zeros and never handed out: it pads the tables of shorter rows up to the step's width (a masked
-key must be finite). A block is zeroed the first time it is handed out; after that it holds
-keys and values of some sequence (finite) wherever it is not written yet, which a mask hides.
-When no block is held the storage is dropped (a colocated trainer gets the memory back).
+layer gathered by one index), made on first use at the budget's size. On a CPU it is anonymous
+``mmap`` memory: zero-filled by the operating system and backed only where a block has been
+written, so the memory a process holds follows the blocks in use, and the lowest free blocks go
+first to keep it compact; elsewhere it is allocated zeroed. Block 0 is never handed out: it pads
+the tables of shorter rows up to a step's width (a masked key must be finite, and a block once
+written keeps some sequence's finite values). A run of consecutive blocks can be asked for
+(``allocate_run``): rows whose whole reservations lie one after another at one stride are
+attended in place, without a gather. When no block is held the storage is dropped (a colocated
+trainer gets the memory back).
 """
 
 from __future__ import annotations
 
-import heapq
+import math
+import mmap
 
 import numpy as np
 import torch
@@ -37,9 +40,10 @@ class BlockPool:
         self.block_size = block_size
         self.blocks = max(1, max_tokens // block_size)  # handed out at most; block 0 (zeros) comes on top
         self.storage: list[torch.Tensor] | None = None  # per layer [2, kv_heads, blocks + 1, block_size, head_dim]
+        self._maps: list[mmap.mmap] = []  # the CPU storage's memory
         self.refs = np.zeros(self.blocks + 1, np.int32)
-        self._released: list[int] = []  # a heap of blocks handed out before and free again: lowest first
-        self._next = 1  # blocks from here on were never handed out since the storage was made
+        self.refs[0] = 1  # block 0 is the pool's own
+        self._high = 1  # blocks from here on are free (a bound on the search for free ones)
         self.used = 0  # blocks held by someone
 
     @property
@@ -57,12 +61,34 @@ class BlockPool:
                 )
             return
         shape = (2, kv_heads, self.blocks + 1, self.block_size, head_dim)
-        self.storage = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
-        for layer in self.storage:
-            layer[:, :, 0].zero_()
+        if torch.device(device).type == "cpu":
+            size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            self._maps = [mmap.mmap(-1, size) for _ in range(self.num_layers)]  # zero-filled, backed when written
+            self.storage = [torch.frombuffer(m, dtype=dtype).view(shape) for m in self._maps]
+        else:
+            self.storage = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
 
     def allocate(self, n: int) -> list[int]:
         """``n`` free blocks, lowest first, each held once; admission reserved them, so running out is a bug."""
+        self._check(n)
+        low = np.flatnonzero(self.refs[1 : self._high] == 0)[:n] + 1
+        ids = low.tolist() + list(range(self._high, self._high + n - low.size))
+        self._high = max(self._high, ids[-1] + 1) if ids else self._high
+        return self._hold(ids)
+
+    def allocate_run(self, n: int) -> list[int] | None:
+        """``n`` consecutive free blocks, the lowest such run; None where no run of ``n`` is free."""
+        self._check(n)
+        free = np.concatenate([self.refs[1 : self._high] == 0, np.ones(n, bool)])  # the free tail counts too
+        counts = np.concatenate([[0], np.cumsum(free)])
+        starts = np.flatnonzero(counts[n:] - counts[:-n] == n)
+        if not starts.size or starts[0] + 1 + n > self.blocks + 1:
+            return None
+        first = int(starts[0]) + 1
+        self._high = max(self._high, first + n)
+        return self._hold(list(range(first, first + n)))
+
+    def _check(self, n: int) -> None:
         if n > self.free:
             raise EngineError(
                 f"block pool: {n} blocks asked with {self.free} of {self.blocks} free (admission should have "
@@ -70,17 +96,10 @@ class BlockPool:
             )
         if self.storage is None:
             raise EngineError("block pool: blocks asked before the storage was made (ensure comes first)")
-        # released blocks first (the lowest), then never-used ones: the touched memory stays compact
-        ids = [heapq.heappop(self._released) for _ in range(min(n, len(self._released)))]
-        fresh = list(range(self._next, self._next + n - len(ids)))
-        self._next += len(fresh)
-        ids += fresh
+
+    def _hold(self, ids: list[int]) -> list[int]:
         self.refs[ids] = 1
-        self.used += n
-        if fresh:  # zeroed the first time: the storage was made with torch.empty
-            index = torch.tensor(fresh, device=self.storage[0].device)
-            for layer in self.storage:
-                layer.index_fill_(2, index, 0)
+        self.used += len(ids)
         return ids
 
     def share(self, ids: list[int]) -> None:
@@ -89,16 +108,17 @@ class BlockPool:
             self.refs[ids] += 1
 
     def release(self, ids: list[int]) -> None:
-        """One holder less for each block; a block nobody holds goes back to the free list."""
-        for i in ids:
-            self.refs[i] -= 1
-            if self.refs[i] == 0:
-                heapq.heappush(self._released, i)
-                self.used -= 1
-            elif self.refs[i] < 0:
-                raise EngineError(f"block pool: block {i} released more often than it was held")
-        if self.used == 0:  # nothing held: the memory goes back, and every block is new again
-            self.storage, self._released, self._next = None, [], 1
+        """One holder less for each block; a block nobody holds is free again."""
+        if ids:
+            index = np.asarray(ids)
+            np.subtract.at(self.refs, index, 1)
+            if (self.refs[index] < 0).any():
+                raise EngineError(
+                    f"block pool: block {int(index[self.refs[index] < 0][0])} released more often than held"
+                )
+            self.used -= int(np.unique(index[self.refs[index] == 0]).size)
+        if self.used == 0:  # nothing held: the memory goes back
+            self.storage, self._maps, self._high = None, [], 1
 
     def flat(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s storage as ``[2, kv_heads, (blocks + 1) * page, head_dim]`` (block * page + offset)."""
@@ -119,3 +139,14 @@ class BlockPool:
             kv = self.flat(layer).index_select(2, index)
             out.append((kv[0], kv[1]))
         return out
+
+    def strided(self, layer: int, first: int, stride: int, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[rows, kv_heads, width, d]`` of rows whose positions start at block ``first +
+        r * stride`` and run on through consecutive blocks: views of the storage, nothing copied."""
+        s = self.storage[layer]
+        _, heads, blocks, page, dim = s.shape
+        head, row = blocks * page * dim, stride * page * dim
+        base = s.storage_offset() + first * page * dim
+        k = s.as_strided((rows, heads, width, dim), (row, head, dim, 1), base)
+        v = s.as_strided((rows, heads, width, dim), (row, head, dim, 1), base + heads * head)
+        return k, v

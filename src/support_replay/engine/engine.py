@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -233,7 +234,10 @@ class Engine:
         self.grammars.check(request.grammar)
 
     def _column_need(self, request: GenerateRequest) -> int:
-        return column_need(len(request.input_ids), request.max_new_tokens, self.runner.pool.block_size)
+        # whole blocks, and whole key blocks of the batch-invariant attention: a row attended in place
+        # is viewed at its width rounded up to those, inside its own reservation
+        unit = math.lcm(self.runner.pool.block_size, self.runner.key_block)
+        return column_need(len(request.input_ids), request.max_new_tokens, unit)
 
     def _attended_width(self, need: int) -> int:
         """The gathered width of a decode step whose longest row reserved ``need`` positions."""
@@ -502,7 +506,9 @@ class Engine:
             out.append(([seq], cache, logits))
         if fresh:
             routing = any(s.request.return_routed_experts for s in fresh)
-            cache, logits = self.runner.prefill([s.request.input_ids for s in fresh], routing=routing)
+            page = self.runner.pool.block_size
+            reserve = [s.need // page for s in fresh]  # each row's whole reservation, one run of blocks
+            cache, logits = self.runner.prefill([s.request.input_ids for s in fresh], routing=routing, reserve=reserve)
             self.prefix_cache.stats.prefilled_tokens += sum(len(p) for p in {tuple(s.request.input_ids) for s in fresh})
             if routing:
                 keep_routing(fresh, self.runner.routing_rows)

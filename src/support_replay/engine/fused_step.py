@@ -5,7 +5,10 @@ building that a step of one token per row does not need. This step runs the same
 as the Hugging Face forward of a Llama or Qwen3 model, in the same order and with
 the same functions where the model has them (its RMSNorm and rotary code, its attention
 function: sdpa, or the batch-invariant tiles in true-on-policy mode), so its logits are the
-same bits (tests/engine/test_fused_step.py). What it changes: the query, key and value projections
+same bits (tests/engine/test_fused_step.py; rows of unlike lengths attend in groups at their own
+widths, engine/paged_cache.py, which keeps the bits of the batch-invariant attention and changes
+sdpa's within float rounding: with ``group_rows`` off, every row attends at the batch's width as
+the module tree does, bit for bit). What it changes: the query, key and value projections
 are one product over one weight, and so are the gate and up projections (a product's output
 column has the same bits whatever other columns share it: probed per shape at start-up,
 ``unsupported`` keeps the module tree where it does not hold); the
@@ -140,6 +143,10 @@ class FusedDecoder:
         on_cpu = all(p.device.type == "cpu" for p in model.parameters())
         self.can_pack = on_cpu and (kernel == "onednn" or (kernel == "torch" and dtype == torch.bfloat16))
         self.packing = self.can_pack  # off: plain weights (benchmarks)
+        # rows of like length attend together at their own width (paged_cache.attention_groups); off: every
+        # row at the longest row's width, as the module tree attends (the batch-invariant attention gives
+        # the same bits either way; sdpa's bits may change with the width, within float rounding)
+        self.group_rows = True
         self.packed_linear = packed_linear  # an attribute, like ``linear``: benchmarks time both
         self._packed_threads: int | None = None  # the thread count the packs were checked at
         self._head_pack: Pack | None = None
@@ -176,11 +183,16 @@ class FusedDecoder:
             self._head_pack = pack(head, self.linear)
             self._head_version = head._version
 
+    def _attend(self, layer: _Layer, q, kv: tuple[torch.Tensor, torch.Tensor], mask) -> torch.Tensor:
+        """The model's attention function, called as the model calls it: ``[rows, 1, heads, head_dim]``."""
+        out, _ = self.attention(layer.attn, q, kv[0], kv[1], mask, dropout=0.0, scaling=layer.scaling)
+        return out
+
     @torch.no_grad()  # not inference mode: buffers the cache grows here are moved later outside it
     def step(self, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, V]`` (float32) of one new token per row; writes its keys and values at each row's position."""
-        mask = cache.prepare_decode()  # [B, 1, 1, width], True where a key is seen
-        attention, rope = self.attention, self.rope
+        cache.prepare_decode(grouped=self.group_rows)  # rows of like length attend together
+        rope = self.rope
         x = self.embed.forward(tokens[:, None])
         batch = x.shape[0]
         plain, over_packs, packing = self.linear, self.packed_linear, self.packing and self.can_pack
@@ -193,10 +205,13 @@ class FusedDecoder:
             return plain(x, weight, bias)
 
         cos, sin = self.rotary.forward(x, positions[:, None])
+        masks = [group.mask for group in cache.groups]  # [rows, 1, 1, width], True where a key is seen
         if self.additive_mask:  # what sdpa turns a boolean mask into, once per step instead of once per layer
-            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(
-                mask.logical_not(), float("-inf")
-            )
+            masks = [
+                torch.zeros(m.shape, dtype=x.dtype, device=x.device).masked_fill_(m.logical_not(), float("-inf"))
+                for m in masks
+            ]
+        groups = list(zip(cache.groups, masks))
         for index, layer in enumerate(self.layers):
             residual = x
             h = layer.input_norm(x)
@@ -208,16 +223,13 @@ class FusedDecoder:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q, k = rope(q, k, cos, sin)
             cache.write(index, k, v)
-            keys, values = cache.attended(index)
-            out, _ = attention(
-                layer.attn,
-                q,
-                keys,
-                values,
-                mask,
-                dropout=0.0,
-                scaling=layer.scaling,
-            )
+            if len(groups) == 1 and groups[0][0].rows is None:  # every row, in batch order
+                out = self._attend(layer, q, cache.attended(index), masks[0])
+            else:  # each group at its own width, its rows' outputs back in batch order
+                out = q.new_empty(batch, 1, q.shape[1], q.shape[3])
+                for group, mask in groups:
+                    kv = cache.attended(index, group)
+                    out.index_copy_(0, group.rows, self._attend(layer, q.index_select(0, group.rows), kv, mask))
             x = residual + linear(out.reshape(batch, 1, -1), layer.o_proj.weight, layer.o_proj.bias, packs.get("o"))
             residual = x
             gate, up = linear(layer.post_norm(x), layer.gate_up, layer.gate_up_bias, packs.get("gate_up")).split(

@@ -84,9 +84,12 @@ class ModelRunner:
         new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         return out.logits[:, -1, :].float(), new_cache
 
-    def prefill(self, prompts: list[list[int]], routing: bool = False) -> tuple[PagedCache, torch.Tensor]:
+    def prefill(
+        self, prompts: list[list[int]], routing: bool = False, reserve: list[int] | None = None
+    ) -> tuple[PagedCache, torch.Tensor]:
         """Run the prompts (left-padded together); returns their rows of the pool and last-position logits.
-        With ``routing`` (a MoE model), ``routing_rows`` then holds each prompt's ``[len, layers, top_k]``.
+        With ``routing`` (a MoE model), ``routing_rows`` then holds each prompt's ``[len, layers, top_k]``;
+        ``reserve``: each request's whole reservation in blocks, taken at once (engine/paged_cache.py).
 
         A prompt sent several times at once (a GRPO group) is prefilled once: its keys, values
         and logits are copied to every request that has it. Each distinct prompt's rows are what
@@ -105,7 +108,7 @@ class ModelRunner:
             rows = [flat[j * length + length - len(p) : (j + 1) * length] for j, p in enumerate(distinct)]
             self.routing_rows = [rows[j] for j in index]
         cache = PagedCache(self.pool, align=self.key_block)
-        cache.append(layers, [len(p) for p in prompts], index)
+        cache.append(layers, [len(p) for p in prompts], index, reserve=reserve)
         return cache, logits[torch.tensor(index, device=logits.device)] if len(distinct) < len(prompts) else logits
 
     def prefill_after(self, prompt: list[int], blocks: list[int], n: int) -> tuple[PagedCache, torch.Tensor]:

@@ -2,15 +2,22 @@
 
 Row b's token at position p lives at offset ``p % page`` of block ``table[b][p // page]``
 (engine/block_pool.py). A decode step writes each row's new key and value at its own position in
-place, then gathers, layer by layer, every row's blocks into one ``[B, kv_heads, width, d]`` view
-for the attention (one ``index_select`` per layer into a buffer every layer reuses: the attention
-of layer l is done before layer l + 1 gathers). Rows shorter than the step's width are padded with
-the pool's zero block. The view holds, position for position, what a rectangle of slots would
-hold, and its last two dimensions have the same strides, so the attention returns the same bits.
+place, then attends, layer by layer, over views of its rows' blocks:
+
+- rows prefilled together take their whole reservations as one run of consecutive blocks
+  (``reserve``), one row after another: rows whose runs lie at one stride (a GRPO group, a bucket of
+  like prompts) are **attended in place**, a strided view of the storage, nothing copied;
+- other rows (a prefix-cache hit, whose table begins with shared blocks; a pool too fragmented for
+  a run) take blocks as they grow and are **gathered**: one ``index_select`` per layer into a
+  buffer every layer reuses, rows of like length together at their own width, shorter rows padded
+  with the pool's zero block.
+
+Either view holds, position for position, what a rectangle of slots would, with the same inner
+strides, so the attention returns the same bits as over a contiguous cache (the batch-invariant
+attention at any width; sdpa's may move with the width within float rounding).
 
 Joining and leaving copy nothing: a prefilled group's rows are written into their blocks once, a
 merge concatenates tables, a leaving row lets its blocks go (or passes them to the prefix cache).
-A row's blocks are taken as it grows, within what admission reserved for it (engine/kv_budget.py).
 
 It plugs into a Hugging Face model as its ``Cache``: the model calls ``update`` with each layer's
 new keys and values; the runner says beforehand where they go (``prepare_decode``) and passes its
@@ -19,11 +26,59 @@ own ``[B, 1, 1, width]`` attention mask, so the library derives nothing from the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import EngineError
 from .block_pool import BlockPool
+from .kv_budget import round_up
+
+GROUP_SPREAD = 2  # a row joins the longest row's attention group while its width is at least 1 / this of it
+
+
+@dataclass
+class AttentionGroup:
+    """Rows whose attention runs together at one width: where their keys are, and their mask."""
+
+    rows: torch.Tensor | None  # their indices in the batch; None: every row, in batch order
+    size: int
+    width: int
+    mask: torch.Tensor  # [size, 1, 1, width], True where a key is seen
+    gather: torch.Tensor | None = None  # [size * blocks] block ids, row-major, padded with block 0
+    first: int = 0  # in place (gather None): the first row's first block, the next row's ``stride`` blocks on
+    stride: int = 0
+
+
+def strided_runs(firsts: list[int | None], tables: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Rows that can be attended in place: ``(rows, stride)`` for every two or more rows (or one) whose
+    reservations are runs of ``stride`` blocks, each starting ``stride`` blocks after the previous one
+    (``firsts[i]`` None: row i is not a run)."""
+    by_start = sorted((f, i) for i, f in enumerate(firsts) if f is not None)
+    out: list[tuple[list[int], int]] = []
+    for first, i in by_start:
+        stride = len(tables[i])
+        if out and out[-1][1] == stride and tables[out[-1][0][-1]][0] + stride == first:
+            out[-1][0].append(i)
+        else:
+            out.append(([i], stride))
+    return out
+
+
+def attention_groups(lengths: list[int], align: int) -> list[list[int]]:
+    """Rows in groups, longest first: a group takes every row whose width is at least ``1 / GROUP_SPREAD``
+    of its longest row's, so no row is gathered at more than that many times its own width (a batch of
+    like lengths, a GRPO rollout's, stays one group)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        width = round_up(lengths[i] + 1, align)
+        if groups and width * GROUP_SPREAD >= round_up(lengths[groups[-1][0]] + 1, align):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 class PagedLayer(CacheLayerMixin):
@@ -62,19 +117,16 @@ class PagedCache(Cache):
         layers = [PagedLayer(self, i) for i in range(pool.num_layers)]
         super().__init__(layers=layers)
         self.tables: list[list[int]] = []
+        self.runs: list[bool] = []  # the row's table is its whole reservation, consecutive blocks
         self.lengths = torch.zeros(0, dtype=torch.long)  # tokens held per row (the next write position)
         self.width = 0  # positions the current step attends to
         self._write = torch.zeros(0, dtype=torch.long)  # this step's flat write index per row
-        self._gather = torch.zeros(0, dtype=torch.long)  # this step's blocks, row-major, padded with block 0
-        self._buffer: torch.Tensor | None = None  # the gathered keys and values, reused by every layer
+        self.groups: list[AttentionGroup] = []  # this step's attention groups (one unless the step asked)
+        self._buffer: torch.Tensor | None = None  # the gathered keys and values, reused by every layer and group
 
     @property
     def size(self) -> int:
         return len(self.tables)
-
-    @property
-    def blocks_held(self) -> int:
-        return sum(len(t) for t in self.tables)
 
     # ---- rows in ---------------------------------------------------------------------------------
 
@@ -84,11 +136,14 @@ class PagedCache(Cache):
         lengths: list[int],
         sources: list[int] | None = None,
         shared: list[int] | None = None,
+        reserve: list[int] | None = None,
     ) -> None:
         """New rows from a left-padded prefill: ``per_layer`` holds ``[n, kv_heads, L, d]`` keys and
         values, new row i copies prefill row ``sources[i]`` (default i), whose ``lengths[i]`` real
-        tokens are its last positions. ``shared`` (one row only): cached blocks the row's table begins
-        with, already holding its first ``len(shared) * page`` positions (a prefix-cache hit)."""
+        tokens are its last positions. ``reserve``: each row's whole reservation in blocks, taken at
+        once as one run, row after row, where the pool has such a run (else blocks as rows grow).
+        ``shared`` (one row only): cached blocks the row's table begins with, already holding its
+        first ``len(shared) * page`` positions (a prefix-cache hit)."""
         sources = list(range(len(lengths))) if sources is None else sources
         shared = shared or []
         if shared and len(lengths) != 1:
@@ -98,11 +153,20 @@ class PagedCache(Cache):
         pool.ensure(k0.shape[1], k0.shape[3], k0.dtype, k0.device)
         width = k0.shape[2]
         start = len(shared) * page  # positions before it are in the shared blocks
+        run = None
+        if reserve is not None and not shared:
+            if any(r * page < n for r, n in zip(reserve, lengths)):
+                raise EngineError(f"paged cache: reservations {reserve} blocks do not hold prompts of {lengths}")
+            run = pool.allocate_run(sum(reserve))
         dest, src = [], []
         for i, (row, length) in enumerate(zip(sources, lengths)):
-            table = list(shared) + pool.allocate(-(-length // page) - len(shared))
-            pool.share(shared)
+            if run is not None:
+                table = run[sum(reserve[:i]) : sum(reserve[: i + 1])]
+            else:
+                table = list(shared) + pool.allocate(-(-length // page) - len(shared))
+                pool.share(shared)
             self.tables.append(table)
+            self.runs.append(run is not None)
             dest.append(pool.slots(table, start, length))
             src.append(row * width + torch.arange(width - length + start, width))
         dest_index = torch.cat(dest).to(k0.device)
@@ -119,8 +183,9 @@ class PagedCache(Cache):
         if other.pool is not self.pool:
             raise EngineError("paged cache: rows of another block pool cannot join")
         self.tables += other.tables
+        self.runs += other.runs
         self.lengths = torch.cat([self.lengths, other.lengths])
-        other.tables, other.lengths = [], torch.zeros(0, dtype=torch.long)
+        other.tables, other.runs, other.lengths = [], [], torch.zeros(0, dtype=torch.long)
 
     # ---- rows out --------------------------------------------------------------------------------
 
@@ -135,6 +200,7 @@ class PagedCache(Cache):
             if i not in keep:
                 self.pool.release(table)
         self.tables = [self.tables[i] for i in rows]
+        self.runs = [self.runs[i] for i in rows]
         self.lengths = self.lengths[rows].clone() if rows else torch.zeros(0, dtype=torch.long)
         return list(rows)
 
@@ -144,24 +210,69 @@ class PagedCache(Cache):
 
     # ---- a decode step ---------------------------------------------------------------------------
 
-    def prepare_decode(self) -> torch.Tensor:
-        """Where this step's tokens go (each row's length), its gather, and the ``[B, 1, 1, width]`` mask."""
+    def prepare_decode(self, grouped: bool = False) -> torch.Tensor:
+        """Where this step's tokens go (each row's length), its attention groups, and the
+        ``[B, 1, 1, width]`` mask of all rows at the longest row's width. Without ``grouped`` (the
+        module tree's decode) every row is one gathered group; with it (the fused step) rows whose
+        reservations lie at one stride attend in place and the others are gathered in groups of like
+        length: one long row no longer makes every row's attention that long."""
         pool, page = self.pool, self.pool.block_size
         lengths = self.lengths.tolist()
         growing = [i for i, n in enumerate(lengths) if n // page >= len(self.tables[i])]
+        if any(self.runs[i] for i in growing):
+            raise EngineError("paged cache: a row wrote past its reservation")
         if growing:
             for i, block in zip(growing, pool.allocate(len(growing))):
                 self.tables[i].append(block)
         device = pool.storage[0].device
-        self.width = -(-(max(lengths) + 1) // self.align) * self.align
-        blocks = -(-self.width // page)
-        padded = [t[:blocks] + [0] * (blocks - len(t)) for t in self.tables]
-        self._gather = torch.tensor(padded, dtype=torch.long).reshape(-1).to(device)
         own = torch.tensor([t[n // page] for t, n in zip(self.tables, lengths)], dtype=torch.long)
         self._write = (own * page + self.lengths % page).to(device)
+        self.width = round_up(max(lengths) + 1, self.align)
+        everyone = list(range(len(lengths)))
+        if not grouped:
+            self.groups = [self._gathered(everyone, lengths, device, whole=True)]
+        else:
+            placed = strided_runs([t[0] if run else None for t, run in zip(self.tables, self.runs)], self.tables)
+            rest = sorted(set(everyone) - {i for rows, _ in placed for i in rows})
+            gathered = [[rest[j] for j in g] for g in attention_groups([lengths[i] for i in rest], self.align)]
+            # one group holding every row in batch order: its output needs no scattering back
+            alone = len(placed) + len(gathered) == 1
+            self.groups = [
+                self._in_place(rows, stride, lengths, device, alone and rows == everyone) for rows, stride in placed
+            ]
+            self.groups += [self._gathered(sorted(rows), lengths, device, alone) for rows in gathered]
+        storage = pool.storage[0]
+        heads, dim = storage.shape[1], storage.shape[4]
+        numel = 2 * heads * dim * page * max([g.gather.numel() for g in self.groups if g.gather is not None] or [0])
+        if not numel:
+            self._buffer = None  # every row in place: no copy is kept
+        elif self._buffer is None or self._buffer.numel() != numel or self._buffer.dtype != storage.dtype:
+            # exactly this step's largest gathered group: within what admission counted for the step
+            self._buffer = storage.new_empty(numel)
+        if len(self.groups) == 1 and self.groups[0].rows is None:
+            return self.groups[0].mask
         columns = self.lengths.to(device)
-        mask = torch.arange(self.width, device=device)[None, :] <= columns[:, None]
-        return mask[:, None, None, :]
+        return (torch.arange(self.width, device=device)[None, :] <= columns[:, None])[:, None, None, :]
+
+    def _mask(self, rows: list[int], width: int, device) -> torch.Tensor:
+        columns = self.lengths[rows].to(device)
+        return (torch.arange(width, device=device)[None, :] <= columns[:, None])[:, None, None, :]
+
+    def _gathered(self, rows: list[int], lengths: list[int], device, whole: bool) -> AttentionGroup:
+        blocks = -(-round_up(max(lengths[i] for i in rows) + 1, self.align) // self.pool.block_size)
+        width = round_up(max(lengths[i] for i in rows) + 1, self.align)
+        padded = [self.tables[i][:blocks] + [0] * (blocks - len(self.tables[i])) for i in rows]
+        gather = torch.tensor(padded, dtype=torch.long).reshape(-1).to(device)
+        index = None if whole else torch.tensor(rows, dtype=torch.long, device=device)
+        return AttentionGroup(index, len(rows), width, self._mask(rows, width, device), gather=gather)
+
+    def _in_place(self, rows: list[int], stride: int, lengths: list[int], device, whole: bool) -> AttentionGroup:
+        width = round_up(max(lengths[i] for i in rows) + 1, self.align)
+        if width > stride * self.pool.block_size:
+            raise EngineError(f"paged cache: a width of {width} passes the rows' reservations of {stride} blocks")
+        index = None if whole else torch.tensor(rows, dtype=torch.long, device=device)
+        mask = self._mask(rows, width, device)
+        return AttentionGroup(index, len(rows), width, mask, first=self.tables[rows[0]][0], stride=stride)
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """A decode step's ``[B, kv_heads, 1, d]`` keys and values, row b at its own position."""
@@ -169,18 +280,22 @@ class PagedCache(Cache):
         flat[0].index_copy_(1, self._write, key_states[:, :, 0].transpose(0, 1))
         flat[1].index_copy_(1, self._write, value_states[:, :, 0].transpose(0, 1))
 
-    def attended(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's keys and values at positions ``0..width-1``, ``[B, kv_heads, width, d]`` each."""
+    def attended(self, layer: int, group: AttentionGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of ``group``'s rows (default: every row, one group) at positions
+        ``0..width-1``, ``[rows, kv_heads, width, d]`` each: views of the storage for rows in place,
+        else a buffer the next gather overwrites."""
+        if group is None:
+            if len(self.groups) != 1 or self.groups[0].rows is not None:
+                raise EngineError("paged cache: this step's rows are in attention groups; attend each")
+            group = self.groups[0]
+        if group.gather is None:
+            return self.pool.strided(layer, group.first, group.stride, group.size, group.width)
         storage = self.pool.storage[layer]
         _, heads, _, page, dim = storage.shape
-        rows, blocks = self.size, self._gather.numel() // max(self.size, 1)
-        numel = 2 * heads * rows * blocks * page * dim
-        if self._buffer is None or self._buffer.numel() != numel or self._buffer.dtype != storage.dtype:
-            # exactly this step's rows x width: what admission counted (a larger one kept would not be)
-            self._buffer = storage.new_empty(numel)
-        out = self._buffer[:numel].view(2, heads, rows * blocks, page, dim)
-        torch.index_select(storage, 2, self._gather, out=out)
-        kv = out.view(2, heads, rows, blocks * page, dim)[:, :, :, : self.width].transpose(1, 2)
+        picked = group.gather.numel()
+        out = self._buffer[: 2 * heads * picked * page * dim].view(2, heads, picked, page, dim)
+        torch.index_select(storage, 2, group.gather, out=out)
+        kv = out.view(2, heads, group.size, -1, dim)[:, :, :, : group.width].transpose(1, 2)
         return kv[0], kv[1]
 
     def finish_decode(self) -> None:
