@@ -5,8 +5,10 @@
 2. 64 requests at once: one prompt of 8,000 tokens and 63 of 16, 32 new tokens each, under the
    default budget: every request answered, the engine process's peak RSS, how many admissions it
    took, and what a rectangle of slots would have asked for (64 slots x the long row).
-3. What the pool's gather costs a decode step: batch x width, the step's time, the time of its
-   30 layers' gathers, their share (``--gather-only`` runs this table alone).
+3. What reading the pool costs a decode step: batch x width, the step's time, the time its 30
+   layers spend getting their keys and values (``PagedCache.attended``: a strided view for rows
+   prefilled together, an ``index_select`` for gathered rows), their share (``--gather-only`` runs
+   this table alone).
 
     python bench/kv_budget.py [--long 8000] [--short 63] [--max-new 32] [--dtype float32] [--gather-only]
 """
@@ -113,7 +115,7 @@ def gather_costs(path, steps: int = 12) -> None:
         return out
 
     PagedCache.attended = timed
-    print("\n| batch | width (positions) | decode step (ms) | its gathers (ms) | share |")
+    print("\n| batch | width (positions) | decode step (ms) | getting keys and values (ms) | share |")
     print("|---:|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(1)
     for batch, width in ((16, 128), (16, 640), (64, 640), (16, 2048)):
