@@ -3,6 +3,7 @@ logits and keys/values of a whole prefill (float tolerance), log mu that a fresh
 entries live inside the KV budget and give way to admissions; updates, /flush_cache and the
 deterministic engine keep none."""
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -77,3 +78,29 @@ def test_entries_give_way_within_the_budget_and_are_dropped_on_updates(tiny_chec
     deterministic = Engine.from_pretrained(tiny_checkpoint, deterministic=True)
     first_turn(deterministic)
     assert not deterministic.prefix_cache.enabled and not deterministic.prefix_cache.entries
+
+
+def test_routing_captured_for_cached_positions_is_kept_with_them(tiny_moe_checkpoint):
+    """A mixture of experts: a finished sequence that captured its routing leaves it with its entry; a
+    later request that captures routing and begins with it reports those experts for the cached
+    positions and this forward's for the rest (every fed position, as without the cache)."""
+    engine = Engine.from_pretrained(tiny_moe_checkpoint)
+    prompt = list(range(5, 25))
+    ask = dict(max_new_tokens=6, ignore_eos=True, return_sampling_mask=True, return_routed_experts=True)
+    (a,) = engine.generate([GenerateRequest(prompt, PARAMS, **ask)])
+    full = prompt + a.output_ids + [30, 31, 32]
+    entry, n = engine.prefix_cache.match(full, routing=True)
+    assert entry is not None and n == len(prompt) + a.num_tokens - 1 and entry.routing.shape[0] == len(entry.ids)
+    hits = engine.prefix_cache.stats.hits
+    (b,) = engine.generate([GenerateRequest(full, PARAMS, **ask)])
+    assert engine.prefix_cache.stats.hits == hits + 1
+    assert b.routed_experts.shape == (len(full) + b.num_tokens - 1, *a.routed_experts.shape[1:])
+    assert np.array_equal(b.routed_experts[:n], a.routed_experts[:n])  # the cached positions' own experts
+    engine.flush_prefix_cache()
+    engine.step()
+    (fresh,) = engine.generate([GenerateRequest(full, PARAMS, **ask)])
+    same = (fresh.routed_experts[n : len(full)] == b.routed_experts[n : len(full)]).all(axis=(1, 2))
+    assert same.mean() >= 0.9  # the rest: this forward's routing (a whole prefill's, to float rounding)
+    plain = Engine.from_pretrained(tiny_moe_checkpoint)
+    plain.generate([GenerateRequest(prompt, PARAMS, max_new_tokens=6, ignore_eos=True)])  # no routing kept
+    assert plain.prefix_cache.match(full, routing=True) == (None, 0) and plain.prefix_cache.match(full)[1] > 0

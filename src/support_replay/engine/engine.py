@@ -492,16 +492,17 @@ class Engine:
     def _prefill(self, group: list[RunningRequest]) -> list[tuple[list[RunningRequest], PagedCache, torch.Tensor]]:
         """The group's prompts prefilled together, except those that begin with a cached prefix: each of
         those prefills only its rest (engine/prefix_cache.py). The rows that asked keep their prompts'
-        routing (they bypass the cache: the cached positions' routing is not kept)."""
+        routing (a hit's cached positions report the routing their entry kept)."""
         out, fresh = [], []
         for seq in group:
-            entry, n = (
-                (None, 0) if seq.request.return_routed_experts else self.prefix_cache.match(seq.request.input_ids)
-            )
+            routing = seq.request.return_routed_experts
+            entry, n = self.prefix_cache.match(seq.request.input_ids, routing=routing)
             if entry is None:
                 fresh.append(seq)
                 continue
-            cache, logits = self.runner.prefill_after(seq.request.input_ids, entry.blocks, n)
+            cache, logits = self.runner.prefill_after(seq.request.input_ids, entry.blocks, n, routing=routing)
+            if routing:  # the cached positions' experts, then the rest's as this forward routed them
+                keep_routing([seq], [torch.cat([torch.from_numpy(entry.routing[:n]), self.runner.routing_rows[0]])])
             self.prefix_cache.stats.prefilled_tokens += len(seq.request.input_ids) - n
             out.append(([seq], cache, logits))
         if fresh:

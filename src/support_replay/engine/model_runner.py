@@ -111,9 +111,13 @@ class ModelRunner:
         cache.append(layers, [len(p) for p in prompts], index, reserve=reserve)
         return cache, logits[torch.tensor(index, device=logits.device)] if len(distinct) < len(prompts) else logits
 
-    def prefill_after(self, prompt: list[int], blocks: list[int], n: int) -> tuple[PagedCache, torch.Tensor]:
+    def prefill_after(
+        self, prompt: list[int], blocks: list[int], n: int, routing: bool = False
+    ) -> tuple[PagedCache, torch.Tensor]:
         """One prompt whose first ``n`` positions' keys and values are in ``blocks`` (a prefix-cache hit):
-        only the rest is computed, attending to them; the row's table begins with the whole ones, shared."""
+        only the rest is computed, attending to them; the row's table begins with the whole ones, shared.
+        With ``routing``, ``routing_rows`` then holds the rest's ``[len - n, layers, top_k]``."""
+        self._record(routing)
         cache = DynamicCache()
         for index, (k, v) in enumerate(self.pool.read(blocks, n)):
             cache.update(k[None], v[None], index)
@@ -121,6 +125,8 @@ class ModelRunner:
         mask = torch.ones(1, len(prompt), dtype=torch.long, device=self.device)
         positions = torch.arange(n, len(prompt), device=self.device)[None]
         logits, cache = self._forward(rest, mask, positions, cache)
+        if routing:
+            self.routing_rows = [self.routing.stacked()]
         rows = PagedCache(self.pool, align=self.key_block)
         shared = blocks[: n // self.pool.block_size]
         rows.append([(layer.keys, layer.values) for layer in cache.layers], [len(prompt)], shared=shared)

@@ -9,6 +9,9 @@ begins with the entry's whole blocks, shared (SGLang's radix cache and vLLM's bl
 KV across requests the same way; here an entry is one whole sequence and the match is the
 longest common prefix over the entries).
 
+A sequence that captured its routing (a mixture of experts) leaves it with its entry; a request
+that captures routing matches only such entries, and its cached positions report that routing.
+
 The cache lives inside the engine's KV budget (engine/kv_budget.py): its blocks count as held,
 least recently used entries go first, and admission evicts entries before it makes a request
 wait (a block also held by a running row stays until that row leaves). A weight update (or
@@ -43,6 +46,7 @@ class CacheStats:
 class Entry:
     ids: np.ndarray  # int64 [n]: the token of every cached position
     blocks: list[int]  # the pool's blocks holding its positions (the last one partly)
+    routing: np.ndarray | None = None  # [n, layers, top_k]: every cached position's experts, where captured
 
 
 @dataclass
@@ -55,16 +59,19 @@ class PrefixCache:
     tokens: int = 0
     stats: CacheStats = field(default_factory=CacheStats)
 
-    def match(self, prompt: list[int]) -> tuple[Entry | None, int]:
+    def match(self, prompt: list[int], routing: bool = False) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with ``prompt`` and that length, at most ``len(prompt) - 1``
         (the last prompt token is always computed: its logits sample the first new token); ``(None, 0)``
-        below ``MIN_MATCH``."""
+        below ``MIN_MATCH``. With ``routing`` (a request capturing its experts), only entries that kept
+        their positions' routing."""
         if not self.enabled or not self.entries:
             return None, 0
         self.stats.lookups += 1
         query = np.asarray(prompt, np.int64)
         best, best_n = None, 0
         for key, entry in self.entries.items():
+            if routing and entry.routing is None:
+                continue
             m = min(len(entry.ids), len(query) - 1)
             if m <= best_n:
                 continue
@@ -79,16 +86,20 @@ class PrefixCache:
         self.stats.reused_tokens += best_n
         return self.entries[best], best_n
 
-    def store(self, ids: list[int], blocks: list[int]) -> None:
-        """Keep a finished sequence's blocks (one more holder each: the row lets its own hold go after)."""
+    def store(self, ids: list[int], blocks: list[int], routing: np.ndarray | None = None) -> None:
+        """Keep a finished sequence's blocks (one more holder each: the row lets its own hold go after),
+        and its positions' routing where it captured them (kept with them: a later hit's cached
+        positions report the experts that computed their keys and values)."""
         if not self.enabled or len(ids) < MIN_MATCH:
             return
         key = tuple(ids)
         if key in self.entries:
             self.entries.move_to_end(key)
+            if routing is not None and self.entries[key].routing is None:
+                self.entries[key].routing = routing
             return
         self.pool.share(blocks)
-        self.entries[key] = Entry(np.asarray(ids, np.int64), list(blocks))
+        self.entries[key] = Entry(np.asarray(ids, np.int64), list(blocks), routing)
         self.tokens += len(ids)
         self.stats.stored += 1
 

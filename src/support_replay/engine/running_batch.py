@@ -3,6 +3,7 @@ and the retirement of finished rows (their blocks go back to the pool, or to the
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .capture import keep_routing
@@ -67,7 +68,10 @@ class RunningBatch:
                 continue
             length = int(self.cache.lengths[row])
             ids = (list(seq.request.input_ids) + seq.output_ids)[:length]
-            self.prefix_cache.store(ids, self.cache.row_blocks(row))
+            routing = np.concatenate(seq.routing)[:length] if seq.request.return_routed_experts else None
+            if routing is not None and len(routing) != length:
+                routing = None  # not every fed position's experts were kept
+            self.prefix_cache.store(ids, self.cache.row_blocks(row), routing)
 
     def clear(self) -> list[RunningRequest]:
         """Every row out at once (a step of the whole batch failed); their blocks go back."""
