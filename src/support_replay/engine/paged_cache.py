@@ -259,8 +259,8 @@ class PagedCache(Cache):
         return (torch.arange(width, device=device)[None, :] <= columns[:, None])[:, None, None, :]
 
     def _gathered(self, rows: list[int], lengths: list[int], device, whole: bool) -> AttentionGroup:
-        blocks = -(-round_up(max(lengths[i] for i in rows) + 1, self.align) // self.pool.block_size)
         width = round_up(max(lengths[i] for i in rows) + 1, self.align)
+        blocks = -(-width // self.pool.block_size)
         padded = [self.tables[i][:blocks] + [0] * (blocks - len(self.tables[i])) for i in rows]
         gather = torch.tensor(padded, dtype=torch.long).reshape(-1).to(device)
         index = None if whole else torch.tensor(rows, dtype=torch.long, device=device)
