@@ -147,3 +147,17 @@ def vllm_checkpoint(tiny_checkpoint: Path, path: Path) -> Path:
     values = json.loads(generation.read_text()) if generation.exists() else {}
     generation.write_text(json.dumps({**values, "top_k": VLLM_DEFAULT_TOP_K}, indent=2))
     return path
+
+
+def assert_answers_as_alone(engine, requests, together) -> None:
+    """Each of ``together`` (answers to ``requests`` sent in one crowd) has the tokens, support and log mu,
+    bit for bit, of its request sent alone to ``engine``."""
+    import numpy as np
+
+    for req, got in zip(requests, together):
+        alone = engine.generate([req])[0]
+        assert (
+            got.output_ids == alone.output_ids
+            and np.array_equal(got.log_mu, alone.log_mu)
+            and got.support == alone.support
+        )

@@ -2,7 +2,6 @@
 decode writes in place and gathers what a rectangle of slots would hold, blocks are shared by
 holder count, and a request's answer does not depend on who joined or left around it."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -12,6 +11,7 @@ from support_replay.engine.block_pool import BlockPool
 from support_replay.engine.paged_cache import PagedCache, attention_groups, strided_runs
 from support_replay.errors import EngineError
 from support_replay.protocol import GenerateRequest
+from tiny_model import assert_answers_as_alone
 
 pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
 
@@ -170,11 +170,5 @@ def test_requests_joining_and_leaving_mid_flight_answer_as_alone(tiny_checkpoint
     while not all(f.done() for f in first + late):
         engine.step()
     together = [f.result() for f in first + late]
-    for req, got in zip(reqs, together):
-        alone = engine.generate([req])[0]
-        assert (
-            got.output_ids == alone.output_ids
-            and np.array_equal(got.log_mu, alone.log_mu)
-            and got.support == alone.support
-        )
+    assert_answers_as_alone(engine, reqs, together)
     engine.shutdown()

@@ -18,6 +18,7 @@ from support_replay.modeling.batch_invariant import (
 )
 from support_replay.modeling.invariant_decode import SOFTMAX_ROUND, softmax_trims, tile_rows
 from support_replay.protocol import GenerateRequest
+from tiny_model import assert_answers_as_alone
 
 pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
 
@@ -187,13 +188,7 @@ def test_a_grpo_group_is_prefilled_once_and_answers_as_if_alone(tiny_checkpoint,
         ]
         together = engine.generate(reqs)
         assert rows == [4]  # 16 requests admitted at once, 4 prompts prefilled
-        for req, got in zip(reqs, together):
-            alone = engine.generate([req])[0]
-            assert (
-                got.output_ids == alone.output_ids
-                and np.array_equal(got.log_mu, alone.log_mu)
-                and got.support == alone.support
-            )
+        assert_answers_as_alone(engine, reqs, together)
         assert len({tuple(c.output_ids) for c in together}) > 4  # the group members sampled apart
     finally:
         engine.shutdown()

@@ -54,7 +54,7 @@ from .block_pool import BlockPool
 from .capture import keep_routing
 from .decode_log import DecodeLog
 from .grammar import Grammars
-from .kv_budget import SERVE_SHARE, KVBudget, column_need, round_up
+from .kv_budget import SERVE_SHARE, KVBudget, column_need
 from .ledger import Ledger
 from .limits import EngineLimits
 from .lora_adapter import AdapterSlot, read_adapter
@@ -211,8 +211,7 @@ class Engine:
         except SamplingParamsError as exc:
             raise RequestError(f"sampling_params: {exc} (engine semantics {self.semantics})") from exc
         self.limits.validate(request, self.context_length)
-        need = self._column_need(request)
-        self.kv_budget.check_alone(len(request.input_ids), need, self._attended_width(need))
+        self.kv_budget.check_alone(len(request.input_ids), self._column_need(request))
 
     def _check_grammar(self, request: GenerateRequest) -> None:
         """A constrained request's support must stay capturable, and the grammar must end the output."""
@@ -238,10 +237,6 @@ class Engine:
         # is viewed at its width rounded up to those, inside its own reservation
         unit = math.lcm(self.runner.pool.block_size, self.runner.key_block)
         return column_need(len(request.input_ids), request.max_new_tokens, unit)
-
-    def _attended_width(self, need: int) -> int:
-        """The gathered width of a decode step whose longest row reserved ``need`` positions."""
-        return round_up(round_up(need, self.runner.key_block), self.runner.pool.block_size)
 
     def submit(self, request: GenerateRequest, on_token: Callable[[int], None] | None = None) -> Future:
         """Queue a request; the future resolves to a ``Completion`` or raises ``EngineError``
@@ -438,7 +433,7 @@ class Engine:
         """Whether ``request``, admitted with ``taken``, keeps the KV cache's peak within the budget."""
         joining = [*taken, request]
         needs = [self._column_need(r) for r in joining]
-        width = self._attended_width(max([s.need for s in self.batch.rows] + needs))
+        width = max([s.need for s in self.batch.rows] + needs)  # a reservation is whole blocks and key blocks
         # the prefills run bucket after bucket (scheduler.prefill_buckets), each padded to its longest prompt
         buckets = prefill_buckets(joining, length=lambda r: len(r.input_ids))
         prefill = max(len(b) * max(len(r.input_ids) for r in b) for b in buckets)

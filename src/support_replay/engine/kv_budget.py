@@ -98,10 +98,11 @@ class KVBudget:
         joining requests' reservations, their prefill, and a decode step's gathered copy."""
         return committed + sum(needs) + prefill_tokens + self.attended(rows, width)
 
-    def check_alone(self, prompt_tokens: int, need: int, width: int) -> None:
-        """Refuse (400) a request that could not be admitted even into an empty engine."""
-        copy = self.attended(1, width)
-        alone = self.peak(0, [need], prompt_tokens, 1, width)
+    def check_alone(self, prompt_tokens: int, need: int) -> None:
+        """Refuse (400) a request that could not be admitted even into an empty engine (a step attends at
+        most its reservation, ``need``, whole blocks and key blocks)."""
+        copy = self.attended(1, need)
+        alone = self.peak(0, [need], prompt_tokens, 1, need)
         if alone > self.max_total_tokens:
             raise RequestError(
                 f"max_new_tokens: {prompt_tokens} prompt tokens + their reservation of {need} KV positions, the "
@@ -115,11 +116,10 @@ def column_need(prompt_tokens: int, max_new_tokens: int, page: int) -> int:
     return round_up(prompt_tokens + max_new_tokens + 1, page)
 
 
-def largest_batch(budget: KVBudget, prompt_tokens: int, max_new_tokens: int, page: int = 1, align: int = 1) -> int:
+def largest_batch(budget: KVBudget, prompt_tokens: int, max_new_tokens: int, page: int = 1) -> int:
     """How many requests of this shape one admission takes into an empty engine (a GRPO group sent together)."""
     need = column_need(prompt_tokens, max_new_tokens, page)
-    width = round_up(round_up(need, align), page)
     n = budget.max_total_tokens // (need + prompt_tokens)
-    while n > 0 and budget.peak(0, [need] * n, n * prompt_tokens, n, width) > budget.max_total_tokens:
+    while n > 0 and budget.peak(0, [need] * n, n * prompt_tokens, n, need) > budget.max_total_tokens:
         n -= 1
     return n

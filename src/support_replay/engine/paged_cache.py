@@ -227,8 +227,8 @@ class PagedCache(Cache):
         device = pool.storage[0].device
         own = torch.tensor([t[n // page] for t, n in zip(self.tables, lengths)], dtype=torch.long)
         self._write = (own * page + self.lengths % page).to(device)
-        self.width = round_up(max(lengths) + 1, self.align)
         everyone = list(range(len(lengths)))
+        self.width = self._width(everyone, lengths)
         if not grouped:
             self.groups = [self._gathered(everyone, lengths, device, whole=True)]
         else:
@@ -251,15 +251,18 @@ class PagedCache(Cache):
             self._buffer = storage.new_empty(numel)
         if len(self.groups) == 1 and self.groups[0].rows is None:
             return self.groups[0].mask
-        columns = self.lengths.to(device)
-        return (torch.arange(self.width, device=device)[None, :] <= columns[:, None])[:, None, None, :]
+        return self._mask(everyone, self.width, device)
 
     def _mask(self, rows: list[int], width: int, device) -> torch.Tensor:
         columns = self.lengths[rows].to(device)
         return (torch.arange(width, device=device)[None, :] <= columns[:, None])[:, None, None, :]
 
+    def _width(self, rows: list[int], lengths: list[int]) -> int:
+        """The positions ``rows`` attend to this step: their longest length and the write, in whole key blocks."""
+        return round_up(max(lengths[i] for i in rows) + 1, self.align)
+
     def _gathered(self, rows: list[int], lengths: list[int], device, whole: bool) -> AttentionGroup:
-        width = round_up(max(lengths[i] for i in rows) + 1, self.align)
+        width = self._width(rows, lengths)
         blocks = -(-width // self.pool.block_size)
         padded = [self.tables[i][:blocks] + [0] * (blocks - len(self.tables[i])) for i in rows]
         gather = torch.tensor(padded, dtype=torch.long).reshape(-1).to(device)
@@ -267,7 +270,7 @@ class PagedCache(Cache):
         return AttentionGroup(index, len(rows), width, self._mask(rows, width, device), gather=gather)
 
     def _in_place(self, rows: list[int], stride: int, lengths: list[int], device, whole: bool) -> AttentionGroup:
-        width = round_up(max(lengths[i] for i in rows) + 1, self.align)
+        width = self._width(rows, lengths)
         if width > stride * self.pool.block_size:
             raise EngineError(f"paged cache: a width of {width} passes the rows' reservations of {stride} blocks")
         index = None if whole else torch.tensor(rows, dtype=torch.long, device=device)
