@@ -48,9 +48,9 @@ def peaks(monkeypatch):
         seen.append(self.pool.used * self.pool.block_size + -(-copy // self.pool.num_layers))
         return out
 
-    def prefill(self, prompts):
+    def prefill(self, prompts, hits):
         seen.append(self.pool.used * self.pool.block_size + len(prompts) * max(map(len, prompts)))
-        return real_prefill(self, prompts)
+        return real_prefill(self, prompts, hits)
 
     monkeypatch.setattr(BlockPool, "allocate", allocate)
     monkeypatch.setattr(PagedCache, "attended", attended)
@@ -67,7 +67,7 @@ def test_a_long_prompt_beside_many_short_ones_stays_within_the_budget(tiny_check
     peaks.clear()
     prefills = []
     real_prefill = tight.runner._prefill
-    tight.runner._prefill = lambda prompts: prefills.append(len(prompts)) or real_prefill(prompts)
+    tight.runner._prefill = lambda prompts, hits: prefills.append(len(prompts)) or real_prefill(prompts, hits)
     out = tight.generate(reqs)
     assert peaks and max(peaks) <= budget  # every block taken, every prefill, every gather
     assert len(prefills) > 1  # all 32 at once would pass it (32 x 320 positions): the rest waited for rows to leave
@@ -132,7 +132,9 @@ def test_prefills_group_prompts_of_like_length(tiny_checkpoint):
     engine = Engine.from_pretrained(tiny_checkpoint)
     batches = []
     real = engine.runner._prefill
-    engine.runner._prefill = lambda prompts: batches.append(sorted(len(p) for p in prompts)) or real(prompts)
+    engine.runner._prefill = lambda prompts, hits: (
+        batches.append(sorted(len(p) for p in prompts)) or real(prompts, hits)
+    )
     reqs = requests([200] + [4] * 10 + [5] * 3)
     engine.generate(reqs)
     assert batches == [[4] * 10 + [5] * 3, [200]]  # was one batch padded to 200 positions 14 times
@@ -152,7 +154,7 @@ def test_a_long_row_holds_only_its_own_blocks_so_short_ones_fit_beside_it(tiny_c
     engine = Engine.from_pretrained(tiny_checkpoint, max_total_tokens=budget)
     prefills = []
     real = engine.runner._prefill
-    engine.runner._prefill = lambda prompts: prefills.append(len(prompts)) or real(prompts)
+    engine.runner._prefill = lambda prompts, hits: prefills.append(len(prompts)) or real(prompts, hits)
     out = engine.generate(requests([300] + [16] * 63, max_new=32))
     assert all(c.num_tokens == 32 for c in out) and max(peaks) <= budget
     assert len(prefills) == 2 and prefills[1] == 1  # one admission: the short bucket, the long prompt

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, support_logprobs
 from support_replay.engine import Engine
+from support_replay.engine.model_runner import cached_columns
 from support_replay.protocol import GenerateRequest
 
 PARAMS = SamplingParams(temperature=1.0, top_k=16, top_p=0.9, seed=3)
@@ -20,26 +21,66 @@ def first_turn(engine: Engine):
     return prompt, c
 
 
-def test_a_prefill_after_a_cached_prefix_is_a_whole_prefill(tiny_checkpoint):
+def assert_rows_equal(pool, a, b, rows_a, rows_b, lengths, atol=1e-4):
+    for i, j, n in zip(rows_a, rows_b, lengths):
+        for (k, v), (k2, v2) in zip(pool.read(a.tables[i], n), pool.read(b.tables[j], n)):
+            torch.testing.assert_close(k, k2, atol=atol, rtol=0)
+            torch.testing.assert_close(v, v2, atol=atol, rtol=0)
+
+
+def test_a_prefill_reading_a_cached_prefix_is_a_whole_prefill(tiny_checkpoint):
     engine = Engine.from_pretrained(tiny_checkpoint)
     prompt, c = first_turn(engine)
     full = prompt + c.output_ids + engine.tokenizer(" User: and back.")["input_ids"]
     entry, n = engine.prefix_cache.match(full)
     assert n == len(prompt) + len(c.output_ids) - 1  # every fed position (the last token was never fed)
-    after_cache, after_logits = engine.runner.prefill_after(full, entry.blocks, n)
-    page = engine.runner.pool.block_size
-    assert after_cache.tables[0][: n // page] == entry.blocks[: n // page]  # the whole cached blocks, shared
-    assert all(engine.runner.pool.refs[b] == 2 for b in entry.blocks[: n // page])
+    pool, page = engine.runner.pool, engine.runner.pool.block_size
+    reserve = [-(-(len(full) + 4) // page)]
+    after_cache, after_logits = engine.runner.prefill([full], reserve=reserve, cached=[(entry, n)])
+    assert not set(after_cache.tables[0]) & set(entry.blocks) and after_cache.runs == [True]  # its own run
+    assert all(pool.refs[b] == 1 for b in entry.blocks)  # the entry's hold alone
     whole_cache, whole_logits = engine.runner.prefill([full])
     torch.testing.assert_close(after_logits, whole_logits, atol=1e-4, rtol=0)
-    pool = engine.runner.pool
-    mine = pool.read(after_cache.tables[0], len(full))
-    theirs = pool.read(whole_cache.tables[0], len(full))
-    for (k, v), (k2, v2) in zip(mine, theirs):
-        torch.testing.assert_close(k, k2, atol=1e-4, rtol=0)
-        torch.testing.assert_close(v, v2, atol=1e-4, rtol=0)
+    assert_rows_equal(pool, after_cache, whole_cache, [0], [0], [len(full)])
     after_cache.release()
-    assert all(engine.runner.pool.refs[b] == 1 for b in entry.blocks)  # the entry's own hold stays
+    assert all(pool.refs[b] == 1 for b in entry.blocks)
+
+
+def test_prompts_admitted_together_compute_only_the_columns_past_their_cached_prefixes(tiny_checkpoint):
+    """A batch of prompts with hits of unlike lengths, twice the same prompt and one without a hit:
+    one forward over the longest rest; each row equals its whole prefill and lies in its own run."""
+    engine = Engine.from_pretrained(tiny_checkpoint)
+    prompt, c = first_turn(engine)
+    context = prompt + c.output_ids
+    tail = engine.tokenizer(" User: and back.")["input_ids"]
+    prompts = [context + tail, context[:-3] + tail + tail, context + tail, list(range(40, 52))]
+    matches = [engine.prefix_cache.match(p) for p in prompts]
+    hits = [n for _, n in matches]
+    assert hits[:3] == [len(context) - 1, len(context) - 3, len(context) - 1] and hits[3] == 0
+    starts = cached_columns([len(p) for p in prompts], hits)
+    rest = len(prompts[1]) - hits[1]  # the longest rest
+    assert starts == [len(prompts[0]) - rest, hits[1], len(prompts[2]) - rest, 0]
+    widths = []
+    forward = engine.runner._forward
+    engine.runner._forward = lambda ids, *a: widths.append(ids.shape) or forward(ids, *a)
+    page = engine.runner.pool.block_size
+    reserve = [-(-(len(p) + 4) // page) for p in prompts]
+    cached = [None if e is None else (e, n) for e, n in matches]
+    batch, logits = engine.runner.prefill(prompts, reserve=reserve, cached=cached)
+    assert widths == [(3, rest)]  # the two identical prompts once, the rest columns only
+    assert batch.runs == [True] * 4 and len({b for t in batch.tables for b in t}) == sum(reserve)
+    for i, p in enumerate(prompts):
+        alone, alone_logits = engine.runner.prefill([p])
+        torch.testing.assert_close(logits[i : i + 1], alone_logits, atol=1e-4, rtol=0)
+        assert_rows_equal(engine.runner.pool, batch, alone, [i], [0], [len(p)])
+        alone.release()
+
+
+def test_cached_columns():
+    assert cached_columns([10, 12], [0, 0]) == [0, 0]  # no hit: every column computed
+    assert cached_columns([10, 12], [9, 0]) == [0, 0]  # a fresh prompt as long as any: nothing to skip
+    assert cached_columns([10, 12, 11], [9, 11, 4]) == [3, 5, 4]  # the longest rest is 7
+    assert cached_columns([30, 5], [28, 0]) == [25, 0]  # a short fresh prompt within the rest columns
 
 
 def test_a_sessions_next_turn_reuses_its_context_and_replays(tiny_checkpoint):

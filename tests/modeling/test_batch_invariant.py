@@ -175,7 +175,9 @@ def test_a_grpo_group_is_prefilled_once_and_answers_as_if_alone(tiny_checkpoint,
     engine = Engine.from_pretrained(tiny_checkpoint, deterministic=True)
     rows = []
     original = engine.runner._prefill
-    monkeypatch.setattr(engine.runner, "_prefill", lambda prompts: rows.append(len(prompts)) or original(prompts))
+    monkeypatch.setattr(
+        engine.runner, "_prefill", lambda prompts, hits: rows.append(len(prompts)) or original(prompts, hits)
+    )
     engine.start()
     try:
         prompts = [[5, 6, 7], [11, 12, 13, 14], [20, 21], [30, 31, 32, 33, 34]]

@@ -250,7 +250,8 @@ def _padded_rows(mask: torch.Tensor):
     exactly the layout ``SupportTable.to_padded`` gives the trainer.
     """
     rows, cols = torch.nonzero(mask, as_tuple=True)
-    counts = mask.sum(-1)
+    # from the nonzero rows, not mask.sum(-1): that widens the whole [B, V] mask to int64 first
+    counts = torch.bincount(rows, minlength=mask.shape[0])
     width = int(counts.max()) if counts.numel() else 0
     starts = torch.cumsum(counts, 0) - counts
     within = torch.arange(len(cols), device=mask.device) - starts[rows]

@@ -2,10 +2,9 @@
 
 A sequence holds a list of blocks (its block table, engine/paged_cache.py); position p of it is
 offset ``p % block_size`` of its block ``p // block_size``. Blocks are counted by reference: a
-finished sequence's blocks pass to the prefix cache (engine/prefix_cache.py) without a copy, and
-a later prompt that begins with a cached prefix takes that prefix's whole blocks into its own
-table (a block is only ever written at positions past every sharer's length, so a shared block
-is never written). A block returns to the pool when its last holder lets it go. This is the
+finished sequence's blocks pass to the prefix cache (engine/prefix_cache.py) without a copy (a
+later prompt that begins with a cached prefix reads them into its prefill; a cached block is never
+written again). A block returns to the pool when its last holder lets it go. This is the
 layout of vLLM's paged KV cache and of SGLang's token pool with a page size; the page size is
 SGLang's ``--page-size``.
 

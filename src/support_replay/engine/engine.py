@@ -58,7 +58,7 @@ from .kv_budget import SERVE_SHARE, KVBudget, column_need
 from .ledger import Ledger
 from .limits import EngineLimits
 from .lora_adapter import AdapterSlot, read_adapter
-from .model_runner import ModelRunner, load_model_and_tokenizer
+from .model_runner import ModelRunner, cached_columns, load_model_and_tokenizer
 from .paged_cache import PagedCache
 from .prefix_cache import PrefixCache
 from .row_step import RowFailure
@@ -472,44 +472,34 @@ class Engine:
             return
         for bucket in prefill_buckets(seqs):  # prompts of like length together: the left padding stays small
             try:
-                groups = self._prefill(bucket)
+                groups = [(bucket, *self._prefill(bucket))]
             except Exception:
                 log.exception("prefill of %d requests failed; prefilling them one by one", len(bucket))
                 groups = []
                 for seq in bucket:
                     try:
-                        groups += self._prefill([seq])
+                        groups.append(([seq], *self._prefill([seq])))
                     except Exception as exc:
                         self._finish_failed(seq.request, seq.future, exc, "prefill")
             for group, batch, logits in groups:
                 self._join(group, batch, logits)
 
-    def _prefill(self, group: list[RunningRequest]) -> list[tuple[list[RunningRequest], PagedCache, torch.Tensor]]:
-        """The group's prompts prefilled together, except those that begin with a cached prefix: each of
-        those prefills only its rest (engine/prefix_cache.py). The rows that asked keep their prompts'
-        routing (a hit's cached positions report the routing their entry kept)."""
-        out, fresh = [], []
-        for seq in group:
-            routing = seq.request.return_routed_experts
-            entry, n = self.prefix_cache.match(seq.request.input_ids, routing=routing)
-            if entry is None:
-                fresh.append(seq)
-                continue
-            cache, logits = self.runner.prefill_after(seq.request.input_ids, entry.blocks, n, routing=routing)
-            if routing:  # the cached positions' experts, then the rest's as this forward routed them
-                keep_routing([seq], [torch.cat([torch.from_numpy(entry.routing[:n]), self.runner.routing_rows[0]])])
-            self.prefix_cache.stats.prefilled_tokens += len(seq.request.input_ids) - n
-            out.append(([seq], cache, logits))
-        if fresh:
-            routing = any(s.request.return_routed_experts for s in fresh)
-            page = self.runner.pool.block_size
-            reserve = [s.need // page for s in fresh]  # each row's whole reservation, one run of blocks
-            cache, logits = self.runner.prefill([s.request.input_ids for s in fresh], routing=routing, reserve=reserve)
-            self.prefix_cache.stats.prefilled_tokens += sum(len(p) for p in {tuple(s.request.input_ids) for s in fresh})
-            if routing:
-                keep_routing(fresh, self.runner.routing_rows)
-            out.append((fresh, cache, logits))
-        return out
+    def _prefill(self, group: list[RunningRequest]) -> tuple[PagedCache, torch.Tensor]:
+        """The group's prompts prefilled together; where prompts begin with cached prefixes, the batch
+        computes only the columns past them (engine/prefix_cache.py, ``model_runner.cached_columns``).
+        The rows that asked keep their prompts' routing (a hit's cached positions report the routing
+        their entry kept)."""
+        prompts = [s.request.input_ids for s in group]
+        matches = [self.prefix_cache.match(p, routing=s.request.return_routed_experts) for p, s in zip(prompts, group)]
+        routing = any(s.request.return_routed_experts for s in group)
+        page = self.runner.pool.block_size
+        reserve = [s.need // page for s in group]  # each row's whole reservation, one run of blocks
+        cached = [None if entry is None else (entry, n) for entry, n in matches]
+        cache, logits = self.runner.prefill(prompts, routing=routing, reserve=reserve, cached=cached)
+        self.prefix_cache.count(prompts, cached_columns([len(p) for p in prompts], [n for _, n in matches]))
+        if routing:
+            keep_routing(group, self.runner.routing_rows)
+        return cache, logits
 
     def _join(self, group: list[RunningRequest], cache: PagedCache, logits: torch.Tensor) -> None:
         """A prefilled group joins the running batch and samples its first tokens."""

@@ -28,6 +28,7 @@ from ..modeling.moe import install_routing
 from .block_pool import BlockPool
 from .fused_step import FusedDecoder, unsupported
 from .paged_cache import PagedCache
+from .prefix_cache import Entry
 
 log = logging.getLogger(__name__)
 
@@ -85,55 +86,48 @@ class ModelRunner:
         return out.logits[:, -1, :].float(), new_cache
 
     def prefill(
-        self, prompts: list[list[int]], routing: bool = False, reserve: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        routing: bool = False,
+        reserve: list[int] | None = None,
+        cached: list[tuple[Entry, int] | None] | None = None,
     ) -> tuple[PagedCache, torch.Tensor]:
         """Run the prompts (left-padded together); returns their rows of the pool and last-position logits.
         With ``routing`` (a MoE model), ``routing_rows`` then holds each prompt's ``[len, layers, top_k]``;
         ``reserve``: each request's whole reservation in blocks, taken at once (engine/paged_cache.py).
+        ``cached[i]``: a prefix-cache entry whose first ``n`` positions are prompt i's (``PrefixCache.match``):
+        the batch computes only the last columns, those some row has not cached (``cached_columns``), each
+        row's earlier positions read from its entry; every row is then written into its own blocks.
 
         A prompt sent several times at once (a GRPO group) is prefilled once: its keys, values
         and logits are copied to every request that has it. Each distinct prompt's rows are what
         an unshared prefill computes in the batch of distinct prompts; with the batch-invariant
         forward they are the same bits as any unshared prefill.
         """
-        first: dict = {}  # key -> (prefill row, prompt)
+        first: dict = {}  # key -> (prefill row, the first request with it)
         index = [
-            first.setdefault(tuple(p) if self.share_prompts else i, (len(first), p))[0] for i, p in enumerate(prompts)
+            first.setdefault(tuple(p) if self.share_prompts else i, (len(first), i))[0] for i, p in enumerate(prompts)
         ]
-        distinct = [list(p) for _, p in first.values()]
+        distinct = [list(prompts[i]) for _, i in first.values()]
+        hits = [None if cached is None else cached[i] for _, i in first.values()]
         self._record(routing)
-        layers, logits = self._prefill(distinct)
+        layers, logits, starts = self._prefill(distinct, hits)
         if routing:
-            flat, length = self.routing.stacked(), max(len(p) for p in distinct)
-            rows = [flat[j * length + length - len(p) : (j + 1) * length] for j, p in enumerate(distinct)]
+            flat, width = self.routing.stacked(), max(len(p) for p in distinct) - max(starts)
+            rows = [
+                _routing_row(flat[j * width : (j + 1) * width], len(p) - start, hit, start)
+                for j, (p, hit, start) in enumerate(zip(distinct, hits, starts))
+            ]
             self.routing_rows = [rows[j] for j in index]
         cache = PagedCache(self.pool, align=self.key_block)
         cache.append(layers, [len(p) for p in prompts], index, reserve=reserve)
         return cache, logits[torch.tensor(index, device=logits.device)] if len(distinct) < len(prompts) else logits
 
-    def prefill_after(
-        self, prompt: list[int], blocks: list[int], n: int, routing: bool = False
-    ) -> tuple[PagedCache, torch.Tensor]:
-        """One prompt whose first ``n`` positions' keys and values are in ``blocks`` (a prefix-cache hit):
-        only the rest is computed, attending to them; the row's table begins with the whole ones, shared.
-        With ``routing``, ``routing_rows`` then holds the rest's ``[len - n, layers, top_k]``."""
-        self._record(routing)
-        cache = DynamicCache()
-        for index, (k, v) in enumerate(self.pool.read(blocks, n)):
-            cache.update(k[None], v[None], index)
-        rest = torch.tensor([prompt[n:]], device=self.device)
-        mask = torch.ones(1, len(prompt), dtype=torch.long, device=self.device)
-        positions = torch.arange(n, len(prompt), device=self.device)[None]
-        logits, cache = self._forward(rest, mask, positions, cache)
-        if routing:
-            self.routing_rows = [self.routing.stacked()]
-        rows = PagedCache(self.pool, align=self.key_block)
-        shared = blocks[: n // self.pool.block_size]
-        rows.append([(layer.keys, layer.values) for layer in cache.layers], [len(prompt)], shared=shared)
-        return rows, logits
-
-    def _prefill(self, prompts: list[list[int]]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """Left-padded keys and values per layer and the last-position logits of ``prompts``."""
+    def _prefill(
+        self, prompts: list[list[int]], hits: list[tuple[Entry, int] | None]
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, list[int]]:
+        """Left-padded keys and values per layer, the last-position logits of ``prompts``, and how many
+        first positions of each were read from its prefix-cache hit instead of computed."""
         length = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), length, dtype=torch.long)
         mask = torch.zeros(len(prompts), length, dtype=torch.long)
@@ -142,8 +136,21 @@ class ModelRunner:
             mask[i, length - len(p) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
-        logits, cache = self._forward(ids, mask, positions, DynamicCache())
-        return [(layer.keys, layer.values) for layer in cache.layers], logits
+        starts = cached_columns([len(p) for p in prompts], [0 if h is None else h[1] for h in hits])
+        past = max(starts)  # the columns read from the cache: each row's first positions, right-aligned in them
+        cache = DynamicCache()
+        if past:  # each row's cached positions right-aligned in the first ``past`` columns; pads read block 0, masked
+            slots = torch.zeros(len(prompts), past, dtype=torch.long)
+            for j, (hit, start) in enumerate(zip(hits, starts)):
+                if start:
+                    slots[j, past - start :] = self.pool.slots(hit[0].blocks, 0, start)
+            slots = slots.reshape(-1).to(self.device)
+            for layer in range(self.pool.num_layers):
+                kv = self.pool.flat(layer).index_select(2, slots)  # [2, kv_heads, rows * past, d]
+                kv = kv.view(2, kv.shape[1], len(prompts), past, kv.shape[3]).transpose(1, 2)
+                cache.update(kv[0], kv[1], layer)
+        logits, cache = self._forward(ids[:, past:], mask, positions[:, past:], cache)
+        return [(layer.keys, layer.values) for layer in cache.layers], logits, starts
 
     def _record(self, routing: bool) -> None:
         self.routing_rows = None
@@ -182,3 +189,23 @@ class ModelRunner:
         in their new order."""
         order = batch.keep(rows)
         return (batch if order else None), order
+
+
+def cached_columns(lengths: list[int], hits: list[int]) -> list[int]:
+    """How many first positions of each prompt a batched prefill reads from its prefix-cache hit
+    (``hits[i]`` positions cached, 0 for none): the batch computes the same last columns of every row,
+    as many as its longest rest (a prompt less its cached positions), so a prompt reads ``length - rest``
+    of its cached positions, none when it is no longer than that (so none without a hit in the batch)."""
+    rest = max(n - h for n, h in zip(lengths, hits))
+    return [max(0, n - rest) for n in lengths]
+
+
+def _routing_row(computed: torch.Tensor, count: int, hit: tuple[Entry, int] | None, start: int) -> torch.Tensor | None:
+    """A prompt's ``[len, layers, top_k]`` routing: its cached positions' experts, kept with its entry, then
+    the last ``count`` rows this forward routed (None where the entry kept none: such a row did not ask)."""
+    rows = computed[computed.shape[0] - count :]
+    if not start:
+        return rows
+    if hit[0].routing is None:
+        return None
+    return torch.cat([torch.from_numpy(hit[0].routing[:start]).to(rows.dtype), rows])

@@ -7,10 +7,9 @@ place, then attends, layer by layer, over views of its rows' blocks:
 - rows prefilled together take their whole reservations as one run of consecutive blocks
   (``reserve``), one row after another: rows whose runs lie at one stride (a GRPO group, a bucket of
   like prompts) are **attended in place**, a strided view of the storage, nothing copied;
-- other rows (a prefix-cache hit, whose table begins with shared blocks; a pool too fragmented for
-  a run) take blocks as they grow and are **gathered**: one ``index_select`` per layer into a
-  buffer every layer reuses, rows of like length together at their own width, shorter rows padded
-  with the pool's zero block.
+- other rows (a pool too fragmented for a run) take blocks as they grow and are **gathered**: one
+  ``index_select`` per layer into a buffer every layer reuses, rows of like length together at their
+  own width, shorter rows padded with the pool's zero block.
 
 Either view holds, position for position, what a rectangle of slots would, with the same inner
 strides, so the attention returns the same bits as over a contiguous cache (the batch-invariant
@@ -135,26 +134,19 @@ class PagedCache(Cache):
         per_layer: list[tuple[torch.Tensor, torch.Tensor]],
         lengths: list[int],
         sources: list[int] | None = None,
-        shared: list[int] | None = None,
         reserve: list[int] | None = None,
     ) -> None:
         """New rows from a left-padded prefill: ``per_layer`` holds ``[n, kv_heads, L, d]`` keys and
         values, new row i copies prefill row ``sources[i]`` (default i), whose ``lengths[i]`` real
         tokens are its last positions. ``reserve``: each row's whole reservation in blocks, taken at
-        once as one run, row after row, where the pool has such a run (else blocks as rows grow).
-        ``shared`` (one row only): cached blocks the row's table begins with, already holding its
-        first ``len(shared) * page`` positions (a prefix-cache hit)."""
+        once as one run, row after row, where the pool has such a run (else blocks as rows grow)."""
         sources = list(range(len(lengths))) if sources is None else sources
-        shared = shared or []
-        if shared and len(lengths) != 1:
-            raise EngineError("paged cache: shared blocks are for one row at a time")
         k0 = per_layer[0][0]
         pool, page = self.pool, self.pool.block_size
         pool.ensure(k0.shape[1], k0.shape[3], k0.dtype, k0.device)
         width = k0.shape[2]
-        start = len(shared) * page  # positions before it are in the shared blocks
         run = None
-        if reserve is not None and not shared:
+        if reserve is not None:
             if any(r * page < n for r, n in zip(reserve, lengths)):
                 raise EngineError(f"paged cache: reservations {reserve} blocks do not hold prompts of {lengths}")
             run = pool.allocate_run(sum(reserve))
@@ -163,12 +155,11 @@ class PagedCache(Cache):
             if run is not None:
                 table = run[sum(reserve[:i]) : sum(reserve[: i + 1])]
             else:
-                table = list(shared) + pool.allocate(-(-length // page) - len(shared))
-                pool.share(shared)
+                table = pool.allocate(-(-length // page))
             self.tables.append(table)
             self.runs.append(run is not None)
-            dest.append(pool.slots(table, start, length))
-            src.append(row * width + torch.arange(width - length + start, width))
+            dest.append(pool.slots(table, 0, length))
+            src.append(row * width + torch.arange(width - length, width))
         dest_index = torch.cat(dest).to(k0.device)
         src_index = torch.cat(src).to(k0.device)
         for layer, (k, v) in enumerate(per_layer):

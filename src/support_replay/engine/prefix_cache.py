@@ -1,13 +1,17 @@
-"""A prefix cache: the KV blocks of finished sequences, shared with later prompts that begin with them.
+"""A prefix cache: the KV blocks of finished sequences, read by later prompts that begin with them.
 
 When a request finishes, its row's blocks of the KV pool (prompt and every fed output token)
 pass to the cache without a copy (engine/block_pool.py counts their holders), keyed by those
 token ids. A later prompt whose first tokens equal an entry's (a session's next turn: the
 previous context plus the inserted tokens; another sample of a GRPO task; requests that share a
-system prompt) prefills only the rest, attending to the cached positions, and its block table
-begins with the entry's whole blocks, shared (SGLang's radix cache and vLLM's block hashing share
-KV across requests the same way; here an entry is one whole sequence and the match is the
-longest common prefix over the entries).
+system prompt) prefills only the rest, attending to the cached positions (SGLang's radix cache and
+vLLM's block hashing reuse KV across requests the same way; here an entry is one whole sequence and
+the match is the longest common prefix over the entries). Prompts admitted together prefill in one
+batch, which computes the columns past every row's cached prefix (``model_runner.cached_columns``:
+the longest rest); each row's first positions are read from its entry, and the row is written into
+its own reservation like any other, so it decodes in place (vLLM and SGLang read shared blocks from
+their attention kernels; ours would gather a shared prefix at every step and layer, more than the
+one copy at admission).
 
 A sequence that captured its routing (a mixture of experts) leaves it with its entry; a request
 that captures routing matches only such entries, and its cached positions report that routing.
@@ -82,9 +86,14 @@ class PrefixCache:
         if best is None or best_n < MIN_MATCH:
             return None, 0
         self.entries.move_to_end(best)
-        self.stats.hits += 1
-        self.stats.reused_tokens += best_n
         return self.entries[best], best_n
+
+    def count(self, prompts: list[list[int]], reused: list[int]) -> None:
+        """A prefill's figures: ``reused[i]`` first positions of request i read from the cache, the rest of
+        each distinct prompt computed (identical prompts admitted together are prefilled once)."""
+        self.stats.hits += sum(n > 0 for n in reused)
+        self.stats.reused_tokens += sum(reused)
+        self.stats.prefilled_tokens += sum(len(p) - n for p, n in dict(zip(map(tuple, prompts), reused)).items())
 
     def store(self, ids: list[int], blocks: list[int], routing: np.ndarray | None = None) -> None:
         """Keep a finished sequence's blocks (one more holder each: the row lets its own hold go after),
