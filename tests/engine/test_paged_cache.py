@@ -96,7 +96,7 @@ def test_rows_whose_reservations_lie_at_one_stride_are_attended_in_place():
     storage through a strided view (nothing gathered), the same values as a gather of their blocks."""
     pool = BlockPool(2, 4, 64 * 4)
     cache = filled([5, 7, 6], reserve=[3, 3, 3], pool=pool)
-    assert cache.tables == [[1, 2, 3], [4, 5, 6], [7, 8, 9]] and cache.runs == [True] * 3
+    assert cache.tables == [[1, 2, 3], [4, 5, 6], [7, 8, 9]] and cache.pitches == [3] * 3
     late = filled([2, 9], pool=pool)  # no reservation: blocks as it grows, gathered
     cache.extend(late)
     cache.prepare_decode(grouped=True)
@@ -114,7 +114,26 @@ def test_rows_whose_reservations_lie_at_one_stride_are_attended_in_place():
         for _ in range(6):
             cache.finish_decode()
             cache.prepare_decode(grouped=True)
-    assert strided_runs([1, None, 4, 10, 7], [[1, 2, 3], [], [4, 5, 6], [10, 11, 12], [7, 8, 9]]) == [([0, 2, 4, 3], 3)]
+    assert strided_runs([1, None, 4, 10, 7], [3, 0, 3, 3, 3]) == [([0, 2, 4, 3], 3)]
+    assert strided_runs([1, 4, 8], [3, 3, 4]) == [([0, 1], 3), ([2], 4)]
+
+
+def test_rows_of_unlike_reservations_lie_at_one_pitch_and_are_attended_in_place_together():
+    """Reservations of 2, 3 and 2 blocks laid 3 apart: one strided view serves the three rows (a shorter
+    row's view runs past its own blocks only at positions its mask hides), the blocks between stay free."""
+    pool = BlockPool(2, 4, 64 * 4)
+    cache = filled([5, 9, 6], reserve=[2, 3, 2], pool=pool)
+    assert cache.tables == [[1, 2], [4, 5, 6], [7, 8]] and cache.pitches == [3] * 3 and pool.used == 7
+    assert pool.allocate(1) == [3]  # the gap after a shorter run is anyone's
+    cache.prepare_decode(grouped=True)
+    (group,) = cache.groups
+    assert group.gather is None and group.stride == 3 and group.width == 10
+    keys, values = cache.attended(0, group)
+    assert torch.equal(values, -keys)
+    for row in range(3):
+        n = int(cache.lengths[row])
+        assert torch.equal(keys[row, 0, :n, 0], 100 * row + torch.arange(n, dtype=torch.float32))
+        assert not group.mask[row, 0, 0, n + 1 :].any()  # what lies past a row's own blocks is masked
 
 
 def test_blocks_are_shared_by_holder_count_and_handed_out_lowest_first():
@@ -143,9 +162,18 @@ def test_the_cpu_storage_is_zero_filled_memory_made_at_first_write_and_dropped_w
     assert pool.storage is None and pool.used == 0  # nothing held: the memory went back
     pool.ensure(1, 1, torch.float32, "cpu")
     assert pool.allocate(1) == [1] and pool.storage[0].abs().sum() == 0
-    assert pool.allocate_run(3) == [2, 3, 4] and pool.free == 0 and pool.allocate(0) == []
+    assert pool.allocate_rows([3]) == [[2, 3, 4]] and pool.free == 0 and pool.allocate(0) == []
     pool.release([1, 3])
-    assert pool.allocate_run(2) is None and pool.allocate(2) == [1, 3]  # free, but not one after the other
+    assert pool.allocate_rows([2]) is None and pool.allocate(2) == [1, 3]  # free, but not one after the other
+    pool.release([2, 4])
+    assert pool.allocate_rows([1, 1]) is None  # two free blocks, not one after the other
+    small = BlockPool(num_layers=1, block_size=1, max_tokens=4)
+    small.ensure(1, 1, torch.float32, "cpu")
+    assert small.allocate_rows([1, 1, 2]) is None  # 4 blocks free, but rows 2 apart span 6: past the storage
+    big = BlockPool(num_layers=1, block_size=2, max_tokens=20)
+    big.ensure(1, 1, torch.float32, "cpu")
+    big.allocate(2)
+    assert big.allocate_rows([1, 2, 2]) == [[3], [5, 6], [7, 8]] and big.used == 7
 
 
 def test_requests_joining_and_leaving_mid_flight_answer_as_alone(tiny_checkpoint):

@@ -37,7 +37,7 @@ def test_a_prefill_reading_a_cached_prefix_is_a_whole_prefill(tiny_checkpoint):
     pool, page = engine.runner.pool, engine.runner.pool.block_size
     reserve = [-(-(len(full) + 4) // page)]
     after_cache, after_logits = engine.runner.prefill([full], reserve=reserve, cached=[(entry, n)])
-    assert not set(after_cache.tables[0]) & set(entry.blocks) and after_cache.runs == [True]  # its own run
+    assert not set(after_cache.tables[0]) & set(entry.blocks) and after_cache.pitches == reserve  # its own run
     assert all(pool.refs[b] == 1 for b in entry.blocks)  # the entry's hold alone
     whole_cache, whole_logits = engine.runner.prefill([full])
     torch.testing.assert_close(after_logits, whole_logits, atol=1e-4, rtol=0)
@@ -68,7 +68,7 @@ def test_prompts_admitted_together_compute_only_the_columns_past_their_cached_pr
     cached = [None if e is None else (e, n) for e, n in matches]
     batch, logits = engine.runner.prefill(prompts, reserve=reserve, cached=cached)
     assert widths == [(3, rest)]  # the two identical prompts once, the rest columns only
-    assert batch.runs == [True] * 4 and len({b for t in batch.tables for b in t}) == sum(reserve)
+    assert batch.pitches == [max(reserve)] * 4 and len({b for t in batch.tables for b in t}) == sum(reserve)
     for i, p in enumerate(prompts):
         alone, alone_logits = engine.runner.prefill([p])
         torch.testing.assert_close(logits[i : i + 1], alone_logits, atol=1e-4, rtol=0)

@@ -14,9 +14,9 @@ layer gathered by one index), made on first use at the budget's size. On a CPU i
 written, so the memory a process holds follows the blocks in use, and the lowest free blocks go
 first to keep it compact; elsewhere it is allocated zeroed. Block 0 is never handed out: it pads
 the tables of shorter rows up to a step's width (a masked key must be finite, and a block once
-written keeps some sequence's finite values). A run of consecutive blocks can be asked for
-(``allocate_run``): rows whose whole reservations lie one after another at one stride are
-attended in place, without a gather. When no block is held the storage is dropped (a colocated
+written keeps some sequence's finite values). Rows can ask for their reservations as runs of
+consecutive blocks at one pitch (``allocate_rows``): such rows are attended in place, without a
+gather, whatever their own lengths. When no block is held the storage is dropped (a colocated
 trainer gets the memory back).
 """
 
@@ -75,17 +75,30 @@ class BlockPool:
         self._high = max(self._high, ids[-1] + 1) if ids else self._high
         return self._hold(ids)
 
-    def allocate_run(self, n: int) -> list[int] | None:
-        """``n`` consecutive free blocks, the lowest such run; None where no run of ``n`` is free."""
-        self._check(n)
-        free = np.concatenate([self.refs[1 : self._high] == 0, np.ones(n, bool)])  # the free tail counts too
+    def allocate_rows(self, sizes: list[int]) -> list[list[int]] | None:
+        """Runs of ``sizes[i]`` consecutive free blocks, row i's starting ``i * pitch`` blocks after row 0's
+        (``pitch``: the largest size), the lowest such start; None where there is none. Only the rows' own
+        blocks are held: the blocks between a shorter run and the next row's stay free for anyone, and a
+        view at the pitch reads them only at positions its rows mask (finite values: zeros, or some row's)."""
+        pitch, total = max(sizes), sum(sizes)
+        self._check(total)
+        span = pitch * len(sizes)  # the in-place view's extent: within the storage
+        free = np.concatenate([self.refs[1 : self._high] == 0, np.ones(span, bool)])  # the free tail counts too
         counts = np.concatenate([[0], np.cumsum(free)])
-        starts = np.flatnonzero(counts[n:] - counts[:-n] == n)
-        if not starts.size or starts[0] + 1 + n > self.blocks + 1:
+        starts = np.arange(self.blocks + 1 - span)  # 0-based: block 1 + s
+        ok = starts < counts.size
+        for i, size in enumerate(sizes):
+            lo = np.minimum(starts + i * pitch, counts.size - 1)
+            hi = np.minimum(lo + size, counts.size - 1)
+            ok &= counts[hi] - counts[lo] == size
+        found = np.flatnonzero(ok)
+        if not found.size:
             return None
-        first = int(starts[0]) + 1
-        self._high = max(self._high, first + n)
-        return self._hold(list(range(first, first + n)))
+        first = int(found[0]) + 1
+        rows = [list(range(first + i * pitch, first + i * pitch + size)) for i, size in enumerate(sizes)]
+        self._high = max(self._high, rows[-1][-1] + 1)
+        self._hold([b for row in rows for b in row])
+        return rows
 
     def _check(self, n: int) -> None:
         if n > self.free:

@@ -50,15 +50,15 @@ class AttentionGroup:
     stride: int = 0
 
 
-def strided_runs(firsts: list[int | None], tables: list[list[int]]) -> list[tuple[list[int], int]]:
+def strided_runs(firsts: list[int | None], pitches: list[int]) -> list[tuple[list[int], int]]:
     """Rows that can be attended in place: ``(rows, stride)`` for every two or more rows (or one) whose
-    reservations are runs of ``stride`` blocks, each starting ``stride`` blocks after the previous one
-    (``firsts[i]`` None: row i is not a run)."""
+    reservations are runs laid ``stride`` blocks apart (their pitch), each starting ``stride`` blocks after
+    the previous one (``firsts[i]`` None: row i is not a run)."""
     by_start = sorted((f, i) for i, f in enumerate(firsts) if f is not None)
     out: list[tuple[list[int], int]] = []
     for first, i in by_start:
-        stride = len(tables[i])
-        if out and out[-1][1] == stride and tables[out[-1][0][-1]][0] + stride == first:
+        stride = pitches[i]
+        if out and out[-1][1] == stride and firsts[out[-1][0][-1]] + stride == first:
             out[-1][0].append(i)
         else:
             out.append(([i], stride))
@@ -116,7 +116,8 @@ class PagedCache(Cache):
         layers = [PagedLayer(self, i) for i in range(pool.num_layers)]
         super().__init__(layers=layers)
         self.tables: list[list[int]] = []
-        self.runs: list[bool] = []  # the row's table is its whole reservation, consecutive blocks
+        self.pitches: list[int] = []  # >0: the row's table is its whole reservation, consecutive blocks laid out
+        # at this pitch beside the rows prefilled with it; 0: blocks taken as the row grows
         self.lengths = torch.zeros(0, dtype=torch.long)  # tokens held per row (the next write position)
         self.width = 0  # positions the current step attends to
         self._write = torch.zeros(0, dtype=torch.long)  # this step's flat write index per row
@@ -139,25 +140,23 @@ class PagedCache(Cache):
         """New rows from a left-padded prefill: ``per_layer`` holds ``[n, kv_heads, L, d]`` keys and
         values, new row i copies prefill row ``sources[i]`` (default i), whose ``lengths[i]`` real
         tokens are its last positions. ``reserve``: each row's whole reservation in blocks, taken at
-        once as one run, row after row, where the pool has such a run (else blocks as rows grow)."""
+        once as runs at one pitch, the largest reservation, row after row, where the pool has them (else blocks
+        as rows grow): rows of unlike reservations are then attended in place together."""
         sources = list(range(len(lengths))) if sources is None else sources
         k0 = per_layer[0][0]
         pool, page = self.pool, self.pool.block_size
         pool.ensure(k0.shape[1], k0.shape[3], k0.dtype, k0.device)
         width = k0.shape[2]
-        run = None
+        runs = None
         if reserve is not None:
             if any(r * page < n for r, n in zip(reserve, lengths)):
                 raise EngineError(f"paged cache: reservations {reserve} blocks do not hold prompts of {lengths}")
-            run = pool.allocate_run(sum(reserve))
+            runs = pool.allocate_rows(reserve)
         dest, src = [], []
         for i, (row, length) in enumerate(zip(sources, lengths)):
-            if run is not None:
-                table = run[sum(reserve[:i]) : sum(reserve[: i + 1])]
-            else:
-                table = pool.allocate(-(-length // page))
+            table = runs[i] if runs is not None else pool.allocate(-(-length // page))
             self.tables.append(table)
-            self.runs.append(run is not None)
+            self.pitches.append(max(reserve) if runs is not None else 0)
             dest.append(pool.slots(table, 0, length))
             src.append(row * width + torch.arange(width - length, width))
         dest_index = torch.cat(dest).to(k0.device)
@@ -174,9 +173,9 @@ class PagedCache(Cache):
         if other.pool is not self.pool:
             raise EngineError("paged cache: rows of another block pool cannot join")
         self.tables += other.tables
-        self.runs += other.runs
+        self.pitches += other.pitches
         self.lengths = torch.cat([self.lengths, other.lengths])
-        other.tables, other.runs, other.lengths = [], [], torch.zeros(0, dtype=torch.long)
+        other.tables, other.pitches, other.lengths = [], [], torch.zeros(0, dtype=torch.long)
 
     # ---- rows out --------------------------------------------------------------------------------
 
@@ -191,7 +190,7 @@ class PagedCache(Cache):
             if i not in keep:
                 self.pool.release(table)
         self.tables = [self.tables[i] for i in rows]
-        self.runs = [self.runs[i] for i in rows]
+        self.pitches = [self.pitches[i] for i in rows]
         self.lengths = self.lengths[rows].clone() if rows else torch.zeros(0, dtype=torch.long)
         return list(rows)
 
@@ -210,7 +209,7 @@ class PagedCache(Cache):
         pool, page = self.pool, self.pool.block_size
         lengths = self.lengths.tolist()
         growing = [i for i, n in enumerate(lengths) if n // page >= len(self.tables[i])]
-        if any(self.runs[i] for i in growing):
+        if any(self.pitches[i] for i in growing):
             raise EngineError("paged cache: a row wrote past its reservation")
         if growing:
             for i, block in zip(growing, pool.allocate(len(growing))):
@@ -223,7 +222,7 @@ class PagedCache(Cache):
         if not grouped:
             self.groups = [self._gathered(everyone, lengths, device, whole=True)]
         else:
-            placed = strided_runs([t[0] if run else None for t, run in zip(self.tables, self.runs)], self.tables)
+            placed = strided_runs([t[0] if p else None for t, p in zip(self.tables, self.pitches)], self.pitches)
             rest = sorted(set(everyone) - {i for rows, _ in placed for i in rows})
             gathered = [[rest[j] for j in g] for g in attention_groups([lengths[i] for i in rest], self.align)]
             # one group holding every row in batch order: its output needs no scattering back
