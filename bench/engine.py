@@ -3,6 +3,7 @@
     python bench/engine.py [--model smollm2|tiny|PATH] [--new-tokens 64] [--dtype bfloat16]
     python bench/engine.py --deterministic-compare [--batches 1,8,32]
     python bench/engine.py --kernel-compare [--repeats 3]
+    python bench/engine.py --against-hf --repeats 3 [--dtype bfloat16]
 
 For batch 1, 8 and 32: completion tokens/s with the support captured for every token and
 without (evaluation requests). Then 16 concurrent requests of 64 new tokens against
@@ -36,6 +37,7 @@ from transformers import AutoModelForCausalLM
 from support_replay import SamplingParams
 from support_replay.engine import Engine
 from support_replay.modeling.checkpoints import smollm2_checkpoint
+from support_replay.modeling.kernel_probe import cpu_identity
 from support_replay.protocol import GenerateRequest
 
 PARAMS = dict(temperature=1.0, top_k=32, top_p=0.8)
@@ -226,47 +228,65 @@ def shaped_prompts(tokenizer, prompts: int) -> list[list[int]]:
     ]
 
 
-def hf_shaped(model, tokenizer, prompts: int, per_prompt: int, new_tokens: int, repeats: int) -> tuple[float, float]:
-    """``generate`` on ``prompts`` distinct chat prompts (left-padded) x ``per_prompt`` return sequences,
-    EOS ignored: ``(best tokens/s, share of that run's time in the linear layers)``."""
+def hf_shaped(model, tokenizer, prompts: int, per_prompt: int, new_tokens: int, seed: int) -> tuple[float, float]:
+    """One ``generate`` on ``prompts`` distinct chat prompts (left-padded) x ``per_prompt`` return sequences,
+    EOS ignored: ``(tokens/s, seconds in the linear layers)``."""
     ids = shaped_prompts(tokenizer, prompts)
     width = max(map(len, ids))
     inputs = torch.tensor([[0] * (width - len(p)) + p for p in ids])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
-    best, share = 0.0, 0.0
-    for seed in range(repeats):
-        torch.manual_seed(seed)
-        clock = LinearClock(model)
-        start = time.perf_counter()
-        with torch.no_grad():
-            model.generate(
-                input_ids=inputs,
-                attention_mask=mask,
-                do_sample=True,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                num_return_sequences=per_prompt,
-                pad_token_id=tokenizer.pad_token_id or 0,
-                **PARAMS,
-            )
-        elapsed = time.perf_counter() - start
-        clock.close()
-        rate = prompts * per_prompt * new_tokens / elapsed
-        if rate > best:
-            best, share = rate, clock.seconds / elapsed
-    return best, share
+    torch.manual_seed(seed)
+    clock = LinearClock(model)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(
+            input_ids=inputs,
+            attention_mask=mask,
+            do_sample=True,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            num_return_sequences=per_prompt,
+            pad_token_id=tokenizer.pad_token_id or 0,
+            **PARAMS,
+        )
+    elapsed = time.perf_counter() - start
+    clock.close()
+    return prompts * per_prompt * new_tokens / elapsed, clock.seconds
 
 
-def ours_shaped(engine: Engine, prompts: int, per_prompt: int, new_tokens: int, repeats: int) -> tuple[float, float]:
-    """The engine on the same work, capture on: ``(best tokens/s, linear-layer seconds of that run)``."""
-    best, linear = 0.0, 0.0
-    for r in range(repeats):
-        clock = LinearClock(engine.runner.model, engine.runner)
-        rate = shaped_rate(engine, prompts, per_prompt, new_tokens, 1, share=True, seed_base=1000 * r)
-        clock.close()
-        if rate > best:
-            best, linear = rate, clock.seconds
-    return best, linear
+def ours_shaped(engine: Engine, prompts: int, per_prompt: int, new_tokens: int, seed: int) -> tuple[float, float]:
+    """The engine on the same work, capture on, one run: ``(tokens/s, seconds in the linear layers)``."""
+    clock = LinearClock(engine.runner.model, engine.runner)
+    rate = shaped_rate(engine, prompts, per_prompt, new_tokens, 1, share=True, seed_base=1000 * seed)
+    clock.close()
+    return rate, clock.seconds
+
+
+def shaped_against_hf(engine: Engine, model, shapes, new_tokens: int, rounds: int) -> None:
+    """Each shape, ``generate`` and the engine alternating for ``rounds`` rounds (the machine's drift falls on
+    both); every column a median over the rounds. The bound: no engine on our linear layers' products can take
+    less time than those products, so ``generate``'s time over our linear-layer time bounds the ratio;
+    ratio / bound is then our linear layers' share of our own time."""
+    print(
+        f"\n| {engine.runner.model.dtype}, 16 requests x {new_tokens} tokens, EOS ignored, medians of {rounds} "
+        "alternating rounds | HF generate tok/s | HF time in linear layers | ours tok/s | ratio | bound from our "
+        "linear layers | ratio / bound (our linear share) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, prompts, per in shapes:
+        work = prompts * per * new_tokens
+        rows = []
+        for r in range(rounds):
+            hf, hf_linear = hf_shaped(model, engine.tokenizer, prompts, per, new_tokens, r)
+            ours, ours_linear = ours_shaped(engine, prompts, per, new_tokens, r)
+            bound = (work / hf) / ours_linear
+            rows.append((hf, hf_linear * hf / work, ours, ours / hf, bound, ours / hf / bound))
+        med = [float(np.median([row[i] for row in rows])) for i in range(6)]
+        print(
+            f"| {name} | {med[0]:.1f} | {100 * med[1]:.0f}% | {med[2]:.1f} | **{med[3]:.2f}x** | {med[4]:.2f}x | "
+            f"{med[5]:.2f} |"
+        )
+        print(f"<!-- rounds: {', '.join(f'{row[3]:.2f}x / {row[5]:.2f}' for row in rows)} -->")
 
 
 def hf_rate(model, tokenizer, ids, batch: int, new_tokens: int, repeats: int, ignore_eos: bool = True) -> float:
@@ -399,6 +419,11 @@ def main() -> None:
         action="store_true",
         help="the engine on each linear kernel and on the module-tree decode, GRPO shape",
     )
+    ap.add_argument(
+        "--against-hf",
+        action="store_true",
+        help="only the GRPO-shaped and distinct-prompt runs against HF generate, --repeats alternating rounds",
+    )
     args = ap.parse_args()
 
     path = resolve_model(args.model)
@@ -416,8 +441,14 @@ def main() -> None:
     print(
         f"model={args.model} dtype={args.dtype} deterministic={args.deterministic} linear "
         f"kernel={engine.linear_kernel} prompt={len(ids)} tokens, new={args.new_tokens}, "
-        f"threads={torch.get_num_threads()}, sampling={PARAMS}"
+        f"threads={torch.get_num_threads()}, sampling={PARAMS}, CPU: {cpu_identity()}"
     )
+    shapes = [("GRPO shape: 4 prompts x 4 samples", 4, 4), ("16 distinct prompts", 16, 1)]
+    if args.against_hf:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+        shaped_against_hf(engine, model, shapes, args.new_tokens, args.repeats)
+        engine.shutdown()
+        return
     print(
         f"\n| batch | capture off tok/s | capture on tok/s | end-to-end cost (median of {args.repeats} paired rounds) "
         "| "
@@ -441,7 +472,6 @@ def main() -> None:
         "gain |"
     )
     print("|---|---:|---:|---:|")
-    shapes = [("GRPO shape: 4 prompts x 4 samples", 4, 4), ("16 distinct prompts", 16, 1)]
     for name, prompts, per in shapes:
         alone = shaped_rate(engine, prompts, per, args.new_tokens, args.repeats, share=False)
         shared = shaped_rate(engine, prompts, per, args.new_tokens, args.repeats, share=True)
@@ -452,15 +482,12 @@ def main() -> None:
         alone, shared = prefill_ms(engine, prompts, per, 15)
         print(f"| {name} | {alone:.1f} | {shared:.1f} | {alone / shared:.2f}x |")
     if not args.skip_hf:
-        shaped = {
-            name: ours_shaped(engine, prompts, per, args.new_tokens, args.repeats) for name, prompts, per in shapes
-        }
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+        shaped_against_hf(engine, model, shapes, args.new_tokens, args.repeats)
         ours = engine_rate(engine, ids, 16, args.new_tokens, True, args.repeats)
         ours_eos = engine_rate(engine, ids, 16, args.new_tokens, True, args.repeats, ignore_eos=False)
         engine.shutdown()
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32
-        ).eval()  # the fp32 table first, then in the engine's dtype
+        model = model.float()  # against fp32 generate, whatever the engine's dtype
         hf = hf_rate(model, engine.tokenizer, ids, 16, args.new_tokens, args.repeats)
         hf_eos = hf_rate(model, engine.tokenizer, ids, 16, args.new_tokens, args.repeats, ignore_eos=False)
         print(f"\n| 16 concurrent x {args.new_tokens} new tokens | EOS ignored: tok/s | stop at EOS: real tok/s |")
@@ -470,23 +497,6 @@ def main() -> None:
             f"| support-replay engine, capture on | {ours:.1f} ({ours / hf:.2f}x) | {ours_eos:.1f} "
             f"({ours_eos / hf_eos:.2f}x) |"
         )
-        model = model.to(getattr(torch, args.dtype))
-        print(
-            f"\n| {args.dtype}, 16 requests x {args.new_tokens} tokens, EOS ignored | HF generate tok/s | HF time in "
-            "linear layers | ours tok/s | ratio | "
-            "bound from the linear layers | ratio / bound |"
-        )
-        print("|---|---:|---:|---:|---:|---:|---:|")
-        for name, prompts, per in shapes:
-            rate, share = hf_shaped(model, engine.tokenizer, prompts, per, args.new_tokens, args.repeats)
-            ours_rate, ours_linear = shaped[name]
-            # our linear layers alone, at our own rows, are the least time we can take
-            work = prompts * per * args.new_tokens
-            bound = (work / rate) / ours_linear
-            print(
-                f"| {name} | {rate:.1f} | {100 * share:.0f}% | {ours_rate:.1f} | {ours_rate / rate:.2f}x | "
-                f"{bound:.2f}x | {ours_rate / rate / bound:.2f} |"
-            )
     else:
         engine.shutdown()
 
