@@ -5,6 +5,7 @@ with TRL's GRPOTrainer doing the same work side by side when it is installed.
     python bench/e2e.py --async-compare [--steps 4]
     python bench/e2e.py --dtype bfloat16 --skip-trl
     python bench/e2e.py --with-bf16            # ours fp32, ours bf16 and TRL, one sitting
+    python bench/e2e.py --rounds 3             # the same three alternating, medians of the rounds
     python bench/e2e.py --true-on-policy-compare --skip-trl   # the normal step, then true-on-policy
 
 ``--async-compare`` runs the same work twice through ``support-replay serve`` over HTTP, with
@@ -28,6 +29,7 @@ import time
 import torch
 
 from support_replay.modeling.checkpoints import smollm2_checkpoint
+from support_replay.modeling.kernel_probe import cpu_identity
 from support_replay.rollout import ArithmeticTask, math_reward
 from support_replay.train import train
 from support_replay.train.config import RunConfig
@@ -269,6 +271,30 @@ def trl_steps(steps: int, length: int = 64, group: int = 4, fixed_length: bool =
     return clock.times
 
 
+def against_trl(run: dict, args) -> None:
+    """Ours in fp32, ours in bf16 and TRL's GRPOTrainer, one after the other for ``args.rounds`` rounds (the
+    machine's drift falls on all three; TRL alone varied 15-20 s a step between sittings): each run's mean step
+    (steps 1+), then the medians over the rounds and of each round's ratios."""
+    rows = []
+    for r in range(args.rounds):
+        fp32 = print_steps(f"round {r}: support-replay, float32", ours(**run))["time_step"]
+        bf16 = print_steps(f"round {r}: support-replay, bfloat16", ours(**run, dtype="bfloat16"))["time_step"]
+        times = trl_steps(args.steps)
+        if not times:
+            return
+        trl = statistics.mean(times[1:] or times)
+        print(f"\nround {r}: TRL steps {', '.join(f'{t:.2f}' for t in times)} s")
+        rows.append((trl, fp32, bf16))
+    print(f"\n| trainer, medians of {args.rounds} alternating rounds | s per GRPO step (steps 1+) | ours faster by |")
+    print("|---|---:|---:|")
+    median = [statistics.median(row[i] for row in rows) for i in range(3)]
+    print(f"| TRL GRPOTrainer {__import__('trl').__version__} (fp32, its defaults) | {median[0]:.2f} | |")
+    for i, name in ((1, "float32"), (2, "bfloat16 rollout and training")):
+        ratio = statistics.median(row[0] / row[i] for row in rows)
+        print(f"| support-replay, {name} (replay + --ci-test) | {median[i]:.2f} | **{ratio:.2f}x** |")
+    print("<!-- rounds (TRL, fp32, bf16 s): " + "; ".join(", ".join(f"{x:.2f}" for x in row) for row in rows) + " -->")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=4)
@@ -310,8 +336,14 @@ def main() -> None:
         action="store_true",
         help="synchronous vs --async-rollout through serve, engine and trainer on separate cores",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="ours fp32, ours bf16 and TRL alternating for this many rounds; medians of the rounds",
+    )
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {SETTINGS}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {cpu_identity()}; {SETTINGS}")
     if args.async_compare:
         print_async_compare(pinned_runs(args.steps))
         return
@@ -333,6 +365,9 @@ def main() -> None:
         print("|---|---:|---:|---:|")
         for k in ("time_generate", "time_update", "time_step"):
             print(f"| {k.removeprefix('time_')} | {normal[k]:.2f} | {exact[k]:.2f} | {exact[k] / normal[k]:.2f}x |")
+        return
+    if args.rounds:
+        against_trl(run, args)
         return
     mean = print_steps(
         f"support-replay, {args.dtype}, packed scoring {args.packed_scoring}",

@@ -85,7 +85,7 @@ class BlockPool:
         span = pitch * len(sizes)  # the in-place view's extent: within the storage
         free = np.concatenate([self.refs[1 : self._high] == 0, np.ones(span, bool)])  # the free tail counts too
         counts = np.concatenate([[0], np.cumsum(free)])
-        starts = np.arange(self.blocks + 1 - span)  # 0-based: block 1 + s
+        starts = np.arange(min(self._high, self.blocks + 1 - span))  # block 1 + s; from _high on all is free
         ok = starts < counts.size
         for i, size in enumerate(sizes):
             lo = np.minimum(starts + i * pitch, counts.size - 1)

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ..modeling.checkpoints import smollm2_checkpoint
+from ..modeling.host_memory import keep_freed_memory
 from .checkpoint import latest_checkpoint, load_checkpoint, save_if_due, saved_rollout
 from .checks import RolloutChecks, check_policy_lag
 from .config import RunConfig
@@ -34,6 +35,7 @@ __all__ = ["policy_version", "train"]
 def train(cfg: RunConfig, as_given: RunConfig | None = None) -> list[dict]:
     """Run ``cfg`` to the end; returns the metrics rows (rank 0). ``as_given``: the config to write and log
     when ``cfg`` is it running through the engines it started (``--rollout-num-gpus-per-engine``)."""
+    keep_freed_memory()  # a step's large tensors reuse the last step's memory (modeling/host_memory.py)
     ctx = init_distributed()
     try:
         with deterministic_mode(cfg.replay.deterministic_mode):
