@@ -271,15 +271,32 @@ def trl_steps(steps: int, length: int = 64, group: int = 4, fixed_length: bool =
     return clock.times
 
 
+def trl_in_a_process(steps: int) -> list[float] | None:
+    """``trl_steps`` in a fresh process: nothing of ours (the trainer's allocator setting,
+    modeling/host_memory.py; threads; caches) carries over into TRL's run."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, __file__, "--trl-only", "--steps", str(steps)], capture_output=True, text=True, check=True
+    )
+    line = next((x for x in out.stdout.splitlines() if x.startswith("TRL_TIMES ")), None)
+    if line is None:
+        print(out.stdout[-2000:])
+        return None
+    return json.loads(line.removeprefix("TRL_TIMES "))
+
+
 def against_trl(run: dict, args) -> None:
-    """Ours in fp32, ours in bf16 and TRL's GRPOTrainer, one after the other for ``args.rounds`` rounds (the
-    machine's drift falls on all three; TRL alone varied 15-20 s a step between sittings): each run's mean step
-    (steps 1+), then the medians over the rounds and of each round's ratios."""
+    """Ours in fp32, ours in bf16 and TRL's GRPOTrainer (in a process of its own), one after the other for
+    ``args.rounds`` rounds (the machine's drift falls on all three; TRL alone varied 15-20 s a step between
+    sittings): each run's mean step (steps 1+), then the medians over the rounds and of each round's ratios."""
     rows = []
     for r in range(args.rounds):
         fp32 = print_steps(f"round {r}: support-replay, float32", ours(**run))["time_step"]
         bf16 = print_steps(f"round {r}: support-replay, bfloat16", ours(**run, dtype="bfloat16"))["time_step"]
-        times = trl_steps(args.steps)
+        times = trl_in_a_process(args.steps)
         if not times:
             return
         trl = statistics.mean(times[1:] or times)
@@ -342,7 +359,11 @@ def main() -> None:
         default=0,
         help="ours fp32, ours bf16 and TRL alternating for this many rounds; medians of the rounds",
     )
+    ap.add_argument("--trl-only", action="store_true", help=argparse.SUPPRESS)  # against_trl's subprocess
     args = ap.parse_args()
+    if args.trl_only:
+        print("TRL_TIMES " + __import__("json").dumps(trl_steps(args.steps)))
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {cpu_identity()}; {SETTINGS}")
     if args.async_compare:
         print_async_compare(pinned_runs(args.steps))
