@@ -45,7 +45,12 @@ SETTINGS = dict(
 )
 
 
-def ours(
+def ours(steps: int, micro_batch: int | None, **options) -> list[dict]:
+    """Our run of the work (``run_config``'s options); its metrics rows."""
+    return train(run_config(steps, micro_batch, **options))
+
+
+def run_config(
     steps: int,
     micro_batch: int | None,
     true_on_policy: bool = False,
@@ -54,9 +59,9 @@ def ours(
     max_tokens: int | None = None,
     packed: str = "auto",
     linear_kernel: str = "auto",
-) -> list[dict]:
+) -> RunConfig:
     out = tempfile.mkdtemp(prefix="bench-e2e-")
-    cfg = RunConfig(
+    return RunConfig(
         num_rollout=steps,
         global_batch_size=16,
         micro_batch_size=None if max_tokens else micro_batch,
@@ -73,7 +78,6 @@ def ours(
         linear_kernel=linear_kernel,
         **SETTINGS,
     )
-    return train(cfg)
 
 
 PHASES = ("time_generate", "time_score", "time_update", "time_sync", "time_step")

@@ -16,29 +16,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from collections import defaultdict
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
+from e2e import run_config
 from support_replay.modeling.kernel_probe import cpu_identity
 from support_replay.train import train
 from support_replay.train.actor import Actor
 from support_replay.train.config import RunConfig
 from support_replay.train.learner import Learner
 from support_replay.train.scorer import Scorer
-
-SETTINGS = dict(
-    task_max_operand=20,
-    rollout_batch_size=4,
-    n_samples_per_prompt=4,
-    rollout_max_response_len=64,
-    rollout_temperature=1.0,
-    rollout_top_p=0.8,
-    rollout_top_k=32,
-)
 
 
 @register_flop_formula(torch.ops.mkldnn._linear_pointwise)
@@ -50,19 +40,8 @@ def _onednn_linear_flops(x_shape, w_shape, *args, **kwargs) -> int:
     return 2 * rows * x_shape[-1] * w_shape[0]
 
 
-def config(rollouts: int, dtype: str, out: str) -> RunConfig:
-    return RunConfig(
-        num_rollout=rollouts,
-        global_batch_size=16,
-        micro_batch_size=8,
-        lr=1e-6,
-        ci_test=True,
-        output_dir=out,
-        progress=False,
-        rollout_dtype=dtype,
-        train_dtype=dtype,
-        **SETTINGS,
-    )
+def config(rollouts: int, dtype: str) -> RunConfig:
+    return run_config(rollouts, 8, dtype=dtype)  # bench/e2e.py's work and settings
 
 
 class Clocks:
@@ -111,7 +90,7 @@ def counted_run(rollouts: int, dtype: str) -> list[int]:
 
     Learner.update = update
     try:
-        train(config(rollouts, dtype, tempfile.mkdtemp(prefix="bench-update-flops-")))
+        train(config(rollouts, dtype))
     finally:
         Learner.update = real
     return flops
@@ -124,7 +103,7 @@ def timed_run(rollouts: int, dtype: str) -> tuple[list[dict], list[dict]]:
     clocks.wrap(Actor, "backward", "backward")
     clocks.wrap(Actor, "clip_and_step", "clip and optimizer step")
     try:
-        rows = train(config(rollouts, dtype, tempfile.mkdtemp(prefix="bench-update-time-")))
+        rows = train(config(rollouts, dtype))
     finally:
         clocks.close()
     return rows, clocks.rows
