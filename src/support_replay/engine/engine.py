@@ -493,7 +493,7 @@ class Engine:
         matches = [self.prefix_cache.match(p, routing=s.request.return_routed_experts) for p, s in zip(prompts, group)]
         routing = any(s.request.return_routed_experts for s in group)
         page = self.runner.pool.block_size
-        reserve = [s.need // page for s in group]  # each row's whole reservation, one run of blocks
+        reserve = [s.need // page for s in group]  # each row's whole reservation: runs of blocks at one pitch
         cached = [None if entry is None else (entry, n) for entry, n in matches]
         cache, logits = self.runner.prefill(prompts, routing=routing, reserve=reserve, cached=cached)
         self.prefix_cache.count(prompts, cached_columns([len(p) for p in prompts], [n for _, n in matches]))

@@ -137,9 +137,9 @@ class ModelRunner:
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
         starts = cached_columns([len(p) for p in prompts], [0 if h is None else h[1] for h in hits])
-        past = max(starts)  # the columns read from the cache: each row's first positions, right-aligned in them
+        past = max(starts)  # the first columns, read from the cache instead of computed
         cache = DynamicCache()
-        if past:  # each row's cached positions right-aligned in the first ``past`` columns; pads read block 0, masked
+        if past:  # each row's cached positions right-aligned in them; the pads read block 0, masked
             slots = torch.zeros(len(prompts), past, dtype=torch.long)
             for j, (hit, start) in enumerate(zip(hits, starts)):
                 if start:

@@ -4,9 +4,10 @@ Row b's token at position p lives at offset ``p % page`` of block ``table[b][p /
 (engine/block_pool.py). A decode step writes each row's new key and value at its own position in
 place, then attends, layer by layer, over views of its rows' blocks:
 
-- rows prefilled together take their whole reservations as one run of consecutive blocks
-  (``reserve``), one row after another: rows whose runs lie at one stride (a GRPO group, a bucket of
-  like prompts) are **attended in place**, a strided view of the storage, nothing copied;
+- rows prefilled together take their whole reservations as runs of consecutive blocks at one pitch,
+  the largest reservation (``reserve``), one row after another: rows whose runs lie at one pitch (a
+  GRPO batch, a bucket of prompts, whatever their lengths) are **attended in place**, a strided view
+  of the storage, nothing copied;
 - other rows (a pool too fragmented for a run) take blocks as they grow and are **gathered**: one
   ``index_select`` per layer into a buffer every layer reuses, rows of like length together at their
   own width, shorter rows padded with the pool's zero block.
