@@ -132,7 +132,8 @@ def _top_candidates(probs, width: int):
         return None
     vals, idx = torch.topk(probs, width + 1, dim=-1)
     if bool((vals[:, width] == vals[:, width - 1]).any()):
-        wide = int((probs >= vals[:, width - 1 : width]).sum(-1).max())  # every id at or above each row's cut value
+        # every id at or above each row's cut value (count_nonzero: sum would widen the [B, V] mask to int64)
+        wide = int((probs >= vals[:, width - 1 : width]).count_nonzero(-1).max())
         if wide * 4 > vocab:
             return None
         vals, idx = torch.topk(probs, wide, dim=-1)
