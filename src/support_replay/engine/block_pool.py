@@ -85,12 +85,12 @@ class BlockPool:
         span = pitch * len(sizes)  # the in-place view's extent: within the storage
         free = np.concatenate([self.refs[1 : self._high] == 0, np.ones(span, bool)])  # the free tail counts too
         counts = np.concatenate([[0], np.cumsum(free)])
-        starts = np.arange(min(self._high, self.blocks + 1 - span))  # block 1 + s; from _high on all is free
-        ok = starts < counts.size
+        # block 1 + s for s below the high mark (from it on all is free): every window lies within ``counts``
+        starts = np.arange(min(self._high, self.blocks + 1 - span))
+        ok = np.ones(starts.size, bool)
         for i, size in enumerate(sizes):
-            lo = np.minimum(starts + i * pitch, counts.size - 1)
-            hi = np.minimum(lo + size, counts.size - 1)
-            ok &= counts[hi] - counts[lo] == size
+            lo = starts + i * pitch
+            ok &= counts[lo + size] - counts[lo] == size
         found = np.flatnonzero(ok)
         if not found.size:
             return None
