@@ -282,3 +282,32 @@ def test_bf16_ties_at_the_top_k_cut_widen_the_selection_instead_of_sorting(monke
     probs_sort, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     full = torch.zeros_like(fast).scatter_(1, order, _keep_sglang(probs_sort, top_k, top_p, min_p))
     assert torch.equal(fast, full) and taken == [True]
+
+
+def _full_sort_support(logits, params):
+    from support_replay.core.sampling import _columns, _keep_sglang
+
+    temp, top_k, top_p, min_p = _columns(params, logits.shape[1], logits.device)
+    probs = torch.softmax(logits.float() / temp, dim=-1)
+    probs_sort, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    return torch.zeros(probs.shape, dtype=torch.bool).scatter_(1, order, _keep_sglang(probs_sort, top_k, top_p, min_p))
+
+
+def test_a_tie_at_the_cut_inside_the_room_takes_one_selection_and_a_longer_one_a_second(monkeypatch):
+    """A tie at the top-k cut that ends within TIE_ROOM values is read off the first selection (one
+    topk); one longer than the room takes a second, wider one. Both give the full sort's support."""
+    from support_replay.core.sampling import TIE_ROOM
+
+    calls = []
+    topk = torch.topk
+    monkeypatch.setattr(torch, "topk", lambda *a, **k: calls.append(a[1]) or topk(*a, **k))
+    params = [SamplingParams(top_k=8, top_p=1.0)] * 3
+    base = -torch.arange(400, dtype=torch.float32) / 10  # distinct values, id 0 the largest
+    for tied in (3, TIE_ROOM + 5):
+        logits = base.repeat(3, 1)
+        logits[:, 6 : 6 + tied] = logits[0, 6]  # ranks 6.. tie with the 7th largest: the cut at rank 8 inside
+        calls.clear()
+        mask = support_mask(logits, params, "sglang")
+        assert torch.equal(mask, _full_sort_support(logits, params))
+        assert mask[0].nonzero().squeeze(1).tolist() == list(range(8))  # ranks below k, a tie by the lower id
+        assert len(calls) == (1 if tied + 6 < 8 + TIE_ROOM else 2)

@@ -28,6 +28,7 @@ from .logprobs import support_logprobs
 from .support import SupportTable, offsets_from_sizes
 
 SEMANTICS = ("sglang", "vllm", "hf")
+TIE_ROOM = 16  # values past the top-k cut its selection takes too: a bf16 tie at the cut mostly ends inside them
 
 
 @dataclass(frozen=True)
@@ -125,18 +126,25 @@ def _top_candidates(probs, width: int):
 
     A tie that straddles the cut (frequent with bf16 logits) widens the selection to every id
     tied with the ``width``-th largest value, so the ids beyond the cut that the tie order
-    brings in are there too. None when that is not narrower than a quarter of the vocabulary.
+    brings in are there too: from the first selection's ``TIE_ROOM`` extra values when every
+    row's tie ends inside them, else from a second, wider one. None when that is not narrower
+    than a quarter of the vocabulary.
     """
     vocab = probs.shape[-1]
     if width + 1 >= vocab:
         return None
-    vals, idx = torch.topk(probs, width + 1, dim=-1)
-    if bool((vals[:, width] == vals[:, width - 1]).any()):
-        # every id at or above each row's cut value (count_nonzero: sum would widen the [B, V] mask to int64)
-        wide = int((probs >= vals[:, width - 1 : width]).count_nonzero(-1).max())
-        if wide * 4 > vocab:
-            return None
-        vals, idx = torch.topk(probs, wide, dim=-1)
+    vals, idx = torch.topk(probs, min(vocab, width + TIE_ROOM), dim=-1)
+    cut = vals[:, width - 1 : width]
+    if bool((vals[:, width : width + 1] == cut).any()):
+        # every id at or above each row's cut value (count_nonzero: sum would widen a [B, V] mask to int64)
+        if bool((vals[:, -1:] < cut).all()):  # each row's last value is below its cut: the ties are all here
+            wide = int((vals >= cut).count_nonzero(-1).max())
+        else:
+            wide = int((probs >= cut).count_nonzero(-1).max())
+            if wide * 4 > vocab:
+                return None
+            vals, idx = torch.topk(probs, wide, dim=-1)
+        vals, idx = vals[:, :wide], idx[:, :wide]
     else:
         vals, idx = vals[:, :width], idx[:, :width]
     by_id = idx.argsort(dim=-1)
