@@ -111,3 +111,22 @@ def test_other_models_keep_the_module_tree(tiny_checkpoint):
     assert runner.fused is None and not runner.use_fused
     batch, logits = runner.prefill([[5, 6, 7]])
     assert runner.decode(batch, logits.argmax(-1), torch.tensor([3])).shape == logits.shape
+
+
+def test_what_a_fused_step_leaves_behind_is_an_ordinary_tensor(tiny_checkpoint):
+    """The layers run in inference mode; the logits and the cache's tensors are made outside it, so
+    sampling may write the logits in place and the module tree may decode the same cache afterwards."""
+    engine = fused_engine(tiny_checkpoint)
+    runner = engine.runner
+    batch, logits = runner.prefill([[5, 6, 7, 8], [9, 10]])
+    pos = torch.tensor([4, 2])
+    for _ in range(2):
+        logits = runner.decode(batch, logits.argmax(-1), pos)
+        pos += 1
+    assert not logits.is_inference()
+    logits.add_(0.0)  # an inference tensor refuses this outside inference mode
+    assert not batch.lengths.is_inference()
+    assert all(not t.is_inference() for t in runner.pool.storage)
+    runner.use_fused = False
+    assert runner.decode(batch, logits.argmax(-1), pos).shape == logits.shape
+    runner.use_fused = True

@@ -27,6 +27,10 @@ when its parameter's version counter says it was written in place (``copy_``,
 through ``.data`` bypasses the counter and is not seen. ``drop_packs`` frees them until the
 next step (``Engine.release_packed_weights``: a colocated trainer's update).
 
+The layers run in inference mode: the same kernels, so the same bits, without autograd's per-operation
+bookkeeping (version counters, view records); about 10% of a SmolLM2 step at batch 16. The tensors a step
+leaves behind (the cache's write positions and gather buffer, its lengths; the logits) are made outside it.
+
 Other models (other families, biases on some fused projections only, activations other than
 SiLU) keep the module-tree decode; ``unsupported(model)`` says why.
 """
@@ -193,10 +197,7 @@ class FusedDecoder:
         """Logits ``[B, V]`` (float32) of one new token per row; writes its keys and values at each row's position."""
         cache.prepare_decode(grouped=self.group_rows)  # rows of like length attend together
         packing = self.packing and self.can_pack
-        # The layers run in inference mode: the same kernels (the same bits) without autograd's per-op
-        # bookkeeping (version counters, view records), some 10% of a SmolLM2 step at batch 16. What the step
-        # leaves behind is made outside it: the cache's own tensors (prepare_decode, finish_decode), which
-        # later steps write in place, and the logits, which sampling reads outside it.
+        # inference mode (module docstring): what outlives the step, the cache's tensors and the logits, is made outside
         with torch.inference_mode():
             x = self._layers(cache, tokens, positions, packing)
         cache.finish_decode()
