@@ -1,0 +1,198 @@
+"""Where a decode step's time goes, and what its two largest parts cost alone (docs/benchmarks.md, "Speed on this CPU").
+
+    python bench/decode_parts.py [--dtype float32|bfloat16] [--runs 3] [--skip-alone]
+
+1. **Parts**: ``bench/engine.py``'s GRPO work (4 chat prompts x 4 samples, 64 tokens, EOS ignored, capture on)
+   on SmolLM2-135M-Instruct, with wall clocks around the engine's decode step and its parts (the fused step,
+   its products, its attention calls, its key/value writes; sampling with capture), per step, one row per run.
+2. **Attention alone**: ``F.scaled_dot_product_attention`` at a decode step's shapes (SmolLM2: 9 query heads on 3
+   key-value heads, so 3 queries per key-value head as transformers' ``pack_gqa`` passes them; head size 64;
+   width 112; an additive mask) for 1 and 16 rows, at 1 and at the run's threads.
+3. **A step's products alone**: every linear layer of a step at 16 rows over 30 layers' distinct weights (so the
+   weights stream from memory as in a step) and the head, on oneDNN's packed weights, MKL's ``F.linear`` and
+   MKL's own packed GEMM (``torch.ops.mkl._mkl_linear``); medians of alternating rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from engine import resolve_model, shaped_rate
+from support_replay.engine import Engine
+from support_replay.engine.fused_step import FusedDecoder
+from support_replay.engine.paged_cache import PagedCache
+from support_replay.modeling.kernel_probe import cpu_identity
+
+
+class PartClocks:
+    """Seconds spent in (and calls of) named methods, by wrapping them on their class or an instance until ``close``."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.calls: collections.Counter = collections.Counter()
+        self._restore = []
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        real = getattr(owner, name)
+        seconds, calls = self.seconds, self.calls
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                seconds[label] += time.perf_counter() - start
+                calls[label] += 1
+
+        setattr(owner, name, timed)
+        self._restore.append((owner, name, real))
+
+    def close(self) -> None:
+        for owner, name, real in reversed(self._restore):
+            setattr(owner, name, real)
+
+
+PARTS = (
+    ("decode", "the engine's decode step (model and sampling)"),
+    ("fused", "the fused step"),
+    ("products", "  of which the linear layers"),
+    ("attention", "  of which attention"),
+    ("writes", "  of which the keys' and values' writes"),
+    ("sampling", "sampling and capture"),
+)
+
+
+def parts(engine: Engine, runs: int) -> list[dict[str, float]]:
+    """Per-step milliseconds of each part, one dict per run of the GRPO work."""
+    runner = engine.runner
+    if runner.fused is None:
+        raise SystemExit("this model decodes through its modules on this CPU: no fused step to take apart")
+    shaped_rate(engine, 4, 4, 64, 1, share=True, seed_base=0)  # warm-up: packs, probes, first calls
+    rows = []
+    for run in range(runs):
+        clocks = PartClocks()
+        clocks.wrap(Engine, "_decode", "decode")
+        clocks.wrap(Engine, "_sample_and_advance", "sampling")
+        clocks.wrap(FusedDecoder, "step", "fused")
+        clocks.wrap(FusedDecoder, "_attend", "attention")
+        clocks.wrap(PagedCache, "write", "writes")
+        clocks.wrap(runner.fused, "linear", "products")  # the instance's products: plain and packed weights
+        clocks.wrap(runner.fused, "packed_linear", "products")
+        try:
+            rate = shaped_rate(engine, 4, 4, 64, 1, share=True, seed_base=10 + run)
+        finally:
+            clocks.close()
+        n = max(clocks.calls["fused"], 1)  # one fused step per decode step
+        row = {key: 1e3 * clocks.seconds[key] / n for key, _ in PARTS}
+        row["tok/s"], row["steps"] = rate, n
+        rows.append(row)
+    return rows
+
+
+def timed(fn, calls: int) -> float:
+    """Microseconds per call of ``fn`` (after a warm-up)."""
+    for _ in range(max(3, calls // 10)):
+        fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return 1e6 * (time.perf_counter() - start) / calls
+
+
+def attention_alone(dtype: torch.dtype) -> list[tuple[int, int, float]]:
+    """(rows, threads, us per call) of sdpa at a SmolLM2 decode step's shapes, width 112."""
+    threads, out = torch.get_num_threads(), []
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in (1, 16):
+            q = torch.randn(rows, 3, 3, 64, generator=gen).to(dtype)
+            k, v = (torch.randn(rows, 3, 112, 64, generator=gen).to(dtype) for _ in range(2))
+            mask = torch.zeros(rows, 1, 1, 112, dtype=dtype)
+            for t in sorted({1, threads}):
+                torch.set_num_threads(t)
+                out.append((rows, t, timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), 500)))
+    torch.set_num_threads(threads)
+    return out
+
+
+def products_alone(rounds: int = 5) -> dict[str, float]:
+    """Milliseconds of a SmolLM2 step's fp32 products at 16 rows over 30 layers' distinct weights and the head."""
+    hidden, inter, vocab, layers, rows = 576, 1536, 49152, 30, 16
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(960, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
+    weights = [torch.randn(o, i, generator=gen) * 0.02 for _ in range(layers) for o, i in shapes]
+    weights.append(torch.randn(vocab, hidden, generator=gen) * 0.02)
+    xs = {i: torch.randn(rows, i, generator=gen) for i in (hidden, inter)}
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+    runs = {
+        "oneDNN, packed weights": lambda: [
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, onednn)
+        ],
+        "MKL, F.linear": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
+    }
+    if hasattr(torch.ops.mkl, "_mkl_linear"):
+        mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
+        runs["MKL, packed GEMM"] = lambda: [
+            torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, rows) for w, p in zip(weights, mkl)
+        ]
+    times = {name: [] for name in runs}
+    with torch.inference_mode():
+        for fn in runs.values():
+            fn()
+        for _ in range(rounds):
+            for name, fn in runs.items():  # alternating: the machine's drift falls on each
+                start = time.perf_counter()
+                fn()
+                times[name].append(1e3 * (time.perf_counter() - start))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--skip-alone", action="store_true", help="only the parts of the engine's step")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    engine = Engine.from_pretrained(resolve_model("smollm2"), dtype=dtype)
+    print(
+        f"SmolLM2-135M-Instruct {args.dtype}, kernel {engine.linear_kernel}, {torch.get_num_threads()} threads, "
+        f"CPU: {cpu_identity()}"
+    )
+    rows = parts(engine, args.runs)
+    engine.shutdown()
+    print(
+        "\n| part of a decode step, GRPO shape (batch 16), ms per step | "
+        + " | ".join(f"run {i + 1}" for i in range(len(rows)))
+        + " |"
+    )
+    print("|---|" + "---:|" * len(rows))
+    for key, label in PARTS:
+        print(f"| {label} | " + " | ".join(f"{r[key]:.2f}" for r in rows) + " |")
+    rest = [r["fused"] - r["products"] - r["attention"] - r["writes"] for r in rows]
+    print(
+        "|   the rest of the layers (norms, rotary, adds, SiLU x up, views) | "
+        + " | ".join(f"{x:.2f}" for x in rest)
+        + " |"
+    )
+    print("| tokens/s of the run | " + " | ".join(f"{r['tok/s']:.1f}" for r in rows) + " |")
+    if args.skip_alone:
+        return
+    print(f"\n| sdpa alone, {args.dtype}: rows x 3 key-value heads x 3 queries, width 112 | threads | us per call |")
+    print("|---:|---:|---:|")
+    for rows_, threads, us in attention_alone(dtype):
+        print(f"| {rows_} | {threads} | {us:.1f} |")
+    print("\n| a step's fp32 products alone, 16 rows, 30 layers' weights + head | ms, median of 5 alternating |")
+    print("|---|---:|")
+    for name, ms in products_alone().items():
+        print(f"| {name} | {ms:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
