@@ -3,8 +3,9 @@
     python bench/decode_parts.py [--dtype float32|bfloat16] [--runs 3] [--skip-alone]
 
 1. **Parts**: ``bench/engine.py``'s GRPO work (4 chat prompts x 4 samples, 64 tokens, EOS ignored, capture on)
-   on SmolLM2-135M-Instruct, with wall clocks around the engine's decode step and its parts (the fused step,
-   its products, its attention calls, its key/value writes; sampling with capture), per step, one row per run.
+   on SmolLM2-135M-Instruct, with wall clocks around the engine's decode step and its parts inside it (the fused
+   step, its products, its attention calls, its key/value writes; sampling with capture), per step, one column
+   per run (``update_bound.Clocks``).
 2. **Attention alone**: ``F.scaled_dot_product_attention`` at a decode step's shapes (SmolLM2: 9 query heads on 3
    key-value heads, so 3 queries per key-value head as transformers' ``pack_gqa`` passes them; head size 64;
    width 112; an additive mask) for 1 and 16 rows, at 1 and at the run's threads.
@@ -16,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import collections
 import statistics
 import time
 
@@ -28,35 +28,7 @@ from support_replay.engine import Engine
 from support_replay.engine.fused_step import FusedDecoder
 from support_replay.engine.paged_cache import PagedCache
 from support_replay.modeling.kernel_probe import cpu_identity
-
-
-class PartClocks:
-    """Seconds spent in (and calls of) named methods, by wrapping them on their class or an instance until ``close``."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = collections.defaultdict(float)
-        self.calls: collections.Counter = collections.Counter()
-        self._restore = []
-
-    def wrap(self, owner, name: str, label: str) -> None:
-        real = getattr(owner, name)
-        seconds, calls = self.seconds, self.calls
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                seconds[label] += time.perf_counter() - start
-                calls[label] += 1
-
-        setattr(owner, name, timed)
-        self._restore.append((owner, name, real))
-
-    def close(self) -> None:
-        for owner, name, real in reversed(self._restore):
-            setattr(owner, name, real)
-
+from update_bound import Clocks
 
 PARTS = (
     ("decode", "the engine's decode step (model and sampling)"),
@@ -76,8 +48,8 @@ def parts(engine: Engine, runs: int) -> list[dict[str, float]]:
     shaped_rate(engine, 4, 4, 64, 1, share=True, seed_base=0)  # warm-up: packs, probes, first calls
     rows = []
     for run in range(runs):
-        clocks = PartClocks()
-        clocks.wrap(Engine, "_decode", "decode")
+        clocks = Clocks()  # a row per decode step: the parts timed inside it
+        clocks.wrap(Engine, "_decode", "decode", opens=True)
         clocks.wrap(Engine, "_sample_and_advance", "sampling")
         clocks.wrap(FusedDecoder, "step", "fused")
         clocks.wrap(FusedDecoder, "_attend", "attention")
@@ -88,8 +60,8 @@ def parts(engine: Engine, runs: int) -> list[dict[str, float]]:
             rate = shaped_rate(engine, 4, 4, 64, 1, share=True, seed_base=10 + run)
         finally:
             clocks.close()
-        n = max(clocks.calls["fused"], 1)  # one fused step per decode step
-        row = {key: 1e3 * clocks.seconds[key] / n for key, _ in PARTS}
+        n = max(len(clocks.rows), 1)
+        row = {key: 1e3 * sum(step[key] for step in clocks.rows) / n for key, _ in PARTS}
         row["tok/s"], row["steps"] = rate, n
         rows.append(row)
     return rows
