@@ -1,14 +1,16 @@
 """Where a decode step's time goes, and what its two largest parts cost alone (docs/benchmarks.md, "Speed on this CPU").
 
-    python bench/decode_parts.py [--dtype float32|bfloat16] [--runs 3] [--skip-alone]
+    python bench/decode_parts.py [--dtype float32|bfloat16] [--runs 3] [--skip-alone] [--decode-attention sdpa,kernel]
 
 1. **Parts**: ``bench/engine.py``'s GRPO work (4 chat prompts x 4 samples, 64 tokens, EOS ignored, capture on)
    on SmolLM2-135M-Instruct, with wall clocks around the engine's decode step and its parts inside it (the fused
    step, its products, its attention calls, its key/value writes; sampling with capture), per step, one column
-   per run (``update_bound.Clocks``).
+   per run (``update_bound.Clocks``). ``--decode-attention sdpa,kernel`` builds an engine per choice and
+   alternates their runs (columns ``sdpa 1``, ``kernel 1``, ``sdpa 2``, ...).
 2. **Attention alone**: ``F.scaled_dot_product_attention`` at a decode step's shapes (SmolLM2: 9 query heads on 3
    key-value heads, so 3 queries per key-value head as transformers' ``pack_gqa`` passes them; head size 64;
-   width 112; an additive mask) for 1 and 16 rows, at 1 and at the run's threads.
+   width 112; an additive mask) for 1 and 16 rows, at 1 and at the run's threads; beside it the engine's decode
+   kernel (modeling/decode_attention.py) on the same queries, keys and values, where it runs here.
 3. **A step's products alone**: every linear layer of a step at 16 rows over 30 layers' distinct weights (so the
    weights stream from memory as in a step) and the head, on oneDNN's packed weights, MKL's ``F.linear`` and
    MKL's own packed GEMM (``torch.ops.mkl._mkl_linear``); medians of alternating rounds.
@@ -27,6 +29,7 @@ from engine import resolve_model, shaped_rate
 from support_replay.engine import Engine
 from support_replay.engine.fused_step import FusedDecoder
 from support_replay.engine.paged_cache import PagedCache
+from support_replay.modeling.decode_attention import compiled
 from support_replay.modeling.kernel_probe import cpu_identity
 from update_bound import Clocks
 
@@ -40,31 +43,38 @@ PARTS = (
 )
 
 
-def parts(engine: Engine, runs: int) -> list[dict[str, float]]:
-    """Per-step milliseconds of each part, one dict per run of the GRPO work."""
-    runner = engine.runner
-    if runner.fused is None:
-        raise SystemExit("this model decodes through its modules on this CPU: no fused step to take apart")
-    shaped_rate(engine, 4, 4, 64, 1, share=True, seed_base=0)  # warm-up: packs, probes, first calls
-    rows = []
+def parts(engines: dict[str, Engine], runs: int) -> dict[str, dict[str, float]]:
+    """Per-step milliseconds of each part, one dict per run of the GRPO work and engine, the engines alternating."""
+    for engine in engines.values():
+        if engine.runner.fused is None:
+            raise SystemExit("this model decodes through its modules on this CPU: no fused step to take apart")
+        shaped_rate(engine, 4, 4, 64, 1, share=True, seed_base=0)  # warm-up: packs, probes, first calls
+    rows = {}
     for run in range(runs):
-        clocks = Clocks()  # a row per decode step: the parts timed inside it
-        clocks.wrap(Engine, "_decode", "decode", opens=True)
-        clocks.wrap(Engine, "_sample_and_advance", "sampling")
-        clocks.wrap(FusedDecoder, "step", "fused")
-        clocks.wrap(FusedDecoder, "_attend", "attention")
-        clocks.wrap(PagedCache, "write", "writes")
-        clocks.wrap(runner.fused, "linear", "products")  # the instance's products: plain and packed weights
-        clocks.wrap(runner.fused, "packed_linear", "products")
-        try:
-            rate = shaped_rate(engine, 4, 4, 64, 1, share=True, seed_base=10 + run)
-        finally:
-            clocks.close()
-        n = max(len(clocks.rows), 1)
-        row = {key: 1e3 * sum(step[key] for step in clocks.rows) / n for key, _ in PARTS}
-        row["tok/s"], row["steps"] = rate, n
-        rows.append(row)
+        for name, engine in engines.items():
+            rows[f"{name} {run + 1}"] = one_run(engine, seed=10 + run)
     return rows
+
+
+def one_run(engine: Engine, seed: int) -> dict[str, float]:
+    """Per-step milliseconds of each part over one run of the GRPO work, and its tokens/s."""
+    runner = engine.runner
+    clocks = Clocks()  # a row per decode step: the parts timed inside it
+    clocks.wrap(Engine, "_decode", "decode", opens=True)
+    clocks.wrap(Engine, "_sample_and_advance", "sampling")
+    clocks.wrap(FusedDecoder, "step", "fused")
+    clocks.wrap(FusedDecoder, "_attend", "attention")
+    clocks.wrap(PagedCache, "write", "writes")
+    clocks.wrap(runner.fused, "linear", "products")  # the instance's products: plain and packed weights
+    clocks.wrap(runner.fused, "packed_linear", "products")
+    try:
+        rate = shaped_rate(engine, 4, 4, 64, 1, share=True, seed_base=seed)
+    finally:
+        clocks.close()
+    n = max(len(clocks.rows), 1)
+    row = {key: 1e3 * sum(step[key] for step in clocks.rows) / n for key, _ in PARTS}
+    row["tok/s"], row["steps"] = rate, n
+    return row
 
 
 def timed(fn, calls: int) -> float:
@@ -77,18 +87,22 @@ def timed(fn, calls: int) -> float:
     return 1e6 * (time.perf_counter() - start) / calls
 
 
-def attention_alone(dtype: torch.dtype) -> list[tuple[int, int, float]]:
-    """(rows, threads, us per call) of sdpa at a SmolLM2 decode step's shapes, width 112."""
+def attention_alone(dtype: torch.dtype) -> list[tuple[int, int, float, float | None]]:
+    """(rows, threads, us per call of sdpa and of the decode kernel or None) at a decode step's shapes, width 112."""
     threads, out = torch.get_num_threads(), []
     gen = torch.Generator().manual_seed(0)
+    built, _ = compiled()
     with torch.inference_mode():
         for rows in (1, 16):
-            q = torch.randn(rows, 3, 3, 64, generator=gen).to(dtype)
+            q = torch.randn(rows, 3, 3, 64, generator=gen).to(dtype)  # pack_gqa's [rows, kv heads, 3, 64]
+            heads = q.reshape(rows, 9, 1, 64)  # the same queries as the kernel takes them
             k, v = (torch.randn(rows, 3, 112, 64, generator=gen).to(dtype) for _ in range(2))
             mask = torch.zeros(rows, 1, 1, 112, dtype=dtype)
             for t in sorted({1, threads}):
                 torch.set_num_threads(t)
-                out.append((rows, t, timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), 500)))
+                sdpa = timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), 500)
+                kernel = None if built is None else timed(lambda: built.decode_attention(heads, k, v, mask, 0.125), 500)
+                out.append((rows, t, sdpa, kernel))
     torch.set_num_threads(threads)
     return out
 
@@ -130,20 +144,24 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip-alone", action="store_true", help="only the parts of the engine's step")
+    ap.add_argument(
+        "--decode-attention", default="auto", help="the engines' --decode-attention, comma-separated: one engine each"
+    )
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    engine = Engine.from_pretrained(resolve_model("smollm2"), dtype=dtype)
+    choices = args.decode_attention.split(",")
+    engines = {c: Engine.from_pretrained(resolve_model("smollm2"), dtype=dtype, decode_attention=c) for c in choices}
+    engine = next(iter(engines.values()))
     print(
         f"SmolLM2-135M-Instruct {args.dtype}, kernel {engine.linear_kernel}, {torch.get_num_threads()} threads, "
-        f"CPU: {cpu_identity()}"
+        f"CPU: {cpu_identity()}; decode attention: "
+        + ", ".join(f"{c} -> {e.decode_attention}" for c, e in engines.items())
     )
-    rows = parts(engine, args.runs)
-    engine.shutdown()
-    print(
-        "\n| part of a decode step, GRPO shape (batch 16), ms per step | "
-        + " | ".join(f"run {i + 1}" for i in range(len(rows)))
-        + " |"
-    )
+    by_run = parts(engines, args.runs)
+    for e in engines.values():
+        e.shutdown()
+    names, rows = list(by_run), list(by_run.values())
+    print("\n| part of a decode step, GRPO shape (batch 16), ms per step | " + " | ".join(names) + " |")
     print("|---|" + "---:|" * len(rows))
     for key, label in PARTS:
         print(f"| {label} | " + " | ".join(f"{r[key]:.2f}" for r in rows) + " |")
@@ -156,10 +174,13 @@ def main() -> None:
     print("| tokens/s of the run | " + " | ".join(f"{r['tok/s']:.1f}" for r in rows) + " |")
     if args.skip_alone:
         return
-    print(f"\n| sdpa alone, {args.dtype}: rows x 3 key-value heads x 3 queries, width 112 | threads | us per call |")
-    print("|---:|---:|---:|")
-    for rows_, threads, us in attention_alone(dtype):
-        print(f"| {rows_} | {threads} | {us:.1f} |")
+    print(
+        f"\n| attention alone, {args.dtype}: rows x 3 key-value heads x 3 queries, width 112 | threads | "
+        "sdpa us per call | decode kernel us per call |"
+    )
+    print("|---:|---:|---:|---:|")
+    for rows_, threads, us, kernel in attention_alone(dtype):
+        print(f"| {rows_} | {threads} | {us:.1f} | {'-' if kernel is None else f'{kernel:.1f}'} |")
     print("\n| a step's fp32 products alone, 16 rows, 30 layers' weights + head | ms, median of 5 alternating |")
     print("|---|---:|")
     for name, ms in products_alone().items():

@@ -415,6 +415,12 @@ def main() -> None:
         "--linear-kernel", choices=["auto", "torch", "onednn"], default="auto", help="the engine's linear-layer product"
     )
     ap.add_argument(
+        "--decode-attention",
+        choices=["auto", "kernel", "sdpa"],
+        default="auto",
+        help="the engine's one-token attention (modeling/decode_attention.py)",
+    )
+    ap.add_argument(
         "--kernel-compare",
         action="store_true",
         help="the engine on each linear kernel and on the module-tree decode, GRPO shape",
@@ -434,13 +440,18 @@ def main() -> None:
         compare_kernels(path, args)
         return
     engine = Engine.from_pretrained(
-        path, dtype=getattr(torch, args.dtype), deterministic=args.deterministic, linear_kernel=args.linear_kernel
+        path,
+        dtype=getattr(torch, args.dtype),
+        deterministic=args.deterministic,
+        linear_kernel=args.linear_kernel,
+        decode_attention="sdpa" if args.deterministic else args.decode_attention,
     )
     ids = prompt_ids(engine)
     engine_rate(engine, ids, 2, 4, True, 1)  # warm-up
     print(
         f"model={args.model} dtype={args.dtype} deterministic={args.deterministic} linear "
-        f"kernel={engine.linear_kernel} prompt={len(ids)} tokens, new={args.new_tokens}, "
+        f"kernel={engine.linear_kernel} decode attention={engine.decode_attention} prompt={len(ids)} tokens, "
+        f"new={args.new_tokens}, "
         f"threads={torch.get_num_threads()}, sampling={PARAMS}, CPU: {cpu_identity()}"
     )
     shapes = [("GRPO shape: 4 prompts x 4 samples", 4, 4), ("16 distinct prompts", 16, 1)]

@@ -9,6 +9,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_model import build_tiny_checkpoint, build_tiny_moe_checkpoint  # noqa: E402
 
 
+def pytest_sessionstart(session):
+    """The CPU decode-attention kernel is built (once per machine and ISA, ~40 s) here, before any test's
+    server process would build it while its fixture waits for it to come up."""
+    from support_replay.modeling.decode_attention import compiled
+
+    compiled()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     """A test whose true-on-policy engine or actor is refused because this CPU's kernels (at these ISA

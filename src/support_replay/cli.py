@@ -23,6 +23,8 @@ import torch
 from . import SEMANTICS, SamplingParams, SupportReplayError, full_logprobs, sample_tokens, support_logprobs, wire
 from .core.losses import logprob_mismatch_metrics, support_size_metrics
 from .engine.limits import EngineLimits
+from .modeling.decode_attention import CHOICES as DECODE_ATTENTION_CHOICES
+from .modeling.decode_attention import HELP as DECODE_ATTENTION_HELP
 from .modeling.linear_kernels import KERNELS, LINEAR_KERNEL_HELP
 from .protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 from .serving import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT, DEFAULT_SESSIONS_PORT
@@ -117,6 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         deterministic=args.deterministic,
         linear_kernel=args.linear_kernel,
+        decode_attention=args.decode_attention,
         max_total_tokens=max_total_tokens,
         prefix_cache=not args.disable_radix_cache,
         decode_log_interval=args.decode_log_interval,
@@ -470,6 +473,7 @@ def _add_serve(sub) -> None:
         help="log SGLang's decode line (running requests, KV use, throughput, queue) every N decode steps (0: off)",
     )
     srv.add_argument("--linear-kernel", choices=KERNELS, default="auto", help=LINEAR_KERNEL_HELP)
+    srv.add_argument("--decode-attention", choices=DECODE_ATTENTION_CHOICES, default="auto", help=DECODE_ATTENTION_HELP)
     srv.set_defaults(func=_serve)
 
 

@@ -10,6 +10,7 @@ from support_replay.engine.model_runner import ModelRunner
 from support_replay.engine.weight_updates import load_state
 from support_replay.errors import EngineError
 from support_replay.modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
+from support_replay.modeling.decode_attention import compiled, use_decode_attention
 from support_replay.modeling.invariant_products import cpu_name
 from support_replay.modeling.linear_kernels import linear_function, onednn_available, use_linear
 from tiny_model import build_tiny_checkpoint, greedy_decode
@@ -35,15 +36,26 @@ def decode_both_ways(runner: ModelRunner, prompts, steps: int):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("deterministic", [False, True], ids=["normal", "batch-invariant"])
+@pytest.mark.parametrize(
+    "deterministic, attention",
+    [(False, "sdpa"), (False, "kernel"), (True, "batch-invariant")],
+    ids=["normal", "decode-kernel", "batch-invariant"],
+)
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_fused_decode_is_the_module_tree_bit_for_bit(tiny_checkpoint, tied_llama, family, deterministic, kernel):
+def test_fused_decode_is_the_module_tree_bit_for_bit(
+    tiny_checkpoint, tied_llama, family, deterministic, attention, kernel
+):
     path = tiny_checkpoint if family == "qwen3" else tied_llama
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if deterministic:
         make_batch_invariant(model, kernel)
     else:
         use_linear(model, linear_function(kernel))
+        if attention == "kernel":
+            built, why = compiled()
+            if built is None:
+                pytest.skip(f"the decode-attention kernel cannot run here: {why}")
+            assert use_decode_attention(model, "kernel") == "kernel"
     why = unsupported(model)
     if why is not None:  # the engine then decodes through the modules (its own test); nothing fused to compare
         pytest.skip(f"no fused step on this CPU ({cpu_name()}) with these kernels: {why}")
@@ -58,11 +70,11 @@ def test_fused_decode_is_the_module_tree_bit_for_bit(tiny_checkpoint, tied_llama
     # bits at any width; sdpa's change with it, so there the fused step also attends at the batch's width
     fused, tree = decode_both_ways(runner, prompts, 6)
     for t, (a, b) in enumerate(zip(fused, tree)):
-        if deterministic:
+        if attention != "sdpa":  # the decode kernel too keeps a row's bits at any width
             assert torch.equal(a, b), (t, (a - b).abs().max().item())
         else:
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    if not deterministic:
+    if attention != "batch-invariant":
         runner.fused.group_rows = False
         fused, tree = decode_both_ways(runner, prompts, 6)
         for t, (a, b) in enumerate(zip(fused, tree)):

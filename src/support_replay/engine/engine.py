@@ -45,8 +45,9 @@ import torch
 
 from .. import __version__
 from ..core.penalties import dense_bias
-from ..errors import AbortedError, EngineError, RequestError, SamplingParamsError
+from ..errors import AbortedError, ConfigError, EngineError, RequestError, SamplingParamsError
 from ..modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
+from ..modeling.decode_attention import use_decode_attention
 from ..modeling.invariant_products import model_plans
 from ..modeling.linear_kernels import linear_function, resolve_linear_kernel, use_linear
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest
@@ -101,6 +102,7 @@ class Engine:
         deterministic: bool = False,
         weight_version: str = DEFAULT_WEIGHT_VERSION,
         linear_kernel: str = "auto",
+        decode_attention: str = "auto",
         max_total_tokens: int | None = None,
         kv_share: float = SERVE_SHARE,
         prefix_cache: bool = True,
@@ -115,8 +117,15 @@ class Engine:
             self.invariant_plans = {
                 shape: plan.describe() for shape, plan in model_plans(model, self.linear_kernel).items()
             }
+            if decode_attention == "kernel":
+                raise ConfigError(
+                    "decode_attention: 'kernel' and the deterministic engine: its attention is the batch-invariant one"
+                )
+            self.decode_attention = "batch-invariant"
         else:
             use_linear(model, linear_function(self.linear_kernel))
+            # one query token per row: the compiled CPU kernel where it runs (modeling/decode_attention.py)
+            self.decode_attention = use_decode_attention(model, decode_attention)
         self.deterministic = deterministic
         self.context_length = getattr(model.config, "max_position_embeddings", None)
         limits = limits or EngineLimits()

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import EngineError
+from ..modeling.decode_attention import ATTENTION as DECODE_ATTENTION
 from ..modeling.invariant_products import fused_columns_keep_bits
 from ..modeling.linear_kernels import model_kernel, model_linear
 from ..modeling.packed_weights import Pack, pack, packed_linear
@@ -140,7 +141,8 @@ class FusedDecoder:
         self.layers = [_Layer(layer) for layer in inner.layers]
         self.linear = model_linear(model)
         self.rope, self.attention = _model_functions(model)
-        self.additive_mask = model.config._attn_implementation == "sdpa"
+        # sdpa and the decode kernel take an additive mask as sdpa would make it (modeling/decode_attention.py)
+        self.additive_mask = model.config._attn_implementation in ("sdpa", DECODE_ATTENTION)
         # oneDNN products over packed copies of the weights, where they keep the plain product's bits:
         # oneDNN's fp32 kernel, and bf16 (F.linear is oneDNN's product there)
         dtype, kernel = self.head.weight.dtype, model_kernel(model)

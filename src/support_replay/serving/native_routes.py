@@ -30,6 +30,7 @@ def native_routes(calls: EngineCalls, model_name: str) -> APIRouter:
             "weight_version": engine.weight_version,
             "deterministic": engine.deterministic,
             "linear_kernel": engine.linear_kernel,
+            "decode_attention": engine.decode_attention,
             "invariant_products": engine.invariant_plans,
             "limits": engine.limits.to_json(),
             "max_total_tokens": engine.kv_budget.max_total_tokens,

@@ -16,6 +16,7 @@ from pydantic import Field, PrivateAttr, computed_field, model_validator
 from ..core.penalties import Penalties
 from ..core.sampling import SamplingParams
 from ..errors import ConfigError, SamplingParamsError
+from ..modeling.decode_attention import HELP as DECODE_ATTENTION_HELP
 from ..modeling.linear_kernels import LINEAR_KERNEL_HELP
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 from .launch_config import LaunchConfig
@@ -684,6 +685,7 @@ class ReplayConfig(Section):
         "then demands it)",
     )
     linear_kernel: Literal["auto", "torch", "onednn"] = Field("auto", description=LINEAR_KERNEL_HELP)
+    decode_attention: Literal["auto", "kernel", "sdpa"] = Field("auto", description=DECODE_ATTENTION_HELP)
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"] = Field(
         "sdpa",
         description="the trainer's attention, as transformers names it: sdpa or eager on this device (true-on-policy "

@@ -1,0 +1,220 @@
+"""The engine's decode attention on a CPU: one query token per row in one compiled kernel (csrc/decode_attention.cpp).
+
+At a decode step PyTorch's CPU attention (``scaled_dot_product_attention``'s flash kernel) costs about 5 us of wall
+time per (row, key-value head) whatever the work, 14-18% of a SmolLM2 step at batch 16 (docs/benchmarks.md). The
+kernel here does the same arithmetic in float32 (scores, softmax with ATen's vectorized exp, the weighted sum of
+the values) with one task per (row, key-value head) that reads each key and value once for its group of queries.
+It is built once per machine with PyTorch's extension builder, for the vector ISA PyTorch itself runs at
+(``torch.backends.cpu.get_cpu_capability()``, which follows ``ATEN_CPU_CAPABILITY``), and kept in the user cache;
+each process checks it against sdpa on a few shapes before using it.
+
+The engine takes it through the model's attention interface (``ATTENTION``, registered with transformers), so the
+module-tree decode and the fused step call the same function and keep the same bits. Only one-token queries
+without gradients, dropout, sliding windows, soft caps or sinks take the kernel; everything else (prefills, the
+trainer) is sdpa's, as before. A row's output does not depend on the other rows, the padding or the thread count
+(a task's arithmetic is fixed and masked keys are skipped). Its bits differ from sdpa's in the last places, like
+any other kernel's; a true-on-policy engine keeps its batch-invariant attention instead.
+
+``--decode-attention``: ``auto`` (the kernel where it builds and passes the check, else sdpa, saying why once),
+``kernel`` (refused with the reason where it cannot run), ``sdpa`` (the model's own).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ATTENTION = "support_replay_decode"
+CHOICES = ("auto", "kernel", "sdpa")
+HELP = (
+    "the engine's decode attention on a CPU: kernel (one compiled float32 kernel per step and layer, built once per "
+    "machine; about half sdpa's time at a SmolLM2 decode step), sdpa (the model's own), auto (the kernel where it "
+    "builds and agrees with sdpa, else sdpa)"
+)
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+DTYPES = (torch.float32, torch.bfloat16)
+# the kernel against sdpa on the check's shapes: float32 within rounding, bf16 within one rounding of its output
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+# keyword arguments whose attention the kernel does not compute: such calls stay on sdpa
+UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "sinks", "position_bias")
+
+
+def _isa() -> tuple[str, list[str]]:
+    """The vector ISA to build for (PyTorch's own choice on this CPU) and its compiler flags."""
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    if capability.startswith("AVX512"):
+        flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+        return "avx512", [*flags, "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    if capability == "AVX2":
+        return "avx2", ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return "default", []  # ATen's portable vectors
+
+
+def build_name(source: Path, isa: str) -> str:
+    """The extension's name: the ISA and the source's digest (an edited source is a new build, never a stale one)."""
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    return f"support_replay_decode_attention_{isa}_{digest}"
+
+
+def build_directory(name: str) -> Path:
+    from .checkpoints import cache_dir
+
+    return cache_dir() / "extensions" / f"torch-{torch.__version__.replace('+', '-')}" / name
+
+
+def _ninja_on_path() -> None:
+    """PyTorch's builder runs ``ninja`` from PATH; the ``ninja`` package's binary serves where the system has none."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@functools.cache
+def compiled() -> tuple[ModuleType | None, str]:
+    """The kernel built for this CPU and PyTorch and checked against sdpa, or None and why it cannot run."""
+    if not SOURCE.exists():
+        return None, f"its source {SOURCE} is not installed"
+    isa, flags = _isa()
+    name = build_name(SOURCE, isa)
+    directory = build_directory(name)
+    if not any(directory.glob(f"{name}*.so")):
+        log.info("decode attention: building the CPU kernel for %s once, into %s (about 40 s)", isa, directory)
+    try:
+        from torch.utils.cpp_extension import load
+
+        _ninja_on_path()
+        directory.mkdir(parents=True, exist_ok=True)
+        module = load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-fopenmp", *flags],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a failed build: sdpa stays
+        detail = str(exc).strip().splitlines()
+        return None, f"it did not build in {directory}: {type(exc).__name__}: {detail[-1] if detail else ''}"[:400]
+    disagreement = check(module.decode_attention)
+    if disagreement:
+        return None, disagreement
+    return module, ""
+
+
+def check(kernel) -> str:
+    """Where ``kernel`` and sdpa disagree beyond rounding on a few decode shapes ("" when nowhere)."""
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(0)
+    cases = [(1, 4, 4, 7, 64), (5, 9, 3, 40, 64), (3, 8, 2, 33, 128), (2, 6, 1, 17, 80)]
+    for dtype in DTYPES:
+        for rows, heads, kv_heads, width, dim in cases:
+            q = torch.randn(rows, 1, heads, dim, generator=generator).to(dtype).transpose(1, 2)  # as a model's view
+            k, v = (torch.randn(rows, kv_heads, width + 3, dim, generator=generator).to(dtype) for _ in range(2))
+            k, v = k[:, :, :width], v[:, :, :width]  # strided, as the paged cache's views
+            seen = torch.arange(width)[None] < torch.randint(1, width + 1, (rows, 1), generator=generator)
+            for mask in (seen[:, None, None], torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, float("-inf"))):
+                mask = mask if mask.dtype == torch.bool else mask[:, None, None]
+                want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=dim**-0.5, enable_gqa=True)
+                got = kernel(q, k, v, mask, dim**-0.5)
+                error = (got.float() - want.transpose(1, 2).float()).abs().max().item()
+                if not error <= TOLERANCE[dtype]:
+                    return (
+                        f"it disagrees with sdpa by {error:.2e} (over {TOLERANCE[dtype]:g}) at {dtype}, "
+                        f"{rows} rows, {heads}/{kv_heads} heads, width {width}, head size {dim}, {mask.dtype} mask"
+                    )
+    return ""
+
+
+def takes_kernel(query, key, value, attention_mask, dropout: float, kwargs: dict) -> bool:
+    """Whether this attention call is one the kernel computes (else it is sdpa's)."""
+    if query.shape[2] != 1 or dropout or query.device.type != "cpu" or query.dtype not in DTYPES:
+        return False
+    if not (query.dtype == key.dtype == value.dtype) or not (query.shape[-1] == key.shape[-1] == value.shape[-1]):
+        return False
+    if key.shape != value.shape or key.shape[0] != query.shape[0]:
+        return False
+    if query.shape[1] % key.shape[1] or any(kwargs.get(name) is not None for name in UNSUPPORTED_KWARGS):
+        return False
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return False
+    if attention_mask is not None:
+        if attention_mask.dim() != 4 or attention_mask.shape[2] != 1 or attention_mask.shape[3] != key.shape[2]:
+            return False
+        if attention_mask.dtype not in (torch.bool, torch.float32, torch.bfloat16):
+            return False
+    return query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
+
+
+def decode_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: ``[rows, heads, 1, dim]`` queries to ``[rows, 1, heads, dim]``."""
+    kernel, _ = compiled()
+    if kernel is not None and takes_kernel(query, key, value, attention_mask, dropout, kwargs):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return kernel.decode_attention(query, key, value, attention_mask, float(scale)), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+    )
+
+
+def use_decode_attention(model: nn.Module, choice: str = "auto") -> str:
+    """The engine model's decode attention for ``choice``, in place: ``"kernel"`` or ``"sdpa"`` (what it took).
+    Only a model on sdpa changes; ``kernel`` where it cannot run is refused with the reason."""
+    from ..errors import ConfigError
+
+    if choice not in CHOICES:
+        raise ConfigError(f"decode_attention: {choice!r} is not one of {list(CHOICES)}")
+    implementation = model.config._attn_implementation
+    if choice == "sdpa" or implementation not in ("sdpa", ATTENTION):
+        if choice == "kernel":
+            raise ConfigError(
+                f"decode_attention: 'kernel' needs a model on sdpa attention, this one is on {implementation!r}"
+            )
+        return "sdpa" if implementation in ("sdpa", ATTENTION) else implementation
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    kernel, why = compiled() if on_cpu else (None, "the model is not on a CPU")
+    if kernel is None:
+        if choice == "kernel":
+            raise ConfigError(f"decode_attention: 'kernel' cannot run here: {why}")
+        log.info("decode attention: sdpa (the CPU kernel is not used: %s)", why)
+        if implementation == ATTENTION:
+            model.set_attn_implementation("sdpa")
+        return "sdpa"
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, decode_attention_forward)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    model.set_attn_implementation(ATTENTION)
+    return "kernel"
+
+
+if __name__ == "__main__":  # python -m support_replay.modeling.decode_attention: build it now, say what runs
+    built, reason = compiled()
+    print(f"decode attention kernel: {built.__file__}" if built is not None else f"decode attention: sdpa ({reason})")
