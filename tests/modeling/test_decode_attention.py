@@ -174,3 +174,10 @@ def test_a_model_on_another_attention_keeps_it(tiny_checkpoint, kernel):
     assert da.use_decode_attention(model, "auto") == "eager"
     with pytest.raises(ConfigError, match="'kernel' needs a model on sdpa attention, this one is on 'eager'"):
         da.use_decode_attention(model, "kernel")
+
+
+def test_sdpa_asked_for_puts_a_model_on_the_kernel_back_on_sdpa(tiny_checkpoint, kernel):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    assert da.use_decode_attention(model, "auto") == "kernel"
+    assert da.use_decode_attention(model, "sdpa") == "sdpa"
+    assert model.config._attn_implementation == "sdpa"

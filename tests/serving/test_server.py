@@ -130,6 +130,7 @@ def test_info_endpoints(client, engine):
     assert (
         info["linear_kernel"] == engine.linear_kernel and info["deterministic"] is False
     )  # a true-on-policy trainer checks both
+    assert info["decode_attention"] == engine.decode_attention in ("kernel", "sdpa")
     assert info["page_size"] == 16 and info["kv_blocks"]["total"] == engine.kv_budget.max_total_tokens // 16
     assert client.post("/flush_cache").json()["success"] is True
 

@@ -75,6 +75,10 @@ def test_defaults_are_the_demo_and_derive_replay():
         ),
         (["--custom-rm-path", "nocolon"], "--custom-rm-path='nocolon': expected 'module:function'"),
         (["--lr", "-1"], "--lr=-1.0: Input should be greater than 0"),
+        (
+            ["--true-on-policy-mode", "--decode-attention", "kernel"],
+            "--decode-attention='kernel': true-on-policy mode's engine attends with the batch-invariant tiles",
+        ),
     ],
 )
 def test_rejections(flags, message):

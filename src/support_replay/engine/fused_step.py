@@ -4,7 +4,8 @@ Hugging Face's forward pays, at every decode step, module calls, keyword plumbin
 building that a step of one token per row does not need. This step runs the same operations
 as the Hugging Face forward of a Llama or Qwen3 model, in the same order and with
 the same functions where the model has them (its RMSNorm and rotary code, its attention
-function: sdpa, or the batch-invariant tiles in true-on-policy mode), so its logits are the
+function: sdpa, the engine's CPU decode kernel (modeling/decode_attention.py), or the
+batch-invariant tiles in true-on-policy mode), so its logits are the
 same bits (tests/engine/test_fused_step.py; rows of unlike lengths attend in groups at their own
 widths, engine/paged_cache.py, which keeps the bits of the batch-invariant attention and changes
 sdpa's within float rounding: with ``group_rows`` off, every row attends at the batch's width as

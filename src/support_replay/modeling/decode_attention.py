@@ -191,18 +191,21 @@ def use_decode_attention(model: nn.Module, choice: str = "auto") -> str:
     if choice not in CHOICES:
         raise ConfigError(f"decode_attention: {choice!r} is not one of {list(CHOICES)}")
     implementation = model.config._attn_implementation
-    if choice == "sdpa" or implementation not in ("sdpa", ATTENTION):
+    if implementation not in ("sdpa", ATTENTION):
         if choice == "kernel":
             raise ConfigError(
                 f"decode_attention: 'kernel' needs a model on sdpa attention, this one is on {implementation!r}"
             )
-        return "sdpa" if implementation in ("sdpa", ATTENTION) else implementation
+        return implementation
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    kernel, why = compiled() if on_cpu else (None, "the model is not on a CPU")
+    kernel, why = (None, "sdpa was asked for") if choice == "sdpa" else compiled()
+    if kernel is not None and not on_cpu:
+        kernel, why = None, "the model is not on a CPU"
     if kernel is None:
         if choice == "kernel":
             raise ConfigError(f"decode_attention: 'kernel' cannot run here: {why}")
-        log.info("decode attention: sdpa (the CPU kernel is not used: %s)", why)
+        if choice == "auto":
+            log.info("decode attention: sdpa (the CPU kernel is not used: %s)", why)
         if implementation == ATTENTION:
             model.set_attn_implementation("sdpa")
         return "sdpa"

@@ -716,6 +716,13 @@ class ReplayConfig(Section):
                 "true-on-policy mode runs the batch-invariant fp32 kernels on both sides; "
                 "bf16 would need kernels of their own",
             )
+        if self.true_on_policy_mode and self.decode_attention == "kernel":
+            bad(
+                "decode_attention",
+                "kernel",
+                "true-on-policy mode's engine attends with the batch-invariant tiles the trainer replays; "
+                "use auto or sdpa",
+            )
         if self.attn_implementation.startswith("flash_attention"):
             bad(
                 "attn_implementation",

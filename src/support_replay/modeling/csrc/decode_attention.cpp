@@ -4,9 +4,9 @@
 // broadcastable to [B, Hq, 1, L] (boolean, true where a key is seen, or additive), out [B, 1, Hq, D].
 // Each (row, key-value head) is one task: its Hq / Hkv queries read each key and value once. A task's
 // arithmetic is fixed (the same vector order whatever the batch, the width or the thread count), and a
-// masked key (false, or -inf) is skipped, its seen keys taken in key order wherever padding put them, so a
-// row's output keeps its bits whatever rows or padding share the call. Scores, softmax and the weighted sum are float32; bf16 inputs are read as float32 and the
-// output rounded once.
+// masked key (false, or -inf) is skipped, its seen keys taken in key order wherever padding put them, so
+// a row's output keeps its bits whatever rows or padding share the call. Scores, softmax and the weighted
+// sum are float32; bf16 inputs are read as float32 and the output rounded once.
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -120,7 +120,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
           s[l] = 0.f;
         }
         if (n == 0) continue;  // every key masked: sdpa's answer is NaN; ours is zeros (no such row in a decode)
-        const float top = at::vec::reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, packed.data(), n);
+        const float top =
+            at::vec::reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, packed.data(), n);
         at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, packed.data(), packed.data(), n);
         const float total = at::vec::reduce_all<float>([](Vec x, Vec y) { return x + y; }, packed.data(), n);
         const float inverse = 1.f / total;
@@ -173,8 +174,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   std::array<int64_t, 3> strides{0, 0, 0};
   if (mask.has_value()) {
     const auto& m = mask.value();
-    TORCH_CHECK(m.dim() == 4 && m.size(2) == 1 && m.size(3) == k.size(2) && (m.size(0) == 1 || m.size(0) == q.size(0)) &&
-                    (m.size(1) == 1 || m.size(1) == q.size(1)),
+    TORCH_CHECK(m.dim() == 4 && m.size(2) == 1 && m.size(3) == k.size(2) &&
+                    (m.size(0) == 1 || m.size(0) == q.size(0)) && (m.size(1) == 1 || m.size(1) == q.size(1)),
                 "decode_attention: mask ", m.sizes(), " does not broadcast to [", q.size(0), ", ", q.size(1), ", 1, ",
                 k.size(2), "]");
     strides = broadcast_strides(m);
