@@ -143,6 +143,20 @@ def test_weight_update_waits_and_bumps_version(tiny_checkpoint, tmp_path):
         eng.shutdown()
 
 
+def test_a_colocated_weight_push_returns_without_waiting_for_requests(tiny_checkpoint):
+    """Without the loop thread, ``wait`` on an update runs the engine's steps here; the step that applies it
+    must not then block on the empty queue (the scheduler's poll) before the push returns."""
+    eng = Engine.from_pretrained(tiny_checkpoint)
+    blocking = []
+    take = eng.scheduler.take
+    eng.scheduler.take = lambda room, block, *a: blocking.append(block) or take(room, block, *a)
+    state = {"lm_head.weight": eng.runner.model.state_dict()["lm_head.weight"] * 2}
+    update = eng.update_weights(state, "step-1")
+    eng.wait([update])
+    assert update.result() == "step-1" and eng.weight_version == "step-1"
+    assert blocking == [True, False]  # the first step finds the update; the step that applies it does not block
+
+
 def test_bad_requests():
     with pytest.raises(RequestError, match="input_ids: the prompt is empty"):
         GenerateRequest([])

@@ -409,7 +409,8 @@ class Engine:
 
     def step(self, block: bool = False) -> None:
         """One iteration: a drained weight update, admissions, one decode step."""
-        if self.scheduler.update is not None and not self.batch:
+        updated = self.scheduler.update is not None and not self.batch
+        if updated:
             self._apply_update(*self.scheduler.update)
             self.scheduler.update = None
         if self._flush_cache:
@@ -418,7 +419,9 @@ class Engine:
         admitted = []
         if self.scheduler.update is None:
             room = self.max_batch_size - len(self.batch)
-            admitted = self.scheduler.take(room, block and not self.batch, self._fits, self._aborted_waiting)
+            # a step that applied an update returns at once: its caller (a colocated trainer's push) is done
+            idle = block and not self.batch and not updated
+            admitted = self.scheduler.take(room, idle, self._fits, self._aborted_waiting)
         if admitted:
             self._admit(admitted)
         if self.batch:
