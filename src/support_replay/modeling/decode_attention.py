@@ -38,7 +38,7 @@ ATTENTION = "support_replay_decode"
 CHOICES = ("auto", "kernel", "sdpa")
 HELP = (
     "the engine's decode attention on a CPU: kernel (one compiled float32 kernel per step and layer, built once per "
-    "machine; about half sdpa's time at a SmolLM2 decode step), sdpa (the model's own), auto (the kernel where it "
+    "machine; about half sdpa's time at a SmolLM2 fp32 decode step), sdpa (the model's own), auto (the kernel where it "
     "builds and agrees with sdpa, else sdpa)"
 )
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
