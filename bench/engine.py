@@ -444,7 +444,7 @@ def main() -> None:
         dtype=getattr(torch, args.dtype),
         deterministic=args.deterministic,
         linear_kernel=args.linear_kernel,
-        decode_attention="sdpa" if args.deterministic else args.decode_attention,
+        decode_attention=args.decode_attention,
     )
     ids = prompt_ids(engine)
     engine_rate(engine, ids, 2, 4, True, 1)  # warm-up

@@ -77,8 +77,7 @@ def engine_command(cfg: RunConfig, checkpoint: str, port: int, index: int, weigh
     command += ["--host", "127.0.0.1", "--port", str(port), "--weights-dir", str(weights_dir)]
     command += ["--dtype", replay.rollout_dtype, "--seed", str(rollout.rollout_seed)]
     command += ["--semantics", rollout.sampling_semantics, "--linear-kernel", replay.linear_kernel]
-    if not replay.true_on_policy_mode:  # the deterministic engine attends batch-invariantly
-        command += ["--decode-attention", replay.decode_attention]
+    command += ["--decode-attention", replay.decode_attention]
     command += ["--sampling-mask-max-tokens", str(rollout.sampling_mask_max_tokens)]
     if torch.cuda.is_available():
         command += ["--device", f"cuda:{index % torch.cuda.device_count()}"]

@@ -127,8 +127,8 @@ def check(kernel) -> str:
             k, v = (torch.randn(rows, kv_heads, width + 3, dim, generator=generator).to(dtype) for _ in range(2))
             k, v = k[:, :, :width], v[:, :, :width]  # strided, as the paged cache's views
             seen = torch.arange(width)[None] < torch.randint(1, width + 1, (rows, 1), generator=generator)
-            for mask in (seen[:, None, None], torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, float("-inf"))):
-                mask = mask if mask.dtype == torch.bool else mask[:, None, None]
+            additive = torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, float("-inf"))
+            for mask in (seen[:, None, None], additive[:, None, None]):
                 want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=dim**-0.5, enable_gqa=True)
                 got = kernel(q, k, v, mask, dim**-0.5)
                 error = (got.float() - want.transpose(1, 2).float()).abs().max().item()

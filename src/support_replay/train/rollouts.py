@@ -151,7 +151,7 @@ def connect_backend(
         deterministic=replay_cfg.true_on_policy_mode,
         weight_version=weight_version,
         linear_kernel=replay_cfg.linear_kernel,
-        decode_attention="sdpa" if replay_cfg.true_on_policy_mode else replay_cfg.decode_attention,
+        decode_attention=replay_cfg.decode_attention,  # the deterministic engine keeps its own attention
         max_total_tokens=engine_cfg.max_total_tokens,
         **({"kv_share": kv_share} if kv_share is not None else {}),
     )
