@@ -1,12 +1,16 @@
 """Where a decode step's time goes, and what its two largest parts cost alone (docs/benchmarks.md, "Speed on this CPU").
 
     python bench/decode_parts.py [--dtype float32|bfloat16] [--runs 3] [--skip-alone] [--decode-attention sdpa,kernel]
+                                 [--layers compiled,pytorch]
 
 1. **Parts**: ``bench/engine.py``'s GRPO work (4 chat prompts x 4 samples, 64 tokens, EOS ignored, capture on)
    on SmolLM2-135M-Instruct, with wall clocks around the engine's decode step and its parts inside it (the fused
    step, its products, its attention calls, its key/value writes; sampling with capture), per step, one column
    per run (``update_bound.Clocks``). ``--decode-attention sdpa,kernel`` builds an engine per choice and
-   alternates their runs (columns ``sdpa 1``, ``kernel 1``, ``sdpa 2``, ...).
+   alternates their runs (columns ``sdpa 1``, ``kernel 1``, ``sdpa 2``, ...); ``--layers compiled,pytorch`` does
+   the same for the layers' elementwise work in the compiled kernels (modeling/decode_layer.py, where the keys'
+   and values' writes are part of the kernel that rotates the queries and keys, so they count in "the rest")
+   and in PyTorch's operations.
 2. **Attention alone**: ``F.scaled_dot_product_attention`` at a decode step's shapes (SmolLM2: 9 query heads on 3
    key-value heads, so 3 queries per key-value head as transformers' ``pack_gqa`` passes them; head size 64;
    width 112; an additive mask) for 1 and 16 rows, at 1 and at the run's threads; beside it the engine's decode
@@ -147,15 +151,33 @@ def main() -> None:
     ap.add_argument(
         "--decode-attention", default="auto", help="the engines' --decode-attention, comma-separated: one engine each"
     )
+    ap.add_argument(
+        "--layers", default="compiled", help="the layers' elementwise work, comma-separated: compiled, pytorch"
+    )
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    choices = args.decode_attention.split(",")
-    engines = {c: Engine.from_pretrained(resolve_model("smollm2"), dtype=dtype, decode_attention=c) for c in choices}
+    choices, layer_choices = args.decode_attention.split(","), args.layers.split(",")
+    engines = {}
+    for choice in choices:
+        for layers in layer_choices:
+            if layers not in ("compiled", "pytorch"):
+                raise SystemExit(f"--layers: {layers!r} is not compiled or pytorch")
+            engine = Engine.from_pretrained(resolve_model("smollm2"), dtype=dtype, decode_attention=choice)
+            fused = engine.runner.fused
+            if fused is not None:
+                fused.compiled_layers = layers == "compiled" and fused.layer_kernels is not None
+            names = [choice] * (len(choices) > 1) + [layers] * (len(layer_choices) > 1)
+            engines["/".join(names) or choice] = engine
     engine = next(iter(engines.values()))
     print(
         f"SmolLM2-135M-Instruct {args.dtype}, kernel {engine.linear_kernel}, {torch.get_num_threads()} threads, "
         f"CPU: {cpu_identity()}; decode attention: "
         + ", ".join(f"{c} -> {e.decode_attention}" for c, e in engines.items())
+        + "; layers' elementwise work: "
+        + ", ".join(
+            f"{c} -> {'compiled' if e.runner.fused is not None and e.runner.fused.compiled_layers else 'pytorch'}"
+            for c, e in engines.items()
+        )
     )
     by_run = parts(engines, args.runs)
     for e in engines.values():
@@ -167,7 +189,7 @@ def main() -> None:
         print(f"| {label} | " + " | ".join(f"{r[key]:.2f}" for r in rows) + " |")
     rest = [r["fused"] - r["products"] - r["attention"] - r["writes"] for r in rows]
     print(
-        "|   the rest of the layers (norms, rotary, adds, SiLU x up, views) | "
+        "|   the rest of the layers (norms, rotary, adds, SiLU x up, views; compiled: the writes too) | "
         + " | ".join(f"{x:.2f}" for x in rest)
         + " |"
     )

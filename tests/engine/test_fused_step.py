@@ -9,6 +9,7 @@ from support_replay.engine.fused_step import unsupported
 from support_replay.engine.model_runner import ModelRunner
 from support_replay.engine.weight_updates import load_state
 from support_replay.errors import EngineError
+from support_replay.modeling import decode_layer
 from support_replay.modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
 from support_replay.modeling.decode_attention import compiled, use_decode_attention
 from support_replay.modeling.invariant_products import cpu_name
@@ -42,8 +43,9 @@ def decode_both_ways(runner: ModelRunner, prompts, steps: int):
     ids=["normal", "decode-kernel", "batch-invariant"],
 )
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("layers", ["compiled", "pytorch"])
 def test_fused_decode_is_the_module_tree_bit_for_bit(
-    tiny_checkpoint, tied_llama, family, deterministic, attention, kernel
+    tiny_checkpoint, tied_llama, family, deterministic, attention, kernel, layers
 ):
     path = tiny_checkpoint if family == "qwen3" else tied_llama
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -61,6 +63,11 @@ def test_fused_decode_is_the_module_tree_bit_for_bit(
         pytest.skip(f"no fused step on this CPU ({cpu_name()}) with these kernels: {why}")
     runner = ModelRunner(model, key_block=KEY_BLOCK if deterministic else 1)
     assert runner.fused is not None
+    if layers == "compiled":  # the layers' elementwise work in the compiled kernels (modeling/decode_layer.py)
+        if runner.fused.layer_kernels is None:
+            pytest.skip(f"the compiled layer kernels cannot run here: {decode_layer.unsupported(model)}")
+    else:
+        runner.fused.compiled_layers = False
     prompts = [
         [5 + i % 40 for i in range(61)],
         [11, 12],

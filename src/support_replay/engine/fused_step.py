@@ -39,6 +39,7 @@ SiLU) keep the module-tree decode; ``unsupported(model)`` says why.
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 
 import torch
@@ -46,11 +47,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import EngineError
+from ..modeling import decode_attention, decode_layer
 from ..modeling.decode_attention import ATTENTION as DECODE_ATTENTION
+from ..modeling.decode_attention import takes_kernel
 from ..modeling.invariant_products import fused_columns_keep_bits
 from ..modeling.linear_kernels import model_kernel, model_linear
 from ..modeling.packed_weights import Pack, pack, packed_linear
 from .paged_cache import PagedCache
+
+log = logging.getLogger(__name__)
 
 FAMILIES = {"llama", "qwen3"}  # the layer layouts this step was written from and is tested on
 
@@ -98,6 +103,8 @@ class _Layer:
         self.attn = attn
         self.input_norm = layer.input_layernorm.forward
         self.post_norm = layer.post_attention_layernorm.forward
+        self.norm_modules = layer.input_layernorm, layer.post_attention_layernorm
+        self.head_norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None
         self.q_norm = attn.q_norm.forward if hasattr(attn, "q_norm") else None
         self.k_norm = attn.k_norm.forward if hasattr(attn, "k_norm") else None
         self.projections = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
@@ -107,6 +114,7 @@ class _Layer:
         self.intermediate = mlp.gate_proj.weight.shape[0]
         self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
         self.head_dim = attn.head_dim
+        self.heads, self.kv_heads = self.splits[0] // self.head_dim, self.splits[1] // self.head_dim
         self.scaling = attn.scaling
         self._views = [p.weight.data_ptr() for p in self.projections]
         self.sources = [p.weight for p in self.projections] + [self.o_proj.weight, self.down_proj.weight]
@@ -138,10 +146,14 @@ class FusedDecoder:
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm = inner.norm.forward
+        self.final_norm = inner.norm
         self.head = model.get_output_embeddings()
         self.layers = [_Layer(layer) for layer in inner.layers]
         self.linear = model_linear(model)
         self.rope, self.attention = _model_functions(model)
+        built = decode_attention.compiled()[0] if model.config._attn_implementation == DECODE_ATTENTION else None
+        self.decode_kernel = None if built is None else built.decode_attention
+        self._kernel_takes: dict[int, bool] = {}
         # sdpa and the decode kernel take an additive mask as sdpa would make it (modeling/decode_attention.py)
         self.additive_mask = model.config._attn_implementation in ("sdpa", DECODE_ATTENTION)
         # oneDNN products over packed copies of the weights, where they keep the plain product's bits:
@@ -155,6 +167,12 @@ class FusedDecoder:
         # the same bits either way; sdpa's bits may change with the width, within float rounding)
         self.group_rows = True
         self.packed_linear = packed_linear  # an attribute, like ``linear``: benchmarks time both
+        # the layers' elementwise work in compiled kernels with the model's bits (float32; modeling/decode_layer.py)
+        why = decode_layer.unsupported(model)
+        self.layer_kernels = decode_layer.compiled()[0] if why is None else None
+        self.compiled_layers = self.layer_kernels is not None  # off: PyTorch's operations (benchmarks)
+        if why is not None:
+            log.debug("fused decode: the layers' elementwise work stays PyTorch's (%s)", why)
         self._packed_threads: int | None = None  # the thread count the packs were checked at
         self._head_pack: Pack | None = None
         self._head_version: int | None = None
@@ -190,8 +208,16 @@ class FusedDecoder:
             self._head_pack = pack(head, self.linear)
             self._head_version = head._version
 
-    def _attend(self, layer: _Layer, q, kv: tuple[torch.Tensor, torch.Tensor], mask) -> torch.Tensor:
-        """The model's attention function, called as the model calls it: ``[rows, 1, heads, head_dim]``."""
+    def _attend(self, layer: _Layer, q, kv: tuple[torch.Tensor, torch.Tensor], mask, group: int = 0) -> torch.Tensor:
+        """The model's attention function, called as the model calls it: ``[rows, 1, heads, head_dim]``. The decode
+        kernel's function takes a call after checking it (``takes_kernel``, ~10 us); every layer's call of a step
+        and group has the first one's shapes, so the check runs once a step and group and the kernel is called."""
+        if self.decode_kernel is not None:
+            takes = self._kernel_takes.get(group)
+            if takes is None:
+                takes = self._kernel_takes[group] = takes_kernel(q, kv[0], kv[1], mask, 0.0, {})
+            if takes:
+                return self.decode_kernel(q, kv[0], kv[1], mask, float(layer.scaling))
         out, _ = self.attention(layer.attn, q, kv[0], kv[1], mask, dropout=0.0, scaling=layer.scaling)
         return out
 
@@ -199,18 +225,78 @@ class FusedDecoder:
     def step(self, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, V]`` (float32) of one new token per row; writes its keys and values at each row's position."""
         cache.prepare_decode(grouped=self.group_rows)  # rows of like length attend together
+        self._kernel_takes = {}  # this step's groups: whether the decode kernel takes their calls
         packing = self.packing and self.can_pack
         # inference mode (module docstring): what outlives the step, the cache's tensors and the logits, is made outside
         with torch.inference_mode():
-            x = self._layers(cache, tokens, positions, packing)
+            if self.compiled_layers and self.layer_kernels is not None:
+                h = self._compiled_layers(cache, tokens, positions, packing)
+            else:
+                h = self.norm(self._layers(cache, tokens, positions, packing))
         cache.finish_decode()
-        return self._product(self.norm(x), self.head.weight, self.head.bias, self._head_pack, packing)[:, -1, :].float()
+        return self._product(h, self.head.weight, self.head.bias, self._head_pack, packing)[:, -1, :].float()
 
     def _product(self, x, weight, bias, pack: Pack | None, packing: bool) -> torch.Tensor:
         """``x @ weight.T + bias`` over the packed weight where it keeps the plain product's bits, else plain."""
         if packing and pack is not None and x.shape[0] >= pack.rows_from:  # fewer rows: their bits are the plain's
             return self.packed_linear(x, pack.weight, bias)
         return self.linear(x, weight, bias)
+
+    def _masks(self, cache: PagedCache, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each attention group's mask, ``[rows, 1, 1, width]``: True where a key is seen, or additive."""
+        masks = [group.mask for group in cache.groups]
+        if self.additive_mask:  # what sdpa turns a boolean mask into, once per step instead of once per layer
+            masks = [
+                torch.zeros(m.shape, dtype=x.dtype, device=x.device).masked_fill_(m.logical_not(), float("-inf"))
+                for m in masks
+            ]
+        return masks
+
+    def _attend_groups(self, cache: PagedCache, index: int, layer: _Layer, q, masks) -> torch.Tensor:
+        """Layer ``index``'s attention of this step's queries ``[B, heads, 1, d]``: ``[B, 1, heads, d]``."""
+        if len(masks) == 1 and cache.groups[0].rows is None:  # every row, in batch order
+            return self._attend(layer, q, cache.attended(index), masks[0])
+        # each group at its own width, its rows' outputs back in batch order
+        out = q.new_empty(q.shape[0], 1, q.shape[1], q.shape[3])
+        for number, (group, mask) in enumerate(zip(cache.groups, masks)):
+            kv = cache.attended(index, group)
+            out.index_copy_(0, group.rows, self._attend(layer, q.index_select(0, group.rows), kv, mask, number))
+        return out
+
+    def _compiled_layers(
+        self, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor, packing: bool
+    ) -> torch.Tensor:
+        """``_layers`` and the final norm with the layers' elementwise work in the compiled kernels
+        (modeling/decode_layer.py), the same bits: the normed last hidden states ``[B, 1, H]``."""
+        kernels = self.layer_kernels
+        x = self.embed.forward(tokens[:, None])
+        batch = x.shape[0]
+        cos, sin = self.rotary.forward(x, positions[:, None])
+        masks = self._masks(cache, x)
+        first = self.layers[0].norm_modules[0]
+        h = kernels.rms_norm(x, first.weight, first.variance_epsilon)
+        next_norms = [layer.norm_modules[0] for layer in self.layers[1:]] + [self.final_norm]
+        for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
+            packs = layer.packs
+            qkv = self._product(h, layer.qkv, layer.qkv_bias, packs.get("qkv"), packing)
+            q_norm, k_norm = layer.head_norms or (None, None)
+            eps = q_norm.variance_epsilon if q_norm is not None else 0.0
+            keys, values, slots = cache.write_target(index)
+            q = kernels.attention_inputs(
+                qkv, layer.heads, layer.kv_heads, layer.head_dim, cos, sin,
+                None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                eps, keys, values, slots,
+            )  # fmt: skip
+            out = self._attend_groups(cache, index, layer, q, masks)
+            o_proj, post_norm = layer.o_proj, layer.norm_modules[1]
+            update = self._product(out.reshape(batch, 1, -1), o_proj.weight, o_proj.bias, packs.get("o"), packing)
+            x, h = kernels.add_rms_norm(x, update, post_norm.weight, post_norm.variance_epsilon)
+            gate_up = self._product(h, layer.gate_up, layer.gate_up_bias, packs.get("gate_up"), packing)
+            act = kernels.silu_mul(gate_up, layer.intermediate)
+            down = layer.down_proj
+            update = self._product(act, down.weight, down.bias, packs.get("down"), packing)
+            x, h = kernels.add_rms_norm(x, update, next_norm.weight, next_norm.variance_epsilon)
+        return h
 
     def _layers(self, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor, packing: bool) -> torch.Tensor:
         """The decoder layers of one step: the last layer's hidden states ``[B, 1, H]``."""
@@ -222,13 +308,7 @@ class FusedDecoder:
             return self._product(x, weight, bias, pack, packing)
 
         cos, sin = self.rotary.forward(x, positions[:, None])
-        masks = [group.mask for group in cache.groups]  # [rows, 1, 1, width], True where a key is seen
-        if self.additive_mask:  # what sdpa turns a boolean mask into, once per step instead of once per layer
-            masks = [
-                torch.zeros(m.shape, dtype=x.dtype, device=x.device).masked_fill_(m.logical_not(), float("-inf"))
-                for m in masks
-            ]
-        groups = list(zip(cache.groups, masks))
+        masks = self._masks(cache, x)
         for index, layer in enumerate(self.layers):
             residual = x
             h = layer.input_norm(x)
@@ -240,13 +320,7 @@ class FusedDecoder:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q, k = rope(q, k, cos, sin)
             cache.write(index, k, v)
-            if len(groups) == 1 and groups[0][0].rows is None:  # every row, in batch order
-                out = self._attend(layer, q, cache.attended(index), masks[0])
-            else:  # each group at its own width, its rows' outputs back in batch order
-                out = q.new_empty(batch, 1, q.shape[1], q.shape[3])
-                for group, mask in groups:
-                    kv = cache.attended(index, group)
-                    out.index_copy_(0, group.rows, self._attend(layer, q.index_select(0, group.rows), kv, mask))
+            out = self._attend_groups(cache, index, layer, q, masks)
             x = residual + linear(out.reshape(batch, 1, -1), layer.o_proj.weight, layer.o_proj.bias, packs.get("o"))
             residual = x
             gate, up = linear(layer.post_norm(x), layer.gate_up, layer.gate_up_bias, packs.get("gate_up")).split(

@@ -274,6 +274,12 @@ class PagedCache(Cache):
         flat[0].index_copy_(1, self._write, key_states[:, :, 0].transpose(0, 1))
         flat[1].index_copy_(1, self._write, value_states[:, :, 0].transpose(0, 1))
 
+    def write_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where a decode step's keys and values go: layer ``layer``'s keys and values ``[kv_heads, slots, d]``
+        and each row's slot ``[B]`` (``write`` writes there; the fused step's compiled kernels write there too)."""
+        flat = self.pool.flat(layer)
+        return flat[0], flat[1], self._write
+
     def attended(self, layer: int, group: AttentionGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of ``group``'s rows (default: every row, one group) at positions
         ``0..width-1``, ``[rows, kv_heads, width, d]`` each: views of the storage for rows in place,

@@ -4,9 +4,9 @@ At a decode step PyTorch's CPU attention (``scaled_dot_product_attention``'s fla
 time per (row, key-value head) whatever the work, 14-18% of a SmolLM2 step at batch 16 (docs/benchmarks.md). The
 kernel here does the same arithmetic in float32 (scores, softmax with ATen's vectorized exp, the weighted sum of
 the values) with one task per (row, key-value head) that reads each key and value once for its group of queries.
-It is built once per machine with PyTorch's extension builder, for the vector ISA PyTorch itself runs at
-(``torch.backends.cpu.get_cpu_capability()``, which follows ``ATEN_CPU_CAPABILITY``), and kept in the user cache;
-each process checks it against sdpa on a few shapes before using it.
+It is built once per machine with the project's other CPU kernels (modeling/cpu_kernels.py), for the vector ISA
+PyTorch itself runs at, and kept in the user cache; each process checks it against sdpa on a few shapes before
+using it.
 
 The engine takes it through the model's attention interface (``ATTENTION``, registered with transformers), so the
 module-tree decode and the fused step call the same function and keep the same bits. Only one-token queries
@@ -22,15 +22,13 @@ any other kernel's; a true-on-policy engine keeps its batch-invariant attention 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
-import shutil
-from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import nn
+
+from . import cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +39,6 @@ HELP = (
     "machine; about half sdpa's time at a SmolLM2 fp32 decode step), sdpa (the model's own), auto (the kernel where it "
     "builds and agrees with sdpa, else sdpa)"
 )
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 DTYPES = (torch.float32, torch.bfloat16)
 # the kernel against sdpa on the check's shapes: float32 within rounding, bf16 within one rounding of its output
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -49,66 +46,13 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "sinks", "position_bias")
 
 
-def _isa() -> tuple[str, list[str]]:
-    """The vector ISA to build for (PyTorch's own choice on this CPU) and its compiler flags."""
-    capability = torch.backends.cpu.get_cpu_capability().upper()
-    if capability.startswith("AVX512"):
-        flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
-        return "avx512", [*flags, "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
-    if capability == "AVX2":
-        return "avx2", ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    return "default", []  # ATen's portable vectors
-
-
-def build_name(source: Path, isa: str) -> str:
-    """The extension's name: the ISA and the source's digest (an edited source is a new build, never a stale one)."""
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
-    return f"support_replay_decode_attention_{isa}_{digest}"
-
-
-def build_directory(name: str) -> Path:
-    from .checkpoints import cache_dir
-
-    return cache_dir() / "extensions" / f"torch-{torch.__version__.replace('+', '-')}" / name
-
-
-def _ninja_on_path() -> None:
-    """PyTorch's builder runs ``ninja`` from PATH; the ``ninja`` package's binary serves where the system has none."""
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja
-    except ImportError:
-        return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
 @functools.cache
 def compiled() -> tuple[ModuleType | None, str]:
-    """The kernel built for this CPU and PyTorch and checked against sdpa, or None and why it cannot run."""
-    if not SOURCE.exists():
-        return None, f"its source {SOURCE} is not installed"
-    isa, flags = _isa()
-    name = build_name(SOURCE, isa)
-    directory = build_directory(name)
-    if not any(directory.glob(f"{name}*.so")):
-        log.info("decode attention: building the CPU kernel for %s once, into %s (about 40 s)", isa, directory)
-    try:
-        from torch.utils.cpp_extension import load
-
-        _ninja_on_path()
-        directory.mkdir(parents=True, exist_ok=True)
-        module = load(
-            name=name,
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", *flags],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, a failed build: sdpa stays
-        detail = str(exc).strip().splitlines()
-        return None, f"it did not build in {directory}: {type(exc).__name__}: {detail[-1] if detail else ''}"[:400]
+    """The project's CPU kernels (modeling/cpu_kernels.py) with this one checked against sdpa, or None and why
+    it cannot run."""
+    module, why = cpu_kernels.built()
+    if module is None:
+        return None, why
     disagreement = check(module.decode_attention)
     if disagreement:
         return None, disagreement
@@ -219,5 +163,5 @@ def use_decode_attention(model: nn.Module, choice: str = "auto") -> str:
 
 
 if __name__ == "__main__":  # python -m support_replay.modeling.decode_attention: build it now, say what runs
-    built, reason = compiled()
-    print(f"decode attention kernel: {built.__file__}" if built is not None else f"decode attention: sdpa ({reason})")
+    module, reason = compiled()
+    print(f"decode attention kernel: {module.__file__}" if module is not None else f"decode attention: sdpa ({reason})")

@@ -11,7 +11,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 
 #include <limits>
 #include <type_traits>
@@ -197,8 +198,4 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "one query token per row over its keys and values (CPU)");
 }

@@ -1,0 +1,98 @@
+"""The project's compiled CPU kernels (csrc/*.cpp), built once per machine into the user cache.
+
+One extension holds them all (one build, its sources compiled in parallel): the decode attention
+(modeling/decode_attention.py) and the elementwise work around a decode step's products (modeling/decode_layer.py).
+It is built with PyTorch's extension builder for the vector ISA PyTorch itself runs at
+(``torch.backends.cpu.get_cpu_capability()``, which follows ``ATEN_CPU_CAPABILITY``), without fused multiply-adds
+the source does not write itself (``-ffp-contract=off``: a product and a sum round twice, as ATen's separate
+kernels do), under a name carrying the ISA and the sources' digest, so an edited source is a new build and never
+a stale one. Each user of a kernel checks it before using it; a machine without a compiler keeps PyTorch's own.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "bindings.cpp", CSRC / "decode_attention.cpp", CSRC / "decode_layer.cpp"]
+
+
+def _isa() -> tuple[str, list[str]]:
+    """The vector ISA to build for (PyTorch's own choice on this CPU) and its compiler flags."""
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    if capability.startswith("AVX512"):
+        flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+        return "avx512", [*flags, "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    if capability == "AVX2":
+        return "avx2", ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return "default", []  # ATen's portable vectors
+
+
+def build_name(sources: list[Path], isa: str) -> str:
+    """The extension's name: the ISA and the sources' digest."""
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    return f"support_replay_cpu_kernels_{isa}_{digest.hexdigest()[:12]}"
+
+
+def build_directory(name: str) -> Path:
+    from .checkpoints import cache_dir
+
+    return cache_dir() / "extensions" / f"torch-{torch.__version__.replace('+', '-')}" / name
+
+
+def _ninja_on_path() -> None:
+    """PyTorch's builder runs ``ninja`` from PATH; the ``ninja`` package's binary serves where the system has none."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@functools.cache
+def built() -> tuple[ModuleType | None, str]:
+    """The extension built for this CPU and PyTorch, or None and why it cannot be."""
+    missing = [str(source) for source in SOURCES if not source.exists()]
+    if missing:
+        return None, f"its sources {missing} are not installed"
+    isa, flags = _isa()
+    name = build_name(SOURCES, isa)
+    directory = build_directory(name)
+    if not any(directory.glob(f"{name}*.so")):
+        log.info("CPU kernels: building them for %s once, into %s (about a minute)", isa, directory)
+    try:
+        from torch.utils.cpp_extension import load
+
+        _ninja_on_path()
+        directory.mkdir(parents=True, exist_ok=True)
+        module = load(
+            name=name,
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a failed build: PyTorch's own kernels stay
+        detail = str(exc).strip().splitlines()
+        return None, f"it did not build in {directory}: {type(exc).__name__}: {detail[-1] if detail else ''}"[:400]
+    return module, ""
+
+
+if __name__ == "__main__":  # python -m support_replay.modeling.cpu_kernels: build them now, say where
+    module, reason = built()
+    print(f"CPU kernels: {module.__file__}" if module is not None else f"CPU kernels: not built ({reason})")

@@ -1,0 +1,25 @@
+// The Python module of the project's CPU kernels (modeling/cpu_kernels.py builds it): one extension, one build.
+
+#include <torch/extension.h>
+
+#include <tuple>
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const c10::optional<at::Tensor>& mask, double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tensor& update,
+                                                const at::Tensor& weight, double eps);
+at::Tensor attention_inputs(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t dim,
+                            const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
+                            const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& slots);
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t intermediate);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "one query token per row over its keys and values (CPU)");
+  m.def("rms_norm", &rms_norm, "Llama's and Qwen3's RMSNorm in float32, the model's bits");
+  m.def("add_rms_norm", &add_rms_norm, "a residual add, then RMSNorm of the sum: (sum, normed)");
+  m.def("attention_inputs", &attention_inputs,
+        "a decode step's queries from its qkv product: normed and rotated; keys and values written to the cache");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up over a fused gate-up product's output");
+}

@@ -1,0 +1,191 @@
+// The elementwise work around a decode step's products (modeling/decode_layer.py), float32: RMSNorm, the
+// residual adds, the query and key norms and rotary embedding with the keys' and values' cache writes, SiLU x up.
+//
+// Each result is rounded where the model's own PyTorch operations round it, so the fused step keeps the module
+// tree's bits: a product and a sum are two roundings (built with -ffp-contract=off: no fused multiply-add), the
+// RMSNorm's mean is ATen's own reduction over the squares, SiLU is ATen's own kernel, and 1 / sqrt is ATen's
+// rsqrt (an exactly rounded square root, then an exactly rounded division). Python checks the bits against the
+// models' functions at start-up before the step uses any of this.
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// pointers to the rows (the last dimension, contiguous) of a tensor of any leading shape and strides
+std::vector<float*> rows_of(const at::Tensor& t) {
+  const int64_t dims = t.dim(), count = t.numel() / std::max<int64_t>(t.size(-1), 1);
+  std::vector<float*> rows(count);
+  float* base = t.data_ptr<float>();
+  std::vector<int64_t> index(std::max<int64_t>(dims - 1, 0), 0);
+  for (int64_t r = 0; r < count; ++r) {
+    int64_t offset = 0;
+    for (int64_t d = 0; d + 1 < dims; ++d) offset += index[d] * t.stride(d);
+    rows[r] = base + offset;
+    for (int64_t d = dims - 2; d >= 0; --d) {  // the next multi-index, the last leading dimension fastest
+      if (++index[d] < t.size(d)) break;
+      index[d] = 0;
+    }
+  }
+  return rows;
+}
+
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "decode_layer: ", what,
+              " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(t.dim() >= 1 && t.stride(-1) == 1, "decode_layer: ", what, "'s last dimension must be contiguous");
+}
+
+void check_weight(const at::Tensor& w, int64_t width, const char* what) {
+  check_rows(w, what);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == width, "decode_layer: ", what, " of ", w.sizes(), " for rows of ", width);
+}
+
+// x.pow(2).mean(-1, keepdim=True), x * rsqrt(variance + eps), weight * that: Llama's and Qwen3's RMSNorm in float32
+void normalize(const std::vector<float*>& in, int64_t d, const float* weight, float eps, std::vector<float*>& out) {
+  const int64_t n = static_cast<int64_t>(in.size());
+  auto squares = at::empty({n, d}, at::kFloat);
+  float* sq = squares.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    const float* x = in[r];
+    for (int64_t i = 0; i < d; ++i) sq[r * d + i] = x[i] * x[i];
+  }
+  const auto variance = at::mean(squares, {-1}, true);  // ATen's reduction: the model's own sum order
+  const float* var = variance.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    const float inverse = 1.f / std::sqrt(var[r] + eps);
+    const float* x = in[r];
+    float* y = out[r];
+    for (int64_t i = 0; i < d; ++i) y[i] = weight[i] * (x[i] * inverse);
+  }
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_weight(weight, x.size(-1), "weight");
+  auto out = at::empty(x.sizes(), x.options());
+  auto rows = rows_of(out);
+  normalize(rows_of(x), x.size(-1), weight.data_ptr<float>(), static_cast<float>(eps), rows);
+  return out;
+}
+
+// residual + update (the layer's residual add), then RMSNorm of the sum: (sum, normalized)
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tensor& update,
+                                                const at::Tensor& weight, double eps) {
+  check_rows(residual, "residual");
+  check_rows(update, "update");
+  TORCH_CHECK(residual.sizes() == update.sizes(), "decode_layer: residual ", residual.sizes(), " and update ",
+              update.sizes());
+  const int64_t d = residual.size(-1);
+  check_weight(weight, d, "weight");
+  auto sum = at::empty(residual.sizes(), residual.options());
+  auto out = at::empty(residual.sizes(), residual.options());
+  auto a = rows_of(residual), b = rows_of(update), s = rows_of(sum), o = rows_of(out);
+  for (size_t r = 0; r < s.size(); ++r) {
+    for (int64_t i = 0; i < d; ++i) s[r][i] = a[r][i] + b[r][i];
+  }
+  normalize(s, d, weight.data_ptr<float>(), static_cast<float>(eps), o);
+  return {sum, out};
+}
+
+// The attention's inputs from a decode step's fused query-key-value product qkv [B, 1, (Hq + 2 Hkv) D]: the
+// queries and keys normed (Qwen3's q_norm and k_norm, when given) and rotated (q * cos + rotate_half(q) * sin,
+// cos and sin [B, 1, D]); the keys and values written to the cache ([Hkv, slots, D] each) at each row's slot;
+// returns the queries [B, Hq, 1, D].
+at::Tensor attention_inputs(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t dim,
+                            const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
+                            const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& slots) {
+  check_rows(qkv, "qkv");
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  check_rows(key_cache, "key_cache");
+  check_rows(value_cache, "value_cache");
+  const int64_t batch = qkv.size(0);
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(1) == 1 && qkv.size(2) == (heads + 2 * kv_heads) * dim,
+              "decode_layer: qkv ", qkv.sizes(), " for ", heads, " + 2 x ", kv_heads, " heads of ", dim);
+  TORCH_CHECK(dim % 2 == 0, "decode_layer: an even head size, got ", dim);
+  for (const auto* t : {&cos, &sin}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == batch && t->size(1) == 1 && t->size(2) == dim,
+                "decode_layer: cos and sin of [", batch, ", 1, ", dim, "], got ", t->sizes());
+  }
+  for (const auto* t : {&key_cache, &value_cache}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == kv_heads && t->size(2) == dim, "decode_layer: a cache of [",
+                kv_heads, ", slots, ", dim, "], got ", t->sizes());
+  }
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == batch,
+              "decode_layer: one int64 slot per row, got ", slots.sizes(), " ", slots.scalar_type());
+  auto slot = slots.contiguous();
+  const int64_t* slot_of = slot.data_ptr<int64_t>();
+  const int64_t capacity = key_cache.size(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(slot_of[b] >= 0 && slot_of[b] < capacity, "decode_layer: row ", b, "'s slot ", slot_of[b],
+                " is outside the cache's ", capacity);
+  }
+  const float e = static_cast<float>(eps);
+  auto queries = at::empty({batch, heads, 1, dim}, qkv.options());
+  auto keys = at::empty({batch, kv_heads, dim}, qkv.options());
+  std::vector<float*> q_in, k_in, v_in, q_out, k_out;
+  for (int64_t b = 0; b < batch; ++b) {
+    float* row = qkv.data_ptr<float>() + b * qkv.stride(0);
+    for (int64_t h = 0; h < heads; ++h) {
+      q_in.push_back(row + h * dim);
+      q_out.push_back(queries.data_ptr<float>() + (b * heads + h) * dim);
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      k_in.push_back(row + (heads + h) * dim);
+      v_in.push_back(row + (heads + kv_heads + h) * dim);
+      k_out.push_back(keys.data_ptr<float>() + (b * kv_heads + h) * dim);
+    }
+  }
+  for (const auto* norm : {&q_norm, &k_norm}) {
+    if (norm->has_value()) check_weight(norm->value(), dim, "q_norm and k_norm weights");
+  }
+  if (q_norm.has_value()) normalize(q_in, dim, q_norm->data_ptr<float>(), e, q_out);  // normed, then rotated in place
+  if (k_norm.has_value()) normalize(k_in, dim, k_norm->data_ptr<float>(), e, k_out);
+  const int64_t half = dim / 2;
+  std::vector<float> x(dim);
+  auto rotate = [&](const float* src, float* dst, const float* c, const float* s) {
+    std::copy(src, src + dim, x.begin());  // src may be dst (normed in place)
+    for (int64_t i = 0; i < half; ++i) dst[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+    for (int64_t i = half; i < dim; ++i) dst[i] = x[i] * c[i] + x[i - half] * s[i];
+  };
+  float* kc = key_cache.data_ptr<float>();
+  float* vc = value_cache.data_ptr<float>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const float* c = cos.data_ptr<float>() + b * cos.stride(0);
+    const float* s = sin.data_ptr<float>() + b * sin.stride(0);
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t r = b * heads + h;
+      rotate(q_norm.has_value() ? q_out[r] : q_in[r], q_out[r], c, s);
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t r = b * kv_heads + h;
+      rotate(k_norm.has_value() ? k_out[r] : k_in[r], k_out[r], c, s);
+      float* key_slot = kc + h * key_cache.stride(0) + slot_of[b] * key_cache.stride(1);
+      float* value_slot = vc + h * value_cache.stride(0) + slot_of[b] * value_cache.stride(1);
+      std::copy(k_out[r], k_out[r] + dim, key_slot);
+      std::copy(v_in[r], v_in[r] + dim, value_slot);
+    }
+  }
+  return queries;
+}
+
+// SiLU(gate) * up over a fused gate-up product's output [..., 2 I]: ATen's SiLU, then one rounded product
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t intermediate) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(-1) == 2 * intermediate, "decode_layer: gate_up of ", gate_up.sizes(), " for ",
+              intermediate, " + ", intermediate, " columns");
+  auto out = at::silu(gate_up.narrow(-1, 0, intermediate)).contiguous();
+  auto up = rows_of(gate_up), act = rows_of(out);
+  for (size_t r = 0; r < act.size(); ++r) {
+    const float* u = up[r] + intermediate;
+    for (int64_t i = 0; i < intermediate; ++i) act[r][i] = act[r][i] * u[i];
+  }
+  return out;
+}
