@@ -6,6 +6,7 @@ with TRL's GRPOTrainer doing the same work side by side when it is installed.
     python bench/e2e.py --dtype bfloat16 --skip-trl
     python bench/e2e.py --with-bf16            # ours fp32, ours bf16 and TRL, one sitting
     python bench/e2e.py --rounds 3             # the same three alternating, medians of the rounds
+    python bench/e2e.py --trl-precision bf16-autocast   # TRL at GRPOConfig's own default precision (bf16=True)
     python bench/e2e.py --true-on-policy-compare --skip-trl   # the normal step, then true-on-policy
 
 ``--async-compare`` runs the same work twice through ``support-replay serve`` over HTTP, with
@@ -16,7 +17,8 @@ the step of an asynchronous run whose engine and trainer sit on separate devices
 The work of one step: 4 prompts x 4 samples of the built-in arithmetic task, up to 64 new
 tokens, temperature 1, top_p 0.8, top_k 32, one optimizer step (lr 1e-6). Ours runs with
 sampling-support replay and --ci-test on. The first step of each side is a warm-up and is
-left out of the means.
+left out of the means. TRL runs in fp32 (``bf16=False``: GRPOConfig's own default is ``bf16=True``, a forward
+under CPU autocast to bf16) with its other defaults, gradient checkpointing included.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 
 from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.modeling.kernel_probe import cpu_identity
+from support_replay.modeling.linear_kernels import slow_bf16
 from support_replay.rollout import ArithmeticTask, math_reward
 from support_replay.train import train
 from support_replay.train.config import RunConfig
@@ -216,9 +219,25 @@ def print_async_compare(runs: dict[str, list[dict]]) -> None:
     )
 
 
-def trl_steps(steps: int, length: int = 64, group: int = 4, fixed_length: bool = False) -> list[float] | None:
+TRL_PRECISIONS = ("fp32", "bf16-autocast")
+TRL_LABELS = {
+    "fp32": "fp32: bf16=False, its other defaults",
+    "bf16-autocast": "its defaults: bf16 autocast over fp32 weights",
+}
+
+
+def trl_steps(
+    steps: int, length: int = 64, group: int = 4, fixed_length: bool = False, precision: str = "fp32"
+) -> list[float] | None:
     """Seconds of each of ``steps`` GRPOTrainer steps on 4 prompts x ``group`` samples of up to
-    ``length`` tokens (``fixed_length``: exactly ``length``, by ``min_new_tokens``); None without TRL."""
+    ``length`` tokens (``fixed_length``: exactly ``length``, by ``min_new_tokens``); None without TRL.
+
+    ``precision``: ``fp32`` sets ``bf16=False``; ``bf16-autocast`` keeps GRPOConfig's own default (``bf16=True``:
+    accelerate runs the forward under CPU autocast to bf16, fp32 weights; on a CPU without bf16 instructions its
+    products take ATen's portable GEMM, minutes a step). TRL's other defaults stay, gradient checkpointing
+    included."""
+    if precision not in TRL_PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {TRL_PRECISIONS}")
     try:
         from datasets import Dataset
         from transformers import TrainerCallback
@@ -259,6 +278,7 @@ def trl_steps(steps: int, length: int = 64, group: int = 4, fixed_length: bool =
         report_to=[],
         save_strategy="no",
         use_cpu=True,
+        bf16=precision == "bf16-autocast",
         beta=0.0,
         seed=0,
         dataloader_num_workers=0,
@@ -275,7 +295,7 @@ def trl_steps(steps: int, length: int = 64, group: int = 4, fixed_length: bool =
     return clock.times
 
 
-def trl_in_a_process(steps: int) -> list[float] | None:
+def trl_in_a_process(steps: int, precision: str = "fp32") -> list[float] | None:
     """``trl_steps`` in a fresh process: nothing of ours (the trainer's allocator setting,
     modeling/host_memory.py; threads; caches) carries over into TRL's run."""
     import json
@@ -283,7 +303,10 @@ def trl_in_a_process(steps: int) -> list[float] | None:
     import sys
 
     out = subprocess.run(
-        [sys.executable, __file__, "--trl-only", "--steps", str(steps)], capture_output=True, text=True, check=True
+        [sys.executable, __file__, "--trl-only", "--steps", str(steps), "--trl-precision", precision],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     line = next((x for x in out.stdout.splitlines() if x.startswith("TRL_TIMES ")), None)
     if line is None:
@@ -297,10 +320,17 @@ def against_trl(run: dict, args) -> None:
     ``args.rounds`` rounds (the machine's drift falls on all three; TRL alone varied 15-20 s a step between
     sittings): each run's mean step (steps 1+), then the medians over the rounds and of each round's ratios."""
     rows = []
+    slow = slow_bf16(torch.bfloat16, "cpu")
+    if slow:  # minutes a step: the bf16 row is a single run (`--dtype bfloat16 --skip-trl`), not a round's
+        print(f"bf16 left out of the rounds: {slow}")
     for r in range(args.rounds):
         fp32 = print_steps(f"round {r}: support-replay, float32", ours(**run))["time_step"]
-        bf16 = print_steps(f"round {r}: support-replay, bfloat16", ours(**run, dtype="bfloat16"))["time_step"]
-        times = trl_in_a_process(args.steps)
+        bf16 = (
+            float("nan")
+            if slow
+            else print_steps(f"round {r}: support-replay, bfloat16", ours(**run, dtype="bfloat16"))["time_step"]
+        )
+        times = trl_in_a_process(args.steps, args.trl_precision)
         if not times:
             return
         trl = statistics.mean(times[1:] or times)
@@ -309,8 +339,8 @@ def against_trl(run: dict, args) -> None:
     print(f"\n| trainer, medians of {args.rounds} alternating rounds | s per GRPO step (steps 1+) | ours faster by |")
     print("|---|---:|---:|")
     median = [statistics.median(row[i] for row in rows) for i in range(3)]
-    print(f"| TRL GRPOTrainer {__import__('trl').__version__} (fp32, its defaults) | {median[0]:.2f} | |")
-    for i, name in ((1, "float32"), (2, "bfloat16 rollout and training")):
+    print(f"| TRL GRPOTrainer {__import__('trl').__version__} ({TRL_LABELS[args.trl_precision]}) | {median[0]:.2f} | |")
+    for i, name in [(1, "float32")] + ([] if slow else [(2, "bfloat16 rollout and training")]):
         ratio = statistics.median(row[0] / row[i] for row in rows)
         print(f"| support-replay, {name} (replay + --ci-test) | {median[i]:.2f} | **{ratio:.2f}x** |")
     print("<!-- rounds (TRL, fp32, bf16 s): " + "; ".join(", ".join(f"{x:.2f}" for x in row) for row in rows) + " -->")
@@ -363,10 +393,16 @@ def main() -> None:
         default=0,
         help="ours fp32, ours bf16 and TRL alternating for this many rounds; medians of the rounds",
     )
+    ap.add_argument(
+        "--trl-precision",
+        choices=TRL_PRECISIONS,
+        default="fp32",
+        help="TRL's run: fp32 (bf16=False) or its own default, bf16 autocast",
+    )
     ap.add_argument("--trl-only", action="store_true", help=argparse.SUPPRESS)  # against_trl's subprocess
     args = ap.parse_args()
     if args.trl_only:
-        print("TRL_TIMES " + __import__("json").dumps(trl_steps(args.steps)))
+        print("TRL_TIMES " + __import__("json").dumps(trl_steps(args.steps, precision=args.trl_precision)))
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {cpu_identity()}; {SETTINGS}")
     if args.async_compare:
@@ -404,13 +440,16 @@ def main() -> None:
         else None
     )
     if not args.skip_trl:
-        times = trl_steps(args.steps)
+        times = trl_steps(args.steps, precision=args.trl_precision)
         if times:
             trl_mean = statistics.mean(times[1:] or times)
             print(f"\nTRL steps: {', '.join(f'{t:.2f}' for t in times)} s")
             print("\n| trainer | s per GRPO step (steps 1+) | ours faster by |")
             print("|---|---:|---:|")
-            print(f"| TRL GRPOTrainer {__import__('trl').__version__} (fp32, its defaults) | {trl_mean:.2f} | |")
+            print(
+                f"| TRL GRPOTrainer {__import__('trl').__version__} ({TRL_LABELS[args.trl_precision]}) "
+                f"| {trl_mean:.2f} | |"
+            )
             print(
                 f"| support-replay, {args.dtype} (replay + --ci-test) | {mean['time_step']:.2f} | "
                 f"{trl_mean / mean['time_step']:.2f}x |"
