@@ -7,7 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from support_replay.core.logprobs import support_logprobs, union_head_support_logprobs
+from support_replay.engine import Engine
 from support_replay.errors import ConfigError
+from support_replay.modeling import linear_kernels
 from support_replay.modeling.invariant_products import cpu_name, invariant_linear, invariant_plan
 from support_replay.modeling.linear_kernels import (
     linear_function,
@@ -116,3 +118,16 @@ def test_use_linear_routes_every_linear_and_changes_no_parameter():
     assert torch.equal(model(x), before) and calls == [(6, 8), (4, 6)]
     assert list(model.state_dict()) == keys and model_linear(model) is counting
     assert model_linear(nn.Linear(2, 2)) is F.linear
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_is_named_slow(tiny_checkpoint, monkeypatch, caplog):
+    monkeypatch.setattr(linear_kernels, "bf16_instructions", lambda: False)
+    why = linear_kernels.slow_bf16(torch.bfloat16, "cpu")
+    assert why.startswith("this CPU has no bf16 instructions, so PyTorch's bf16 products run its portable GEMM")
+    assert linear_kernels.slow_bf16(torch.float32, "cpu") is None
+    assert linear_kernels.slow_bf16(torch.bfloat16, "cuda") is None
+    with caplog.at_level("WARNING", logger="support_replay.engine.engine"):
+        Engine.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16)
+    assert f"engine in bfloat16: {why}" in caplog.text
+    monkeypatch.setattr(linear_kernels, "bf16_instructions", lambda: True)
+    assert linear_kernels.slow_bf16(torch.bfloat16, "cpu") is None

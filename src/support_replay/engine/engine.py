@@ -49,7 +49,7 @@ from ..errors import AbortedError, ConfigError, EngineError, RequestError, Sampl
 from ..modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
 from ..modeling.decode_attention import use_decode_attention
 from ..modeling.invariant_products import model_plans
-from ..modeling.linear_kernels import linear_function, resolve_linear_kernel, use_linear
+from ..modeling.linear_kernels import linear_function, resolve_linear_kernel, slow_bf16, use_linear
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest
 from .block_pool import BlockPool
 from .capture import keep_routing
@@ -111,6 +111,8 @@ class Engine:
     ):
         dtype = next(model.parameters()).dtype
         self.linear_kernel = resolve_linear_kernel(linear_kernel, dtype, device)
+        if slow := slow_bf16(dtype, device):
+            log.warning("engine in bfloat16: %s", slow)
         self.invariant_plans: dict[str, str] = {}  # deterministic: each linear shape's probed plan (/model_info)
         if deterministic:  # logits independent of batch, padding and prefill/decode split
             make_batch_invariant(model, self.linear_kernel)

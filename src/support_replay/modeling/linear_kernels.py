@@ -23,6 +23,25 @@ import torch.nn.functional as F
 from torch import nn
 
 KERNELS = ("auto", "torch", "onednn")
+
+
+def bf16_instructions() -> bool:
+    """Whether this CPU has the bf16 instructions oneDNN's bf16 products need (PyTorch's own check)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def slow_bf16(dtype: torch.dtype, device) -> str | None:
+    """Why bf16 compute is slow on ``device`` (None where it is not): on a CPU without bf16 instructions PyTorch's
+    bf16 products leave oneDNN for ATen's portable GEMM (measured: docs/benchmarks.md, an AMD EPYC without
+    AVX-512, a GRPO step 8x float32's)."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or bf16_instructions():
+        return None
+    return (
+        "this CPU has no bf16 instructions, so PyTorch's bf16 products run its portable GEMM: a GRPO step took 8x "
+        "float32's time on such a CPU (docs/benchmarks.md); float32 is faster here"
+    )
+
+
 LINEAR_KERNEL_HELP = (
     "the linear-layer product of the engine and of the trainer's forward: onednn (fp32 on a CPU, 0.65x MKL's time "
     "at decode sizes on an AMD EPYC), torch (F.linear), auto (the faster of the two on this machine, measured once; "

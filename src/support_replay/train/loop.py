@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from ..modeling.checkpoints import smollm2_checkpoint
 from ..modeling.host_memory import keep_freed_memory
+from ..modeling.linear_kernels import slow_bf16
 from .checkpoint import latest_checkpoint, load_checkpoint, save_if_due, saved_rollout
 from .checks import RolloutChecks, check_policy_lag
 from .config import RunConfig
@@ -150,6 +151,9 @@ def _set_up(cfg: RunConfig, ctx, as_given: RunConfig):
         versions=versions,
         semantics=rollouts.penalty_semantics,
     )
+    slow = slow_bf16(getattr(torch, cfg.replay.train_dtype), ctx.device)
+    if ctx.is_main and slow:
+        print(f"warning: train_dtype bfloat16: {slow}", flush=True)
     if ctx.is_main and cfg.replay.ci_test:
         print(
             f"--ci-test: every token within {cfg.replay.ci_tolerance:g} of its log mu "
