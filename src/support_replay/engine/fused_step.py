@@ -28,6 +28,12 @@ when its parameter's version counter says it was written in place (``copy_``,
 through ``.data`` bypasses the counter and is not seen. ``drop_packs`` frees them until the
 next step (``Engine.release_packed_weights``: a colocated trainer's update).
 
+In float32 the layers' elementwise work (the norms, the rotary embedding with the keys' and values' cache
+writes, SiLU x up, the residual adds) runs in four compiled calls a layer instead of ~35 PyTorch operations,
+rounded as those operations round (modeling/decode_layer.py, checked bit for bit against the models' own
+functions at start-up): the same bits, 11-12 instead of 19 ms of an 85 ms step on a Zen 3 EPYC at batch 16
+(docs/benchmarks.md). ``compiled_layers`` off keeps PyTorch's operations (benchmarks).
+
 The layers run in inference mode: the same kernels, so the same bits, without autograd's per-operation
 bookkeeping (version counters, view records); about 10% of a SmolLM2 step at batch 16. The tensors a step
 leaves behind (the cache's write positions and gather buffer, its lengths; the logits) are made outside it.
