@@ -152,9 +152,10 @@ class FusedDecoder:
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm = inner.norm.forward
-        self.final_norm = inner.norm
         self.head = model.get_output_embeddings()
         self.layers = [_Layer(layer) for layer in inner.layers]
+        # the norm after each layer's residual add: the next layer's input norm, the model's final norm after the last
+        self.next_norms = [layer.norm_modules[0] for layer in self.layers[1:]] + [inner.norm]
         self.linear = model_linear(model)
         self.rope, self.attention = _model_functions(model)
         built = decode_attention.compiled()[0] if model.config._attn_implementation == DECODE_ATTENTION else None
@@ -281,8 +282,7 @@ class FusedDecoder:
         masks = self._masks(cache, x)
         first = self.layers[0].norm_modules[0]
         h = kernels.rms_norm(x, first.weight, first.variance_epsilon)
-        next_norms = [layer.norm_modules[0] for layer in self.layers[1:]] + [self.final_norm]
-        for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
+        for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
             packs = layer.packs
             qkv = self._product(h, layer.qkv, layer.qkv_bias, packs.get("qkv"), packing)
             q_norm, k_norm = layer.head_norms or (None, None)

@@ -60,8 +60,6 @@ def check(kernels) -> str:
     def randn(*shape):
         return torch.randn(*shape, generator=generator)
 
-    randn.generator = generator
-
     for family in FAMILIES:
         norm_class, rope = _family(family)
         for rows, heads, kv_heads, dim, hidden, eps in CHECK_CASES:
@@ -81,17 +79,17 @@ def check(kernels) -> str:
                 gate, up = gate_up.split(hidden, dim=-1)
                 if not torch.equal(kernels.silu_mul(gate_up, hidden), F.silu(gate) * up):
                     return f"its SiLU x up differs from PyTorch's at {rows} x {hidden}"
-                disagreement = _check_attention_inputs(kernels, rope, head_norm, rows, heads, kv_heads, dim, randn)
+                disagreement = _check_attention_inputs(kernels, rope, head_norm, rows, heads, kv_heads, dim, generator)
                 if disagreement:
                     return f"{family}: {disagreement}"
     return ""
 
 
-def _check_attention_inputs(kernels, rope, head_norm, rows, heads, kv_heads, dim, randn) -> str:
-    qkv = randn(rows, 1, (heads + 2 * kv_heads) * dim)
-    angles = randn(rows, 1, dim // 2) * 50
+def _check_attention_inputs(kernels, rope, head_norm, rows, heads, kv_heads, dim, generator) -> str:
+    qkv = torch.randn(rows, 1, (heads + 2 * kv_heads) * dim, generator=generator)
+    angles = torch.randn(rows, 1, dim // 2, generator=generator) * 50
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    slots = torch.randperm(rows + 7, generator=randn.generator)[:rows]
+    slots = torch.randperm(rows + 7, generator=generator)[:rows]
     for norms in (False, True):
         q, k, v = (t.view(rows, 1, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
         if norms:
