@@ -6,7 +6,9 @@
 // arithmetic is fixed (the same vector order whatever the batch, the width or the thread count), and a
 // masked key (false, or -inf) is skipped, its seen keys taken in key order wherever padding put them, so
 // a row's output keeps its bits whatever rows or padding share the call. Scores, softmax and the weighted
-// sum are float32; bf16 inputs are read as float32 and the output rounded once.
+// sum are float32; bf16 inputs are read as float32 and the output rounded once. A query's scores are taken KEYS
+// keys at a time (independent chains of fused multiply-adds, each key's dot the same whichever block it falls in),
+// and its weighted sum of the values is held in registers, VECTORS vectors of the head at a time.
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -23,26 +25,71 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  Vec acc0(0.f), acc1(0.f);
+constexpr int KEYS = 8;    // keys scored together: independent chains of fused multiply-adds
+constexpr int VECTORS = 8;  // vectors of a head's output summed in registers at a time
+
+// one query against N keys, each key's dot a single chain of fused multiply-adds over the head dim and then one
+// lane reduction: a dot's arithmetic is the same whichever block of keys it is computed in
+template <int N>
+inline void dots(const float* q, const float* const* keys, int64_t d, float* out) {
+  Vec acc[N];
+  for (int j = 0; j < N; ++j) acc[j] = Vec(0.f);
   int64_t i = 0;
-  for (; i + 2 * W <= d; i += 2 * W) {
-    acc0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc0);
-    acc1 = at::vec::fmadd(Vec::loadu(a + i + W), Vec::loadu(b + i + W), acc1);
+  for (; i + W <= d; i += W) {
+    const Vec x = Vec::loadu(q + i);
+    for (int j = 0; j < N; ++j) acc[j] = at::vec::fmadd(x, Vec::loadu(keys[j] + i), acc[j]);
   }
-  if (i + W <= d) {
-    acc0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc0);
-    i += W;
+  if (i < d) {
+    const Vec x = Vec::loadu(q + i, d - i);
+    for (int j = 0; j < N; ++j) acc[j] = at::vec::fmadd(x, Vec::loadu(keys[j] + i, d - i), acc[j]);
   }
-  if (i < d) acc1 = at::vec::fmadd(Vec::loadu(a + i, d - i), Vec::loadu(b + i, d - i), acc1);
-  return at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, acc0 + acc1);
+  for (int j = 0; j < N; ++j) out[j] = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, acc[j]);
 }
 
-inline void add_scaled(float p, const float* x, float* y, int64_t d) {
-  const Vec pv(p);
+inline void all_dots(const float* q, const float* const* keys, int64_t n, int64_t d, float* out) {
+  int64_t j = 0;
+  for (; j + KEYS <= n; j += KEYS) dots<KEYS>(q, keys + j, d, out + j);
+  for (; j < n; ++j) dots<1>(q, keys + j, d, out + j);
+}
+
+// out[i .. i + N vectors) = the sum over the keys, in key order, of p[j] * values[j][i ..]: a fused multiply-add
+// per key and element, the partial sums held in registers; ``tail`` (< W) elements in one partial vector instead
+template <int N>
+inline void weighted(const float* p, const float* const* values, int64_t n, int64_t i, float* out, int64_t tail = 0) {
+  Vec acc[N];
+  for (int r = 0; r < N; ++r) acc[r] = Vec(0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const Vec pj(p[j]);
+    const float* v = values[j] + i;
+    if (tail) {
+      acc[0] = at::vec::fmadd(pj, Vec::loadu(v, tail), acc[0]);
+    } else {
+      for (int r = 0; r < N; ++r) acc[r] = at::vec::fmadd(pj, Vec::loadu(v + r * W), acc[r]);
+    }
+  }
+  if (tail) {
+    acc[0].store(out + i, tail);
+  } else {
+    for (int r = 0; r < N; ++r) acc[r].store(out + i + r * W);
+  }
+}
+
+template <int N>
+inline void weighted_vectors(int64_t vectors, const float* p, const float* const* values, int64_t n, int64_t i,
+                             float* out) {
+  if constexpr (N > 0) {
+    if (vectors == N) return weighted<N>(p, values, n, i, out);
+    weighted_vectors<N - 1>(vectors, p, values, n, i, out);
+  }
+}
+
+inline void weighted_sum(const float* p, const float* const* values, int64_t n, int64_t d, float* out) {
   int64_t i = 0;
-  for (; i + W <= d; i += W) at::vec::fmadd(pv, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
-  if (i < d) at::vec::fmadd(pv, Vec::loadu(x + i, d - i), Vec::loadu(y + i, d - i)).store(y + i, d - i);
+  for (; i + VECTORS * W <= d; i += VECTORS * W) weighted<VECTORS>(p, values, n, i, out);
+  const int64_t vectors = (d - i) / W;
+  weighted_vectors<VECTORS - 1>(vectors, p, values, n, i, out);
+  i += vectors * W;
+  if (i < d) weighted<1>(p, values, n, i, out, d - i);
 }
 
 template <typename T>
@@ -78,65 +125,67 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const int64_t v0 = v.stride(0), v1 = v.stride(1), v2 = v.stride(2);
   const auto [m0, m1, m3] = mask_strides;
   const float minus_inf = -std::numeric_limits<float>::infinity();
+  constexpr bool convert = !std::is_same_v<T, float>;
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries(group * d), scores(group * width), acc(group * d), buffer(d);
-    std::vector<float> packed(width);
-    std::vector<int64_t> rank(width);
-    std::vector<char> seen(width);
+    std::vector<float> queries(group * d), terms(group * width), scores(group * width), acc(group * d);
+    std::vector<float> packed(width), converted(convert ? 2 * width * d : 0);
+    std::vector<int64_t> seen(width), rank(width);
+    std::vector<const float*> key_rows(width), value_rows(width);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       for (int64_t g = 0; g < group; ++g) {
         const T* src = qp + b * q0 + (h * group + g) * q1;
         for (int64_t i = 0; i < d; ++i) queries[g * d + i] = static_cast<float>(src[i]);
       }
-      const T* keys = kp + b * k0 + h * k1;
-      const T* values = vp + b * v0 + h * v1;
-      // scores: q . k * scale + mask; a key masked for every query of the group is never read
+      // the keys some query of the group sees, in key order: a key masked for every query is never read
+      int64_t n = 0;
       for (int64_t l = 0; l < width; ++l) {
         bool any = false;
-        const float* key = nullptr;
         for (int64_t g = 0; g < group; ++g) {
           const float term = mask ? mask_term(mask, b * m0 + (h * group + g) * m1 + l * m3) : 0.f;
-          float& s = scores[g * width + l];
-          if (term == minus_inf) {
-            s = minus_inf;
-            continue;
-          }
-          if (key == nullptr) key = as_float(keys + l * k2, buffer.data(), d);
-          s = dot(queries.data() + g * d, key, d) * scale + term;
-          any = true;
+          terms[g * width + n] = term;
+          any = any || term != minus_inf;
         }
-        seen[l] = any;
+        if (any) seen[n++] = l;
       }
-      // softmax of each query's scores over its seen keys, packed in key order first: the vector lanes each
-      // term lands in depend on its rank among the seen keys only, not on where padding put it
+      const T* keys = kp + b * k0 + h * k1;
+      const T* values = vp + b * v0 + h * v1;
+      for (int64_t j = 0; j < n; ++j) {
+        key_rows[j] = as_float(keys + seen[j] * k2, converted.data() + j * d, d);
+        value_rows[j] = as_float(values + seen[j] * v2, converted.data() + (width + j) * d, d);
+      }
+      // scores: q . k * scale + mask, over the keys seen (their rank j among them)
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * width;
-        int64_t n = 0;
-        for (int64_t l = 0; l < width; ++l) {
-          if (s[l] != minus_inf) {
-            packed[n] = s[l];
-            rank[n++] = l;
-          }
-          s[l] = 0.f;
-        }
-        if (n == 0) continue;  // every key masked: sdpa's answer is NaN; ours is zeros (no such row in a decode)
-        const float top =
-            at::vec::reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, packed.data(), n);
-        at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, packed.data(), packed.data(), n);
-        const float total = at::vec::reduce_all<float>([](Vec x, Vec y) { return x + y; }, packed.data(), n);
-        const float inverse = 1.f / total;
-        for (int64_t j = 0; j < n; ++j) s[rank[j]] = packed[j] * inverse;
+        const float* t = terms.data() + g * width;
+        all_dots(queries.data() + g * d, key_rows.data(), n, d, s);
+        for (int64_t j = 0; j < n; ++j) s[j] = t[j] == minus_inf ? minus_inf : s[j] * scale + t[j];
       }
-      // the weighted sum of the values seen, in key order
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t l = 0; l < width; ++l) {
-        if (!seen[l]) continue;
-        const float* value = as_float(values + l * v2, buffer.data(), d);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * width + l];
-          if (p != 0.f) add_scaled(p, value, acc.data() + g * d, d);
+      // softmax of each query's scores over its seen keys, packed in key order first: the vector lanes each
+      // term lands in depend on its rank among the seen keys only, not on where padding put it; then the
+      // weighted sum of the values in key order
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * width;
+        int64_t m = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          if (s[j] != minus_inf) {
+            packed[m] = s[j];
+            rank[m++] = j;
+          }
+          s[j] = 0.f;
         }
+        float* o = acc.data() + g * d;
+        if (m == 0) {  // every key masked: sdpa's answer is NaN; ours is zeros (no such row in a decode)
+          std::fill(o, o + d, 0.f);
+          continue;
+        }
+        const float top =
+            at::vec::reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, packed.data(), m);
+        at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, packed.data(), packed.data(), m);
+        const float total = at::vec::reduce_all<float>([](Vec x, Vec y) { return x + y; }, packed.data(), m);
+        const float inverse = 1.f / total;
+        for (int64_t r = 0; r < m; ++r) s[rank[r]] = packed[r] * inverse;
+        weighted_sum(s, value_rows.data(), n, d, o);
       }
       for (int64_t g = 0; g < group; ++g) {
         T* dst = op + (b * heads + h * group + g) * d;
