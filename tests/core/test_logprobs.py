@@ -12,6 +12,7 @@ from support_replay import (
     sparse_head_support_logprobs,
     support_logprobs,
 )
+from support_replay.core.logprobs import CPU_CHUNK_BYTES, DEFAULT_CHUNK_ROWS, chunk_rows_for
 
 pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
 
@@ -132,6 +133,45 @@ def test_full_logprobs_and_entropy_match_float64(temperature):
     torch.testing.assert_close(x.grad.double(), ref_in.grad, atol=2e-5, rtol=2e-5)
     assert torch.equal(full_logprobs(logits64.float(), targets, temperature), lp.detach())
     assert torch.equal(entropy(logits64.float(), temperature), ent.detach())
+
+
+def test_full_logprobs_alone_are_the_pair_s_log_probs_and_gradient_bit_for_bit():
+    g = torch.Generator().manual_seed(5)
+    rows, vocab = 2 * chunk_rows_for(torch.empty(1, 4099)) + 1, 4099  # two whole chunks and a lone row after them
+    logits = (torch.randn(rows, vocab, generator=g) * 3).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    temps = torch.rand(rows, generator=g) + 0.5
+    pair = full_logprobs_and_entropy(logits, targets, temps)[0]
+    alone = full_logprobs(logits, targets, temps)
+    assert torch.equal(alone, pair)
+    weights = torch.randn(rows, generator=g)
+    (want,) = torch.autograd.grad((pair * weights).sum(), logits)
+    (got,) = torch.autograd.grad((alone * weights).sum(), logits)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [2, 7, 43])
+def test_a_row_s_full_log_prob_and_entropy_do_not_depend_on_where_the_chunks_cut(rows):
+    g = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows, 40_000, generator=g) * 3  # a row of over 32768 entries: ATen splits a lone one
+    targets = torch.randint(0, 40_000, (rows,), generator=g)
+    whole = full_logprobs_and_entropy(logits, targets, 0.8, chunk_rows=rows)
+    for chunk in (2, 3, 6, None):  # 7 = 2 + 2 + 3 and 43 = 14 x 3 + 1: a lone last row joins the chunk before it
+        got = full_logprobs_and_entropy(logits, targets, 0.8, chunk_rows=chunk)
+        assert torch.equal(got[0], whole[0]) and torch.equal(got[1], whole[1]), chunk
+
+
+def test_the_cpu_chunk_holds_a_few_mib_of_rows():
+    assert chunk_rows_for(torch.empty(1, 49152)) == CPU_CHUNK_BYTES // (49152 * 4)
+    assert chunk_rows_for(torch.empty(1, 49152, dtype=torch.float64)) == CPU_CHUNK_BYTES // (49152 * 8)
+    assert chunk_rows_for(torch.empty(1, 49152, dtype=torch.bfloat16)) == CPU_CHUNK_BYTES // (49152 * 4)  # fp32 temps
+    assert chunk_rows_for(torch.empty(1, 10**7)) == 2  # never a lone row
+    assert chunk_rows_for(torch.empty(1, 8)) == DEFAULT_CHUNK_ROWS
+
+
+def test_a_chunk_of_no_rows_is_refused_by_name():
+    with pytest.raises(SupportError, match="chunk_rows: must be at least 1, got 0"):
+        full_logprobs(torch.zeros(2, 5), torch.tensor([1, 2]), chunk_rows=0)
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])

@@ -439,9 +439,9 @@ def test_full_vocabulary_metrics_every_n_rollouts(tiny_checkpoint, tmp_path, mon
     """The metrics-only full-vocabulary head runs on rollouts 0 and 2 of 3 with interval 2; the
     loss and --ci-test are the same either way."""
     calls = []
-    original = actor_module.full_logprobs_and_entropy
-    for module in (actor_module, scorer_module):  # the dense head's and the metrics-only head's
-        monkeypatch.setattr(module, "full_logprobs_and_entropy", lambda *a, **k: calls.append(1) or original(*a, **k))
+    for module, name in ((actor_module, "full_logprobs_and_entropy"), (scorer_module, "full_logprobs")):
+        original = getattr(module, name)  # the dense head's and the metrics-only head's (its log-probs alone)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, **k: calls.append(1) or _f(*a, **k))
     every = train(run_config(tiny_checkpoint, tmp_path / "every", global_batch_size=8, micro_batch_size=4))
     n_every = len(calls)
     calls.clear()

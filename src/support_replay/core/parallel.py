@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import SupportError
-from .logprobs import _acc, _chunks, _padded, _temperature_column, full_vocab_grad
+from .logprobs import _acc, _chunks, _padded, _temperature_column, chunk_rows_for, full_vocab_grad
 
 
 def _shard_index(ids: torch.Tensor, vocab_start: int, vocab_local: int):
@@ -112,7 +112,7 @@ class _VocabParallelFullLogProbsEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_full_logprobs_and_entropy(
-    local_logits, targets, temperature, vocab_start: int, group=None, chunk_rows: int = 1024
+    local_logits, targets, temperature, vocab_start: int, group=None, chunk_rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Full-vocabulary log-prob of the targets and entropy from vocab-sharded logits."""
     rows = local_logits.shape[0]
@@ -121,8 +121,9 @@ def vocab_parallel_full_logprobs_and_entropy(
     temp = _temperature_column(temperature, rows, local_logits.device, _acc(local_logits.dtype))
     targets = targets.to(local_logits.device, torch.long)
     return _VocabParallelFullLogProbsEntropy.apply(
-        local_logits, targets, temp, int(vocab_start), group, int(chunk_rows)
-    )
+        local_logits, targets, temp, int(vocab_start), group,
+        chunk_rows_for(local_logits) if chunk_rows is None else int(chunk_rows),
+    )  # fmt: skip
 
 
 def vocab_shard(vocab_size: int, rank: int, world: int) -> tuple[int, int]:

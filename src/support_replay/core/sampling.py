@@ -214,7 +214,8 @@ def _check_inputs(logits: torch.Tensor, semantics: str) -> None:
 def _support(logits: torch.Tensor, plist: list[SamplingParams], semantics: str):
     """``(mask [B, V], softmax(z/T) [B, V], T [B, 1], greedy [B])``, the softmax computed once."""
     temp, top_k, top_p, min_p = _columns(plist, logits.shape[1], logits.device)
-    y = logits.float() / temp
+    # z / 1 is z exactly: at temperature 1 (a GRPO rollout's) the pass over [B, V] is skipped, the bits unchanged
+    y = logits.float() if all(p.temperature in (0, 1) for p in plist) else logits.float() / temp
     probs = torch.softmax(y, dim=-1)
     mask = _MASKS[semantics](y, probs, top_k, top_p, min_p)
     greedy = torch.tensor([p.greedy for p in plist], device=logits.device)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..core.logprobs import (
-    full_logprobs_and_entropy,
+    full_logprobs,
     head_rows_at,
     penalised_support_logprobs,
     sparse_head_support_logprobs,
@@ -120,7 +120,7 @@ class Scorer:
         if not self.outputs.full_detached:
             return None
         with torch.no_grad():
-            return full_logprobs_and_entropy(head(h.detach()), targets, self.temperature)[0]
+            return full_logprobs(head(h.detach()), targets, self.temperature)  # the metrics' log-probs alone
 
     def _dense_rows(self, h, targets, support, transform):
         logits = self.model.hf.get_output_embeddings()(h)  # tensor parallel: this rank's vocabulary columns
