@@ -162,9 +162,14 @@ def penalised_support_logprobs(
 # ---- full vocabulary -----------------------------------------------------------------
 
 
-def chunk_rows_for(logits: torch.Tensor) -> int:
-    """Rows of ``logits`` per chunk of the full-vocabulary passes: ``CPU_CHUNK_BYTES`` of accumulation-dtype
-    temporaries on a CPU (at least 2 rows), ``DEFAULT_CHUNK_ROWS`` elsewhere."""
+def chunk_rows_for(logits: torch.Tensor, chunk_rows: int | None = None) -> int:
+    """Rows of ``logits`` per chunk of the full-vocabulary passes: ``chunk_rows`` where given (at least 1),
+    else ``CPU_CHUNK_BYTES`` of accumulation-dtype temporaries on a CPU (at least 2 rows), ``DEFAULT_CHUNK_ROWS``
+    elsewhere."""
+    if chunk_rows is not None:
+        if int(chunk_rows) < 1:
+            raise SupportError(f"chunk_rows: must be at least 1, got {chunk_rows}")
+        return int(chunk_rows)
     if logits.device.type != "cpu":
         return DEFAULT_CHUNK_ROWS
     row_bytes = max(logits.shape[-1], 1) * torch.empty((), dtype=_acc(logits.dtype)).element_size()
@@ -181,6 +186,13 @@ def _chunks(rows: int, chunk_rows: int):
         yield slice(start, stop)
 
 
+def _chunk_logprobs(logits, targets, temp, sl: slice):
+    """Rows ``sl``'s ``(z/T, logsumexp(z/T), log softmax(z/T)[a_t])``: the one computation of the full log-probs."""
+    y = logits[sl].to(temp.dtype) / temp[sl]
+    lse = torch.logsumexp(y, dim=-1)
+    return y, lse, y.gather(1, targets[sl, None]).squeeze(1) - lse
+
+
 class _FullLogProbs(torch.autograd.Function):
     """Full-vocabulary log-prob of the targets alone, chunked over rows: ``_FullLogProbsEntropy``'s log-probs, the
     same operations and bits, without the entropy's passes over each chunk (its exponentials and weighted sum)."""
@@ -191,10 +203,7 @@ class _FullLogProbs(torch.autograd.Function):
         logp = torch.empty(rows, dtype=temp.dtype, device=logits.device)
         lse = torch.empty_like(logp)
         for sl in _chunks(rows, chunk_rows):
-            y = logits[sl].to(temp.dtype) / temp[sl]
-            lse_c = torch.logsumexp(y, dim=-1)
-            lse[sl] = lse_c
-            logp[sl] = y.gather(1, targets[sl, None]).squeeze(1) - lse_c
+            _, lse[sl], logp[sl] = _chunk_logprobs(logits, targets, temp, sl)
         ctx.save_for_backward(logits, targets, temp, lse)
         ctx.chunk_rows = chunk_rows
         return logp
@@ -220,12 +229,9 @@ class _FullLogProbsEntropy(torch.autograd.Function):
         ent = torch.empty_like(logp)
         lse = torch.empty_like(logp)
         for sl in _chunks(rows, chunk_rows):
-            y = logits[sl].to(temp.dtype) / temp[sl]
-            lse_c = torch.logsumexp(y, dim=-1)
-            p = torch.exp(y - lse_c[:, None])
-            lse[sl] = lse_c
-            ent[sl] = lse_c - (p * y).sum(-1)
-            logp[sl] = y.gather(1, targets[sl, None]).squeeze(1) - lse_c
+            y, lse[sl], logp[sl] = _chunk_logprobs(logits, targets, temp, sl)
+            p = torch.exp(y - lse[sl, None])
+            ent[sl] = lse[sl] - (p * y).sum(-1)
         ctx.save_for_backward(logits, targets, temp, lse, ent)
         ctx.chunk_rows = chunk_rows
         return logp, ent
@@ -264,11 +270,8 @@ def full_vocab_grad(
 def _full_inputs(logits, targets, temperature, chunk_rows: int | None):
     if logits.ndim != 2 or targets.shape != (logits.shape[0],):
         raise SupportError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} do not match")
-    if chunk_rows is not None and int(chunk_rows) < 1:
-        raise SupportError(f"chunk_rows: must be at least 1, got {chunk_rows}")
     temp = _temperature_column(temperature, logits.shape[0], logits.device, _acc(logits.dtype))
-    rows = chunk_rows_for(logits) if chunk_rows is None else int(chunk_rows)
-    return targets.to(logits.device, torch.long), temp, rows
+    return targets.to(logits.device, torch.long), temp, chunk_rows_for(logits, chunk_rows)
 
 
 def full_logprobs_and_entropy(

@@ -121,9 +121,8 @@ def vocab_parallel_full_logprobs_and_entropy(
     temp = _temperature_column(temperature, rows, local_logits.device, _acc(local_logits.dtype))
     targets = targets.to(local_logits.device, torch.long)
     return _VocabParallelFullLogProbsEntropy.apply(
-        local_logits, targets, temp, int(vocab_start), group,
-        chunk_rows_for(local_logits) if chunk_rows is None else int(chunk_rows),
-    )  # fmt: skip
+        local_logits, targets, temp, int(vocab_start), group, chunk_rows_for(local_logits, chunk_rows)
+    )
 
 
 def vocab_shard(vocab_size: int, rank: int, world: int) -> tuple[int, int]:
