@@ -10,9 +10,9 @@ from tiny_model import build_tiny_checkpoint, build_tiny_moe_checkpoint  # noqa:
 
 
 def pytest_sessionstart(session):
-    """The project's CPU kernels (decode attention, the decode layer's elementwise work) are built (once per
-    machine and ISA, about a minute) here, before any test's server process would build them while its fixture
-    waits for it to come up."""
+    """The project's CPU kernels (decode attention, the decode layer's elementwise work, the sampler's top-k
+    selection) are built (once per machine and ISA, about a minute) here, before any test's server process would
+    build them while its fixture waits for it to come up."""
     from support_replay.modeling.decode_attention import compiled
 
     compiled()

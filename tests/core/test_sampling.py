@@ -242,7 +242,7 @@ def test_sglang_top_k_fast_path_equals_the_full_sort(monkeypatch):
     taken = []
     original = sampling._top_candidates
     monkeypatch.setattr(
-        sampling, "_top_candidates", lambda p, w: taken.append(original(p, w) is not None) or original(p, w)
+        sampling, "_top_candidates", lambda p, w, *a: taken.append(original(p, w, *a) is not None) or original(p, w, *a)
     )
     for logits, params in random_cases(24, rows=64, vocab=400, seed=11):
         params = [
@@ -269,7 +269,7 @@ def test_bf16_ties_at_the_top_k_cut_widen_the_selection_instead_of_sorting(monke
     taken = []
     original = sampling._top_candidates
     monkeypatch.setattr(
-        sampling, "_top_candidates", lambda p, w: taken.append(original(p, w) is not None) or original(p, w)
+        sampling, "_top_candidates", lambda p, w, *a: taken.append(original(p, w, *a) is not None) or original(p, w, *a)
     )
     gen = torch.Generator().manual_seed(3)
     logits = (3 * torch.randn(64, 4000, generator=gen)).bfloat16()
@@ -311,3 +311,72 @@ def test_a_tie_at_the_cut_inside_the_room_takes_one_selection_and_a_longer_one_a
         assert torch.equal(mask, _full_sort_support(logits, params))
         assert mask[0].nonzero().squeeze(1).tolist() == list(range(8))  # ranks below k, a tie by the lower id
         assert len(calls) == (1 if tied + 6 < 8 + TIE_ROOM else 2)
+
+
+def _sort_select(calls):
+    """A ``select`` that is the full sort's first columns, by definition (the compiled one is checked against this)."""
+
+    def select(probs, width):
+        calls.append(width)
+        values, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+        return values[:, :width], ids[:, :width]
+
+    return select
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_given_selection_and_the_rows_built_from_the_ranks_keep_the_draw_and_capture(dtype):
+    """``select`` replaces torch.topk's selection and the support rows come from the kept ranks, not from a [B, V]
+    mask: the tokens, the support and log mu are the default path's, on ties (bf16, integer grids) too."""
+    from support_replay.core import sampling
+
+    calls = []
+    cases = list(random_cases(6, rows=32, vocab=300, seed=5)) + [
+        ((3 * torch.randn(16, 4000, generator=torch.Generator().manual_seed(1))).to(dtype), [SamplingParams(top_k=32)])
+    ]
+    for logits, params in cases:
+        logits = logits.to(dtype)
+        params = params * logits.shape[0] if len(params) == 1 else params
+        params = [SamplingParams(p.temperature, min(max(p.top_k, 1), 50), p.top_p, p.min_p) for p in params]
+        outs = [
+            sample_tokens(
+                logits,
+                params,
+                "sglang",
+                generator=[torch.Generator().manual_seed(i) for i in range(len(params))],
+                select=select,
+            )  # fmt: skip
+            for select in (None, _sort_select(calls))
+        ]
+        assert torch.equal(outs[0].tokens, outs[1].tokens)
+        assert outs[0].support == outs[1].support
+        assert torch.equal(outs[0].log_mu, outs[1].log_mu)
+        mask = support_mask(logits, params, "sglang")
+        ids, valid, cols, counts = sampling._padded_rows(mask)
+        assert outs[1].support == SupportTable(
+            cols.to(torch.int32).numpy(), sampling.offsets_from_sizes(counts.numpy())
+        )
+    assert calls  # the selection ran
+
+
+def test_the_rows_of_the_kept_ranks_are_the_padded_rows_of_their_mask():
+    from support_replay.core.sampling import _padded_rows, _rows_of_ranks
+
+    g = torch.Generator().manual_seed(2)
+    order = torch.stack([torch.randperm(50, generator=g)[:9] for _ in range(7)])
+    keep = torch.rand(7, 9, generator=g) < 0.5
+    keep[3] = False  # a row keeping nothing pads to one column, as the mask's rows do
+    mask = torch.zeros(7, 50, dtype=torch.bool).scatter_(1, order, keep)
+    for got, want in zip(_rows_of_ranks(keep, order, 50), _padded_rows(mask)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    none = torch.zeros(2, 4, dtype=torch.bool)
+    for got, want in zip(_rows_of_ranks(none, torch.arange(8).view(2, 4), 8), _padded_rows(torch.zeros(2, 8).bool())):
+        assert torch.equal(got, want)
+
+
+def test_a_selection_that_does_not_run_leaves_torch_topk():
+    logits = 3 * torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(top_k=20, top_p=0.9)
+    declined = sample_tokens(logits, params, generator=torch.Generator().manual_seed(0), select=lambda p, w: None)
+    default = sample_tokens(logits, params, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(declined.tokens, default.tokens) and declined.support == default.support

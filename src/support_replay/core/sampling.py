@@ -120,9 +120,12 @@ def _keep_sglang(probs_sort, top_k, top_p, min_p):
     return keep
 
 
-def _top_candidates(probs, width: int):
+def _top_candidates(probs, width: int, select=None):
     """At least the ``width`` largest probabilities of every row, ordered (prob desc, id asc):
     the full sort's first ``width`` entries of every row, and in the same order.
+
+    ``select(probs, width)``, where given, returns exactly those entries (a compiled kernel: the engine's
+    modeling/top_candidates.py) or None where it does not run; else the selection is torch.topk's, as follows.
 
     A tie that straddles the cut (frequent with bf16 logits) widens the selection to every id
     tied with the ``width``-th largest value, so the ids beyond the cut that the tie order
@@ -133,6 +136,9 @@ def _top_candidates(probs, width: int):
     vocab = probs.shape[-1]
     if width + 1 >= vocab:
         return None
+    selected = None if select is None else select(probs, width)
+    if selected is not None:
+        return selected
     vals, idx = torch.topk(probs, min(vocab, width + TIE_ROOM), dim=-1)
     cut = vals[:, width - 1 : width]
     if bool((vals[:, width : width + 1] == cut).any()):
@@ -153,20 +159,26 @@ def _top_candidates(probs, width: int):
     return vals.gather(1, order), idx.gather(1, order)
 
 
-def _mask_sglang(y, probs, top_k, top_p, min_p):
-    # Every row keeps at most its top_k ranks, so the max top_k largest probabilities
-    # decide everything: a top-k selection replaces the full sort when it is narrow.
+def _ranked_sglang(probs, top_k, top_p, min_p, select=None):
+    """``(keep, order, narrow)``: SGLang's rule over the ranks of the full sort (prob desc, id asc); ``narrow``
+    when they are only the first max top_k ranks. Every row keeps at most its top_k ranks, so those decide
+    everything: a top-k selection replaces the full sort when it is narrow."""
     width = int(top_k.max())
-    candidates = _top_candidates(probs, width) if width * 4 <= y.shape[-1] else None
+    candidates = _top_candidates(probs, width, select) if width * 4 <= probs.shape[-1] else None
     if candidates is not None:
         probs_sort, order = candidates
     else:
         probs_sort, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    keep = _keep_sglang(probs_sort, top_k, top_p, min_p)
+    return _keep_sglang(probs_sort, top_k, top_p, min_p), order, candidates is not None
+
+
+def _mask_sglang(y, probs, top_k, top_p, min_p, select=None):
+    keep, order, _ = _ranked_sglang(probs, top_k, top_p, min_p, select)
     return torch.zeros(y.shape, dtype=torch.bool, device=y.device).scatter_(1, order, keep)
 
 
-def _mask_vllm(y, probs, top_k, top_p, min_p):
+def _mask_vllm(y, probs, top_k, top_p, min_p, select=None):
+    del select  # vLLM's rule renormalises after min-p and top-k: it reads the whole sort
     keep = probs >= min_p * probs.amax(dim=-1, keepdim=True)
     y = y.masked_fill(~keep, float("-inf"))
     y_sort, order = torch.sort(y, dim=-1, descending=False, stable=True)
@@ -180,8 +192,8 @@ def _mask_vllm(y, probs, top_k, top_p, min_p):
     return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
 
 
-def _mask_hf(y, probs, top_k, top_p, min_p):
-    del probs  # the warpers renormalise their own processed scores
+def _mask_hf(y, probs, top_k, top_p, min_p, select=None):
+    del probs, select  # the warpers renormalise their own processed scores, over the whole sort
     # The exact operations of TopK-, TopP- and MinPLogitsWarper, batched with per-row settings.
     rows = y.shape[0]
     inf = float("-inf")
@@ -211,18 +223,39 @@ def _check_inputs(logits: torch.Tensor, semantics: str) -> None:
         raise SamplingParamsError(f"logits: expected [B, V] with V > 0, got shape {tuple(logits.shape)}")
 
 
-def _support(logits: torch.Tensor, plist: list[SamplingParams], semantics: str):
-    """``(mask [B, V], softmax(z/T) [B, V], T [B, 1], greedy [B])``, the softmax computed once."""
+def _scaled(logits: torch.Tensor, plist: list[SamplingParams]):
+    """``(z / T [B, V] float32, softmax of it, the filters' columns)``, the softmax computed once."""
     temp, top_k, top_p, min_p = _columns(plist, logits.shape[1], logits.device)
     # z / 1 is z exactly: at temperature 1 (a GRPO rollout's) the pass over [B, V] is skipped, the bits unchanged
     y = logits.float() if all(p.temperature in (0, 1) for p in plist) else logits.float() / temp
-    probs = torch.softmax(y, dim=-1)
-    mask = _MASKS[semantics](y, probs, top_k, top_p, min_p)
+    return y, torch.softmax(y, dim=-1), (temp, top_k, top_p, min_p)
+
+
+def _support(logits: torch.Tensor, plist: list[SamplingParams], semantics: str, select=None):
+    """``(mask [B, V], softmax(z/T) [B, V], T [B, 1], greedy [B])``."""
+    y, probs, (temp, top_k, top_p, min_p) = _scaled(logits, plist)
+    mask = _MASKS[semantics](y, probs, top_k, top_p, min_p, select)
     greedy = torch.tensor([p.greedy for p in plist], device=logits.device)
     if bool(greedy.any()):
         argmax = torch.zeros_like(mask).scatter_(1, logits.argmax(-1, keepdim=True), True)
         mask = torch.where(greedy[:, None], argmax, mask)
     return mask, probs, temp, greedy
+
+
+def _support_rows(logits: torch.Tensor, plist: list[SamplingParams], semantics: str, select=None):
+    """``((ids, valid, cols, counts), softmax(z/T), T, greedy)``: the support in ``_padded_rows``' form. SGLang's
+    rule over a narrow top-k selection, without a greedy row, builds it from the kept ranks alone: no ``[B, V]``
+    mask and no pass of nonzero over one."""
+    if semantics == "sglang" and not any(p.greedy for p in plist):
+        _, probs, (temp, top_k, top_p, min_p) = _scaled(logits, plist)
+        keep, order, narrow = _ranked_sglang(probs, top_k, top_p, min_p, select)
+        greedy = torch.zeros(len(plist), dtype=torch.bool, device=logits.device)
+        if narrow:
+            return _rows_of_ranks(keep, order, logits.shape[1]), probs, temp, greedy
+        mask = torch.zeros(probs.shape, dtype=torch.bool, device=probs.device).scatter_(1, order, keep)
+        return _padded_rows(mask), probs, temp, greedy
+    mask, probs, temp, greedy = _support(logits, plist, semantics, select)
+    return _padded_rows(mask), probs, temp, greedy
 
 
 def support_mask(logits: torch.Tensor, params, semantics: str = "sglang") -> torch.Tensor:
@@ -271,8 +304,20 @@ def _padded_rows(mask: torch.Tensor):
     return ids, valid, cols, counts
 
 
+def _rows_of_ranks(keep: torch.Tensor, order: torch.Tensor, vocab: int):
+    """``_padded_rows`` of the mask that ``keep`` ``[B, W]`` over the ids ``order`` ``[B, W]`` stands for: the same
+    tensors, from the ``W`` ranks alone."""
+    counts = keep.sum(-1)
+    width = max(int(counts.max()) if counts.numel() else 0, 1)
+    # the kept ids ascending, every dropped one past them (the vocabulary size sorts last)
+    ids = order.masked_fill(~keep, vocab).sort(dim=-1).values[:, :width]
+    valid = torch.arange(width, device=keep.device)[None, :] < counts[:, None]
+    ids = ids.masked_fill_(~valid, 0)
+    return ids, valid, ids[valid], counts
+
+
 def sample_tokens(
-    logits: torch.Tensor, params, semantics: str = "sglang", generator=None, capture=True
+    logits: torch.Tensor, params, semantics: str = "sglang", generator=None, capture=True, select=None
 ) -> SampledTokens:
     """Sample one token per row and capture ``(S_t, log mu)``.
 
@@ -280,16 +325,16 @@ def sample_tokens(
     ``capture`` is True, False or one flag per row: rows without it (evaluation requests)
     are sampled with the same filter but build no support table and no log mu.
     ``log_mu`` comes from ``support_logprobs``, the function the trainer scores with, on
-    the same padded layout; the support leaves the device once, as CSR.
+    the same padded layout; the support leaves the device once, as CSR. ``select``: the top-k selection
+    SGLang's rule may take instead of torch.topk (``_top_candidates``; the same support).
     """
     _check_inputs(logits, semantics)
     rows, vocab = logits.shape
-    mask, probs, temp, greedy = _support(logits, _per_row(params, rows), semantics)
+    (ids, valid, cols, counts), probs, temp, greedy = _support_rows(logits, _per_row(params, rows), semantics, select)
     flags = torch.full((rows,), capture) if isinstance(capture, bool) else torch.as_tensor(capture, dtype=torch.bool)
     if flags.shape != (rows,):
         raise SamplingParamsError(f"capture: expected a bool or {rows} flags, got shape {tuple(flags.shape)}")
     # the draw runs on the padded support rows [B, K], not on [B, V]: past the filter, no pass over the vocabulary
-    ids, valid, cols, counts = _padded_rows(mask)
     weights = probs.gather(1, ids).masked_fill_(~valid, 0.0)
     noise = _exponential_noise(tuple(ids.shape), generator, logits.device, counts.tolist())
     tokens = ids.gather(1, (weights / noise).argmax(dim=-1, keepdim=True)).squeeze(1)

@@ -46,6 +46,7 @@ import torch
 from .. import __version__
 from ..core.penalties import dense_bias
 from ..errors import AbortedError, ConfigError, EngineError, RequestError, SamplingParamsError
+from ..modeling import top_candidates
 from ..modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
 from ..modeling.decode_attention import use_decode_attention
 from ..modeling.invariant_products import model_plans
@@ -149,7 +150,8 @@ class Engine:
         self.ledger = Ledger(self.limits.max_queue)  # queue count, request ids, aborts, counters
         self.scheduler = Scheduler(self.ledger)
         self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_ids)
-        self.sample = SamplingStep(semantics, self.capacity, frozenset(self.eos_ids), self.grammars)
+        select = top_candidates.selection() if torch.device(device).type == "cpu" else None
+        self.sample = SamplingStep(semantics, self.capacity, frozenset(self.eos_ids), self.grammars, select)
         self.stops = StopConditions(tokenizer, self.eos_ids)
         # finished rows' keys and values for later prompts that begin with them; none in the deterministic engine
         self.prefix_cache = PrefixCache(pool, enabled=prefix_cache and not deterministic)

@@ -19,11 +19,15 @@ log = logging.getLogger(__name__)
 class SamplingStep:
     """``step(seqs, logits) -> [RowStep | RowFailure]``, under the engine's filter semantics and capacity."""
 
-    def __init__(self, semantics: str, capacity: int, eos_ids: frozenset[int] = frozenset(), grammars=None):
+    def __init__(
+        self, semantics: str, capacity: int, eos_ids: frozenset[int] = frozenset(), grammars=None, select=None
+    ):
         self.semantics = semantics
         self.capacity = capacity
         self.eos_ids = frozenset(eos_ids)
         self.grammars = grammars  # engine/grammar.py: the structured outputs' masks
+        # the top-k selection of SGLang's rule (modeling/top_candidates.py; None: torch.topk), the same support
+        self.select = select
 
     def __call__(self, seqs: list[RunningRequest], logits: torch.Tensor) -> list[RowStep | RowFailure]:
         try:
@@ -48,6 +52,7 @@ class SamplingStep:
             self.semantics,
             generator=[s.generator for s in seqs],
             capture=[r.return_sampling_mask for r in requests],
+            select=self.select,
         )
         lengths = [len(s.output_ids) for s in seqs]
         return captured_rows(requests, logits, out, self.capacity, lengths, full_logits=penalised)

@@ -1,0 +1,124 @@
+// The first ``width`` entries of each row's full sort by (value descending, id ascending), float32 on a CPU
+// (modeling/top_candidates.py): what the sampler's rank filters read, without a pass of torch.topk over the
+// vocabulary.
+//
+// The order is a total one (a tie of values goes to the lower id; NaN sorts above every number, as in torch.sort
+// descending), so the selection is unique and needs no tie handling. A row is read once for the largest value of
+// each chunk of it; only the chunks that can hold a selected entry are read again (``select_row``). Rows are
+// independent tasks.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+
+struct Entry {
+  float value;
+  int64_t id;
+};
+
+// a before b in the full sort: the larger value (NaN above every number), then the lower id
+inline bool before(const Entry& a, const Entry& b) {
+  const bool a_nan = std::isnan(a.value), b_nan = std::isnan(b.value);
+  if (a_nan != b_nan) return a_nan;
+  if (!a_nan && a.value != b.value) return a.value > b.value;
+  return a.id < b.id;
+}
+
+// std's heap functions keep the largest under ``less`` at the root; ``less = before`` puts the worst kept entry there
+struct Worst {
+  bool operator()(const Entry& a, const Entry& b) const { return before(a, b); }
+};
+
+// The heap: a row with a NaN (rare; NaN outranks every number, so a chunk's largest value says nothing there)
+void select_by_heap(const float* row, int64_t vocab, int64_t width, float* values, int64_t* ids) {
+  std::vector<Entry> heap(width);
+  for (int64_t i = 0; i < width; ++i) heap[i] = {row[i], i};
+  std::make_heap(heap.begin(), heap.end(), Worst());
+  // ids grow along the row: an entry beats the root (the worst kept) only by a larger value or NaN over a number
+  for (int64_t i = width; i < vocab && !std::isnan(heap.front().value); ++i) {
+    if (before({row[i], i}, heap.front())) {
+      std::pop_heap(heap.begin(), heap.end(), Worst());
+      heap.back() = {row[i], i};
+      std::push_heap(heap.begin(), heap.end(), Worst());
+    }
+  }
+  std::sort(heap.begin(), heap.end(), before);
+  for (int64_t j = 0; j < width; ++j) {
+    values[j] = heap[j].value;
+    ids[j] = heap[j].id;
+  }
+}
+
+// The row's largest value in each chunk of CHUNK; the width-th largest of those, t, is at most the row's width-th
+// largest value (width chunks hold a value >= t each), so the selection lies among the values >= t, in the chunks
+// whose largest value is >= t: at most a few times width entries, sorted partially. NaN: the heap instead.
+void select_row(const float* row, int64_t vocab, int64_t width, float* values, int64_t* ids) {
+  const int64_t chunk = std::max<int64_t>(W, std::min<int64_t>(64, vocab / (4 * width)) / W * W);
+  const int64_t chunks = (vocab + chunk - 1) / chunk;
+  std::vector<float> largest(chunks);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t begin = c * chunk, end = std::min(begin + chunk, vocab);
+    int64_t i = begin;
+    float top = -std::numeric_limits<float>::infinity();
+    if (i + W <= end) {
+      Vec acc = Vec::loadu(row + i);
+      for (i += W; i + W <= end; i += W) acc = at::vec::maximum(acc, Vec::loadu(row + i));  // NaN propagates
+      top = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, acc);
+    }
+    for (; i < end; ++i) top = (row[i] > top || std::isnan(row[i])) ? row[i] : top;
+    if (std::isnan(top)) return select_by_heap(row, vocab, width, values, ids);
+    largest[c] = top;
+  }
+  float threshold = -std::numeric_limits<float>::infinity();
+  if (chunks >= width) {
+    std::vector<float> order(largest);
+    std::nth_element(order.begin(), order.begin() + (width - 1), order.end(), std::greater<float>());
+    threshold = order[width - 1];
+  }
+  std::vector<Entry> kept;
+  kept.reserve(4 * width);
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (!(largest[c] >= threshold)) continue;
+    const int64_t begin = c * chunk, end = std::min(begin + chunk, vocab);
+    for (int64_t i = begin; i < end; ++i) {
+      if (row[i] >= threshold) kept.push_back({row[i], i});
+    }
+  }
+  std::partial_sort(kept.begin(), kept.begin() + width, kept.end(), before);
+  for (int64_t j = 0; j < width; ++j) {
+    values[j] = kept[j].value;
+    ids[j] = kept[j].id;
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> top_candidates(const at::Tensor& probs, int64_t width) {
+  TORCH_CHECK(probs.device().is_cpu() && probs.scalar_type() == at::kFloat,
+              "top_candidates: probs must be a float32 CPU tensor, got ", probs.scalar_type(), " on ", probs.device());
+  TORCH_CHECK(probs.dim() == 2, "top_candidates: probs must be [rows, vocab], got ", probs.sizes());
+  const int64_t rows = probs.size(0), vocab = probs.size(1);
+  TORCH_CHECK(width >= 1 && width <= vocab, "top_candidates: width must be in [1, ", vocab, "], got ", width);
+  const auto input = probs.contiguous();
+  auto values = at::empty({rows, width}, probs.options());
+  auto ids = at::empty({rows, width}, probs.options().dtype(at::kLong));
+  const float* in = input.data_ptr<float>();
+  float* out_values = values.data_ptr<float>();
+  int64_t* out_ids = ids.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) select_row(in + r * vocab, vocab, width, out_values + r * width, out_ids + r * width);
+  });
+  return {values, ids};
+}
