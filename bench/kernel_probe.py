@@ -2,11 +2,11 @@
 (``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2``, a stand-in for an older CPU).
 
 Each probe runs in a process of its own with an empty cache (modeling/kernel_probe.py: MKL's ``F.linear`` against
-oneDNN's packed product, 16 rows, three layer shapes, medians of alternating rounds), --repeats times, and the
-table shows every measurement and the choice. Beside them, in the same process after the probe, MKL's own packed
-GEMM (``torch.ops.mkl._mkl_linear`` over ``_mkl_reorder_linear_weight``, what PyTorch's compiler emits for fp32
-linear layers): a candidate ``auto`` does not offer, timed so that a CPU where it would win shows it, with whether it
-keeps ``F.linear``'s bits at those rows.
+oneDNN's packed product, 16 rows, three layer shapes, medians of alternating rounds; and the trainer's forward and
+backward at 512 rows on each), --repeats times, and the table shows every measurement and both choices. Beside
+them, in the same process after the probe, MKL's own packed GEMM (``torch.ops.mkl._mkl_linear`` over
+``_mkl_reorder_linear_weight``, what PyTorch's compiler emits for fp32 linear layers): a candidate ``auto`` does not
+offer, timed so that a CPU where it would win shows it, with whether it keeps ``F.linear``'s bits at those rows.
 
     python bench/kernel_probe.py [--repeats 3]
 """
@@ -82,14 +82,15 @@ def main() -> None:
     print(f"\n{rows[0][1]['cpu']}, {rows[0][1]['threads']} threads")
     print(
         "| ISA | MKL F.linear ms | oneDNN packed ms | oneDNN / MKL | auto picks | MKL packed ms (not offered) | "
-        "its bits = F.linear's |"
+        "its bits = F.linear's | trainer: MKL ms | trainer: oneDNN ms | trainer: oneDNN / MKL | trainer's auto |"
     )
-    print("|---|---:|---:|---:|---|---:|---|")
+    print("|---|---:|---:|---:|---|---:|---|---:|---:|---:|---|")
     for name, r in rows:
         packed = "n/a" if r["mkl_packed_ms"] is None else f"{r['mkl_packed_ms']:.3f}"
         print(
             f"| {name} | {r['torch_ms']:.3f} | {r['onednn_ms']:.3f} | {r['onednn_ms'] / r['torch_ms']:.2f} "
-            f"| {r['choice']} | {packed} | {r['mkl_packed_bits']} |"
+            f"| {r['choice']} | {packed} | {r['mkl_packed_bits']} | {r['train_torch_ms']:.1f} | "
+            f"{r['train_onednn_ms']:.1f} | {r['train_onednn_ms'] / r['train_torch_ms']:.2f} | {r['train_choice']} |"
         )
 
 

@@ -27,11 +27,15 @@ def fresh(tmp_path, monkeypatch):
 
 def test_the_choice_is_measured_once_and_kept_for_this_machine(fresh, monkeypatch):
     record = kernel_probe.probe_record()
-    assert record["choice"] == kernel_probe._choose({"torch": record["torch_ms"], "onednn": record["onednn_ms"]})
-    assert record["torch_ms"] > 0 and record["onednn_ms"] > 0
+    for prefix in ("", "train_"):  # the engine's decode rows, the trainer's micro-batch rows
+        totals = {"torch": record[f"{prefix}torch_ms"], "onednn": record[f"{prefix}onednn_ms"]}
+        assert record[f"{prefix}choice"] == kernel_probe._choose(totals)
+        assert totals["torch"] > 0 and totals["onednn"] > 0
     monkeypatch.setattr(kernel_probe, "measure", lambda: pytest.fail("measured again"))
+    monkeypatch.setattr(kernel_probe, "measure_training", lambda: pytest.fail("measured again"))
     assert kernel_probe.probe_record() == record  # read back, not measured again
     assert resolve_linear_kernel("auto", torch.float32, "cpu") == record["choice"]
+    assert resolve_linear_kernel("auto", torch.float32, "cpu", use="train") == record["train_choice"]
     assert resolve_linear_kernel("auto", torch.bfloat16, "cpu") == "torch"  # bf16's F.linear is oneDNN already
     kept = json.loads((fresh / "kernel-probe.json").read_text())
     assert list(kept) == [kernel_probe.probe_key()] and "torch 2." in kernel_probe.probe_key()
@@ -67,3 +71,27 @@ def test_processes_started_together_agree(fresh):
     answers = {p.communicate(timeout=120)[0].strip() for p in procs}
     assert len(answers) == 1 and answers <= {"torch", "onednn"}
     assert len(json.loads((fresh / "kernel-probe.json").read_text())) == 1
+
+
+def test_a_record_from_before_the_trainers_measurement_gets_it_added(fresh, monkeypatch):
+    old = {"choice": "onednn", "torch_ms": 5.0, "onednn_ms": 2.0, "threads": 2}
+    (fresh / "kernel-probe.json").write_text(json.dumps({kernel_probe.probe_key(): old}))
+    monkeypatch.setattr(kernel_probe, "measure", lambda: pytest.fail("the decode measurement is kept"))
+    monkeypatch.setattr(kernel_probe, "measure_training", lambda: {"torch": 100.0, "onednn": 120.0})
+    record = kernel_probe.probe_record()
+    assert record == {**old, "train_choice": "torch", "train_torch_ms": 100.0, "train_onednn_ms": 120.0,
+                      "train_threads": torch.get_num_threads()}  # fmt: skip
+    assert json.loads((fresh / "kernel-probe.json").read_text()) == {kernel_probe.probe_key(): record}
+    assert kernel_probe.probed_kernel("decode") == "onednn" and kernel_probe.probed_kernel("train") == "torch"
+    with pytest.raises(ValueError, match="use: 'prefill' is not one of"):
+        kernel_probe.probed_kernel("prefill")
+
+
+def test_a_true_on_policy_trainer_takes_the_engines_choice_and_another_takes_its_own(fresh, monkeypatch):
+    from support_replay.train.config import RunConfig
+
+    monkeypatch.setattr(kernel_probe, "measure", lambda: {"torch": 5.0, "onednn": 2.0})
+    monkeypatch.setattr(kernel_probe, "measure_training", lambda: {"torch": 100.0, "onednn": 120.0})
+    assert RunConfig().trainer_linear_kernel("cpu") == "torch"
+    assert RunConfig(true_on_policy_mode=True).trainer_linear_kernel("cpu") == "onednn"
+    assert RunConfig(linear_kernel="onednn").trainer_linear_kernel("cpu") == "onednn"  # asked for by name

@@ -1,12 +1,20 @@
 """Which fp32 product ``--linear-kernel auto`` takes on this machine: measured once, kept, never assumed.
 
 Which product is faster depends on the CPU (oneDNN's packed product took 0.65x MKL's time at decode sizes on an
-AMD EPYC; on an Intel Xeon with AMX MKL's path did better). The candidates are the two ``auto`` chooses between:
-MKL through ``F.linear`` (``torch``) and oneDNN's product over weights packed once (``onednn``, what the
-engine's decode step runs, modeling/packed_weights.py). Each is timed at a decode step's 16 rows on the layer
-shapes of a small model, alternating, the median of several rounds; oneDNN is taken when it needs at most
-``MARGIN`` of MKL's time (a near tie keeps PyTorch's default). Bits are not the question here: each kernel's
-bit-stability is probed where it is used (modeling/invariant_products.py, packed_weights.py).
+AMD EPYC; on an Intel Xeon with AMX MKL's path did better) and on the rows of the product. The candidates are the
+two ``auto`` chooses between: MKL through ``F.linear`` (``torch``) and oneDNN's product (``onednn``). Two uses are
+measured, each on the layer shapes of a small model, alternating, the median of several rounds:
+
+- ``decode``, the engine's: a decode step's 16 rows, oneDNN over weights packed once (what the engine's decode
+  step runs, modeling/packed_weights.py);
+- ``train``, the trainer's forward outside true-on-policy mode: ``TRAIN_ROWS`` rows, forward and backward through
+  each side's autograd (``F.linear``'s, and linear_kernels' oneDNN forward with plain backward products). On a Zen 3
+  EPYC oneDNN took 1.1-1.25x MKL's time at 1100-2200 rows, and a GRPO step's update 0.4 s more (docs/benchmarks.md).
+
+oneDNN is taken when it needs at most ``MARGIN`` of MKL's time (a near tie keeps PyTorch's default). Bits are not
+the question here: each kernel's bit-stability is probed where it is used (modeling/invariant_products.py,
+packed_weights.py), and a true-on-policy trainer takes the engine's (``decode``) choice, as its bitwise equality
+needs.
 
 The answer is kept in the user cache under everything that can change it: the CPU's model and flags,
 PyTorch's version, and the ISA caps torch, MKL and oneDNN read from the environment. So every process of a run
@@ -34,6 +42,8 @@ MARGIN = 0.95  # oneDNN must take at most this share of MKL's time
 ROWS = 16
 SHAPES = ((1024, 1024), (4096, 1024), (1024, 4096))  # (out, in): attention, MLP up and down of a small model
 ROUNDS, CALLS = 5, 10
+TRAIN_ROWS, TRAIN_ROUNDS = 512, 3  # the trainer's products: a micro-batch's tokens, forward and backward
+USES = ("decode", "train")
 ENV_CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR")
 PIN = "SUPPORT_REPLAY_AUTO_KERNEL"
 
@@ -81,13 +91,46 @@ def measure() -> dict:
     return totals
 
 
+def measure_training() -> dict:
+    """Milliseconds of a trainer's forward and backward at ``TRAIN_ROWS`` rows over ``SHAPES`` on MKL's and on
+    oneDNN's forward (medians, summed)."""
+    from .linear_kernels import onednn_linear
+
+    gen = torch.Generator().manual_seed(1)
+    totals = {"torch": 0.0, "onednn": 0.0}
+    for out_features, in_features in SHAPES:
+        x = torch.randn(TRAIN_ROWS, in_features, generator=gen).requires_grad_()
+        w = torch.randn(out_features, in_features, generator=gen).requires_grad_()
+        grad = torch.randn(TRAIN_ROWS, out_features, generator=gen)
+
+        def step(linear):
+            x.grad = w.grad = None
+            linear(x, w, None).backward(grad)
+
+        runs = {"torch": lambda: step(F.linear), "onednn": lambda: step(onednn_linear)}
+        times = {name: [] for name in runs}
+        for fn in runs.values():
+            fn()
+        for _ in range(TRAIN_ROUNDS):
+            for name, fn in runs.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+        for name in runs:
+            totals[name] += 1e3 * statistics.median(times[name])
+    return totals
+
+
 def _choose(totals: dict) -> str:
     return "onednn" if totals["onednn"] <= MARGIN * totals["torch"] else "torch"
 
 
 @functools.cache
-def probed_kernel() -> str:
-    """``torch`` or ``onednn``: the faster fp32 product on this machine (kept in the user cache)."""
+def probed_kernel(use: str = "decode") -> str:
+    """``torch`` or ``onednn``: the faster fp32 product on this machine for ``use`` (``USES``; kept in the user
+    cache)."""
+    if use not in USES:
+        raise ValueError(f"use: {use!r} is not one of {USES}")
     pinned = os.environ.get(PIN)
     if pinned:
         if pinned not in ("torch", "onednn"):
@@ -95,11 +138,14 @@ def probed_kernel() -> str:
 
             raise ConfigError(f"{PIN}={pinned!r}: give torch or onednn")
         return pinned
-    return probe_record()["choice"]
+    record = probe_record()
+    return record["choice"] if use == "decode" else record["train_choice"]
 
 
 def probe_record() -> dict:
-    """This machine's measurement: ``{"choice", "torch_ms", "onednn_ms", "threads"}`` (measured once, under a lock)."""
+    """This machine's measurement: ``{"choice", "torch_ms", "onednn_ms", "threads"}`` for decoding and the same with
+    ``train_`` for the trainer (measured once, under a lock; a record from before the trainer's measurement gets
+    it added)."""
     from .checkpoints import cache_dir
 
     directory = cache_dir()
@@ -108,18 +154,26 @@ def probe_record() -> dict:
     with open(directory / "kernel-probe.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the first process measures; the others read its answer
         kept = _read(path)
-        if key not in kept:
-            totals = measure()
-            kept[key] = {
-                "choice": _choose(totals),
-                "torch_ms": round(totals["torch"], 4),
-                "onednn_ms": round(totals["onednn"], 4),
-                "threads": torch.get_num_threads(),
-            }
+        record = dict(kept.get(key, {}))
+        if "choice" not in record:
+            record.update(_entry("", measure()))
+        if "train_choice" not in record:
+            record.update(_entry("train_", measure_training()))
+        if record != kept.get(key):
+            kept[key] = record
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(kept, indent=2) + "\n")
             os.replace(tmp, path)
-        return kept[key]
+        return record
+
+
+def _entry(prefix: str, totals: dict) -> dict:
+    return {
+        f"{prefix}choice": _choose(totals),
+        f"{prefix}torch_ms": round(totals["torch"], 4),
+        f"{prefix}onednn_ms": round(totals["onednn"], 4),
+        f"{prefix}threads": torch.get_num_threads(),
+    }
 
 
 def _read(path: Path) -> dict:

@@ -8,7 +8,8 @@ docs/benchmarks.md). Whether a kernel's rows keep their bits whatever the row co
 the CPU and is probed, never assumed (modeling/invariant_products.py). Its results differ from
 MKL's in the last bits, so the two sides of a true-on-policy run must use the same one.
 ``auto`` takes, for fp32 on a CPU where PyTorch has oneDNN, whichever of the two a probe measured faster on
-this machine (modeling/kernel_probe.py, kept per machine so every process agrees), else ``torch``. The trainer's
+this machine (modeling/kernel_probe.py, kept per machine so every process agrees), else ``torch``: for the
+engine at a decode step's rows, for a trainer's forward (outside true-on-policy mode) at a micro-batch's. The trainer's
 backward stays plain products (``_OneDNNLinear``): only the forward's bits are promised.
 """
 
@@ -44,8 +45,9 @@ def slow_bf16(dtype: torch.dtype, device) -> str | None:
 
 LINEAR_KERNEL_HELP = (
     "the linear-layer product of the engine and of the trainer's forward: onednn (fp32 on a CPU, 0.65x MKL's time "
-    "at decode sizes on an AMD EPYC), torch (F.linear), auto (the faster of the two on this machine, measured once; "
-    "bf16 and tensor-parallel layers take torch)"
+    "at decode sizes on an AMD EPYC), torch (F.linear), auto (the faster of the two on this machine, measured once "
+    "for the engine's decode rows and for the trainer's micro-batch rows; a true-on-policy trainer takes the "
+    "engine's; bf16 and tensor-parallel layers take torch)"
 )
 
 
@@ -65,8 +67,12 @@ def onednn_available() -> bool:
         return False
 
 
-def resolve_linear_kernel(name: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> str:
-    """``auto`` made concrete for weights of ``dtype`` on ``device``; ``onednn`` where it cannot run is refused."""
+def resolve_linear_kernel(
+    name: str, dtype: torch.dtype, device: str | torch.device = "cpu", use: str = "decode"
+) -> str:
+    """``auto`` made concrete for weights of ``dtype`` on ``device`` and for ``use`` (the engine's ``decode``, or
+    ``train``: a trainer's forward outside true-on-policy mode, measured at its own row counts);
+    ``onednn`` where it cannot run is refused."""
     from ..errors import ConfigError
 
     if name not in KERNELS:
@@ -77,7 +83,7 @@ def resolve_linear_kernel(name: str, dtype: torch.dtype, device: str | torch.dev
             return "torch"
         from .kernel_probe import probed_kernel
 
-        return probed_kernel()  # the faster of the two on this machine, measured once (modeling/kernel_probe.py)
+        return probed_kernel(use)  # the faster of the two on this machine, measured once (modeling/kernel_probe.py)
     if name == "onednn" and not usable:
         raise ConfigError(
             f"linear_kernel: 'onednn' runs fp32 on a CPU with PyTorch's oneDNN ops (here: {dtype} on {device}, "
