@@ -1,9 +1,9 @@
 """The sampler's top-k selection on a CPU in one compiled kernel (csrc/top_candidates.cpp).
 
 SGLang's rule reads only the first max top_k ranks of each row's sort by (probability descending, id ascending)
-(core/sampling.py). ``torch.topk`` finds them in 0.62 ms for 16 rows of SmolLM2's 49152 ids on a Zen 3 EPYC, and
+(core/sampling.py). ``torch.topk`` finds them in 0.59 ms for 16 rows of SmolLM2's 49152 ids on a Zen 3 EPYC, and
 its choice among tied values is arbitrary, so the sampler widens a tie at the cut with more passes. The kernel
-returns exactly the sort's first ranks, ties included, in 0.11 ms (``python bench/sampling.py``). Its result is the
+returns exactly the sort's first ranks, ties included, in 0.08 ms (``python bench/sampling.py``). Its result is the
 same tensors as ``torch.sort(probs, descending=True, stable=True)``'s first columns, so the support and the draw
 are unchanged; each process checks that on a few cases (ties, NaN, -inf, tiny vocabularies) before using it.
 """

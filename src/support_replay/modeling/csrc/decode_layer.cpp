@@ -5,11 +5,17 @@
 // tree's bits: a product and a sum are two roundings (built with -ffp-contract=off: no fused multiply-add), the
 // RMSNorm's mean is ATen's own reduction over the squares, SiLU is ATen's own kernel, and 1 / sqrt is ATen's
 // rsqrt (an exactly rounded square root, then an exactly rounded division). Python checks the bits against the
-// models' functions at start-up before the step uses any of this.
+// models' functions at start-up before the step uses any of this. The attention's inputs and SiLU x up split a
+// step's rows between the threads (``for_rows``; a row's arithmetic does not depend on its share): SiLU x up at
+// batch 16 took 22 instead of 30 us standalone, and the two 0.15 instead of 0.18 s of a GRPO-shape run on a Zen 3
+// EPYC.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 
 #include <cmath>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -44,23 +50,42 @@ void check_weight(const at::Tensor& w, int64_t width, const char* what) {
   TORCH_CHECK(w.dim() == 1 && w.size(0) == width, "decode_layer: ", what, " of ", w.sizes(), " for rows of ", width);
 }
 
-// x.pow(2).mean(-1, keepdim=True), x * rsqrt(variance + eps), weight * that: Llama's and Qwen3's RMSNorm in float32
-void normalize(const std::vector<float*>& in, int64_t d, const float* weight, float eps, std::vector<float*>& out) {
-  const int64_t n = static_cast<int64_t>(in.size());
+// x.pow(2).mean(-1, keepdim=True), x * rsqrt(variance + eps), weight * that: Llama's and Qwen3's RMSNorm in float32,
+// over rows [begin, end) of ``in`` into the same rows of ``out``
+void normalize(const std::vector<float*>& in, int64_t begin, int64_t end, int64_t d, const float* weight, float eps,
+               const std::vector<float*>& out) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
   auto squares = at::empty({n, d}, at::kFloat);
   float* sq = squares.data_ptr<float>();
   for (int64_t r = 0; r < n; ++r) {
-    const float* x = in[r];
+    const float* x = in[begin + r];
     for (int64_t i = 0; i < d; ++i) sq[r * d + i] = x[i] * x[i];
   }
   const auto variance = at::mean(squares, {-1}, true);  // ATen's reduction: the model's own sum order
   const float* var = variance.data_ptr<float>();
   for (int64_t r = 0; r < n; ++r) {
     const float inverse = 1.f / std::sqrt(var[r] + eps);
-    const float* x = in[r];
-    float* y = out[r];
+    const float* x = in[begin + r];
+    float* y = out[begin + r];
     for (int64_t i = 0; i < d; ++i) y[i] = weight[i] * (x[i] * inverse);
   }
+}
+
+void normalize(const std::vector<float*>& in, int64_t d, const float* weight, float eps, const std::vector<float*>& out) {
+  normalize(in, 0, static_cast<int64_t>(in.size()), d, weight, eps, out);
+}
+
+// the rows of a step split between the threads: each row's arithmetic is the same whichever share it falls in
+// (the kernels' bits are checked against the models' at start-up, at 1 to 16 rows)
+template <typename F>
+void for_rows(int64_t rows, const F& body) {
+  const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the other threads take the caller's
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::optional<c10::InferenceMode> guard;
+    if (inference) guard.emplace();
+    body(begin, end);
+  });
 }
 
 }  // namespace
@@ -85,6 +110,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, cons
   check_weight(weight, d, "weight");
   auto sum = at::empty(residual.sizes(), residual.options());
   auto out = at::empty(residual.sizes(), residual.options());
+  // one thread: split between two, a step's 16 rows took as long (the norm's reduction is a few microseconds)
   auto a = rows_of(residual), b = rows_of(update), s = rows_of(sum), o = rows_of(out);
   for (size_t r = 0; r < s.size(); ++r) {
     for (int64_t i = 0; i < d; ++i) s[r][i] = a[r][i] + b[r][i];
@@ -146,33 +172,38 @@ at::Tensor attention_inputs(const at::Tensor& qkv, int64_t heads, int64_t kv_hea
   for (const auto* norm : {&q_norm, &k_norm}) {
     if (norm->has_value()) check_weight(norm->value(), dim, "q_norm and k_norm weights");
   }
-  if (q_norm.has_value()) normalize(q_in, dim, q_norm->data_ptr<float>(), e, q_out);  // normed, then rotated in place
-  if (k_norm.has_value()) normalize(k_in, dim, k_norm->data_ptr<float>(), e, k_out);
   const int64_t half = dim / 2;
-  std::vector<float> x(dim);
-  auto rotate = [&](const float* src, float* dst, const float* c, const float* s) {
-    std::copy(src, src + dim, x.begin());  // src may be dst (normed in place)
-    for (int64_t i = 0; i < half; ++i) dst[i] = x[i] * c[i] + (-x[i + half]) * s[i];
-    for (int64_t i = half; i < dim; ++i) dst[i] = x[i] * c[i] + x[i - half] * s[i];
-  };
   float* kc = key_cache.data_ptr<float>();
   float* vc = value_cache.data_ptr<float>();
-  for (int64_t b = 0; b < batch; ++b) {
-    const float* c = cos.data_ptr<float>() + b * cos.stride(0);
-    const float* s = sin.data_ptr<float>() + b * sin.stride(0);
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t r = b * heads + h;
-      rotate(q_norm.has_value() ? q_out[r] : q_in[r], q_out[r], c, s);
+  for_rows(batch, [&](int64_t first, int64_t last) {
+    // normed (each head's row is a row of the norm), then rotated in place
+    if (q_norm.has_value()) normalize(q_in, first * heads, last * heads, dim, q_norm->data_ptr<float>(), e, q_out);
+    if (k_norm.has_value()) {
+      normalize(k_in, first * kv_heads, last * kv_heads, dim, k_norm->data_ptr<float>(), e, k_out);
     }
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t r = b * kv_heads + h;
-      rotate(k_norm.has_value() ? k_out[r] : k_in[r], k_out[r], c, s);
-      float* key_slot = kc + h * key_cache.stride(0) + slot_of[b] * key_cache.stride(1);
-      float* value_slot = vc + h * value_cache.stride(0) + slot_of[b] * value_cache.stride(1);
-      std::copy(k_out[r], k_out[r] + dim, key_slot);
-      std::copy(v_in[r], v_in[r] + dim, value_slot);
+    std::vector<float> x(dim);
+    auto rotate = [&](const float* src, float* dst, const float* c, const float* s) {
+      std::copy(src, src + dim, x.begin());  // src may be dst (normed in place)
+      for (int64_t i = 0; i < half; ++i) dst[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+      for (int64_t i = half; i < dim; ++i) dst[i] = x[i] * c[i] + x[i - half] * s[i];
+    };
+    for (int64_t b = first; b < last; ++b) {
+      const float* c = cos.data_ptr<float>() + b * cos.stride(0);
+      const float* s = sin.data_ptr<float>() + b * sin.stride(0);
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t r = b * heads + h;
+        rotate(q_norm.has_value() ? q_out[r] : q_in[r], q_out[r], c, s);
+      }
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t r = b * kv_heads + h;
+        rotate(k_norm.has_value() ? k_out[r] : k_in[r], k_out[r], c, s);
+        float* key_slot = kc + h * key_cache.stride(0) + slot_of[b] * key_cache.stride(1);
+        float* value_slot = vc + h * value_cache.stride(0) + slot_of[b] * value_cache.stride(1);
+        std::copy(k_out[r], k_out[r] + dim, key_slot);
+        std::copy(v_in[r], v_in[r] + dim, value_slot);
+      }
     }
-  }
+  });
   return queries;
 }
 
@@ -181,11 +212,19 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t intermediate) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(-1) == 2 * intermediate, "decode_layer: gate_up of ", gate_up.sizes(), " for ",
               intermediate, " + ", intermediate, " columns");
-  auto out = at::silu(gate_up.narrow(-1, 0, intermediate)).contiguous();
-  auto up = rows_of(gate_up), act = rows_of(out);
-  for (size_t r = 0; r < act.size(); ++r) {
-    const float* u = up[r] + intermediate;
-    for (int64_t i = 0; i < intermediate; ++i) act[r][i] = act[r][i] * u[i];
-  }
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = intermediate;
+  auto out = at::empty(sizes, gate_up.options());
+  const auto gate = gate_up.reshape({-1, 2 * intermediate}).narrow(1, 0, intermediate);
+  const auto act2d = out.view({-1, intermediate});
+  const auto up = rows_of(gate_up), act = rows_of(out);
+  for_rows(act2d.size(0), [&](int64_t begin, int64_t end) {
+    auto chunk = act2d.narrow(0, begin, end - begin);
+    at::silu_out(chunk, gate.narrow(0, begin, end - begin));
+    for (int64_t r = begin; r < end; ++r) {
+      const float* u = up[r] + intermediate;
+      for (int64_t i = 0; i < intermediate; ++i) act[r][i] = act[r][i] * u[i];
+    }
+  });
   return out;
 }
