@@ -9,7 +9,8 @@ measured, each on the layer shapes of a small model, alternating, the median of 
   step runs, modeling/packed_weights.py);
 - ``train``, the trainer's forward outside true-on-policy mode: ``TRAIN_ROWS`` rows, forward and backward through
   each side's autograd (``F.linear``'s, and linear_kernels' oneDNN forward with plain backward products). On a Zen 3
-  EPYC oneDNN took 1.1-1.25x MKL's time at 1100-2200 rows, and a GRPO step's update 0.4 s more (docs/benchmarks.md).
+  EPYC oneDNN's forward took 1.16-1.22x MKL's time at 2200 rows of SmolLM2's layer shapes, and a GRPO step's update
+  0.4 s more (docs/benchmarks.md), where at 16 rows it takes half of MKL's time.
 
 oneDNN is taken when it needs at most ``MARGIN`` of MKL's time (a near tie keeps PyTorch's default). Bits are not
 the question here: each kernel's bit-stability is probed where it is used (modeling/invariant_products.py,

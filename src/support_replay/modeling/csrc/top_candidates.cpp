@@ -61,9 +61,10 @@ void select_by_heap(const float* row, int64_t vocab, int64_t width, float* value
   }
 }
 
-// The row's largest value in each chunk of CHUNK; the width-th largest of those, t, is at most the row's width-th
-// largest value (width chunks hold a value >= t each), so the selection lies among the values >= t, in the chunks
-// whose largest value is >= t: at most a few times width entries, sorted partially. NaN: the heap instead.
+// The row's largest value in each chunk of up to 64 values; the width-th largest of those, t, is at most the row's
+// width-th largest value (width chunks hold a value >= t each), so the selection lies among the values >= t, in the
+// chunks whose largest value is >= t: a few times width entries on a smooth row (all of them on a flat one), sorted
+// partially. NaN: the heap instead.
 void select_row(const float* row, int64_t vocab, int64_t width, float* values, int64_t* ids) {
   const int64_t chunk = std::max<int64_t>(W, std::min<int64_t>(64, vocab / (4 * width)) / W * W);
   const int64_t chunks = (vocab + chunk - 1) / chunk;
@@ -118,7 +119,9 @@ std::tuple<at::Tensor, at::Tensor> top_candidates(const at::Tensor& probs, int64
   float* out_values = values.data_ptr<float>();
   int64_t* out_ids = ids.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) select_row(in + r * vocab, vocab, width, out_values + r * width, out_ids + r * width);
+    for (int64_t r = begin; r < end; ++r) {
+      select_row(in + r * vocab, vocab, width, out_values + r * width, out_ids + r * width);
+    }
   });
   return {values, ids};
 }
