@@ -10,7 +10,6 @@ from transformers import AutoModelForCausalLM
 
 from support_replay.engine import Engine
 from support_replay.errors import ConfigError
-from support_replay.modeling import cpu_kernels
 from support_replay.modeling import decode_attention as da
 
 pytestmark = pytest.mark.float_bits  # compares this CPU's kernels; CI reruns it on AVX2 kernels
@@ -134,14 +133,8 @@ def test_the_attention_function_leaves_other_calls_to_sdpa(kernel, monkeypatch):
     torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)
 
 
-def test_a_kernel_that_does_not_build_leaves_sdpa_or_is_refused_by_name(tiny_checkpoint, monkeypatch, tmp_path):
-    broken = tmp_path / "broken.cpp"
-    broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCES", [broken])
-    monkeypatch.setenv("SUPPORT_REPLAY_CACHE", str(tmp_path / "cache"))
-    da.compiled.cache_clear()
-    cpu_kernels.built.cache_clear()
-    try:
+def test_a_kernel_that_does_not_build_leaves_sdpa_or_is_refused_by_name(tiny_checkpoint, unbuildable_kernels):
+    with unbuildable_kernels():
         built, why = da.compiled()
         assert built is None and why.startswith("it did not build in ")
         model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
@@ -149,9 +142,6 @@ def test_a_kernel_that_does_not_build_leaves_sdpa_or_is_refused_by_name(tiny_che
             da.use_decode_attention(model, "kernel")
         assert da.use_decode_attention(model, "auto") == "sdpa"
         assert model.config._attn_implementation == "sdpa"
-    finally:
-        da.compiled.cache_clear()
-        cpu_kernels.built.cache_clear()
 
 
 def test_a_kernel_that_disagrees_with_sdpa_is_not_used(kernel):

@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
 from support_replay.engine import Engine
-from support_replay.modeling import cpu_kernels, decode_layer
+from support_replay.modeling import decode_layer
 
 pytestmark = pytest.mark.float_bits  # compares this CPU's kernels; CI reruns it on AVX2 kernels
 
@@ -125,21 +125,12 @@ def test_models_the_kernels_do_not_compute_keep_pytorchs_operations(tiny_checkpo
     assert decode_layer.unsupported(bf16) == "the model is not float32 on a CPU"
 
 
-def test_the_engine_decodes_with_them_and_without_a_build(tiny_checkpoint, kernels, monkeypatch, tmp_path):
+def test_the_engine_decodes_with_them_and_without_a_build(tiny_checkpoint, kernels, unbuildable_kernels):
     engine = Engine.from_pretrained(tiny_checkpoint)
     assert engine.runner.fused is not None and engine.runner.fused.layer_kernels is kernels
-    broken = tmp_path / "broken.cpp"
-    broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCES", [broken])
-    monkeypatch.setenv("SUPPORT_REPLAY_CACHE", str(tmp_path / "cache"))
-    for cached in (cpu_kernels.built, decode_layer.compiled):
-        cached.cache_clear()
-    try:
+    with unbuildable_kernels():
         model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
         assert decode_layer.unsupported(model).startswith("it did not build in ")
         from support_replay.engine.fused_step import FusedDecoder
 
         assert FusedDecoder(model).layer_kernels is None
-    finally:
-        for cached in (cpu_kernels.built, decode_layer.compiled):
-            cached.cache_clear()

@@ -64,19 +64,8 @@ def test_it_declines_what_it_does_not_compute_and_refuses_a_bad_width(select):
         kernel(probs, 0)
 
 
-def test_the_engine_samples_with_it_and_keeps_torch_topk_without_a_build(
-    tiny_checkpoint, select, tmp_path, monkeypatch
-):
+def test_the_engine_samples_with_it_and_keeps_torch_topk_without_a_build(tiny_checkpoint, select, unbuildable_kernels):
     engine = Engine.from_pretrained(tiny_checkpoint)
     assert engine.sample.select is select
-    broken = tmp_path / "broken.cpp"
-    broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCES", [broken])
-    monkeypatch.setenv("SUPPORT_REPLAY_CACHE", str(tmp_path / "cache"))
-    for cached in (cpu_kernels.built, top_candidates.compiled):
-        cached.cache_clear()
-    try:
+    with unbuildable_kernels():
         assert top_candidates.selection() is None
-    finally:
-        for cached in (cpu_kernels.built, top_candidates.compiled):
-            cached.cache_clear()
