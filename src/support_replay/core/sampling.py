@@ -172,9 +172,14 @@ def _ranked_sglang(probs, top_k, top_p, min_p, select=None):
     return _keep_sglang(probs_sort, top_k, top_p, min_p), order, candidates is not None
 
 
+def _mask_of_ranks(keep: torch.Tensor, order: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The ``[B, vocab]`` mask that ``keep`` over the ids ``order`` stands for."""
+    return torch.zeros(keep.shape[0], vocab, dtype=torch.bool, device=keep.device).scatter_(1, order, keep)
+
+
 def _mask_sglang(y, probs, top_k, top_p, min_p, select=None):
     keep, order, _ = _ranked_sglang(probs, top_k, top_p, min_p, select)
-    return torch.zeros(y.shape, dtype=torch.bool, device=y.device).scatter_(1, order, keep)
+    return _mask_of_ranks(keep, order, y.shape[-1])
 
 
 def _mask_vllm(y, probs, top_k, top_p, min_p, select=None):
@@ -252,8 +257,7 @@ def _support_rows(logits: torch.Tensor, plist: list[SamplingParams], semantics: 
         greedy = torch.zeros(len(plist), dtype=torch.bool, device=logits.device)
         if narrow:
             return _rows_of_ranks(keep, order, logits.shape[1]), probs, temp, greedy
-        mask = torch.zeros(probs.shape, dtype=torch.bool, device=probs.device).scatter_(1, order, keep)
-        return _padded_rows(mask), probs, temp, greedy
+        return _padded_rows(_mask_of_ranks(keep, order, logits.shape[1])), probs, temp, greedy
     mask, probs, temp, greedy = _support(logits, plist, semantics, select)
     return _padded_rows(mask), probs, temp, greedy
 
