@@ -5,7 +5,9 @@
 ``sample_tokens`` over 16 rows of SmolLM2's 49152 ids and of Qwen3's 151936 (float32, temperature 1, top_k 32,
 top_p 0.8: the GRPO shape of bench/engine.py), with ``torch.topk``'s selection and with the compiled one
 (modeling/top_candidates.py; the same tokens, support and log mu, checked here); and each selection alone. The
-softmax over ``[B, V]`` that both take is shown beside them. Microseconds per call, the median of ``--repeats``.
+softmax over ``[B, V]`` that both take is shown beside them. Then each selection alone on rows that are hard for
+the compiled one, at widths 32 and 1024: sorted ascending or descending, flat, a grammar's mask (98% exact zeros),
+two values (the same ids selected, checked here). Microseconds per call, the median of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -68,6 +70,36 @@ def main() -> None:
             median_us(lambda: sample(select), args.repeats),
         ]
         print(f"| {name} {rows} x {vocab} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
+    hard_rows(select, args.repeats)
+
+
+def hard_rows(select, repeats: int) -> None:
+    """The selections alone on 16 rows of 49152 shaped against the compiled one's shortcut (a chunk's largest value)."""
+    rows, vocab = 16, 49152
+    g = torch.Generator().manual_seed(1)
+    smooth = torch.softmax(3 * torch.randn(rows, vocab, generator=g), -1)
+    masked = smooth.clone()
+    masked[torch.rand(rows, vocab, generator=g) < 0.98] = 0.0
+    cases = {
+        "smooth (softmax of 3 x normal)": smooth,
+        "sorted ascending": torch.sort(smooth, dim=-1).values,
+        "sorted descending": torch.sort(smooth, dim=-1, descending=True).values,
+        "flat (every value tied)": torch.full((rows, vocab), 1.0 / vocab),
+        "a grammar's mask (98% exact zeros)": masked,
+        "two values": (torch.rand(rows, vocab, generator=g) < 0.5).float(),
+    }
+    print(f"\n| {rows} rows x {vocab} | width | torch.topk us | compiled selection us |")
+    print("|---|---:|---:|---:|")
+    for name, probs in cases.items():
+        for width in (32, 1024):
+            want = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :width]
+            if not torch.equal(select(probs, width)[1], want):
+                raise SystemExit(f"{name}, width {width}: the compiled selection differs from the full sort")
+            cells = (
+                median_us(lambda: torch.topk(probs, width, dim=-1), repeats),
+                median_us(lambda: select(probs, width), repeats),
+            )
+            print(f"| {name} | {width} | {cells[0]:.0f} | {cells[1]:.0f} |")
 
 
 if __name__ == "__main__":

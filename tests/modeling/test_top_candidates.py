@@ -30,7 +30,7 @@ def _sorted(probs, width):
     rows=st.integers(1, 12),
     vocab=st.integers(1, 3000),
     width=st.integers(1, 80),
-    kind=st.sampled_from(["smooth", "bf16", "grid", "tail zeros", "nan", "-inf"]),
+    kind=st.sampled_from(["smooth", "bf16", "grid", "tail zeros", "masked", "flat", "ascending", "nan", "-inf"]),
     seed=st.integers(0, 2**16),
 )
 def test_the_selection_is_the_full_sorts_first_columns(select, rows, vocab, width, kind, seed):
@@ -43,6 +43,12 @@ def test_the_selection_is_the_full_sorts_first_columns(select, rows, vocab, widt
         probs = torch.randint(0, 4, (rows, vocab), generator=g).float()
     elif kind == "tail zeros":
         probs[:, vocab // 3 :] = 0.0
+    elif kind == "masked":  # a grammar's mask: a few allowed tokens, exact zeros elsewhere (ties past the allowed)
+        probs[torch.rand(rows, vocab, generator=g) < 0.98] = 0.0
+    elif kind == "flat":
+        probs = torch.full((rows, vocab), 1.0 / vocab)
+    elif kind == "ascending":  # every chunk's largest value above the last's
+        probs = torch.sort(probs, dim=-1).values
     elif kind == "nan":
         probs[torch.rand(rows, vocab, generator=g) < 0.01] = float("nan")
     elif kind == "-inf":

@@ -63,8 +63,8 @@ void select_by_heap(const float* row, int64_t vocab, int64_t width, float* value
 
 // The row's largest value in each chunk of up to 64 values; the width-th largest of those, t, is at most the row's
 // width-th largest value (width chunks hold a value >= t each), so the selection lies among the values >= t, in the
-// chunks whose largest value is >= t: a few times width entries on a smooth row (all of them on a flat one), sorted
-// partially. NaN: the heap instead.
+// chunks whose largest value is >= t: a few times width entries on a smooth row, at most width chunks' worth plus
+// width ties on any row. NaN: the heap instead.
 void select_row(const float* row, int64_t vocab, int64_t width, float* values, int64_t* ids) {
   const int64_t chunk = std::max<int64_t>(W, std::min<int64_t>(64, vocab / (4 * width)) / W * W);
   const int64_t chunks = (vocab + chunk - 1) / chunk;
@@ -88,16 +88,27 @@ void select_row(const float* row, int64_t vocab, int64_t width, float* values, i
     std::nth_element(order.begin(), order.begin() + (width - 1), order.end(), std::greater<float>());
     threshold = order[width - 1];
   }
+  // Entries above t lie in the fewer than width chunks whose largest value is above t. Entries equal to t are
+  // ties, won by the lower id: the first width of them along the row are all the selection can take (a flat row,
+  // or a grammar's mask of exact zeros, would otherwise keep the whole row)
   std::vector<Entry> kept;
   kept.reserve(4 * width);
+  int64_t ties = 0;
   for (int64_t c = 0; c < chunks; ++c) {
-    if (!(largest[c] >= threshold)) continue;
+    if (!(largest[c] > threshold || (largest[c] == threshold && ties < width))) continue;
     const int64_t begin = c * chunk, end = std::min(begin + chunk, vocab);
     for (int64_t i = begin; i < end; ++i) {
-      if (row[i] >= threshold) kept.push_back({row[i], i});
+      if (row[i] > threshold) {
+        kept.push_back({row[i], i});
+      } else if (row[i] == threshold && ties < width) {
+        kept.push_back({row[i], i});
+        ++ties;
+      }
     }
   }
-  std::partial_sort(kept.begin(), kept.begin() + width, kept.end(), before);
+  // the width first of the kept in the full sort's order (nth_element then a sort of those: linear in the kept)
+  std::nth_element(kept.begin(), kept.begin() + (width - 1), kept.end(), before);
+  std::sort(kept.begin(), kept.begin() + width, before);
   for (int64_t j = 0; j < width; ++j) {
     values[j] = kept[j].value;
     ids[j] = kept[j].id;
