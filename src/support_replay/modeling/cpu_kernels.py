@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -92,6 +93,16 @@ def built() -> tuple[ModuleType | None, str]:
         detail = str(exc).strip().splitlines()
         return None, f"it did not build in {directory}: {type(exc).__name__}: {detail[-1] if detail else ''}"[:400]
     return module, ""
+
+
+def checked(check: Callable[[ModuleType], str]) -> tuple[ModuleType | None, str]:
+    """The extension where it builds and ``check(module)`` finds nothing ("") against PyTorch's or the models' own
+    functions, else None and why not (what did not build, or the disagreement)."""
+    module, why = built()
+    if module is None:
+        return None, why
+    disagreement = check(module)
+    return (None, disagreement) if disagreement else (module, "")
 
 
 if __name__ == "__main__":  # python -m support_replay.modeling.cpu_kernels: build them now, say where

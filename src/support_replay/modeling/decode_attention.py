@@ -50,13 +50,7 @@ UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "sinks", "position_b
 def compiled() -> tuple[ModuleType | None, str]:
     """The project's CPU kernels (modeling/cpu_kernels.py) with this one checked against sdpa, or None and why
     it cannot run."""
-    module, why = cpu_kernels.built()
-    if module is None:
-        return None, why
-    disagreement = check(module.decode_attention)
-    if disagreement:
-        return None, disagreement
-    return module, ""
+    return cpu_kernels.checked(lambda module: check(module.decode_attention))
 
 
 def check(kernel) -> str:

@@ -38,13 +38,7 @@ CHECK_CASES = [(1, 4, 2, 64, 96, 1e-5), (5, 9, 3, 64, 576, 1e-6), (16, 8, 8, 128
 @functools.cache
 def compiled() -> tuple[ModuleType | None, str]:
     """The project's CPU kernels with these checked against the models' own operations, or None and why not."""
-    module, why = cpu_kernels.built()
-    if module is None:
-        return None, why
-    disagreement = check(module)
-    if disagreement:
-        return None, disagreement
-    return module, ""
+    return cpu_kernels.checked(check)
 
 
 def _family(name: str):

@@ -56,12 +56,9 @@ def check(kernel: Callable) -> str:
 @functools.cache
 def compiled() -> tuple[Callable | None, str]:
     """``select(probs, width)`` for core/sampling.py (None off a CPU or off float32), or None and why not."""
-    module, why = cpu_kernels.built()
+    module, why = cpu_kernels.checked(lambda module: check(module.top_candidates))
     if module is None:
         return None, why
-    disagreement = check(module.top_candidates)
-    if disagreement:
-        return None, disagreement
     kernel = module.top_candidates
 
     def select(probs: torch.Tensor, width: int):
