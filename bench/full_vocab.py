@@ -12,7 +12,6 @@ best of ``--repeats`` runs, in seconds.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
@@ -24,18 +23,13 @@ from support_replay.core.logprobs import (
     full_logprobs_and_entropy,
 )
 from support_replay.modeling.kernel_probe import cpu_identity
+from timing import seconds_per_call
 
 SHAPES = (("SmolLM2", 560, 49152), ("Qwen3", 300, 151936))
 
 
 def best(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return seconds_per_call(fn, repeats, pick=min)
 
 
 def main() -> None:

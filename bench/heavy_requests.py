@@ -12,8 +12,6 @@ support-mode capture of one row, the old way (the row expanded to |S| x |S|) and
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 import torch
@@ -24,6 +22,7 @@ from support_replay.core.penalties import Penalties
 from support_replay.engine import Engine
 from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.protocol import GenerateRequest
+from timing import seconds_per_call
 
 
 def quadratic_row_logprobs(logits_row: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -35,12 +34,7 @@ def quadratic_row_logprobs(logits_row: torch.Tensor, ids: torch.Tensor, temperat
 
 
 def timed(fn, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return seconds_per_call(fn, rounds, warmup=0)
 
 
 def main() -> None:

@@ -13,28 +13,20 @@ two values (the same ids selected, checked here). Microseconds per call, the med
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from support_replay import SamplingParams, sample_tokens
 from support_replay.modeling.kernel_probe import cpu_identity
 from support_replay.modeling.top_candidates import compiled
+from timing import seconds_per_call
 
 SHAPES = (("SmolLM2", 16, 49152), ("Qwen3", 16, 151936))
 PARAMS = dict(temperature=1.0, top_k=32, top_p=0.8)
 
 
 def median_us(fn, repeats: int) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
+    return 1e6 * seconds_per_call(fn, repeats, warmup=10)
 
 
 def main() -> None:

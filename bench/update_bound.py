@@ -29,6 +29,7 @@ from support_replay.train.actor import Actor
 from support_replay.train.config import RunConfig
 from support_replay.train.learner import Learner
 from support_replay.train.scorer import Scorer
+from timing import seconds_per_call
 
 
 @register_flop_formula(torch.ops.mkldnn._linear_pointwise)
@@ -119,13 +120,7 @@ def peak_gflops(dtype: torch.dtype, shapes: list[tuple[int, int, int]], repeats:
             kernels["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
         best = 0.0
         for fn in kernels.values():
-            fn()
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - start)
-            best = max(best, 2 * rows * n_in * n_out / statistics.median(times) / 1e9)
+            best = max(best, 2 * rows * n_in * n_out / seconds_per_call(fn, repeats) / 1e9)
         out[f"{rows}x{n_in} @ {n_in}x{n_out}"] = best
     return out
 
