@@ -4,7 +4,7 @@ and what happens where it cannot run. The fused step's bits with it: tests/engin
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -24,7 +24,16 @@ def kernels():
     return built
 
 
-@settings(max_examples=30, deadline=None)
+@pytest.fixture(params=["loops", "aten"])
+def arithmetic(request, kernels):
+    """The mean and SiLU in the kernels' own loops, then through ATen's calls; the process's choice restored."""
+    before = kernels.use_aten_calls(request.param == "aten")
+    yield request.param
+    kernels.use_aten_calls(before)
+
+
+# the arithmetic fixture sets the mode once for every example, which is what they need
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     rows=st.integers(1, 40),
     hidden=st.integers(1, 300).map(lambda n: 2 * n),
@@ -32,7 +41,7 @@ def kernels():
     scale=st.sampled_from([1e-3, 1.0, 40.0]),
     seed=st.integers(0, 2**16),
 )
-def test_the_norms_adds_and_silu_are_the_models_bits(kernels, rows, hidden, eps, scale, seed):
+def test_the_norms_adds_and_silu_are_the_models_bits(kernels, arithmetic, rows, hidden, eps, scale, seed):
     g = torch.Generator().manual_seed(seed)
     norm = LlamaRMSNorm(hidden, eps=eps)
     with torch.no_grad():
@@ -82,6 +91,49 @@ def test_the_queries_keys_and_values_are_the_models_bits_in_their_slots(
     untouched = torch.ones(3 * rows, dtype=torch.bool)
     untouched[slots] = False
     assert bool((caches[:, :, untouched] == 7.0).all())  # no other slot written
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rows=st.integers(1, 5),
+    width=st.one_of(st.integers(1, 300), st.integers(300, 70000)),
+    scale=st.sampled_from([1e-3, 1.0, 1e3]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_loops_round_as_atens_mean_and_silu(kernels, arithmetic, rows, width, scale, seed):
+    # the cascade of ATen's sum has levels every 16, 256 and 4096 groups of four vectors: the long rows reach them
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g) * scale
+    gate_up = torch.randn(rows, 1, 2 * min(width, 3000), generator=g) * 6
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    with torch.inference_mode():
+        assert torch.equal(kernels.mean_of_squares(x), x.pow(2).mean(-1, keepdim=True))
+        assert torch.equal(kernels.silu_mul(gate_up, gate.shape[-1]), F.silu(gate) * up)
+
+
+def test_the_loops_give_way_to_atens_calls_where_they_differ(kernels):
+    class LoopsOneUlpOff:  # the loops' mean is one ulp off; ATen's calls are right
+        aten = True
+
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+        def use_aten_calls(self, on):
+            before, self.aten = self.aten, on
+            kernels.use_aten_calls(on)
+            return before
+
+        def mean_of_squares(self, x):
+            mean = kernels.mean_of_squares(x)
+            return mean if self.aten else torch.nextafter(mean, torch.tensor(float("inf")))
+
+    before = kernels.use_aten_calls(False)
+    try:
+        fake = LoopsOneUlpOff()
+        assert decode_layer._choose_arithmetic(fake) == "" and fake.aten
+        assert decode_layer._choose_arithmetic(kernels) == "" and not kernels.use_aten_calls(False)
+    finally:
+        kernels.use_aten_calls(before)
 
 
 def test_a_kernel_that_changes_the_bits_is_not_used(kernels):

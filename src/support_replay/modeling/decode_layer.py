@@ -4,10 +4,16 @@ Between its products a SmolLM2 decode layer runs some 35 small PyTorch operation
 the rotary embedding of queries and keys, the cache writes, SiLU x up, the residual adds, splits and views), each
 a few microseconds of dispatch for a few thousand floats: 13-17 ms of a 75 ms step at batch 16 in float32
 (docs/benchmarks.md). The kernels here do that work in four calls a layer, rounding each result where the model's
-own operations round it (the RMSNorm's mean and SiLU are ATen's own kernels, called from C++), so the fused step
-(engine/fused_step.py) keeps the module tree's bits. ``compiled()`` checks that on this CPU against the models'
-own classes and functions (``torch.equal``) before anything uses it; where it does not hold, or the kernels do not
-build, the step keeps PyTorch's operations.
+own operations round it, so the fused step (engine/fused_step.py) keeps the module tree's bits. ``compiled()``
+checks that on this CPU against the models' own classes and functions (``torch.equal``) before anything uses it;
+where it does not hold, or the kernels do not build, the step keeps PyTorch's operations.
+
+The RMSNorm's mean and SiLU are the two places where rounding in the model's order takes more than one operation
+after another. The kernels compute them in their own loops written in ATen's order (its cascade sum, its
+vectorized SiLU): at a decode step ATen's calls from C++ cost two to three times their standalone time, each
+product leaving ATen's code and data cold (the residual add + norm took 37 us a call in a SmolLM2 step, 14 with
+the loops). The check compares the loops with ATen over widths from 1 to 70000 first (``MEAN_WIDTHS``); where
+they differ (another PyTorch, another CPU's vectors) the kernels call ATen's own kernels instead, as before.
 
 Float32 only: a bf16 step keeps PyTorch's operations (each of them rounds to bf16, which these kernels do not).
 """
@@ -33,12 +39,29 @@ FAMILIES = {
 }
 # rows, query heads, key-value heads, head size, hidden size, epsilon
 CHECK_CASES = [(1, 4, 2, 64, 96, 1e-5), (5, 9, 3, 64, 576, 1e-6), (16, 8, 8, 128, 1000, 1e-6), (3, 2, 1, 80, 200, 1e-5)]
+# the widths the mean of squares is checked at: the short rows, tails of every vector width, the models' hidden sizes
+# and head sizes, and rows long enough for each level of ATen's cascade sum
+MEAN_WIDTHS = [*range(1, 70), 96, 128, 200, 256, 576, 896, 1000, 1024, 1536, 2048, 2049, 2560, 3584, 4096, 5120, 8192]
+MEAN_WIDTHS += [16400, 70000]
+SILU_WIDTHS = [1, 7, 17, 33, 100, 1537]
 
 
 @functools.cache
 def compiled() -> tuple[ModuleType | None, str]:
     """The project's CPU kernels with these checked against the models' own operations, or None and why not."""
-    return cpu_kernels.checked(check)
+    return cpu_kernels.checked(_choose_arithmetic)
+
+
+def _choose_arithmetic(kernels) -> str:
+    """The kernels' own loops for the RMSNorm's mean and SiLU where they keep the models' bits here, else ATen's
+    calls; "" where either does, else where ATen's calls disagree."""
+    kernels.use_aten_calls(False)
+    disagreement = check(kernels)
+    if not disagreement:
+        return ""
+    log.info("decode layer: the mean and SiLU call ATen's kernels (the loops in their order differ: %s)", disagreement)
+    kernels.use_aten_calls(True)
+    return check(kernels)
 
 
 def _family(name: str):
@@ -54,6 +77,17 @@ def check(kernels) -> str:
     def randn(*shape):
         return torch.randn(*shape, generator=generator)
 
+    with torch.inference_mode():
+        for width in MEAN_WIDTHS:
+            for scale in (1e-3, 1.0, 1e3):
+                x = randn(3, width) * scale
+                if not torch.equal(kernels.mean_of_squares(x), x.pow(2).mean(-1, keepdim=True)):
+                    return f"its mean of squares differs from PyTorch's at width {width} (scale {scale})"
+        for width in SILU_WIDTHS:
+            gate_up = randn(3, 1, 2 * width) * 4
+            gate, up = gate_up.split(width, dim=-1)
+            if not torch.equal(kernels.silu_mul(gate_up, width), F.silu(gate) * up):
+                return f"its SiLU x up differs from PyTorch's at width {width}"
     for family in FAMILIES:
         norm_class, rope = _family(family)
         for rows, heads, kv_heads, dim, hidden, eps in CHECK_CASES:

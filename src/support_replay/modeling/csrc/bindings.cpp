@@ -14,6 +14,8 @@ at::Tensor attention_inputs(const at::Tensor& qkv, int64_t heads, int64_t kv_hea
                             const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& slots);
 at::Tensor silu_mul(const at::Tensor& gate_up, int64_t intermediate);
+bool use_aten_calls(bool on);
+at::Tensor mean_of_squares(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> top_candidates(const at::Tensor& probs, int64_t width);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -23,6 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_inputs", &attention_inputs,
         "a decode step's queries from its qkv product: normed and rotated; keys and values written to the cache");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up over a fused gate-up product's output");
+  m.def("use_aten_calls", &use_aten_calls,
+        "whether the RMSNorms' mean and SiLU call ATen's kernels or the loops in ATen's order; returns the old setting");
+  m.def("mean_of_squares", &mean_of_squares, "x.pow(2).mean(-1, keepdim=True) of [rows, d] as the kernels take it");
   m.def("top_candidates", &top_candidates,
         "each row's first width entries of the full sort by (value descending, id ascending): (values, ids)");
 }

@@ -3,23 +3,116 @@
 //
 // Each result is rounded where the model's own PyTorch operations round it, so the fused step keeps the module
 // tree's bits: a product and a sum are two roundings (built with -ffp-contract=off: no fused multiply-add), the
-// RMSNorm's mean is ATen's own reduction over the squares, SiLU is ATen's own kernel, and 1 / sqrt is ATen's
-// rsqrt (an exactly rounded square root, then an exactly rounded division). Python checks the bits against the
-// models' functions at start-up before the step uses any of this. The attention's inputs and SiLU x up split a
+// RMSNorm's mean is ATen's reduction over the squares and SiLU ATen's kernel (in this file's loops written in
+// their order, or ATen's own calls: ``aten_calls``), and 1 / sqrt is ATen's rsqrt (an exactly rounded square root,
+// then an exactly rounded division). Python checks the bits against the models' functions at start-up before the
+// step uses any of this. The attention's inputs and SiLU x up split a
 // step's rows between the threads (``for_rows``; a row's arithmetic does not depend on its share): SiLU x up at
 // batch 16 took 22 instead of 30 us standalone, and the two 0.15 instead of 0.18 s of a GRPO-shape run on a Zen 3
 // EPYC.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+
+// Whether the RMSNorm's mean and SiLU call ATen's own kernels (true) or this file's loops, written to round in
+// ATen's order (false). ATen's calls cost a few microseconds of dispatch each, and two to three times that at a
+// decode step, where each product's kernels leave ATen's code and data cold; the loops cost a fraction of it.
+// Python sets this once per process (modeling/decode_layer.py): the loops where the start-up check finds them the
+// models' bits on this CPU and PyTorch, ATen's calls where it does not.
+std::atomic<bool> aten_calls{true};
+
+template <typename T>
+inline T item(const float* x, int64_t i) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x[i];
+  } else {
+    return Vec::loadu(x + i * W);
+  }
+}
+
+inline int64_t ceil_log2(int64_t n) {
+  int64_t bits = 1;
+  while (bits < 63 && (int64_t(1) << bits) < n) ++bits;
+  return bits;
+}
+
+// The sum of ``count`` items (floats, or vectors of W floats) in the order of ATen's cascade sum (SumKernel.cpp):
+// four running sums over the items 4g .. 4g + 3 of each group g, each held on four levels; every 16 groups the
+// lowest level is added into the next, and so on up while the group count is a multiple of 16, 256, 4096 (of
+// 2^p, p = max(4, ceil(log2 groups) / 4)); then the leftover items go into the first sum and the four are added in
+// order. Additions only: with -ffp-contract=off the bits are the order's.
+template <typename T>
+T cascade_sum(const float* x, int64_t count) {
+  constexpr int levels = 4, lanes = 4;
+  const int64_t groups = count / lanes;
+  const int64_t power = std::max<int64_t>(4, ceil_log2(groups) / levels);
+  const int64_t step = int64_t(1) << power, mask = step - 1;
+  T acc[levels][lanes];
+  for (auto& level : acc) std::fill(level, level + lanes, T(0.f));
+  int64_t g = 0;
+  while (g + step <= groups) {
+    for (int64_t j = 0; j < step; ++j, ++g) {
+      for (int k = 0; k < lanes; ++k) acc[0][k] = acc[0][k] + item<T>(x, g * lanes + k);
+    }
+    for (int l = 1; l < levels; ++l) {
+      for (int k = 0; k < lanes; ++k) {
+        acc[l][k] = acc[l][k] + acc[l - 1][k];
+        acc[l - 1][k] = T(0.f);
+      }
+      if ((g & (mask << (l * power))) != 0) break;
+    }
+  }
+  for (; g < groups; ++g) {
+    for (int k = 0; k < lanes; ++k) acc[0][k] = acc[0][k] + item<T>(x, g * lanes + k);
+  }
+  for (int l = 1; l < levels; ++l) {
+    for (int k = 0; k < lanes; ++k) acc[0][k] = acc[0][k] + acc[l][k];
+  }
+  for (int64_t i = groups * lanes; i < count; ++i) acc[0][0] = acc[0][0] + item<T>(x, i);
+  for (int k = 1; k < lanes; ++k) acc[0][0] = acc[0][0] + acc[0][k];
+  return acc[0][0];
+}
+
+// ATen's float sum of a contiguous row of d: the vectors' cascade, then the scalar tail and the vector's lanes in
+// order after it (rows shorter than a vector: the cascade over the floats)
+inline float row_sum(const float* x, int64_t d) {
+  if (d < W) return 0.f + cascade_sum<float>(x, d);
+  const int64_t vectors = d / W;
+  const Vec acc = cascade_sum<Vec>(x, vectors);
+  float total = 0.f;
+  for (int64_t i = vectors * W; i < d; ++i) total += x[i];
+  alignas(64) float lane[W];
+  acc.store(lane);
+  for (int64_t k = 0; k < W; ++k) total += lane[k];
+  return 0.f + total;
+}
+
+// x / (1 + exp(-x)) as ATen's SiLU rounds it along a row: vectors two at a time, the rest one float at a time
+inline void silu_row(const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  const Vec one(1.f);
+  for (; i + 2 * W <= n; i += 2 * W) {
+    const Vec a = Vec::loadu(x + i), b = Vec::loadu(x + i + W);
+    (a / (one + a.neg().exp())).store(y + i);
+    (b / (one + b.neg().exp())).store(y + i + W);
+  }
+  for (; i < n; ++i) y[i] = x[i] / (1.f + std::exp(-x[i]));
+}
 
 // pointers to the rows (the last dimension, contiguous) of a tensor of any leading shape and strides
 std::vector<float*> rows_of(const at::Tensor& t) {
@@ -50,20 +143,34 @@ void check_weight(const at::Tensor& w, int64_t width, const char* what) {
   TORCH_CHECK(w.dim() == 1 && w.size(0) == width, "decode_layer: ", what, " of ", w.sizes(), " for rows of ", width);
 }
 
+// x.pow(2).mean(-1, keepdim=True) of rows [begin, end) of ``in`` into var[0 .. end - begin): each square rounded,
+// then ATen's mean (the model's own sum order) or the same order without its dispatch (the sum, then a division,
+// as ATen's mean on a CPU). A row of GRAIN_SIZE floats or more always takes ATen's: alone in a call, ATen splits its
+// sum between the threads.
+void means_of_squares(const std::vector<float*>& in, int64_t begin, int64_t end, int64_t d, float* var) {
+  const int64_t n = end - begin;
+  std::vector<float> squares(n * d);
+  float* sq = squares.data();
+  for (int64_t r = 0; r < n; ++r) {
+    const float* x = in[begin + r];
+    for (int64_t i = 0; i < d; ++i) sq[r * d + i] = x[i] * x[i];
+  }
+  if (aten_calls || d >= at::internal::GRAIN_SIZE) {
+    const auto mean = at::mean(at::from_blob(sq, {n, d}, at::kFloat), {-1}, true);
+    std::copy(mean.data_ptr<float>(), mean.data_ptr<float>() + n, var);
+  } else {
+    for (int64_t r = 0; r < n; ++r) var[r] = row_sum(sq + r * d, d) / static_cast<float>(d);
+  }
+}
+
 // x.pow(2).mean(-1, keepdim=True), x * rsqrt(variance + eps), weight * that: Llama's and Qwen3's RMSNorm in float32,
 // over rows [begin, end) of ``in`` into the same rows of ``out``
 void normalize(const std::vector<float*>& in, int64_t begin, int64_t end, int64_t d, const float* weight, float eps,
                const std::vector<float*>& out) {
   const int64_t n = end - begin;
   if (n <= 0) return;
-  auto squares = at::empty({n, d}, at::kFloat);
-  float* sq = squares.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r) {
-    const float* x = in[begin + r];
-    for (int64_t i = 0; i < d; ++i) sq[r * d + i] = x[i] * x[i];
-  }
-  const auto variance = at::mean(squares, {-1}, true);  // ATen's reduction: the model's own sum order
-  const float* var = variance.data_ptr<float>();
+  std::vector<float> var(n);
+  means_of_squares(in, begin, end, d, var.data());
   for (int64_t r = 0; r < n; ++r) {
     const float inverse = 1.f / std::sqrt(var[r] + eps);
     const float* x = in[begin + r];
@@ -219,12 +326,29 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t intermediate) {
   const auto act2d = out.view({-1, intermediate});
   const auto up = rows_of(gate_up), act = rows_of(out);
   for_rows(act2d.size(0), [&](int64_t begin, int64_t end) {
-    auto chunk = act2d.narrow(0, begin, end - begin);
-    at::silu_out(chunk, gate.narrow(0, begin, end - begin));
+    if (aten_calls) {
+      auto chunk = act2d.narrow(0, begin, end - begin);
+      at::silu_out(chunk, gate.narrow(0, begin, end - begin));
+    } else {
+      for (int64_t r = begin; r < end; ++r) silu_row(up[r], act[r], intermediate);  // the gate: a row's first half
+    }
     for (int64_t r = begin; r < end; ++r) {
       const float* u = up[r] + intermediate;
       for (int64_t i = 0; i < intermediate; ++i) act[r][i] = act[r][i] * u[i];
     }
   });
+  return out;
+}
+
+// whether the RMSNorm's mean and SiLU call ATen (``aten_calls`` above); returns the setting before
+bool use_aten_calls(bool on) { return aten_calls.exchange(on); }
+
+// x.pow(2).mean(-1, keepdim=True) of a 2-d float32 tensor as the RMSNorms here compute it now (the start-up check
+// compares it with ATen's over many widths before the loops are used)
+at::Tensor mean_of_squares(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2, "decode_layer: mean_of_squares takes [rows, d], got ", x.sizes());
+  auto out = at::empty({x.size(0), 1}, x.options());
+  means_of_squares(rows_of(x), 0, x.size(0), x.size(1), out.data_ptr<float>());
   return out;
 }
