@@ -6,11 +6,12 @@
 1. **Parts**: ``bench/engine.py``'s GRPO work (4 chat prompts x 4 samples, 64 tokens, EOS ignored, capture on)
    on SmolLM2-135M-Instruct, with wall clocks around the engine's decode step and its parts inside it (the fused
    step, its products, its attention calls, its key/value writes; sampling with capture), per step, one column
-   per run (``update_bound.Clocks``). ``--decode-attention sdpa,kernel`` builds an engine per choice and
-   alternates their runs (columns ``sdpa 1``, ``kernel 1``, ``sdpa 2``, ...); ``--layers compiled,pytorch`` does
-   the same for the layers' elementwise work in the compiled kernels (modeling/decode_layer.py, where the keys'
-   and values' writes are part of the kernel that rotates the queries and keys, so they count in "the rest")
-   and in PyTorch's operations.
+   per run (``update_bound.Clocks``; the layer loop, which runs a step's layers in one compiled call, times its
+   own products and attention). ``--decode-attention sdpa,kernel`` builds an engine per choice and alternates
+   their runs (columns ``sdpa 1``, ``kernel 1``, ``sdpa 2``, ...); ``--layers loop,compiled,pytorch`` does the
+   same for the layers: in one compiled call (engine/fused_step.py's layer loop), a Python loop over the
+   compiled elementwise kernels (modeling/decode_layer.py, where the keys' and values' writes are part of the
+   kernel that rotates the queries and keys, so they count in "the rest"), and PyTorch's operations.
 2. **Attention alone**: ``F.scaled_dot_product_attention`` at a decode step's shapes (SmolLM2: 9 query heads on 3
    key-value heads, so 3 queries per key-value head as transformers' ``pack_gqa`` passes them; head size 64;
    width 112; an additive mask) for 1 and 16 rows, at 1 and at the run's threads; beside it the engine's decode
@@ -71,14 +72,34 @@ def one_run(engine: Engine, seed: int) -> dict[str, float]:
     clocks.wrap(PagedCache, "write", "writes")
     clocks.wrap(runner.fused, "linear", "products")  # the instance's products: plain and packed weights
     clocks.wrap(runner.fused, "packed_linear", "products")
+    loop_times(clocks, runner.fused)
     try:
         rate = shaped_rate(engine, 4, 4, 64, 1, share=True, seed_base=seed)
     finally:
         clocks.close()
+        runner.fused.time_loop = False
     n = max(len(clocks.rows), 1)
     row = {key: 1e3 * sum(step[key] for step in clocks.rows) / n for key, _ in PARTS}
     row["tok/s"], row["steps"] = rate, n
     return row
+
+
+def loop_times(clocks: Clocks, fused: FusedDecoder) -> None:
+    """The layer loop's products and attention, which it times itself inside its one call, into the step's row."""
+    fused.time_loop = True
+    real = fused._compiled_layers
+
+    def timed_layers(*args):
+        before = dict(fused.loop_seconds)
+        try:
+            return real(*args)
+        finally:
+            if clocks.rows:
+                for key in ("products", "attention"):
+                    clocks.rows[-1][key] += fused.loop_seconds[key] - before[key]
+
+    fused._compiled_layers = timed_layers
+    clocks._restore.append((fused, "_compiled_layers", real))
 
 
 def timed(fn, calls: int) -> float:
@@ -143,6 +164,12 @@ def products_alone(rounds: int = 5) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def layers_of(fused: FusedDecoder | None) -> str:
+    if fused is None or not fused.compiled_layers:
+        return "pytorch"
+    return "loop (where a step's rows are in place)" if fused.layer_loop else "compiled"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -152,7 +179,7 @@ def main() -> None:
         "--decode-attention", default="auto", help="the engines' --decode-attention, comma-separated: one engine each"
     )
     ap.add_argument(
-        "--layers", default="compiled", help="the layers' elementwise work, comma-separated: compiled, pytorch"
+        "--layers", default="loop", help="how the layers run, comma-separated: loop, compiled, pytorch (module doc)"
     )
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -160,12 +187,13 @@ def main() -> None:
     engines = {}
     for choice in choices:
         for layers in layer_choices:
-            if layers not in ("compiled", "pytorch"):
-                raise SystemExit(f"--layers: {layers!r} is not compiled or pytorch")
+            if layers not in ("loop", "compiled", "pytorch"):
+                raise SystemExit(f"--layers: {layers!r} is not loop, compiled or pytorch")
             engine = Engine.from_pretrained(resolve_model("smollm2"), dtype=dtype, decode_attention=choice)
             fused = engine.runner.fused
             if fused is not None:
-                fused.compiled_layers = layers == "compiled" and fused.layer_kernels is not None
+                fused.compiled_layers = layers != "pytorch" and fused.layer_kernels is not None
+                fused.layer_loop = fused.layer_loop and layers == "loop"
             names = [choice] * (len(choices) > 1) + [layers] * (len(layer_choices) > 1)
             engines["/".join(names) or choice] = engine
     engine = next(iter(engines.values()))
@@ -173,11 +201,8 @@ def main() -> None:
         f"SmolLM2-135M-Instruct {args.dtype}, kernel {engine.linear_kernel}, {torch.get_num_threads()} threads, "
         f"CPU: {cpu_identity()}; decode attention: "
         + ", ".join(f"{c} -> {e.decode_attention}" for c, e in engines.items())
-        + "; layers' elementwise work: "
-        + ", ".join(
-            f"{c} -> {'compiled' if e.runner.fused is not None and e.runner.fused.compiled_layers else 'pytorch'}"
-            for c, e in engines.items()
-        )
+        + "; layers: "
+        + ", ".join(f"{c} -> {layers_of(e.runner.fused)}" for c, e in engines.items())
     )
     by_run = parts(engines, args.runs)
     for e in engines.values():

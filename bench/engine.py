@@ -181,7 +181,8 @@ def prefill_ms(engine: Engine, prompts: int, per_prompt: int, repeats: int) -> t
 
 class LinearClock:
     """Wall time spent inside the ``nn.Linear`` layers of a model (forward pre/post hooks), and in
-    the products of the engine's fused decode step when ``runner`` has one."""
+    the products of the engine's fused decode step when ``runner`` has one (its layer loop, one compiled call for
+    a step's layers, times its own products: ``loop_seconds``)."""
 
     def __init__(self, model, runner=None):
         self.seconds, self._start = 0.0, 0.0
@@ -195,6 +196,8 @@ class LinearClock:
             for name in ("linear", "packed_linear"):  # the plain and the packed-weight products
                 self._restore[name] = getattr(self._fused, name)
                 setattr(self._fused, name, self._timed(self._restore[name]))
+            self._fused.time_loop = True
+            self._loop_start = self._fused.loop_seconds["products"]
 
     def _timed(self, product):
         def timed(*args):
@@ -216,6 +219,9 @@ class LinearClock:
             h.remove()
         for name, product in self._restore.items():
             setattr(self._fused, name, product)
+        if self._fused is not None:
+            self.seconds += self._fused.loop_seconds["products"] - self._loop_start
+            self._fused.time_loop = False
 
 
 def shaped_prompts(tokenizer, prompts: int) -> list[list[int]]:

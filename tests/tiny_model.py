@@ -103,9 +103,10 @@ def build_tiny_moe_checkpoint(path: Path, family: str = "qwen3_moe", seed: int =
     return path
 
 
-def greedy_decode(runner, prompts, steps: int) -> list[torch.Tensor]:
-    """The logits of ``steps`` greedy decode steps after one prefill of ``prompts``."""
-    batch, logits = runner.prefill(prompts)
+def greedy_decode(runner, prompts, steps: int, reserve: list[int] | None = None) -> list[torch.Tensor]:
+    """The logits of ``steps`` greedy decode steps after one prefill of ``prompts`` (``reserve``: each row's blocks
+    taken at once, as the engine's admission takes them: rows at one pitch attend in place)."""
+    batch, logits = runner.prefill(prompts, reserve=reserve)
     pos = torch.tensor([len(p) for p in prompts])
     seen = []
     for _ in range(steps):

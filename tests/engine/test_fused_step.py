@@ -26,12 +26,12 @@ def tied_llama(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), llama_tied=True)
 
 
-def decode_both_ways(runner: ModelRunner, prompts, steps: int):
+def decode_both_ways(runner: ModelRunner, prompts, steps: int, reserve: list[int] | None = None):
     """Logits of ``steps`` greedy decode steps, fused and through the modules, from one prefill each."""
     out = {}
     for fused in (True, False):
         runner.use_fused = fused
-        out[fused] = greedy_decode(runner, prompts, steps)
+        out[fused] = greedy_decode(runner, prompts, steps, reserve)
     runner.use_fused = True
     return out[True], out[False]
 
@@ -43,7 +43,7 @@ def decode_both_ways(runner: ModelRunner, prompts, steps: int):
     ids=["normal", "decode-kernel", "batch-invariant"],
 )
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-@pytest.mark.parametrize("layers", ["compiled", "pytorch"])
+@pytest.mark.parametrize("layers", ["loop", "compiled", "pytorch"])
 def test_fused_decode_is_the_module_tree_bit_for_bit(
     tiny_checkpoint, tied_llama, family, deterministic, attention, kernel, layers
 ):
@@ -63,9 +63,11 @@ def test_fused_decode_is_the_module_tree_bit_for_bit(
         pytest.skip(f"no fused step on this CPU ({cpu_name()}) with these kernels: {why}")
     runner = ModelRunner(model, key_block=KEY_BLOCK if deterministic else 1)
     assert runner.fused is not None
-    if layers == "compiled":  # the layers' elementwise work in the compiled kernels (modeling/decode_layer.py)
+    if layers != "pytorch":  # the layers' elementwise work in the compiled kernels (modeling/decode_layer.py)
         if runner.fused.layer_kernels is None:
             pytest.skip(f"the compiled layer kernels cannot run here: {decode_layer.unsupported(model)}")
+        # loop: a step's layers in one compiled call where the decode kernel attends every row in place
+        runner.fused.layer_loop = runner.fused.layer_loop and layers == "loop"
     else:
         runner.fused.compiled_layers = False
     prompts = [
@@ -81,6 +83,15 @@ def test_fused_decode_is_the_module_tree_bit_for_bit(
             assert torch.equal(a, b), (t, (a - b).abs().max().item())
         else:
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    # rows reserved at once lie at one pitch and attend in place: the loop takes those steps where the decode kernel
+    # attends (a reservation of 8 blocks holds the longest prompt and its steps)
+    fused, tree = decode_both_ways(runner, prompts, 6, reserve=[8] * len(prompts))
+    for t, (a, b) in enumerate(zip(fused, tree)):
+        if attention != "sdpa":
+            assert torch.equal(a, b), (t, (a - b).abs().max().item())
+        else:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert (runner.fused._loop is not None) == (layers == "loop" and attention == "kernel")
     if attention != "batch-invariant":
         runner.fused.group_rows = False
         fused, tree = decode_both_ways(runner, prompts, 6)
@@ -109,6 +120,34 @@ def test_a_weight_update_written_in_place_reaches_the_fused_step(tiny_checkpoint
     fused, tree = decode_both_ways(runner, prompts, 2)
     assert all(torch.equal(a, b) for a, b in zip(fused, tree))
     assert not torch.equal(fused[0], before[0])
+
+
+def test_the_layer_loop_follows_updates_and_replaced_tensors_and_lets_its_packs_go(tiny_checkpoint):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    use_linear(model, linear_function(KERNELS[-1]))  # oneDNN where it runs: the loop holds packed weights
+    if compiled()[0] is None or unsupported(model) is not None or decode_layer.unsupported(model) is not None:
+        pytest.skip("no fused step with compiled layers and the decode kernel on this CPU")
+    assert use_decode_attention(model, "kernel") == "kernel"
+    runner = ModelRunner(model)
+    prompts, reserve = [[5, 6, 7, 8], [9, 10], [11] * 20], [4, 4, 4]
+
+    def same_as_the_modules():
+        fused, tree = decode_both_ways(runner, prompts, 3, reserve)
+        assert all(torch.equal(a, b) for a, b in zip(fused, tree))
+        return fused
+
+    before = same_as_the_modules()
+    table = runner.fused._loop
+    assert table is not None
+    load_state(model, {n: t.detach() * 1.5 for n, t in model.state_dict().items() if "proj" in n})  # in place
+    assert not torch.equal(same_as_the_modules()[0], before[0])
+    layer = model.model.layers[1]
+    layer.post_attention_layernorm.weight = torch.nn.Parameter(layer.post_attention_layernorm.weight * 1.25)
+    layer.self_attn.o_proj.weight = torch.nn.Parameter(layer.self_attn.o_proj.weight.detach().clone() * 0.5)
+    same_as_the_modules()  # a new table holds the new tensors
+    assert runner.fused._loop is not table
+    runner.fused.drop_packs()  # a colocated trainer's update: the packs' memory goes back, the table with them
+    assert runner.fused._loop is None
 
 
 def test_a_replaced_projection_weight_is_refused(tiny_checkpoint):

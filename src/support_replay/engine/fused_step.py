@@ -24,7 +24,8 @@ at the row counts where it does (fp32: 2 rows or more; one row takes another ker
 keeps the plain weight). SmolLM2's decode step at batch 16: 55 ms instead of 76
 (docs/benchmarks.md), for one more copy of the decode weights in memory. A pack is made again
 when its parameter's version counter says it was written in place (``copy_``,
-``load_state_dict``, the engine's weight update) and when the thread count changes; a write
+``load_state_dict``, the engine's weight update), when its module holds another tensor (a replaced
+``o_proj`` or ``down_proj`` weight, or the head's) and when the thread count changes; a write
 through ``.data`` bypasses the counter and is not seen. ``drop_packs`` frees them until the
 next step (``Engine.release_packed_weights``: a colocated trainer's update).
 
@@ -33,6 +34,15 @@ writes, SiLU x up, the residual adds) runs in four compiled calls a layer instea
 rounded as those operations round (modeling/decode_layer.py, checked bit for bit against the models' own
 functions at start-up): the same bits, 11-12 instead of 19 ms of an 85 ms step on a Zen 3 EPYC at batch 16
 (docs/benchmarks.md). ``compiled_layers`` off keeps PyTorch's operations (benchmarks).
+
+Where the decode kernel attends every row of a step in place in the cache (the rows reserved at one pitch, the
+common case of a rollout) and the products are the model's own (``F.linear`` or oneDNN's, packed or not), a float32
+step's layers run in one compiled call (``DecodeLayers``, modeling/csrc/decode_layers.cpp): the same kernels, products
+and order as the Python loop over them, so the same bits (tests/engine/test_fused_step.py compares both with the
+module tree), without the interpreter, views and argument passing between them. SmolLM2 at the GRPO shape on a
+Zen 3 EPYC: a decode step 56.5 instead of 61 ms (docs/benchmarks.md). The call holds the layers' weights, packs
+and norms in a table made again when a pack or one of those tensors changed; it times its own products and
+attention for the benchmarks (``time_loop``, ``loop_seconds``). ``layer_loop`` off keeps the Python loop.
 
 The layers run in inference mode: the same kernels, so the same bits, without autograd's per-operation
 bookkeeping (version counters, view records); about 10% of a SmolLM2 step at batch 16. The tensors a step
@@ -57,7 +67,7 @@ from ..modeling import decode_attention, decode_layer
 from ..modeling.decode_attention import ATTENTION as DECODE_ATTENTION
 from ..modeling.decode_attention import takes_kernel
 from ..modeling.invariant_products import fused_columns_keep_bits
-from ..modeling.linear_kernels import model_kernel, model_linear
+from ..modeling.linear_kernels import model_kernel, model_linear, onednn_linear
 from ..modeling.packed_weights import Pack, pack, packed_linear
 from .paged_cache import PagedCache
 
@@ -123,9 +133,9 @@ class _Layer:
         self.heads, self.kv_heads = self.splits[0] // self.head_dim, self.splits[1] // self.head_dim
         self.scaling = attn.scaling
         self._views = [p.weight.data_ptr() for p in self.projections]
-        self.sources = [p.weight for p in self.projections] + [self.o_proj.weight, self.down_proj.weight]
         self.packs: dict[str, Pack | None] = {}  # product name -> packed weight (empty: plain products)
-        self.packed_versions: list[int] | None = None  # the sources' versions when packed
+        self.packed_versions: list[tuple[int, int]] | None = None  # the sources and their versions when packed
+        self.packed_sources: list[torch.Tensor] = []  # held, so that no other tensor takes their ids
 
     def fused(self) -> bool:
         """The separate projections still view the fused weights (nothing replaced them)."""
@@ -134,9 +144,21 @@ class _Layer:
     def weights(self) -> dict[str, torch.Tensor]:
         return {"qkv": self.qkv, "o": self.o_proj.weight, "gate_up": self.gate_up, "down": self.down_proj.weight}
 
-    def versions(self) -> list[int]:
+    def sources(self) -> list[torch.Tensor]:
+        """The weights the packs are made from, as the modules hold them now (a replaced one is a new tensor)."""
+        return [p.weight for p in self.projections] + [self.o_proj.weight, self.down_proj.weight]
+
+    def versions(self, sources: list[torch.Tensor]) -> list[tuple[int, int]]:
         # an in-place write to a parameter (copy_, load_state_dict) bumps its version counter
-        return [w._version for w in self.sources]
+        return [(id(w), w._version) for w in sources]
+
+    def held(self, next_norm) -> list:
+        """What the layer loop (``DecodeLayers``) holds beside the fused weights: a replaced one means a new table."""
+        norms = [self.norm_modules[1], next_norm, *(self.head_norms or ())]
+        tensors = [self.o_proj.weight, self.o_proj.bias, self.down_proj.weight, self.down_proj.bias]
+        return [t if t is None else t.data_ptr() for t in tensors] + [
+            (n.weight.data_ptr(), n.variance_epsilon) for n in norms
+        ]
 
 
 class FusedDecoder:
@@ -182,7 +204,18 @@ class FusedDecoder:
             log.debug("fused decode: the layers' elementwise work stays PyTorch's (%s)", why)
         self._packed_threads: int | None = None  # the thread count the packs were checked at
         self._head_pack: Pack | None = None
-        self._head_version: int | None = None
+        self._head_version: tuple[int, int] | None = None
+        self._head_source: torch.Tensor | None = None
+        # the layers in one compiled call where the step is the common one (``_loop_runs``); off: the Python loop
+        linear = model_linear(model)
+        self._loop_plain = {F.linear: "linear", onednn_linear: "onednn"}.get(linear)
+        self.layer_loop = self.layer_kernels is not None and self._loop_plain is not None
+        self._loop = None  # the compiled table of the layers (DecodeLayers) and what it was built from
+        self._loop_key: tuple | None = None
+        self._packs_made = 0  # counts the packs made or dropped: a new table after each
+        # the seconds the loop spent in its products and its attention, where ``time_loop`` (benchmarks)
+        self.time_loop = False
+        self.loop_seconds = {"products": 0.0, "attention": 0.0}
 
     def check(self) -> None:
         """Refuses to run if a projection's weight was replaced instead of written in place; repacks
@@ -197,8 +230,10 @@ class FusedDecoder:
 
     def drop_packs(self) -> None:
         for layer in self.layers:
-            layer.packs, layer.packed_versions = {}, None
-        self._head_pack, self._head_version, self._packed_threads = None, None, None
+            layer.packs, layer.packed_versions, layer.packed_sources = {}, None, []
+        self._head_pack, self._head_version, self._head_source, self._packed_threads = None, None, None, None
+        self._packs_made += 1
+        self._loop, self._loop_key = None, None  # the layer table holds the packs
 
     def _refresh_packs(self) -> None:
         threads = torch.get_num_threads()
@@ -206,14 +241,16 @@ class FusedDecoder:
             self.drop_packs()
             self._packed_threads = threads
         for layer in self.layers:
-            versions = layer.versions()
+            sources = layer.sources()
+            versions = layer.versions(sources)
             if versions != layer.packed_versions:
                 layer.packs = {name: pack(w, self.linear) for name, w in layer.weights().items()}
-                layer.packed_versions = versions
+                layer.packed_versions, layer.packed_sources = versions, sources
+                self._packs_made += 1
         head = self.head.weight
-        if head._version != self._head_version:
+        if (id(head), head._version) != self._head_version:
             self._head_pack = pack(head, self.linear)
-            self._head_version = head._version
+            self._head_version, self._head_source = (id(head), head._version), head  # held: its id stays its own
 
     def _attend(self, layer: _Layer, q, kv: tuple[torch.Tensor, torch.Tensor], mask, group: int = 0) -> torch.Tensor:
         """The model's attention function, called as the model calls it: ``[rows, 1, heads, head_dim]``. The decode
@@ -282,6 +319,15 @@ class FusedDecoder:
         masks = self._masks(cache, x)
         first = self.layers[0].norm_modules[0]
         h = kernels.rms_norm(x, first.weight, first.variance_epsilon)
+        if self._loop_runs(cache, x, masks):
+            group = cache.groups[0]
+            h, products, attention = self._loop_table(packing).run(
+                x, h, cos, sin, cache.pool.storage, cache.write_slots, masks[0], group.first, group.stride, group.width,
+                packing, self.time_loop,
+            )  # fmt: skip
+            self.loop_seconds["products"] += products
+            self.loop_seconds["attention"] += attention
+            return h
         for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
             packs = layer.packs
             qkv = self._product(h, layer.qkv, layer.qkv_bias, packs.get("qkv"), packing)
@@ -303,6 +349,42 @@ class FusedDecoder:
             update = self._product(act, down.weight, down.bias, packs.get("down"), packing)
             x, h = kernels.add_rms_norm(x, update, next_norm.weight, next_norm.variance_epsilon)
         return h
+
+    def _loop_runs(self, cache: PagedCache, x: torch.Tensor, masks: list[torch.Tensor]) -> bool:
+        """Whether this step's layers run in one compiled call: the decode kernel attends every row, in batch order
+        and in place in the cache (one group), with the additive mask the kernel takes."""
+        if not (self.layer_loop and self._loop_plain and self.decode_kernel is not None and self.additive_mask):
+            return False
+        if len(cache.groups) != 1 or cache.groups[0].rows is not None or cache.groups[0].gather is not None:
+            return False
+        layer = self.layers[0]
+        keys, values = cache.attended(0)
+        query = x.new_empty(x.shape[0], layer.heads, 1, layer.head_dim)
+        return takes_kernel(query, keys, values, masks[0], 0.0, {})
+
+    def _loop_table(self, packing: bool):
+        """The layers' compiled table (``DecodeLayers``), made again when a pack or a tensor it holds changed since
+        (it holds the packs, so dropping them drops it too)."""
+        key = (self._packs_made, packing, [layer.held(n) for layer, n in zip(self.layers, self.next_norms)])
+        if self._loop is not None and self._loop_key == key:
+            return self._loop
+        table = self.layer_kernels.DecodeLayers(self._loop_plain)
+        for layer, next_norm in zip(self.layers, self.next_norms):
+            weights = layer.weights()
+            biases = [layer.qkv_bias, layer.o_proj.bias, layer.gate_up_bias, layer.down_proj.bias]
+            packs = [layer.packs.get(name) for name in ("qkv", "o", "gate_up", "down")] if packing else [None] * 4
+            q_norm, k_norm = layer.head_norms or (None, None)
+            post_norm = layer.norm_modules[1]
+            table.add_layer(
+                [weights[name] for name in ("qkv", "o", "gate_up", "down")], biases,
+                [None if p is None else p.weight for p in packs], [0 if p is None else p.rows_from for p in packs],
+                post_norm.weight, post_norm.variance_epsilon, next_norm.weight, next_norm.variance_epsilon,
+                None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                q_norm.variance_epsilon if q_norm is not None else 0.0,
+                layer.heads, layer.kv_heads, layer.head_dim, layer.intermediate, float(layer.scaling),
+            )  # fmt: skip
+        self._loop, self._loop_key = table, key
+        return table
 
     def _layers(self, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor, packing: bool) -> torch.Tensor:
         """The decoder layers of one step: the last layer's hidden states ``[B, 1, H]``."""

@@ -274,6 +274,11 @@ class PagedCache(Cache):
         flat[0].index_copy_(1, self._write, key_states[:, :, 0].transpose(0, 1))
         flat[1].index_copy_(1, self._write, value_states[:, :, 0].transpose(0, 1))
 
+    @property
+    def write_slots(self) -> torch.Tensor:
+        """This step's write position of each row in a layer's flat ``[kv_heads, slots, d]`` keys and values ``[B]``."""
+        return self._write
+
     def write_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where a decode step's keys and values go: layer ``layer``'s keys and values ``[kv_heads, slots, d]``
         and each row's slot ``[B]`` (``write`` writes there; the fused step's compiled kernels write there too)."""

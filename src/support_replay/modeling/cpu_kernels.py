@@ -1,8 +1,9 @@
 """The project's compiled CPU kernels (csrc/*.cpp), built once per machine into the user cache.
 
 One extension holds them all (one build, its sources compiled in parallel): the decode attention
-(modeling/decode_attention.py), the elementwise work around a decode step's products (modeling/decode_layer.py) and
-the sampler's top candidates (modeling/top_candidates.py).
+(modeling/decode_attention.py), the elementwise work around a decode step's products (modeling/decode_layer.py), a
+float32 decode step's layers in one call (engine/fused_step.py) and the sampler's top candidates
+(modeling/top_candidates.py).
 It is built with PyTorch's extension builder for the vector ISA PyTorch itself runs at
 (``torch.backends.cpu.get_cpu_capability()``, which follows ``ATEN_CPU_CAPABILITY``), without fused multiply-adds
 the source does not write itself (``-ffp-contract=off``: a product and a sum round twice, as ATen's separate
@@ -26,7 +27,10 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("bindings.cpp", "decode_attention.cpp", "decode_layer.cpp", "top_candidates.cpp")]
+SOURCES = [
+    CSRC / name
+    for name in ("bindings.cpp", "decode_attention.cpp", "decode_layer.cpp", "decode_layers.cpp", "top_candidates.cpp")
+]
 
 
 def _isa() -> tuple[str, list[str]]:

@@ -17,6 +17,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t intermediate);
 bool use_aten_calls(bool on);
 at::Tensor mean_of_squares(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> top_candidates(const at::Tensor& probs, int64_t width);
+void bind_decode_layers(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one query token per row over its keys and values (CPU)");
@@ -28,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_aten_calls", &use_aten_calls,
         "whether the RMSNorms' mean and SiLU call ATen's kernels or the loops in ATen's order; returns the old setting");
   m.def("mean_of_squares", &mean_of_squares, "x.pow(2).mean(-1, keepdim=True) of [rows, d] as the kernels take it");
+  bind_decode_layers(m);  // DecodeLayers: a float32 decode step's layers in one call
   m.def("top_candidates", &top_candidates,
         "each row's first width entries of the full sort by (value descending, id ascending): (values, ids)");
 }
