@@ -152,13 +152,12 @@ class _Layer:
         # an in-place write to a parameter (copy_, load_state_dict) bumps its version counter
         return [(id(w), w._version) for w in sources]
 
-    def held(self, next_norm) -> list:
-        """What the layer loop (``DecodeLayers``) holds beside the fused weights: a replaced one means a new table."""
+    def held(self, next_norm) -> list[tuple[nn.Module, str]]:
+        """Where the layer loop (``DecodeLayers``) reads what it holds beside the fused weights and the packs:
+        ``(module, attribute)``; another object there (a replaced weight, another epsilon) means a new table."""
         norms = [self.norm_modules[1], next_norm, *(self.head_norms or ())]
-        tensors = [self.o_proj.weight, self.o_proj.bias, self.down_proj.weight, self.down_proj.bias]
-        return [t if t is None else t.data_ptr() for t in tensors] + [
-            (n.weight.data_ptr(), n.variance_epsilon) for n in norms
-        ]
+        held = [(self.o_proj, "weight"), (self.o_proj, "bias"), (self.down_proj, "weight"), (self.down_proj, "bias")]
+        return held + [(n, name) for n in norms for name in ("weight", "variance_epsilon")]
 
 
 class FusedDecoder:
@@ -212,6 +211,8 @@ class FusedDecoder:
         self.layer_loop = self.layer_kernels is not None and self._loop_plain is not None
         self._loop = None  # the compiled table of the layers (DecodeLayers) and what it was built from
         self._loop_key: tuple | None = None
+        self._loop_held: list = []
+        self._held = [pair for layer, n in zip(self.layers, self.next_norms) for pair in layer.held(n)]
         self._packs_made = 0  # counts the packs made or dropped: a new table after each
         # the seconds the loop spent in its products and its attention, where ``time_loop`` (benchmarks)
         self.time_loop = False
@@ -233,7 +234,7 @@ class FusedDecoder:
             layer.packs, layer.packed_versions, layer.packed_sources = {}, None, []
         self._head_pack, self._head_version, self._head_source, self._packed_threads = None, None, None, None
         self._packs_made += 1
-        self._loop, self._loop_key = None, None  # the layer table holds the packs
+        self._loop, self._loop_key, self._loop_held = None, None, []  # the layer table holds the packs
 
     def _refresh_packs(self) -> None:
         threads = torch.get_num_threads()
@@ -365,7 +366,8 @@ class FusedDecoder:
     def _loop_table(self, packing: bool):
         """The layers' compiled table (``DecodeLayers``), made again when a pack or a tensor it holds changed since
         (it holds the packs, so dropping them drops it too)."""
-        key = (self._packs_made, packing, [layer.held(n) for layer, n in zip(self.layers, self.next_norms)])
+        held = [getattr(module, name) for module, name in self._held]
+        key = (self._packs_made, packing, [id(obj) for obj in held])
         if self._loop is not None and self._loop_key == key:
             return self._loop
         table = self.layer_kernels.DecodeLayers(self._loop_plain)
@@ -383,7 +385,8 @@ class FusedDecoder:
                 q_norm.variance_epsilon if q_norm is not None else 0.0,
                 layer.heads, layer.kv_heads, layer.head_dim, layer.intermediate, float(layer.scaling),
             )  # fmt: skip
-        self._loop, self._loop_key = table, key
+        # the objects are kept with their ids, so that no other object takes one of those ids
+        self._loop, self._loop_key, self._loop_held = table, key, held
         return table
 
     def _layers(self, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor, packing: bool) -> torch.Tensor:
