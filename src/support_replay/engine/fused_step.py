@@ -40,7 +40,7 @@ common case of a rollout) and the products are the model's own (``F.linear`` or 
 step's layers run in one compiled call (``DecodeLayers``, modeling/csrc/decode_layers.cpp): the same kernels, products
 and order as the Python loop over them, so the same bits (tests/engine/test_fused_step.py compares both with the
 module tree), without the interpreter, views and argument passing between them. SmolLM2 at the GRPO shape on a
-Zen 3 EPYC: a decode step 56.5 instead of 61 ms (docs/benchmarks.md). The call holds the layers' weights, packs
+Zen 3 EPYC: a decode step 57.1 instead of 61.4 ms (docs/benchmarks.md). The call holds the layers' weights, packs
 and norms in a table made again when a pack or one of those tensors changed; it times its own products and
 attention for the benchmarks (``time_loop``, ``loop_seconds``). ``layer_loop`` off keeps the Python loop.
 
