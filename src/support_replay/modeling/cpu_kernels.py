@@ -31,6 +31,7 @@ SOURCES = [
     CSRC / name
     for name in ("bindings.cpp", "decode_attention.cpp", "decode_layer.cpp", "decode_layers.cpp", "top_candidates.cpp")
 ]
+HEADERS = [CSRC / "kernels.h"]  # in the build's name too: an edited declaration is a new build
 
 
 def _isa() -> tuple[str, list[str]]:
@@ -72,11 +73,11 @@ def _ninja_on_path() -> None:
 @functools.cache
 def built() -> tuple[ModuleType | None, str]:
     """The extension built for this CPU and PyTorch, or None and why it cannot be."""
-    missing = [str(source) for source in SOURCES if not source.exists()]
+    missing = [str(source) for source in SOURCES + HEADERS if not source.exists()]
     if missing:
         return None, f"its sources {missing} are not installed"
     isa, flags = _isa()
-    name = build_name(SOURCES, isa)
+    name = build_name(SOURCES + HEADERS, isa)
     directory = build_directory(name)
     if not any(directory.glob(f"{name}*.so")):
         log.info("CPU kernels: building them for %s once, into %s (about a minute)", isa, directory)

@@ -2,22 +2,7 @@
 
 #include <torch/extension.h>
 
-#include <tuple>
-
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const c10::optional<at::Tensor>& mask, double scale);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tensor& update,
-                                                const at::Tensor& weight, double eps);
-at::Tensor attention_inputs(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t dim,
-                            const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
-                            const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& key_cache,
-                            const at::Tensor& value_cache, const at::Tensor& slots);
-at::Tensor silu_mul(const at::Tensor& gate_up, int64_t intermediate);
-bool use_aten_calls(bool on);
-at::Tensor mean_of_squares(const at::Tensor& x);
-std::tuple<at::Tensor, at::Tensor> top_candidates(const at::Tensor& probs, int64_t width);
-void bind_decode_layers(pybind11::module_& m);
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one query token per row over its keys and values (CPU)");

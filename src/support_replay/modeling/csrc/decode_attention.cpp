@@ -20,6 +20,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;

@@ -22,15 +22,7 @@
 
 #include <torch/extension.h>  // pybind11 with the conversions of std::vector, optional tensors and strings
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const c10::optional<at::Tensor>& mask, double scale);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tensor& update,
-                                                const at::Tensor& weight, double eps);
-at::Tensor attention_inputs(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t dim,
-                            const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
-                            const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& key_cache,
-                            const at::Tensor& value_cache, const at::Tensor& slots);
-at::Tensor silu_mul(const at::Tensor& gate_up, int64_t intermediate);
+#include "kernels.h"
 
 namespace {
 

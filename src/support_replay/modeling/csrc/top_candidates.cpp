@@ -18,6 +18,8 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
