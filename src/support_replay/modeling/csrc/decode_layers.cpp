@@ -99,8 +99,6 @@ class DecodeLayers {
     layers_.push_back(std::move(layer));
   }
 
-  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
-
   // The layers of one step and the final norm: x the embeddings [B, 1, H], h the first layer's normed input;
   // cos, sin [B, 1, D]; each layer's keys and values (the cache's storage: [2, kv_heads, blocks, page, dim], held
   // for the call only, so the cache's memory goes back when it drops them); slots [B] (each row's write position);
@@ -173,6 +171,5 @@ void bind_decode_layers(pybind11::module_& m) {
   pybind11::class_<DecodeLayers>(m, "DecodeLayers")
       .def(pybind11::init<const std::string&>())
       .def("add_layer", &DecodeLayers::add_layer)
-      .def("size", &DecodeLayers::size)
       .def("run", &DecodeLayers::run);
 }
