@@ -34,15 +34,20 @@ SOURCES = [
 HEADERS = [CSRC / "kernels.h"]  # in the build's name too: an edited declaration is a new build
 
 
+# The compiler flags of each vector ISA the build may take: PyTorch's own choice on the CPU it runs on
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512",
+               "-DCPU_CAPABILITY_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "default": [],  # ATen's portable vectors
+}  # fmt: skip
+
+
 def _isa() -> tuple[str, list[str]]:
     """The vector ISA to build for (PyTorch's own choice on this CPU) and its compiler flags."""
     capability = torch.backends.cpu.get_cpu_capability().upper()
-    if capability.startswith("AVX512"):
-        flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
-        return "avx512", [*flags, "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
-    if capability == "AVX2":
-        return "avx2", ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    return "default", []  # ATen's portable vectors
+    isa = "avx512" if capability.startswith("AVX512") else "avx2" if capability == "AVX2" else "default"
+    return isa, ISA_FLAGS[isa]
 
 
 def build_name(sources: list[Path], isa: str) -> str:

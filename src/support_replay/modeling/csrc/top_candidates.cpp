@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>  // vec_reduce_all: vec.h alone brings it under AVX2, not under AVX-512
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
