@@ -38,12 +38,28 @@ constexpr int64_t W = Vec::size();
 // models' bits on this CPU and PyTorch, ATen's calls where it does not.
 std::atomic<bool> aten_calls{true};
 
+// ATen's float sum runs on vectors of 8 floats on AVX2 and AVX-512 CPUs alike (under AVX-512 its sum gives the AVX2
+// kernel's bits: seen on a Zen 5 EPYC with torch 2.13), so the sum here does too, whatever this build's Vec is
+constexpr int64_t SUM_LANES = 8;
+struct SumVec {
+  float lane[SUM_LANES];
+  SumVec() = default;
+  explicit SumVec(float value) { std::fill(lane, lane + SUM_LANES, value); }
+  SumVec operator+(const SumVec& other) const {
+    SumVec out(0.f);
+    for (int64_t k = 0; k < SUM_LANES; ++k) out.lane[k] = lane[k] + other.lane[k];
+    return out;
+  }
+};
+
 template <typename T>
 inline T item(const float* x, int64_t i) {
   if constexpr (std::is_same_v<T, float>) {
     return x[i];
   } else {
-    return Vec::loadu(x + i * W);
+    T out(0.f);
+    std::copy(x + i * SUM_LANES, x + (i + 1) * SUM_LANES, out.lane);
+    return out;
   }
 }
 
@@ -53,9 +69,9 @@ inline int64_t ceil_log2(int64_t n) {
   return bits;
 }
 
-// The sum of ``count`` items (floats, or vectors of W floats) in the order of ATen's cascade sum (SumKernel.cpp):
-// four running sums over the items 4g .. 4g + 3 of each group g, each held on four levels; every 16 groups the
-// lowest level is added into the next, and so on up while the group count is a multiple of 16, 256, 4096 (of
+// The sum of ``count`` items (floats, or vectors of SUM_LANES floats) in the order of ATen's cascade sum
+// (SumKernel.cpp): four running sums over the items 4g .. 4g + 3 of each group g, each held on four levels; every 16
+// groups the lowest level is added into the next, and so on up while the group count is a multiple of 16, 256, 4096 (of
 // 2^p, p = max(4, ceil(log2 groups) / 4)); then the leftover items go into the first sum and the four are added in
 // order. Additions only: with -ffp-contract=off the bits are the order's.
 template <typename T>
@@ -93,14 +109,12 @@ T cascade_sum(const float* x, int64_t count) {
 // ATen's float sum of a contiguous row of d: the vectors' cascade, then the scalar tail and the vector's lanes in
 // order after it (rows shorter than a vector: the cascade over the floats)
 inline float row_sum(const float* x, int64_t d) {
-  if (d < W) return 0.f + cascade_sum<float>(x, d);
-  const int64_t vectors = d / W;
-  const Vec acc = cascade_sum<Vec>(x, vectors);
+  if (d < SUM_LANES) return 0.f + cascade_sum<float>(x, d);
+  const int64_t vectors = d / SUM_LANES;
+  const SumVec acc = cascade_sum<SumVec>(x, vectors);
   float total = 0.f;
-  for (int64_t i = vectors * W; i < d; ++i) total += x[i];
-  alignas(64) float lane[W];
-  acc.store(lane);
-  for (int64_t k = 0; k < W; ++k) total += lane[k];
+  for (int64_t i = vectors * SUM_LANES; i < d; ++i) total += x[i];
+  for (int64_t k = 0; k < SUM_LANES; ++k) total += acc.lane[k];
   return 0.f + total;
 }
 
