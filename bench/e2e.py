@@ -308,11 +308,12 @@ def trl_in_a_process(steps: int, precision: str = "fp32") -> list[float] | None:
         text=True,
         check=True,
     )
-    line = next((x for x in out.stdout.splitlines() if x.startswith("TRL_TIMES ")), None)
-    if line is None:
-        print(out.stdout[-2000:])
-        return None
-    return json.loads(line.removeprefix("TRL_TIMES "))
+    lines = out.stdout.splitlines()
+    line = next((x for x in lines if x.startswith("TRL_TIMES ")), None)
+    times = None if line is None else json.loads(line.removeprefix("TRL_TIMES "))
+    if times is None:  # say why (no TRL: `pip install trl==1.16.0` beside the CPU torch), never end silently
+        print(next((x for x in lines if x.startswith("TRL not measured")), out.stdout[-2000:]))
+    return times
 
 
 def against_trl(run: dict, args) -> None:
