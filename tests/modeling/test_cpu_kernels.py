@@ -3,6 +3,7 @@ compile for every other ISA the build may take: a CPU of another kind builds the
 that only compiles for this one (an include that AVX2's headers bring and AVX-512's do not) would leave that CPU
 on PyTorch's slower functions, the kernels' tests skipped."""
 
+import os
 import shutil
 import subprocess
 import sysconfig
@@ -13,7 +14,7 @@ import torch
 from support_replay.modeling import cpu_kernels
 from support_replay.modeling.invariant_products import cpu_name
 
-COMPILER = shutil.which("c++")
+COMPILER = shutil.which(os.environ.get("CXX", "c++"))  # the compiler PyTorch's extension builder calls
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler here: PyTorch's own functions serve")
 VECTOR_SOURCES = [source for source in cpu_kernels.SOURCES if "ATen/cpu/vec" in source.read_text()]
 
@@ -36,7 +37,8 @@ def test_the_vector_sources_compile_for_another_isa(isa):
         subprocess.Popen([*command, *cpu_kernels.ISA_FLAGS[isa], str(source)], stderr=subprocess.PIPE, text=True)
         for source in VECTOR_SOURCES
     ]
-    failed = {source.name: run.communicate()[1] for source, run in zip(VECTOR_SOURCES, runs) if run.wait() != 0}
+    errors = [run.communicate()[1] for run in runs]  # read before waiting: a long error fills the pipe
+    failed = {source.name: err for source, err, run in zip(VECTOR_SOURCES, errors, runs) if run.returncode != 0}
     assert not failed, f"for {isa} (torch {torch.__version__}): " + "\n".join(
         f"{name}: {err.strip()[:1500]}" for name, err in failed.items()
     )
