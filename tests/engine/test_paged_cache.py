@@ -2,6 +2,7 @@
 decode writes in place and gathers what a rectangle of slots would hold, blocks are shared by
 holder count, and a request's answer does not depend on who joined or left around it."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -174,6 +175,47 @@ def test_the_cpu_storage_is_zero_filled_memory_made_at_first_write_and_dropped_w
     big.ensure(1, 1, torch.float32, "cpu")
     big.allocate(2)
     assert big.allocate_rows([1, 2, 2]) == [[3], [5, 6], [7, 8]] and big.used == 7
+
+
+class Entries:
+    """An idle holder as the prefix cache is one: entries of blocks, the oldest first, each holding its blocks."""
+
+    def __init__(self, pool, *entries):
+        self.pool, self.entries = pool, [list(e) for e in entries]
+        for entry in self.entries:
+            pool.share(entry)
+
+    def held(self, blocks):
+        ids = [b for entry in self.entries for b in entry]
+        return np.bincount(np.asarray(ids, np.int64), minlength=blocks)[:blocks]
+
+    def give_way(self):
+        if not self.entries:
+            return False
+        self.pool.release(self.entries.pop(0))
+        return True
+
+
+def test_idle_entries_give_way_oldest_first_to_rows_in_place_and_only_where_that_finds_them_a_window():
+    pool = BlockPool(num_layers=1, block_size=1, max_tokens=9)
+    pool.ensure(1, 1, torch.float32, "cpu")
+    rows = pool.allocate(8)
+    pool.idle = Entries(pool, [2], [5], [7])  # finished rows left blocks 2, 5 and 7 to the cache
+    pool.release(rows)
+    assert pool.used == 3
+    assert pool.allocate_rows([3, 3]) == [[1, 2, 3], [4, 5, 6]]  # [2] and [5] went, the newest entry stayed
+    assert pool.idle.entries == [[7]] and pool.used == 7
+    pool.release([1, 2, 3, 4, 5, 6])
+    assert pool.allocate(4) == [1, 2, 3, 4]
+    pool.release([1, 2, 3])
+    # a running row (block 4) breaks every window of two rows of 3; the entry is no help and stays
+    assert pool.allocate_rows([3, 3]) is None and pool.idle.entries == [[7]]
+    last = BlockPool(num_layers=1, block_size=1, max_tokens=5)
+    last.ensure(1, 1, torch.float32, "cpu")
+    held = last.allocate(4)
+    last.idle = Entries(last, [2])
+    last.release(held)
+    assert last.allocate_rows([4]) == [[1, 2, 3, 4]] and last.storage is not None  # its last block went, not its memory
 
 
 def test_requests_joining_and_leaving_mid_flight_answer_as_alone(tiny_checkpoint):

@@ -121,6 +121,31 @@ def test_entries_give_way_within_the_budget_and_are_dropped_on_updates(tiny_chec
     assert not deterministic.prefix_cache.enabled and not deterministic.prefix_cache.entries
 
 
+def test_rollouts_without_updates_keep_their_rows_in_place_as_entries_give_way(tiny_checkpoint):
+    """GRPO-shaped rollouts with no weight update between them: every finished row's blocks stay cached among the
+    freed ones, and the pool's untouched tail runs out (round 9 here): then the oldest entries give way, and each
+    group's rows still get runs at one pitch (attended in place) instead of scattered blocks."""
+    engine = Engine.from_pretrained(tiny_checkpoint, max_total_tokens=1600)
+    pool, in_place = engine.runner.pool, []
+    allocate_rows = pool.allocate_rows
+    pool.allocate_rows = lambda sizes: (rows := allocate_rows(sizes), in_place.append(rows is not None))[0]
+    for r in range(12):
+        engine.generate(
+            [
+                GenerateRequest(
+                    list(range(10 + 7 * r + g, 30 + 7 * r + g)),
+                    SamplingParams(temperature=1.0, top_k=8, seed=10 * r + 2 * g + j),
+                    max_new_tokens=12,
+                    ignore_eos=True,
+                )
+                for g in range(2)
+                for j in range(2)
+            ]
+        )
+    assert pool._high > pool.blocks - 12 and engine.prefix_cache.stats.evicted > 0  # the tail ran out
+    assert in_place == [True] * 12 and engine.prefix_cache.entries
+
+
 def test_routing_captured_for_cached_positions_is_kept_with_them(tiny_moe_checkpoint):
     """A mixture of experts: a finished sequence that captured its routing leaves it with its entry; a
     later request that captures routing and begins with it reports those experts for the cached

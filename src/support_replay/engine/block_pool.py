@@ -24,11 +24,20 @@ from __future__ import annotations
 
 import math
 import mmap
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from ..errors import EngineError
+
+
+class IdleHolder(Protocol):
+    def held(self, blocks: int) -> np.ndarray:
+        """How many of its holds each of the pool's ``blocks`` blocks has."""
+
+    def give_way(self) -> bool:
+        """Let some blocks go (the oldest entry); False where it holds none."""
 
 
 class BlockPool:
@@ -44,6 +53,9 @@ class BlockPool:
         self.refs[0] = 1  # block 0 is the pool's own
         self._high = 1  # blocks from here on are free (a bound on the search for free ones)
         self.used = 0  # blocks held by someone
+        # the holder of idle blocks that can give them up (the prefix cache: engine.py sets it)
+        self.idle: IdleHolder | None = None
+        self._giving_way = False
 
     @property
     def free(self) -> int:
@@ -79,11 +91,36 @@ class BlockPool:
         """Runs of ``sizes[i]`` consecutive free blocks, row i's starting ``i * pitch`` blocks after row 0's
         (``pitch``: the largest size), the lowest such start; None where there is none. Only the rows' own
         blocks are held: the blocks between a shorter run and the next row's stay free for anyone, and a
-        view at the pitch reads them only at positions its rows mask (finite values: zeros, or some row's)."""
-        pitch, total = max(sizes), sum(sizes)
-        self._check(total)
+        view at the pitch reads them only at positions its rows mask (finite values: zeros, or some row's).
+
+        Where no window is free but one would be without the idle holder's blocks (the prefix cache: entries
+        kept across rollouts without a weight update sit between the freed rows and break every window), its
+        oldest entries give way until one is: rows not in place leave the layer loop (engine/fused_step.py)."""
+        self._check(sum(sizes))
+        start = self._window(sizes, self.refs[1 : self._high] == 0)
+        if start is None and self.idle is not None:
+            idle = self.idle.held(self.blocks + 1)[1 : self._high]
+            if self._window(sizes, self.refs[1 : self._high] == idle) is not None:
+                self._giving_way = True  # the storage stays while the entries go: these rows are about to use it
+                try:
+                    while start is None and self.idle.give_way():
+                        start = self._window(sizes, self.refs[1 : self._high] == 0)
+                finally:
+                    self._giving_way = False
+        if start is None:
+            return None
+        pitch = max(sizes)
+        rows = [list(range(start + i * pitch, start + i * pitch + size)) for i, size in enumerate(sizes)]
+        self._high = max(self._high, rows[-1][-1] + 1)
+        self._hold([b for row in rows for b in row])
+        return rows
+
+    def _window(self, sizes: list[int], free: np.ndarray) -> int | None:
+        """The lowest first block of rows ``sizes`` at one pitch where ``free`` (of blocks 1 .. high mark - 1; all
+        from the high mark on are free) holds all their blocks, or None."""
+        pitch = max(sizes)
         span = pitch * len(sizes)  # the in-place view's extent: within the storage
-        free = np.concatenate([self.refs[1 : self._high] == 0, np.ones(span, bool)])  # the free tail counts too
+        free = np.concatenate([free, np.ones(span, bool)])
         counts = np.concatenate([[0], np.cumsum(free)])
         # block 1 + s for s below the high mark (from it on all is free): every window lies within ``counts``
         starts = np.arange(min(self._high, self.blocks + 1 - span))
@@ -92,13 +129,7 @@ class BlockPool:
             lo = starts + i * pitch
             ok &= counts[lo + size] - counts[lo] == size
         found = np.flatnonzero(ok)
-        if not found.size:
-            return None
-        first = int(found[0]) + 1
-        rows = [list(range(first + i * pitch, first + i * pitch + size)) for i, size in enumerate(sizes)]
-        self._high = max(self._high, rows[-1][-1] + 1)
-        self._hold([b for row in rows for b in row])
-        return rows
+        return int(found[0]) + 1 if found.size else None
 
     def _check(self, n: int) -> None:
         if n > self.free:
@@ -129,7 +160,7 @@ class BlockPool:
                     f"block pool: block {int(index[self.refs[index] < 0][0])} released more often than held"
                 )
             self.used -= int(np.unique(index[self.refs[index] == 0]).size)
-        if self.used == 0:  # nothing held: the memory goes back
+        if self.used == 0 and not self._giving_way:  # nothing held: the memory goes back
             self.storage, self._maps, self._high = None, [], 1
 
     def flat(self, layer: int) -> torch.Tensor:

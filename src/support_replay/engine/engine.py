@@ -155,6 +155,7 @@ class Engine:
         self.stops = StopConditions(tokenizer, self.eos_ids)
         # finished rows' keys and values for later prompts that begin with them; none in the deterministic engine
         self.prefix_cache = PrefixCache(pool, enabled=prefix_cache and not deterministic)
+        pool.idle = self.prefix_cache  # cached prefixes give way to rows in place (BlockPool.allocate_rows)
         self.batch = RunningBatch(self.runner, self.prefix_cache)
         self.adapters = AdapterSlot()  # a LoRA adapter merged into the weights (SGLang's /load_lora_adapter)
         self._adapter_lock = threading.Lock()  # a load or unload and its place in the queue, together

@@ -18,7 +18,11 @@ that captures routing matches only such entries, and its cached positions report
 
 The cache lives inside the engine's KV budget (engine/kv_budget.py): its blocks count as held,
 least recently used entries go first, and admission evicts entries before it makes a request
-wait (a block also held by a running row stays until that row leaves). A weight update (or
+wait (a block also held by a running row stays until that row leaves). They also give way, oldest
+first, to a group of rows that finds no run of free blocks at one pitch while it would without them
+(``BlockPool.allocate_rows``): rollouts without a weight update between them leave their entries among
+the freed rows, and once the pool's untouched tail runs out their rows would no longer be attended in
+place. A weight update (or
 version change) and ``/flush_cache`` empty it: keys and values from other weights are not these
 weights'. The deterministic engine (true-on-policy) keeps none, so a prefill there is always the
 whole prompt's, bit for bit.
@@ -118,6 +122,18 @@ class PrefixCache:
         self.pool.release(entry.blocks)
         self.tokens -= len(entry.ids)
         self.stats.evicted += 1
+
+    def held(self, blocks: int) -> np.ndarray:
+        """How many entries hold each of the pool's ``blocks`` blocks (``BlockPool.allocate_rows`` asks)."""
+        ids = [b for entry in self.entries.values() for b in entry.blocks]
+        return np.bincount(np.asarray(ids, np.int64), minlength=blocks)[:blocks]
+
+    def give_way(self) -> bool:
+        """The oldest entry out, where there is one (``BlockPool.allocate_rows``: for rows in place)."""
+        if not self.entries:
+            return False
+        self.evict_oldest()
+        return True
 
     def clear(self) -> None:
         while self.entries:
