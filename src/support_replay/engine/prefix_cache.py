@@ -16,16 +16,15 @@ one copy at admission).
 A sequence that captured its routing (a mixture of experts) leaves it with its entry; a request
 that captures routing matches only such entries, and its cached positions report that routing.
 
-The cache lives inside the engine's KV budget (engine/kv_budget.py): its blocks count as held,
-least recently used entries go first, and admission evicts entries before it makes a request
-wait (a block also held by a running row stays until that row leaves). They also give way, oldest
-first, to a group of rows that finds no run of free blocks at one pitch while it would without them
-(``BlockPool.allocate_rows``): rollouts without a weight update between them leave their entries among
-the freed rows, and once the pool's untouched tail runs out their rows would no longer be attended in
-place. A weight update (or
-version change) and ``/flush_cache`` empty it: keys and values from other weights are not these
-weights'. The deterministic engine (true-on-policy) keeps none, so a prefill there is always the
-whole prompt's, bit for bit.
+The cache lives inside the engine's KV budget (engine/kv_budget.py): its blocks count as held, least
+recently used entries go first, and admission evicts entries before it makes a request wait (a block
+also held by a running row stays until that row leaves). They also give way, oldest first, to a
+group of rows that finds no run of free blocks at one pitch while it would without them
+(``BlockPool.allocate_rows``): rollouts without a weight update between them leave their entries
+among the freed rows, and once the pool's untouched tail runs out their rows would no longer be
+attended in place. A weight update (or version change) and ``/flush_cache`` empty it: keys and
+values from other weights are not these weights'. The deterministic engine (true-on-policy) keeps
+none, so a prefill there is always the whole prompt's, bit for bit.
 """
 
 from __future__ import annotations
