@@ -7,7 +7,7 @@
    on SmolLM2-135M-Instruct, with wall clocks around the engine's decode step and its parts inside it (the fused
    step, its products, its attention calls, its key/value writes; sampling with capture), per step, one column
    per run (``update_bound.Clocks``; the layer loop, which runs a step's layers in one compiled call, times its
-   own products and attention). ``--decode-attention sdpa,kernel`` builds an engine per choice and alternates
+   own parts: products, attention, the attention's inputs, the norms, SiLU x up). ``--decode-attention sdpa,kernel`` builds an engine per choice and alternates
    their runs (columns ``sdpa 1``, ``kernel 1``, ``sdpa 2``, ...); ``--layers loop,compiled,pytorch`` does the
    same for the layers: in one compiled call (engine/fused_step.py's layer loop), a Python loop over the
    compiled elementwise kernels (modeling/decode_layer.py, where the keys' and values' writes are part of the
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from engine import resolve_model, shaped_rate
 from support_replay.engine import Engine
-from support_replay.engine.fused_step import FusedDecoder
+from support_replay.engine.fused_step import LOOP_PARTS, FusedDecoder
 from support_replay.engine.paged_cache import PagedCache
 from support_replay.modeling.decode_attention import compiled
 from support_replay.modeling.kernel_probe import cpu_identity
@@ -43,7 +43,10 @@ PARTS = (
     ("fused", "the fused step"),
     ("products", "  of which the linear layers"),
     ("attention", "  of which attention"),
-    ("writes", "  of which the keys' and values' writes"),
+    ("writes", "  of which the keys' and values' writes (the Python loop)"),
+    ("inputs", "  of which the queries' and keys' norms and rotation, the cache writes (the layer loop)"),
+    ("norms", "  of which the residual adds and RMSNorms (the layer loop)"),
+    ("silu", "  of which SiLU x up (the layer loop)"),
     ("sampling", "sampling and capture"),
 )
 
@@ -85,7 +88,7 @@ def one_run(engine: Engine, seed: int) -> dict[str, float]:
 
 
 def loop_times(clocks: Clocks, fused: FusedDecoder) -> None:
-    """The layer loop's products and attention, which it times itself inside its one call, into the step's row."""
+    """The layer loop's parts, which it times itself inside its one call, into the step's row."""
     fused.time_loop = True
     real = fused._compiled_layers
 
@@ -95,7 +98,7 @@ def loop_times(clocks: Clocks, fused: FusedDecoder) -> None:
             return real(*args)
         finally:
             if clocks.rows:
-                for key in ("products", "attention"):
+                for key in LOOP_PARTS:
                     clocks.rows[-1][key] += fused.loop_seconds[key] - before[key]
 
     fused._compiled_layers = timed_layers
@@ -212,10 +215,18 @@ def main() -> None:
     print("|---|" + "---:|" * len(rows))
     for key, label in PARTS:
         print(f"| {label} | " + " | ".join(f"{r[key]:.2f}" for r in rows) + " |")
-    rest = [r["fused"] - r["products"] - r["attention"] - r["writes"] for r in rows]
+    timed = ("products", "attention", "writes", "inputs", "norms", "silu")
+    rest = [r["fused"] - sum(r[key] for key in timed) for r in rows]
+    outside = [r["decode"] - r["fused"] - r["sampling"] for r in rows]
     print(
-        "|   the rest of the layers (norms, rotary, adds, SiLU x up, views; compiled: the writes too) | "
+        "|   the rest of the fused step (the layer loop: the embedding, rotary tables, masks, the call and views "
+        "between the parts; the Python loop: its norms, rotary, adds, SiLU x up too) | "
         + " | ".join(f"{x:.2f}" for x in rest)
+        + " |"
+    )
+    print(
+        "| the rest of the decode step (the checks of the weights and packs, the batch's bookkeeping) | "
+        + " | ".join(f"{x:.2f}" for x in outside)
         + " |"
     )
     print("| tokens/s of the run | " + " | ".join(f"{r['tok/s']:.1f}" for r in rows) + " |")

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from support_replay.engine import Engine
-from support_replay.engine.fused_step import unsupported
+from support_replay.engine.fused_step import LOOP_PARTS, unsupported
 from support_replay.engine.model_runner import ModelRunner
 from support_replay.engine.weight_updates import load_state
 from support_replay.errors import EngineError
@@ -148,6 +148,23 @@ def test_the_layer_loop_follows_updates_and_replaced_tensors_and_lets_its_packs_
     assert runner.fused._loop is not table
     runner.fused.drop_packs()  # a colocated trainer's update: the packs' memory goes back, the table with them
     assert runner.fused._loop is None
+
+
+def test_the_layer_loop_times_its_parts_without_changing_its_bits(tiny_checkpoint):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    use_linear(model, linear_function(KERNELS[-1]))
+    if compiled()[0] is None or unsupported(model) is not None or decode_layer.unsupported(model) is not None:
+        pytest.skip("no fused step with compiled layers and the decode kernel on this CPU")
+    assert use_decode_attention(model, "kernel") == "kernel"
+    runner = ModelRunner(model)
+    prompts, reserve = [[5, 6, 7, 8], [9, 10], [11] * 20], [4, 4, 4]
+    plain = greedy_decode(runner, prompts, 3, reserve)
+    assert runner.fused._loop is not None and set(runner.fused.loop_seconds.values()) == {0.0}
+    runner.fused.time_loop = True
+    timed = greedy_decode(runner, prompts, 3, reserve)
+    assert all(torch.equal(a, b) for a, b in zip(timed, plain))
+    assert set(runner.fused.loop_seconds) == set(LOOP_PARTS)
+    assert all(seconds > 0 for seconds in runner.fused.loop_seconds.values()), runner.fused.loop_seconds
 
 
 def test_a_replaced_projection_weight_is_refused(tiny_checkpoint):

@@ -41,8 +41,8 @@ step's layers run in one compiled call (``DecodeLayers``, modeling/csrc/decode_l
 and order as the Python loop over them, so the same bits (tests/engine/test_fused_step.py compares both with the
 module tree), without the interpreter, views and argument passing between them. SmolLM2 at the GRPO shape on a
 Zen 3 EPYC: a decode step 57.1 instead of 61.4 ms (docs/benchmarks.md). The call holds the layers' weights, packs
-and norms in a table made again when a pack or one of those tensors changed; it times its own products and
-attention for the benchmarks (``time_loop``, ``loop_seconds``). ``layer_loop`` off keeps the Python loop.
+and norms in a table made again when a pack or one of those tensors changed; it times its own parts for the
+benchmarks (``time_loop``, ``loop_seconds``, ``LOOP_PARTS``). ``layer_loop`` off keeps the Python loop.
 
 The layers run in inference mode: the same kernels, so the same bits, without autograd's per-operation
 bookkeeping (version counters, view records); about 10% of a SmolLM2 step at batch 16. The tensors a step
@@ -74,6 +74,10 @@ from .paged_cache import PagedCache
 log = logging.getLogger(__name__)
 
 FAMILIES = {"llama", "qwen3"}  # the layer layouts this step was written from and is tested on
+# what the layer loop times of its layers where ``time_loop`` (seconds, decode_layers.cpp's ``run``): the products,
+# the attention, its inputs (norms and rotation of the queries and keys, the cache writes), the residual adds with
+# their RMSNorms, SiLU x up
+LOOP_PARTS = ("products", "attention", "inputs", "norms", "silu")
 
 
 def unsupported(model) -> str | None:
@@ -216,7 +220,7 @@ class FusedDecoder:
         self._packs_made = 0  # counts the packs made or dropped: a new table after each
         # the seconds the loop spent in its products and its attention, where ``time_loop`` (benchmarks)
         self.time_loop = False
-        self.loop_seconds = {"products": 0.0, "attention": 0.0}
+        self.loop_seconds = dict.fromkeys(LOOP_PARTS, 0.0)
 
     def check(self) -> None:
         """Refuses to run if a projection's weight was replaced instead of written in place; repacks
@@ -322,12 +326,12 @@ class FusedDecoder:
         h = kernels.rms_norm(x, first.weight, first.variance_epsilon)
         if self._loop_runs(cache, x, masks):
             group = cache.groups[0]
-            h, products, attention = self._loop_table(packing).run(
+            h, seconds = self._loop_table(packing).run(
                 x, h, cos, sin, cache.pool.storage, cache.write_slots, masks[0], group.first, group.stride, group.width,
                 packing, self.time_loop,
             )  # fmt: skip
-            self.loop_seconds["products"] += products
-            self.loop_seconds["attention"] += attention
+            for part, spent in seconds.items():  # empty unless ``time_loop``
+                self.loop_seconds[part] += spent
             return h
         for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
             packs = layer.packs

@@ -15,6 +15,7 @@
 #include <c10/util/Exception.h>
 
 #include <chrono>
+#include <map>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -62,6 +63,10 @@ struct Layer {
 
 using Clock = std::chrono::steady_clock;
 
+// the parts of a layer the loop times (``run``'s ``timing``)
+enum Part { PRODUCTS, ATTENTION, INPUTS, NORMS, SILU, PARTS };
+const char* const PART_NAMES[PARTS] = {"products", "attention", "inputs", "norms", "silu"};
+
 }  // namespace
 
 class DecodeLayers {
@@ -103,9 +108,10 @@ class DecodeLayers {
   // cos, sin [B, 1, D]; each layer's keys and values (the cache's storage: [2, kv_heads, blocks, page, dim], held
   // for the call only, so the cache's memory goes back when it drops them); slots [B] (each row's write position);
   // mask [B, 1, 1, width] (additive); the rows' keys and values at blocks first + r * stride on, ``width``
-  // positions. Returns the normed last hidden states and the seconds spent in the products and in the attention
-  // (measured where ``timing``, else 0).
-  std::tuple<at::Tensor, double, double> run(at::Tensor x, at::Tensor h, const at::Tensor& cos,
+  // positions. Returns the normed last hidden states and, where ``timing``, the seconds spent in each part of the
+  // layers: "products", "attention" (with its views of the cache), "inputs" (the queries' and keys' norms and
+  // rotation, the cache writes), "norms" (the residual adds and RMSNorms), "silu" (SiLU x up); else no entries.
+  std::tuple<at::Tensor, std::map<std::string, double>> run(at::Tensor x, at::Tensor h, const at::Tensor& cos,
                                              const at::Tensor& sin, const std::vector<at::Tensor>& storages,
                                              const at::Tensor& slots, const at::Tensor& mask, int64_t first,
                                              int64_t stride, int64_t width, bool packing, bool timing) {
@@ -113,17 +119,22 @@ class DecodeLayers {
                 layers_.size(), " layers");
     pybind11::gil_scoped_release no_gil;  // nothing here touches Python
     const int64_t batch = x.size(0);
-    double product_seconds = 0, attention_seconds = 0;
-    auto product = [&](const at::Tensor& in, const Product& p) {
-      const auto start = timing ? Clock::now() : Clock::time_point();
-      at::Tensor out;
-      if (packing && p.packed.has_value() && in.size(0) >= p.packed_from) {
-        out = onednn_product(in, *p.packed, p.bias);
-      } else {
-        out = onednn_ ? onednn_product(in, p.weight, p.bias) : at::linear(in, p.weight, p.bias);
-      }
-      if (timing) product_seconds += std::chrono::duration<double>(Clock::now() - start).count();
+    double seconds[PARTS] = {};
+    // runs ``part`` of the layer, its wall time added to ``seconds[index]`` where ``timing``
+    auto timed = [&](int index, auto&& part) {
+      if (!timing) return part();
+      const auto start = Clock::now();
+      auto out = part();
+      seconds[index] += std::chrono::duration<double>(Clock::now() - start).count();
       return out;
+    };
+    auto product = [&](const at::Tensor& in, const Product& p) {
+      return timed(PRODUCTS, [&] {
+        if (packing && p.packed.has_value() && in.size(0) >= p.packed_from) {
+          return onednn_product(in, *p.packed, p.bias);
+        }
+        return onednn_ ? onednn_product(in, p.weight, p.bias) : at::linear(in, p.weight, p.bias);
+      });
     };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const auto& layer = layers_[i];
@@ -134,18 +145,26 @@ class DecodeLayers {
                   "], got ", storage.sizes());
       const auto flat = storage.view({2, layer.kv_heads, -1, layer.dim});  // [kv_heads, slots, dim] each
       const auto qkv = product(h, layer.qkv);
-      const auto q = attention_inputs(qkv, layer.heads, layer.kv_heads, layer.dim, cos, sin, layer.q_norm,
-                                      layer.k_norm, layer.head_eps, flat[0], flat[1], slots);
-      const auto start = timing ? Clock::now() : Clock::time_point();
-      const auto [keys, values] = in_place(storage, first, stride, batch, width);
-      const auto out = decode_attention(q, keys, values, mask, layer.scaling);
-      if (timing) attention_seconds += std::chrono::duration<double>(Clock::now() - start).count();
+      const auto q = timed(INPUTS, [&] {
+        return attention_inputs(qkv, layer.heads, layer.kv_heads, layer.dim, cos, sin, layer.q_norm, layer.k_norm,
+                                layer.head_eps, flat[0], flat[1], slots);
+      });
+      const auto out = timed(ATTENTION, [&] {
+        const auto [keys, values] = in_place(storage, first, stride, batch, width);
+        return decode_attention(q, keys, values, mask, layer.scaling);
+      });
       const auto update = product(out.reshape({batch, 1, -1}), layer.o);
-      std::tie(x, h) = add_rms_norm(x, update, layer.post_norm, layer.post_eps);
-      const auto act = silu_mul(product(h, layer.gate_up), layer.intermediate);
-      std::tie(x, h) = add_rms_norm(x, product(act, layer.down), layer.next_norm, layer.next_eps);
+      std::tie(x, h) = timed(NORMS, [&] { return add_rms_norm(x, update, layer.post_norm, layer.post_eps); });
+      const auto gate_up = product(h, layer.gate_up);
+      const auto act = timed(SILU, [&] { return silu_mul(gate_up, layer.intermediate); });
+      const auto down = product(act, layer.down);
+      std::tie(x, h) = timed(NORMS, [&] { return add_rms_norm(x, down, layer.next_norm, layer.next_eps); });
     }
-    return {h, product_seconds, attention_seconds};
+    std::map<std::string, double> parts;
+    if (timing) {
+      for (int i = 0; i < PARTS; ++i) parts[PART_NAMES[i]] = seconds[i];
+    }
+    return {h, parts};
   }
 
  private:
