@@ -3,15 +3,15 @@
     python bench/decode_parts.py [--dtype float32|bfloat16] [--runs 3] [--skip-alone] [--decode-attention sdpa,kernel]
                                  [--layers compiled,pytorch]
 
-1. **Parts**: ``bench/engine.py``'s GRPO work (4 chat prompts x 4 samples, 64 tokens, EOS ignored, capture on)
-   on SmolLM2-135M-Instruct, with wall clocks around the engine's decode step and its parts inside it (the fused
-   step, its products, its attention calls, its key/value writes; sampling with capture), per step, one column
-   per run (``update_bound.Clocks``; the layer loop, which runs a step's layers in one compiled call, times its
-   own parts: products, attention, the attention's inputs, the norms, SiLU x up). ``--decode-attention sdpa,kernel`` builds an engine per choice and alternates
-   their runs (columns ``sdpa 1``, ``kernel 1``, ``sdpa 2``, ...); ``--layers loop,compiled,pytorch`` does the
-   same for the layers: in one compiled call (engine/fused_step.py's layer loop), a Python loop over the
-   compiled elementwise kernels (modeling/decode_layer.py, where the keys' and values' writes are part of the
-   kernel that rotates the queries and keys, so they count in "the rest"), and PyTorch's operations.
+1. **Parts**: ``bench/engine.py``'s GRPO work (4 chat prompts x 4 samples, 64 tokens, EOS ignored, capture on) on
+   SmolLM2-135M-Instruct, with wall clocks around the engine's decode step and its parts inside it (the fused step,
+   its products, its attention calls, its key/value writes; sampling with capture), per step, one column per run
+   (``update_bound.Clocks``; the layer loop, which runs a step's layers in one compiled call, times its own parts:
+   products, attention, the attention's inputs, the norms, SiLU x up). ``--decode-attention sdpa,kernel`` builds an
+   engine per choice and alternates their runs (columns ``sdpa 1``, ``kernel 1``, ``sdpa 2``, ...); ``--layers
+   loop,compiled,pytorch`` does the same for the layers: in one compiled call (engine/fused_step.py's layer loop), a
+   Python loop over the compiled elementwise kernels (modeling/decode_layer.py, where the keys' and values' writes
+   are part of the kernel that rotates the queries and keys, so they count in "the rest"), and PyTorch's operations.
 2. **Attention alone**: ``F.scaled_dot_product_attention`` at a decode step's shapes (SmolLM2: 9 query heads on 3
    key-value heads, so 3 queries per key-value head as transformers' ``pack_gqa`` passes them; head size 64;
    width 112; an additive mask) for 1 and 16 rows, at 1 and at the run's threads; beside it the engine's decode

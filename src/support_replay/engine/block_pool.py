@@ -31,7 +31,6 @@ import torch
 
 from ..errors import EngineError
 
-
 PRIVATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # the CPU storage's memory: anonymous, of this process alone
 
 
