@@ -1,11 +1,13 @@
 """The sampler's compiled top-k selection (modeling/top_candidates.py): the full sort's first columns exactly, ties,
-NaN and -inf included; the engine samples with it; where it does not build, torch.topk stays."""
+NaN and -inf included; SGLang's rule over them (``sglang_rows``) gives the torch operations' support and the same
+draws; the engine samples with it; where it does not build, torch.topk stays."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support_replay.core.sampling import SamplingParams, _keep_sglang, _rows_of_ranks, sample_tokens
 from support_replay.engine import Engine
 from support_replay.modeling import cpu_kernels, top_candidates
 
@@ -20,21 +22,10 @@ def select():
     return built
 
 
-def _sorted(probs, width):
-    values, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    return values[:, :width], ids[:, :width]
+KINDS = ["smooth", "bf16", "grid", "tail zeros", "masked", "flat", "ascending", "nan", "-inf"]
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    rows=st.integers(1, 12),
-    vocab=st.integers(1, 3000),
-    width=st.integers(1, 80),
-    kind=st.sampled_from(["smooth", "bf16", "grid", "tail zeros", "masked", "flat", "ascending", "nan", "-inf"]),
-    seed=st.integers(0, 2**16),
-)
-def test_the_selection_is_the_full_sorts_first_columns(select, rows, vocab, width, kind, seed):
-    width = min(width, vocab)
+def _probs(rows, vocab, kind, seed):
     g = torch.Generator().manual_seed(seed)
     probs = torch.softmax(3 * torch.randn(rows, vocab, generator=g), -1)
     if kind == "bf16":
@@ -53,16 +44,96 @@ def test_the_selection_is_the_full_sorts_first_columns(select, rows, vocab, widt
         probs[torch.rand(rows, vocab, generator=g) < 0.01] = float("nan")
     elif kind == "-inf":
         probs[torch.rand(rows, vocab, generator=g) < 0.7] = float("-inf")
+    return probs
+
+
+def _sorted(probs, width):
+    values, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    return values[:, :width], ids[:, :width]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 12),
+    vocab=st.integers(1, 3000),
+    width=st.integers(1, 80),
+    kind=st.sampled_from(KINDS),
+    seed=st.integers(0, 2**16),
+)
+def test_the_selection_is_the_full_sorts_first_columns(select, rows, vocab, width, kind, seed):
+    width = min(width, vocab)
+    probs = _probs(rows, vocab, kind, seed)
     values, ids = select(probs, width)
     want_values, want_ids = _sorted(probs, width)
     assert torch.equal(ids, want_ids)
     assert torch.equal(values.nan_to_num(-1.0), want_values.nan_to_num(-1.0))
 
 
+def _settings(rows, draw, vocab):
+    top_k = torch.tensor([[min(draw(st.integers(1, 64)), vocab)] for _ in range(rows)])
+    top_p = torch.tensor([[draw(st.sampled_from([1.0, 0.999999, 0.97, 0.8, 0.5, 1e-6]))] for _ in range(rows)])
+    min_p = torch.tensor([[draw(st.sampled_from([0.0, 0.0, 0.01, 0.1, 1.0]))] for _ in range(rows)])
+    return top_k, top_p.double(), min_p.float()
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(1, 12), vocab=st.integers(2, 3000), kind=st.sampled_from(KINDS), seed=st.integers(0, 2**16),
+       data=st.data())  # fmt: skip
+def test_sglang_rows_are_the_rule_over_the_full_sort(select, rows, vocab, kind, seed, data):
+    probs = _probs(rows, vocab, kind, seed)
+    top_k, top_p, min_p = _settings(rows, data.draw, vocab)
+    width = int(top_k.max())
+    values, order = _sorted(probs, width)
+    want = _rows_of_ranks(_keep_sglang(values, top_k, top_p, min_p), order, vocab)
+    got = select.sglang_rows(probs, width, top_k, top_p, min_p)
+    for name, a, b in zip(("ids", "valid", "cols", "counts"), got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def test_the_start_up_check_finds_a_rule_that_differs(select):
+    kernel = cpu_kernels.built()[0].sglang_rows
+    assert top_candidates.check_rows(kernel) == ""
+
+    def float_prefix_sums(probs, width, top_k, top_p, min_p):  # the prefix sums added in float32: other roundings
+        values, order = _sorted(probs, width)
+        exclusive, running = torch.empty_like(values), torch.zeros(values.shape[0])
+        for j in range(width):
+            running = running + values[:, j]
+            exclusive[:, j] = running - values[:, j]
+        keep = (torch.arange(width)[None, :] < top_k) & ((exclusive <= top_p.float()) | (top_p >= 1))
+        keep &= (values >= min_p * values[:, :1]) & (values > 0)
+        return _rows_of_ranks(keep, order, probs.shape[1])
+
+    def no_min_p(probs, width, top_k, top_p, min_p):
+        return kernel(probs, width, top_k, top_p, torch.zeros_like(min_p))
+
+    assert "differs from SGLang's rule" in top_candidates.check_rows(no_min_p)
+    assert "where top_p is a rank's exclusive mass" in top_candidates.check_rows(float_prefix_sums)
+
+
+def test_sampling_with_the_kernels_draws_and_scores_as_without(select):
+    g = torch.Generator().manual_seed(5)
+    logits = 4 * torch.randn(16, 5000, generator=g)
+    params = [SamplingParams(top_k=k, top_p=p, min_p=m, seed=i) for i, (k, p, m) in
+              enumerate([(32, 0.8, 0.0), (20, 0.97, 0.05), (1, 1.0, 0.0), (64, 1.0, 0.0)] * 4)]  # fmt: skip
+
+    def draw(chosen):
+        generators = [torch.Generator().manual_seed(i) for i in range(16)]
+        return sample_tokens(logits, params, "sglang", generator=generators, select=chosen)
+
+    a, b = draw(select), draw(None)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.log_mu, b.log_mu)
+    assert (a.support.ids == b.support.ids).all() and (a.support.offsets == b.support.offsets).all()
+
+
 def test_it_declines_what_it_does_not_compute_and_refuses_a_bad_width(select):
     probs = torch.softmax(torch.randn(3, 100), -1)
     assert select(probs.double(), 5) is None
     assert select(probs[0], 5) is None
+    columns = torch.tensor([[5]] * 3), torch.ones(3, 1, dtype=torch.float64), torch.zeros(3, 1)
+    assert select.sglang_rows(probs.double(), 5, *columns) is None
+    with pytest.raises(RuntimeError, match="sglang_rows: top_p of 3 float64 values"):
+        select.sglang_rows(probs, 5, columns[0], columns[1].float(), columns[2])
     values, ids = select(probs.t().contiguous().t(), 5)  # a strided view is read as its values
     assert torch.equal(ids, _sorted(probs, 5)[1])
     kernel = cpu_kernels.built()[0].top_candidates

@@ -253,13 +253,26 @@ def _support_rows(logits: torch.Tensor, plist: list[SamplingParams], semantics: 
     mask and no pass of nonzero over one."""
     if semantics == "sglang" and not any(p.greedy for p in plist):
         _, probs, (temp, top_k, top_p, min_p) = _scaled(logits, plist)
-        keep, order, narrow = _ranked_sglang(probs, top_k, top_p, min_p, select)
         greedy = torch.zeros(len(plist), dtype=torch.bool, device=logits.device)
+        rows = _compiled_rows(probs, top_k, top_p, min_p, select)
+        if rows is not None:
+            return rows, probs, temp, greedy
+        keep, order, narrow = _ranked_sglang(probs, top_k, top_p, min_p, select)
         if narrow:
             return _rows_of_ranks(keep, order, logits.shape[1]), probs, temp, greedy
         return _padded_rows(_mask_of_ranks(keep, order, logits.shape[1])), probs, temp, greedy
     mask, probs, temp, greedy = _support(logits, plist, semantics, select)
     return _padded_rows(mask), probs, temp, greedy
+
+
+def _compiled_rows(probs, top_k, top_p, min_p, select):
+    """``_rows_of_ranks`` of SGLang's rule over a narrow selection in one call of ``select.sglang_rows`` (the engine's
+    compiled kernel, checked against ``_keep_sglang`` and ``_rows_of_ranks``), where it has one and takes the call."""
+    rows_of = getattr(select, "sglang_rows", None)
+    width, vocab = int(top_k.max()), probs.shape[-1]
+    if rows_of is None or width * 4 > vocab or width + 1 >= vocab:  # where _ranked_sglang's selection is not narrow
+        return None
+    return rows_of(probs, width, top_k, top_p, min_p)
 
 
 def support_mask(logits: torch.Tensor, params, semantics: str = "sglang") -> torch.Tensor:

@@ -17,4 +17,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decode_layers(m);  // DecodeLayers: a float32 decode step's layers in one call
   m.def("top_candidates", &top_candidates,
         "each row's first width entries of the full sort by (value descending, id ascending): (values, ids)");
+  m.def("sglang_rows", &sglang_rows,
+        "SGLang's rule over each row's first width ranks, the kept ids ascending: (ids, valid, cols, counts)");
 }

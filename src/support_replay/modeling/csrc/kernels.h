@@ -25,3 +25,7 @@ at::Tensor mean_of_squares(const at::Tensor& x);
 void bind_decode_layers(pybind11::module_& m);
 
 std::tuple<at::Tensor, at::Tensor> top_candidates(const at::Tensor& probs, int64_t width);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sglang_rows(const at::Tensor& probs, int64_t width,
+                                                                       const at::Tensor& top_k,
+                                                                       const at::Tensor& top_p,
+                                                                       const at::Tensor& min_p);

@@ -139,3 +139,68 @@ std::tuple<at::Tensor, at::Tensor> top_candidates(const at::Tensor& probs, int64
   });
   return {values, ids};
 }
+
+// SGLang's rule over each row's first ``width`` ranks (core/sampling.py's ``_keep_sglang`` on ``top_candidates``),
+// then the kept ids in ascending order (``_rows_of_ranks``), in one call: what the sampler draws from and scores,
+// without a dozen small tensor operations between. The rule's arithmetic is PyTorch's: the cumulative sum of the
+// ranks' probabilities in double (ATen's accumulation type for float on a CPU), each prefix rounded to float; the
+// exclusive mass a float subtraction; top_p compared as float32, min_p times the largest probability as a float32
+// product. Python checks the result against those operations at start-up before it uses this
+// (modeling/top_candidates.py). Returns (ids [rows, K], valid [rows, K], the kept ids row after row, counts [rows]),
+// K the most any row keeps (at least 1), padding ids 0.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sglang_rows(const at::Tensor& probs, int64_t width,
+                                                                       const at::Tensor& top_k,
+                                                                       const at::Tensor& top_p,
+                                                                       const at::Tensor& min_p) {
+  const int64_t rows = probs.size(0);
+  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.numel() == rows, "sglang_rows: top_k of ", rows,
+              " int64 values, got ", top_k.sizes(), " ", top_k.scalar_type());
+  TORCH_CHECK(top_p.scalar_type() == at::kDouble && top_p.numel() == rows, "sglang_rows: top_p of ", rows,
+              " float64 values, got ", top_p.sizes(), " ", top_p.scalar_type());
+  TORCH_CHECK(min_p.scalar_type() == at::kFloat && min_p.numel() == rows, "sglang_rows: min_p of ", rows,
+              " float32 values, got ", min_p.sizes(), " ", min_p.scalar_type());
+  const auto [values, order] = top_candidates(probs, width);
+  const auto k_col = top_k.contiguous(), p_col = top_p.contiguous(), m_col = min_p.contiguous();
+  const int64_t* k_of = k_col.data_ptr<int64_t>();
+  const double* p_of = p_col.data_ptr<double>();
+  const float* m_of = m_col.data_ptr<float>();
+  const float* value = values.data_ptr<float>();
+  const int64_t* id = order.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> kept(rows);
+  int64_t most = 1, total = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* v = value + r * width;
+    const float top = v[0];
+    const float p = static_cast<float>(p_of[r]);
+    const bool any_mass = p_of[r] >= 1;
+    const float floor = m_of[r] * top;
+    double running = 0;
+    for (int64_t j = 0; j < width; ++j) {
+      running += static_cast<double>(v[j]);
+      const float exclusive = static_cast<float>(running) - v[j];
+      const bool keep = j < k_of[r] && (exclusive <= p || any_mass) && v[j] >= floor && v[j] > 0;
+      if (keep) kept[r].push_back(id[r * width + j]);
+    }
+    std::sort(kept[r].begin(), kept[r].end());
+    most = std::max<int64_t>(most, static_cast<int64_t>(kept[r].size()));
+    total += static_cast<int64_t>(kept[r].size());
+  }
+  const auto long_options = probs.options().dtype(at::kLong);
+  auto ids = at::zeros({rows, most}, long_options);
+  auto valid = at::zeros({rows, most}, probs.options().dtype(at::kBool));
+  auto cols = at::empty({total}, long_options);
+  auto counts = at::empty({rows}, long_options);
+  int64_t* ids_out = ids.data_ptr<int64_t>();
+  bool* valid_out = valid.data_ptr<bool>();
+  int64_t* cols_out = cols.data_ptr<int64_t>();
+  int64_t* counts_out = counts.data_ptr<int64_t>();
+  for (int64_t r = 0, c = 0; r < rows; ++r) {
+    counts_out[r] = static_cast<int64_t>(kept[r].size());
+    for (size_t j = 0; j < kept[r].size(); ++j, ++c) {
+      ids_out[r * most + j] = kept[r][j];
+      valid_out[r * most + j] = true;
+      cols_out[c] = kept[r][j];
+    }
+  }
+  return {ids, valid, cols, counts};
+}
