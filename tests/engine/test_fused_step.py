@@ -148,6 +148,8 @@ def test_the_layer_loop_follows_updates_and_replaced_tensors_and_lets_its_packs_
     assert runner.fused._loop is not table
     runner.fused.drop_packs()  # a colocated trainer's update: the packs' memory goes back, the table with them
     assert runner.fused._loop is None
+    same_as_the_modules()  # the next step packs again and makes a new table, though no weight changed since
+    assert runner.fused._loop is not None and runner.fused.layers[0].packs
 
 
 def test_the_layer_loop_times_its_parts_without_changing_its_bits(tiny_checkpoint):
@@ -167,10 +169,18 @@ def test_the_layer_loop_times_its_parts_without_changing_its_bits(tiny_checkpoin
     assert all(seconds > 0 for seconds in runner.fused.loop_seconds.values()), runner.fused.loop_seconds
 
 
-def test_a_replaced_projection_weight_is_refused(tiny_checkpoint):
+@pytest.mark.parametrize("how", ["parameter", "data"])
+@pytest.mark.parametrize("decoded_before", [False, True], ids=["first step", "after a step"])
+def test_a_replaced_projection_weight_is_refused(tiny_checkpoint, how, decoded_before):
     engine = fused_engine(tiny_checkpoint)
+    if decoded_before:  # the check found nothing to do once: it must look again
+        batch, logits = engine.runner.prefill([[5, 6, 7]])
+        engine.runner.decode(batch, logits.argmax(-1), torch.tensor([3]))
     proj = engine.runner.model.model.layers[1].mlp.up_proj
-    proj.weight = torch.nn.Parameter(proj.weight.detach().clone())  # a new tensor: the fused weight would be stale
+    if how == "parameter":
+        proj.weight = torch.nn.Parameter(proj.weight.detach().clone())  # a new tensor: the fused weight would be stale
+    else:
+        proj.weight.data = proj.weight.detach().clone()  # the same tensor on other memory
     batch, logits = engine.runner.prefill([[5, 6, 7]])
     with pytest.raises(
         EngineError, match="fused decode: layer 1's projection weights were replaced, not written in place"
