@@ -188,6 +188,18 @@ def test_a_replaced_projection_weight_is_refused(tiny_checkpoint, how, decoded_b
         engine.runner.decode(batch, logits.argmax(-1), torch.tensor([3]))
 
 
+def test_a_weight_set_as_a_plain_tensor_is_followed(tiny_checkpoint):
+    engine = fused_engine(tiny_checkpoint)
+    runner = engine.runner
+    decode_both_ways(runner, [[5, 6, 7]], 2)  # the checks have a state to compare with
+    proj = runner.model.model.layers[0].mlp.down_proj
+    weight = proj.weight.detach()
+    del proj.weight
+    proj.weight = weight * 0.5  # a plain attribute now, no longer a parameter: the checks look it up again
+    fused, tree = decode_both_ways(runner, [[5, 6, 7]], 2)
+    assert all(torch.equal(a, b) for a, b in zip(fused, tree))
+
+
 def test_other_models_keep_the_module_tree(tiny_checkpoint):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     model.config.hidden_act = "gelu"
