@@ -109,6 +109,11 @@ def test_the_start_up_check_finds_a_rule_that_differs(select):
 
     assert "differs from SGLang's rule" in top_candidates.check_rows(no_min_p)
     assert "where top_p is a rank's exclusive mass" in top_candidates.check_rows(float_prefix_sums)
+    without_rule = top_candidates.Selection(cpu_kernels.built()[0], rows=False)  # where the rule's check failed
+    probs = torch.softmax(torch.randn(3, 400), -1)
+    columns = torch.tensor([[5]] * 3), torch.ones(3, 1, dtype=torch.float64), torch.zeros(3, 1)
+    assert without_rule.sglang_rows(probs, 5, *columns) is None
+    assert torch.equal(without_rule(probs, 5)[1], _sorted(probs, 5)[1])
 
 
 def test_sampling_with_the_kernels_draws_and_scores_as_without(select):

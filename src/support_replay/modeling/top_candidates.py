@@ -106,8 +106,9 @@ class Selection:
     ``select(probs, width)``, the sort's first ``width`` ranks; ``select.sglang_rows(probs, width, top_k, top_p,
     min_p)``, SGLang's rule over them in ``_padded_rows``' form."""
 
-    def __init__(self, module):
-        self._select, self._rows = module.top_candidates, module.sglang_rows
+    def __init__(self, module, rows: bool = True):
+        self._select = module.top_candidates
+        self._rows = module.sglang_rows if rows else None  # None: its check failed, the rule stays PyTorch's
 
     @staticmethod
     def _takes(probs: torch.Tensor) -> bool:
@@ -117,16 +118,22 @@ class Selection:
         return self._select(probs, width) if self._takes(probs) else None
 
     def sglang_rows(self, probs: torch.Tensor, width: int, top_k, top_p, min_p):
-        return self._rows(probs, width, top_k, top_p, min_p) if self._takes(probs) else None
+        if self._rows is None or not self._takes(probs):
+            return None
+        return self._rows(probs, width, top_k, top_p, min_p)
 
 
 @functools.cache
 def compiled() -> tuple[Selection | None, str]:
-    """The kernels for core/sampling.py (``Selection``), or None and why not."""
-    module, why = cpu_kernels.checked(lambda module: check(module.top_candidates) or check_rows(module.sglang_rows))
+    """The kernels for core/sampling.py (``Selection``), or None and why not. Where the selection holds and the
+    rule's check fails, the selection serves alone."""
+    module, why = cpu_kernels.checked(lambda module: check(module.top_candidates))
     if module is None:
         return None, why
-    return Selection(module), ""
+    rows_why = check_rows(module.sglang_rows)
+    if rows_why:
+        log.info("sampling: SGLang's rule stays PyTorch's operations over the compiled selection (%s)", rows_why)
+    return Selection(module, rows=not rows_why), ""
 
 
 def selection() -> Selection | None:
