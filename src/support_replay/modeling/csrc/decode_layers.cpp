@@ -112,9 +112,11 @@ class DecodeLayers {
   // layers: "products", "attention" (with its views of the cache), "inputs" (the queries' and keys' norms and
   // rotation, the cache writes), "norms" (the residual adds and RMSNorms), "silu" (SiLU x up); else no entries.
   std::tuple<at::Tensor, std::map<std::string, double>> run(at::Tensor x, at::Tensor h, const at::Tensor& cos,
-                                             const at::Tensor& sin, const std::vector<at::Tensor>& storages,
-                                             const at::Tensor& slots, const at::Tensor& mask, int64_t first,
-                                             int64_t stride, int64_t width, bool packing, bool timing) {
+                                                            const at::Tensor& sin,
+                                                            const std::vector<at::Tensor>& storages,
+                                                            const at::Tensor& slots, const at::Tensor& mask,
+                                                            int64_t first, int64_t stride, int64_t width,
+                                                            bool packing, bool timing) {
     TORCH_CHECK(storages.size() == layers_.size(), "DecodeLayers: ", storages.size(), " layers' storage for ",
                 layers_.size(), " layers");
     pybind11::gil_scoped_release no_gil;  // nothing here touches Python
