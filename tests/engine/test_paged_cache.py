@@ -2,6 +2,8 @@
 decode writes in place and gathers what a rectangle of slots would hold, blocks are shared by
 holder count, and a request's answer does not depend on who joined or left around it."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -242,3 +244,18 @@ def test_requests_joining_and_leaving_mid_flight_answer_as_alone(tiny_checkpoint
     together = [f.result() for f in first + late]
     assert_answers_as_alone(engine, reqs, together)
     engine.shutdown()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_pools_larger_than_the_machine_still_let_the_process_fork():
+    """The storage is reserved nowhere: mapped privately it would count whole at every fork, and a process holding
+    more budget than the machine has memory (an engine per test, a colocated trainer) could not start a worker."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    block_bytes = 2 * 1 * 16 * 64 * 4  # keys and values of one head, 16 positions of 64 floats
+    pool = BlockPool(num_layers=6, block_size=16, max_tokens=16 * (memory // 4 // block_bytes))
+    pool.ensure(1, 64, torch.float32, "cpu")  # 1.5x the machine's memory in all, none of it written
+    pool.storage[0][0, 0, 1] = 1.0
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if float(pool.storage[0][0, 0, 1, 0, 0]) == 1.0 else 1)
+    assert os.waitpid(pid, 0)[1] == 0

@@ -11,19 +11,22 @@ SGLang's ``--page-size``.
 Storage is ``[2, kv_heads, blocks + 1, block_size, head_dim]`` per layer (keys and values of a layer gathered
 by one index), made on first use at the budget's size. On a CPU it is anonymous ``mmap`` memory: zero-filled
 by the operating system and backed only where a block has been written, so the memory a process holds follows
-the blocks in use, and the lowest free blocks go first to keep it compact (private memory: a fresh page faults
-in at a third of a shared one's cost; on 2 MiB pages, ``MADV_HUGEPAGE``, a GRPO-shape rollout on a Zen 5 EPYC
-ran some 6% slower, so they stay 4 KiB); elsewhere it is allocated zeroed. Block 0 is never handed out: it
-pads the tables of shorter rows up to a step's width (a masked key must be finite, and a block once written
-keeps some sequence's finite values). Rows can ask for their reservations as runs of consecutive blocks at one
-pitch (``allocate_rows``): such rows are attended in place, without a gather, whatever their own lengths. When
-no block is held the storage is dropped (a colocated trainer gets the memory back).
+the blocks in use, and the lowest free blocks go first to keep it compact (private memory, not reserved: a
+fresh page faults in at a third of a shared one's cost; on 2 MiB pages, ``MADV_HUGEPAGE``, a GRPO-shape
+rollout on a Zen 5 EPYC ran some 6% slower, so they stay 4 KiB); elsewhere it is allocated zeroed. Block 0 is
+never handed out: it pads the tables of shorter rows up to a step's width (a masked key must be finite, and a
+block once written keeps some sequence's finite values). Rows can ask for their reservations as runs of
+consecutive blocks at one pitch (``allocate_rows``): such rows are attended in place, without a gather,
+whatever their own lengths. When no block is held the storage is dropped (a colocated trainer gets the memory
+back).
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+import platform
+import sys
 from typing import Protocol
 
 import numpy as np
@@ -31,7 +34,19 @@ import torch
 
 from ..errors import EngineError
 
-PRIVATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # the CPU storage's memory: anonymous, of this process alone
+# Linux's MAP_NORESERVE on x86-64 and ARM (Python 3.11's mmap module does not name it)
+NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" and platform.machine() in (
+    "x86_64", "aarch64", "arm64") else None)  # fmt: skip
+
+
+def storage_flags() -> int:
+    """The CPU storage's mapping: private anonymous memory, not reserved, where the flag is known; shared anonymous
+    (mmap's default) elsewhere. Reserved private memory would be counted whole against the machine's memory at every
+    ``fork`` (a child's copy-on-write share of the budget), and a process holding pools larger than its memory
+    could no longer fork: Python's multiprocessing, a test runner's workers."""
+    if NORESERVE is None:
+        return mmap.MAP_SHARED | mmap.MAP_ANONYMOUS
+    return mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | NORESERVE
 
 
 class IdleHolder(Protocol):
@@ -78,7 +93,7 @@ class BlockPool:
             size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
             # zero-filled, backed when written; private: a first write to a page faults in 1.4 instead of 3.8 us as
             # shared memory (mmap's default), and a rollout's first pass over fresh blocks faults some 20,000 pages
-            self._maps = [mmap.mmap(-1, size, flags=PRIVATE) for _ in range(self.num_layers)]
+            self._maps = [mmap.mmap(-1, size, flags=storage_flags()) for _ in range(self.num_layers)]
             self.storage = [torch.frombuffer(m, dtype=dtype).view(shape) for m in self._maps]
         else:
             self.storage = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
