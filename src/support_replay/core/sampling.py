@@ -159,12 +159,18 @@ def _top_candidates(probs, width: int, select=None):
     return vals.gather(1, order), idx.gather(1, order)
 
 
+def _narrow(width: int, vocab: int) -> bool:
+    """Whether SGLang's rule reads a top-k selection of ``width`` ranks instead of the full sort (a quarter of the
+    vocabulary at most, and short of all of it)."""
+    return width * 4 <= vocab and width + 1 < vocab
+
+
 def _ranked_sglang(probs, top_k, top_p, min_p, select=None):
     """``(keep, order, narrow)``: SGLang's rule over the ranks of the full sort (prob desc, id asc); ``narrow``
     when they are only the first max top_k ranks. Every row keeps at most its top_k ranks, so those decide
     everything: a top-k selection replaces the full sort when it is narrow."""
     width = int(top_k.max())
-    candidates = _top_candidates(probs, width, select) if width * 4 <= probs.shape[-1] else None
+    candidates = _top_candidates(probs, width, select) if _narrow(width, probs.shape[-1]) else None
     if candidates is not None:
         probs_sort, order = candidates
     else:
@@ -270,7 +276,7 @@ def _compiled_rows(probs, top_k, top_p, min_p, select):
     compiled kernel, checked against ``_keep_sglang`` and ``_rows_of_ranks``), where it has one and takes the call."""
     rows_of = getattr(select, "sglang_rows", None)
     width, vocab = int(top_k.max()), probs.shape[-1]
-    if rows_of is None or width * 4 > vocab or width + 1 >= vocab:  # where _ranked_sglang's selection is not narrow
+    if rows_of is None or not _narrow(width, vocab):
         return None
     return rows_of(probs, width, top_k, top_p, min_p)
 
