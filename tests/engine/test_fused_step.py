@@ -99,6 +99,38 @@ def test_fused_decode_is_the_module_tree_bit_for_bit(
             assert torch.equal(a, b), (t, (a - b).abs().max().item())
 
 
+@pytest.mark.parametrize("layers", ["loop", "compiled"])
+def test_a_groups_shared_prompt_is_read_from_one_row_with_the_same_bits(tiny_checkpoint, layers, monkeypatch):
+    """Samples of one prompt prefilled once hold its keys and values each: the decode kernel reads them from the
+    group's first row (``AttentionGroup.shared``); the logits are the module tree's and those of reading each row's
+    own copy, bit for bit."""
+    from support_replay.engine.paged_cache import PagedCache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    built, why = compiled()
+    if built is None:
+        pytest.skip(f"the decode-attention kernel cannot run here: {why}")
+    assert use_decode_attention(model, "kernel") == "kernel"
+    if unsupported(model) is not None:
+        pytest.skip(f"no fused step on this CPU ({cpu_name()}): {unsupported(model)}")
+    runner = ModelRunner(model)
+    if runner.fused.layer_kernels is None:
+        pytest.skip(f"the compiled layer kernels cannot run here: {decode_layer.unsupported(model)}")
+    runner.fused.layer_loop = layers == "loop"
+    a, b = [5 + i % 40 for i in range(37)], [20 + i % 30 for i in range(21)]
+    prompts, reserve = [a, a, b, a, b], [8] * 5
+    seen = []
+    real = PagedCache._shared
+    monkeypatch.setattr(PagedCache, "_shared", lambda self, rows: seen.append(real(self, rows)) or seen[-1])
+    fused, tree = decode_both_ways(runner, prompts, 6, reserve)
+    assert seen and seen[0].tolist() == [[0, 0], [0, 37], [2, 0], [0, 37], [2, 21]]
+    monkeypatch.setattr(PagedCache, "_shared", lambda self, rows: None)
+    apart, _ = decode_both_ways(runner, prompts, 6, reserve)
+    for t, (x, y, z) in enumerate(zip(fused, tree, apart)):
+        assert torch.equal(x, y) and torch.equal(x, z), t
+    assert (runner.fused._loop is not None) == (layers == "loop")
+
+
 def fused_engine(path) -> Engine:
     """An engine on ``auto``'s kernel, skipping (naming the CPU) where that kernel gives no fused step."""
     engine = Engine.from_pretrained(path)

@@ -259,3 +259,25 @@ def test_pools_larger_than_the_machine_still_let_the_process_fork():
     if pid == 0:
         os._exit(0 if float(pool.storage[0][0, 0, 1, 0, 0]) == 1.0 else 1)
     assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_rows_copied_from_one_prefill_row_say_so_to_the_attention_through_joins_and_leaves():
+    """Rows whose prompt came from one prefill row hold the same keys and values at its positions: their in-place group
+    names, for each row, the group's first row of its prompt and the prompt's positions (the decode kernel reads them
+    there), through rows leaving and other prefills joining."""
+    pool = BlockPool(2, 4, 64 * 4)
+    cache = PagedCache(pool)
+    keys = torch.randn(2, 2, 6, 3)
+    cache.append([(keys, -keys)] * 2, [6, 5, 6, 5, 6], sources=[0, 1, 0, 1, 0], reserve=[4] * 5)
+    cache.prepare_decode(grouped=True)
+    assert cache.groups[0].shared.tolist() == [[0, 0], [1, 0], [0, 6], [1, 5], [0, 6]]
+    cache.keep([1, 2, 3, 4])  # the first row of prompt 0 leaves: the next one serves
+    cache.prepare_decode(grouped=True)
+    assert cache.groups[0].shared.tolist() == [[0, 0], [1, 0], [0, 5], [1, 6]]
+    other = PagedCache(pool)
+    other.append([(keys, -keys)] * 2, [6, 5], sources=[0, 1], reserve=[4, 4])  # its own prompts, numbered apart
+    cache.extend(other)
+    assert len({prompt for prompt, _ in cache.prompts}) == 4
+    cache.keep([0, 2])  # one row of each prompt: nothing shared
+    cache.prepare_decode(grouped=True)
+    assert cache.groups[0].shared is None

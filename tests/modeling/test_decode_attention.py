@@ -174,3 +174,38 @@ def test_sdpa_asked_for_puts_a_model_on_the_kernel_back_on_sdpa(tiny_checkpoint,
     assert da.use_decode_attention(model, "auto") == "kernel"
     assert da.use_decode_attention(model, "sdpa") == "sdpa"
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_shared_positions_are_read_from_the_row_it_names_with_the_same_bits(kernel, dtype):
+    """``shared`` [B, 2]: row b's first positions hold row ``shared[b, 0]``'s keys and values (a prompt prefilled once
+    for a group of samples) and are read there; where that holds, the output is the one without it, bit for bit."""
+    q, k, v, _ = case(5, 9, 3, 40, 64, dtype, 5)
+    lengths = torch.tensor([30, 36, 25, 40, 33])
+    prompt = 20
+    for row in (1, 3):  # rows 1 and 3 copy row 0's prompt; row 4 copies row 2's
+        k[row, :, :prompt], v[row, :, :prompt] = k[0, :, :prompt], v[0, :, :prompt]
+    k[4, :, :prompt], v[4, :, :prompt] = k[2, :, :prompt], v[2, :, :prompt]
+    mask = additive(torch.arange(40)[None] < lengths[:, None], dtype)
+    shared = torch.tensor([[0, 0], [0, prompt], [2, 0], [0, prompt], [2, prompt]])
+    want = kernel(q, k, v, mask, 0.125)
+    assert torch.equal(kernel(q, k, v, mask, 0.125, shared), want)
+    # the row's own copy is not read: spoiled, the output is still the shared one's
+    spoiled_k, spoiled_v = k.clone(), v.clone()
+    for row in (1, 3, 4):
+        spoiled_k[row, :, :prompt] = float("nan")
+        spoiled_v[row, :, :prompt] = float("nan")
+    assert torch.equal(kernel(q, spoiled_k, spoiled_v, mask, 0.125, shared), want)
+    assert kernel(q, spoiled_k, spoiled_v, mask, 0.125).isnan().any()
+
+
+def test_a_shared_table_that_does_not_fit_is_refused(kernel):
+    q, k, v, seen = case(3, 4, 2, 10, 16, torch.float32, 6)
+    with pytest.raises(RuntimeError, match=r"shared must be int64 \[3, 2\]"):
+        kernel(q, k, v, None, 0.25, torch.zeros(3, 2, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"shared must be int64 \[3, 2\]"):
+        kernel(q, k, v, None, 0.25, torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="row 1 shares 4 positions of row 3"):
+        kernel(q, k, v, None, 0.25, torch.tensor([[0, 0], [3, 4], [0, 0]]))
+    with pytest.raises(RuntimeError, match="row 2 shares 11 positions of row 0"):
+        kernel(q, k, v, None, 0.25, torch.tensor([[0, 0], [0, 4], [0, 11]]))

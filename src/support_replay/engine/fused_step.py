@@ -303,7 +303,9 @@ class FusedDecoder:
             self._head_pack = pack(head, self.linear)
             self._head_version, self._head_source = (id(head), head._version), head  # held: its id stays its own
 
-    def _attend(self, layer: _Layer, q, kv: tuple[torch.Tensor, torch.Tensor], mask, group: int = 0) -> torch.Tensor:
+    def _attend(
+        self, layer: _Layer, q, kv: tuple[torch.Tensor, torch.Tensor], mask, group: int = 0, shared=None
+    ) -> torch.Tensor:
         """The model's attention function, called as the model calls it: ``[rows, 1, heads, head_dim]``. The decode
         kernel's function takes a call after checking it (``takes_kernel``, ~10 us); every layer's call of a step
         and group has the first one's shapes, so the check runs once a step and group and the kernel is called."""
@@ -312,7 +314,7 @@ class FusedDecoder:
             if takes is None:
                 takes = self._kernel_takes[group] = takes_kernel(q, kv[0], kv[1], mask, 0.0, {})
             if takes:
-                return self.decode_kernel(q, kv[0], kv[1], mask, float(layer.scaling))
+                return self.decode_kernel(q, kv[0], kv[1], mask, float(layer.scaling), shared)
         out, _ = self.attention(layer.attn, q, kv[0], kv[1], mask, dropout=0.0, scaling=layer.scaling)
         return out
 
@@ -350,12 +352,13 @@ class FusedDecoder:
     def _attend_groups(self, cache: PagedCache, index: int, layer: _Layer, q, masks) -> torch.Tensor:
         """Layer ``index``'s attention of this step's queries ``[B, heads, 1, d]``: ``[B, 1, heads, d]``."""
         if len(masks) == 1 and cache.groups[0].rows is None:  # every row, in batch order
-            return self._attend(layer, q, cache.attended(index), masks[0])
+            return self._attend(layer, q, cache.attended(index), masks[0], shared=cache.groups[0].shared)
         # each group at its own width, its rows' outputs back in batch order
         out = q.new_empty(q.shape[0], 1, q.shape[1], q.shape[3])
         for number, (group, mask) in enumerate(zip(cache.groups, masks)):
             kv = cache.attended(index, group)
-            out.index_copy_(0, group.rows, self._attend(layer, q.index_select(0, group.rows), kv, mask, number))
+            attended = self._attend(layer, q.index_select(0, group.rows), kv, mask, number, group.shared)
+            out.index_copy_(0, group.rows, attended)
         return out
 
     def _compiled_layers(
@@ -373,8 +376,8 @@ class FusedDecoder:
         if self._loop_runs(cache, x, masks):
             group = cache.groups[0]
             h, seconds = self._loop_table(packing).run(
-                x, h, cos, sin, cache.pool.storage, cache.write_slots, masks[0], group.first, group.stride, group.width,
-                packing, self.time_loop,
+                x, h, cos, sin, cache.pool.storage, cache.write_slots, masks[0], group.shared,
+                group.first, group.stride, group.width, packing, self.time_loop,
             )  # fmt: skip
             for part, spent in seconds.items():  # empty unless ``time_loop``
                 self.loop_seconds[part] += spent

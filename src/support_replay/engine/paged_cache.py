@@ -19,6 +19,12 @@ attention at any width; sdpa's may move with the width within float rounding).
 Joining and leaving copy nothing: a prefilled group's rows are written into their blocks once, a
 merge concatenates tables, a leaving row lets its blocks go (or passes them to the prefix cache).
 
+Rows copied from one prefill row (a GRPO group's samples of one prompt) hold the same keys and values at
+the prompt's positions: an in-place group names, for each row, the first row of its prompt
+(``AttentionGroup.shared``), and the decode kernel reads the prompt there, once from memory for the group
+instead of once a row (the same numbers, so the same bits; a GRPO-shape step's attention on SmolLM2,
+prompts of 39 tokens, 64 new: 2.76 -> 2.22 ms on a Zen 5 EPYC).
+
 It plugs into a Hugging Face model as its ``Cache``: the model calls ``update`` with each layer's
 new keys and values; the runner says beforehand where they go (``prepare_decode``) and passes its
 own ``[B, 1, 1, width]`` attention mask, so the library derives nothing from the cache's length.
@@ -49,6 +55,9 @@ class AttentionGroup:
     gather: torch.Tensor | None = None  # [size * blocks] block ids, row-major, padded with block 0
     first: int = 0  # in place (gather None): the first row's first block, the next row's ``stride`` blocks on
     stride: int = 0
+    # in place: [size, 2], each row's first row among the group's with the same prompt (its index there) and the
+    # prompt's positions, 0 for that first row itself; None where no two rows share a prompt
+    shared: torch.Tensor | None = None
 
 
 def strided_runs(firsts: list[int | None], pitches: list[int]) -> list[tuple[list[int], int]]:
@@ -120,6 +129,10 @@ class PagedCache(Cache):
         self.pitches: list[int] = []  # >0: the row's table is its whole reservation, consecutive blocks laid out
         # at this pitch beside the rows prefilled with it; 0: blocks taken as the row grows
         self.lengths = torch.zeros(0, dtype=torch.long)  # tokens held per row (the next write position)
+        # per row (prompt, positions): rows of one prompt copied from one prefill row hold the same keys and values
+        # at its positions (a GRPO group's samples); the attention reads them from one row of the group
+        self.prompts: list[tuple[int, int]] = []
+        self._prompt_count = 0
         self.width = 0  # positions the current step attends to
         self._write = torch.zeros(0, dtype=torch.long)  # this step's flat write index per row
         self.groups: list[AttentionGroup] = []  # this step's attention groups (one unless the step asked)
@@ -154,10 +167,15 @@ class PagedCache(Cache):
                 raise EngineError(f"paged cache: reservations {reserve} blocks do not hold prompts of {lengths}")
             runs = pool.allocate_rows(reserve)
         dest, src = [], []
+        prompts: dict[tuple[int, int], int] = {}
         for i, (row, length) in enumerate(zip(sources, lengths)):
             table = runs[i] if runs is not None else pool.allocate(-(-length // page))
             self.tables.append(table)
             self.pitches.append(max(reserve) if runs is not None else 0)
+            if (row, length) not in prompts:
+                prompts[(row, length)] = self._prompt_count
+                self._prompt_count += 1
+            self.prompts.append((prompts[(row, length)], length))
             dest.append(pool.slots(table, 0, length))
             src.append(row * width + torch.arange(width - length, width))
         dest_index = torch.cat(dest).to(k0.device)
@@ -175,8 +193,12 @@ class PagedCache(Cache):
             raise EngineError("paged cache: rows of another block pool cannot join")
         self.tables += other.tables
         self.pitches += other.pitches
+        # the other cache's prompt numbers, moved past this one's: a prompt of each stays its own
+        self.prompts += [(self._prompt_count + prompt, length) for prompt, length in other.prompts]
+        self._prompt_count += other._prompt_count
         self.lengths = torch.cat([self.lengths, other.lengths])
         other.tables, other.pitches, other.lengths = [], [], torch.zeros(0, dtype=torch.long)
+        other.prompts, other._prompt_count = [], 0
 
     # ---- rows out --------------------------------------------------------------------------------
 
@@ -192,6 +214,7 @@ class PagedCache(Cache):
                 self.pool.release(table)
         self.tables = [self.tables[i] for i in rows]
         self.pitches = [self.pitches[i] for i in rows]
+        self.prompts = [self.prompts[i] for i in rows]
         self.lengths = self.lengths[rows].clone() if rows else torch.zeros(0, dtype=torch.long)
         return list(rows)
 
@@ -266,7 +289,21 @@ class PagedCache(Cache):
             raise EngineError(f"paged cache: a width of {width} passes the rows' reservations of {stride} blocks")
         index = None if whole else torch.tensor(rows, dtype=torch.long, device=device)
         mask = self._mask(rows, width, device)
-        return AttentionGroup(index, len(rows), width, mask, first=self.tables[rows[0]][0], stride=stride)
+        first = self.tables[rows[0]][0]
+        return AttentionGroup(index, len(rows), width, mask, first=first, stride=stride, shared=self._shared(rows))
+
+    def _shared(self, rows: list[int]) -> torch.Tensor | None:
+        """``AttentionGroup.shared`` of ``rows``: each row's first row among them with the same prompt and the
+        prompt's positions (0 for that first row); None where every prompt is a single row's."""
+        firsts: dict[int, int] = {}
+        pairs = []
+        for j, i in enumerate(rows):
+            prompt, length = self.prompts[i]
+            first = firsts.setdefault(prompt, j)
+            pairs.append((first, length if first != j else 0))
+        if len(firsts) == len(rows):
+            return None
+        return torch.tensor(pairs, dtype=torch.long)
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """A decode step's ``[B, kv_heads, 1, d]`` keys and values, row b at its own position."""

@@ -5,7 +5,11 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "one query token per row over its keys and values (CPU)");
+  m.def("decode_attention", &decode_attention,
+        "one query token per row over its keys and values (CPU); shared [B, 2]: row b's first positions are those of "
+        "another row (source row, positions), read there",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), pybind11::arg("scale"),
+        pybind11::arg("shared") = pybind11::none());
   m.def("rms_norm", &rms_norm, "Llama's and Qwen3's RMSNorm in float32, the model's bits");
   m.def("add_rms_norm", &add_rms_norm, "a residual add, then RMSNorm of the sum: (sum, normed)");
   m.def("attention_inputs", &attention_inputs,

@@ -5,7 +5,10 @@
 // Each (row, key-value head) is one task: its Hq / Hkv queries read each key and value once. A task's
 // arithmetic is fixed (the same vector order whatever the batch, the width or the thread count), and a
 // masked key (false, or -inf) is skipped, its seen keys taken in key order wherever padding put them, so
-// a row's output keeps its bits whatever rows or padding share the call. Scores, softmax and the weighted
+// a row's output keeps its bits whatever rows or padding share the call. ``shared`` [B, 2], where given, says that
+// row b's first shared[b][1] positions hold the same keys and values as row shared[b][0]'s (a prompt prefilled once
+// for a group of samples): they are read there, so a group's rows read them from one place, the cache's lines
+// fetched from memory once for the group (the same numbers: the same bits). Scores, softmax and the weighted
 // sum are float32; bf16 inputs are read as float32 and the output rounded once. A query's scores are taken W keys
 // at a time (W the vector width): each key's dot a chain of fused multiply-adds over the head, then the W keys' lanes
 // summed together by one fixed tree (lane_sums: a key's dot is the same whichever block or lane it falls in, and W
@@ -123,35 +126,41 @@ inline void block_dots(const float* q, const float* const* keys, int64_t d, int6
   lane_sums(acc, out);
 }
 
-// a query's dots with n keys, W at a time; the last block filled up with ``zeros`` (d floats), its extra dots
-// dropped
+// the dots of ``queries`` queries (q, d floats each) with n keys, W keys at a time, every query on a block before
+// the next block (its keys still in the nearest cache): out[g * pitch + j]; the last block filled up with ``zeros``
+// (d floats), its extra dots dropped
 template <int V>
-inline void all_dots(const float* q, const float* const* keys, int64_t n, int64_t d, int64_t tail, const float* zeros,
-                     float* out) {
+inline void all_dots(const float* q, int64_t queries, const float* const* keys, int64_t n, int64_t d, int64_t tail,
+                     const float* zeros, float* out, int64_t pitch) {
   int64_t j = 0;
-  for (; j + W <= n; j += W) block_dots<V>(q, keys + j, d, tail, out + j);
+  for (; j + W <= n; j += W) {
+    for (int64_t g = 0; g < queries; ++g) block_dots<V>(q + g * d, keys + j, d, tail, out + g * pitch + j);
+  }
   if (j < n) {
     const float* last[W];
     float dots[W];
     for (int64_t r = 0; r < W; ++r) last[r] = j + r < n ? keys[j + r] : zeros;
-    block_dots<V>(q, last, d, tail, dots);
-    std::copy(dots, dots + (n - j), out + j);
+    for (int64_t g = 0; g < queries; ++g) {
+      block_dots<V>(q + g * d, last, d, tail, dots);
+      std::copy(dots, dots + (n - j), out + g * pitch + j);
+    }
   }
 }
 
 // all_dots for the head's whole vectors known at compile time where there are 1 to 8 of them
-inline void dots(const float* q, const float* const* keys, int64_t n, int64_t d, const float* zeros, float* out) {
+inline void dots(const float* q, int64_t queries, const float* const* keys, int64_t n, int64_t d, const float* zeros,
+                 float* out, int64_t pitch) {
   const int64_t tail = d % W;
   switch (d / W) {
-    case 1: return all_dots<1>(q, keys, n, d, tail, zeros, out);
-    case 2: return all_dots<2>(q, keys, n, d, tail, zeros, out);
-    case 3: return all_dots<3>(q, keys, n, d, tail, zeros, out);
-    case 4: return all_dots<4>(q, keys, n, d, tail, zeros, out);
-    case 5: return all_dots<5>(q, keys, n, d, tail, zeros, out);
-    case 6: return all_dots<6>(q, keys, n, d, tail, zeros, out);
-    case 7: return all_dots<7>(q, keys, n, d, tail, zeros, out);
-    case 8: return all_dots<8>(q, keys, n, d, tail, zeros, out);
-    default: return all_dots<0>(q, keys, n, d, tail, zeros, out);
+    case 1: return all_dots<1>(q, queries, keys, n, d, tail, zeros, out, pitch);
+    case 2: return all_dots<2>(q, queries, keys, n, d, tail, zeros, out, pitch);
+    case 3: return all_dots<3>(q, queries, keys, n, d, tail, zeros, out, pitch);
+    case 4: return all_dots<4>(q, queries, keys, n, d, tail, zeros, out, pitch);
+    case 5: return all_dots<5>(q, queries, keys, n, d, tail, zeros, out, pitch);
+    case 6: return all_dots<6>(q, queries, keys, n, d, tail, zeros, out, pitch);
+    case 7: return all_dots<7>(q, queries, keys, n, d, tail, zeros, out, pitch);
+    case 8: return all_dots<8>(q, queries, keys, n, d, tail, zeros, out, pitch);
+    default: return all_dots<0>(q, queries, keys, n, d, tail, zeros, out, pitch);
   }
 }
 
@@ -246,7 +255,7 @@ inline float mask_term(const M* mask, int64_t offset) {
 
 template <typename T, typename M>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const M* mask,
-            const std::array<int64_t, 3>& mask_strides, float scale, at::Tensor& out) {
+            const std::array<int64_t, 3>& mask_strides, const int64_t* shared, float scale, at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), d = q.size(3), kv_heads = k.size(1), width = k.size(2);
   const int64_t group = heads / kv_heads;
   const T* qp = q.data_ptr<T>();
@@ -302,16 +311,21 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         }
         listed = b;
       }
+      // the row's first ``common`` positions from row ``source`` (the same keys and values: a shared prompt)
+      const int64_t source = shared ? shared[2 * b] : b, common = shared ? shared[2 * b + 1] : 0;
       const T* keys = kp + b * k0 + h * k1;
       const T* values = vp + b * v0 + h * v1;
+      const T* source_keys = kp + source * k0 + h * k1;
+      const T* source_values = vp + source * v0 + h * v1;
       for (int64_t j = 0; j < n; ++j) {
-        key_rows[j] = as_float(keys + seen[j] * k2, converted.data() + j * d, d);
-        value_rows[j] = as_float(values + seen[j] * v2, converted.data() + (width + j) * d, d);
+        const int64_t l = seen[j];
+        key_rows[j] = as_float((l < common ? source_keys : keys) + l * k2, converted.data() + j * d, d);
+        value_rows[j] = as_float((l < common ? source_values : values) + l * v2, converted.data() + (width + j) * d, d);
       }
       // scores: q . k * scale + mask, over the keys seen (their rank j among them)
+      dots(queries.data(), group, key_rows.data(), n, d, zeros.data(), scores.data(), width);
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * width;
-        dots(queries.data() + g * d, key_rows.data(), n, d, zeros.data(), s);
         if (per_query) {
           const float* t = terms.data() + g * width;
           for (int64_t j = 0; j < n; ++j) s[j] = t[j] == minus_inf ? minus_inf : s[j] * scale + t[j];
@@ -376,7 +390,8 @@ std::array<int64_t, 3> broadcast_strides(const at::Tensor& mask) {
 }  // namespace
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const c10::optional<at::Tensor>& mask, double scale) {
+                            const c10::optional<at::Tensor>& mask, double scale,
+                            const c10::optional<at::Tensor>& shared) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "decode_attention: CPU tensors");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: 4-d query, keys and values");
   TORCH_CHECK(q.size(2) == 1, "decode_attention: one query per row, got ", q.size(2));
@@ -398,18 +413,34 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                 k.size(2), "]");
     strides = broadcast_strides(m);
   }
+  at::Tensor sources;
+  const int64_t* source = nullptr;
+  if (shared.has_value()) {
+    sources = shared->contiguous();
+    TORCH_CHECK(sources.scalar_type() == at::kLong && sources.dim() == 2 && sources.size(0) == q.size(0) &&
+                    sources.size(1) == 2,
+                "decode_attention: shared must be int64 [", q.size(0), ", 2] (source row, positions), got ",
+                sources.scalar_type(), " ", sources.sizes());
+    source = sources.data_ptr<int64_t>();
+    for (int64_t b = 0; b < q.size(0); ++b) {
+      TORCH_CHECK(source[2 * b] >= 0 && source[2 * b] < q.size(0) && source[2 * b + 1] >= 0 &&
+                      source[2 * b + 1] <= k.size(2),
+                  "decode_attention: row ", b, " shares ", source[2 * b + 1], " positions of row ", source[2 * b],
+                  " (rows 0 .. ", q.size(0) - 1, ", positions 0 .. ", k.size(2), ")");
+    }
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
     if (!mask.has_value()) {
-      attend<scalar_t, float>(q, k, v, nullptr, strides, s, out);
+      attend<scalar_t, float>(q, k, v, nullptr, strides, source, s, out);
       return;
     }
     const auto& m = mask.value();
     if (m.scalar_type() == at::kBool) {
-      attend<scalar_t, bool>(q, k, v, m.data_ptr<bool>(), strides, s, out);
+      attend<scalar_t, bool>(q, k, v, m.data_ptr<bool>(), strides, source, s, out);
     } else if (m.scalar_type() == at::kFloat) {
-      attend<scalar_t, float>(q, k, v, m.data_ptr<float>(), strides, s, out);
+      attend<scalar_t, float>(q, k, v, m.data_ptr<float>(), strides, source, s, out);
     } else if (m.scalar_type() == at::kBFloat16) {
-      attend<scalar_t, at::BFloat16>(q, k, v, m.data_ptr<at::BFloat16>(), strides, s, out);
+      attend<scalar_t, at::BFloat16>(q, k, v, m.data_ptr<at::BFloat16>(), strides, source, s, out);
     } else {
       TORCH_CHECK(false, "decode_attention: a boolean, float32 or bf16 mask, got ", m.scalar_type());
     }

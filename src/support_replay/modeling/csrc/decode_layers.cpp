@@ -107,7 +107,8 @@ class DecodeLayers {
   // The layers of one step and the final norm: x the embeddings [B, 1, H], h the first layer's normed input;
   // cos, sin [B, 1, D]; each layer's keys and values (the cache's storage: [2, kv_heads, blocks, page, dim], held
   // for the call only, so the cache's memory goes back when it drops them); slots [B] (each row's write position);
-  // mask [B, 1, 1, width] (additive); the rows' keys and values at blocks first + r * stride on, ``width``
+  // mask [B, 1, 1, width] (additive); shared [B, 2] or none: the rows whose first positions are another row's
+  // (decode_attention reads them there); the rows' keys and values at blocks first + r * stride on, ``width``
   // positions. Returns the normed last hidden states and, where ``timing``, the seconds spent in each part of the
   // layers: "products", "attention" (with its views of the cache), "inputs" (the queries' and keys' norms and
   // rotation, the cache writes), "norms" (the residual adds and RMSNorms), "silu" (SiLU x up); else no entries.
@@ -115,6 +116,7 @@ class DecodeLayers {
                                                             const at::Tensor& sin,
                                                             const std::vector<at::Tensor>& storages,
                                                             const at::Tensor& slots, const at::Tensor& mask,
+                                                            const c10::optional<at::Tensor>& shared,
                                                             int64_t first, int64_t stride, int64_t width,
                                                             bool packing, bool timing) {
     TORCH_CHECK(storages.size() == layers_.size(), "DecodeLayers: ", storages.size(), " layers' storage for ",
@@ -153,7 +155,7 @@ class DecodeLayers {
       });
       const auto out = timed(ATTENTION, [&] {
         const auto [keys, values] = in_place(storage, first, stride, batch, width);
-        return decode_attention(q, keys, values, mask, layer.scaling);
+        return decode_attention(q, keys, values, mask, layer.scaling, shared);
       });
       const auto update = product(out.reshape({batch, 1, -1}), layer.o);
       std::tie(x, h) = timed(NORMS, [&] { return add_rms_norm(x, update, layer.post_norm, layer.post_eps); });

@@ -9,7 +9,8 @@
 #include <tuple>
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const c10::optional<at::Tensor>& mask, double scale);
+                            const c10::optional<at::Tensor>& mask, double scale,
+                            const c10::optional<at::Tensor>& shared = c10::nullopt);
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tensor& update,
