@@ -232,6 +232,36 @@ def test_a_weight_set_as_a_plain_tensor_is_followed(tiny_checkpoint):
     assert all(torch.equal(a, b) for a, b in zip(fused, tree))
 
 
+def test_the_compiled_watch_sees_writes_moves_replacements_and_removals():
+    """``SlotWatch`` (csrc/slot_watch.cpp), the per-step checks' comparison: a slot changed where a tensor there was
+    written in place (a view's write too), moved to other memory, replaced, or removed; nothing else changes it."""
+    from support_replay.modeling import cpu_kernels
+
+    module, why = cpu_kernels.built()
+    if module is None:
+        pytest.skip(f"the CPU kernels cannot build here: {why}")
+    linear, norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+    slots = [(linear._parameters, "weight"), (linear._parameters, "bias"), (norm.__dict__, "eps")]
+    watch = module.SlotWatch(slots)
+    assert len(watch) == 3 and watch.changed()  # nothing marked yet
+    assert watch.mark() and not watch.changed()
+    _ = linear(torch.randn(2, 4)) + norm.weight.sum()  # reading changes nothing
+    assert not watch.changed()
+    changes = [
+        lambda: linear.weight[0].add_(1),  # a write through a view: the base's version
+        lambda: setattr(linear.weight, "data", torch.zeros(4, 4)),  # other memory
+        lambda: setattr(linear, "bias", torch.nn.Parameter(torch.zeros(4))),  # another tensor
+        lambda: setattr(norm, "eps", 1e-3),  # another object
+    ]
+    for change in changes:
+        with torch.no_grad():
+            change()
+        assert watch.changed()
+        assert watch.mark() and not watch.changed()
+    del linear.bias
+    assert watch.changed() and not watch.mark()  # a slot that holds nothing: the Python checks look again
+
+
 def test_other_models_keep_the_module_tree(tiny_checkpoint):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     model.config.hidden_act = "gelu"

@@ -45,8 +45,11 @@ def _temperature_column(temperature, rows: int, device, dtype=torch.float32) -> 
     return temp.reshape(rows, 1)
 
 
-def _masked_logsumexp(z: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(lse[T], softmax[T, K])`` of ``z`` over the valid entries of every row.
+def _masked_logsumexp(
+    z: torch.Tensor, valid: torch.Tensor, softmax: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(lse[T], softmax[T, K])`` of ``z`` over the valid entries of every row (the softmax None where not
+    ``softmax``: the same lse, one operation fewer).
 
     The sum is read off a cumulative sum, so trailing padding adds exact zeros and the
     value is independent of the padded width.
@@ -55,15 +58,21 @@ def _masked_logsumexp(z: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tenso
     m = z.max(dim=-1, keepdim=True).values
     e = torch.exp(z - m)
     s = e.cumsum(dim=-1)[:, -1:]
-    return (m + torch.log(s)).squeeze(-1), e / s
+    return (m + torch.log(s)).squeeze(-1), (e / s if softmax else None)
+
+
+def _support_logprobs(logits, targets, ids, valid, temp, softmax: bool = True):
+    """``(log pi [T], softmax over the support [T, K] or None)``: the forward of ``support_logprobs``."""
+    z = logits.gather(1, ids).to(temp.dtype) / temp
+    lse, probs = _masked_logsumexp(z, valid, softmax)
+    out = logits.gather(1, targets[:, None]).to(temp.dtype).squeeze(1) / temp.squeeze(1) - lse
+    return out, probs
 
 
 class _SupportLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, ids, valid, temp):
-        z = logits.gather(1, ids).to(temp.dtype) / temp
-        lse, probs = _masked_logsumexp(z, valid)
-        out = logits.gather(1, targets[:, None]).to(temp.dtype).squeeze(1) / temp.squeeze(1) - lse
+        out, probs = _support_logprobs(logits, targets, ids, valid, temp)
         ctx.save_for_backward(targets, ids, probs, temp)
         ctx.logits_meta = (logits.shape, logits.dtype)
         return out
@@ -98,7 +107,10 @@ def support_logprobs(logits: torch.Tensor, targets: torch.Tensor, support, tempe
     if rows == 0:
         return logits.new_zeros(0, dtype=_acc(logits.dtype)) + logits.sum() * 0
     temp = _temperature_column(temperature, rows, logits.device, _acc(logits.dtype))
-    return _SupportLogProbs.apply(logits, targets.to(logits.device, torch.long), ids, valid, temp)
+    targets = targets.to(logits.device, torch.long)
+    if not (torch.is_grad_enabled() and logits.requires_grad):  # the engine's log mu: no graph, no softmax kept
+        return _support_logprobs(logits, targets, ids, valid, temp, softmax=False)[0]
+    return _SupportLogProbs.apply(logits, targets, ids, valid, temp)
 
 
 def support_row_logprobs(logits_row: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -18,6 +18,7 @@ Whatever the semantics, S_t holds only tokens whose post-filter weight is > 0.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -98,6 +99,13 @@ def _per_row(params, rows: int) -> list[SamplingParams]:
 
 
 def _columns(params: list[SamplingParams], vocab: int, device):
+    """``(T, top_k, top_p, min_p)``, ``[B, 1]`` each; a batch's settings repeat from step to step, so the last few
+    batches' columns are kept (read only: no caller writes them)."""
+    return _cached_columns(tuple(params), vocab, torch.device(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_columns(params: tuple[SamplingParams, ...], vocab: int, device: torch.device):
     def col(values, dtype):
         return torch.tensor(values, dtype=dtype, device=device)[:, None]
 
@@ -353,17 +361,23 @@ def sample_tokens(
     """
     _check_inputs(logits, semantics)
     rows, vocab = logits.shape
-    (ids, valid, cols, counts), probs, temp, greedy = _support_rows(logits, _per_row(params, rows), semantics, select)
-    flags = torch.full((rows,), capture) if isinstance(capture, bool) else torch.as_tensor(capture, dtype=torch.bool)
-    if flags.shape != (rows,):
-        raise SamplingParamsError(f"capture: expected a bool or {rows} flags, got shape {tuple(flags.shape)}")
+    plist = _per_row(params, rows)
+    (ids, valid, cols, counts), probs, temp, greedy = _support_rows(logits, plist, semantics, select)
+    if capture is True:  # every row (the default): no flags to read
+        captured = torch.arange(rows)
+    else:
+        flags = (
+            torch.full((rows,), capture) if isinstance(capture, bool) else torch.as_tensor(capture, dtype=torch.bool)
+        )
+        if flags.shape != (rows,):
+            raise SamplingParamsError(f"capture: expected a bool or {rows} flags, got shape {tuple(flags.shape)}")
+        captured = flags.nonzero().squeeze(1)
     # the draw runs on the padded support rows [B, K], not on [B, V]: past the filter, no pass over the vocabulary
     weights = probs.gather(1, ids).masked_fill_(~valid, 0.0)
     noise = _exponential_noise(tuple(ids.shape), generator, logits.device, counts.tolist())
     tokens = ids.gather(1, (weights / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
-    if bool(greedy.any()):
+    if any(p.greedy for p in plist):
         tokens = torch.where(greedy, logits.argmax(-1), tokens)
-    captured = flags.nonzero().squeeze(1)
     scored, scored_tokens, scored_temp = logits, tokens, temp.squeeze(1)
     if len(captured) < rows:  # evaluation rows: no support table, no log mu
         index = captured.to(logits.device)

@@ -46,12 +46,13 @@ class SamplingStep:
         penalised = self._penalised(seqs, logits)
         logits = self._masked(seqs, penalised)
         requests = [s.request for s in seqs]
+        capture = [r.return_sampling_mask for r in requests]
         out = sample_tokens(
             logits,
             [r.params for r in requests],
             self.semantics,
             generator=[s.generator for s in seqs],
-            capture=[r.return_sampling_mask for r in requests],
+            capture=True if all(capture) else capture,  # every row's (a rollout): no flags to read
             select=self.select,
         )
         lengths = [len(s.output_ids) for s in seqs]

@@ -2,8 +2,8 @@
 
 One extension holds them all (one build, its sources compiled in parallel): the decode attention
 (modeling/decode_attention.py), the elementwise work around a decode step's products (modeling/decode_layer.py), a
-float32 decode step's layers in one call (engine/fused_step.py) and the sampler's top candidates
-(modeling/top_candidates.py).
+float32 decode step's layers in one call and the watch over the attributes a fused step reads (engine/fused_step.py),
+and the sampler's top candidates (modeling/top_candidates.py).
 It is built with PyTorch's extension builder for the vector ISA PyTorch itself runs at
 (``torch.backends.cpu.get_cpu_capability()``, which follows ``ATEN_CPU_CAPABILITY``), without fused multiply-adds
 the source does not write itself (``-ffp-contract=off``: a product and a sum round twice, as ATen's separate
@@ -29,7 +29,10 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
     CSRC / name
-    for name in ("bindings.cpp", "decode_attention.cpp", "decode_layer.cpp", "decode_layers.cpp", "top_candidates.cpp")
+    for name in (
+        "bindings.cpp", "decode_attention.cpp", "decode_layer.cpp", "decode_layers.cpp", "slot_watch.cpp",
+        "top_candidates.cpp",
+    )  # fmt: skip
 ]
 HEADERS = [CSRC / "kernels.h"]  # in the build's name too: an edited declaration is a new build
 

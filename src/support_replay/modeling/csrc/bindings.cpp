@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the RMSNorms' mean and SiLU call ATen's kernels or the loops in ATen's order; returns the old setting");
   m.def("mean_of_squares", &mean_of_squares, "x.pow(2).mean(-1, keepdim=True) of [rows, d] as the kernels take it");
   bind_decode_layers(m);  // DecodeLayers: a float32 decode step's layers in one call
+  bind_slot_watch(m);     // SlotWatch: whether the attributes a fused step reads changed since it last looked
   m.def("top_candidates", &top_candidates,
         "each row's first width entries of the full sort by (value descending, id ascending): (values, ids)");
   m.def("sglang_rows", &sglang_rows,

@@ -1,5 +1,5 @@
 // The project's CPU kernels as the other sources and the Python module (bindings.cpp) call them: one declaration
-// each, defined in decode_attention.cpp, decode_layer.cpp, decode_layers.cpp and top_candidates.cpp.
+// each, defined in decode_attention.cpp, decode_layer.cpp, decode_layers.cpp, slot_watch.cpp and top_candidates.cpp.
 
 #pragma once
 
@@ -24,6 +24,7 @@ bool use_aten_calls(bool on);
 at::Tensor mean_of_squares(const at::Tensor& x);
 
 void bind_decode_layers(pybind11::module_& m);
+void bind_slot_watch(pybind11::module_& m);
 
 std::tuple<at::Tensor, at::Tensor> top_candidates(const at::Tensor& probs, int64_t width);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sglang_rows(const at::Tensor& probs, int64_t width,

@@ -1,0 +1,99 @@
+// Whether what a set of Python attributes holds changed since it was last marked (engine/fused_step.py, ``check``
+// and the layer table's key): each slot a (dictionary, name) pair, a module's parameters, buffers or ``__dict__``.
+// A slot changed where it holds another object or none, or, holding a tensor, where that tensor was written in place
+// (its version counter: views share their base's) or moved to other memory (``.data =``: its data pointer).
+//
+// Python read each of a step's some 220 watched tensors' identity, version and data pointer at 0.036 ms alone, and
+// at 0.32 ms inside a step on a Zen 5 EPYC, the interpreter's code and the objects cold after the products stream
+// 540 MB of weights; here one call reads them without the interpreter.
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace {
+
+struct Seen {
+  PyObject* object = nullptr;  // borrowed for the comparison; ``held`` keeps it alive so its id stays its own
+  int64_t version = -1;        // a tensor's version counter, -1 for any other object
+  const void* pointer = nullptr;
+};
+
+// what a slot holds now: nullptr where the name is missing
+Seen look(PyObject* dict, PyObject* name) {
+  Seen seen;
+  seen.object = PyDict_GetItemWithError(dict, name);  // borrowed
+  if (seen.object == nullptr) {
+    if (PyErr_Occurred()) throw pybind11::error_already_set();
+    return seen;
+  }
+  if (THPVariable_Check(seen.object)) {
+    const at::Tensor& tensor = THPVariable_Unpack(seen.object);
+    seen.version = static_cast<int64_t>(tensor._version());
+    seen.pointer = tensor.has_storage() ? tensor.data_ptr() : nullptr;
+  }
+  return seen;
+}
+
+}  // namespace
+
+class SlotWatch {
+ public:
+  // slots: (dict, name) pairs
+  explicit SlotWatch(const std::vector<std::pair<pybind11::dict, pybind11::str>>& slots) {
+    for (const auto& [dict, name] : slots) {
+      dicts_.push_back(dict);
+      names_.push_back(name);
+    }
+  }
+
+  // whether a slot holds another object or none, or its tensor was written or moved, since ``mark`` (true before
+  // the first ``mark``)
+  bool changed() const {
+    if (seen_.size() != dicts_.size()) return true;
+    for (size_t i = 0; i < dicts_.size(); ++i) {
+      const Seen& then = seen_[i];
+      PyObject* now = PyDict_GetItemWithError(dicts_[i].ptr(), names_[i].ptr());  // borrowed
+      if (now == nullptr && PyErr_Occurred()) throw pybind11::error_already_set();
+      if (now != then.object) return true;
+      if (then.version < 0) continue;  // not a tensor when marked: the same object is still none
+      const at::Tensor& tensor = THPVariable_Unpack(now);
+      if (static_cast<int64_t>(tensor._version()) != then.version) return true;
+      if ((tensor.has_storage() ? tensor.data_ptr() : nullptr) != then.pointer) return true;
+    }
+    return false;
+  }
+
+  // what every slot holds now becomes the state ``changed`` compares with; false where a slot holds nothing
+  bool mark() {
+    std::vector<Seen> seen;
+    std::vector<pybind11::object> held;
+    for (size_t i = 0; i < dicts_.size(); ++i) {
+      const Seen now = look(dicts_[i].ptr(), names_[i].ptr());
+      if (now.object == nullptr) return false;
+      seen.push_back(now);
+      held.push_back(pybind11::reinterpret_borrow<pybind11::object>(now.object));
+    }
+    seen_ = std::move(seen);
+    held_ = std::move(held);
+    return true;
+  }
+
+  size_t size() const { return dicts_.size(); }
+
+ private:
+  std::vector<pybind11::dict> dicts_;
+  std::vector<pybind11::str> names_;
+  std::vector<Seen> seen_;
+  std::vector<pybind11::object> held_;
+};
+
+void bind_slot_watch(pybind11::module_& m) {
+  pybind11::class_<SlotWatch>(m, "SlotWatch")
+      .def(pybind11::init<const std::vector<std::pair<pybind11::dict, pybind11::str>>&>())
+      .def("changed", &SlotWatch::changed)
+      .def("mark", &SlotWatch::mark)
+      .def("__len__", &SlotWatch::size);
+}
