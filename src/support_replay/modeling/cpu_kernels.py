@@ -30,9 +30,13 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
     CSRC / name
     for name in (
-        "bindings.cpp", "decode_attention.cpp", "decode_layer.cpp", "decode_layers.cpp", "slot_watch.cpp",
+        "bindings.cpp",
+        "decode_attention.cpp",
+        "decode_layer.cpp",
+        "decode_layers.cpp",
+        "slot_watch.cpp",
         "top_candidates.cpp",
-    )  # fmt: skip
+    )
 ]
 HEADERS = [CSRC / "kernels.h"]  # in the build's name too: an edited declaration is a new build
 
