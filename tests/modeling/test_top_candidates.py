@@ -131,6 +131,36 @@ def test_sampling_with_the_kernels_draws_and_scores_as_without(select):
     assert (a.support.ids == b.support.ids).all() and (a.support.offsets == b.support.offsets).all()
 
 
+def test_the_compiled_draw_is_the_samplers_and_its_check_finds_one_that_is_not(select, monkeypatch):
+    """``sglang_draw``: the rows and each row's token from its own generator, the sampler's operations in one call;
+    the sampler takes it where every row has a generator, and the start-up check refuses a draw that differs."""
+    module = cpu_kernels.built()[0]
+    assert top_candidates.check_draw(module.sglang_draw) == ""
+
+    def one_more_value(probs, width, top_k, top_p, min_p, generators):  # row 0's generator drawn once more
+        torch.empty(1).exponential_(generator=generators[0])
+        return module.sglang_draw(probs, width, top_k, top_p, min_p, generators)
+
+    def lowest_ratio(probs, width, top_k, top_p, min_p, generators):
+        ids, valid, cols, counts, tokens = module.sglang_draw(probs, width, top_k, top_p, min_p, generators)
+        return ids, valid, cols, counts, ids[:, 0]
+
+    assert "takes another count of values from the generators" in top_candidates.check_draw(one_more_value)
+    assert "differs from the sampler's" in top_candidates.check_draw(lowest_ratio)
+    calls = []
+    monkeypatch.setattr(select, "_draw", lambda *a: calls.append(1) or module.sglang_draw(*a))
+    logits = 4 * torch.randn(4, 3000, generator=torch.Generator().manual_seed(9))
+    params = [SamplingParams(top_k=32, top_p=0.9, seed=i) for i in range(4)]
+    generators = [torch.Generator().manual_seed(i) for i in range(4)]
+    sample_tokens(logits, params, "sglang", generator=generators, select=select)
+    assert calls == [1]
+    sample_tokens(logits, params, "sglang", generator=None, select=select)  # one stream for the batch: Python's draw
+    assert calls == [1]
+    without = top_candidates.Selection(module, draw=False)  # where the draw's check failed
+    columns = torch.tensor([[5]] * 3), torch.ones(3, 1, dtype=torch.float64), torch.zeros(3, 1)
+    assert without.sglang_draw(torch.softmax(torch.randn(3, 400), -1), 5, *columns, generators[:3]) is None
+
+
 def test_it_declines_what_it_does_not_compute_and_refuses_a_bad_width(select):
     probs = torch.softmax(torch.randn(3, 100), -1)
     assert select(probs.double(), 5) is None

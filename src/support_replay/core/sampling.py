@@ -279,6 +279,28 @@ def _support_rows(logits: torch.Tensor, plist: list[SamplingParams], semantics: 
     return _padded_rows(mask), probs, temp, greedy
 
 
+def _compiled_draw(logits: torch.Tensor, plist: list[SamplingParams], semantics: str, generator, select):
+    """``((ids, valid, cols, counts), softmax(z/T), T, greedy, tokens)``: ``_support_rows`` and the draw in one call of
+    ``select.sglang_draw`` (the engine's compiled kernel, checked against the operations below), where it has one and
+    takes the batch: SGLang's rule over a narrow selection, no greedy row, a generator of each row's own; else None."""
+    draw = getattr(select, "sglang_draw", None)
+    if draw is None or semantics != "sglang" or any(p.greedy for p in plist):
+        return None
+    if not isinstance(generator, (list, tuple)) or not all(isinstance(g, torch.Generator) for g in generator):
+        return None
+    if len(generator) != len(plist) or not all(g.device == logits.device for g in generator):
+        return None
+    _, probs, (temp, top_k, top_p, min_p) = _scaled(logits, plist)
+    width = int(top_k.max())
+    if not _narrow(width, probs.shape[-1]):
+        return None
+    drawn = draw(probs, width, top_k, top_p, min_p, list(generator))
+    if drawn is None:
+        return None
+    greedy = torch.zeros(len(plist), dtype=torch.bool, device=logits.device)
+    return drawn[:4], probs, temp, greedy, drawn[4]
+
+
 def _compiled_rows(probs, top_k, top_p, min_p, select):
     """``_rows_of_ranks`` of SGLang's rule over a narrow selection in one call of ``select.sglang_rows`` (the engine's
     compiled kernel, checked against ``_keep_sglang`` and ``_rows_of_ranks``), where it has one and takes the call."""
@@ -362,7 +384,11 @@ def sample_tokens(
     _check_inputs(logits, semantics)
     rows, vocab = logits.shape
     plist = _per_row(params, rows)
-    (ids, valid, cols, counts), probs, temp, greedy = _support_rows(logits, plist, semantics, select)
+    drawn = _compiled_draw(logits, plist, semantics, generator, select)
+    if drawn is not None:
+        (ids, valid, cols, counts), probs, temp, greedy, tokens = drawn
+    else:
+        (ids, valid, cols, counts), probs, temp, greedy = _support_rows(logits, plist, semantics, select)
     if capture is True:  # every row (the default): no flags to read
         captured = torch.arange(rows)
     else:
@@ -372,12 +398,13 @@ def sample_tokens(
         if flags.shape != (rows,):
             raise SamplingParamsError(f"capture: expected a bool or {rows} flags, got shape {tuple(flags.shape)}")
         captured = flags.nonzero().squeeze(1)
-    # the draw runs on the padded support rows [B, K], not on [B, V]: past the filter, no pass over the vocabulary
-    weights = probs.gather(1, ids).masked_fill_(~valid, 0.0)
-    noise = _exponential_noise(tuple(ids.shape), generator, logits.device, counts.tolist())
-    tokens = ids.gather(1, (weights / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
-    if any(p.greedy for p in plist):
-        tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    if drawn is None:
+        # the draw runs on the padded support rows [B, K], not on [B, V]: past the filter, no pass over the vocabulary
+        weights = probs.gather(1, ids).masked_fill_(~valid, 0.0)
+        noise = _exponential_noise(tuple(ids.shape), generator, logits.device, counts.tolist())
+        tokens = ids.gather(1, (weights / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+        if any(p.greedy for p in plist):
+            tokens = torch.where(greedy, logits.argmax(-1), tokens)
     scored, scored_tokens, scored_temp = logits, tokens, temp.squeeze(1)
     if len(captured) < rows:  # evaluation rows: no support table, no log mu
         index = captured.to(logits.device)

@@ -24,4 +24,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each row's first width entries of the full sort by (value descending, id ascending): (values, ids)");
   m.def("sglang_rows", &sglang_rows,
         "SGLang's rule over each row's first width ranks, the kept ids ascending: (ids, valid, cols, counts)");
+  m.def("sglang_draw", &sglang_draw,
+        "sglang_rows, then each row's token drawn with its own generator: (ids, valid, cols, counts, tokens)");
 }

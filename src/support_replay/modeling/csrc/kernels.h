@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 
 #include <tuple>
+#include <vector>
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& mask, double scale,
@@ -31,3 +32,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sglang_rows(const at:
                                                                        const at::Tensor& top_k,
                                                                        const at::Tensor& top_p,
                                                                        const at::Tensor& min_p);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sglang_draw(
+    const at::Tensor& probs, int64_t width, const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+    const std::vector<at::Generator>& generators);

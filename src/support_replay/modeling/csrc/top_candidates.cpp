@@ -204,3 +204,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sglang_rows(const at:
   }
   return {ids, valid, cols, counts};
 }
+
+// ``sglang_rows``, then the draw core/sampling.py makes from them, with its operations: each row's weights (its
+// probabilities at the kept ids, 0 at padding) over Exp(1) noise, row r drawing exactly counts[r] values from its own
+// generator (padding 1), clamped at 1e-30; the token the largest ratio's id. The same ATen operations in the same
+// order as Python's, so the same bits, without the interpreter between them. Returns sglang_rows' four tensors and
+// the tokens [rows].
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sglang_draw(
+    const at::Tensor& probs, int64_t width, const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+    const std::vector<at::Generator>& generators) {
+  const int64_t rows = probs.size(0);
+  TORCH_CHECK(static_cast<int64_t>(generators.size()) == rows, "sglang_draw: ", generators.size(),
+              " generators for ", rows, " rows");
+  auto [ids, valid, cols, counts] = sglang_rows(probs, width, top_k, top_p, min_p);
+  auto weights = probs.gather(1, ids).masked_fill_(valid.logical_not(), 0.0);
+  auto noise = at::ones(ids.sizes(), probs.options());
+  const int64_t* count = counts.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    noise.select(0, r).narrow(0, 0, count[r]).exponential_(1.0, generators[r]);
+  }
+  noise.clamp_min_(1e-30);
+  auto tokens = ids.gather(1, (weights / noise).argmax(-1, true)).squeeze(1);
+  return {ids, valid, cols, counts, tokens};
+}
