@@ -443,7 +443,7 @@ class FusedDecoder:
         (it holds the packs, so dropping them drops it too)."""
         if self._loop is not None and self._loop_key is not None and self._loop_key[:2] == (self._packs_made, packing):
             if self._table_watch is not None and not self._table_watch.changed():
-                return self._loop  # nothing it holds moved (a written tensor too makes a new table: seldom)
+                return self._loop  # nothing it holds moved (a tensor written in place: the slower look below)
         try:
             held = [place[name] for place, name in self._held_slots]
         except KeyError:  # an attribute moved (a parameter set as a plain tensor): look again
