@@ -3,13 +3,14 @@ decode writes in place and gathers what a rectangle of slots would hold, blocks 
 holder count, and a request's answer does not depend on who joined or left around it."""
 
 import os
+import resource
 
 import numpy as np
 import pytest
 import torch
 
 from support_replay import SamplingParams
-from support_replay.engine import Engine
+from support_replay.engine import Engine, block_pool
 from support_replay.engine.block_pool import BlockPool
 from support_replay.engine.paged_cache import PagedCache, attention_groups, strided_runs
 from support_replay.errors import EngineError
@@ -51,7 +52,7 @@ def test_rows_hold_their_own_length_in_blocks_and_leaving_frees_them_without_a_c
     for slot, row in enumerate(order):
         assert torch.equal(held(cache, slot), 100 * row + torch.arange(int(cache.lengths[slot]), dtype=torch.float32))
     assert cache.keep([]) == [] and cache.size == 0
-    assert pool.used == 0 and pool.storage is None  # nothing held: the memory goes back
+    assert pool.used == 0  # nothing held: the memory goes back (test_idle_memory_goes_back_lazily_...)
 
 
 def test_decode_writes_each_rows_position_and_takes_a_block_as_it_grows():
@@ -155,7 +156,10 @@ def test_blocks_are_shared_by_holder_count_and_handed_out_lowest_first():
         pool.release([2])
 
 
-def test_the_cpu_storage_is_zero_filled_memory_made_at_first_write_and_dropped_when_nothing_is_held():
+def test_the_cpu_storage_is_zero_filled_memory_made_at_first_write_and_given_back_when_nothing_is_held(
+    monkeypatch,
+):
+    monkeypatch.setattr(block_pool, "LAZY_FREE", None)  # where the kernel frees nothing lazily: dropped
     pool = BlockPool(num_layers=2, block_size=2, max_tokens=8)
     pool.ensure(1, 1, torch.float32, "cpu")
     assert all(torch.equal(layer, torch.zeros(2, 1, 5, 2, 1)) for layer in pool.storage)  # the OS's zero pages
@@ -177,6 +181,54 @@ def test_the_cpu_storage_is_zero_filled_memory_made_at_first_write_and_dropped_w
     big.ensure(1, 1, torch.float32, "cpu")
     big.allocate(2)
     assert big.allocate_rows([1, 2, 2]) == [[3], [5, 6], [7, 8]] and big.used == 7
+
+
+def page_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@pytest.mark.skipif(block_pool.LAZY_FREE is None, reason="MADV_FREE is Linux's")
+def test_idle_memory_goes_back_lazily_and_the_next_rollout_writes_it_without_faults():
+    pool = BlockPool(num_layers=2, block_size=256, max_tokens=256 * 40)  # a block: 64 KiB of keys, 16 pages
+    pool.ensure(1, 64, torch.float32, "cpu")
+    storage = [layer.data_ptr() for layer in pool.storage]
+    pages = 2 * 2 * 32 * 256 * 64 * 4 // 4096  # 2 layers x keys and values of 32 blocks
+
+    def rollout(value: float) -> int:
+        """Faults taken writing 32 blocks of every layer; all of them released after."""
+        blocks = pool.allocate(32)
+        assert blocks == list(range(1, 33))  # the lowest blocks again, after the pool went idle
+        before = page_faults()
+        for layer in pool.storage:
+            layer[:, :, 1:33] = value
+        faults = page_faults() - before
+        assert all(torch.equal(layer[:, :, 1:33], torch.full_like(layer[:, :, 1:33], value)) for layer in pool.storage)
+        pool.release(blocks)
+        return faults
+
+    assert rollout(1.0) >= pages // 2  # fresh memory: a fault a page (the kernel may map a few at once)
+    assert pool.used == 0 and [layer.data_ptr() for layer in pool.storage] == storage  # idle: kept mapped, freed
+    lazy = lazily_freed_kib()
+    assert lazy is None or lazy >= pages * 4 // 2  # the kernel holds them as lazily freed: its to take back
+    assert rollout(2.0) < pages // 10  # not taken back (no memory pressure here): written again without faults
+    assert pool.storage[0][:, :, 40].abs().sum() == 0  # never written: zeros; what was written holds finite values
+    pool.ensure(1, 32, torch.float32, "cpu")  # idle storage of other shapes is made anew (a model of other heads)
+    assert pool.storage[0].shape == (2, 1, 41, 256, 32)
+    pool.allocate(1)
+    with pytest.raises(EngineError, match="keys of 1 heads x 64"):
+        pool.ensure(1, 64, torch.float32, "cpu")  # held blocks: the storage stays and other shapes are refused
+
+
+def lazily_freed_kib() -> int | None:
+    """The process's lazily freed memory (``LazyFree`` of /proc/self/smaps_rollup), None where not shown."""
+    try:
+        text = open("/proc/self/smaps_rollup").read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("LazyFree:"):
+            return int(line.split()[1])
+    return None
 
 
 class Entries:
