@@ -3,7 +3,8 @@
     python bench/decode_parts.py [--dtype float32|bfloat16] [--runs 3] [--skip-alone] [--decode-attention sdpa,kernel]
                                  [--layers compiled,pytorch]
 
-1. **Parts**: ``bench/engine.py``'s GRPO work (4 chat prompts x 4 samples, 64 tokens, EOS ignored, capture on) on
+1. **Parts**: ``bench/engine.py``'s GRPO work (4 chat prompts x 4 samples, 64 tokens, EOS ignored, capture on, each
+   rollout after a weight update: the prefix cache emptied) on
    SmolLM2-135M-Instruct, with wall clocks around the engine's decode step and its parts inside it (the fused step,
    its products, its attention calls, its key/value writes; sampling with capture), per step, one column per run
    (``update_bound.Clocks``; the layer loop, which runs a step's layers in one compiled call, times its own parts:
@@ -77,7 +78,7 @@ def one_run(engine: Engine, seed: int) -> dict[str, float]:
     clocks.wrap(runner.fused, "packed_linear", "products")
     loop_times(clocks, runner.fused)
     try:
-        rate = shaped_rate(engine, 4, 4, 64, 1, share=True, seed_base=seed)
+        rate = shaped_rate(engine, 4, 4, 64, 1, share=True, seed_base=seed, after_update=True)
     finally:
         clocks.close()
         runner.fused.time_loop = False

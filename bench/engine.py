@@ -10,7 +10,8 @@ without (evaluation requests). Then 16 concurrent requests of 64 new tokens agai
 Hugging Face ``generate`` with the same sampling (temperature 1, top_k 32, top_p 0.8): once
 with EOS ignored on both sides (pure decode), once stopping at EOS, counting real
 completion tokens (``generate`` keeps stepping finished rows until the longest is done;
-the engine retires them). Then requests shaped like a GRPO rollout (4 prompts x 4 samples)
+the engine retires them). Then requests shaped like a GRPO rollout (4 prompts x 4 samples; against ``generate``
+each rollout comes after a weight update, as a GRPO loop's does: the prefix cache emptied)
 and 16 distinct prompts, with each prompt prefilled per request and with identical prompts
 prefilled once (the engine's default). Then both shapes against ``generate`` (left-padded prompts,
 ``num_return_sequences``) in the engine's dtype, with the share of ``generate``'s time spent in
@@ -135,10 +136,21 @@ QUESTIONS = [
 
 
 def shaped_rate(
-    engine: Engine, prompts: int, per_prompt: int, new_tokens: int, repeats: int, share: bool, seed_base: int = 0
+    engine: Engine,
+    prompts: int,
+    per_prompt: int,
+    new_tokens: int,
+    repeats: int,
+    share: bool,
+    seed_base: int = 0,
+    after_update: bool = False,
 ) -> float:
     """Completion tokens/s of ``prompts`` distinct chat prompts x ``per_prompt`` samples, EOS ignored;
-    ``share`` off prefills every request's prompt on its own row (as before prefix sharing)."""
+    ``share`` off prefills every request's prompt on its own row (as before prefix sharing). ``after_update``: each
+    rollout as a GRPO loop's, after a weight update, which empties the prefix cache (timed with the rollout: the
+    engine clears it before the first admission). Without it the last rollouts' rows stay cached and each rollout
+    writes blocks past them, memory never written before (on this project's VMs ~3 ms a fresh MB, some 10% of a
+    GRPO-shape rollout of SmolLM2, until the pool has been written through once: docs/benchmarks.md)."""
     ids = shaped_prompts(engine.tokenizer, prompts)
     runner = engine.runner
     runner.share_prompts = share
@@ -157,6 +169,8 @@ def shaped_rate(
                 for j in range(per_prompt)
             ]
             start = time.perf_counter()
+            if after_update:
+                engine.flush_prefix_cache()
             out = engine.generate(reqs)
             best = max(best, sum(len(c.output_ids) for c in out) / (time.perf_counter() - start))
         return best
@@ -263,7 +277,7 @@ def hf_shaped(model, tokenizer, prompts: int, per_prompt: int, new_tokens: int, 
 def ours_shaped(engine: Engine, prompts: int, per_prompt: int, new_tokens: int, seed: int) -> tuple[float, float]:
     """The engine on the same work, capture on, one run: ``(tokens/s, seconds in the linear layers)``."""
     clock = LinearClock(engine.runner.model, engine.runner)
-    rate = shaped_rate(engine, prompts, per_prompt, new_tokens, 1, share=True, seed_base=1000 * seed)
+    rate = shaped_rate(engine, prompts, per_prompt, new_tokens, 1, share=True, seed_base=1000 * seed, after_update=True)
     clock.close()
     return rate, clock.seconds
 
@@ -385,7 +399,9 @@ def compare_kernels(path: Path, args) -> None:
             if runner.fused is not None:
                 runner.fused.packing = step == "fused, packed weights"
             rates[(kernel, step)].append(
-                shaped_rate(engines[kernel], 4, 4, args.new_tokens, 1, share=True, seed_base=1000 * r)
+                shaped_rate(
+                    engines[kernel], 4, 4, args.new_tokens, 1, share=True, seed_base=1000 * r, after_update=True
+                )
             )
             runner.use_fused = runner.fused is not None
     print(
