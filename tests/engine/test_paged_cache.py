@@ -219,6 +219,14 @@ def test_idle_memory_goes_back_lazily_and_the_next_rollout_writes_it_without_fau
         pool.ensure(1, 64, torch.float32, "cpu")  # held blocks: the storage stays and other shapes are refused
 
 
+def test_an_idle_pool_whose_kernel_refuses_the_lazy_free_drops_its_storage(monkeypatch):
+    monkeypatch.setattr(block_pool, "LAZY_FREE", 10**6)  # no such advice: madvise fails with EINVAL
+    pool = BlockPool(num_layers=1, block_size=2, max_tokens=8)
+    pool.ensure(1, 1, torch.float32, "cpu")
+    pool.release(pool.allocate(2))
+    assert pool.storage is None and pool.used == 0
+
+
 def lazily_freed_kib() -> int | None:
     """The process's lazily freed memory (``LazyFree`` of /proc/self/smaps_rollup), None where not shown."""
     try:

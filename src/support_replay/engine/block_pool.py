@@ -191,11 +191,18 @@ class BlockPool:
             self.used -= int(np.unique(index[self.refs[index] == 0]).size)
         if self.used == 0 and not self._giving_way:  # nothing held: the memory goes back
             self._high = 1
-            if LAZY_FREE is not None and self._maps:
-                for memory in self._maps if ids else []:  # mapped until the kernel needs them: no faults till then
-                    memory.madvise(LAZY_FREE)
-            else:
+            if not (LAZY_FREE is not None and self._maps and self._free_lazily(ids)):
                 self.storage, self._maps = None, []
+
+    def _free_lazily(self, ids: list[int]) -> bool:
+        """The storage's pages freed lazily (mapped until the kernel needs them: no faults till then); False where
+        the kernel refuses (one older than Python's headers: the storage is dropped instead)."""
+        try:
+            for memory in self._maps if ids else []:
+                memory.madvise(LAZY_FREE)
+        except OSError:
+            return False
+        return True
 
     def flat(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s storage as ``[2, kv_heads, (blocks + 1) * page, head_dim]`` (block * page + offset)."""
