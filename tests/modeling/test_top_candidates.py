@@ -149,6 +149,7 @@ def test_the_compiled_draw_is_the_samplers_and_its_check_finds_one_that_is_not(s
     assert "differs from the sampler's" in top_candidates.check_draw(lowest_ratio)
     calls = []
     monkeypatch.setattr(select, "_draw", lambda *a: calls.append(1) or module.sglang_draw(*a))
+    monkeypatch.setattr(select, "_draw_logits", None)  # where the softmax's check failed: torch.softmax, then this
     logits = 4 * torch.randn(4, 3000, generator=torch.Generator().manual_seed(9))
     params = [SamplingParams(top_k=32, top_p=0.9, seed=i) for i in range(4)]
     generators = [torch.Generator().manual_seed(i) for i in range(4)]
@@ -159,6 +160,45 @@ def test_the_compiled_draw_is_the_samplers_and_its_check_finds_one_that_is_not(s
     without = top_candidates.Selection(module, draw=False)  # where the draw's check failed
     columns = torch.tensor([[5]] * 3), torch.ones(3, 1, dtype=torch.float64), torch.zeros(3, 1)
     assert without.sglang_draw(torch.softmax(torch.randn(3, 400), -1), 5, *columns, generators[:3]) is None
+
+
+def test_the_draw_from_logits_is_softmax_then_the_draw_and_its_check_finds_one_that_is_not(select, monkeypatch):
+    """``sglang_draw_logits``: each row's softmax(z / T) with torch.softmax's bits and the draw over it in one call; the
+    sampler takes it first, at any temperatures, and the start-up check refuses a softmax an ulp off."""
+    module = cpu_kernels.built()[0]
+    assert top_candidates.check_draw_logits(module.sglang_draw_logits, module.sglang_draw) == ""
+
+    def ulp_off(logits, width, temperature, top_k, top_p, min_p, generators):
+        *drawn, probs = module.sglang_draw_logits(logits, width, temperature, top_k, top_p, min_p, generators)
+        probs[0, 7] = torch.nextafter(probs[0, 7], torch.tensor(1.0))
+        return (*drawn, probs)
+
+    def t_ignored(logits, width, temperature, top_k, top_p, min_p, generators):
+        return module.sglang_draw_logits(logits, width, torch.ones_like(temperature), top_k, top_p, min_p, generators)
+
+    assert "its softmax differs from torch.softmax" in top_candidates.check_draw_logits(ulp_off, module.sglang_draw)
+    assert "temperatures [0.7, 1.0, 1.3, 0.05]" in top_candidates.check_draw_logits(t_ignored, module.sglang_draw)
+    calls = []
+    monkeypatch.setattr(select, "_draw_logits", lambda *a: calls.append(1) or module.sglang_draw_logits(*a))
+    g = torch.Generator().manual_seed(11)
+    logits = 4 * torch.randn(8, 6000, generator=g)
+    logits[3, 50:] = float("-inf")  # a grammar's mask
+    for temps in ([1.0] * 8, [0.6, 1.0, 1.7, 0.9] * 2):
+        params = [SamplingParams(temperature=t, top_k=40, top_p=0.9, min_p=0.02 * (i % 2), seed=i)
+                  for i, t in enumerate(temps)]  # fmt: skip
+
+        def draw(chosen):
+            generators = [torch.Generator().manual_seed(i) for i in range(8)]
+            return sample_tokens(logits, params, "sglang", generator=generators, select=chosen)
+
+        a, b = draw(select), draw(None)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.log_mu, b.log_mu)
+        assert (a.support.ids == b.support.ids).all() and (a.support.offsets == b.support.offsets).all()
+    assert calls == [1, 1]
+    columns = torch.tensor([[5]] * 8), torch.ones(8, 1, dtype=torch.float64), torch.zeros(8, 1)
+    with pytest.raises(RuntimeError, match="sglang_draw_logits: temperature of 8 float32 values"):
+        module.sglang_draw_logits(logits, 5, torch.ones(8, 1, dtype=torch.float64), *columns, [torch.Generator()] * 8)
+    assert select.sglang_draw_logits(logits.double(), 5, None, None, None, None, None) is None
 
 
 def test_it_declines_what_it_does_not_compute_and_refuses_a_bad_width(select):

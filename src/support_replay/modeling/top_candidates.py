@@ -17,6 +17,10 @@ the sampler's own ATen operations called from C++ (the same bits, checked with g
 interpreter between them: inside a GRPO-shape decode on a Zen 5 EPYC those operations took some 0.35 ms in Python,
 and ``sample_tokens`` went ~1.68 -> 1.60 ms (most of their time is the cold caches after the head's product, which
 C++ does not spare).
+
+``sglang_draw_logits`` starts from the logits: each row's ``softmax(z / T)`` with ATen's float32 softmax's own vector
+functions in its order (the same bits, checked against ``torch.softmax`` at start-up) and the row's selection in one
+task, so the selection reads a row just written instead of 3 MB of probabilities again from memory.
 """
 
 from __future__ import annotations
@@ -136,16 +140,56 @@ def check_draw(kernel: Callable) -> str:
     return ""
 
 
+def check_draw_logits(kernel: Callable, draw: Callable) -> str:
+    """Where ``kernel(logits, width, temperature, top_k, top_p, min_p, generators)`` differs from ``torch.softmax`` of
+    ``logits / temperature`` (skipped where every temperature is 1, as the sampler skips it) and ``draw`` (the checked
+    ``sglang_draw``) over it with generators seeded alike ("" nowhere)."""
+    generator = torch.Generator().manual_seed(3)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    masked = 4 * randn(6, 3001)
+    masked[0, 100:] = float("-inf")  # a grammar's or min-tokens' mask
+    masked[1, :2900] = float("-inf")
+    tied = (3 * randn(5, 4099)).bfloat16().float()  # ties at the cut
+    large = 60 * randn(3, 49152)
+    for logits in (4 * randn(7, 5000), masked, tied, large, randn(2, 4 * 48 + 3)):
+        rows, vocab = logits.shape
+        settings = [SETTINGS[r % len(SETTINGS)] for r in range(rows)]
+        top_k = torch.tensor([[min(k, vocab)] for k, _, _ in settings])
+        top_p = torch.tensor([[p] for _, p, _ in settings], dtype=torch.float64)
+        min_p = torch.tensor([[m] for _, _, m in settings], dtype=torch.float32)
+        width = int(top_k.max())
+        for temps in ([1.0] * rows, [(0.7, 1.0, 1.3, 0.05)[r % 4] for r in range(rows)]):
+            temperature = torch.tensor(temps)[:, None]
+            want_probs = torch.softmax(logits if all(t == 1 for t in temps) else logits / temperature, -1)
+            generators = [torch.Generator().manual_seed(7 + r) for r in range(rows)]
+            got = kernel(logits, width, temperature, top_k, top_p, min_p, generators)
+            again = [torch.Generator().manual_seed(7 + r) for r in range(rows)]
+            want = draw(want_probs, width, top_k, top_p, min_p, again)
+            if not torch.equal(got[5], want_probs):
+                return f"its softmax differs from torch.softmax at {tuple(logits.shape)}, temperatures {temps[:4]}"
+            if not all(torch.equal(a, b) for a, b in zip(got[:5], want)):
+                return f"its draw differs from sglang_draw's at {tuple(logits.shape)}, temperatures {temps[:4]}"
+            if not all(torch.equal(g.get_state(), a.get_state()) for g, a in zip(generators, again)):
+                return f"it takes another count of values from the generators at {tuple(logits.shape)}"
+    return ""
+
+
 class Selection:
     """The checked kernels for core/sampling.py, None where a call is not theirs (off a CPU, off float32):
     ``select(probs, width)``, the sort's first ``width`` ranks; ``select.sglang_rows(probs, width, top_k, top_p,
     min_p)``, SGLang's rule over them in ``_padded_rows``' form; ``select.sglang_draw(..., generators)``, those rows
-    and each row's token drawn with its own generator."""
+    and each row's token drawn with its own generator; ``select.sglang_draw_logits(logits, width, temperature, ...)``,
+    the same from the logits with their softmax."""
 
-    def __init__(self, module, rows: bool = True, draw: bool = True):
+    def __init__(self, module, rows: bool = True, draw: bool = True, draw_logits: bool = True):
         self._select = module.top_candidates
         self._rows = module.sglang_rows if rows else None  # None: its check failed, the rule stays PyTorch's
         self._draw = module.sglang_draw if rows and draw else None  # None: the draw stays PyTorch's operations
+        # None: the softmax stays torch.softmax, the draw sglang_draw's
+        self._draw_logits = module.sglang_draw_logits if self._draw is not None and draw_logits else None
 
     @staticmethod
     def _takes(probs: torch.Tensor) -> bool:
@@ -164,6 +208,11 @@ class Selection:
             return None
         return self._draw(probs, width, top_k, top_p, min_p, generators)
 
+    def sglang_draw_logits(self, logits: torch.Tensor, width: int, temperature, top_k, top_p, min_p, generators):
+        if self._draw_logits is None or not self._takes(logits):
+            return None
+        return self._draw_logits(logits, width, temperature, top_k, top_p, min_p, generators)
+
 
 @functools.cache
 def compiled() -> tuple[Selection | None, str]:
@@ -178,7 +227,10 @@ def compiled() -> tuple[Selection | None, str]:
     draw_why = "" if rows_why else check_draw(module.sglang_draw)
     if draw_why:
         log.info("sampling: the draw stays PyTorch's operations (%s)", draw_why)
-    return Selection(module, rows=not rows_why, draw=not draw_why), ""
+    logits_why = "" if rows_why or draw_why else check_draw_logits(module.sglang_draw_logits, module.sglang_draw)
+    if logits_why:
+        log.info("sampling: the softmax stays torch.softmax before the compiled draw (%s)", logits_why)
+    return Selection(module, rows=not rows_why, draw=not draw_why, draw_logits=not logits_why), ""
 
 
 def selection() -> Selection | None:

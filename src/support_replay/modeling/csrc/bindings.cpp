@@ -26,4 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "SGLang's rule over each row's first width ranks, the kept ids ascending: (ids, valid, cols, counts)");
   m.def("sglang_draw", &sglang_draw,
         "sglang_rows, then each row's token drawn with its own generator: (ids, valid, cols, counts, tokens)");
+  m.def("sglang_draw_logits", &sglang_draw_logits,
+        "sglang_draw from the logits, each row's softmax(z / T) and selection in one task: (ids, valid, cols, "
+        "counts, tokens, probs)");
 }

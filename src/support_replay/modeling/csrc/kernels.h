@@ -35,3 +35,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sglang_rows(const at:
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sglang_draw(
     const at::Tensor& probs, int64_t width, const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
     const std::vector<at::Generator>& generators);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sglang_draw_logits(
+    const at::Tensor& logits, int64_t width, const at::Tensor& temperature, const at::Tensor& top_k,
+    const at::Tensor& top_p, const at::Tensor& min_p, const std::vector<at::Generator>& generators);

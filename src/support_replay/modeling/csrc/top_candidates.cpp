@@ -118,6 +118,24 @@ void select_row(const float* row, int64_t vocab, int64_t width, float* values, i
   }
 }
 
+// softmax(x / t) of one row of n logits as ATen computes a float32 softmax over the last dimension (SoftMaxKernel.cpp's
+// _vec_softmax_lastdim: the vectors' maximum, exp(x - max) written out, their vectors' sum, each times 1 / sum), with
+// the division by the temperature before it as Python's ``logits / temp`` (IEEE division, exact per element; skipped
+// at t = 1, where it is the identity). The same ATen vector functions, so the same bits where the build's ISA is
+// ATen's own (checked at start-up against torch.softmax: modeling/top_candidates.py).
+inline void softmax_row(const float* in, float* out, int64_t n, float t) {
+  const float* x = in;
+  if (t != 1.f) {
+    at::vec::map([t](Vec a) { return a / Vec(t); }, out, in, n);
+    x = out;
+  }
+  const float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x, n);
+  at::vec::map([top](Vec a) { return (a - Vec(top)).exp(); }, out, x, n);
+  float sum = at::vec::reduce_all<float>([](Vec a, Vec b) { return a + b; }, out, n);
+  sum = 1 / sum;
+  at::vec::map([sum](Vec a) { return a * Vec(sum); }, out, out, n);
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> top_candidates(const at::Tensor& probs, int64_t width) {
@@ -148,18 +166,23 @@ std::tuple<at::Tensor, at::Tensor> top_candidates(const at::Tensor& probs, int64
 // product. Python checks the result against those operations at start-up before it uses this
 // (modeling/top_candidates.py). Returns (ids [rows, K], valid [rows, K], the kept ids row after row, counts [rows]),
 // K the most any row keeps (at least 1), padding ids 0.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sglang_rows(const at::Tensor& probs, int64_t width,
-                                                                       const at::Tensor& top_k,
-                                                                       const at::Tensor& top_p,
-                                                                       const at::Tensor& min_p) {
-  const int64_t rows = probs.size(0);
-  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.numel() == rows, "sglang_rows: top_k of ", rows,
+namespace {
+
+void check_columns(const char* name, int64_t rows, const at::Tensor& top_k, const at::Tensor& top_p,
+                   const at::Tensor& min_p) {
+  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.numel() == rows, name, ": top_k of ", rows,
               " int64 values, got ", top_k.sizes(), " ", top_k.scalar_type());
-  TORCH_CHECK(top_p.scalar_type() == at::kDouble && top_p.numel() == rows, "sglang_rows: top_p of ", rows,
+  TORCH_CHECK(top_p.scalar_type() == at::kDouble && top_p.numel() == rows, name, ": top_p of ", rows,
               " float64 values, got ", top_p.sizes(), " ", top_p.scalar_type());
-  TORCH_CHECK(min_p.scalar_type() == at::kFloat && min_p.numel() == rows, "sglang_rows: min_p of ", rows,
+  TORCH_CHECK(min_p.scalar_type() == at::kFloat && min_p.numel() == rows, name, ": min_p of ", rows,
               " float32 values, got ", min_p.sizes(), " ", min_p.scalar_type());
-  const auto [values, order] = top_candidates(probs, width);
+}
+
+// the rule over a selection's ``values`` and ``order`` [rows, width]: sglang_rows' four tensors
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rule_rows(const at::Tensor& values, const at::Tensor& order,
+                                                                     const at::Tensor& top_k, const at::Tensor& top_p,
+                                                                     const at::Tensor& min_p) {
+  const int64_t rows = values.size(0), width = values.size(1);
   const auto k_col = top_k.contiguous(), p_col = top_p.contiguous(), m_col = min_p.contiguous();
   const int64_t* k_of = k_col.data_ptr<int64_t>();
   const double* p_of = p_col.data_ptr<double>();
@@ -185,9 +208,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sglang_rows(const at:
     most = std::max<int64_t>(most, static_cast<int64_t>(kept[r].size()));
     total += static_cast<int64_t>(kept[r].size());
   }
-  const auto long_options = probs.options().dtype(at::kLong);
+  const auto long_options = values.options().dtype(at::kLong);
   auto ids = at::zeros({rows, most}, long_options);
-  auto valid = at::zeros({rows, most}, probs.options().dtype(at::kBool));
+  auto valid = at::zeros({rows, most}, values.options().dtype(at::kBool));
   auto cols = at::empty({total}, long_options);
   auto counts = at::empty({rows}, long_options);
   int64_t* ids_out = ids.data_ptr<int64_t>();
@@ -205,6 +228,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sglang_rows(const at:
   return {ids, valid, cols, counts};
 }
 
+// the draw over the kept ids: each row's weights (its probabilities at the kept ids, 0 at padding) over Exp(1) noise,
+// row r drawing exactly counts[r] values from its own generator (padding 1), clamped at 1e-30; the largest ratio's id
+at::Tensor draw_tokens(const at::Tensor& probs, const at::Tensor& ids, const at::Tensor& valid,
+                       const at::Tensor& counts, const std::vector<at::Generator>& generators) {
+  const int64_t rows = probs.size(0);
+  auto weights = probs.gather(1, ids).masked_fill_(valid.logical_not(), 0.0);
+  auto noise = at::ones(ids.sizes(), probs.options());
+  const int64_t* count = counts.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    noise.select(0, r).narrow(0, 0, count[r]).exponential_(1.0, generators[r]);
+  }
+  noise.clamp_min_(1e-30);
+  return ids.gather(1, (weights / noise).argmax(-1, true)).squeeze(1);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sglang_rows(const at::Tensor& probs, int64_t width,
+                                                                       const at::Tensor& top_k,
+                                                                       const at::Tensor& top_p,
+                                                                       const at::Tensor& min_p) {
+  check_columns("sglang_rows", probs.size(0), top_k, top_p, min_p);
+  const auto [values, order] = top_candidates(probs, width);
+  return rule_rows(values, order, top_k, top_p, min_p);
+}
+
 // ``sglang_rows``, then the draw core/sampling.py makes from them, with its operations: each row's weights (its
 // probabilities at the kept ids, 0 at padding) over Exp(1) noise, row r drawing exactly counts[r] values from its own
 // generator (padding 1), clamped at 1e-30; the token the largest ratio's id. The same ATen operations in the same
@@ -217,13 +266,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sglang_dr
   TORCH_CHECK(static_cast<int64_t>(generators.size()) == rows, "sglang_draw: ", generators.size(),
               " generators for ", rows, " rows");
   auto [ids, valid, cols, counts] = sglang_rows(probs, width, top_k, top_p, min_p);
-  auto weights = probs.gather(1, ids).masked_fill_(valid.logical_not(), 0.0);
-  auto noise = at::ones(ids.sizes(), probs.options());
-  const int64_t* count = counts.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    noise.select(0, r).narrow(0, 0, count[r]).exponential_(1.0, generators[r]);
-  }
-  noise.clamp_min_(1e-30);
-  auto tokens = ids.gather(1, (weights / noise).argmax(-1, true)).squeeze(1);
+  auto tokens = draw_tokens(probs, ids, valid, counts, generators);
   return {ids, valid, cols, counts, tokens};
+}
+
+// ``sglang_draw`` from the logits: each row's softmax(z / T) (softmax_row, ATen's bits) and its selection in one task,
+// so the selection reads a row its softmax has just written (the row in the nearest caches, not 3 MB of 16 rows read
+// again from memory after the head's product), and no [rows, vocab] pass between. Returns sglang_draw's five tensors
+// and the probabilities [rows, vocab].
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sglang_draw_logits(
+    const at::Tensor& logits, int64_t width, const at::Tensor& temperature, const at::Tensor& top_k,
+    const at::Tensor& top_p, const at::Tensor& min_p, const std::vector<at::Generator>& generators) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
+              "sglang_draw_logits: logits must be a float32 [rows, vocab] CPU tensor, got ", logits.scalar_type(), " ",
+              logits.sizes(), " on ", logits.device());
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(width >= 1 && width <= vocab, "sglang_draw_logits: width must be in [1, ", vocab, "], got ", width);
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.numel() == rows, "sglang_draw_logits: ",
+              "temperature of ", rows, " float32 values, got ", temperature.sizes(), " ", temperature.scalar_type());
+  TORCH_CHECK(static_cast<int64_t>(generators.size()) == rows, "sglang_draw_logits: ", generators.size(),
+              " generators for ", rows, " rows");
+  check_columns("sglang_draw_logits", rows, top_k, top_p, min_p);
+  const auto input = logits.contiguous();
+  const auto t_col = temperature.contiguous();
+  auto probs = at::empty({rows, vocab}, logits.options());
+  auto values = at::empty({rows, width}, logits.options());
+  auto order = at::empty({rows, width}, logits.options().dtype(at::kLong));
+  const float* in = input.data_ptr<float>();
+  const float* t_of = t_col.data_ptr<float>();
+  float* p = probs.data_ptr<float>();
+  float* out_values = values.data_ptr<float>();
+  int64_t* out_ids = order.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      softmax_row(in + r * vocab, p + r * vocab, vocab, t_of[r]);
+      select_row(p + r * vocab, vocab, width, out_values + r * width, out_ids + r * width);
+    }
+  });
+  auto [ids, valid, cols, counts] = rule_rows(values, order, top_k, top_p, min_p);
+  auto tokens = draw_tokens(probs, ids, valid, counts, generators);
+  return {ids, valid, cols, counts, tokens, probs};
 }
