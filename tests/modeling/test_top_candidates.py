@@ -116,19 +116,26 @@ def test_the_start_up_check_finds_a_rule_that_differs(select):
     assert torch.equal(without_rule(probs, 5)[1], _sorted(probs, 5)[1])
 
 
+def assert_samples_alike(logits, params, select):
+    """``sample_tokens`` with the kernels and without (PyTorch's operations), each row's generator seeded alike: the
+    same tokens, log mu and supports."""
+
+    def draw(chosen):
+        generators = [torch.Generator().manual_seed(i) for i in range(len(params))]
+        return sample_tokens(logits, params, "sglang", generator=generators, select=chosen)
+
+    a, b = draw(select), draw(None)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.log_mu, b.log_mu)
+    assert (a.support.ids == b.support.ids).all() and (a.support.offsets == b.support.offsets).all()
+
+
 def test_sampling_with_the_kernels_draws_and_scores_as_without(select):
     g = torch.Generator().manual_seed(5)
     logits = 4 * torch.randn(16, 5000, generator=g)
     params = [SamplingParams(top_k=k, top_p=p, min_p=m, seed=i) for i, (k, p, m) in
               enumerate([(32, 0.8, 0.0), (20, 0.97, 0.05), (1, 1.0, 0.0), (64, 1.0, 0.0)] * 4)]  # fmt: skip
 
-    def draw(chosen):
-        generators = [torch.Generator().manual_seed(i) for i in range(16)]
-        return sample_tokens(logits, params, "sglang", generator=generators, select=chosen)
-
-    a, b = draw(select), draw(None)
-    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.log_mu, b.log_mu)
-    assert (a.support.ids == b.support.ids).all() and (a.support.offsets == b.support.offsets).all()
+    assert_samples_alike(logits, params, select)
 
 
 def test_the_compiled_draw_is_the_samplers_and_its_check_finds_one_that_is_not(select, monkeypatch):
@@ -186,14 +193,7 @@ def test_the_draw_from_logits_is_softmax_then_the_draw_and_its_check_finds_one_t
     for temps in ([1.0] * 8, [0.6, 1.0, 1.7, 0.9] * 2):
         params = [SamplingParams(temperature=t, top_k=40, top_p=0.9, min_p=0.02 * (i % 2), seed=i)
                   for i, t in enumerate(temps)]  # fmt: skip
-
-        def draw(chosen):
-            generators = [torch.Generator().manual_seed(i) for i in range(8)]
-            return sample_tokens(logits, params, "sglang", generator=generators, select=chosen)
-
-        a, b = draw(select), draw(None)
-        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.log_mu, b.log_mu)
-        assert (a.support.ids == b.support.ids).all() and (a.support.offsets == b.support.offsets).all()
+        assert_samples_alike(logits, params, select)
     assert calls == [1, 1]
     columns = torch.tensor([[5]] * 8), torch.ones(8, 1, dtype=torch.float64), torch.zeros(8, 1)
     with pytest.raises(RuntimeError, match="sglang_draw_logits: temperature of 8 float32 values"):

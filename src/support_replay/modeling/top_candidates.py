@@ -73,6 +73,15 @@ SETTINGS = [(1, 1.0, 0.0), (7, 1.0, 0.0), (32, 0.8, 0.0), (32, 0.95, 0.05), (48,
             (48, 1.0, 1.0), (2, 0.999999, 0.3), (32, 0.3, 0.0), (20, 0.97, 0.01)]  # fmt: skip
 
 
+def _columns(settings: list[tuple[int, float, float]], vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``[rows, 1]`` columns ``(top_k, top_p, min_p)`` of one ``SETTINGS`` entry a row, as the sampler makes them
+    (core/sampling.py's ``_columns``: int64, float64, float32; top_k at most the vocabulary)."""
+    top_k = torch.tensor([[min(k, vocab)] for k, _, _ in settings])
+    top_p = torch.tensor([[p] for _, p, _ in settings], dtype=torch.float64)
+    min_p = torch.tensor([[m] for _, _, m in settings], dtype=torch.float32)
+    return top_k, top_p, min_p
+
+
 def check_rows(kernel: Callable) -> str:
     """Where ``kernel(probs, width, top_k, top_p, min_p)`` differs from SGLang's rule over the sort's first ranks
     (core/sampling.py's operations) and its kept ids ascending ("" nowhere)."""
@@ -83,9 +92,7 @@ def check_rows(kernel: Callable) -> str:
         rows, vocab = probs.shape
         for shift in range(len(SETTINGS)):
             settings = [SETTINGS[(shift + r) % len(SETTINGS)] for r in range(rows)]
-            top_k = torch.tensor([[min(k, vocab)] for k, _, _ in settings])
-            top_p = torch.tensor([[p] for _, p, _ in settings], dtype=torch.float64)
-            min_p = torch.tensor([[m] for _, _, m in settings], dtype=torch.float32)
+            top_k, top_p, min_p = _columns(settings, vocab)
             width = int(top_k.max())
             values, order = torch.sort(probs, dim=-1, descending=True, stable=True)
             values, order = values[:, :width], order[:, :width]
@@ -120,9 +127,7 @@ def check_draw(kernel: Callable) -> str:
     for probs in _cases(generator)[:3]:
         rows, vocab = probs.shape
         settings = [SETTINGS[r % len(SETTINGS)] for r in range(rows)]
-        top_k = torch.tensor([[min(k, vocab)] for k, _, _ in settings])
-        top_p = torch.tensor([[p] for _, p, _ in settings], dtype=torch.float64)
-        min_p = torch.tensor([[m] for _, _, m in settings], dtype=torch.float32)
+        top_k, top_p, min_p = _columns(settings, vocab)
         width = int(top_k.max())
         probs = probs.nan_to_num(0.0)  # a draw's weights are probabilities
         for seed in range(3):
@@ -157,9 +162,7 @@ def check_draw_logits(kernel: Callable, draw: Callable) -> str:
     for logits in (4 * randn(7, 5000), masked, tied, large, randn(2, 4 * 48 + 3)):
         rows, vocab = logits.shape
         settings = [SETTINGS[r % len(SETTINGS)] for r in range(rows)]
-        top_k = torch.tensor([[min(k, vocab)] for k, _, _ in settings])
-        top_p = torch.tensor([[p] for _, p, _ in settings], dtype=torch.float64)
-        min_p = torch.tensor([[m] for _, _, m in settings], dtype=torch.float32)
+        top_k, top_p, min_p = _columns(settings, vocab)
         width = int(top_k.max())
         for temps in ([1.0] * rows, [(0.7, 1.0, 1.3, 0.05)[r % 4] for r in range(rows)]):
             temperature = torch.tensor(temps)[:, None]
