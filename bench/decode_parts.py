@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, and what its two largest parts cost alone (docs/benchmarks.md, "Speed on this CPU").
+"""Where a decode step's time goes, what its largest parts cost alone, what caches cost its sampling (benchmarks.md).
 
     python bench/decode_parts.py [--dtype float32|bfloat16] [--runs 3] [--skip-alone] [--decode-attention sdpa,kernel]
                                  [--layers compiled,pytorch]
@@ -20,6 +20,10 @@
 3. **A step's products alone**: every linear layer of a step at 16 rows over 30 layers' distinct weights (so the
    weights stream from memory as in a step) and the head, on oneDNN's packed weights, MKL's ``F.linear`` and
    MKL's own packed GEMM (``torch.ops.mkl._mkl_linear``); medians of alternating rounds.
+4. **The caches' share**: the sampler with capture (``sample_tokens``, the engine's selection) and the support's log
+   mu alone (``support_logprobs``) on a step's 16 rows of logits, called again and again (caches warm), and each call
+   after a pass over the model's weights (every cache line of code and data the call touches evicted, as after a
+   step's head product): the difference is what the caches cost a step's sampling, not the work it does.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine import resolve_model, shaped_rate
+from engine import PARAMS, resolve_model, shaped_rate
+from support_replay import SamplingParams
+from support_replay.core.logprobs import support_logprobs
+from support_replay.core.sampling import sample_tokens
 from support_replay.engine import Engine
 from support_replay.engine.fused_step import LOOP_PARTS, FusedDecoder
 from support_replay.engine.paged_cache import PagedCache
@@ -168,6 +175,49 @@ def products_alone(rounds: int = 5) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def sampling_caches(engine: Engine, calls: int = 30) -> list[tuple[str, float, float]]:
+    """``(call, ms on warm caches, ms after a pass over the weights)``, medians over ``calls`` calls, of the sampler and
+    of the log mu inside it on 16 rows of the head's logits (hidden states drawn at random)."""
+    model = engine.runner.model
+    weights = [p.detach() for p in model.parameters()]
+    head = model.get_output_embeddings().weight.detach()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        logits = F.linear(torch.randn(16, head.shape[1], generator=generator, dtype=head.dtype), head).float()
+    params = [SamplingParams(seed=i, **PARAMS) for i in range(16)]
+    select, semantics = engine.sample.select, engine.sample.semantics
+
+    def seeded():
+        return [torch.Generator().manual_seed(i) for i in range(16)]
+
+    def sample(generators):
+        return sample_tokens(logits, params, semantics, generator=generators, capture=True, select=select)
+
+    drawn = sample(seeded())
+    ids, valid = drawn.support.to_padded()
+    temperature = torch.full((16,), PARAMS["temperature"])
+
+    def log_mu(_):
+        return support_logprobs(logits, drawn.tokens, (ids, valid), temperature)
+
+    rows = []
+    for name, call in (("sample_tokens (selection, draw, capture)", sample), ("support_logprobs (log mu)", log_mu)):
+        warm, cold = [], []
+        for _ in range(calls):
+            for flush, out in ((False, warm), (True, cold)):
+                if flush:
+                    for w in weights:  # every weight read once, as a step's products read them
+                        w.sum()
+                else:
+                    call(seeded())  # the same call just before: its code and data in the caches
+                generators = seeded()  # each call's own, made outside its time
+                start = time.perf_counter()
+                call(generators)
+                out.append(1e3 * (time.perf_counter() - start))
+        rows.append((name, statistics.median(warm), statistics.median(cold)))
+    return rows
+
+
 def layers_of(fused: FusedDecoder | None) -> str:
     if fused is None or not fused.compiled_layers:
         return "pytorch"
@@ -209,6 +259,7 @@ def main() -> None:
         + ", ".join(f"{c} -> {layers_of(e.runner.fused)}" for c, e in engines.items())
     )
     by_run = parts(engines, args.runs)
+    caches = sampling_caches(engine) if not args.skip_alone else []
     for e in engines.values():
         e.shutdown()
     names, rows = list(by_run), list(by_run.values())
@@ -244,6 +295,10 @@ def main() -> None:
     print("|---|---:|")
     for name, ms in products_alone().items():
         print(f"| {name} | {ms:.1f} |")
+    print("\n| a step's sampling alone, 16 rows | ms, caches warm | ms after a pass over the weights |")
+    print("|---|---:|---:|")
+    for name, warm, cold in caches:
+        print(f"| {name} | {warm:.2f} | {cold:.2f} |")
 
 
 if __name__ == "__main__":
