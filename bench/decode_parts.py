@@ -21,9 +21,9 @@
    weights stream from memory as in a step) and the head, on oneDNN's packed weights, MKL's ``F.linear`` and
    MKL's own packed GEMM (``torch.ops.mkl._mkl_linear``); medians of alternating rounds.
 4. **The caches' share**: the sampler with capture (``sample_tokens``, the engine's selection) and the support's log
-   mu alone (``support_logprobs``) on a step's 16 rows of logits, called again and again (caches warm), and each call
+   mu alone (``support_logprobs``) on a step's 16 rows of logits, timed right after the same call (caches warm) and
    after a pass over the model's weights (every cache line of code and data the call touches evicted, as after a
-   step's head product): the difference is what the caches cost a step's sampling, not the work it does.
+   step's products): the difference is what the caches cost a step's sampling, not the work it does.
 """
 
 from __future__ import annotations
