@@ -16,7 +16,10 @@
 // value once for up to QUERIES queries of the group, their partial sums held in registers (at batch 16, 9/3 heads,
 // head size 64, 82 keys, the cache hot, on a Zen 5 EPYC: 95 -> 60 us a call on one thread, 66 -> 39 on two, the
 // scores taken block by block for all of a task's queries; inside a GRPO-shape decode step, where the keys and values
-// come from memory, 2.74 -> 2.50 ms a step over 30 layers, and 2.76 -> 2.22 with a group's prompt read once).
+// come from memory, 2.74 -> 2.50 ms a step over 30 layers, and 2.76 -> 2.22 with a group's prompt read once). The
+// partial sums of both loops live in registers (weighted_sequence): at that shape, 112 positions of which 83 seen,
+// 57-59 -> 46-48 us a call on one thread and 33-37 -> 23-28 on two; inside the GRPO-shape step 1.73-1.87 -> 1.52-1.68
+// ms a step (docs/benchmarks.md).
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -27,6 +30,7 @@
 #include <algorithm>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -39,6 +43,14 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
+// the vector register type under Vec, where there is one: arrays of it stay in registers where arrays of Vec did not
+#if defined(CPU_CAPABILITY_AVX512)
+using Raw = __m512;
+#elif defined(CPU_CAPABILITY_AVX2)
+using Raw = __m256;
+#else
+using Raw = Vec;
+#endif
 
 // vector registers a weighted sum holds its partial sums in: most of AVX-512's 32, of AVX2's 16
 constexpr int ACCUMULATORS = W >= 16 ? 24 : 12;
@@ -57,7 +69,7 @@ inline void prefetch_row(const float* row, int64_t floats) {
 // out[j] = the sum of acc[j]'s W lanes by one fixed tree, halves first (lane k + lane k + W / 2, then the same on
 // the first half, down to one lane), for the W vectors at once: the same additions for every vector, whichever
 // lane it lands in
-inline void lane_sums(Vec* acc, float* out) {
+__attribute__((always_inline)) inline void lane_sums(const Raw* acc, float* out) {
 #if defined(CPU_CAPABILITY_AVX512)
   static_assert(W == 16);
   __m512 v[16], w[8], z[4], u[2];
@@ -104,37 +116,50 @@ inline void lane_sums(Vec* acc, float* out) {
 #endif
 }
 
+// one key's dot with a query's V whole vectors x and its ``last`` partial one: a single chain of fused multiply-adds
+template <int V>
+inline Raw key_dot(const Raw* x, const Vec& last, const float* key, int64_t tail) {
+  Vec a = at::vec::fmadd(Vec(x[0]), Vec::loadu(key), Vec(0.f));
+  for (int i = 1; i < V; ++i) a = at::vec::fmadd(Vec(x[i]), Vec::loadu(key + i * W), a);
+  if (tail) a = at::vec::fmadd(last, Vec::loadu(key + V * W, tail), a);
+  return a;
+}
+
+// block_dots for V > 0: the W keys a fold over J, every accumulator at a constant index (held in registers; see
+// weighted_sequence)
+template <int V, std::size_t... J>
+inline void block_dots_sequence(const float* q, const float* const* keys, int64_t tail, float* out,
+                                std::index_sequence<J...>) {
+  Raw x[V];
+  for (int i = 0; i < V; ++i) x[i] = Vec::loadu(q + i * W);
+  const Vec last = tail ? Vec::loadu(q + V * W, tail) : Vec(0.f);
+  Raw acc[sizeof...(J)];
+  ((acc[J] = key_dot<V>(x, last, keys[J], tail)), ...);
+  lane_sums(acc, out);
+}
+
 // one query against W keys: each key's dot a single chain of fused multiply-adds over the head dim (its V whole
 // vectors in order, then its last ``tail`` elements), then its lanes summed (lane_sums): a dot's arithmetic is the
 // same whichever block of keys, and lane, it is computed in. The query's vectors stay in registers (V known at compile
 // time); V = 0 takes any head size, the query read again for each key.
 template <int V>
 inline void block_dots(const float* q, const float* const* keys, int64_t d, int64_t tail, float* out) {
-  Vec acc[W];
   if constexpr (V > 0) {
-    Vec x[V];
-    for (int i = 0; i < V; ++i) x[i] = Vec::loadu(q + i * W);
-    const Vec last = tail ? Vec::loadu(q + V * W, tail) : Vec(0.f);
-    for (int64_t j = 0; j < W; ++j) {
-      const float* key = keys[j];
-      Vec a = at::vec::fmadd(x[0], Vec::loadu(key), Vec(0.f));
-      for (int i = 1; i < V; ++i) a = at::vec::fmadd(x[i], Vec::loadu(key + i * W), a);
-      if (tail) a = at::vec::fmadd(last, Vec::loadu(key + V * W, tail), a);
-      acc[j] = a;
-    }
+    block_dots_sequence<V>(q, keys, tail, out, std::make_index_sequence<W>());
   } else {
+    Raw acc[W];
     for (int64_t j = 0; j < W; ++j) acc[j] = Vec(0.f);
     int64_t i = 0;
     for (; i + W <= d; i += W) {
       const Vec x = Vec::loadu(q + i);
-      for (int64_t j = 0; j < W; ++j) acc[j] = at::vec::fmadd(x, Vec::loadu(keys[j] + i), acc[j]);
+      for (int64_t j = 0; j < W; ++j) acc[j] = at::vec::fmadd(x, Vec::loadu(keys[j] + i), Vec(acc[j]));
     }
     if (i < d) {
       const Vec x = Vec::loadu(q + i, d - i);
-      for (int64_t j = 0; j < W; ++j) acc[j] = at::vec::fmadd(x, Vec::loadu(keys[j] + i, d - i), acc[j]);
+      for (int64_t j = 0; j < W; ++j) acc[j] = at::vec::fmadd(x, Vec::loadu(keys[j] + i, d - i), Vec(acc[j]));
     }
+    lane_sums(acc, out);
   }
-  lane_sums(acc, out);
 }
 
 // the dots of ``queries`` queries (q, d floats each) with n keys, W keys at a time, every query on a block before
@@ -177,37 +202,41 @@ inline void dots(const float* q, int64_t queries, const float* const* keys, int6
 }
 
 // out[g][i .. i + V vectors) for G queries at once = the sum over the keys, in key order, of p[g][j] *
-// values[j][i ..]: a fused multiply-add per key, query and element, the partial sums held in registers, each key's
-// V vectors read once for the G queries; ``tail`` (< W) elements in one partial vector instead
-template <int G, int V>
-inline void weighted(const float* const* p, const float* const* values, int64_t n, int64_t i, float* const* out,
-                     int64_t tail) {
-  Vec acc[G][V];
-  for (int g = 0; g < G; ++g) {
-    for (int r = 0; r < V; ++r) acc[g][r] = Vec(0.f);
-  }
+// values[j][i ..]: a fused multiply-add per key, query and element, each key's V vectors read once for the G queries.
+// Accumulator I is query I / V's vector I % V, every access a constant index (a fold over I) into an array of the
+// register type (Raw), so that the compiler keeps the G x V partial sums in registers: written as loops over g and r
+// into an array of Vec, GCC 12 kept them on the stack, a load and a store per multiply-add. The same multiply-adds in
+// the same order: the same bits (block_dots_sequence likewise).
+template <int G, int V, std::size_t... I>
+inline void weighted_sequence(const float* const* p, const float* const* values, int64_t n, int64_t i,
+                              float* const* out, std::index_sequence<I...>) {
+  Raw acc[sizeof...(I)];
+  ((acc[I] = Vec(0.f)), ...);
   for (int64_t j = 0; j < n; ++j) {
     const float* v = values[j] + i;
-    if (j + VALUES_AHEAD < n) prefetch_row(values[j + VALUES_AHEAD] + i, tail ? tail : V * W);
-    if (tail) {
-      const Vec x = Vec::loadu(v, tail);
-      for (int g = 0; g < G; ++g) acc[g][0] = at::vec::fmadd(Vec(p[g][j]), x, acc[g][0]);
-    } else {
-      Vec x[V];
-      for (int r = 0; r < V; ++r) x[r] = Vec::loadu(v + r * W);
-      for (int g = 0; g < G; ++g) {
-        const Vec pj(p[g][j]);
-        for (int r = 0; r < V; ++r) acc[g][r] = at::vec::fmadd(pj, x[r], acc[g][r]);
-      }
-    }
+    if (j + VALUES_AHEAD < n) prefetch_row(values[j + VALUES_AHEAD] + i, V * W);
+    ((acc[I] = at::vec::fmadd(Vec(p[I / V][j]), Vec::loadu(v + (I % V) * W), Vec(acc[I]))), ...);
   }
-  for (int g = 0; g < G; ++g) {
-    if (tail) {
-      acc[g][0].store(out[g] + i, tail);
-    } else {
-      for (int r = 0; r < V; ++r) acc[g][r].store(out[g] + i + r * W);
-    }
+  (Vec(acc[I]).store(out[I / V] + i + (I % V) * W), ...);
+}
+
+template <int G, int V>
+inline void weighted(const float* const* p, const float* const* values, int64_t n, int64_t i, float* const* out) {
+  weighted_sequence<G, V>(p, values, n, i, out, std::make_index_sequence<G * V>());
+}
+
+// weighted<G, 1> over the last ``tail`` (< W) elements: the same fused multiply-adds in one partial vector
+template <int G>
+inline void weighted_tail(const float* const* p, const float* const* values, int64_t n, int64_t i, float* const* out,
+                          int64_t tail) {
+  Vec acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = Vec(0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + VALUES_AHEAD < n) prefetch_row(values[j + VALUES_AHEAD] + i, tail);
+    const Vec x = Vec::loadu(values[j] + i, tail);
+    for (int g = 0; g < G; ++g) acc[g] = at::vec::fmadd(Vec(p[g][j]), x, acc[g]);
   }
+  for (int g = 0; g < G; ++g) acc[g].store(out[g] + i, tail);
 }
 
 // weighted<G, V> for a V known at run time (1 .. V)
@@ -215,7 +244,7 @@ template <int G, int V>
 inline void weighted_vectors(int64_t vectors, const float* const* p, const float* const* values, int64_t n, int64_t i,
                              float* const* out) {
   if constexpr (V > 0) {
-    if (vectors == V) return weighted<G, V>(p, values, n, i, out, 0);
+    if (vectors == V) return weighted<G, V>(p, values, n, i, out);
     weighted_vectors<G, V - 1>(vectors, p, values, n, i, out);
   }
 }
@@ -231,7 +260,7 @@ inline void weighted_queries(const float* const* p, const float* const* values, 
     weighted_vectors<G, most>(vectors, p, values, n, i, out);
     i += vectors * W;
   }
-  if (i < d) weighted<G, 1>(p, values, n, i, out, d - i);
+  if (i < d) weighted_tail<G>(p, values, n, i, out, d - i);
 }
 
 // every query's weighted sum, QUERIES of them at a time: out[g] = sum over the keys of p[g][j] * values[j]
