@@ -5,7 +5,9 @@
 //
 // Python read each of a step's some 220 watched tensors' identity, version and data pointer at 0.036 ms alone, and
 // at 0.32 ms inside a step on a Zen 5 EPYC, the interpreter's code and the objects cold after the products stream
-// 540 MB of weights; here one call reads them without the interpreter.
+// 540 MB of weights; here one call reads them without the interpreter, in passes whose loads do not wait on one
+// another (``changed``): 0.13-0.14 -> 0.065-0.08 ms inside a GRPO-shape step of SmolLM2 on a Zen 5 EPYC, against one
+// slot's chain of loads after another's.
 
 #include <torch/extension.h>
 
@@ -31,8 +33,9 @@ Seen look(PyObject* dict, PyObject* name) {
   }
   if (THPVariable_Check(seen.object)) {
     const at::Tensor& tensor = THPVariable_Unpack(seen.object);
-    seen.version = static_cast<int64_t>(tensor._version());
-    seen.pointer = tensor.has_storage() ? tensor.data_ptr() : nullptr;
+    const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();  // read as ``changed`` reads it
+    seen.version = static_cast<int64_t>(impl->version_counter().current_version());
+    seen.pointer = impl->has_storage() ? impl->data() : nullptr;
   }
   return seen;
 }
@@ -52,20 +55,34 @@ class SlotWatch {
   // whether a slot holds another object or none, or its tensor was written or moved, since ``mark`` (true before
   // the first ``mark``)
   bool changed() const {
-    if (seen_.size() != dicts_.size()) return true;
-    for (size_t i = 0; i < dicts_.size(); ++i) {
-      const Seen& then = seen_[i];
-      PyObject* now = PyDict_GetItemWithError(dicts_[i].ptr(), names_[i].ptr());  // borrowed
-      if (now == nullptr && PyErr_Occurred()) throw pybind11::error_already_set();
-      if (now != then.object) return true;
-      if (then.version < 0) continue;  // not a tensor when marked: the same object is still none
-      const at::Tensor& tensor = THPVariable_Unpack(now);
-      if (static_cast<int64_t>(tensor._version()) != then.version) return true;
-      if ((tensor.has_storage() ? tensor.data_ptr() : nullptr) != then.pointer) return true;
+    const size_t n = dicts_.size();
+    if (seen_.size() != n) return true;
+    // In passes over every slot, each pass's loads independent of one another (the objects, then their tensors'
+    // versions, then their data pointers): the lines, cold after a step's products, are fetched many at a time
+    // instead of one slot's chain of them after another's
+    objects_.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      objects_[i] = PyDict_GetItemWithError(dicts_[i].ptr(), names_[i].ptr());  // borrowed
+      if (objects_[i] == nullptr && PyErr_Occurred()) throw pybind11::error_already_set();
+    }
+    tensors_.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      if (objects_[i] != seen_[i].object) return true;
+      // not a tensor when marked: the same object is still none
+      tensors_[i] = seen_[i].version < 0 ? nullptr : THPVariable_Unpack(objects_[i]).unsafeGetTensorImpl();
+    }
+    for (size_t i = 0; i < n; ++i) {
+      if (tensors_[i] != nullptr && static_cast<int64_t>(tensors_[i]->version_counter().current_version()) !=
+                                        seen_[i].version) {
+        return true;
+      }
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const c10::TensorImpl* tensor = tensors_[i];
+      if (tensor != nullptr && (tensor->has_storage() ? tensor->data() : nullptr) != seen_[i].pointer) return true;
     }
     return false;
   }
-
   // what every slot holds now becomes the state ``changed`` compares with; false where a slot holds nothing
   bool mark() {
     std::vector<Seen> seen;
@@ -88,6 +105,8 @@ class SlotWatch {
   std::vector<pybind11::str> names_;
   std::vector<Seen> seen_;
   std::vector<pybind11::object> held_;
+  mutable std::vector<PyObject*> objects_;               // ``changed``'s scratch: what each slot holds now
+  mutable std::vector<const c10::TensorImpl*> tensors_;  // and its tensor, where it held one when marked
 };
 
 void bind_slot_watch(pybind11::module_& m) {
