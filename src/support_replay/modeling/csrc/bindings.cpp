@@ -12,7 +12,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("shared") = pybind11::none());
   m.def("rms_norm", &rms_norm, "Llama's and Qwen3's RMSNorm in float32, the model's bits");
   m.def("add_rms_norm", &add_rms_norm, "a residual add, then RMSNorm of the sum: (sum, normed)");
-  m.def("attention_inputs", &attention_inputs,
+  // the overload over the cache's tensors (the other takes raw cache rows, for the layer loop)
+  using TensorInputs = at::Tensor (*)(const at::Tensor&, int64_t, int64_t, int64_t, const at::Tensor&,
+                                      const at::Tensor&, const c10::optional<at::Tensor>&,
+                                      const c10::optional<at::Tensor>&, double, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&);
+  m.def("attention_inputs", static_cast<TensorInputs>(&attention_inputs),
         "a decode step's queries from its qkv product: normed and rotated; keys and values written to the cache");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up over a fused gate-up product's output");
   m.def("use_aten_calls", &use_aten_calls,

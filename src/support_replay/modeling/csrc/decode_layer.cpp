@@ -250,11 +250,25 @@ at::Tensor attention_inputs(const at::Tensor& qkv, int64_t heads, int64_t kv_hea
                             const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
                             const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& slots) {
+  check_rows(key_cache, "key_cache");
+  check_rows(value_cache, "value_cache");
+  for (const auto* t : {&key_cache, &value_cache}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == kv_heads && t->size(2) == dim, "decode_layer: a cache of [",
+                kv_heads, ", slots, ", dim, "], got ", t->sizes());
+  }
+  const CacheRows keys{key_cache.data_ptr<float>(), key_cache.stride(0), key_cache.stride(1), key_cache.size(1)};
+  const CacheRows values{value_cache.data_ptr<float>(), value_cache.stride(0), value_cache.stride(1),
+                         value_cache.size(1)};
+  return attention_inputs(qkv, heads, kv_heads, dim, cos, sin, q_norm, k_norm, eps, keys, values, slots);
+}
+
+at::Tensor attention_inputs(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t dim,
+                            const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
+                            const c10::optional<at::Tensor>& k_norm, double eps, const CacheRows& key_cache,
+                            const CacheRows& value_cache, const at::Tensor& slots) {
   check_rows(qkv, "qkv");
   check_rows(cos, "cos");
   check_rows(sin, "sin");
-  check_rows(key_cache, "key_cache");
-  check_rows(value_cache, "value_cache");
   const int64_t batch = qkv.size(0);
   TORCH_CHECK(qkv.dim() == 3 && qkv.size(1) == 1 && qkv.size(2) == (heads + 2 * kv_heads) * dim,
               "decode_layer: qkv ", qkv.sizes(), " for ", heads, " + 2 x ", kv_heads, " heads of ", dim);
@@ -263,15 +277,11 @@ at::Tensor attention_inputs(const at::Tensor& qkv, int64_t heads, int64_t kv_hea
     TORCH_CHECK(t->dim() == 3 && t->size(0) == batch && t->size(1) == 1 && t->size(2) == dim,
                 "decode_layer: cos and sin of [", batch, ", 1, ", dim, "], got ", t->sizes());
   }
-  for (const auto* t : {&key_cache, &value_cache}) {
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == kv_heads && t->size(2) == dim, "decode_layer: a cache of [",
-                kv_heads, ", slots, ", dim, "], got ", t->sizes());
-  }
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == batch,
               "decode_layer: one int64 slot per row, got ", slots.sizes(), " ", slots.scalar_type());
   auto slot = slots.contiguous();
   const int64_t* slot_of = slot.data_ptr<int64_t>();
-  const int64_t capacity = key_cache.size(1);
+  const int64_t capacity = std::min(key_cache.slots, value_cache.slots);
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(slot_of[b] >= 0 && slot_of[b] < capacity, "decode_layer: row ", b, "'s slot ", slot_of[b],
                 " is outside the cache's ", capacity);
@@ -296,8 +306,8 @@ at::Tensor attention_inputs(const at::Tensor& qkv, int64_t heads, int64_t kv_hea
     if (norm->has_value()) check_weight(norm->value(), dim, "q_norm and k_norm weights");
   }
   const int64_t half = dim / 2;
-  float* kc = key_cache.data_ptr<float>();
-  float* vc = value_cache.data_ptr<float>();
+  float* kc = key_cache.data;
+  float* vc = value_cache.data;
   for_rows(batch, [&](int64_t first, int64_t last) {
     // normed (each head's row is a row of the norm), then rotated in place
     if (q_norm.has_value()) normalize(q_in, first * heads, last * heads, dim, q_norm->data_ptr<float>(), e, q_out);
@@ -320,8 +330,8 @@ at::Tensor attention_inputs(const at::Tensor& qkv, int64_t heads, int64_t kv_hea
       for (int64_t h = 0; h < kv_heads; ++h) {
         const int64_t r = b * kv_heads + h;
         rotate(k_norm.has_value() ? k_out[r] : k_in[r], k_out[r], c, s);
-        float* key_slot = kc + h * key_cache.stride(0) + slot_of[b] * key_cache.stride(1);
-        float* value_slot = vc + h * value_cache.stride(0) + slot_of[b] * value_cache.stride(1);
+        float* key_slot = kc + h * key_cache.head_stride + slot_of[b] * key_cache.slot_stride;
+        float* value_slot = vc + h * value_cache.head_stride + slot_of[b] * value_cache.slot_stride;
         std::copy(k_out[r], k_out[r] + dim, key_slot);
         std::copy(v_in[r], v_in[r] + dim, value_slot);
       }

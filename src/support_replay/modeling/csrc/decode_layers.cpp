@@ -147,11 +147,19 @@ class DecodeLayers {
                       storage.size(4) == layer.dim,
                   "DecodeLayers: layer ", i, "'s storage [2, ", layer.kv_heads, ", blocks, page, ", layer.dim,
                   "], got ", storage.sizes());
-      const auto flat = storage.view({2, layer.kv_heads, -1, layer.dim});  // [kv_heads, slots, dim] each
+      // its keys' and values' halves as [kv_heads, slots, dim] rows (a block's page of slots after the block before)
+      TORCH_CHECK(storage.device().is_cpu() && storage.scalar_type() == at::kFloat && storage.stride(4) == 1 &&
+                      storage.stride(2) == storage.size(3) * storage.stride(3),
+                  "DecodeLayers: layer ", i, "'s storage must be float32 on the CPU, its blocks' slots in one run, "
+                  "got ", storage.scalar_type(), " of strides ", storage.strides());
+      float* base = storage.data_ptr<float>();
+      const int64_t slots_held = storage.size(2) * storage.size(3);
+      const CacheRows keys{base, storage.stride(1), storage.stride(3), slots_held};
+      const CacheRows values{base + storage.stride(0), storage.stride(1), storage.stride(3), slots_held};
       const auto qkv = product(h, layer.qkv);
       const auto q = timed(INPUTS, [&] {
         return attention_inputs(qkv, layer.heads, layer.kv_heads, layer.dim, cos, sin, layer.q_norm, layer.k_norm,
-                                layer.head_eps, flat[0], flat[1], slots);
+                                layer.head_eps, keys, values, slots);
       });
       const auto out = timed(ATTENTION, [&] {
         const auto [keys, values] = in_place(storage, first, stride, batch, width);

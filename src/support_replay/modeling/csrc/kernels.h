@@ -20,6 +20,16 @@ at::Tensor attention_inputs(const at::Tensor& qkv, int64_t heads, int64_t kv_hea
                             const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
                             const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& slots);
+// a cache of [kv_heads, slots, dim] floats (the last dimension contiguous) as attention_inputs writes into it: the
+// layer loop (decode_layers.cpp) hands its storage's halves over this way, without making two tensors a layer
+struct CacheRows {
+  float* data;
+  int64_t head_stride, slot_stride, slots;
+};
+at::Tensor attention_inputs(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t dim,
+                            const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
+                            const c10::optional<at::Tensor>& k_norm, double eps, const CacheRows& key_cache,
+                            const CacheRows& value_cache, const at::Tensor& slots);
 at::Tensor silu_mul(const at::Tensor& gate_up, int64_t intermediate);
 bool use_aten_calls(bool on);
 at::Tensor mean_of_squares(const at::Tensor& x);
