@@ -23,6 +23,12 @@ struct Seen {
   const void* pointer = nullptr;
 };
 
+// a tensor's version counter and data pointer, as ``mark`` records them and ``changed`` compares them
+inline int64_t version_of(const c10::TensorImpl* tensor) {
+  return static_cast<int64_t>(tensor->version_counter().current_version());
+}
+inline const void* data_of(const c10::TensorImpl* tensor) { return tensor->has_storage() ? tensor->data() : nullptr; }
+
 // what a slot holds now: nullptr where the name is missing
 Seen look(PyObject* dict, PyObject* name) {
   Seen seen;
@@ -32,10 +38,9 @@ Seen look(PyObject* dict, PyObject* name) {
     return seen;
   }
   if (THPVariable_Check(seen.object)) {
-    const at::Tensor& tensor = THPVariable_Unpack(seen.object);
-    const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();  // read as ``changed`` reads it
-    seen.version = static_cast<int64_t>(impl->version_counter().current_version());
-    seen.pointer = impl->has_storage() ? impl->data() : nullptr;
+    const c10::TensorImpl* tensor = THPVariable_Unpack(seen.object).unsafeGetTensorImpl();
+    seen.version = version_of(tensor);
+    seen.pointer = data_of(tensor);
   }
   return seen;
 }
@@ -72,14 +77,10 @@ class SlotWatch {
       tensors_[i] = seen_[i].version < 0 ? nullptr : THPVariable_Unpack(objects_[i]).unsafeGetTensorImpl();
     }
     for (size_t i = 0; i < n; ++i) {
-      if (tensors_[i] != nullptr && static_cast<int64_t>(tensors_[i]->version_counter().current_version()) !=
-                                        seen_[i].version) {
-        return true;
-      }
+      if (tensors_[i] != nullptr && version_of(tensors_[i]) != seen_[i].version) return true;
     }
     for (size_t i = 0; i < n; ++i) {
-      const c10::TensorImpl* tensor = tensors_[i];
-      if (tensor != nullptr && (tensor->has_storage() ? tensor->data() : nullptr) != seen_[i].pointer) return true;
+      if (tensors_[i] != nullptr && data_of(tensors_[i]) != seen_[i].pointer) return true;
     }
     return false;
   }
