@@ -67,19 +67,16 @@ def tiny_mixtral_checkpoint(tmp_path_factory) -> Path:
     return build_tiny_moe_checkpoint(tmp_path_factory.mktemp("tiny-mixtral"), family="mixtral")
 
 
-VLLM_PYTHON = Path(
-    os.environ.get("SUPPORT_REPLAY_VLLM_PYTHON", Path(__file__).parents[1] / ".venv-vllm" / "bin" / "python")
-)
-
-
 @pytest.fixture(scope="session")
 def vllm_server(tiny_checkpoint, tmp_path_factory):
     """One real vLLM CPU server for the session (about a minute to start): processed log-probs,
     the token-in/token-out endpoint, and the dev-mode weight-reload routes. ``(url, checkpoint)``."""
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (make vllm)")
     from processes import free_port, process, vllm_server_args
     from tiny_model import vllm_checkpoint
+    from vllm_env import VLLM_PYTHON, vllm_missing
+
+    if (why := vllm_missing()) is not None:
+        pytest.skip(why)
 
     ckpt = vllm_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("vllm-llama"))
     port = free_port()

@@ -78,8 +78,10 @@ def test_sglang_fixtures_rerun_live():
 def test_vllm_fixtures_rerun_live(tmp_path):
     import generate_penalty_fixtures as gen
 
-    if not gen.VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM environment at {gen.VLLM_PYTHON} (make vllm)")
+    from vllm_env import vllm_missing
+
+    if (why := vllm_missing()) is not None:
+        pytest.skip(why)
     c = {k: v[:200] for k, v in gen.cases(1500, seed=1).items()}
     live = gen.vllm_penalised(c, tmp_path)
     assert np.array_equal(

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import types
@@ -36,6 +35,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from sglang_code import _definitions, _module_from_file, source_dir  # noqa: E402
 
+from vllm_env import VLLM_PYTHON, vllm_missing  # noqa: E402
+
 VOCAB = 40
 PENALTY_FILES = {
     "orchestrator": "sglang/srt/sampling/penaltylib/orchestrator.py",
@@ -44,7 +45,6 @@ PENALTY_FILES = {
     "repetition": "sglang/srt/sampling/penaltylib/repetition_penalty.py",
     "batch_info": "sglang/srt/sampling/sampling_batch_info.py",
 }
-VLLM_PYTHON = Path(os.environ.get("SUPPORT_REPLAY_VLLM_PYTHON", HERE.parents[1] / ".venv-vllm" / "bin" / "python"))
 
 
 def cases(n: int, seed: int = 0) -> dict:
@@ -200,8 +200,8 @@ np.save(sys.argv[2], out)
 
 
 def vllm_penalised(c: dict, workdir: Path) -> np.ndarray:
-    if not VLLM_PYTHON.exists():
-        raise SystemExit(f"no vLLM environment at {VLLM_PYTHON} (make vllm)")
+    if (why := vllm_missing()) is not None:
+        raise SystemExit(why)
     inputs, result, script = workdir / "cases.npz", workdir / "vllm.npy", workdir / "vllm_penalties.py"
     np.savez(inputs, **c)
     script.write_text(VLLM_SCRIPT)

@@ -39,8 +39,8 @@ from sglang_code import _definitions, source_dir  # noqa: E402
 
 from support_replay.modeling.moe import install_routing  # noqa: E402
 from tiny_model import build_tiny_moe_checkpoint  # noqa: E402
+from vllm_env import VLLM_PYTHON, vllm_missing  # noqa: E402
 
-VLLM_PYTHON = HERE.parents[1] / ".venv-vllm" / "bin" / "python"
 OUT = HERE / "fixtures" / "routed-experts.json"
 CASES = [  # (prompt, output length, SGLang's routed_experts_start_len)
     ([5, 6, 7, 8, 9], 6, 0),
@@ -136,6 +136,8 @@ def main() -> None:
                 "sglang_routed_experts": sglang_routed_experts(steps, len(prompt) + length, start),
             }
         )
+    if (why := vllm_missing()) is not None:
+        raise SystemExit(why)
     done = subprocess.run(
         [str(VLLM_PYTHON), "-c", VLLM_SCRIPT], input=json.dumps(cases), capture_output=True, text=True, check=True
     )
