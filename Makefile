@@ -73,7 +73,7 @@ run: setup
 
 bench: setup
 	$(PY) bench/wire.py
-	$(PY) bench/kernels.py
+	$(PY) bench/scoring_kernels.py
 	$(PY) bench/engine.py
 	$(PY) bench/faithfulness.py
 	$(PY) bench/e2e.py

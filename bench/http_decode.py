@@ -44,8 +44,8 @@ SAMPLING = {"temperature": 1.0, "top_k": 32, "top_p": 0.8}
 @contextmanager
 def server(args: list[str], url: str, env: dict | None = None):
     log = Path(tempfile.mkdtemp()) / "server.log"
-    # from the checkout's root: ``python -m`` puts the working directory on the path, and run from bench/ this
-    # folder's kernels.py stands in for the ``kernels`` package transformers looks for in vLLM's venv
+    # from the checkout's root: ``python -m`` puts the working directory on the path, and no module of bench/ may
+    # stand in for a package the server imports
     proc = subprocess.Popen(
         args, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=ROOT
     )

@@ -1,6 +1,6 @@
 """Forward + backward time and peak extra memory of the actor-scoring kernels.
 
-    python bench/kernels.py [--tokens 2048] [--vocab 151936] [--hidden 1024] [--repeats 3]
+    python bench/scoring_kernels.py [--tokens 2048] [--vocab 151936] [--hidden 1024] [--repeats 3]
 
 For K in {8, 64, 512} and the support-size distribution of bench/support_stream.py (padded to its largest
 support), each cell runs in its own process so that the peak resident memory it reports
