@@ -26,6 +26,10 @@
 
 #include "kernels.h"
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -106,12 +110,60 @@ T cascade_sum(const float* x, int64_t count) {
   return acc[0][0];
 }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// cascade_sum<SumVec> with its sixteen partial sums in registers of eight floats (__m256, which both ISAs have): the
+// same additions in the same order, lane by lane. cascade_sum's arrays indexed in loops stayed on the stack, a load
+// and a store around every addition (GCC 12: an RMSNorm of 16 rows of 576 took 17 us on a Zen 3 EPYC).
+inline __m256 cascade_sum_of_vectors(const float* x, int64_t count) {
+  const int64_t groups = count / 4;
+  const int64_t power = std::max<int64_t>(4, ceil_log2(groups) / 4);
+  const int64_t step = int64_t(1) << power, mask = step - 1;
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 a0 = zero, a1 = zero, a2 = zero, a3 = zero;  // the lowest level: item 4g + k goes into ak
+  __m256 b0 = zero, b1 = zero, b2 = zero, b3 = zero, c0 = zero, c1 = zero, c2 = zero, c3 = zero;
+  __m256 d0 = zero, d1 = zero, d2 = zero, d3 = zero;
+  const auto add_group = [&](int64_t g) {
+    const float* v = x + g * 4 * SUM_LANES;
+    a0 = _mm256_add_ps(a0, _mm256_loadu_ps(v));
+    a1 = _mm256_add_ps(a1, _mm256_loadu_ps(v + SUM_LANES));
+    a2 = _mm256_add_ps(a2, _mm256_loadu_ps(v + 2 * SUM_LANES));
+    a3 = _mm256_add_ps(a3, _mm256_loadu_ps(v + 3 * SUM_LANES));
+  };
+  int64_t g = 0;
+  while (g + step <= groups) {
+    for (int64_t j = 0; j < step; ++j, ++g) add_group(g);
+    // each level into the next, up while the group count is a multiple of the next level's span
+    b0 = _mm256_add_ps(b0, a0), b1 = _mm256_add_ps(b1, a1), b2 = _mm256_add_ps(b2, a2), b3 = _mm256_add_ps(b3, a3);
+    a0 = a1 = a2 = a3 = zero;
+    if ((g & (mask << power)) != 0) continue;
+    c0 = _mm256_add_ps(c0, b0), c1 = _mm256_add_ps(c1, b1), c2 = _mm256_add_ps(c2, b2), c3 = _mm256_add_ps(c3, b3);
+    b0 = b1 = b2 = b3 = zero;
+    if ((g & (mask << (2 * power))) != 0) continue;
+    d0 = _mm256_add_ps(d0, c0), d1 = _mm256_add_ps(d1, c1), d2 = _mm256_add_ps(d2, c2), d3 = _mm256_add_ps(d3, c3);
+    c0 = c1 = c2 = c3 = zero;
+  }
+  for (; g < groups; ++g) add_group(g);
+  a0 = _mm256_add_ps(a0, b0), a1 = _mm256_add_ps(a1, b1), a2 = _mm256_add_ps(a2, b2), a3 = _mm256_add_ps(a3, b3);
+  a0 = _mm256_add_ps(a0, c0), a1 = _mm256_add_ps(a1, c1), a2 = _mm256_add_ps(a2, c2), a3 = _mm256_add_ps(a3, c3);
+  a0 = _mm256_add_ps(a0, d0), a1 = _mm256_add_ps(a1, d1), a2 = _mm256_add_ps(a2, d2), a3 = _mm256_add_ps(a3, d3);
+  for (int64_t i = groups * 4; i < count; ++i) a0 = _mm256_add_ps(a0, _mm256_loadu_ps(x + i * SUM_LANES));
+  a0 = _mm256_add_ps(a0, a1);
+  a0 = _mm256_add_ps(a0, a2);
+  return _mm256_add_ps(a0, a3);
+}
+#endif
+
 // ATen's float sum of a contiguous row of d: the vectors' cascade, then the scalar tail and the vector's lanes in
 // order after it (rows shorter than a vector: the cascade over the floats)
 inline float row_sum(const float* x, int64_t d) {
   if (d < SUM_LANES) return 0.f + cascade_sum<float>(x, d);
   const int64_t vectors = d / SUM_LANES;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  SumVec acc;
+  _mm256_storeu_ps(acc.lane, cascade_sum_of_vectors(x, vectors));
+#else
   const SumVec acc = cascade_sum<SumVec>(x, vectors);
+#endif
   float total = 0.f;
   for (int64_t i = vectors * SUM_LANES; i < d; ++i) total += x[i];
   for (int64_t k = 0; k < SUM_LANES; ++k) total += acc.lane[k];
