@@ -304,9 +304,9 @@ def shaped_against_hf(engine: Engine, model, shapes, new_tokens: int, rounds: in
         med = [float(np.median([row[i] for row in rows])) for i in range(6)]
         print(
             f"| {name} | {med[0]:.1f} | {100 * med[1]:.0f}% | {med[2]:.1f} | **{med[3]:.2f}x** | {med[4]:.2f}x | "
-            f"{med[5]:.2f} |"
+            f"{med[5]:.3f} |"
         )
-        print(f"<!-- rounds: {', '.join(f'{row[3]:.2f}x / {row[5]:.2f}' for row in rows)} -->")
+        print(f"<!-- rounds: {', '.join(f'{row[3]:.2f}x / {row[5]:.3f}' for row in rows)} -->")
 
 
 def hf_rate(model, tokenizer, ids, batch: int, new_tokens: int, repeats: int, ignore_eos: bool = True) -> float:

@@ -28,6 +28,8 @@ def offsets_from_sizes(sizes) -> np.ndarray:
 
 
 def _as_int_array(values, name: str, dtype) -> np.ndarray:
+    if isinstance(values, np.ndarray) and values.dtype == dtype and values.ndim == 1:
+        return values  # already what is kept: every value fits (an engine step's support, once per step)
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
     arr = np.asarray(values)

@@ -365,10 +365,8 @@ class FusedDecoder:
         """Each attention group's mask, ``[rows, 1, 1, width]``: True where a key is seen, or additive."""
         masks = [group.mask for group in cache.groups]
         if self.additive_mask:  # what sdpa turns a boolean mask into, once per step instead of once per layer
-            masks = [
-                torch.zeros(m.shape, dtype=x.dtype, device=x.device).masked_fill_(m.logical_not(), float("-inf"))
-                for m in masks
-            ]
+            zero, minus_inf = torch.zeros((), dtype=x.dtype), torch.full((), float("-inf"), dtype=x.dtype)
+            masks = [torch.where(m, zero, minus_inf).to(x.device) for m in masks]
         return masks
 
     def _attend_groups(self, cache: PagedCache, index: int, layer: _Layer, q, masks) -> torch.Tensor:

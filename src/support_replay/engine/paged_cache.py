@@ -268,7 +268,11 @@ class PagedCache(Cache):
         return self._mask(everyone, self.width, device)
 
     def _mask(self, rows: list[int], width: int, device) -> torch.Tensor:
-        columns = self.lengths[rows].to(device)
+        # every row in order (a rollout's step): the lengths as they are, no index built from the list
+        columns = (
+            self.lengths if len(rows) == len(self.lengths) and rows == list(range(len(rows))) else self.lengths[rows]
+        )
+        columns = columns.to(device)
         return (torch.arange(width, device=device)[None, :] <= columns[:, None])[:, None, None, :]
 
     def _width(self, rows: list[int], lengths: list[int]) -> int:
