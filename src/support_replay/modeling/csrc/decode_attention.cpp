@@ -130,12 +130,33 @@ inline Raw key_dot(const Raw* x, const Vec& last, const float* key, int64_t tail
 template <int V, std::size_t... J>
 inline void block_dots_sequence(const float* q, const float* const* keys, int64_t tail, float* out,
                                 std::index_sequence<J...>) {
+#if defined(CPU_CAPABILITY_AVX2)
+  // AVX2 has 16 vector registers: the query's V vectors and the W accumulators did not fit (at V = 8 the compiler
+  // spilled the query and read it back for every key). Here one query vector at a time meets the W keys' same
+  // vector: W accumulators and one query vector in registers, and each key's chain the same multiply-adds in the
+  // same order as key_dot's (the first on a zero accumulator): the same bits.
+  Raw acc[sizeof...(J)];
+  {
+    const Vec x = Vec::loadu(q);
+    ((acc[J] = at::vec::fmadd(x, Vec::loadu(keys[J]), Vec(0.f))), ...);
+  }
+  for (int i = 1; i < V; ++i) {
+    const Vec x = Vec::loadu(q + i * W);
+    ((acc[J] = at::vec::fmadd(x, Vec::loadu(keys[J] + i * W), Vec(acc[J]))), ...);
+  }
+  if (tail) {
+    const Vec last = Vec::loadu(q + V * W, tail);
+    ((acc[J] = at::vec::fmadd(last, Vec::loadu(keys[J] + V * W, tail), Vec(acc[J]))), ...);
+  }
+  lane_sums(acc, out);
+#else
   Raw x[V];
   for (int i = 0; i < V; ++i) x[i] = Vec::loadu(q + i * W);
   const Vec last = tail ? Vec::loadu(q + V * W, tail) : Vec(0.f);
   Raw acc[sizeof...(J)];
   ((acc[J] = key_dot<V>(x, last, keys[J], tail)), ...);
   lane_sums(acc, out);
+#endif
 }
 
 // one query against W keys: each key's dot a single chain of fused multiply-adds over the head dim (its V whole
