@@ -185,13 +185,17 @@ inline void block_dots(const float* q, const float* const* keys, int64_t d, int6
 
 // the dots of ``queries`` queries (q, d floats each) with n keys, W keys at a time, every query on a block before
 // the next block (its keys still in the nearest cache): out[g * pitch + j]; the last block filled up with ``zeros``
-// (d floats), its extra dots dropped
+// (d floats), its extra dots dropped. Each key's value row is asked for with its key (the weighted sums read them
+// next; a hint only)
 template <int V>
-inline void all_dots(const float* q, int64_t queries, const float* const* keys, int64_t n, int64_t d, int64_t tail,
-                     const float* zeros, float* out, int64_t pitch) {
+inline void all_dots(const float* q, int64_t queries, const float* const* keys, const float* const* values, int64_t n,
+                     int64_t d, int64_t tail, const float* zeros, float* out, int64_t pitch) {
   int64_t j = 0;
   for (; j + W <= n; j += W) {
-    for (int64_t r = j + KEYS_AHEAD; r < std::min(j + KEYS_AHEAD + W, n); ++r) prefetch_row(keys[r], d);
+    for (int64_t r = j + KEYS_AHEAD; r < std::min(j + KEYS_AHEAD + W, n); ++r) {
+      prefetch_row(keys[r], d);
+      prefetch_row(values[r], d);
+    }
     for (int64_t g = 0; g < queries; ++g) block_dots<V>(q + g * d, keys + j, d, tail, out + g * pitch + j);
   }
   if (j < n) {
@@ -206,19 +210,24 @@ inline void all_dots(const float* q, int64_t queries, const float* const* keys, 
 }
 
 // all_dots for the head's whole vectors known at compile time where there are 1 to 8 of them
-inline void dots(const float* q, int64_t queries, const float* const* keys, int64_t n, int64_t d, const float* zeros,
-                 float* out, int64_t pitch) {
+inline void dots(const float* q, int64_t queries, const float* const* keys, const float* const* values, int64_t n,
+                 int64_t d, const float* zeros, float* out, int64_t pitch) {
   const int64_t tail = d % W;
+  // the first keys and values, all asked for at once (the loop asks KEYS_AHEAD keys ahead from there on)
+  for (int64_t r = 0; r < std::min(KEYS_AHEAD, n); ++r) {
+    prefetch_row(keys[r], d);
+    prefetch_row(values[r], d);
+  }
   switch (d / W) {
-    case 1: return all_dots<1>(q, queries, keys, n, d, tail, zeros, out, pitch);
-    case 2: return all_dots<2>(q, queries, keys, n, d, tail, zeros, out, pitch);
-    case 3: return all_dots<3>(q, queries, keys, n, d, tail, zeros, out, pitch);
-    case 4: return all_dots<4>(q, queries, keys, n, d, tail, zeros, out, pitch);
-    case 5: return all_dots<5>(q, queries, keys, n, d, tail, zeros, out, pitch);
-    case 6: return all_dots<6>(q, queries, keys, n, d, tail, zeros, out, pitch);
-    case 7: return all_dots<7>(q, queries, keys, n, d, tail, zeros, out, pitch);
-    case 8: return all_dots<8>(q, queries, keys, n, d, tail, zeros, out, pitch);
-    default: return all_dots<0>(q, queries, keys, n, d, tail, zeros, out, pitch);
+    case 1: return all_dots<1>(q, queries, keys, values, n, d, tail, zeros, out, pitch);
+    case 2: return all_dots<2>(q, queries, keys, values, n, d, tail, zeros, out, pitch);
+    case 3: return all_dots<3>(q, queries, keys, values, n, d, tail, zeros, out, pitch);
+    case 4: return all_dots<4>(q, queries, keys, values, n, d, tail, zeros, out, pitch);
+    case 5: return all_dots<5>(q, queries, keys, values, n, d, tail, zeros, out, pitch);
+    case 6: return all_dots<6>(q, queries, keys, values, n, d, tail, zeros, out, pitch);
+    case 7: return all_dots<7>(q, queries, keys, values, n, d, tail, zeros, out, pitch);
+    case 8: return all_dots<8>(q, queries, keys, values, n, d, tail, zeros, out, pitch);
+    default: return all_dots<0>(q, queries, keys, values, n, d, tail, zeros, out, pitch);
   }
 }
 
@@ -386,7 +395,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         value_rows[j] = as_float((l < common ? source_values : values) + l * v2, converted.data() + (width + j) * d, d);
       }
       // scores: q . k * scale + mask, over the keys seen (their rank j among them)
-      dots(queries.data(), group, key_rows.data(), n, d, zeros.data(), scores.data(), width);
+      dots(queries.data(), group, key_rows.data(), value_rows.data(), n, d, zeros.data(), scores.data(), width);
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * width;
         if (per_query) {
