@@ -3,6 +3,8 @@ logits and keys/values of a whole prefill (float tolerance), log mu that a fresh
 entries live inside the KV budget and give way to admissions; updates, /flush_cache and the
 deterministic engine keep none."""
 
+import time
+
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
@@ -119,6 +121,22 @@ def test_entries_give_way_within_the_budget_and_are_dropped_on_updates(tiny_chec
     deterministic = Engine.from_pretrained(tiny_checkpoint, deterministic=True)
     first_turn(deterministic)
     assert not deterministic.prefix_cache.enabled and not deterministic.prefix_cache.entries
+
+
+def test_a_flush_asked_while_the_loop_waits_comes_before_the_next_request(tiny_checkpoint):
+    """A serving loop idles inside the scheduler's wait for work: a /flush_cache asked then, and a request sent right
+    after it, find the cache emptied before that request is admitted (no hit on what the flush dropped)."""
+    engine = Engine.from_pretrained(tiny_checkpoint).start()
+    try:
+        prompt, _ = first_turn(engine)
+        for _ in range(5):  # each time the loop is waiting for work (its wait is 50 ms)
+            time.sleep(0.02)
+            hits = engine.prefix_cache.stats.hits
+            assert engine.flush_prefix_cache() >= 1
+            engine.generate([GenerateRequest(prompt, PARAMS, max_new_tokens=2, ignore_eos=True)])
+            assert engine.prefix_cache.stats.hits == hits
+    finally:
+        engine.shutdown()
 
 
 def test_rollouts_without_updates_keep_their_rows_in_place_as_entries_give_way(tiny_checkpoint):

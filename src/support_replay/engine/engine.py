@@ -365,8 +365,8 @@ class Engine:
         return future
 
     def flush_prefix_cache(self) -> int:
-        """Empty the prefix cache at the start of the loop's next step (``/flush_cache``); the entries
-        it held now."""
+        """Empty the prefix cache at the start of the loop's next step, and at the latest before its next admission
+        (``/flush_cache``); the entries it held now."""
         self._flush_cache = True
         return len(self.prefix_cache.entries)
 
@@ -418,9 +418,7 @@ class Engine:
         if updated:
             self._apply_update(*self.scheduler.update)
             self.scheduler.update = None
-        if self._flush_cache:
-            self._flush_cache = False
-            self.prefix_cache.clear()
+        self._flush_if_asked()
         admitted = []
         if self.scheduler.update is None:
             room = self.max_batch_size - len(self.batch)
@@ -428,9 +426,15 @@ class Engine:
             idle = block and not self.batch and not updated
             admitted = self.scheduler.take(room, idle, self._fits, self._aborted_waiting)
         if admitted:
+            self._flush_if_asked()  # a flush asked while the loop waited for work comes before what arrived after it
             self._admit(admitted)
         if self.batch:
             self._decode()
+
+    def _flush_if_asked(self) -> None:
+        if self._flush_cache:
+            self._flush_cache = False
+            self.prefix_cache.clear()
 
     def _apply_update(self, arg, future) -> None:
         source, version = arg
