@@ -161,8 +161,9 @@ inline void block_dots_sequence(const float* q, const float* const* keys, int64_
 
 // one query against W keys: each key's dot a single chain of fused multiply-adds over the head dim (its V whole
 // vectors in order, then its last ``tail`` elements), then its lanes summed (lane_sums): a dot's arithmetic is the
-// same whichever block of keys, and lane, it is computed in. The query's vectors stay in registers (V known at compile
-// time); V = 0 takes any head size, the query read again for each key.
+// same whichever block of keys, and lane, it is computed in. V known at compile time keeps the partial sums in
+// registers (and the query's vectors too, where AVX-512's 32 registers hold both); V = 0 takes any head size, the
+// query read again for each key.
 template <int V>
 inline void block_dots(const float* q, const float* const* keys, int64_t d, int64_t tail, float* out) {
   if constexpr (V > 0) {
