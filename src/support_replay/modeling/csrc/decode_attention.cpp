@@ -125,62 +125,55 @@ inline Raw key_dot(const Raw* x, const Vec& last, const float* key, int64_t tail
   return a;
 }
 
-// block_dots for V > 0: the W keys a fold over J, every accumulator at a constant index (held in registers; see
-// weighted_sequence)
+// block_dots with the query's V vectors in registers: the W keys a fold over J, every accumulator at a constant index
+// (held in registers; see weighted_sequence)
 template <int V, std::size_t... J>
 inline void block_dots_sequence(const float* q, const float* const* keys, int64_t tail, float* out,
                                 std::index_sequence<J...>) {
-#if defined(CPU_CAPABILITY_AVX2)
-  // AVX2 has 16 vector registers: the query's V vectors and the W accumulators did not fit (at V = 8 the compiler
-  // spilled the query and read it back for every key). Here one query vector at a time meets the W keys' same
-  // vector: W accumulators and one query vector in registers, and each key's chain the same multiply-adds in the
-  // same order as key_dot's (the first on a zero accumulator): the same bits.
-  Raw acc[sizeof...(J)];
-  {
-    const Vec x = Vec::loadu(q);
-    ((acc[J] = at::vec::fmadd(x, Vec::loadu(keys[J]), Vec(0.f))), ...);
-  }
-  for (int i = 1; i < V; ++i) {
-    const Vec x = Vec::loadu(q + i * W);
-    ((acc[J] = at::vec::fmadd(x, Vec::loadu(keys[J] + i * W), Vec(acc[J]))), ...);
-  }
-  if (tail) {
-    const Vec last = Vec::loadu(q + V * W, tail);
-    ((acc[J] = at::vec::fmadd(last, Vec::loadu(keys[J] + V * W, tail), Vec(acc[J]))), ...);
-  }
-  lane_sums(acc, out);
-#else
   Raw x[V];
   for (int i = 0; i < V; ++i) x[i] = Vec::loadu(q + i * W);
   const Vec last = tail ? Vec::loadu(q + V * W, tail) : Vec(0.f);
   Raw acc[sizeof...(J)];
   ((acc[J] = key_dot<V>(x, last, keys[J], tail)), ...);
   lane_sums(acc, out);
-#endif
 }
 
-// one query against W keys: each key's dot a single chain of fused multiply-adds over the head dim (its V whole
-// vectors in order, then its last ``tail`` elements), then its lanes summed (lane_sums): a dot's arithmetic is the
-// same whichever block of keys, and lane, it is computed in. V known at compile time keeps the partial sums in
-// registers (and the query's vectors too, where AVX-512's 32 registers hold both); V = 0 takes any head size, the
-// query read again for each key.
+// block_dots one query vector at a time across the W keys (its ``vectors`` whole vectors, then ``tail`` elements):
+// W accumulators (a fold over J: registers) and one query vector. Each key's chain is key_dot's, the same
+// multiply-adds in the same order (the first on a zero accumulator): the same bits.
+template <std::size_t... J>
+inline void block_dots_by_vector(const float* q, const float* const* keys, int64_t vectors, int64_t tail, float* out,
+                                 std::index_sequence<J...>) {
+  Raw acc[sizeof...(J)];
+  ((acc[J] = Vec(0.f)), ...);
+  for (int64_t i = 0; i < vectors; ++i) {
+    const Vec x = Vec::loadu(q + i * W);
+    ((acc[J] = at::vec::fmadd(x, Vec::loadu(keys[J] + i * W), Vec(acc[J]))), ...);
+  }
+  if (tail) {
+    const Vec last = Vec::loadu(q + vectors * W, tail);
+    ((acc[J] = at::vec::fmadd(last, Vec::loadu(keys[J] + vectors * W, tail), Vec(acc[J]))), ...);
+  }
+  lane_sums(acc, out);
+}
+
+// one query against W keys: each key's dot a single chain of fused multiply-adds over the head dim (its whole vectors
+// in order, then its last ``tail`` elements), then its lanes summed (lane_sums): a dot's arithmetic is the same
+// whichever block of keys, and lane, it is computed in, and whichever of the two ways below. With V (the whole
+// vectors, known at compile time) the query's vectors stay in registers beside the W accumulators where the ISA has
+// room for both: AVX-512's 32 registers; at V = 8 AVX2's 16 did not hold them, and the compiler spilled the query and
+// read it back for every key. Otherwise, and for V = 0 (any head size), one query vector at a time.
 template <int V>
 inline void block_dots(const float* q, const float* const* keys, int64_t d, int64_t tail, float* out) {
-  if constexpr (V > 0) {
+#if defined(CPU_CAPABILITY_AVX2)
+  constexpr bool query_in_registers = false;
+#else
+  constexpr bool query_in_registers = V > 0;
+#endif
+  if constexpr (query_in_registers) {
     block_dots_sequence<V>(q, keys, tail, out, std::make_index_sequence<W>());
   } else {
-    Raw acc[W];
-    for (int64_t j = 0; j < W; ++j) acc[j] = Vec(0.f);
-    int64_t i = 0;
-    for (; i + W <= d; i += W) {
-      const Vec x = Vec::loadu(q + i);
-      for (int64_t j = 0; j < W; ++j) acc[j] = at::vec::fmadd(x, Vec::loadu(keys[j] + i), Vec(acc[j]));
-    }
-    if (i < d) {
-      const Vec x = Vec::loadu(q + i, d - i);
-      for (int64_t j = 0; j < W; ++j) acc[j] = at::vec::fmadd(x, Vec::loadu(keys[j] + i, d - i), Vec(acc[j]));
-    }
-    lane_sums(acc, out);
+    block_dots_by_vector(q, keys, V > 0 ? V : d / W, tail, out, std::make_index_sequence<W>());
   }
 }
 
