@@ -4,7 +4,7 @@
 
 ``sample_tokens`` over 16 rows of SmolLM2's 49152 ids and of Qwen3's 151936 (float32, temperature 1, top_k 32,
 top_p 0.8: the GRPO shape of bench/engine.py), with ``torch.topk``'s selection and with the compiled one
-(modeling/top_candidates.py; the same tokens, support and log mu, checked here); and each selection alone. The
+(kernels/top_candidates.py; the same tokens, support and log mu, checked here); and each selection alone. The
 softmax over ``[B, V]`` that both take is shown beside them. Then each selection alone on rows that are hard for
 the compiled one, at widths 32 and 1024: sorted ascending or descending, flat, a grammar's mask (98% exact zeros),
 two values (the same ids selected, checked here). Microseconds per call, the median of ``--repeats``.
@@ -17,8 +17,8 @@ import argparse
 import torch
 
 from support_replay import SamplingParams, sample_tokens
+from support_replay.kernels.top_candidates import compiled
 from support_replay.modeling.kernel_probe import cpu_identity
-from support_replay.modeling.top_candidates import compiled
 from timing import seconds_per_call
 
 SHAPES = (("SmolLM2", 16, 49152), ("Qwen3", 16, 151936))

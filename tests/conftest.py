@@ -1,5 +1,6 @@
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,30 @@ def scored(monkeypatch):
 
     monkeypatch.setattr(checks_module, "compare_with_rollout", keep)
     return seen
+
+
+@pytest.fixture
+def unbuildable_kernels(monkeypatch, tmp_path):
+    """``with unbuildable_kernels():`` the project's CPU kernels fail to build (a source that is not C++, an empty
+    cache) and every cached build and check is forgotten, before and after, so the rest of the session builds
+    them again as it did."""
+    from support_replay.kernels import build, top_candidates
+    from support_replay.modeling import decode_attention, decode_layer
+
+    cached = (build.built, decode_attention.compiled, decode_layer.compiled, top_candidates.compiled)
+
+    @contextmanager
+    def failing():
+        broken = tmp_path / "broken.cpp"
+        broken.write_text("this is not C++\n")
+        monkeypatch.setattr(build, "SOURCES", [broken])
+        monkeypatch.setenv("SUPPORT_REPLAY_CACHE", str(tmp_path / "cache"))
+        for function in cached:
+            function.cache_clear()
+        try:
+            yield
+        finally:
+            for function in cached:
+                function.cache_clear()
+
+    return failing

@@ -235,9 +235,9 @@ def test_a_weight_set_as_a_plain_tensor_is_followed(tiny_checkpoint):
 def test_the_compiled_watch_sees_writes_moves_replacements_and_removals():
     """``SlotWatch`` (csrc/slot_watch.cpp), the per-step checks' comparison: a slot changed where a tensor there was
     written in place (a view's write too), moved to other memory, replaced, or removed; nothing else changes it."""
-    from support_replay.modeling import cpu_kernels
+    from support_replay.kernels import build
 
-    module, why = cpu_kernels.built()
+    module, why = build.built()
     if module is None:
         pytest.skip(f"the CPU kernels cannot build here: {why}")
     linear, norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)

@@ -133,7 +133,7 @@ def _top_candidates(probs, width: int, select=None):
     the full sort's first ``width`` entries of every row, and in the same order.
 
     ``select(probs, width)``, where given, returns exactly those entries (a compiled kernel: the engine's
-    modeling/top_candidates.py) or None where it does not run; else the selection is torch.topk's, as follows.
+    kernels/top_candidates.py) or None where it does not run; else the selection is torch.topk's, as follows.
 
     A tie that straddles the cut (frequent with bf16 logits) widens the selection to every id
     tied with the ``width``-th largest value, so the ids beyond the cut that the tie order

@@ -46,7 +46,7 @@ import torch
 from .. import __version__
 from ..core.penalties import dense_bias
 from ..errors import AbortedError, ConfigError, EngineError, RequestError, SamplingParamsError
-from ..modeling import top_candidates
+from ..kernels import top_candidates
 from ..modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
 from ..modeling.decode_attention import use_decode_attention
 from ..modeling.invariant_products import model_plans

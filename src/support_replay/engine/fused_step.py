@@ -37,7 +37,7 @@ functions at start-up): the same bits, 11-12 instead of 19 ms of an 85 ms step o
 
 Where the decode kernel attends every row of a step in place in the cache (the rows reserved at one pitch, the
 common case of a rollout) and the products are the model's own (``F.linear`` or oneDNN's, packed or not), a float32
-step's layers run in one compiled call (``DecodeLayers``, modeling/csrc/decode_layers.cpp): the same kernels, products
+step's layers run in one compiled call (``DecodeLayers``, kernels/csrc/decode_layers.cpp): the same kernels, products
 and order as the Python loop over them, so the same bits (tests/engine/test_fused_step.py compares both with the
 module tree), without the interpreter, views and argument passing between them. SmolLM2 at the GRPO shape on a
 Zen 3 EPYC: a decode step 57.1 instead of 61.4 ms (docs/benchmarks.md). The call holds the layers' weights, packs
@@ -63,7 +63,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import EngineError
-from ..modeling import cpu_kernels, decode_attention, decode_layer
+from ..kernels import build
+from ..modeling import decode_attention, decode_layer
 from ..modeling.decode_attention import ATTENTION as DECODE_ATTENTION
 from ..modeling.decode_attention import takes_kernel
 from ..modeling.invariant_products import fused_columns_keep_bits
@@ -129,7 +130,7 @@ def _slot(module: nn.Module, name: str) -> tuple[dict, str]:
 def _slot_watch(slots: list[tuple[dict, str]]):
     """A compiled watch over ``slots`` marked now (csrc/slot_watch.cpp), or None where the CPU kernels did not build
     or a slot holds nothing."""
-    module = cpu_kernels.built()[0]
+    module = build.built()[0]
     if module is None:
         return None
     watch = module.SlotWatch(slots)

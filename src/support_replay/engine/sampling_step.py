@@ -26,7 +26,7 @@ class SamplingStep:
         self.capacity = capacity
         self.eos_ids = frozenset(eos_ids)
         self.grammars = grammars  # engine/grammar.py: the structured outputs' masks
-        # the top-k selection of SGLang's rule (modeling/top_candidates.py; None: torch.topk), the same support
+        # the top-k selection of SGLang's rule (kernels/top_candidates.py; None: torch.topk), the same support
         self.select = select
 
     def __call__(self, seqs: list[RunningRequest], logits: torch.Tensor) -> list[RowStep | RowFailure]:

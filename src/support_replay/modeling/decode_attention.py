@@ -4,7 +4,7 @@ At a decode step PyTorch's CPU attention (``scaled_dot_product_attention``'s fla
 time per (row, key-value head) whatever the work, 14-18% of a SmolLM2 step at batch 16 (docs/benchmarks.md). The
 kernel here does the same arithmetic in float32 (scores, softmax with ATen's vectorized exp, the weighted sum of
 the values) with one task per (row, key-value head) that reads each key and value once for its group of queries.
-It is built once per machine with the project's other CPU kernels (modeling/cpu_kernels.py), for the vector ISA
+It is built once per machine with the project's other CPU kernels (modeling/build.py), for the vector ISA
 PyTorch itself runs at, and kept in the user cache; each process checks it against sdpa on a few shapes before
 using it.
 
@@ -28,7 +28,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from . import cpu_kernels
+from ..kernels import build
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,9 @@ UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "sinks", "position_b
 
 @functools.cache
 def compiled() -> tuple[ModuleType | None, str]:
-    """The project's CPU kernels (modeling/cpu_kernels.py) with this one checked against sdpa, or None and why
+    """The project's CPU kernels (modeling/build.py) with this one checked against sdpa, or None and why
     it cannot run."""
-    return cpu_kernels.checked(lambda module: check(module.decode_attention))
+    return build.checked(lambda module: check(module.decode_attention))
 
 
 def check(kernel) -> str:

@@ -28,7 +28,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
+from ..kernels import build
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ SILU_WIDTHS = [1, 7, 17, 33, 100, 1537]
 @functools.cache
 def compiled() -> tuple[ModuleType | None, str]:
     """The project's CPU kernels with these checked against the models' own operations, or None and why not."""
-    return cpu_kernels.checked(_choose_arithmetic)
+    return build.checked(_choose_arithmetic)
 
 
 def _choose_arithmetic(kernels) -> str:

@@ -147,7 +147,7 @@ def probe_record() -> dict:
     """This machine's measurement: ``{"choice", "torch_ms", "onednn_ms", "threads"}`` for decoding and the same with
     ``train_`` for the trainer (measured once, under a lock; a record from before the trainer's measurement gets
     it added)."""
-    from .checkpoints import cache_dir
+    from ..user_cache import cache_dir
 
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)

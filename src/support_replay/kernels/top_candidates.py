@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import cpu_kernels
+from . import build
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ class Selection:
 def compiled() -> tuple[Selection | None, str]:
     """The kernels for core/sampling.py (``Selection``), or None and why not. Where the selection holds and the
     rule's check fails, the selection serves alone."""
-    module, why = cpu_kernels.checked(lambda module: check(module.top_candidates))
+    module, why = build.checked(lambda module: check(module.top_candidates))
     if module is None:
         return None, why
     rows_why = check_rows(module.sglang_rows)

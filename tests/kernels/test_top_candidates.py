@@ -1,4 +1,4 @@
-"""The sampler's compiled top-k selection (modeling/top_candidates.py): the full sort's first columns exactly, ties,
+"""The sampler's compiled top-k selection (kernels/top_candidates.py): the full sort's first columns exactly, ties,
 NaN and -inf included; SGLang's rule over them (``sglang_rows``) gives the torch operations' support and the same
 draws; the engine samples with it; where it does not build, torch.topk stays."""
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from support_replay.core.sampling import SamplingParams, _keep_sglang, _rows_of_ranks, sample_tokens
 from support_replay.engine import Engine
-from support_replay.modeling import cpu_kernels, top_candidates
+from support_replay.kernels import build, top_candidates
 
 pytestmark = pytest.mark.float_bits  # a kernel built per vector ISA: CI reruns it on AVX2 kernels
 
@@ -91,7 +91,7 @@ def test_sglang_rows_are_the_rule_over_the_full_sort(select, rows, vocab, kind, 
 
 
 def test_the_start_up_check_finds_a_rule_that_differs(select):
-    kernel = cpu_kernels.built()[0].sglang_rows
+    kernel = build.built()[0].sglang_rows
     assert top_candidates.check_rows(kernel) == ""
 
     def float_prefix_sums(probs, width, top_k, top_p, min_p):  # the prefix sums added in float32: other roundings
@@ -109,7 +109,7 @@ def test_the_start_up_check_finds_a_rule_that_differs(select):
 
     assert "differs from SGLang's rule" in top_candidates.check_rows(no_min_p)
     assert "where top_p is a rank's exclusive mass" in top_candidates.check_rows(float_prefix_sums)
-    without_rule = top_candidates.Selection(cpu_kernels.built()[0], rows=False)  # where the rule's check failed
+    without_rule = top_candidates.Selection(build.built()[0], rows=False)  # where the rule's check failed
     probs = torch.softmax(torch.randn(3, 400), -1)
     columns = torch.tensor([[5]] * 3), torch.ones(3, 1, dtype=torch.float64), torch.zeros(3, 1)
     assert without_rule.sglang_rows(probs, 5, *columns) is None
@@ -141,7 +141,7 @@ def test_sampling_with_the_kernels_draws_and_scores_as_without(select):
 def test_the_compiled_draw_is_the_samplers_and_its_check_finds_one_that_is_not(select, monkeypatch):
     """``sglang_draw``: the rows and each row's token from its own generator, the sampler's operations in one call;
     the sampler takes it where every row has a generator, and the start-up check refuses a draw that differs."""
-    module = cpu_kernels.built()[0]
+    module = build.built()[0]
     assert top_candidates.check_draw(module.sglang_draw) == ""
 
     def one_more_value(probs, width, top_k, top_p, min_p, generators):  # row 0's generator drawn once more
@@ -172,7 +172,7 @@ def test_the_compiled_draw_is_the_samplers_and_its_check_finds_one_that_is_not(s
 def test_the_draw_from_logits_is_softmax_then_the_draw_and_its_check_finds_one_that_is_not(select, monkeypatch):
     """``sglang_draw_logits``: each row's softmax(z / T) with torch.softmax's bits and the draw over it in one call; the
     sampler takes it first, at any temperatures, and the start-up check refuses a softmax an ulp off."""
-    module = cpu_kernels.built()[0]
+    module = build.built()[0]
     assert top_candidates.check_draw_logits(module.sglang_draw_logits, module.sglang_draw) == ""
 
     def ulp_off(logits, width, temperature, top_k, top_p, min_p, generators):
@@ -211,7 +211,7 @@ def test_it_declines_what_it_does_not_compute_and_refuses_a_bad_width(select):
         select.sglang_rows(probs, 5, columns[0], columns[1].float(), columns[2])
     values, ids = select(probs.t().contiguous().t(), 5)  # a strided view is read as its values
     assert torch.equal(ids, _sorted(probs, 5)[1])
-    kernel = cpu_kernels.built()[0].top_candidates
+    kernel = build.built()[0].top_candidates
     with pytest.raises(RuntimeError, match=r"width must be in \[1, 100\], got 0"):
         kernel(probs, 0)
 

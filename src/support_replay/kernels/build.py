@@ -3,7 +3,7 @@
 One extension holds them all (one build, its sources compiled in parallel): the decode attention
 (modeling/decode_attention.py), the elementwise work around a decode step's products (modeling/decode_layer.py), a
 float32 decode step's layers in one call and the watch over the attributes a fused step reads (engine/fused_step.py),
-and the sampler's top candidates (modeling/top_candidates.py).
+and the sampler's top candidates (kernels/top_candidates.py).
 It is built with PyTorch's extension builder for the vector ISA PyTorch itself runs at
 (``torch.backends.cpu.get_cpu_capability()``, which follows ``ATEN_CPU_CAPABILITY``), without fused multiply-adds
 the source does not write itself (``-ffp-contract=off``: a product and a sum round twice, as ATen's separate
@@ -66,7 +66,7 @@ def build_name(sources: list[Path], isa: str) -> str:
 
 
 def build_directory(name: str) -> Path:
-    from .checkpoints import cache_dir
+    from ..user_cache import cache_dir
 
     return cache_dir() / "extensions" / f"torch-{torch.__version__.replace('+', '-')}" / name
 
@@ -122,6 +122,6 @@ def checked(check: Callable[[ModuleType], str]) -> tuple[ModuleType | None, str]
     return (None, disagreement) if disagreement else (module, "")
 
 
-if __name__ == "__main__":  # python -m support_replay.modeling.cpu_kernels: build them now, say where
+if __name__ == "__main__":  # python -m support_replay.kernels.build: build them now, say where
     module, reason = built()
     print(f"CPU kernels: {module.__file__}" if module is not None else f"CPU kernels: not built ({reason})")

@@ -1,4 +1,4 @@
-"""The project's compiled CPU kernels (modeling/cpu_kernels.py) build on this machine, and their vector sources
+"""The project's compiled CPU kernels (kernels/build.py) build on this machine, and their vector sources
 compile for every other ISA the build may take: a CPU of another kind builds them for its own ISA, and a source
 that only compiles for this one (an include that AVX2's headers bring and AVX-512's do not) would leave that CPU
 on PyTorch's slower functions, the kernels' tests skipped."""
@@ -11,22 +11,22 @@ import sysconfig
 import pytest
 import torch
 
-from support_replay.modeling import cpu_kernels
+from support_replay.kernels import build
 from support_replay.modeling.invariant_products import cpu_name
 
 COMPILER = shutil.which(os.environ.get("CXX", "c++"))  # the compiler PyTorch's extension builder calls
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler here: PyTorch's own functions serve")
-VECTOR_SOURCES = [source for source in cpu_kernels.SOURCES if "ATen/cpu/vec" in source.read_text()]
+VECTOR_SOURCES = [source for source in build.SOURCES if "ATen/cpu/vec" in source.read_text()]
 
 
 @needs_compiler
 def test_the_kernels_build_on_this_cpu():
-    module, why = cpu_kernels.built()
-    assert module is not None, f"the CPU kernels did not build for {cpu_kernels._isa()[0]} on {cpu_name()}: {why}"
+    module, why = build.built()
+    assert module is not None, f"the CPU kernels did not build for {build._isa()[0]} on {cpu_name()}: {why}"
 
 
 @needs_compiler
-@pytest.mark.parametrize("isa", [isa for isa in cpu_kernels.ISA_FLAGS if isa != cpu_kernels._isa()[0]])
+@pytest.mark.parametrize("isa", [isa for isa in build.ISA_FLAGS if isa != build._isa()[0]])
 def test_the_vector_sources_compile_for_another_isa(isa):
     from torch.utils.cpp_extension import include_paths
 
@@ -34,7 +34,7 @@ def test_the_vector_sources_compile_for_another_isa(isa):
     command = [COMPILER, "-fsyntax-only", "-std=c++20", "-fopenmp", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes]
     # the sources in parallel, a compiler each (seconds apiece: ATen's headers)
     runs = [
-        subprocess.Popen([*command, *cpu_kernels.ISA_FLAGS[isa], str(source)], stderr=subprocess.PIPE, text=True)
+        subprocess.Popen([*command, *build.ISA_FLAGS[isa], str(source)], stderr=subprocess.PIPE, text=True)
         for source in VECTOR_SOURCES
     ]
     errors = [run.communicate()[1] for run in runs]  # read before waiting: a long error fills the pipe

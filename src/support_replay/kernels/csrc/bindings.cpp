@@ -1,4 +1,4 @@
-// The Python module of the project's CPU kernels (modeling/cpu_kernels.py builds it): one extension, one build.
+// The Python module of the project's CPU kernels (kernels/build.py builds it): one extension, one build.
 
 #include <torch/extension.h>
 

@@ -1,5 +1,5 @@
 // The first ``width`` entries of each row's full sort by (value descending, id ascending), float32 on a CPU
-// (modeling/top_candidates.py): what the sampler's rank filters read, without a pass of torch.topk over the
+// (kernels/top_candidates.py): what the sampler's rank filters read, without a pass of torch.topk over the
 // vocabulary.
 //
 // The order is a total one (a tie of values goes to the lower id; NaN sorts above every number, as in torch.sort
@@ -122,7 +122,7 @@ void select_row(const float* row, int64_t vocab, int64_t width, float* values, i
 // _vec_softmax_lastdim: the vectors' maximum, exp(x - max) written out, their vectors' sum, each times 1 / sum), with
 // the division by the temperature before it as Python's ``logits / temp`` (IEEE division, exact per element; skipped
 // at t = 1, where it is the identity). The same ATen vector functions, so the same bits where the build's ISA is
-// ATen's own (checked at start-up against torch.softmax: modeling/top_candidates.py).
+// ATen's own (checked at start-up against torch.softmax: kernels/top_candidates.py).
 inline void softmax_row(const float* in, float* out, int64_t n, float t) {
   const float* x = in;
   if (t != 1.f) {
@@ -164,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor> top_candidates(const at::Tensor& probs, int64
 // ranks' probabilities in double (ATen's accumulation type for float on a CPU), each prefix rounded to float; the
 // exclusive mass a float subtraction; top_p compared as float32, min_p times the largest probability as a float32
 // product. Python checks the result against those operations at start-up before it uses this
-// (modeling/top_candidates.py). Returns (ids [rows, K], valid [rows, K], the kept ids row after row, counts [rows]),
+// (kernels/top_candidates.py). Returns (ids [rows, K], valid [rows, K], the kept ids row after row, counts [rows]),
 // K the most any row keeps (at least 1), padding ids 0.
 namespace {
 
