@@ -17,7 +17,9 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -34,11 +36,13 @@ SOURCES = [
         "decode_attention.cpp",
         "decode_layer.cpp",
         "decode_layers.cpp",
+        "invariant_layers.cpp",
+        "invariant_product.cpp",
         "slot_watch.cpp",
         "top_candidates.cpp",
     )
 ]
-HEADERS = [CSRC / "kernels.h"]  # in the build's name too: an edited declaration is a new build
+HEADERS = [CSRC / "kernels.h", CSRC / "lanes.h"]  # in the build's name too: an edited declaration is a new build
 
 
 # The compiler flags of each vector ISA the build may take: PyTorch's own choice on the CPU it runs on
@@ -55,6 +59,17 @@ def _isa() -> tuple[str, list[str]]:
     capability = torch.backends.cpu.get_cpu_capability().upper()
     isa = "avx512" if capability.startswith("AVX512") else "avx2" if capability == "AVX2" else "default"
     return isa, ISA_FLAGS[isa]
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def build_name(sources: list[Path], isa: str) -> str:
@@ -82,6 +97,25 @@ def _ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+STALE_LOCK_SECONDS = 900  # a build takes a minute or two; a lock this old was left by a process that died building
+
+
+def _drop_a_stale_lock(directory: Path) -> None:
+    """PyTorch's builder waits, without end, for the ``lock`` file of whichever process builds; a process killed while
+    building leaves it behind, and every later process would wait forever. One older than ``STALE_LOCK_SECONDS`` is
+    removed (saying so)."""
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        log.warning(
+            "CPU kernels: removing a build lock left %.0f s ago by a process that never finished: %s", age, lock
+        )
+        lock.unlink(missing_ok=True)
+
+
 @functools.cache
 def built() -> tuple[ModuleType | None, str]:
     """The extension built for this CPU and PyTorch, or None and why it cannot be."""
@@ -98,6 +132,7 @@ def built() -> tuple[ModuleType | None, str]:
 
         _ninja_on_path()
         directory.mkdir(parents=True, exist_ok=True)
+        _drop_a_stale_lock(directory)
         module = load(
             name=name,
             sources=[str(source) for source in SOURCES],

@@ -10,6 +10,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "another row (source row, positions), read there",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), pybind11::arg("scale"),
         pybind11::arg("shared") = pybind11::none());
+  m.def("attention", &attention,
+        "decode_attention for any number of query positions a row: q [B, Hq, Lq, D], mask over [B, Hq, Lq, L]; "
+        "out [B, Lq, Hq, D]",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), pybind11::arg("scale"),
+        pybind11::arg("shared") = pybind11::none());
+  m.def("invariant_linear", &invariant_linear,
+        "x W^T + bias with every element one fixed-order dot (lanes.h); columns: the weight rows to take",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("columns") = pybind11::none());
+  m.def("invariant_dots", &invariant_dots,
+        "per row t the dots of x[t] with the weight rows ids[t, :counts[t]] (invariant_linear's elements)");
+  m.def("invariant_rms_norm", &invariant_rms_norm, "RMSNorm with a fixed-order sum: (out, rsqrt per row)");
+  m.def("invariant_silu_mul", &invariant_silu_mul, "SiLU(gate) * up, one function for every element");
+  m.def("invariant_softmax", &invariant_softmax, "a float32 softmax of every row with a fixed-order sum");
+  m.def("invariant_rotary", &invariant_rotary, "the rotary embedding's (cos, sin) [..., 2 x inv_freq] per position");
   m.def("rms_norm", &rms_norm, "Llama's and Qwen3's RMSNorm in float32, the model's bits");
   m.def("add_rms_norm", &add_rms_norm, "a residual add, then RMSNorm of the sum: (sum, normed)");
   // the overload over the cache's tensors (the other takes raw cache rows, for the layer loop)

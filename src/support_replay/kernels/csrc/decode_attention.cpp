@@ -1,8 +1,11 @@
-// Attention of one query token per row over its keys and values, on a CPU (modeling/decode_attention.py).
+// Attention of query tokens over their keys and values, on a CPU: the engine's decode step (modeling/decode_attention.py,
+// one query a row) and, for any number of query positions a row, true-on-policy mode's attention in the engine's
+// prefill and decode and in the trainer's forward (kernels/invariant.py).
 //
-// q [B, Hq, 1, D], k and v [B, Hkv, L, D] (any strides, the last dimension contiguous), an optional mask
-// broadcastable to [B, Hq, 1, L] (boolean, true where a key is seen, or additive), out [B, 1, Hq, D].
-// Each (row, key-value head) is one task: its Hq / Hkv queries read each key and value once. A task's
+// q [B, Hq, Lq, D], k and v [B, Hkv, L, D] (any strides, the last dimension contiguous), an optional mask
+// broadcastable to [B, Hq, Lq, L] (boolean, true where a key is seen, or additive), out [B, Lq, Hq, D].
+// Each (row, query position, key-value head) is one task: its Hq / Hkv queries read each key and value once, and a
+// query position's output is the one its query alone would get over the keys its mask row sees. A task's
 // arithmetic is fixed (the same vector order whatever the batch, the width or the thread count), and a
 // masked key (false, or -inf) is skipped, its seen keys taken in key order wherever padding put them, so
 // a row's output keeps its bits whatever rows or padding share the call. ``shared`` [B, 2], where given, says that
@@ -10,9 +13,9 @@
 // for a group of samples): they are read there, so a group's rows read them from one place, the cache's lines
 // fetched from memory once for the group (the same numbers: the same bits). Scores, softmax and the weighted
 // sum are float32; bf16 inputs are read as float32 and the output rounded once. A query's scores are taken W keys
-// at a time (W the vector width): each key's dot a chain of fused multiply-adds over the head, then the W keys' lanes
-// summed together by one fixed tree (lane_sums: a key's dot is the same whichever block or lane it falls in, and W
-// reductions cost some three times fewer shuffles and adds than W apart). The weighted sum of the values reads each
+// at a time (W the vector width): each key's dot the dot of lanes.h (a chain of fused multiply-adds a lane over the
+// head, then the lanes summed by one fixed tree: lane_sums, for W keys together; a key's dot is the same whichever
+// block or lane it falls in, and W reductions cost some three times fewer shuffles and adds than W apart). The weighted sum of the values reads each
 // value once for up to QUERIES queries of the group, their partial sums held in registers (at batch 16, 9/3 heads,
 // head size 64, 82 keys, the cache hot, on a Zen 5 EPYC: 95 -> 60 us a call on one thread, 66 -> 39 on two, the
 // scores taken block by block for all of a task's queries; inside a GRPO-shape decode step, where the keys and values
@@ -33,24 +36,15 @@
 #include <utility>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-#include <immintrin.h>
-#endif
-
 #include "kernels.h"
+#include "lanes.h"
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t W = Vec::size();
-// the vector register type under Vec, where there is one: arrays of it stay in registers where arrays of Vec did not
-#if defined(CPU_CAPABILITY_AVX512)
-using Raw = __m512;
-#elif defined(CPU_CAPABILITY_AVX2)
-using Raw = __m256;
-#else
-using Raw = Vec;
-#endif
+using lanes::lane_sums;
+using lanes::Raw;
+using lanes::Vec;
+using lanes::W;
 
 // vector registers a weighted sum holds its partial sums in: most of AVX-512's 32, of AVX2's 16
 constexpr int ACCUMULATORS = W >= 16 ? 24 : 12;
@@ -64,56 +58,6 @@ constexpr int64_t KEYS_AHEAD = 16, VALUES_AHEAD = 16;
 // asks for the cache lines of ``floats`` floats from ``row`` (a hint: no fault, no effect on any value)
 inline void prefetch_row(const float* row, int64_t floats) {
   for (int64_t c = 0; c < floats; c += 64 / sizeof(float)) __builtin_prefetch(row + c, 0, 3);
-}
-
-// out[j] = the sum of acc[j]'s W lanes by one fixed tree, halves first (lane k + lane k + W / 2, then the same on
-// the first half, down to one lane), for the W vectors at once: the same additions for every vector, whichever
-// lane it lands in
-__attribute__((always_inline)) inline void lane_sums(const Raw* acc, float* out) {
-#if defined(CPU_CAPABILITY_AVX512)
-  static_assert(W == 16);
-  __m512 v[16], w[8], z[4], u[2];
-  for (int j = 0; j < 16; ++j) v[j] = acc[j];
-  for (int m = 0; m < 8; ++m) {  // [k + k+8 of vector 2m | of vector 2m+1]
-    w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], 0xEE));
-  }
-  for (int m = 0; m < 4; ++m) {  // 128-bit lane l: k + k+4 of vector 4m + l
-    z[m] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * m], w[2 * m + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * m], w[2 * m + 1], 0xDD));
-  }
-  for (int m = 0; m < 2; ++m) {  // 128-bit lane l: k + k+2 of vectors 8m + l and 8m + 4 + l
-    const __m512d a = _mm512_castps_pd(z[2 * m]), b = _mm512_castps_pd(z[2 * m + 1]);
-    u[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  // lane 4l + j: vector 4j + l; put vector k in lane k
-  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, sums));
-#elif defined(CPU_CAPABILITY_AVX2)
-  static_assert(W == 8);
-  __m256 w[4], u[2];
-  for (int m = 0; m < 4; ++m) {  // [k + k+4 of vector 2m | of vector 2m+1]
-    const __m256 a = acc[2 * m], b = acc[2 * m + 1];
-    w[m] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-  }
-  for (int m = 0; m < 2; ++m) {  // 128-bit lane l: k + k+2 of vectors 4m + l and 4m + 2 + l
-    const __m256d a = _mm256_castps_pd(w[2 * m]), b = _mm256_castps_pd(w[2 * m + 1]);
-    u[m] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
-  }
-  // lane 4l + j: vector 2j + l; put vector k in lane k
-  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xDD));
-  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-#else
-  float lanes[W];
-  for (int64_t j = 0; j < W; ++j) {
-    acc[j].store(lanes);
-    for (int64_t half = W / 2; half >= 1; half /= 2) {
-      for (int64_t k = 0; k < half; ++k) lanes[k] = lanes[k] + lanes[k + half];
-    }
-    out[j] = lanes[0];
-  }
-#endif
 }
 
 // one key's dot with a query's V whole vectors x and its ``last`` partial one: a single chain of fused multiply-adds
@@ -321,22 +265,24 @@ inline float mask_term(const M* mask, int64_t offset) {
 
 template <typename T, typename M>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const M* mask,
-            const std::array<int64_t, 3>& mask_strides, const int64_t* shared, float scale, at::Tensor& out) {
-  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(3), kv_heads = k.size(1), width = k.size(2);
+            const std::array<int64_t, 4>& mask_strides, const int64_t* shared, float scale, at::Tensor& out) {
+  const int64_t rows = q.size(0), heads = q.size(1), q_len = q.size(2), d = q.size(3), kv_heads = k.size(1);
+  const int64_t width = k.size(2);
   const int64_t group = heads / kv_heads;
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const int64_t q0 = q.stride(0), q1 = q.stride(1);
+  const int64_t q0 = q.stride(0), q1 = q.stride(1), q2 = q.stride(2);
   const int64_t k0 = k.stride(0), k1 = k.stride(1), k2 = k.stride(2);
   const int64_t v0 = v.stride(0), v1 = v.stride(1), v2 = v.stride(2);
-  const auto [m0, m1, m3] = mask_strides;
+  const auto [m0, m1, m2, m3] = mask_strides;
   // a mask that differs between the queries of a task: each query's terms apart (else one term a key for all)
   const bool per_query = mask != nullptr && m1 != 0 && group > 1;
   const float minus_inf = -std::numeric_limits<float>::infinity();
   constexpr bool convert = !std::is_same_v<T, float>;
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // a task: one query position of one row, one key-value head
+  at::parallel_for(0, rows * q_len * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries(group * d), terms(group * width), scores(group * width), acc(group * d);
     std::vector<float> packed(width), converted(convert ? 2 * width * d : 0), zeros(d, 0.f);
     std::vector<int64_t> seen(width), rank(width), kept(group);
@@ -346,11 +292,13 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       probs[g] = scores.data() + g * width;
       sums[g] = acc.data() + g * d;
     }
-    int64_t n = 0, listed = -1;  // the seen keys' count, and the row they were listed for
+    int64_t n = 0, listed = -1;  // the seen keys' count, and the (row, position) they were listed for
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const int64_t b = task / (q_len * kv_heads), i = task / kv_heads % q_len, h = task % kv_heads;
+      const int64_t at = b * q_len + i;  // the query position's place in the output
+      const int64_t mask_base = b * m0 + i * m2;
       for (int64_t g = 0; g < group; ++g) {
-        const T* src = qp + b * q0 + (h * group + g) * q1;
+        const T* src = qp + b * q0 + (h * group + g) * q1 + i * q2;
         for (int64_t i = 0; i < d; ++i) queries[g * d + i] = static_cast<float>(src[i]);
       }
       // the keys some query of the group sees, in key order: a key masked for every query is never read. One term
@@ -360,22 +308,22 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         for (int64_t l = 0; l < width; ++l) {
           bool any = false;
           for (int64_t g = 0; g < group; ++g) {
-            const float term = mask_term(mask, b * m0 + (h * group + g) * m1 + l * m3);
+            const float term = mask_term(mask, mask_base + (h * group + g) * m1 + l * m3);
             terms[g * width + n] = term;
             any = any || term != minus_inf;
           }
           if (any) seen[n++] = l;
         }
-      } else if (b != listed || m1 != 0) {
+      } else if (at != listed || m1 != 0) {
         n = 0;
         for (int64_t l = 0; l < width; ++l) {
-          const float term = mask ? mask_term(mask, b * m0 + h * group * m1 + l * m3) : 0.f;
+          const float term = mask ? mask_term(mask, mask_base + h * group * m1 + l * m3) : 0.f;
           if (term != minus_inf) {
             terms[n] = term;
             seen[n++] = l;
           }
         }
-        listed = b;
+        listed = at;
       }
       // the row's first ``common`` positions from row ``source`` (the same keys and values: a shared prompt)
       const int64_t source = shared ? shared[2 * b] : b, common = shared ? shared[2 * b + 1] : 0;
@@ -436,7 +384,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       for (int64_t g = 0; g < group; ++g) {
         float* o = acc.data() + g * d;
         if (kept[g] == 0) std::fill(o, o + d, 0.f);  // every key masked: sdpa's answer is NaN; ours is zeros
-        T* dst = op + (b * heads + h * group + g) * d;
+        T* dst = op + (at * heads + h * group + g) * d;
         if constexpr (std::is_same_v<T, float>) {
           std::copy(o, o + d, dst);
         } else {
@@ -447,10 +395,10 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   });
 }
 
-// the mask's strides over (row, head, key), 0 where it broadcasts
-std::array<int64_t, 3> broadcast_strides(const at::Tensor& mask) {
+// the mask's strides over (row, head, query position, key), 0 where it broadcasts
+std::array<int64_t, 4> broadcast_strides(const at::Tensor& mask) {
   auto stride = [&](int64_t dim) { return mask.size(dim) == 1 ? 0 : mask.stride(dim); };
-  return {stride(0), stride(1), stride(3)};
+  return {stride(0), stride(1), stride(2), stride(3)};
 }
 
 }  // namespace
@@ -458,9 +406,14 @@ std::array<int64_t, 3> broadcast_strides(const at::Tensor& mask) {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& mask, double scale,
                             const c10::optional<at::Tensor>& shared) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "decode_attention: one query per row, got ", q.sizes());
+  return attention(q, k, v, mask, scale, shared);
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const c10::optional<at::Tensor>& mask, double scale, const c10::optional<at::Tensor>& shared) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "decode_attention: CPU tensors");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: 4-d query, keys and values");
-  TORCH_CHECK(q.size(2) == 1, "decode_attention: one query per row, got ", q.size(2));
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3),
               "decode_attention: keys ", k.sizes(), " and values ", v.sizes(), " do not fit queries ", q.sizes());
   TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "decode_attention: ", q.size(1),
@@ -468,15 +421,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
               "decode_attention: one dtype for query, keys and values");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: contiguous head dims");
-  auto out = at::empty({q.size(0), 1, q.size(1), q.size(3)}, q.options());
+  auto out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
   const float s = static_cast<float>(scale);
-  std::array<int64_t, 3> strides{0, 0, 0};
+  std::array<int64_t, 4> strides{0, 0, 0, 0};
   if (mask.has_value()) {
     const auto& m = mask.value();
-    TORCH_CHECK(m.dim() == 4 && m.size(2) == 1 && m.size(3) == k.size(2) &&
-                    (m.size(0) == 1 || m.size(0) == q.size(0)) && (m.size(1) == 1 || m.size(1) == q.size(1)),
-                "decode_attention: mask ", m.sizes(), " does not broadcast to [", q.size(0), ", ", q.size(1), ", 1, ",
-                k.size(2), "]");
+    TORCH_CHECK(m.dim() == 4 && m.size(3) == k.size(2) && (m.size(0) == 1 || m.size(0) == q.size(0)) &&
+                    (m.size(1) == 1 || m.size(1) == q.size(1)) && (m.size(2) == 1 || m.size(2) == q.size(2)),
+                "decode_attention: mask ", m.sizes(), " does not broadcast to [", q.size(0), ", ", q.size(1), ", ",
+                q.size(2), ", ", k.size(2), "]");
     strides = broadcast_strides(m);
   }
   at::Tensor sources;

@@ -1,5 +1,6 @@
 // The project's CPU kernels as the other sources and the Python module (bindings.cpp) call them: one declaration
-// each, defined in decode_attention.cpp, decode_layer.cpp, decode_layers.cpp, slot_watch.cpp and top_candidates.cpp.
+// each, defined in decode_attention.cpp, decode_layer.cpp, decode_layers.cpp, invariant_product.cpp,
+// invariant_layers.cpp, slot_watch.cpp and top_candidates.cpp.
 
 #pragma once
 
@@ -12,6 +13,22 @@
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& mask, double scale,
                             const c10::optional<at::Tensor>& shared = c10::nullopt);
+// decode_attention for any number of query positions a row (q [B, Hq, Lq, D], a mask over [B, Hq, Lq, L]): each
+// position's output is the one decode_attention gives that query alone over the keys its mask row sees
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const c10::optional<at::Tensor>& mask, double scale,
+                     const c10::optional<at::Tensor>& shared = c10::nullopt);
+
+// true-on-policy mode's arithmetic (invariant_product.cpp, invariant_layers.cpp; the dot of lanes.h)
+at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                            const c10::optional<at::Tensor>& columns);
+at::Tensor invariant_dots(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ids,
+                          const at::Tensor& counts);
+std::tuple<at::Tensor, at::Tensor> invariant_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor invariant_silu_mul(const at::Tensor& gate, const at::Tensor& up);
+at::Tensor invariant_softmax(const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> invariant_rotary(const at::Tensor& inv_freq, const at::Tensor& positions,
+                                                    double scaling);
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, const at::Tensor& update,
