@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from bf16_gradients import assert_rounded_once, exact_support_grad
 
 from support_replay import (
     SupportError,
@@ -79,6 +80,32 @@ def test_bf16_input_accumulates_in_fp32():
     bf.requires_grad_()
     support_logprobs(bf, targets, table, 1.0).sum().backward()
     assert bf.grad.dtype == torch.bfloat16
+
+
+def test_bf16_gradients_are_the_exact_gradient_rounded_once():
+    """Confident tokens (p_a > 0.99), supports of one id and of the whole vocabulary: each entry of the bf16
+    gradient is the float64 gradient rounded once, so each row sums to zero within rounding (the target's entry
+    was built from two bf16 pieces and cancelled to 0 for a confident token: 33 ulps off the exact value)."""
+    z = torch.tensor([[8.0, 1.5, 0.0]], dtype=torch.bfloat16, requires_grad=True)
+    support_logprobs(z, torch.tensor([0]), SupportTable.from_lists([[0, 1, 2]]), 1.0).sum().backward()
+    assert_rounded_once(z.grad, exact_support_grad(z.detach(), torch.tensor([0]), [[0, 1, 2]], 1.0, [1.0]))
+    assert float(z.grad[0, 0]) == pytest.approx(1.839e-3, rel=4e-3)
+    gen = torch.Generator().manual_seed(9)
+    rows, vocab = 64, 97
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    lists = []
+    for t in range(rows):
+        size = [1, 2, 5, vocab][t % 4]
+        ids = torch.randperm(vocab, generator=gen)[:size].tolist()
+        if t % 3 == 0:  # a confident token: p_a > 0.99 on its support
+            logits[t, ids[0]] = logits[t, ids].max() + 12
+        lists.append(ids)
+    targets = torch.tensor([ids[0] for ids in lists])
+    upstream = torch.randn(rows, generator=gen)
+    for temperature in (1.0, 0.7):
+        x = logits.to(torch.bfloat16).requires_grad_()
+        (support_logprobs(x, targets, SupportTable.from_lists(lists), temperature) * upstream).sum().backward()
+        assert_rounded_once(x.grad, exact_support_grad(x.detach(), targets, lists, temperature, upstream))
 
 
 def test_per_row_temperature():

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bf16_gradients import assert_rounded_once, exact_support_grad
 
 from support_replay import SupportError, SupportTable, full_logprobs_and_entropy, support_logprobs
 from support_replay.core.parallel import (
@@ -60,6 +61,13 @@ def _worker(rank, init_file, results):
         torch.testing.assert_close(flp, flp_ref, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(ent, ent_ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(local.grad, grad_ref[:, start:stop], atol=1e-6, rtol=1e-5)
+        # bf16 logits: each shard's gradient entries the exact gradient rounded once (confident tokens included)
+        sharp = logits.clone()
+        sharp[torch.arange(len(targets)), targets] += 12
+        bf = sharp.to(torch.bfloat16)[:, start:stop].clone().requires_grad_()
+        (vocab_parallel_support_logprobs(bf, targets, table, temperature, start) * w).sum().backward()
+        exact = exact_support_grad(sharp.to(torch.bfloat16), targets, table.to_lists(), temperature, w)
+        assert_rounded_once(bf.grad, exact[:, start:stop], whole_rows=False)
 
         # context parallel: logits of a whole sequence split by position, both layouts
         prompt_len, response_len = 5, logits.shape[0]

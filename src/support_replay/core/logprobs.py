@@ -69,23 +69,49 @@ def _support_logprobs(logits, targets, ids, valid, temp, softmax: bool = True):
     return out, probs
 
 
+def support_grad(shape, dtype, ids, valid, probs, targets, coef, holds_target=None, reduce=None) -> torch.Tensor:
+    """``[T, V]`` in ``dtype``: the gradient ``(onehot(a_t) - softmax_S) * coef`` of a support log-prob, each entry
+    formed in the accumulation dtype and rounded once. ``ids``/``valid`` ``[T, K]`` (padding carries probability 0),
+    ``probs`` the softmax over the support, ``targets`` ``[T]`` columns of the logits, ``coef`` ``[T, 1]``;
+    ``holds_target`` ``[T]`` (vocab-parallel) False where this shard does not hold the row's target, and
+    ``reduce(x)`` sums a ``[T, 1]`` over the shards.
+
+    The target's entry ``(1 - p_a) coef`` is formed whole, as the sum of the other ids' probabilities times coef:
+    as two pieces each rounded to bf16 and then added, a confident token's (p_a > 0.99) cancelled to 0 and the row's
+    gradient no longer summed to zero; and ``1 - p_a`` from a rounded p_a keeps only its rounding error where p_a is
+    within a few float32 ulps of 1."""
+    hit = (ids == targets[:, None]) & valid
+    if holds_target is not None:
+        hit &= holds_target[:, None]
+    others = probs.masked_fill(hit, 0.0).sum(-1, keepdim=True)  # 1 - p_a without p_a's rounding
+    if reduce is not None:
+        others = reduce(others)
+    entries = torch.where(hit, others, -probs) * coef
+    grad = torch.zeros(shape, dtype=dtype, device=coef.device)
+    grad.scatter_add_(1, ids, entries.to(dtype))  # a support's ids are distinct; padding adds exact zeros
+    outside = ~hit.any(-1)  # a target outside its support (never in a validated sample): its entry is coef alone
+    if holds_target is not None:
+        outside &= holds_target
+    if bool(outside.any()):
+        rows = outside.nonzero().squeeze(1)
+        grad[rows, targets[rows]] += coef[rows, 0].to(dtype)
+    return grad
+
+
 class _SupportLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, ids, valid, temp):
         out, probs = _support_logprobs(logits, targets, ids, valid, temp)
-        ctx.save_for_backward(targets, ids, probs, temp)
+        ctx.save_for_backward(targets, ids, valid, probs, temp)
         ctx.logits_meta = (logits.shape, logits.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        targets, ids, probs, temp = ctx.saved_tensors
+        targets, ids, valid, probs, temp = ctx.saved_tensors
         shape, dtype = ctx.logits_meta
         coef = grad_out.to(temp.dtype)[:, None] / temp
-        grad = torch.zeros(shape, dtype=dtype, device=grad_out.device)
-        grad.scatter_add_(1, ids, (-probs * coef).to(dtype))
-        grad.scatter_add_(1, targets[:, None], coef.to(dtype))
-        return grad, None, None, None, None
+        return support_grad(shape, dtype, ids, valid, probs, targets, coef), None, None, None, None
 
 
 def support_logprobs(logits: torch.Tensor, targets: torch.Tensor, support, temperature=1.0) -> torch.Tensor:
@@ -369,7 +395,8 @@ class _SparseHeadSupportLogProbs(torch.autograd.Function):
         dz = -probs * coef
         dz.scatter_add_(1, tpos[:, None], coef)
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        # the head rows' gradients summed in the accumulation dtype, rounded once at the end
+        grad_w = torch.zeros(weight.shape, dtype=temp.dtype, device=weight.device) if ctx.needs_input_grad[1] else None
         for rows, width in _size_buckets(valid, ctx.chunk_size):
             g = dz[rows, :width]  # zero on padding entries
             sel = ids[rows, :width]
@@ -378,7 +405,8 @@ class _SparseHeadSupportLogProbs(torch.autograd.Function):
                 grad_h[rows] = torch.einsum("ck,ckh->ch", g, w).to(hidden.dtype)
             if grad_w is not None:
                 outer = g[:, :, None] * hidden[rows].to(temp.dtype)[:, None, :]
-                grad_w.index_add_(0, sel.reshape(-1), outer.reshape(-1, hidden.shape[1]).to(weight.dtype))
+                grad_w.index_add_(0, sel.reshape(-1), outer.reshape(-1, hidden.shape[1]))
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         return grad_h, grad_w, None, None, None, None, None
 
 

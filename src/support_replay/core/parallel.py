@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import SupportError
-from .logprobs import _acc, _chunks, _padded, _temperature_column, chunk_rows_for, full_vocab_grad
+from .logprobs import _acc, _chunks, _padded, _temperature_column, chunk_rows_for, full_vocab_grad, support_grad
 
 
 def _shard_index(ids: torch.Tensor, vocab_start: int, vocab_local: int):
@@ -46,18 +46,23 @@ class _VocabParallelSupportLogProbs(torch.autograd.Function):
         zt = local_logits.gather(1, local_t[:, None]).squeeze(1).to(temp.dtype) / temp.squeeze(1)
         zt = torch.where(t_inside, zt, torch.zeros_like(zt))
         dist.all_reduce(zt, op=dist.ReduceOp.SUM, group=group)
-        ctx.save_for_backward(local_ids, e / s[:, None], local_t, t_inside, temp)
+        ctx.save_for_backward(local_ids, inside, e / s[:, None], local_t, t_inside, temp)
         ctx.logits_meta = (local_logits.shape, local_logits.dtype)
+        ctx.group = group
         return zt - (m + torch.log(s))
 
     @staticmethod
     def backward(ctx, grad_out):
-        local_ids, probs, local_t, t_inside, temp = ctx.saved_tensors
+        local_ids, inside, probs, local_t, t_inside, temp = ctx.saved_tensors
         shape, dtype = ctx.logits_meta
         coef = grad_out.to(temp.dtype)[:, None] / temp
-        grad = torch.zeros(shape, dtype=dtype, device=grad_out.device)
-        grad.scatter_add_(1, local_ids, (-probs * coef).to(dtype))
-        grad.scatter_add_(1, local_t[:, None], (coef * t_inside[:, None]).to(dtype))
+        group = ctx.group
+
+        def reduce(x):
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+            return x
+
+        grad = support_grad(shape, dtype, local_ids, inside, probs, local_t, coef, holds_target=t_inside, reduce=reduce)
         return grad, None, None, None, None, None, None
 
 
