@@ -3,7 +3,7 @@
     python bench/full_vocab.py [--repeats 3]
 
 ``full_logprobs_and_entropy`` (forward, and forward + backward) and ``full_logprobs`` (the log-probs alone, the
-metrics' path of the sparse and union heads) over the logits of a GRPO step's responses: 560 rows of SmolLM2's
+metrics' path of the sparse heads) over the logits of a GRPO step's responses: 560 rows of SmolLM2's
 49152 ids and 300 rows of Qwen3's 151936, float32. Each at the chunk the library now takes on a CPU
 (``chunk_rows_for``: about ``CPU_CHUNK_BYTES`` of temporaries) and at the former 1024 rows. Every figure is the
 best of ``--repeats`` runs, in seconds.

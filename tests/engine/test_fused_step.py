@@ -10,13 +10,12 @@ from support_replay.engine.model_runner import ModelRunner
 from support_replay.engine.weight_updates import load_state
 from support_replay.errors import EngineError
 from support_replay.modeling import decode_layer
-from support_replay.modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
+from support_replay.modeling.batch_invariant import make_batch_invariant
 from support_replay.modeling.decode_attention import compiled, use_decode_attention
-from support_replay.modeling.invariant_products import cpu_name
 from support_replay.modeling.linear_kernels import linear_function, onednn_available, use_linear
 from tiny_model import build_tiny_checkpoint, greedy_decode
 
-pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
+pytestmark = pytest.mark.float_bits  # bit for bit under every kernel set: CI reruns them under the other two
 
 KERNELS = ["torch", "onednn"] if onednn_available() else ["torch"]
 
@@ -36,36 +35,49 @@ def decode_both_ways(runner: ModelRunner, prompts, steps: int, reserve: list[int
     return out[True], out[False]
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+CASES = [  # (deterministic, attention, layers, kernel, products fused)
+    *[
+        (False, attention, layers, kernel, True)
+        for attention in ("sdpa", "kernel")
+        for layers in ("loop", "compiled", "pytorch")
+        for kernel in KERNELS
+    ],  # fmt: skip
+    # the parts of the fused weights apart, as a CPU whose product changes a fused column's bits runs them
+    *[(False, "kernel", layers, KERNELS[-1], False) for layers in ("loop", "compiled", "pytorch")],
+    # the invariant arithmetic: its products, norms and SiLU are the module tree's own (no compiled layers)
+    (True, "batch-invariant", "pytorch", "invariant", True),
+]
+
+
 @pytest.mark.parametrize(
-    "deterministic, attention",
-    [(False, "sdpa"), (False, "kernel"), (True, "batch-invariant")],
-    ids=["normal", "decode-kernel", "batch-invariant"],
+    "deterministic, attention, layers, kernel, fused_products",
+    CASES,
+    ids=[f"{a}-{lay}-{k}" + ("" if f else "-apart") for _, a, lay, k, f in CASES],
 )
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-@pytest.mark.parametrize("layers", ["loop", "compiled", "pytorch"])
 def test_fused_decode_is_the_module_tree_bit_for_bit(
-    tiny_checkpoint, tied_llama, family, deterministic, attention, kernel, layers
+    tiny_checkpoint, tied_llama, family, deterministic, attention, layers, kernel, fused_products, monkeypatch
 ):
+    from support_replay.engine import fused_step
+
     path = tiny_checkpoint if family == "qwen3" else tied_llama
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if deterministic:
-        make_batch_invariant(model, kernel)
+        make_batch_invariant(model)
     else:
         use_linear(model, linear_function(kernel))
         if attention == "kernel":
             built, why = compiled()
-            if built is None:
-                pytest.skip(f"the decode-attention kernel cannot run here: {why}")
+            assert built is not None, f"the decode-attention kernel did not build: {why}"
             assert use_decode_attention(model, "kernel") == "kernel"
-    why = unsupported(model)
-    if why is not None:  # the engine then decodes through the modules (its own test); nothing fused to compare
-        pytest.skip(f"no fused step on this CPU ({cpu_name()}) with these kernels: {why}")
-    runner = ModelRunner(model, key_block=KEY_BLOCK if deterministic else 1)
+    assert unsupported(model) is None
+    if not fused_products:
+        monkeypatch.setattr(fused_step, "fuse_products", lambda model: False)
+    runner = ModelRunner(model)
     assert runner.fused is not None
+    assert runner.fused.fused_products == (deterministic or fused_step.fuse_products(model))
     if layers != "pytorch":  # the layers' elementwise work in the compiled kernels (modeling/decode_layer.py)
-        if runner.fused.layer_kernels is None:
-            pytest.skip(f"the compiled layer kernels cannot run here: {decode_layer.unsupported(model)}")
+        assert runner.fused.layer_kernels is not None, decode_layer.unsupported(model)
         # loop: a step's layers in one compiled call where the decode kernel attends every row in place
         runner.fused.layer_loop = runner.fused.layer_loop and layers == "loop"
     else:
@@ -107,15 +119,9 @@ def test_a_groups_shared_prompt_is_read_from_one_row_with_the_same_bits(tiny_che
     from support_replay.engine.paged_cache import PagedCache
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
-    built, why = compiled()
-    if built is None:
-        pytest.skip(f"the decode-attention kernel cannot run here: {why}")
     assert use_decode_attention(model, "kernel") == "kernel"
-    if unsupported(model) is not None:
-        pytest.skip(f"no fused step on this CPU ({cpu_name()}): {unsupported(model)}")
     runner = ModelRunner(model)
-    if runner.fused.layer_kernels is None:
-        pytest.skip(f"the compiled layer kernels cannot run here: {decode_layer.unsupported(model)}")
+    assert runner.fused.layer_kernels is not None, decode_layer.unsupported(model)
     runner.fused.layer_loop = layers == "loop"
     a, b = [5 + i % 40 for i in range(37)], [20 + i % 30 for i in range(21)]
     prompts, reserve = [a, a, b, a, b], [8] * 5
@@ -132,11 +138,9 @@ def test_a_groups_shared_prompt_is_read_from_one_row_with_the_same_bits(tiny_che
 
 
 def fused_engine(path) -> Engine:
-    """An engine on ``auto``'s kernel, skipping (naming the CPU) where that kernel gives no fused step."""
+    """An engine on ``auto``'s kernel, which decodes with the fused step on every CPU."""
     engine = Engine.from_pretrained(path)
-    if engine.runner.fused is None:
-        why = unsupported(engine.runner.model)
-        pytest.skip(f"no fused step on this CPU ({cpu_name()}) with the {engine.linear_kernel!r} kernel: {why}")
+    assert engine.runner.fused is not None, unsupported(engine.runner.model)
     return engine
 
 
@@ -157,8 +161,6 @@ def test_a_weight_update_written_in_place_reaches_the_fused_step(tiny_checkpoint
 def test_the_layer_loop_follows_updates_and_replaced_tensors_and_lets_its_packs_go(tiny_checkpoint):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     use_linear(model, linear_function(KERNELS[-1]))  # oneDNN where it runs: the loop holds packed weights
-    if compiled()[0] is None or unsupported(model) is not None or decode_layer.unsupported(model) is not None:
-        pytest.skip("no fused step with compiled layers and the decode kernel on this CPU")
     assert use_decode_attention(model, "kernel") == "kernel"
     runner = ModelRunner(model)
     prompts, reserve = [[5, 6, 7, 8], [9, 10], [11] * 20], [4, 4, 4]
@@ -187,8 +189,6 @@ def test_the_layer_loop_follows_updates_and_replaced_tensors_and_lets_its_packs_
 def test_the_layer_loop_times_its_parts_without_changing_its_bits(tiny_checkpoint):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     use_linear(model, linear_function(KERNELS[-1]))
-    if compiled()[0] is None or unsupported(model) is not None or decode_layer.unsupported(model) is not None:
-        pytest.skip("no fused step with compiled layers and the decode kernel on this CPU")
     assert use_decode_attention(model, "kernel") == "kernel"
     runner = ModelRunner(model)
     prompts, reserve = [[5, 6, 7, 8], [9, 10], [11] * 20], [4, 4, 4]
@@ -238,8 +238,7 @@ def test_the_compiled_watch_sees_writes_moves_replacements_and_removals():
     from support_replay.kernels import build
 
     module, why = build.built()
-    if module is None:
-        pytest.skip(f"the CPU kernels cannot build here: {why}")
+    assert module is not None, f"the CPU kernels did not build: {why}"
     linear, norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
     slots = [(linear._parameters, "weight"), (linear._parameters, "bias"), (norm.__dict__, "eps")]
     watch = module.SlotWatch(slots)

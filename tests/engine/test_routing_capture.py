@@ -40,7 +40,7 @@ def test_capture_covers_every_fed_position_as_one_forward_routes_it(tiny_moe_che
     assert [c.output_ids for c in captured] == [c.output_ids for c in plain]  # capture changes no token
     reference = AutoModelForCausalLM.from_pretrained(tiny_moe_checkpoint, dtype=torch.float32).eval()
     control = install_routing(reference)
-    make_batch_invariant(reference, "torch")
+    make_batch_invariant(reference)
     for i, (req, c) in enumerate(zip(requests(True), captured)):
         if not req.return_routed_experts:
             assert c.routed_experts is None

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from support_replay.kernels import build
-from support_replay.modeling.invariant_products import cpu_name
+from support_replay.kernels.build import cpu_name
 
 COMPILER = shutil.which(os.environ.get("CXX", "c++"))  # the compiler PyTorch's extension builder calls
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler here: PyTorch's own functions serve")

@@ -1,5 +1,6 @@
-"""The deterministic forward: a sequence's logits are the same bits in the engine (left-padded
-batches, KV cache, prefill then decode) and in the trainer (one right-padded forward)."""
+"""The batch-invariant forward of true-on-policy mode (modeling/batch_invariant.py): a sequence's logits are the same
+bits in the engine (left-padded batches, KV cache, prefill then decode) and in the trainer (right-padded or packed
+rows, float32 master weights under a bf16 compute dtype), on any CPU and kernel set."""
 
 import numpy as np
 import pytest
@@ -7,20 +8,19 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, support_logprobs
+from support_replay.core.support import SupportTable
 from support_replay.engine import Engine
 from support_replay.engine.model_runner import ModelRunner
-from support_replay.modeling.batch_invariant import (
-    KEY_BLOCK,
-    ROW_BLOCK,
-    batch_invariant_attention,
-    make_batch_invariant,
-    tall_products_keep_tile_bits,
-)
-from support_replay.modeling.invariant_decode import SOFTMAX_ROUND, softmax_trims, tile_rows
+from support_replay.errors import ConfigError
+from support_replay.kernels import invariant
+from support_replay.modeling.batch_invariant import batch_invariant_attention, make_batch_invariant
 from support_replay.protocol import GenerateRequest
 from tiny_model import assert_answers_as_alone
 
-pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
+pytestmark = pytest.mark.float_bits  # bit for bit under every kernel set: CI reruns them under the other two
+
+DTYPES = [torch.float32, torch.bfloat16]
+DTYPE_IDS = ["float32", "bfloat16"]
 
 
 def _reference_attention(q, k, v, allowed):
@@ -29,13 +29,11 @@ def _reference_attention(q, k, v, allowed):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None]).transpose(1, 2)
 
 
-@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 16), (9, 3, 64)], ids=["tiny", "smollm2-heads"])
-def test_block_attention_decode_equals_full_forward_for_key_lengths_63_to_129(threads, heads, kv_heads, dim):
-    """One query over a left-padded cache (random padding, a neighbour row of noise) gets the
-    same bits as the same query in a right-padded causal forward, for every key count from 63 to
-    129 (across the 64-key block edges); the forward is attention (sdpa to 1e-6) and its
-    gradient is attention's. The decode tile is smaller than the trainer's (``tile_rows``) and its
-    scores cover the seen columns only (``trimmed_width``)."""
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 16), (9, 3, 64), (2, 1, 80)], ids=["tiny", "smollm2", "80"])
+def test_a_decode_query_over_a_padded_cache_is_the_causal_forwards_bits(threads, heads, kv_heads, dim):
+    """One query over a left-padded cache (random padding, masked columns past it, a neighbour row of noise) gets the
+    same bits as the same query in a right-padded causal forward, for every key count from 1 to 129; the forward is
+    attention (sdpa's to 1e-5) and its gradient attention's."""
     gen = torch.Generator().manual_seed(threads)
     length = 130
     q = torch.randn(2, heads, length, dim, generator=gen, requires_grad=True)
@@ -46,16 +44,15 @@ def test_block_attention_decode_equals_full_forward_for_key_lengths_63_to_129(th
     allowed[1, 100:] = False
     full, _ = batch_invariant_attention(None, q, k, v, allowed[:, None], scaling=dim**-0.5)
     expected = _reference_attention(q, k, v, allowed)
-    assert torch.allclose(full[0], expected[0], atol=1e-5) and torch.allclose(
-        full[1, :100], expected[1, :100], atol=1e-5
-    )
+    torch.testing.assert_close(full[0], expected[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(full[1, :100], expected[1, :100], atol=1e-5, rtol=0)
     assert not full[1, 100:].any()  # padding queries: zeros, never NaN
     grads = torch.autograd.grad(full[0].sum() + full[1, :100].sum(), (q, k, v))
     expected_grads = torch.autograd.grad(expected[0].sum() + expected[1, :100].sum(), (q, k, v))
     for got, want in zip(grads, expected_grads):
-        assert torch.allclose(got, want, atol=1e-4)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     with torch.no_grad():
-        for n in range(63, 130):  # the query at position n - 1 sees n keys
+        for n in range(1, 130):  # the query at position n - 1 sees n keys
             pad = int(torch.randint(0, 70, (1,), generator=gen))
             width = pad + n + int(torch.randint(0, 3, (1,), generator=gen))  # a cache column or two past it: masked
             cache_k = torch.randn(2, kv_heads, width, dim, generator=gen)
@@ -69,78 +66,68 @@ def test_block_attention_decode_equals_full_forward_for_key_lengths_63_to_129(th
             assert torch.equal(out[0, 0], full[0, n - 1]), n
 
 
-@pytest.mark.parametrize("repeat", [1, 3, 5, 9, 13])
-def test_a_decode_tile_keeps_the_bits_of_a_full_tile(threads, repeat):
-    """The probe's row count covers the query heads and is a full tile or gives every row the
-    full tile's bits, checked here on other data, more tiles per call and widths between the
-    probed ones."""
-    dim = 64
-    rows = tile_rows(repeat, dim, torch.float32, torch.get_num_threads())
-    assert rows >= repeat and rows % 4 == 0 and rows <= ROW_BLOCK
-    gen = torch.Generator().manual_seed(100 + repeat)
-    q = torch.randn(7, ROW_BLOCK, dim, generator=gen)
-    for width in (64, 320, 704):
-        keys = torch.randn(7, dim, width, generator=gen)
-        assert torch.equal(torch.bmm(q[:, :rows].contiguous(), keys), torch.bmm(q, keys)[:, :rows]), width
-    probs, values = torch.rand(7, ROW_BLOCK, KEY_BLOCK, generator=gen), torch.randn(7, KEY_BLOCK, dim, generator=gen)
-    assert torch.equal(torch.bmm(probs[:, :rows].contiguous(), values), torch.bmm(probs, values)[:, :rows])
+def test_a_packed_rows_queries_see_their_own_sequences_keys_with_the_engines_bits(threads):
+    """A packed row (a prompt, then two responses) under its mask: each response's queries get the bits of the same
+    queries in an unpacked row of that prompt and response alone (the engine's cache row)."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, prompt, first, second = 6, 2, 32, 7, 5, 9
+    total = prompt + first + second
+    q, k, v = (torch.randn(1, h, total, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    sees = torch.zeros(1, 1, total, total, dtype=torch.bool)
+    sees[0, 0, :, :prompt] = torch.ones(total, prompt, dtype=torch.bool)
+    sees[0, 0, :prompt, :prompt] = torch.ones(prompt, prompt, dtype=torch.bool).tril()
+    for start, size in ((prompt, first), (prompt + first, second)):
+        sees[0, 0, start : start + size, start : start + size] = torch.ones(size, size, dtype=torch.bool).tril()
+    packed, _ = batch_invariant_attention(None, q, k, v, sees, scaling=0.2)
+    for start, size in ((prompt, first), (prompt + first, second)):
+        columns = list(range(prompt)) + list(range(start, start + size))
+        causal = torch.ones(len(columns), len(columns), dtype=torch.bool).tril()[None, None]
+        alone, _ = batch_invariant_attention(None, q[:, :, columns], k[:, :, columns], v[:, :, columns], causal, 0.2)
+        assert torch.equal(packed[0, start : start + size], alone[0, prompt:])
 
 
-def test_a_trimmed_softmax_row_keeps_the_bits_of_whole_blocks(threads):
-    """Where the probe allows trimming, a softmax row over its seen columns rounded up to 16 is
-    the same bits as over whole key blocks with the rest masked, on other data than the probe's."""
-    if not softmax_trims(torch.float32, torch.get_num_threads()):
-        pytest.skip("this CPU's softmax depends on trailing masked columns: decode steps do not trim")
-    gen = torch.Generator().manual_seed(7)
-    for n in (1, 5, 15, 16, 17, 47, 64, 65, 100, 129, 250):
-        trimmed = max(SOFTMAX_ROUND, -(-n // SOFTMAX_ROUND) * SOFTMAX_ROUND)
-        scores = torch.full((24, 3 * KEY_BLOCK + KEY_BLOCK * (n // KEY_BLOCK)), float("-inf"))
-        scores[:, :n] = torch.randn(24, n, generator=gen) * 6
-        assert torch.equal(torch.softmax(scores[:, :trimmed], -1), torch.softmax(scores, -1)[:, :trimmed]), n
-
-
-def test_a_tall_product_keeps_every_tiles_bits(threads):
-    """Where the probe allows one product per key/value head in the trainer, every row is the bits
-    of its own 16-row tile's product, on other data, tile counts and widths than the probe's."""
-    if not tall_products_keep_tile_bits(64, torch.float32, torch.get_num_threads()):
-        pytest.skip("this CPU's tall products differ from 16-row tiles: the trainer keeps the tiles")
-    gen = torch.Generator().manual_seed(11)
-    for tiles, width in ((5, 128), (13, 320), (40, 704)):
-        q = torch.randn(2, tiles * ROW_BLOCK, 64, generator=gen)
-        keys = torch.randn(2, width, 64, generator=gen).transpose(1, 2)
-        per_tile = torch.bmm(q.reshape(2 * tiles, ROW_BLOCK, 64), keys.repeat_interleave(tiles, 0)).reshape(
-            2, -1, width
-        )
-        assert torch.equal(torch.bmm(q, keys), per_tile), (tiles, width)
-
-
-def test_engine_and_trainer_logits_are_bitwise_equal(tiny_checkpoint, threads):
-    model = make_batch_invariant(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval())
-    runner = ModelRunner(model)
-    # decode steps cross the 64- and 128-key block edges; prompts of different lengths pad the cache
-    prompts = [[5 + i % 50 for i in range(61)], [11, 12], [20 + i % 30 for i in range(125)]]
+def _decode_and_score(engine_model, trainer_model, prompts, steps=6):
+    """The engine's logits of a prefill and ``steps`` greedy decode steps, and the trainer's forward of the finished
+    sequences in another order with right padding: ``[(engine row, trainer row)]`` pairs."""
+    runner = ModelRunner(engine_model)
     batch, logits = runner.prefill(prompts)
-    steps, seqs = [logits], [list(p) for p in prompts]
+    got, seqs = [logits], [list(p) for p in prompts]
     nxt, pos = logits.argmax(-1), torch.tensor([len(p) for p in prompts])
-    for _ in range(6):
+    for _ in range(steps):
         for s, x in zip(seqs, nxt.tolist()):
             s.append(x)
         logits = runner.decode(batch, nxt, pos)
         pos += 1
-        steps.append(logits)
+        got.append(logits)
         nxt = logits.argmax(-1)
-    order = [2, 0, 1]  # another batch, another order, right padding
+    order = list(reversed(range(len(prompts))))  # another batch order, right padding
     width = max(len(s) for s in seqs)
-    ids = torch.zeros(3, width, dtype=torch.long)
-    mask = torch.zeros(3, width, dtype=torch.long)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for r, k in enumerate(order):
         ids[r, : len(seqs[k])] = torch.tensor(seqs[k])
         mask[r, : len(seqs[k])] = 1
     with torch.no_grad():
-        full = model(input_ids=ids, attention_mask=mask).logits.float()
-    for t, step in enumerate(steps):
-        for k in range(3):
-            assert torch.equal(full[order.index(k), len(prompts[k]) - 1 + t], step[k]), (t, k)
+        full = trainer_model(input_ids=ids, attention_mask=mask).logits.float()
+    return [
+        (step[k], full[order.index(k), len(prompts[k]) - 1 + t])
+        for t, step in enumerate(got)
+        for k in range(len(prompts))
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_engine_and_trainer_logits_are_bitwise_equal(tiny_checkpoint, tiny_moe_checkpoint, threads, dtype, moe):
+    """The engine's model loaded in ``dtype`` and the trainer's float32 master weights computing in ``dtype``."""
+    path = tiny_moe_checkpoint if moe else tiny_checkpoint
+    engine_model = make_batch_invariant(AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval())
+    trainer_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    make_batch_invariant(trainer_model, dtype)
+    # decode steps cross 64 and 128 keys; prompts of different lengths pad the cache
+    prompts = [[5 + i % 50 for i in range(61)], [11, 12], [20 + i % 30 for i in range(125)]]
+    for t, (engine_row, trainer_row) in enumerate(_decode_and_score(engine_model, trainer_model, prompts)):
+        assert torch.equal(engine_row, trainer_row), t
 
 
 def test_deterministic_engine_output_does_not_depend_on_the_batch(tiny_checkpoint):
@@ -196,37 +183,45 @@ def test_a_grpo_group_is_prefilled_once_and_answers_as_if_alone(tiny_checkpoint,
         engine.shutdown()
 
 
-def test_union_head_gives_the_engines_bits(threads):
-    """The trainer's union head (one product over the batch's support ids) against the engine's
-    full-vocabulary head on each row alone, both under the probed plan: the same log-probs bit for
-    bit where the probe says a column subset keeps its bits; its gradient is the dense path's to rounding."""
-    from support_replay.core.logprobs import union_head_support_logprobs
-    from support_replay.core.support import SupportTable
-    from support_replay.modeling.invariant_products import cpu_name, invariant_linear, invariant_plan
-
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_the_sparse_heads_invariant_dots_give_the_engines_bits(threads, dtype):
+    """The trainer's true-on-policy head (each support id's logit by the invariant dot) against the engine's full
+    head on each row alone: the same log-probs bit for bit; its gradient is the dense path's to rounding."""
     gen = torch.Generator().manual_seed(7)
     rows, width, vocab = 37, 64, 384
-    plan = invariant_plan("torch", vocab, width, torch.float32, torch.get_num_threads())
-    if (
-        plan is None or not plan.columns
-    ):  # refused, or the trainer takes the full head (tests/modeling/test_invariant_products.py)
-        pytest.skip(f"the union head is not exact on this CPU ({cpu_name()}): {plan}")
-    product = invariant_linear("torch")
-    hidden = torch.randn(rows, width, generator=gen, requires_grad=True)
-    weight = (0.1 * torch.randn(vocab, width, generator=gen)).requires_grad_()
+    hidden = torch.randn(rows, width, generator=gen).to(dtype).requires_grad_()
+    weight = (0.1 * torch.randn(vocab, width, generator=gen)).requires_grad_()  # float32 master weights
     support_rows = [
         np.unique(torch.randint(0, vocab, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).numpy())
         for _ in range(rows)
     ]
     targets = torch.tensor([int(r[len(r) // 2]) for r in support_rows])
     support = SupportTable.from_rows(support_rows)
-    got = union_head_support_logprobs(hidden, weight, targets, support, 0.7, linear=product)
+    ids, valid = support.to_padded()
+    z = invariant.dots(hidden, weight, ids, valid)
+    column = ((ids == targets[:, None]) & valid).to(torch.uint8).argmax(-1)
+    got = support_logprobs(z, column, (torch.arange(ids.shape[1]).expand_as(ids), valid), 0.7)
+    engine_weight = weight.detach().to(dtype)  # the engine's copy in its dtype
     with torch.no_grad():
         for r in range(rows):
-            logits = product(hidden[r : r + 1], weight)
+            logits = invariant.linear(hidden[r : r + 1].detach(), engine_weight).float()
             one = support_logprobs(logits, targets[r : r + 1], SupportTable.from_rows([support_rows[r]]), 0.7)
             assert torch.equal(got[r : r + 1], one), r
-    dense = support_logprobs(hidden @ weight.T, targets, support, 0.7)
+    dense = support_logprobs(hidden.float() @ weight.T, targets, support, 0.7)
     grads = torch.autograd.grad(got.sum(), (hidden, weight))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for g, want in zip(grads, torch.autograd.grad(dense.sum(), (hidden, weight))):
-        torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_a_model_of_an_unknown_layer_kind_is_refused_by_name(tiny_checkpoint):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    model.config.hidden_act = "gelu"
+    with pytest.raises(ConfigError, match="true-on-policy mode: activation 'gelu'"):
+        make_batch_invariant(model)
+    model.config.hidden_act = "silu"
+    model.model.norm = torch.nn.LayerNorm(model.config.hidden_size)
+    with pytest.raises(ConfigError, match="true-on-policy mode: model.norm is a LayerNorm"):
+        make_batch_invariant(model)
+    with pytest.raises(ConfigError, match="float32 or bfloat16, not torch.float16"):
+        make_batch_invariant(AutoModelForCausalLM.from_pretrained(tiny_checkpoint), torch.float16)

@@ -10,6 +10,7 @@ from support_replay.train import train
 from support_replay.train.config import BF16_CI_TOLERANCE, FP32_CI_TOLERANCE
 
 
+@pytest.mark.float_bits
 def test_the_default_tolerance_follows_the_dtypes_and_a_given_one_wins(tiny_checkpoint, tmp_path):
     assert run_config(tiny_checkpoint, tmp_path).ci_tolerance == FP32_CI_TOLERANCE
     assert run_config(tiny_checkpoint, tmp_path, train_dtype="bfloat16").ci_tolerance == BF16_CI_TOLERANCE
@@ -17,11 +18,13 @@ def test_the_default_tolerance_follows_the_dtypes_and_a_given_one_wins(tiny_chec
     assert run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True).ci_tolerance == 0.0
 
 
-def test_bf16_is_refused_in_true_on_policy_mode(tiny_checkpoint, tmp_path):
-    with pytest.raises(
-        ConfigError, match="--rollout-dtype='bfloat16': true-on-policy mode runs the batch-invariant fp32 kernels"
-    ):
+@pytest.mark.float_bits
+def test_true_on_policy_mode_runs_one_dtype_on_both_sides(tiny_checkpoint, tmp_path):
+    with pytest.raises(ConfigError, match="--train-dtype='float32': true-on-policy mode computes the same bits"):
         run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True, rollout_dtype="bfloat16")
+    config = run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True, rollout_dtype="bfloat16",
+                        train_dtype="bfloat16")  # fmt: skip
+    assert config.ci_tolerance == 0.0
 
 
 def test_grpo_in_bf16_passes_ci_test_at_the_bf16_tolerance(tiny_checkpoint, tmp_path, capsys):

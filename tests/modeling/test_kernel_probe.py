@@ -87,11 +87,12 @@ def test_a_record_from_before_the_trainers_measurement_gets_it_added(fresh, monk
         kernel_probe.probed_kernel("prefill")
 
 
-def test_a_true_on_policy_trainer_takes_the_engines_choice_and_another_takes_its_own(fresh, monkeypatch):
+@pytest.mark.float_bits
+def test_a_trainer_takes_its_own_choice_and_a_true_on_policy_one_the_invariant_product(fresh, monkeypatch):
     from support_replay.train.config import RunConfig
 
     monkeypatch.setattr(kernel_probe, "measure", lambda: {"torch": 5.0, "onednn": 2.0})
     monkeypatch.setattr(kernel_probe, "measure_training", lambda: {"torch": 100.0, "onednn": 120.0})
     assert RunConfig().trainer_linear_kernel("cpu") == "torch"
-    assert RunConfig(true_on_policy_mode=True).trainer_linear_kernel("cpu") == "onednn"
+    assert RunConfig(true_on_policy_mode=True).trainer_linear_kernel("cpu") == "invariant"
     assert RunConfig(linear_kernel="onednn").trainer_linear_kernel("cpu") == "onednn"  # asked for by name

@@ -1,16 +1,14 @@
-"""The engine's linear kernels: oneDNN's fp32 product, its autograd, and the bit-level facts
-the batch-invariant forward and the union head rest on (modeling/linear_kernels.py)."""
+"""The engine's linear kernels outside true-on-policy mode: oneDNN's fp32 product, its autograd, the choice of
+``auto`` and how a model routes its linear layers (modeling/linear_kernels.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from support_replay.core.logprobs import support_logprobs, union_head_support_logprobs
 from support_replay.engine import Engine
 from support_replay.errors import ConfigError
 from support_replay.modeling import linear_kernels
-from support_replay.modeling.invariant_products import cpu_name, invariant_linear, invariant_plan
 from support_replay.modeling.linear_kernels import (
     linear_function,
     model_linear,
@@ -18,8 +16,6 @@ from support_replay.modeling.linear_kernels import (
     resolve_linear_kernel,
     use_linear,
 )
-
-pytestmark = pytest.mark.float_bits  # bit-level facts of this CPU's kernels: CI reruns them on AVX2 kernels
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch has no oneDNN linear op")
 
@@ -53,54 +49,6 @@ def test_onednn_product_and_its_gradients_match_f_linear():
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # no graph: the op alone
         assert not linear_function("onednn")(x, w, b).requires_grad
-
-
-def _plan_or_skip(kernel, shape, dtype=torch.float32):
-    if kernel == "onednn" and not onednn_available():
-        pytest.skip("this PyTorch has no oneDNN linear op")
-    plan = invariant_plan(kernel, *shape, dtype, torch.get_num_threads())
-    if plan is None:  # the refusal itself is tested in tests/modeling/test_invariant_products.py
-        pytest.skip(f"no batch-invariant {kernel} product for {shape} on this CPU ({cpu_name()})")
-    return plan
-
-
-@pytest.mark.float_bits
-@pytest.mark.parametrize("kernel", ["onednn", "torch"])
-@pytest.mark.parametrize("shape", [(200, 96), (960, 576), (576, 1536)])
-def test_the_probed_plan_keeps_row_bits_on_other_data(threads, kernel, shape):
-    # the probe ran on its own random data and counts; here other data, more counts, longer products
-    _plan_or_skip(kernel, shape)
-    gen = torch.Generator().manual_seed(1)
-    w = torch.randn(*shape, generator=gen)
-    many = torch.randn(640, shape[1], generator=gen)
-    product = invariant_linear(kernel)
-    reference = product(many, w)
-    for count in list(range(1, 34)) + [63, 100, 257, 600]:
-        for at in (0, 5, 640 - count):
-            assert torch.equal(product(many[at : at + count], w), reference[at : at + count]), (count, at)
-
-
-@pytest.mark.float_bits
-@pytest.mark.parametrize("kernel", ["onednn", "torch"])
-def test_union_head_equals_the_full_head_where_the_probe_says_columns_keep_their_bits(threads, kernel):
-    gen = torch.Generator().manual_seed(2)
-    vocab, hidden = 3000, 64
-    plan = _plan_or_skip(kernel, (vocab, hidden))
-    if not plan.columns:  # the trainer scores through the full head then (tests/modeling/test_invariant_products.py)
-        pytest.skip(f"{kernel}: a column subset takes other bits on this CPU ({cpu_name()})")
-    w = torch.randn(vocab, hidden, generator=gen)
-    h = torch.randn(37, hidden, generator=gen)
-    ids = [
-        torch.randperm(vocab, generator=gen)[: int(n)].sort().values for n in torch.randint(1, 40, (37,), generator=gen)
-    ]
-    targets = torch.stack([row[0] for row in ids])
-    width = max(len(r) for r in ids)
-    padded_ids = torch.stack([F.pad(r, (0, width - len(r))) for r in ids])
-    valid = torch.stack([torch.arange(width) < len(r) for r in ids])
-    product = invariant_linear(kernel)
-    full = support_logprobs(product(h, w), targets, (padded_ids, valid))
-    union = union_head_support_logprobs(h, w, targets, (padded_ids, valid), linear=product)
-    assert torch.equal(union, full)
 
 
 def test_use_linear_routes_every_linear_and_changes_no_parameter():

@@ -100,7 +100,7 @@ def test_replay_of_the_wrong_token_count_is_refused(tiny_moe_checkpoint):
 def test_the_batch_invariant_forward_routes_a_row_alike_in_any_batch(tiny_moe_checkpoint):
     model = load(tiny_moe_checkpoint)
     control = install_routing(model)
-    make_batch_invariant(model, "torch")
+    make_batch_invariant(model)
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 300, (5, 13), generator=gen)
     with torch.no_grad():

@@ -76,8 +76,8 @@ def test_defaults_are_the_demo_and_derive_replay():
         (["--custom-rm-path", "nocolon"], "--custom-rm-path='nocolon': expected 'module:function'"),
         (["--lr", "-1"], "--lr=-1.0: Input should be greater than 0"),
         (
-            ["--true-on-policy-mode", "--decode-attention", "kernel"],
-            "--decode-attention='kernel': true-on-policy mode's engine attends with the batch-invariant tiles",
+            ["--true-on-policy-mode", "--train-dtype", "bfloat16"],
+            "--train-dtype='bfloat16': true-on-policy mode computes the same bits on both sides, so in one dtype",
         ),
     ],
 )

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from processes import engine_process
 from recipe_helpers import agent_config, run_config
 from support_replay.errors import ConfigError, SampleError
 from support_replay.rollout.sample import Sample, check_sample_routing
@@ -39,23 +38,10 @@ def test_grpo_on_mixtral_with_routing_replay(tiny_mixtral_checkpoint, tmp_path):
 @pytest.mark.parametrize("routing", [False, True], ids=["own-routing", "r3"])
 def test_true_on_policy_on_a_moe_is_bitwise(tiny_moe_checkpoint, tmp_path, routing):
     rows = train(
-        run_config(tiny_moe_checkpoint, tmp_path, true_on_policy_mode=True, linear_kernel="torch", num_rollout=2,
+        run_config(tiny_moe_checkpoint, tmp_path, true_on_policy_mode=True, num_rollout=2,
                    use_rollout_routing_replay=routing)
     )  # fmt: skip
     assert_per_token(rows, exact=True)
-
-
-@pytest.mark.slow
-def test_grpo_with_routing_replay_through_serve_is_bitwise(tiny_moe_checkpoint, tmp_path):
-    """`serve --deterministic` answering in SGLang's shape (compact routing), the trainer over HTTP."""
-    ctx, url = engine_process(tiny_moe_checkpoint, "--deterministic", "--linear-kernel", "torch")
-    with ctx:
-        rows = train(
-            run_config(tiny_moe_checkpoint, tmp_path, rollout_url=url, true_on_policy_mode=True,
-                       linear_kernel="torch", num_rollout=2, **R3)
-        )  # fmt: skip
-    assert_per_token(rows, exact=True)
-    assert all(0 < r["routing_bytes_per_token"] < 2 * 2 * 4 for r in rows)  # uint8 .npy, not int32
 
 
 @pytest.mark.slow

@@ -34,10 +34,9 @@ def test_grpo_with_score_centering_passes_ci_test(tiny_checkpoint, tmp_path, ext
     assert any(r["score_centering_drift"] > 0 for r in rows)  # groups with a nonzero advantage see the drift
 
 
+@pytest.mark.float_bits
 def test_true_on_policy_with_score_centering_is_bitwise(tiny_checkpoint, tmp_path):
-    rows = train(
-        run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True, linear_kernel="torch", num_rollout=2, **SC)
-    )
+    rows = train(run_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True, num_rollout=2, **SC))
     assert_per_token(rows, exact=True)
 
 

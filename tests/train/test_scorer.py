@@ -13,7 +13,7 @@ from support_replay.train.scorer import Outputs, Scorer, head_for
     "replay, sparse, batch_invariant, head",
     [
         (True, True, False, "sparse"),
-        (True, True, True, "union"),
+        (True, True, True, "invariant"),
         (True, False, False, "dense"),
         (True, False, True, "dense"),
         (False, False, False, "full"),
@@ -28,7 +28,7 @@ def test_a_sparse_head_without_replay_is_refused():
         head_for(replay=False, sparse=True, batch_invariant=False)
 
 
-@pytest.mark.parametrize("batch_invariant", [False, True], ids=["sparse", "union"])
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["sparse", "invariant"])
 def test_a_raw_logit_head_refuses_penalties(tiny_checkpoint, batch_invariant):
     model = load_scoring_model(tiny_checkpoint, "cpu", batch_invariant=batch_invariant)
     scorer = Scorer(model, 1.0, replay=True, sparse=True, outputs=Outputs(full_detached=True))
@@ -42,7 +42,7 @@ def test_a_raw_logit_head_refuses_penalties(tiny_checkpoint, batch_invariant):
 
 
 @pytest.mark.parametrize(
-    "sparse, batch_invariant", [(True, False), (True, True), (False, False)], ids=["sparse", "union", "dense"]
+    "sparse, batch_invariant", [(True, False), (True, True), (False, False)], ids=["sparse", "invariant", "dense"]
 )
 def test_every_heads_support_rows_agree_and_hold_the_selected_score(tiny_checkpoint, sparse, batch_invariant):
     """Score centering's log pi(v | S_t) of every support id: the same from every head (sparse and union

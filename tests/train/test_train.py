@@ -245,22 +245,22 @@ def test_regression_one_corrupted_support_position_fails_ci_test(tiny_checkpoint
 
 @pytest.mark.float_bits
 @pytest.mark.parametrize(
-    "entropy_coef,kernel,packed",
-    [(0.0, "auto", "on"), (0.01, "auto", "on"), (0.0, "torch", "on"), (0.0, "auto", "off")],
-    ids=["union-head", "dense-head", "mkl-union-head", "unpacked"],
+    "entropy_coef,packed,dtype",
+    [(0.0, "on", "float32"), (0.01, "on", "float32"), (0.0, "off", "float32"), (0.0, "on", "bfloat16")],
+    ids=["sparse-head", "dense-head", "unpacked", "sparse-head-bf16"],
 )
-def test_true_on_policy_updates_are_bitwise_equal(tiny_checkpoint, tmp_path, entropy_coef, kernel, packed):
-    # without a full-vocabulary score in the loss the trainer reads only the support's head rows;
-    # auto: oneDNN's fp32 product on both sides where PyTorch has it, torch: MKL's; packed: a
-    # prompt's samples in one row, the attention laid out per sequence (modeling/packed_sequences.py)
+def test_true_on_policy_updates_are_bitwise_equal(tiny_checkpoint, tmp_path, entropy_coef, packed, dtype):
+    # without a full-vocabulary score in the loss the trainer reads only the support's head rows, by the invariant
+    # dot; with one, the dense head; packed: a prompt's samples in one row, each query over the keys its mask sees
     rows = train(
         run_config(
             tiny_checkpoint,
             tmp_path,
             true_on_policy_mode=True,
             entropy_coef=entropy_coef,
-            linear_kernel=kernel,
             packed_scoring=packed,
+            rollout_dtype=dtype,
+            train_dtype=dtype,
         )
     )
     assert len(rows) == 3
@@ -269,35 +269,27 @@ def test_true_on_policy_updates_are_bitwise_equal(tiny_checkpoint, tmp_path, ent
         assert r["replay_ratio_mean"] == 1.0
 
 
-def test_true_on_policy_refuses_an_engine_on_another_linear_kernel(monkeypatch):
+def test_true_on_policy_checks_what_a_served_engine_computes(monkeypatch):
     import httpx
 
+    from support_replay.kernels import invariant
     from support_replay.train.rollouts import _require_deterministic
 
-    info = {"deterministic": True, "linear_kernel": "torch"}
+    info = {"deterministic": True, "invariant_arithmetic": invariant.identity(), "dtype": "float32"}
     sent = []
     monkeypatch.setattr(
         httpx, "get", lambda url, timeout, headers: sent.append(headers) or SimpleNamespace(json=lambda: info)
     )
-    _require_deterministic("http://engine:1", "torch", {"Authorization": "Bearer k"})
+    _require_deterministic("http://engine:1", "float32", {"Authorization": "Bearer k"})
     assert sent == [{"Authorization": "Bearer k"}]  # a keyed engine answers the check (it answered 401 without the key)
-    with pytest.raises(
-        SupportReplayError, match="runs its linear layers on 'torch', this trainer on 'onednn'.*--linear-kernel onednn"
-    ):
-        _require_deterministic("http://engine:1", "onednn")
-    from support_replay.modeling.invariant_products import invariant_plan
-
-    mine = invariant_plan("torch", 48, 40, torch.float32, torch.get_num_threads()).describe()
-    info["invariant_products"] = {"48x40": mine}
-    _require_deterministic("http://engine:1", "torch")
-    info["invariant_products"] = {"48x40": "tiles 64"}  # the engine's CPU needed another plan for that shape
-    with pytest.raises(
-        SupportReplayError, match=rf"runs its 48x40 linear layers as 'tiles 64', this trainer's CPU as '{mine}'"
-    ):
-        _require_deterministic("http://engine:1", "torch")
+    with pytest.raises(SupportReplayError, match="computes in float32, this trainer in bfloat16: start it with"):
+        _require_deterministic("http://engine:1", "bfloat16")
+    info["invariant_arithmetic"] = "support_replay_cpu_kernels_avx2_0123456789ab"  # another build or vector width
+    with pytest.raises(SupportReplayError, match="runs the invariant arithmetic as 'support_replay_cpu_kernels_avx2"):
+        _require_deterministic("http://engine:1", "float32")
     info["deterministic"] = False
     with pytest.raises(SupportReplayError, match="is not deterministic"):
-        _require_deterministic("http://engine:1", "torch")
+        _require_deterministic("http://engine:1", "float32")
 
 
 @pytest.mark.float_bits

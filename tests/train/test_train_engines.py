@@ -169,37 +169,3 @@ def test_agent_episodes_through_real_vllm(vllm_server, tmp_path):
         VLLMSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0 for r in rows)
     assert rows[0]["episode_turns_mean"] > 1 and rows[0]["inserted_token_share"] > 0
-
-
-def test_true_on_policy_through_serve_is_bitwise_and_refuses_another_kernel(tiny_checkpoint, tmp_path):
-    """`serve --deterministic` in its own process, the trainer over HTTP: every token's log-prob
-    exactly the engine's log mu; a trainer on another linear kernel is refused before it starts."""
-    from support_replay.errors import SupportReplayError
-    from support_replay.modeling.linear_kernels import onednn_available
-
-    if not onednn_available():
-        pytest.skip("this PyTorch has no oneDNN linear op: there is no second kernel to refuse")
-    ctx, url = engine_process(tiny_checkpoint, "--deterministic", "--linear-kernel", "torch")
-    with ctx:
-        with pytest.raises(SupportReplayError, match=r"runs its linear layers on 'torch', this trainer on 'onednn'"):
-            train(
-                run_config(
-                    tiny_checkpoint,
-                    tmp_path / "refused",
-                    rollout_url=url,
-                    true_on_policy_mode=True,
-                    linear_kernel="onednn",
-                )
-            )
-        rows = train(
-            run_config(
-                tiny_checkpoint,
-                tmp_path,
-                rollout_url=url,
-                true_on_policy_mode=True,
-                linear_kernel="torch",
-                num_rollout=2,
-            )
-        )
-    for r in rows:
-        assert r["train_rollout_logprob_abs_diff_max"] == 0.0 and r["train_rollout_unequal_tokens"] == 0

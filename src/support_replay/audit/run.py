@@ -156,7 +156,6 @@ def _set_up(cfg: RunConfig, settings: AuditSettings, ctx) -> Setup:
         checkpoint,
         actor.vocab_size,
         DEFAULT_WEIGHT_VERSION,
-        kernel,
         routing_shape=actor.routing_shape,
         vllm_max_logprobs=settings.vllm_max_logprobs,
     )

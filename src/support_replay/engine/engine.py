@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -45,11 +44,10 @@ import torch
 
 from .. import __version__
 from ..core.penalties import dense_bias
-from ..errors import AbortedError, ConfigError, EngineError, RequestError, SamplingParamsError
-from ..kernels import top_candidates
-from ..modeling.batch_invariant import KEY_BLOCK, make_batch_invariant
+from ..errors import AbortedError, EngineError, RequestError, SamplingParamsError
+from ..kernels import invariant, top_candidates
+from ..modeling.batch_invariant import make_batch_invariant
 from ..modeling.decode_attention import use_decode_attention
-from ..modeling.invariant_products import model_plans
 from ..modeling.linear_kernels import linear_function, resolve_linear_kernel, slow_bf16, use_linear
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest
 from .block_pool import BlockPool
@@ -110,22 +108,19 @@ class Engine:
         decode_log_interval: int = 0,
         page_size: int = 16,
     ):
-        dtype = next(model.parameters()).dtype
-        self.linear_kernel = resolve_linear_kernel(linear_kernel, dtype, device)
+        dtype = self.dtype = next(model.parameters()).dtype
         if slow := slow_bf16(dtype, device):
             log.warning("engine in bfloat16: %s", slow)
-        self.invariant_plans: dict[str, str] = {}  # deterministic: each linear shape's probed plan (/model_info)
-        if deterministic:  # logits independent of batch, padding and prefill/decode split
-            make_batch_invariant(model, self.linear_kernel)
-            self.invariant_plans = {
-                shape: plan.describe() for shape, plan in model_plans(model, self.linear_kernel).items()
-            }
-            if decode_attention == "kernel":
-                raise ConfigError(
-                    "decode_attention: 'kernel' and the deterministic engine: its attention is the batch-invariant one"
-                )
+        # deterministic: what the bits of the invariant arithmetic depend on (/model_info; the trainer compares)
+        self.invariant_identity: str | None = None
+        if deterministic:  # logits independent of batch, padding and prefill/decode split, by construction
+            make_batch_invariant(model, dtype)
+            self.linear_kernel = "invariant"
+            self.invariant_identity = invariant.identity()
+            # every query, prefill and decode, through the decode kernel's arithmetic (kernels/invariant.attention)
             self.decode_attention = "batch-invariant"
         else:
+            self.linear_kernel = resolve_linear_kernel(linear_kernel, dtype, device)
             use_linear(model, linear_function(self.linear_kernel))
             # one query token per row: the compiled CPU kernel where it runs (modeling/decode_attention.py)
             self.decode_attention = use_decode_attention(model, decode_attention)
@@ -139,7 +134,7 @@ class Engine:
         self.kv_budget = KVBudget.for_model(model, max_total_tokens, kv_share)
         # every row's keys and values in blocks of page_size positions (SGLang's --page-size)
         pool = BlockPool(model.config.num_hidden_layers, page_size, self.kv_budget.max_total_tokens)
-        self.runner = ModelRunner(model, device, key_block=KEY_BLOCK if deterministic else 1, pool=pool)
+        self.runner = ModelRunner(model, device, pool=pool)
         self.tokenizer = tokenizer
         self.semantics = semantics
         self.capacity = int(sampling_mask_max_tokens)
@@ -247,10 +242,8 @@ class Engine:
         self.grammars.check(request.grammar)
 
     def _column_need(self, request: GenerateRequest) -> int:
-        # whole blocks, and whole key blocks of the batch-invariant attention: a row attended in place
-        # is viewed at its width rounded up to those, inside its own reservation
-        unit = math.lcm(self.runner.pool.block_size, self.runner.key_block)
-        return column_need(len(request.input_ids), request.max_new_tokens, unit)
+        # whole blocks: a row attended in place is viewed at its width rounded up to them, inside its own reservation
+        return column_need(len(request.input_ids), request.max_new_tokens, self.runner.pool.block_size)
 
     def submit(self, request: GenerateRequest, on_token: Callable[[int], None] | None = None) -> Future:
         """Queue a request; the future resolves to a ``Completion`` or raises ``EngineError``

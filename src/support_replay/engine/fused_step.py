@@ -5,15 +5,17 @@ building that a step of one token per row does not need. This step runs the same
 as the Hugging Face forward of a Llama or Qwen3 model, in the same order and with
 the same functions where the model has them (its RMSNorm and rotary code, its attention
 function: sdpa, the engine's CPU decode kernel (modeling/decode_attention.py), or the
-batch-invariant tiles in true-on-policy mode), so its logits are the
+batch-invariant arithmetic in true-on-policy mode), so its logits are the
 same bits (tests/engine/test_fused_step.py; rows of unlike lengths attend in groups at their own
 widths, engine/paged_cache.py, which keeps the bits of the batch-invariant attention and changes
 sdpa's within float rounding: with ``group_rows`` off, every row attends at the batch's width as
 the module tree does, bit for bit). What it changes: the query, key and value projections
-are one product over one weight, and so are the gate and up projections (a product's output
-column has the same bits whatever other columns share it: probed per shape at start-up,
-``unsupported`` keeps the module tree where it does not hold); the
-separate projections' weights become views into the fused ones, so a weight update written
+are one product over one weight, and so are the gate and up projections, where that keeps each
+projection's bits (``fuse_products``): by construction for the invariant product of true-on-policy mode, whose
+every column is its own dot; for a vendor's product (MKL, oneDNN) only where a check of its fused columns
+against its separate products at this shape and thread count finds them equal (``fused_columns_keep_bits``);
+elsewhere the step runs the three and the two products apart, the module tree's products, and stays
+available. The separate projections' weights become views into the fused ones, so a weight update written
 into the model's parameters reaches the step without a copy. Measured: 5-6% more tokens/s
 on SmolLM2 (docs/benchmarks.md).
 
@@ -54,6 +56,7 @@ SiLU) keep the module-tree decode; ``unsupported(model)`` says why.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from collections.abc import Callable
@@ -65,9 +68,9 @@ from torch import nn
 from ..errors import EngineError
 from ..kernels import build
 from ..modeling import decode_attention, decode_layer
+from ..modeling.batch_invariant import act_mul, invariant_dtype
 from ..modeling.decode_attention import ATTENTION as DECODE_ATTENTION
 from ..modeling.decode_attention import takes_kernel
-from ..modeling.invariant_products import fused_columns_keep_bits
 from ..modeling.linear_kernels import model_kernel, model_linear, onednn_linear
 from ..modeling.packed_weights import Pack, pack, packed_linear
 from .paged_cache import PagedCache
@@ -90,18 +93,47 @@ def unsupported(model) -> str | None:
         return f"activation {config.hidden_act!r}"
     if (getattr(config, "pretraining_tp", 1) or 1) != 1:
         return f"pretraining_tp {config.pretraining_tp}"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for group in [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]:
+            if len({p.bias is None for p in group}) != 1:
+                return "biases on some fused projections only"
+    return None
+
+
+@functools.cache
+def fused_columns_keep_bits(
+    linear: Callable, widths: tuple[int, ...], in_features: int, dtype: torch.dtype, threads: int
+) -> bool:
+    """Whether a vendor's product over weights stacked by rows (``widths`` output features each: a fused QKV or
+    gate/up projection) gives every part the bits of its own product, at decode-step row counts (random data).
+    Where it does not, the fused step runs the parts apart (the module tree's products): a choice of speed, never of
+    availability."""
+    gen = torch.Generator().manual_seed(sum(widths) * 8191 + in_features)
+    parts = [torch.randn(w, in_features, generator=gen).to(dtype) for w in widths]
+    fused = torch.cat(parts)
+    with torch.no_grad():
+        for rows in (1, 2, 3, 8, 16, 17, 33, 64):
+            x = torch.randn(rows, in_features, generator=gen).to(dtype)
+            pieces = linear(x, fused).split(list(widths), dim=-1)
+            if not all(torch.equal(piece, linear(x, w)) for piece, w in zip(pieces, parts)):
+                return False
+    return True
+
+
+def fuse_products(model) -> bool:
+    """Whether the step's QKV and gate/up products run over the fused weights with the separate products' bits: by
+    construction in true-on-policy mode, else where ``fused_columns_keep_bits`` finds it for every layer's shapes."""
+    if invariant_dtype(model) is not None:
+        return True
     linear, threads = model_linear(model), torch.get_num_threads()
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        projections = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
-        for group in projections:
-            if len({p.bias is None for p in group}) != 1:
-                return "biases on some fused projections only"
-            # the step's promise (the module tree's bits) rests on this CPU's product keeping a column's bits when fused
+        for group in [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]:
             widths, inputs = tuple(p.out_features for p in group), group[0].in_features
             if not fused_columns_keep_bits(linear, widths, inputs, group[0].weight.dtype, threads):
-                return f"a fused {'+'.join(map(str, widths))}x{inputs} product changes its columns' bits on this CPU"
-    return None
+                return False
+    return True
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -206,6 +238,9 @@ class FusedDecoder:
         # the norm after each layer's residual add: the next layer's input norm, the model's final norm after the last
         self.next_norms = [layer.norm_modules[0] for layer in self.layers[1:]] + [inner.norm]
         self.linear = model_linear(model)
+        # QKV and gate/up as one product each where that keeps each projection's bits, else apart (fuse_products)
+        self.fused_products = fuse_products(model)
+        self.act_mul = act_mul(model)  # SiLU(gate) x up as the model's MLP computes it
         self.rope, self.attention = _model_functions(model)
         built = decode_attention.compiled()[0] if model.config._attn_implementation == DECODE_ATTENTION else None
         self.decode_kernel = None if built is None else built.decode_attention
@@ -318,7 +353,11 @@ class FusedDecoder:
             sources = layer.sources()
             versions = layer.versions(sources)
             if versions != layer.packed_versions:
-                layer.packs = {name: pack(w, self.linear) for name, w in layer.weights().items()}
+                layer.packs = {
+                    name: pack(w, self.linear)
+                    for name, w in layer.weights().items()
+                    if self.fused_products or name in ("o", "down")  # apart, the parts' products are plain
+                }
                 layer.packed_versions, layer.packed_sources = versions, sources
                 self._packs_made += 1
         head = self.head.weight
@@ -355,6 +394,15 @@ class FusedDecoder:
                 h = self.norm(self._layers(cache, tokens, positions, packing))
         cache.finish_decode()
         return self._product(h, self.head.weight, self.head.bias, self._head_pack, packing)[:, -1, :].float()
+
+    def _stacked(self, x, layer: _Layer, name: str, packing: bool) -> torch.Tensor:
+        """Layer ``layer``'s ``qkv`` or ``gate_up`` product: one over the fused weight where it keeps the parts' bits
+        (``fused_products``), else the parts' own products side by side (the module tree's)."""
+        if self.fused_products:
+            weight, bias = (layer.qkv, layer.qkv_bias) if name == "qkv" else (layer.gate_up, layer.gate_up_bias)
+            return self._product(x, weight, bias, layer.packs.get(name), packing)
+        parts = layer.projections[:3] if name == "qkv" else layer.projections[3:]
+        return torch.cat([self.linear(x, p.weight, p.bias) for p in parts], dim=-1)
 
     def _product(self, x, weight, bias, pack: Pack | None, packing: bool) -> torch.Tensor:
         """``x @ weight.T + bias`` over the packed weight where it keeps the plain product's bits, else plain."""
@@ -405,7 +453,7 @@ class FusedDecoder:
             return h
         for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
             packs = layer.packs
-            qkv = self._product(h, layer.qkv, layer.qkv_bias, packs.get("qkv"), packing)
+            qkv = self._stacked(h, layer, "qkv", packing)
             q_norm, k_norm = layer.head_norms or (None, None)
             eps = q_norm.variance_epsilon if q_norm is not None else 0.0
             keys, values, slots = cache.write_target(index)
@@ -418,7 +466,7 @@ class FusedDecoder:
             o_proj, post_norm = layer.o_proj, layer.norm_modules[1]
             update = self._product(out.reshape(batch, 1, -1), o_proj.weight, o_proj.bias, packs.get("o"), packing)
             x, h = kernels.add_rms_norm(x, update, post_norm.weight, post_norm.variance_epsilon)
-            gate_up = self._product(h, layer.gate_up, layer.gate_up_bias, packs.get("gate_up"), packing)
+            gate_up = self._stacked(h, layer, "gate_up", packing)
             act = kernels.silu_mul(gate_up, layer.intermediate)
             down = layer.down_proj
             update = self._product(act, down.weight, down.bias, packs.get("down"), packing)
@@ -459,9 +507,11 @@ class FusedDecoder:
             packs = [layer.packs.get(name) for name in ("qkv", "o", "gate_up", "down")] if packing else [None] * 4
             q_norm, k_norm = layer.head_norms or (None, None)
             post_norm = layer.norm_modules[1]
+            apart = [] if self.fused_products else [*layer.splits, layer.intermediate, layer.intermediate]
             table.add_layer(
                 [weights[name] for name in ("qkv", "o", "gate_up", "down")], biases,
                 [None if p is None else p.weight for p in packs], [0 if p is None else p.rows_from for p in packs],
+                apart,
                 post_norm.weight, post_norm.variance_epsilon, next_norm.weight, next_norm.variance_epsilon,
                 None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
                 q_norm.variance_epsilon if q_norm is not None else 0.0,
@@ -487,7 +537,7 @@ class FusedDecoder:
             residual = x
             h = layer.input_norm(x)
             packs = layer.packs
-            q, k, v = linear(h, layer.qkv, layer.qkv_bias, packs.get("qkv")).split(layer.splits, dim=-1)
+            q, k, v = self._stacked(h, layer, "qkv", packing).split(layer.splits, dim=-1)
             q, k, v = (t.view(batch, 1, -1, layer.head_dim) for t in (q, k, v))
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
@@ -497,10 +547,9 @@ class FusedDecoder:
             out = self._attend_groups(cache, index, layer, q, masks)
             x = residual + linear(out.reshape(batch, 1, -1), layer.o_proj.weight, layer.o_proj.bias, packs.get("o"))
             residual = x
-            gate, up = linear(layer.post_norm(x), layer.gate_up, layer.gate_up_bias, packs.get("gate_up")).split(
-                layer.intermediate, dim=-1
-            )
-            x = residual + linear(F.silu(gate) * up, layer.down_proj.weight, layer.down_proj.bias, packs.get("down"))
+            gate, up = self._stacked(layer.post_norm(x), layer, "gate_up", packing).split(layer.intermediate, dim=-1)
+            act = self.act_mul(gate, up)
+            x = residual + linear(act, layer.down_proj.weight, layer.down_proj.bias, packs.get("down"))
         return x
 
 

@@ -43,10 +43,9 @@ def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype = torch.float3
 
 
 class ModelRunner:
-    def __init__(self, model, device: str = "cpu", key_block: int = 1, pool: BlockPool | None = None):
+    def __init__(self, model, device: str = "cpu", pool: BlockPool | None = None):
         self.model = model
         self.device = device
-        self.key_block = key_block  # a decode step attends to whole blocks of this many keys
         # every row's keys and values (engine/block_pool.py); unbounded but for the engine's budget
         self.pool = pool or BlockPool(model.config.num_hidden_layers, 16, 1 << 24)
         params = inspect.signature(model.forward).parameters
@@ -119,7 +118,7 @@ class ModelRunner:
                 for j, (p, hit, start) in enumerate(zip(distinct, hits, starts))
             ]
             self.routing_rows = [rows[j] for j in index]
-        cache = PagedCache(self.pool, align=self.key_block)
+        cache = PagedCache(self.pool)
         cache.append(layers, [len(p) for p in prompts], index, reserve=reserve)
         return cache, logits[torch.tensor(index, device=logits.device)] if len(distinct) < len(prompts) else logits
 

@@ -1,159 +1,52 @@
-"""A batch-invariant forward for Hugging Face decoder models (true-on-policy mode).
+"""The batch-invariant forward of true-on-policy mode for Hugging Face decoder models.
 
-The logits of a sequence must not depend on what else is in the batch, on padding, or on
-how the sequence was split between prefill and decode steps, so that the engine (KV cache,
-left-padded batches) and the trainer (one right-padded forward) compute the same bits.
-A row of a linear product keeps its bits whatever the other rows hold under a plan probed per
-weight shape on this CPU (rows padded to a multiple, or fixed-shape tiles:
-modeling/invariant_products.py; a CPU without one is refused); row reductions (RMSNorm) and
-elementwise ops (RoPE, SiLU, residuals) are per row already. Attention is the one place
-where shapes differ between the two sides; here it runs in tiles of one fixed shape, keys in
-blocks counted from the sequence start, block results added in position order, so a query
-row gets the same bits in a decode step over a left-padded cache as in a full forward.
+A token's logits must not depend on what else is in the batch, on padding, on packing, or on how its sequence was
+split between prefill and decode steps, so that the engine (a KV cache, left-padded prefills, decode steps of a few
+rows) and the trainer (right-padded or packed rows of thousands of tokens) compute the same bits. Every operation on
+the path from the embeddings to the logits that reduces or transforms a row runs this project's invariant arithmetic
+(kernels/invariant.py): each linear layer, the RMSNorms, SiLU x up, the rotary angles, the attention and a
+mixture-of-experts router's softmax. What remains is elementwise and exactly rounded in any order (the residual adds,
+the rotary products, the experts' weighting) or exact (embedding lookups, top-k). So the equality holds by
+construction, on every CPU and under every ATen kernel set; nothing is probed.
 
-``make_batch_invariant(model)`` switches a loaded model to this forward in place.
+``make_batch_invariant(model, dtype)`` switches a loaded model to this forward in place. ``dtype`` is the compute
+dtype (float32 or bfloat16): weights, activations and every rounded result take it, as a model loaded in that dtype
+computes, so a trainer holding float32 master weights computes in bf16 what an engine holding bf16 weights computes
+(the weights rounded to bf16 alike). Families covered: Llama, Qwen2/3, Mistral and the sparse blocks of Qwen2-MoE,
+Qwen3-MoE, OLMoE and Mixtral (modeling/moe.py); another layer kind is refused by name.
 """
 
 from __future__ import annotations
 
-import functools
+import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention_tiles import KEY_BLOCK, ROW_BLOCK, layout_for
-from .invariant_decode import one_query_per_sequence
-from .invariant_products import invariant_linear, model_plans
+from ..errors import ConfigError
+from ..kernels import invariant
 from .linear_kernels import use_linear
-from .packed_sequences import packed_layout_for
-
-__all__ = [
-    "ATTENTION",
-    "KEY_BLOCK",
-    "ROW_BLOCK",
-    "batch_invariant_attention",
-    "batch_invariant_linear",
-    "make_batch_invariant",
-]
 
 ATTENTION = "support_replay_batch_invariant"
+# the norm, MLP and rotary classes whose forward this module repeats (read from transformers 5: weight * (x *
+# rsqrt(mean(x^2) + eps)).to(dtype); down(act(gate(x)) * up(x)); cos and sin of position x inv_freq, halves repeated)
+FAMILIES = ("Llama", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Mistral", "Mixtral", "Olmoe")
+NORMS = {f"{family}RMSNorm" for family in FAMILIES}
+MLPS = {f"{family}MLP" for family in FAMILIES}
+ROTARIES = {f"{family}RotaryEmbedding" for family in FAMILIES}
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # set once at init; 'dynamic' and 'longrope' change per call
+DTYPES = (torch.float32, torch.bfloat16)
 
 
-@functools.cache
-def tall_products_keep_tile_bits(dim: int, dtype: torch.dtype, threads: int) -> bool:
-    """Whether one ``[16 t, d] x [d, width]`` product (and ``[16 t, 64] x [64, d]``) gives every row
-    the bits of its own 16-row tile's product, for 2 to 64 tiles, widths 64 to 2048 and 1 and 3
-    products per call. Measured on this project's CPU (MKL): yes, at 1 and 2 threads. The
-    general path then computes one product per key/value head instead of copying its keys and
-    values once per tile; otherwise it keeps the tiles."""
-    gen = torch.Generator().manual_seed(2)
-    for tiles in (2, 3, 7, 21, 64):
-        for pairs in (1, 3):
-            rows = tiles * ROW_BLOCK
-            q = torch.randn(pairs, rows, dim, generator=gen).to(dtype)
-            for width in (64, 192, 512, 2048):
-                keys = torch.randn(pairs, width, dim, generator=gen).to(dtype).transpose(1, 2)
-                per_tile = torch.bmm(
-                    q.reshape(pairs * tiles, ROW_BLOCK, dim), keys.repeat_interleave(tiles, 0)
-                ).reshape(pairs, rows, width)
-                if not torch.equal(torch.bmm(q, keys), per_tile):
-                    return False
-            probs = torch.rand(pairs, rows, KEY_BLOCK, generator=gen).to(dtype)
-            values = torch.randn(pairs, KEY_BLOCK, dim, generator=gen).to(dtype)
-            per_tile = torch.bmm(
-                probs.reshape(pairs * tiles, ROW_BLOCK, KEY_BLOCK), values.repeat_interleave(tiles, 0)
-            ).reshape(pairs, rows, dim)
-            if not torch.equal(torch.bmm(probs, values), per_tile):
-                return False
-    return True
-
-
-def batch_invariant_attention(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, packed_segments=None, **kwargs
-):
-    """Attention in fixed-shape tiles with a fixed reduction order; returns ``[B, q, H, d]``.
-
-    Keys are aligned to the sequence start and cut into blocks of ``KEY_BLOCK`` positions;
-    queries into tiles of ``ROW_BLOCK`` rows. Scores are ``[16, d] x [d, width]`` per tile (a
-    score's bits depend on neither the other rows nor the number of key columns); the weighted
-    sum runs per block, ``[16, 64] x [64, d]``, so its reduction has one fixed shape whatever
-    the batch, the padding or the prefill/decode split (a batched product of one fixed shape
-    gives each row the same bits whatever the batch count and the row's place: measured,
-    tests/modeling/test_batch_invariant.py). A key sits at the same place of the same block on both
-    sides; masked keys weigh exactly 0; the softmax runs over the position-aligned row, and the
-    blocks' partial outputs are added in position order.
-    ``packed_segments`` (the trainer's packed rows, ``[B, L]``: -1 prompt, j response j, -2
-    padding) runs one virtual row per sequence (modeling/packed_sequences.py), so a packed
-    response's keys sit where they sat in the engine's cache row.
-    Autograd gives the backward.
-    """
-    batch, heads, q_len, dim = query.shape
-    scale = dim**-0.5 if scaling is None else scaling
-    if packed_segments is not None:
-        layout = packed_layout_for(packed_segments)
-        q, k, v = layout.gather(query, key, value)
-        return layout.scatter(tiled_attention(q, k, v, layout.allowed, scale)), None
-    layout = layout_for(
-        attention_mask, batch, q_len, key.shape[2], query.device
-    )  # once per forward: its layers share the mask
-    key, value = layout.apply(key, value)
-    if (
-        q_len == 1 and heads // key.shape[1] <= ROW_BLOCK
-    ):  # a decode step (invariant_decode.py): the same bits, fewer products
-        return one_query_per_sequence(query, key, value, layout, scale), None
-    return tiled_attention(query, key, value, layout.allowed, scale).transpose(1, 2), None
-
-
-def tiled_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """``[B, H, q, d]`` attention of ``query`` ``[B, H, q, d]`` over ``key``/``value`` ``[B, G, width, d]``
-    aligned to each sequence's start (whole ``KEY_BLOCK`` blocks), ``allowed`` ``[B, q, width]``."""
-    batch, heads, q_len, dim = query.shape
-    groups, width = key.shape[1], key.shape[2]
-    repeat = heads // groups  # query heads per key/value head (grouped-query attention)
-    blocks = width // KEY_BLOCK
-    # the rows of a key/value head: its query heads x positions, tiled 16 at a time (a decode step's
-    # heads share a tile); no key is copied per query head
-    rows = repeat * q_len
-    row_allowed = allowed[:, None].expand(batch, repeat, q_len, width).reshape(batch, 1, rows, width)
-    q_extra = -rows % ROW_BLOCK
-    tiles = (rows + q_extra) // ROW_BLOCK
-    tall = tall_products_keep_tile_bits(dim, query.dtype, torch.get_num_threads())
-    q_rows = F.pad(query.reshape(batch, groups, rows, dim), (0, 0, 0, q_extra))  # [B, G, tiles * 16, d]
-    # one [16, d] x [d, width] product per tile: a score's bits do not depend on how many key
-    # columns share the product (measured: equal to 64-key blocks, tests/modeling/test_batch_invariant.py);
-    # where the probe allows, one tall product per key/value head gives every tile's bits
-    # without copying its keys once per tile
-    if tall:
-        scores = torch.matmul(q_rows, key.transpose(-1, -2))  # [B, G, tiles * 16, width]
-    else:
-        scores = torch.matmul(
-            q_rows.reshape(batch, groups, tiles, ROW_BLOCK, dim), key.transpose(-1, -2)[:, :, None]
-        )  # [B, G, tiles, 16, width]
-    scores = scores.reshape(batch, groups, tiles * ROW_BLOCK, width)[:, :, :rows] * scale
-    live = row_allowed.any(-1, keepdim=True)  # a padding query sees nothing: zeros, never NaN
-    scores = scores.masked_fill(~row_allowed, float("-inf")).masked_fill(~live, 0.0)
-    probs = torch.softmax(scores, dim=-1).masked_fill(~row_allowed, 0.0)
-    probs = F.pad(probs, (0, 0, 0, q_extra))
-    if tall:  # per key block, one [tiles * 16, 64] x [64, d] product
-        p_blocks = probs.reshape(batch, groups, tiles * ROW_BLOCK, blocks, KEY_BLOCK).transpose(2, 3)
-        parts = torch.matmul(
-            p_blocks, value.reshape(batch, groups, blocks, KEY_BLOCK, dim)
-        )  # [B, G, blocks, tiles * 16, d]
-        block = lambda b: parts[:, :, b]  # noqa: E731
-    else:
-        p_tiles = probs.reshape(batch, groups, tiles, ROW_BLOCK, blocks, KEY_BLOCK).transpose(3, 4)
-        parts = torch.matmul(
-            p_tiles, value.reshape(batch, groups, 1, blocks, KEY_BLOCK, dim)
-        )  # [B, G, tiles, blocks, 16, d]
-        block = lambda b: parts[:, :, :, b]  # noqa: E731
-    out = block(0)
-    for b in range(1, blocks):  # position order, the same on both sides; empty blocks add exact zeros
-        out = out + block(b)
-    out = out.reshape(batch, groups, tiles * ROW_BLOCK, dim)[:, :, :rows]
-    return out.reshape(batch, heads, q_len, dim)
+def batch_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface: ``[B, Lq, H, d]`` from ``[B, H, Lq, d]`` queries over ``[B, G, L, d]`` keys
+    and values (kernels/invariant.attention: each query over the keys its mask row sees, in key order). A packed
+    row's mask says which keys each of its queries sees; ``packed_segments`` adds nothing to it."""
+    if dropout:
+        raise ConfigError(f"true-on-policy mode: attention dropout {dropout} (it draws noise the engine does not)")
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return invariant.attention(query, key, value, attention_mask, scale), None
 
 
 def _register() -> None:
@@ -168,18 +61,99 @@ def _register() -> None:
     AttentionMaskInterface.register(ATTENTION, full_mask)
 
 
-def batch_invariant_linear(kernel: str = "torch"):
-    """The linear product of this forward: ``kernel`` (a resolved name, modeling/linear_kernels.py)
-    under the plan probed for each weight shape on this CPU (modeling/invariant_products.py)."""
-    return invariant_linear(kernel)
+def _linear_in(dtype: torch.dtype):
+    def product(x, weight, bias=None):
+        return invariant.linear(x.to(dtype), weight, bias)
+
+    product.kernel = "invariant"
+    return product
 
 
-def make_batch_invariant(model: nn.Module, kernel: str = "torch") -> nn.Module:
-    """Batch-invariant linears (on ``kernel``) and attention for ``model`` (a Hugging Face causal LM), in place.
-    The engine and the trainer of one run must pass the same kernel. Every linear shape is probed
-    first: a CPU on which some shape has no invariant product is refused here, by name."""
-    model_plans(model, kernel)
+def _norm_forward(self, hidden_states):
+    return invariant.rms_norm(hidden_states.to(self._support_replay_dtype), self.weight, self.variance_epsilon)
+
+
+def _mlp_forward(self, x):
+    return self.down_proj(invariant.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def _rotary_forward(self, x, position_ids):
+    cos, sin = invariant.rotary(self.inv_freq, position_ids, self.attention_scaling)
+    return cos.to(x.dtype), sin.to(x.dtype)
+
+
+def _embedding_forward(self, input_ids):
+    return F.embedding(input_ids, self.weight.to(self._support_replay_dtype), self.padding_idx)
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why ``model``'s forward cannot run batch-invariant (None when it can)."""
+    act = getattr(model.config, "hidden_act", "silu")
+    if act != "silu":
+        return f"activation {act!r} (the invariant forward computes SiLU)"
+    if (getattr(model.config, "pretraining_tp", 1) or 1) != 1:
+        return f"pretraining_tp {model.config.pretraining_tp}"
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind.endswith("RMSNorm") and kind not in NORMS or kind.endswith("LayerNorm"):
+            return f"{name} is a {kind}, which the invariant forward does not compute"
+        if kind.endswith("MLP") and kind not in MLPS:
+            return f"{name} is a {kind}, which the invariant forward does not compute"
+        if kind.endswith("RotaryEmbedding"):
+            if kind not in ROTARIES:
+                return f"{name} is a {kind}, which the invariant forward does not compute"
+            if module.rope_type not in STATIC_ROPE:
+                return f"rope type {module.rope_type!r} (its angles change per call; known: {list(STATIC_ROPE)})"
+    return None
+
+
+def make_batch_invariant(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """``model`` (a Hugging Face causal LM on a CPU) computes its forward with the invariant arithmetic in ``dtype``
+    (default: its weights' dtype), in place; parameters, hooks and the module tree stay as they were."""
+    from .moe import install_routing
+
+    dtype = dtype or next(model.parameters()).dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"true-on-policy mode computes in float32 or bfloat16, not {dtype}")
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        raise ConfigError("true-on-policy mode: the invariant kernels run on a CPU; the model is not on one")
+    why = unsupported(model) or invariant.available()
+    if why is not None:
+        raise ConfigError(f"true-on-policy mode: {why}")
     _register()
-    use_linear(model, batch_invariant_linear(kernel))
+    use_linear(model, _linear_in(dtype))
+    model.__dict__["_support_replay_invariant"] = dtype
+    for module in model.modules():
+        kind = type(module).__name__
+        module.__dict__["_support_replay_dtype"] = dtype
+        if kind in NORMS:
+            module.forward = types.MethodType(_norm_forward, module)
+        elif kind in MLPS:
+            module.forward = types.MethodType(_mlp_forward, module)
+        elif kind in ROTARIES:
+            module.forward = types.MethodType(_rotary_forward, module)
+        elif isinstance(module, nn.Embedding) and module.weight.dtype != dtype:
+            module.forward = types.MethodType(_embedding_forward, module)
+    install_routing(model)  # the sparse blocks read the model's operations at every call (modeling/moe.py)
     model.set_attn_implementation(ATTENTION)
     return model
+
+
+def invariant_dtype(model: nn.Module) -> torch.dtype | None:
+    """The compute dtype ``make_batch_invariant`` gave ``model``, or None where it runs its own forward."""
+    return model.__dict__.get("_support_replay_invariant")
+
+
+def act_mul(model: nn.Module, act=F.silu):
+    """``f(gate, up) = act(gate) * up`` as ``model`` computes it: the invariant kernel (SiLU), or PyTorch's
+    operations with the module's ``act``."""
+    if invariant_dtype(model) is not None:
+        return invariant.silu_mul
+    return lambda gate, up: act(gate) * up
+
+
+def router_softmax(model: nn.Module):
+    """``f(logits) = softmax(logits)`` in float32 as ``model``'s routers compute it."""
+    if invariant_dtype(model) is not None:
+        return invariant.softmax
+    return lambda logits: F.softmax(logits, dtype=torch.float, dim=-1)

@@ -13,14 +13,13 @@ measured, each on the layer shapes of a small model, alternating, the median of 
   0.4 s more (docs/benchmarks.md), where at 16 rows it takes half of MKL's time.
 
 oneDNN is taken when it needs at most ``MARGIN`` of MKL's time (a near tie keeps PyTorch's default). Bits are not
-the question here: each kernel's bit-stability is probed where it is used (modeling/invariant_products.py,
-packed_weights.py), and a true-on-policy trainer takes the engine's (``decode``) choice, as its bitwise equality
-needs.
+the question here: true-on-policy mode runs neither product (kernels/invariant.py), and where a packed product
+is used its bits are probed there (packed_weights.py).
 
 The answer is kept in the user cache under everything that can change it: the CPU's model and flags,
 PyTorch's version, and the ISA caps torch, MKL and oneDNN read from the environment. So every process of a run
-on one machine (engine, trainer ranks, a later run) resolves ``auto`` alike, as a true-on-policy run needs
-(the trainer refuses an engine on another kernel); a lock makes the first process's measurement everyone's.
+on one machine (engine, trainer ranks, a later run) resolves ``auto`` alike; a lock makes the first process's
+measurement everyone's.
 ``SUPPORT_REPLAY_AUTO_KERNEL=torch|onednn`` pins it instead.
 """
 

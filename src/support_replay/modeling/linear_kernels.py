@@ -5,8 +5,8 @@ bf16, cuBLAS on a GPU). ``onednn``: oneDNN's matmul for fp32 on a CPU, through t
 PyTorch's own compiler emits for it (``torch.ops.mkldnn._linear_pointwise``). On this
 project's CPU it takes 0.65x the time of MKL at the 8-32 rows of a decode step (measured:
 docs/benchmarks.md). Whether a kernel's rows keep their bits whatever the row count depends on
-the CPU and is probed, never assumed (modeling/invariant_products.py). Its results differ from
-MKL's in the last bits, so the two sides of a true-on-policy run must use the same one.
+the CPU; true-on-policy mode does not use either (kernels/invariant.py). Its results differ from MKL's in the last
+bits.
 ``auto`` takes, for fp32 on a CPU where PyTorch has oneDNN, whichever of the two a probe measured faster on
 this machine (modeling/kernel_probe.py, kept per machine so every process agrees), else ``torch``: for the
 engine at a decode step's rows, for a trainer's forward (outside true-on-policy mode) at a micro-batch's. The trainer's
@@ -44,10 +44,10 @@ def slow_bf16(dtype: torch.dtype, device) -> str | None:
 
 
 LINEAR_KERNEL_HELP = (
-    "the linear-layer product of the engine and of the trainer's forward: onednn (fp32 on a CPU, 0.65x MKL's time "
-    "at decode sizes on an AMD EPYC), torch (F.linear), auto (the faster of the two on this machine, measured once "
-    "for the engine's decode rows and for the trainer's micro-batch rows; a true-on-policy trainer takes the "
-    "engine's; bf16 and tensor-parallel layers take torch)"
+    "the linear-layer product of the engine and of the trainer's forward outside true-on-policy mode (which runs its "
+    "own invariant product): onednn (fp32 on a CPU, 0.65x MKL's time at decode sizes on an AMD EPYC), torch "
+    "(F.linear), auto (the faster of the two on this machine, measured once for the engine's decode rows and for "
+    "the trainer's micro-batch rows; bf16 and tensor-parallel layers take torch)"
 )
 
 
@@ -120,8 +120,10 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear_function(kernel: str) -> Callable:
-    """``f(x, weight, bias)`` of a resolved kernel name."""
-    return {"torch": F.linear, "onednn": onednn_linear}[kernel]
+    """``f(x, weight, bias)`` of a resolved kernel name (``invariant``: true-on-policy mode's, kernels/invariant.py)."""
+    from ..kernels import invariant
+
+    return {"torch": F.linear, "onednn": onednn_linear, "invariant": invariant.linear}[kernel]
 
 
 def use_linear(model: nn.Module, linear: Callable) -> nn.Module:
@@ -146,7 +148,10 @@ def model_linear(model: nn.Module) -> Callable:
 
 
 def model_kernel(model: nn.Module) -> str | None:
-    """The kernel behind ``model_linear(model)``, padded or not: 'torch', 'onednn', or None for another product."""
+    """The kernel behind ``model_linear(model)``: 'torch', 'onednn', 'invariant', or None for another product."""
     linear = model_linear(model)
-    linear = getattr(linear, "unpadded", linear)
+    from ..kernels import invariant
+
+    if getattr(linear, "kernel", None) == "invariant" or linear is invariant.linear:
+        return "invariant"
     return {F.linear: "torch", onednn_linear: "onednn"}.get(linear)

@@ -6,8 +6,9 @@ a top-k router (``gate``) that returns ``(logits, top-k weights, top-k ids)`` an
 in expert-id order. ``install_routing`` gives those two modules a forward of ours, the same
 operations in the same order, with two differences:
 
-- every product runs through the model's linear (``model_linear``): the oneDNN kernel where the
-  run uses it, and in true-on-policy mode the batch-invariant product, so a token's expert output
+- every product runs through the model's linear (``model_linear``), and the router's softmax, its top-k sum and
+  the experts' SiLU x up through the model's own (modeling/batch_invariant.py): the oneDNN kernel where the
+  run uses it, and in true-on-policy mode the invariant arithmetic, so a token's expert output
   has the same bits in the engine's decode step as in the trainer's packed forward;
 - the router can record its choices (the engine's capture) or replay given ones (the trainer's
   routing replay, R3).
@@ -31,6 +32,7 @@ from torch import nn
 
 from ..core.routing import RoutingShape
 from ..errors import ConfigError
+from .batch_invariant import act_mul, invariant_dtype, router_softmax
 from .linear_kernels import model_linear
 
 # router class -> whether it casts its top-k weights back to the logits' dtype (Mixtral's stay float32)
@@ -115,6 +117,21 @@ class RoutingControl:
     def linear(self):
         return model_linear(self.model)
 
+    def act_mul(self, act):
+        return act_mul(self.model, act)
+
+    def softmax(self):
+        return router_softmax(self.model)
+
+    def top_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values.sum(-1, keepdim=True)``; in true-on-policy mode added left to right (an order of this code's)."""
+        if invariant_dtype(self.model) is None:
+            return values.sum(dim=-1, keepdim=True)
+        total = values[:, :1]
+        for j in range(1, values.shape[1]):
+            total = total + values[:, j : j + 1]
+        return total
+
     def record_next(self) -> None:
         """The routers keep their choices until ``stacked`` reads them (the engine's capture)."""
         self.recorded = {}
@@ -168,14 +185,14 @@ def _router_forward(self, hidden_states):
     control: RoutingControl = self._support_replay_routing
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = control.linear()(hidden_states, self.weight)  # (tokens, experts)
-    router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
+    router_probs = control.softmax()(router_logits)
     top_value, top_index = torch.topk(router_probs, self.top_k, dim=-1)
     replayed = control.choose(self._support_replay_layer, top_index)
     if replayed is not None:  # the captured experts, weighted by the current router (slime's R3)
         top_index = replayed
         top_value = router_probs.gather(-1, top_index)
     if getattr(self, "norm_topk_prob", True):  # Mixtral always normalises
-        top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+        top_value = top_value / control.top_sum(top_value)
     if ROUTERS[type(self).__name__]:
         top_value = top_value.to(router_logits.dtype)
     return router_logits, top_value, top_index
@@ -183,7 +200,8 @@ def _router_forward(self, hidden_states):
 
 def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' loop over the experts hit, each product through the model's linear."""
-    linear = self._support_replay_routing.linear()
+    control = self._support_replay_routing
+    linear, act_mul = control.linear(), control.act_mul(self.act_fn)
     final = torch.zeros_like(hidden_states)
     with torch.no_grad():
         expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
@@ -194,7 +212,7 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
             continue
         top_k_pos, token_idx = torch.where(expert_mask[expert])
         gate, up = linear(hidden_states[token_idx], self.gate_up_proj[expert]).chunk(2, dim=-1)
-        out = linear(self.act_fn(gate) * up, self.down_proj[expert])
+        out = linear(act_mul(gate, up), self.down_proj[expert])
         out = out * top_k_weights[token_idx, top_k_pos, None]
         final.index_add_(0, token_idx, out.to(final.dtype))
     return final

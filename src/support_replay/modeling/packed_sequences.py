@@ -1,26 +1,21 @@
-"""The sequences of the trainer's packed rows, laid out one row each for the attention.
+"""The sequences of the trainer's packed rows, laid out one row each for sdpa's attention.
 
 A packed row (train/batches.py: ``build_packed_micro_batch``) holds a prompt once and then each
-of its responses; response j attends to the prompt and to its own earlier tokens. The engine
-attended from the same tokens over one cache row per sequence: the prompt's keys, then that
-response's keys, position p in column p. The batch-invariant attention's bits depend on where a
-key sits in its block of ``KEY_BLOCK`` positions, so the packed row is unpacked here for the
-attention only: one virtual row per sequence whose keys are gathered in position order, and
-whose queries are the tokens that sequence owns (the first response's row also owns the
-prompt's queries). Everything else in the forward (the products, norms, rotary embedding, MLP)
-runs once per packed token; a row's bits there do not depend on its neighbours. The attention
-output is scattered back to the packed columns; a padding column gets zeros.
-
-The same layout serves the normal (sdpa) trainer's packed rows (``use_packed_attention``): a
-boolean mask over the whole packed row makes sdpa compute every query against every key of
+of its responses; response j attends to the prompt and to its own earlier tokens. A boolean mask
+over the whole packed row makes sdpa compute every query against every key of
 the row, ``(P + G R)^2`` scores for a prompt of P tokens and G responses of R, where the
 sequences alone need ``G (P + R)^2``: at 512-token responses in groups of 4, 3.5 times the
-attention work. Per sequence, the packed row costs what the unpacked rows cost in attention and
-keeps its savings everywhere else. Taking the row apart has its own cost (gathers, a scatter,
+attention work. So the packed row is unpacked here for the attention only (``use_packed_attention``):
+one virtual row per sequence whose keys are gathered in position order, and whose queries are the
+tokens that sequence owns (the first response's row also owns the prompt's queries); the output is
+scattered back to the packed columns, a padding column getting zeros. Per sequence, the packed row
+costs what the unpacked rows cost in attention and keeps its savings everywhere else. Taking the
+row apart has its own cost (gathers, a scatter,
 query slots padded to the longest owner), so sdpa goes per sequence only where the scores it
 saves are at least ``PER_SEQUENCE_GAIN`` times those it computes: measured
 (bench/packed_scoring.py, groups of 4, 44-token prompt), per sequence is 8% slower at 32-token
-responses, even at 64, 7% faster at 128 and 1.55x faster at 512.
+responses, even at 64, 7% faster at 128 and 1.55x faster at 512. (True-on-policy mode's attention
+needs none of this: it takes each query over the keys its mask row sees, kernels/invariant.py.)
 
 ``segments`` marks each packed column: -1 the prompt, j >= 0 response j, -2 padding.
 """
@@ -31,8 +26,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-from .attention_tiles import KEY_BLOCK
 
 PACKED_SDPA = "support_replay_packed_sdpa"
 PER_SEQUENCE_GAIN = 2.0  # sdpa per sequence when the packed rows' [L, L] scores are this many times the virtual rows'
@@ -77,9 +70,9 @@ def _take(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     return rows[flat.reshape(-1)].reshape(*flat.shape, heads, dim).transpose(1, 2)
 
 
-def packed_layout(segments: torch.Tensor, align: int = KEY_BLOCK) -> PackedLayout:
+def packed_layout(segments: torch.Tensor, align: int = 1) -> PackedLayout:
     """The virtual rows of packed rows marked by ``segments`` (``[B, L]``), their keys padded to a
-    multiple of ``align`` (the batch-invariant attention's whole key blocks; 1 for sdpa)."""
+    multiple of ``align``."""
     rows, length = segments.shape
     marks = segments.cpu()
     sequences: list[
@@ -121,7 +114,7 @@ def packed_layout(segments: torch.Tensor, align: int = KEY_BLOCK) -> PackedLayou
 _last: tuple | None = None  # (segments, align, layout) of the last forward: its layers pass the same tensor
 
 
-def packed_layout_for(segments: torch.Tensor, align: int = KEY_BLOCK) -> PackedLayout:
+def packed_layout_for(segments: torch.Tensor, align: int = 1) -> PackedLayout:
     """``packed_layout(segments, align)``, derived once per segments object (a forward's layers share it)."""
     global _last
     last = _last

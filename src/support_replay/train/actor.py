@@ -37,7 +37,6 @@ from ..core.routing import FREE
 from ..errors import ConfigError
 from ..modeling.batch_invariant import make_batch_invariant
 from ..modeling.context_parallel import ContextShard, assemble_rows, make_context_parallel, replicated_sum
-from ..modeling.invariant_products import head_columns_invariant
 from ..modeling.linear_kernels import linear_function, use_linear
 from ..modeling.lora import adapter_state, add_lora, from_adapter_state, merged_state
 from ..modeling.moe import install_routing
@@ -76,17 +75,17 @@ class ScoringModel(nn.Module):
         linear_kernel: str = "torch",
     ):
         super().__init__()
-        if batch_invariant:  # the engine's deterministic forward on its linear kernel, so logits agree bit for bit
-            make_batch_invariant(hf, linear_kernel)
+        if batch_invariant:  # the engine's deterministic forward in the compute dtype, so logits agree bit for bit
+            make_batch_invariant(hf, compute_dtype)
         else:  # oneDNN's forward products where the run resolved to them (the backward is plain products either way)
             use_linear(hf, linear_function(linear_kernel))
-        # the attention takes a packed row's sequences apart (modeling/packed_sequences.py): the batch-invariant
-        # attention always, sdpa where the model runs it
-        self.per_sequence_attention = batch_invariant or use_packed_attention(hf)
+        # sdpa takes a packed row's sequences apart (modeling/packed_sequences.py); the batch-invariant attention
+        # reads which keys each query sees off the packed mask
+        self.per_sequence_attention = not batch_invariant and use_packed_attention(hf)
         self.hf = hf
         self.routing = install_routing(hf)  # the sparse blocks' switch (None: a dense model)
         self.replay_routing = False  # the actor under --use-rollout-routing-replay
-        self.batch_invariant = batch_invariant  # the sparse head then reads the batch's union of support ids
+        self.batch_invariant = batch_invariant  # the sparse head then takes the invariant dots (train/scorer.py)
         self.compute_dtype = compute_dtype  # bf16: autocast over fp32 weights
         self.vocab: VocabShard | None = None  # tensor parallel: this rank's LM head rows
         self.tp_group = None
@@ -101,7 +100,9 @@ class ScoringModel(nn.Module):
         from them). Under context parallelism each rank scores the rows whose logit position it holds
         and every rank gets all rows back.
         """
-        on = self.compute_dtype != torch.float32
+        # bf16: autocast over the fp32 weights; the batch-invariant forward casts to its dtype itself, as the engine's
+        # bf16 model computes (residual adds and norms in bf16 too)
+        on = self.compute_dtype != torch.float32 and not self.batch_invariant
         with torch.autocast(batch.input_ids.device.type, dtype=self.compute_dtype, enabled=on):
             h, mine = self._hidden_rows(
                 batch.input_ids,
@@ -282,18 +283,11 @@ class Actor:
             )
         self.model.replay_routing = routing_replay
         self.routing_shape = self.model.routing.shape if self.model.routing is not None else None
-        # true-on-policy: the union head, whose products are the engine's bits (logprobs.union_head_support_logprobs),
-        # where this CPU's head product keeps a column's bits over a subset of columns (probed); else the full head
+        # true-on-policy: the sparse head's logits by the invariant dot, the engine's bits (train/scorer.py)
         # penalties transform the logits at the support ids: the dense head, so one path scores every pass
         # tensor parallel: the vocab-parallel dense head (the sparse head would gather rows across ranks)
-        union_exact = not batch_invariant or head_columns_invariant(hf, linear_kernel)
         self.sparse_head = (
-            replay
-            and not full_with_grad
-            and not penalties
-            and plain_linear_head(hf)
-            and self.layout.tp == 1
-            and union_exact
+            replay and not full_with_grad and not penalties and plain_linear_head(hf) and self.layout.tp == 1
         )
         if self.layout.tp > 1:
             self.model.vocab = parallelize_tensor(hf, self.layout.mesh["tp"])

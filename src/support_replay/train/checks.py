@@ -75,6 +75,7 @@ def compare_with_rollout(
         "train_rollout_logprob_abs_diff_max": float(flat.max()),
         "train_rollout_logprob_abs_diff_mean": float(flat.mean()),
         "train_rollout_unequal_tokens": int((flat != 0).sum()),
+        "train_rollout_compared_tokens": int(flat.size),
     }
     if fail and not flat.max() <= tolerance:  # NaN compares false: it fails too
         worst = int(np.argmax([d.max() for d in diffs]))

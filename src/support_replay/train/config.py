@@ -101,17 +101,20 @@ class RunConfig(BaseModel):
         return {k: v for name in SECTIONS for k, v in getattr(self, name).model_dump().items()}
 
     def trainer_linear_kernel(self, device) -> str:
-        """The trainer's forward products, resolved for its compute dtype; tensor-parallel layers
-        (DTensor weights) keep ``F.linear``. In true-on-policy mode (fp32 on both sides, no tensor
-        parallelism) this is the engine's kernel, as the bitwise equality needs; otherwise ``auto`` takes the
-        product measured faster at a trainer's row counts (modeling/kernel_probe.py), which may not be the
-        engine's: outside true-on-policy mode nothing promises that the two sides' logits agree bit for bit."""
+        """The trainer's forward products outside true-on-policy mode (which runs the invariant product on both sides,
+        kernels/invariant.py), resolved for its compute dtype; tensor-parallel layers (DTensor weights) keep
+        ``F.linear``; ``auto`` takes the product measured faster at a trainer's row counts (modeling/kernel_probe.py),
+        which may not be the engine's: outside true-on-policy mode nothing promises that the two sides' logits
+        agree bit for bit."""
         import torch
 
+        if self.replay.true_on_policy_mode:
+            return "invariant"
         if self.parallel.tensor_model_parallel_size > 1:
             return "torch"
-        use = "decode" if self.replay.true_on_policy_mode else "train"
-        return resolve_linear_kernel(self.replay.linear_kernel, getattr(torch, self.replay.train_dtype), device, use)
+        return resolve_linear_kernel(
+            self.replay.linear_kernel, getattr(torch, self.replay.train_dtype), device, "train"
+        )
 
     @property
     def optimizer_steps(self) -> int:

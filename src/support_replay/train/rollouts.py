@@ -30,10 +30,12 @@ from .sections import AgentConfig, DataConfig, EngineConfig, EvalConfig, Product
 from .weights import ADAPTER_NAME
 
 
-def _require_deterministic(url: str, linear_kernel: str, headers: dict | None = None) -> None:
+def _require_deterministic(url: str, dtype: str, headers: dict | None = None) -> None:
+    """The engine at ``url`` computes this trainer's bits: deterministic, the same invariant arithmetic (build and
+    ISA: kernels/invariant.identity) and compute dtype ``dtype``."""
     import httpx
 
-    from ..modeling.invariant_products import invariant_plan
+    from ..kernels import invariant
 
     info = httpx.get(url.rstrip("/") + "/model_info", timeout=30, headers=headers or {}).json()
     if not info.get("deterministic"):
@@ -41,24 +43,18 @@ def _require_deterministic(url: str, linear_kernel: str, headers: dict | None = 
             f"--true-on-policy-mode: the engine at {url} is not deterministic; start it with `support-replay serve "
             "--deterministic`"
         )
-    theirs = info.get("linear_kernel", "torch")
-    if theirs != linear_kernel:
+    theirs, mine = info.get("invariant_arithmetic"), invariant.identity()
+    if theirs != mine:
         raise SupportReplayError(
-            f"--true-on-policy-mode: the engine at {url} runs its linear layers on {theirs!r}, this trainer on "
-            f"{linear_kernel!r}; "
-            f"their logits would differ in the last bits: start it with `--linear-kernel {linear_kernel}` or give "
-            f"this run `--linear-kernel {theirs}`"
+            f"--true-on-policy-mode: the engine at {url} runs the invariant arithmetic as {theirs!r}, this trainer as "
+            f"{mine!r} (another build, or another vector width: the lane count is part of the order); their logits "
+            "would differ: run both from one install on one kind of CPU"
         )
-    for shape, plan in info.get("invariant_products", {}).items():  # the engine's CPU probed these; this one must agree
-        out_features, in_features = map(int, shape.split("x"))
-        mine = invariant_plan(linear_kernel, out_features, in_features, torch.float32, torch.get_num_threads())
-        if mine is None or mine.describe() != plan:
-            raise SupportReplayError(
-                f"--true-on-policy-mode: the engine at {url} runs its {shape} linear layers as {plan!r}, this "
-                "trainer's CPU "
-                f"as {mine.describe() if mine else 'nothing invariant'!r}: their logits would differ; run both on one "
-                "kind of CPU"
-            )
+    if info.get("dtype") != dtype:
+        raise SupportReplayError(
+            f"--true-on-policy-mode: the engine at {url} computes in {info.get('dtype')}, this trainer in {dtype}: "
+            f"start it with `--dtype {dtype}` or give this run `--train-dtype {info.get('dtype')}`"
+        )
 
 
 REGENERATION_SEED_STRIDE = 1_000_003  # a stale group generated again draws with other seeds than the first time
@@ -100,7 +96,6 @@ def connect_backend(
     checkpoint_path,
     vocab_size: int,
     weight_version: str,
-    trainer_kernel: str,
     *,
     routing_shape: RoutingShape | None = None,
     kv_share: float | None = None,
@@ -137,7 +132,7 @@ def connect_backend(
             lora_path=ADAPTER_NAME if engine_cfg.lora_sync == "adapter" else None,
         )
         if replay_cfg.true_on_policy_mode:
-            _require_deterministic(engine_cfg.rollout_url, trainer_kernel, keys.header(admin=False))
+            _require_deterministic(engine_cfg.rollout_url, replay_cfg.train_dtype, keys.header(admin=False))
         return backend, None
     from ..backends.local import EngineBackend  # the in-process engine: the only place the trainer imports it
     from ..engine import Engine
@@ -178,7 +173,6 @@ class Rollouts:
         replay: ReplayConfig,
         global_batch_size: int,
         seed: int,
-        trainer_kernel: str,
         routing_shape: RoutingShape | None = None,
         support_logprobs: bool = False,
     ):
@@ -206,7 +200,7 @@ class Rollouts:
         self.penalty_semantics = on_main(lambda: self._penalty_semantics(vocab_size), ctx)
         if not ctx.is_main:
             return
-        self._connect(checkpoint_path, vocab_size, weight_version, trainer_kernel)
+        self._connect(checkpoint_path, vocab_size, weight_version)
         if self.agents_cfg.agent or self.agents_cfg.agent_path:
             self._start_sessions(tokenizer)
 
@@ -220,7 +214,7 @@ class Rollouts:
         held_out = self.evaluation_cfg.eval_prompt_data
         return train, load_prompts(held_out, data.input_key, data.label_key, seed=self.seed + 1, **keys)
 
-    def _connect(self, checkpoint_path, vocab_size: int, weight_version: str, trainer_kernel: str) -> None:
+    def _connect(self, checkpoint_path, vocab_size: int, weight_version: str) -> None:
         """Where samples come from: vLLM or SGLang (and ours) at --rollout-url, else an engine in this process."""
         from ..engine.kv_budget import COLOCATED_SHARE
 
@@ -231,7 +225,6 @@ class Rollouts:
             checkpoint_path,
             vocab_size,
             weight_version,
-            trainer_kernel,
             routing_shape=self.routing_shape,
             kv_share=COLOCATED_SHARE,
         )
@@ -263,7 +256,6 @@ class Rollouts:
             replay=cfg.replay,
             global_batch_size=cfg.parallel.global_batch_size,
             seed=cfg.optimizer.seed,
-            trainer_kernel=cfg.trainer_linear_kernel(ctx.device),
             routing_shape=routing_shape,
             support_logprobs=cfg.optimizer.use_score_centering,
         )

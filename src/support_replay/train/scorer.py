@@ -6,8 +6,9 @@ function scores"):
 
     sparse   replay, a plain linear head, nothing full-vocabulary with a gradient: the support's
              rows of the head only (``sparse_head_support_logprobs``, never ``[T, V]``)
-    union    the same in true-on-policy mode: one product over the batch's union of support ids,
-             the engine's bits (``union_head_support_logprobs``)
+    invariant  the same in true-on-policy mode: each support id's logit by the invariant arithmetic's dot
+             (kernels/invariant.dots), the element of the engine's full head, so its bits; then the
+             core's ``support_logprobs`` over them
     dense    replay otherwise: the full head, then the core's ``support_logprobs`` (its
              vocab-parallel form under tensor parallelism; ``penalised_support_logprobs`` for a
              batch that brings the rollout's penalties)
@@ -29,17 +30,17 @@ from ..core.logprobs import (
     head_rows_at,
     penalised_support_logprobs,
     sparse_head_support_logprobs,
+    support_logprobs,
     support_rows_logprobs,
-    union_head_support_logprobs,
 )
 from ..errors import ConfigError
-from ..modeling.linear_kernels import model_linear
+from ..kernels import invariant
 
 if TYPE_CHECKING:
     from .actor import ScoringModel
     from .batches import MicroBatch
 
-HEADS = ("sparse", "union", "dense", "full")
+HEADS = ("sparse", "invariant", "dense", "full")
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def head_for(*, replay: bool, sparse: bool, batch_invariant: bool) -> str:
     if sparse and not replay:
         raise ConfigError("the sparse head scores the captured support: it needs sampling-support replay")
     if sparse:
-        return "union" if batch_invariant else "sparse"
+        return "invariant" if batch_invariant else "sparse"
     return "dense" if replay else "full"
 
 
@@ -102,12 +103,16 @@ class Scorer:
         rows = self._support_rows(lambda ids: head_rows_at(h, head.weight, ids), support, None)
         return logp, self._detached_full(head, h, targets), None, rows
 
-    def _union_rows(self, h, targets, support, transform):
+    def _invariant_rows(self, h, targets, support, transform):
         self._refuse_transform(transform)
         head = self.model.hf.get_output_embeddings()
-        linear = model_linear(self.model.hf)  # the engine's product over the union of support ids: its bits
-        logp = union_head_support_logprobs(h, head.weight, targets, support, self.temperature, linear=linear)
-        rows = self._support_rows(lambda ids: head_rows_at(h, head.weight, ids), support, None)
+        ids, valid = support
+        z = invariant.dots(h, head.weight, ids, valid)  # [N, K]: the engine's logits at the support ids, its bits
+        column = ((ids == targets[:, None]) & valid).to(torch.uint8).argmax(-1)
+        # the same function as the engine's log mu over the same values in the same order (its support's)
+        where = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        logp = support_logprobs(z, column, (where, valid), self.temperature)
+        rows = self._support_rows(lambda _: z, support, None)
         return logp, self._detached_full(head, h, targets), None, rows
 
     def _refuse_transform(self, transform) -> None:

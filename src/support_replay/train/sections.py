@@ -708,20 +708,12 @@ class ReplayConfig(Section):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.true_on_policy_mode and "bfloat16" in (self.rollout_dtype, self.train_dtype):
-            knob = "rollout_dtype" if self.rollout_dtype == "bfloat16" else "train_dtype"
+        if self.true_on_policy_mode and self.rollout_dtype != self.train_dtype:
             bad(
-                knob,
-                "bfloat16",
-                "true-on-policy mode runs the batch-invariant fp32 kernels on both sides; "
-                "bf16 would need kernels of their own",
-            )
-        if self.true_on_policy_mode and self.decode_attention == "kernel":
-            bad(
-                "decode_attention",
-                "kernel",
-                "true-on-policy mode's engine attends with the batch-invariant tiles the trainer replays; "
-                "use auto or sdpa",
+                "train_dtype",
+                self.train_dtype,
+                f"true-on-policy mode computes the same bits on both sides, so in one dtype: the rollout's is "
+                f"{self.rollout_dtype} (--rollout-dtype)",
             )
         if self.attn_implementation.startswith("flash_attention"):
             bad(

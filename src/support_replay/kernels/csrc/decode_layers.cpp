@@ -49,6 +49,9 @@ struct Product {
   c10::optional<at::Tensor> bias;
   c10::optional<at::Tensor> packed;  // oneDNN's packed copy, where the step packs this weight
   int64_t packed_from = 0;           // the fewest rows the packed copy keeps the plain product's bits from
+  // a fused weight's parts' output widths where its product runs them apart (the fused step's ``fused_products``
+  // off: this CPU's product changes a fused column's bits), their outputs side by side; empty: one product
+  std::vector<int64_t> parts;
 };
 
 struct Layer {
@@ -79,8 +82,10 @@ class DecodeLayers {
 
   // one layer: products in the order qkv, o, gate_up, down (weights, biases, packed copies and their row floors),
   // the post-attention norm, the next norm (the next layer's input norm; the final norm after the last layer)
+  // ``apart``: the output widths of qkv's parts, then gate_up's, where each runs as its own product (else empty)
   void add_layer(const std::vector<at::Tensor>& weights, const std::vector<c10::optional<at::Tensor>>& biases,
                  const std::vector<c10::optional<at::Tensor>>& packs, const std::vector<int64_t>& packed_from,
+                 const std::vector<int64_t>& apart,
                  const at::Tensor& post_norm, double post_eps, const at::Tensor& next_norm, double next_eps,
                  const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double head_eps,
                  int64_t heads, int64_t kv_heads, int64_t dim, int64_t intermediate, double scaling) {
@@ -88,7 +93,12 @@ class DecodeLayers {
                 "DecodeLayers: four products a layer (qkv, o, gate_up, down)");
     Layer layer;
     Product* products[] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-    for (int i = 0; i < 4; ++i) *products[i] = Product{weights[i], biases[i], packs[i], packed_from[i]};
+    for (int i = 0; i < 4; ++i) *products[i] = Product{weights[i], biases[i], packs[i], packed_from[i], {}};
+    if (!apart.empty()) {
+      TORCH_CHECK(apart.size() == 5, "DecodeLayers: apart takes qkv's three widths and gate_up's two");
+      layer.qkv.parts.assign(apart.begin(), apart.begin() + 3);
+      layer.gate_up.parts.assign(apart.begin() + 3, apart.end());
+    }
     layer.post_norm = post_norm;
     layer.post_eps = post_eps;
     layer.next_norm = next_norm;
@@ -132,12 +142,26 @@ class DecodeLayers {
       seconds[index] += std::chrono::duration<double>(Clock::now() - start).count();
       return out;
     };
+    auto plain = [&](const at::Tensor& in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+      return onednn_ ? onednn_product(in, weight, bias) : at::linear(in, weight, bias);
+    };
     auto product = [&](const at::Tensor& in, const Product& p) {
       return timed(PRODUCTS, [&] {
+        if (!p.parts.empty()) {  // each part's own product over its rows of the fused weight (the modules' views)
+          std::vector<at::Tensor> outs;
+          int64_t start = 0;
+          for (const int64_t rows : p.parts) {
+            const auto bias = p.bias.has_value() ? c10::optional<at::Tensor>(p.bias->narrow(0, start, rows))
+                                                 : c10::optional<at::Tensor>();
+            outs.push_back(plain(in, p.weight.narrow(0, start, rows), bias));
+            start += rows;
+          }
+          return at::cat(outs, -1);
+        }
         if (packing && p.packed.has_value() && in.size(0) >= p.packed_from) {
           return onednn_product(in, *p.packed, p.bias);
         }
-        return onednn_ ? onednn_product(in, p.weight, p.bias) : at::linear(in, p.weight, p.bias);
+        return plain(in, p.weight, p.bias);
       });
     };
     for (size_t i = 0; i < layers_.size(); ++i) {
