@@ -61,6 +61,9 @@ def sglang_standin_process(checkpoint):
         sglang_code.load()
     except sglang_code.Unavailable as exc:
         pytest.skip(f"SGLang's code is not available here: {exc}")
+    from exercised import ran
+
+    ran("SGLang (its wheel's sampler and mask code, in a stand-in server)", sglang_code.VERSION)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     args = [sys.executable, str(ENGINES / "sglang_standin.py"), "--checkpoint", str(checkpoint), "--port", str(port)]

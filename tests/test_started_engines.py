@@ -44,6 +44,7 @@ def test_server_flags_are_split_off_with_their_values():
     assert rest == ["--lr", "1", "--sglang-server-concurrency", "8", "--", "--sglang-x"]
 
 
+@pytest.mark.float_bits
 def test_the_serve_command_carries_the_run_and_the_server_flags(tmp_path):
     cfg = launched(sglang_server_args=("--sglang-max-running-requests", "16"), true_on_policy_mode=True)
     command = engine_command(cfg, "/models/qwen3", 4321, 0, tmp_path)

@@ -27,6 +27,7 @@ def audit_config(checkpoint, tmp_path, **overrides) -> RunConfig:
     return RunConfig(**{**values, **overrides})
 
 
+@pytest.mark.float_bits
 def test_truncation_is_the_whole_full_vocabulary_bias_and_replay_is_certified(tiny_checkpoint, tmp_path):
     cfg = audit_config(tiny_checkpoint, tmp_path)
     report = run_audit(cfg, AuditSettings())
@@ -65,6 +66,7 @@ def test_a_repetition_penalty_shows_and_replay_without_it_fails(tiny_checkpoint,
     assert not report["boundary_flips"]["checked"]
 
 
+@pytest.mark.float_bits
 def test_true_on_policy_mode_has_no_numerics_at_all(tiny_checkpoint, tmp_path):
     cfg = audit_config(tiny_checkpoint, tmp_path, true_on_policy_mode=True)
     report = run_audit(cfg, AuditSettings())

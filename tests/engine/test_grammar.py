@@ -1,6 +1,7 @@
 """The grammar mask against llguidance's own matcher: every id the mask leaves is one the grammar accepts
 next, every id it removes one it refuses; rows without a grammar are untouched."""
 
+import pytest
 import torch
 from transformers import AutoTokenizer
 
@@ -8,6 +9,7 @@ from support_replay.engine.grammar import Grammars
 from support_replay.serving.structured_outputs import json_schema_grammar
 
 
+@pytest.mark.float_bits
 def test_the_mask_is_what_the_grammar_accepts_next(tiny_checkpoint):
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
     vocab = len(tok)

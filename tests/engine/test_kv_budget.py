@@ -58,6 +58,7 @@ def peaks(monkeypatch):
     return seen
 
 
+@pytest.mark.float_bits
 def test_a_long_prompt_beside_many_short_ones_stays_within_the_budget(tiny_checkpoint, peaks):
     budget = 2400
     free = Engine.from_pretrained(tiny_checkpoint, deterministic=True, max_total_tokens=10**7)

@@ -51,6 +51,7 @@ def run_together(engine, reqs):
     return out
 
 
+@pytest.mark.float_bits
 @pytest.mark.parametrize("where", ["prefill", "sampling"])
 def test_an_error_in_one_request_fails_it_alone_and_the_rest_are_bit_identical(
     deterministic_engine, monkeypatch, where

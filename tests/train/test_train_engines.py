@@ -8,6 +8,7 @@ import pytest
 
 from processes import engine_process, free_port, process, sglang_standin_process
 from recipe_helpers import run_config
+from support_replay.errors import SupportReplayError
 from support_replay.train import train
 from support_replay.train.weights import ADAPTER_NAME
 
@@ -169,3 +170,13 @@ def test_agent_episodes_through_real_vllm(vllm_server, tmp_path):
         VLLMSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0 for r in rows)
     assert rows[0]["episode_turns_mean"] > 1 and rows[0]["inserted_token_share"] > 0
+
+
+def test_an_engine_that_would_compute_other_bits_is_refused_before_anything_trains(tiny_checkpoint, tmp_path):
+    """A served engine in another dtype, or not deterministic, is refused by name before the first rollout."""
+    ctx, url = engine_process(tiny_checkpoint, "--deterministic", "--dtype", "bfloat16")
+    with ctx, pytest.raises(SupportReplayError, match="computes in bfloat16, this trainer in float32"):
+        train(run_config(tiny_checkpoint, tmp_path / "dtype", rollout_url=url, true_on_policy_mode=True))
+    ctx, url = engine_process(tiny_checkpoint)
+    with ctx, pytest.raises(SupportReplayError, match="is not deterministic; start it with `support-replay serve"):
+        train(run_config(tiny_checkpoint, tmp_path / "plain", rollout_url=url, true_on_policy_mode=True))

@@ -9,7 +9,6 @@ import pytest
 
 from processes import engine_process
 from recipe_helpers import run_config
-from support_replay.errors import SupportReplayError
 from support_replay.train import train
 
 pytestmark = pytest.mark.float_bits
@@ -47,13 +46,3 @@ def test_through_serve(tiny_checkpoint, tiny_moe_checkpoint, tmp_path, model, dt
     assert_bitwise(rows)
     if model == "moe-r3":
         assert all(0 < r["routing_bytes_per_token"] < 2 * 2 * 4 for r in rows)  # uint8 .npy, not int32
-
-
-def test_an_engine_that_would_compute_other_bits_is_refused_before_anything_trains(tiny_checkpoint, tmp_path):
-    """A served engine in another dtype, or not deterministic, is refused by name before the first rollout."""
-    ctx, url = engine_process(tiny_checkpoint, "--deterministic", "--dtype", "bfloat16")
-    with ctx, pytest.raises(SupportReplayError, match="computes in bfloat16, this trainer in float32"):
-        train(run_config(tiny_checkpoint, tmp_path / "dtype", rollout_url=url, **settings("dense", "float32")))
-    ctx, url = engine_process(tiny_checkpoint)
-    with ctx, pytest.raises(SupportReplayError, match="is not deterministic; start it with `support-replay serve"):
-        train(run_config(tiny_checkpoint, tmp_path / "plain", rollout_url=url, **settings("dense", "float32")))
