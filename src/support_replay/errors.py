@@ -119,10 +119,6 @@ class ConfigError(SupportReplayError):
     """A run setting that is invalid or that replay cannot honour faithfully."""
 
 
-class NoInvariantProduct(ConfigError):
-    """True-on-policy mode on a CPU where no linear product keeps a row's bits whatever the row count."""
-
-
 class SampleError(SupportReplayError):
     """A training sample whose replay metadata is missing or inconsistent; the message names it."""
 

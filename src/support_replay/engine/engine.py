@@ -447,7 +447,7 @@ class Engine:
         """Whether ``request``, admitted with ``taken``, keeps the KV cache's peak within the budget."""
         joining = [*taken, request]
         needs = [self._column_need(r) for r in joining]
-        width = max([s.need for s in self.batch.rows] + needs)  # a reservation is whole blocks and key blocks
+        width = max([s.need for s in self.batch.rows] + needs)  # a reservation is whole blocks
         # the prefills run bucket after bucket (scheduler.prefill_buckets), each padded to its longest prompt
         buckets = prefill_buckets(joining, length=lambda r: len(r.input_ids))
         prefill = max(len(b) * max(len(r.input_ids) for r in b) for b in buckets)

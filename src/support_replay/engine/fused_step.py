@@ -237,6 +237,7 @@ class FusedDecoder:
         self.layers = [_Layer(layer) for layer in inner.layers]
         # the norm after each layer's residual add: the next layer's input norm, the model's final norm after the last
         self.next_norms = [layer.norm_modules[0] for layer in self.layers[1:]] + [inner.norm]
+        self.model = model
         self.linear = model_linear(model)
         # QKV and gate/up as one product each where that keeps each projection's bits, else apart (fuse_products)
         self.fused_products = fuse_products(model)
@@ -332,6 +333,10 @@ class FusedDecoder:
         for i, layer in enumerate(self.layers):
             if not layer.fused():
                 raise EngineError(f"fused decode: layer {i}'s projection weights were replaced, not written in place")
+        fused = fuse_products(self.model)  # checked per thread count (cached): the count may have changed
+        if fused != self.fused_products:
+            self.fused_products = fused
+            self.drop_packs()  # the packs and the layer table were made for the other way
         if self.packing and self.can_pack:
             self._refresh_packs()
         elif self._head_pack is not None or self.layers[0].packs:

@@ -100,7 +100,7 @@ class KVBudget:
 
     def check_alone(self, prompt_tokens: int, need: int) -> None:
         """Refuse (400) a request that could not be admitted even into an empty engine (a step attends at
-        most its reservation, ``need``, whole blocks and key blocks)."""
+        most its reservation, ``need``, whole blocks)."""
         copy = self.attended(1, need)
         alone = self.peak(0, [need], prompt_tokens, 1, need)
         if alone > self.max_total_tokens:

@@ -122,7 +122,7 @@ class PagedCache(Cache):
 
     def __init__(self, pool: BlockPool, align: int = 1):
         self.pool = pool
-        self.align = align  # the attended width is a multiple of this (the batch-invariant attention's key block)
+        self.align = align  # the attended width is a multiple of this
         layers = [PagedLayer(self, i) for i in range(pool.num_layers)]
         super().__init__(layers=layers)
         self.tables: list[list[int]] = []
@@ -276,7 +276,7 @@ class PagedCache(Cache):
         return (torch.arange(width, device=device)[None, :] <= columns[:, None])[:, None, None, :]
 
     def _width(self, rows: list[int], lengths: list[int]) -> int:
-        """The positions ``rows`` attend to this step: their longest length and the write, in whole key blocks."""
+        """The positions ``rows`` attend to this step: their longest length and the write, a multiple of ``align``."""
         return round_up(max(lengths[i] for i in rows) + 1, self.align)
 
     def _gathered(self, rows: list[int], lengths: list[int], device, whole: bool) -> AttentionGroup:
