@@ -1,6 +1,7 @@
 // The Python module of the project's CPU kernels (kernels/build.py builds it): one extension, one build.
 
-#include <torch/extension.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor's and at::Generator's conversions, without all of libtorch's C++ API
 
 #include "kernels.h"
 

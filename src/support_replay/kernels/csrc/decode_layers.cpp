@@ -10,8 +10,10 @@
 // (decode_layer.cpp). The Python side takes this loop only where every one of those holds, and checks its bits
 // against its own loop in the tests.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/linear.h>
 #include <c10/util/Exception.h>
 
 #include <chrono>
@@ -21,7 +23,8 @@
 #include <tuple>
 #include <vector>
 
-#include <torch/extension.h>  // pybind11 with the conversions of std::vector, optional tensors and strings
+#include <pybind11/stl.h>                 // the conversions of std::vector, std::map, optional tensors and strings
+#include <torch/csrc/utils/pybind.h>  // at::Tensor's (torch/extension.h brings all of libtorch's C++ API besides)
 
 #include "kernels.h"
 

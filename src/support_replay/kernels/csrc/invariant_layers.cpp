@@ -13,8 +13,10 @@
 // input's dtype, then times the weight in that dtype), so a float32 model keeps its usual numbers to the last bits
 // of these sums.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cmath>
 #include <cstdint>

@@ -11,8 +11,10 @@
 // the extra results dropped); fewer than R rows take tiles of one row x W columns. ``dots`` takes each row's own
 // list of columns (the sparse LM head: a token's logits at its support ids) with the same dot.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -4,8 +4,11 @@
 
 #pragma once
 
-#include <ATen/ATen.h>
-#include <pybind11/pybind11.h>
+#include <ATen/core/Tensor.h>
+
+namespace pybind11 {
+class module_;
+}  // the bindings' module: declared, so that only bindings.cpp and the two that bind classes parse pybind11
 
 #include <tuple>
 #include <vector>

@@ -9,7 +9,9 @@
 // another (``changed``): 0.13-0.14 -> 0.065-0.08 ms inside a GRPO-shape step of SmolLM2 on a Zen 5 EPYC, against one
 // slot's chain of loads after another's.
 
-#include <torch/extension.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
 #include <utility>

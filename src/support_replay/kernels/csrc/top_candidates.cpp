@@ -7,8 +7,12 @@
 // each chunk of it; only the chunks that can hold a selected entry are read again (``select_row``). Rows are
 // independent tasks.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/cpu/vec/functional.h>  // vec_reduce_all: vec.h alone brings it under AVX2, not under AVX-512
 #include <ATen/cpu/vec/vec.h>
 
