@@ -55,6 +55,18 @@ def _grad_enabled(*tensors) -> bool:
 # ---- the product --------------------------------------------------------------------------------------------------
 
 
+def linear_grads(ctx, grad):
+    """``(grad_x, grad_weight, grad_bias)`` of ``x @ weight.T + bias`` by plain products: the backward of a linear
+    forward whose own bits are promised (this one's, or oneDNN's: modeling/linear_kernels.py). ``ctx`` saved
+    ``(x, weight)`` and ``has_bias``."""
+    x, weight = ctx.saved_tensors
+    rows = grad.reshape(-1, grad.shape[-1])
+    grad_x = (rows @ weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
+    grad_w = rows.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+    grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_x, grad_w, grad_b
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -64,12 +76,7 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_x = (rows @ weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        grad_w = rows.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
-        grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+        return linear_grads(ctx, grad)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -103,12 +103,9 @@ class _OneDNNLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_x = (rows @ weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        grad_w = rows.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
-        grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+        from ..kernels.invariant import linear_grads
+
+        return linear_grads(ctx, grad)
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
