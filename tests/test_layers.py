@@ -57,6 +57,22 @@ def test_the_core_imports_torch_and_numpy_alone():
         }, (path.name, third_party)
 
 
+def test_the_kernels_import_torch_and_the_core_alone():
+    """kernels/ sits below modeling, the engine and the trainer: it imports torch, the core and its own leaves."""
+    kernels = sorted((PACKAGE / "kernels").glob("*.py"))
+    assert len(kernels) >= 3, kernels
+    allowed = ("support_replay.kernels", "support_replay.core", "support_replay.errors", "support_replay.user_cache")
+    for path in kernels:
+        outside = [m for m in imported_modules(path) if m != "support_replay" and not m.startswith(allowed)]
+        assert not outside, f"{path.name} imports {outside}"
+        tree = ast.parse(path.read_text())
+        third_party = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        third_party |= {
+            n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0
+        }
+        assert "transformers" not in third_party, path.name
+
+
 @pytest.mark.parametrize("layer", ["backends", "rollout", "train", "audit"])
 def test_only_the_in_process_paths_import_the_engine(layer):
     for path in sorted((PACKAGE / layer).glob("*.py")):
