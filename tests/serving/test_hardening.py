@@ -122,6 +122,41 @@ def test_the_router_refuses_them_too(tiny_checkpoint):
     assert status == 400 and seen == []  # was forwarded, and httpx normalised it into the admin route
 
 
+# ---- round three, finding 1: an encoded '?' or '#' passed the router's admin check ------------------
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/update_weight_version%3F", "/update_weight_version%3f", "/flush_cache%23", "/update_weight_version%253F",
+     "/load_lora_adapter%3Fx=1", "/update_weights_from_disk%23frag"],
+)  # fmt: skip
+def test_an_encoded_query_or_fragment_cannot_reach_an_admin_route_through_the_router(path):
+    """With an API key and an admin key on the router and a keyless engine behind it, ``/update_weight_version%3F``
+    passed as an API route (its decoded path is not an admin path), and httpx parsed the forwarded ``/...?`` again,
+    so the engine ran ``/update_weight_version``: it answered 200 and the version became 'forged'."""
+    import httpx
+
+    from support_replay.serving.router import Router, create_router_app
+
+    seen = []
+    router = Router(["http://engine:1"], keys=Keys(api="api-key", admin="admin-key"))
+    app = create_router_app(router, allowed_hosts=["testserver"])
+    router.client = httpx.AsyncClient(
+        transport=httpx.MockTransport(lambda req: seen.append(req.url.path) or httpx.Response(200, json={}))
+    )
+    status, body = raw_request(app, "POST", path, b'{"new_version": "forged"}', API)
+    assert status == 400 and b"not in normal form" in body and seen == []
+    assert raw_request(app, "POST", "/generate", b"{}", API)[0] == 200 and seen == ["/generate"]  # a plain path
+
+
+def test_an_encoded_query_or_fragment_is_refused_by_the_engine_too(api_key_only):
+    client, engine, _ = api_key_only
+    for path in ("/update_weight_version%3F", "/update_weight_version%23"):
+        status, body = raw_request(client.app, "POST", path, b'{"new_version": "forged"}', API)
+        assert status == 400 and b"not in normal form" in body
+    assert engine.weight_version != "forged"
+
+
 # ---- finding 10: a link inside --weights-dir to a file elsewhere ---------------------------------
 
 

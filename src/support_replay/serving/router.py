@@ -267,6 +267,8 @@ def create_router_app(
     async def proxy(path: str, request: Request):
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        # the path in normal form (security.NormalPaths: no '?', '#' or '%' once decoded), so the engine gets the path
+        # the guards checked: httpx cannot read a query or a fragment out of it
         target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
         if "/" + path in BROADCAST_PATHS:
             return await router.broadcast(request.method, target, body, headers)

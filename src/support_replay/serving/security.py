@@ -138,11 +138,13 @@ class JSONOnly:
 
 class NormalPaths:
     """400 for a path that is not in normal form: ``.`` or ``..`` segments, empty segments, a backslash,
-    or an encoded slash, dot or backslash. Guards match paths as written, and a client library
-    (httpx) or a proxy may normalise ``/v1/../update_weight_version`` into an admin route after the
-    guard has looked: such paths never pass."""
+    an encoded slash, dot or backslash, or a decoded ``?``, ``#`` or ``%``. Guards match paths as written, and a
+    client library (httpx) or a proxy may normalise ``/v1/../update_weight_version`` into an admin route after the
+    guard has looked, or parse a forwarded ``/update_weight_version?`` (sent as ``%3F``) again and drop what follows
+    the ``?``: such paths never pass, so the path a guard checks is the path that is sent on."""
 
     ENCODED = (b"%2f", b"%2e", b"%5c")
+    RESERVED = ("?", "#", "%")  # in the decoded path: an encoded query, fragment or second escape
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -156,12 +158,14 @@ class NormalPaths:
                 or "//" in path
                 or "\\" in path
                 or any(e in raw for e in self.ENCODED)
+                or any(c in path for c in self.RESERVED)
             )
             if odd or not path.startswith("/"):
                 return await _send_error(
                     send,
                     400,
-                    f"path {path[:200]!r} is not in normal form (no '.', '..', '//', backslash or encoded separators)",
+                    f"path {path[:200]!r} is not in normal form (no '.', '..', '//', backslash, encoded separators, "
+                    "or an encoded '?', '#' or '%')",
                 )
         return await self.app(scope, receive, send)
 
