@@ -191,7 +191,7 @@ def penalised_support_logprobs(
     rows = logits.shape[0]
     ids, valid = _padded(support, logits.device)
     temp = _temperature_column(temperature, rows, logits.device, _acc(logits.dtype))
-    column = _target_positions(ids, valid, targets.to(logits.device, torch.long))
+    column = target_positions(ids, valid, targets.to(logits.device, torch.long))
     z = transform(logits.gather(1, ids).to(temp.dtype), ids) / temp
     lse, _ = _masked_logsumexp(z, valid)
     return z.gather(1, column[:, None]).squeeze(1) - lse
@@ -350,7 +350,8 @@ def entropy(logits, temperature=1.0, chunk_rows: int | None = None) -> torch.Ten
 # ---- sparse LM head ------------------------------------------------------------------
 
 
-def _target_positions(ids, valid, targets) -> torch.Tensor:
+def target_positions(ids, valid, targets) -> torch.Tensor:
+    """``[T]``: where each row's target sits among its padded support ids; a target outside its support is refused."""
     hit = (ids == targets[:, None]) & valid
     if not bool(hit.any(-1).all()):
         row = int((~hit.any(-1)).nonzero()[0])
@@ -434,5 +435,5 @@ def sparse_head_support_logprobs(
             f"sparse head: {rows} hidden rows, {ids.shape[0]} support rows, targets {tuple(targets.shape)}"
         )
     temp = _temperature_column(temperature, rows, hidden.device, _acc(torch.promote_types(hidden.dtype, weight.dtype)))
-    tpos = _target_positions(ids, valid, targets.to(hidden.device, torch.long))
+    tpos = target_positions(ids, valid, targets.to(hidden.device, torch.long))
     return _SparseHeadSupportLogProbs.apply(hidden, weight, ids, valid, tpos, temp, int(chunk_size))

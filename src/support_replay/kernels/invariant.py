@@ -43,9 +43,7 @@ def available() -> str | None:
 def identity() -> str:
     """What the bits of this arithmetic depend on besides the inputs: the build's vector ISA and its sources' digest
     (the extension's name). Two processes with one identity compute the same bits."""
-    _module()
-    isa, _ = build._isa()
-    return build.build_name(build.SOURCES + build.HEADERS, isa)
+    return _module().__name__
 
 
 def _grad_enabled(*tensors) -> bool:
@@ -72,7 +70,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _module().invariant_linear(x, weight, bias, None)
+        return _module().invariant_linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -86,16 +84,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bias = None if bias is None else bias.to(x.dtype)
     if _grad_enabled(x, weight, bias):
         return _Linear.apply(x, weight, bias)
-    return _module().invariant_linear(x, weight, bias, None)
-
-
-def linear_columns(x: torch.Tensor, weight: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """``linear(x, weight[columns])`` without gathering the rows: column c is the full product's column
-    ``columns[c]``, the same bits. Plain autograd through the gathered rows' backward."""
-    weight = weight.to(x.dtype)
-    if _grad_enabled(x, weight):
-        return _Linear.apply(x, weight[columns], None)
-    return _module().invariant_linear(x, weight, None, columns)
+    return _module().invariant_linear(x, weight, bias)
 
 
 class _Dots(torch.autograd.Function):

@@ -32,6 +32,7 @@ from ..core.logprobs import (
     sparse_head_support_logprobs,
     support_logprobs,
     support_rows_logprobs,
+    target_positions,
 )
 from ..errors import ConfigError
 from ..kernels import invariant
@@ -108,7 +109,7 @@ class Scorer:
         head = self.model.hf.get_output_embeddings()
         ids, valid = support
         z = invariant.dots(h, head.weight, ids, valid)  # [N, K]: the engine's logits at the support ids, its bits
-        column = ((ids == targets[:, None]) & valid).to(torch.uint8).argmax(-1)
+        column = target_positions(ids, valid, targets)  # each target's place in its support row
         # the same function as the engine's log mu over the same values in the same order (its support's)
         where = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         logp = support_logprobs(z, column, (where, valid), self.temperature)

@@ -17,9 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), pybind11::arg("scale"),
         pybind11::arg("shared") = pybind11::none());
   m.def("invariant_linear", &invariant_linear,
-        "x W^T + bias with every element one fixed-order dot (lanes.h); columns: the weight rows to take",
-        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("columns") = pybind11::none());
+        "x W^T + bias with every element one fixed-order dot (lanes.h)", pybind11::arg("x"), pybind11::arg("weight"),
+        pybind11::arg("bias") = pybind11::none());
   m.def("invariant_dots", &invariant_dots,
         "per row t the dots of x[t] with the weight rows ids[t, :counts[t]] (invariant_linear's elements)");
   m.def("invariant_rms_norm", &invariant_rms_norm, "RMSNorm with a fixed-order sum: (out, rsqrt per row)");

@@ -76,15 +76,14 @@ struct Product {
   int64_t x_stride;  // between rows of x
   const T* weight;
   int64_t w_stride;               // between rows of the weight
-  const int64_t* columns;         // the weight rows to take, or null: all of them in order
   const float* bias;              // per weight row (float32), or null
   T* out;
   int64_t rows, cols, k_size;
 
-  const T* column(int64_t c) const { return weight + (columns ? columns[c] : c) * w_stride; }
+  const T* column(int64_t c) const { return weight + c * w_stride; }
 
   void store(int64_t row, int64_t col, float sum) const {
-    if (bias) sum = sum + bias[columns ? columns[col] : col];
+    if (bias) sum = sum + bias[col];
     out[row * cols + col] = static_cast<T>(sum);  // rounded once (bf16: to nearest even)
   }
 
@@ -176,8 +175,7 @@ at::Tensor rows_of(const at::Tensor& x, const char* name, int64_t k_size) {
 
 }  // namespace
 
-at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                            const c10::optional<at::Tensor>& columns) {
+at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "invariant_linear: a 2-d CPU weight, got ",
               weight.sizes());
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "invariant_linear: x is ", x.scalar_type(), ", the weight ",
@@ -187,20 +185,7 @@ at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight, const
   const int64_t k_size = weight.size(1);
   const auto flat = rows_of(x, "x", k_size);
   auto w = weight.stride(1) == 1 || k_size == 1 ? weight : weight.contiguous();
-  at::Tensor index;
-  const int64_t* cols_ptr = nullptr;
-  int64_t cols = w.size(0);
-  if (columns.has_value()) {
-    index = columns->to(at::kLong).contiguous();
-    TORCH_CHECK(index.dim() == 1, "invariant_linear: columns must be 1-d, got ", index.sizes());
-    if (index.numel()) {
-      const auto low = index.min().item<int64_t>(), high = index.max().item<int64_t>();
-      TORCH_CHECK(low >= 0 && high < w.size(0), "invariant_linear: columns in [", low, ", ", high,
-                  "] for a weight of ", w.size(0), " rows");
-    }
-    cols_ptr = index.data_ptr<int64_t>();
-    cols = index.numel();
-  }
+  const int64_t cols = w.size(0);
   at::Tensor bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "invariant_linear: bias ", bias->sizes(),
@@ -213,9 +198,8 @@ at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight, const
   if (flat.size(0) && cols) {
     dispatch(x, [&](auto zero) {
       using T = decltype(zero);
-      Product<T>{flat.data_ptr<T>(), flat.stride(0), w.data_ptr<T>(), w.stride(0), cols_ptr,
-                 bias32.defined() ? bias32.data_ptr<float>() : nullptr, out.data_ptr<T>(), flat.size(0), cols,
-                 k_size}
+      Product<T>{flat.data_ptr<T>(), flat.stride(0), w.data_ptr<T>(), w.stride(0),
+                 bias32.defined() ? bias32.data_ptr<float>() : nullptr, out.data_ptr<T>(), flat.size(0), cols, k_size}
           .run();
     });
   }

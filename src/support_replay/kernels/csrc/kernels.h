@@ -23,8 +23,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const c10::optional<at::Tensor>& shared = c10::nullopt);
 
 // true-on-policy mode's arithmetic (invariant_product.cpp, invariant_layers.cpp; the dot of lanes.h)
-at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                            const c10::optional<at::Tensor>& columns);
+at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 at::Tensor invariant_dots(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ids,
                           const at::Tensor& counts);
 std::tuple<at::Tensor, at::Tensor> invariant_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
