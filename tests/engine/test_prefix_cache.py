@@ -4,15 +4,19 @@ entries live inside the KV budget and give way to admissions; updates, /flush_ca
 deterministic engine keep none."""
 
 import time
+from collections import OrderedDict
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, support_logprobs
 from support_replay.engine import Engine
 from support_replay.engine.model_runner import cached_columns
+from support_replay.engine.prefix_cache import CANDIDATES, CHUNK, MIN_MATCH, PrefixCache
 from support_replay.protocol import GenerateRequest
 
 PARAMS = SamplingParams(temperature=1.0, top_k=16, top_p=0.9, seed=3)
@@ -190,3 +194,83 @@ def test_routing_captured_for_cached_positions_is_kept_with_them(tiny_moe_checkp
     plain = Engine.from_pretrained(tiny_moe_checkpoint)
     plain.generate([GenerateRequest(prompt, PARAMS, max_new_tokens=6, ignore_eos=True)])  # no routing kept
     assert plain.prefix_cache.match(full, routing=True) == (None, 0) and plain.prefix_cache.match(full)[1] > 0
+
+
+class NoScan(OrderedDict):
+    """Entries that refuse to be walked: a lookup must find its entry without comparing every one."""
+
+    def items(self):
+        raise AssertionError("the lookup walked every entry")
+
+    values = __iter__ = items
+
+
+def filled_cache(sequences, page=16):
+    from support_replay.engine.block_pool import BlockPool
+
+    pool = BlockPool(num_layers=1, block_size=page, max_tokens=page * (sum(-(-len(s) // page) for s in sequences) + 1))
+    cache, block = PrefixCache(pool), 1
+    for ids in sequences:
+        blocks = list(range(block, block + -(-len(ids) // page)))
+        pool.refs[blocks] += 1
+        cache.store(list(ids), blocks)
+        pool.release(blocks)
+        block += len(blocks)
+    return cache
+
+
+def brute_force(cache, prompt):
+    """The longest common prefix over every entry, capped at len(prompt) - 1 (what the scan found)."""
+    best = 0
+    for key in list(OrderedDict.keys(cache.entries)):
+        n = 0
+        while n < min(len(key), len(prompt) - 1) and key[n] == prompt[n]:
+            n += 1
+        best = max(best, n)
+    return best if best >= MIN_MATCH else 0
+
+
+def test_a_lookup_among_16000_entries_compares_a_few_not_all():
+    """Issue 55, finding 8: ``match`` compared the prompt with every entry in Python (33 ms per prompt at
+    16,000 entries); now the chained hashes of whole chunks find the entries that share the prompt's start."""
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, 49152, 16).tolist() for _ in range(16000)]
+    cache = filled_cache(sequences)
+    cache.entries = NoScan(cache.entries)
+    for i in (0, 7999, 15999):
+        entry, n = cache.match(sequences[i] + [5, 6, 7])
+        assert n == 16 and entry.ids.tolist() == sequences[i]
+    assert cache.match(rng.integers(0, 49152, 40).tolist()) == (None, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=1, max_size=12), st.data())
+def test_the_indexed_match_is_a_true_common_prefix_within_a_chunk_of_the_longest(sequences, data):
+    """Over small alphabets (many shared chunks): the match is a true common prefix, below the longest by less
+    than a chunk, and the longest wherever at most ``CANDIDATES`` entries share its deepest chunk."""
+    cache = filled_cache(sequences)
+    prompt = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=48))
+    entry, n = cache.match(prompt)
+    best = brute_force(cache, prompt)
+    if entry is None:
+        assert best < MIN_MATCH + CHUNK and n == 0
+        return
+    assert entry.ids[:n].tolist() == prompt[:n] and MIN_MATCH <= n <= best < n + CHUNK
+    if len(cache.entries) <= CANDIDATES:
+        assert n == best
+
+
+def test_evicted_entries_leave_the_index_and_a_row_of_older_weights_is_not_stored():
+    """Entries are keyed by the weights they were computed with: a row admitted before an update
+    (``epoch`` 0) that ends after it is not stored, whatever the order of the two."""
+    cache = filled_cache([list(range(20)), list(range(20, 40))])
+    assert cache.match(list(range(30)))[1] == 20
+    cache.evict_oldest()  # the least recently used: the second, the first was just matched
+    assert cache.match(list(range(20, 45))) == (None, 0) and cache.match(list(range(30)))[1] == 20
+    cache.new_weights()
+    assert cache.entries == {} and cache.index == {} and cache.epoch == 1
+    cache.pool.refs[[1, 2]] += 1
+    cache.store(list(range(20)), [1, 2], epoch=0)  # admitted under the old weights
+    assert cache.entries == {}
+    cache.store(list(range(20)), [1, 2], epoch=1)
+    assert cache.match(list(range(30)))[1] == 20

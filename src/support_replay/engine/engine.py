@@ -431,7 +431,7 @@ class Engine:
 
     def _apply_update(self, arg, future) -> None:
         source, version = arg
-        self.prefix_cache.clear()  # keys and values of other weights (or another version's name) are not these
+        self.prefix_cache.new_weights()  # keys and values of other weights (or another version's name) are not these
         try:
             load_update(self.runner.model, source)
             if version is not None:
@@ -478,6 +478,7 @@ class Engine:
                         bias=bias,
                         need=self._column_need(request),
                         grammar=self.grammars.matcher(request.grammar) if request.grammar is not None else None,
+                        epoch=self.prefix_cache.epoch,
                     )
                 )
             except Exception as exc:

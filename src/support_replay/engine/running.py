@@ -39,6 +39,7 @@ class RunningRequest:
     )  # [n, layers, top_k] chunks: the prompt, then each fed token
     grammar: object = None  # the request's llguidance matcher (structured outputs), built at admission
     need: int = 0  # cache columns reserved: prompt + max_new_tokens + the write column (engine/kv_budget.py)
+    epoch: int = 0  # the weights it was admitted under (PrefixCache.epoch): its keys and values are theirs
 
     def record(self, step: RowStep) -> None:
         """Keep what one step sampled and captured for this request."""

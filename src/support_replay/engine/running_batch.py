@@ -71,7 +71,7 @@ class RunningBatch:
             routing = np.concatenate(seq.routing)[:length] if seq.request.return_routed_experts else None
             if routing is not None and len(routing) != length:
                 routing = None  # not every fed position's experts were kept
-            self.prefix_cache.store(ids, self.cache.row_blocks(row), routing)
+            self.prefix_cache.store(ids, self.cache.row_blocks(row), routing, seq.epoch)
 
     def clear(self) -> list[RunningRequest]:
         """Every row out at once (a step of the whole batch failed); their blocks go back."""
