@@ -283,7 +283,13 @@ def _sessions(args: argparse.Namespace) -> int:
         ttl=args.ttl,
         penalties=penalties,
     )
-    store = SessionStore(backend, ChatRenderer(tokenizer, load_template(args.chat_template)), settings)
+    store = SessionStore(
+        backend,
+        ChatRenderer(tokenizer, load_template(args.chat_template)),
+        settings,
+        max_sessions=args.max_sessions,
+        max_sessions_per_caller=args.max_sessions_per_key,
+    )
     print(
         f"support-replay sessions on http://{args.host}:{args.port} in front of {args.backend_engine} "
         f"at {args.backend} (capture {'on' if capture else 'off'})",
@@ -531,6 +537,14 @@ def _add_sessions(sub) -> None:
         "--chat-template", default=None, help="Jinja file or built-in name (hermes_tools); default: the tokenizer's"
     )
     ss.add_argument("--ttl", type=float, default=900.0, help="seconds an unused session is kept")
+    ss.add_argument("--max-sessions", type=int, default=4096, help="sessions open at once (503 beyond)")
+    ss.add_argument(
+        "--max-sessions-per-key",
+        type=int,
+        default=1024,
+        help="conversations one API key may name with X-Session-ID at once (429 beyond); one key per line of "
+        "--api-key-file, each its own namespace of ids",
+    )
     ss.add_argument("--api-key", default=None, help="as --api-key-file, but visible in the process list")
     _add_key_flags(ss)
     ss.set_defaults(func=_sessions)

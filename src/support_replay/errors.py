@@ -72,6 +72,19 @@ class OverloadedError(EngineError):
         return cls(f"the admission queue is full ({max_queue} waiting); retry later")
 
 
+class SessionsFull(OverloadedError):
+    """The session table is full (HTTP 503, ``Retry-After``): finished, deleted and expired sessions make room."""
+
+    retry_after = 5
+
+
+class SessionQuota(OverloadedError):
+    """This caller (its API key) holds its share of the session table (HTTP 429, ``Retry-After``)."""
+
+    status = 429
+    retry_after = 5
+
+
 class RequestConflict(EngineError):
     """A request id already names another request (another prompt or other settings) (HTTP 409)."""
 

@@ -118,7 +118,7 @@ def test_a_task_scope_makes_one_group_of_client_ids(served):
     assert httpx.get(base + "/v1/models").status_code == 404
 
 
-def test_token_turns_extend_the_trajectory_and_anything_else_splits(served, tiny_agent_checkpoint):
+def test_token_turns_extend_the_trajectory_and_anything_else_is_refused(served, tiny_agent_checkpoint):
     store, url = served
     tok = AutoTokenizer.from_pretrained(tiny_agent_checkpoint)
     prompt = tok("<|im_start|>user\nAdd 3 and 4.<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
@@ -145,7 +145,9 @@ def test_token_turns_extend_the_trajectory_and_anything_else_splits(served, tiny
     rewritten = httpx.post(
         url + "/inference/v1/generate", headers=headers, json={"token_ids": prompt + tool, "sampling_params": sp}
     )
-    assert rewritten.status_code == 200 and "do not extend" in session.splits[0]["why"]
+    # a client-named conversation never splits: other tokens under its id are another conversation (issue 55, 5)
+    assert rewritten.status_code == 409 and "do not extend" in rewritten.text and "never splits" in rewritten.text
+    assert session.splits == [] and len(session.trajectories()) == 1
     for bad, why in [
         ({"temperature": 0.5}, "differs from the run's rollout setting"),
         ({"min_tokens": 2}, "min_tokens"),

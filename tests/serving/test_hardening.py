@@ -453,3 +453,91 @@ def test_the_trainers_session_server_checks_host_and_key(tiny_agent_checkpoint, 
         assert r.status_code == 200  # a session's own URL is its key: plain-HTTP agents keep working
     finally:
         rollouts.close()
+
+
+def sessions_client(tiny_checkpoint, replies, keys=None, **store_kw):
+    from test_sessions import PARAMS, ScriptedBackend
+    from transformers import AutoTokenizer
+
+    from support_replay.rollout.chat import ChatRenderer, builtin_template
+    from support_replay.rollout.session import SessionSettings, SessionStore
+    from support_replay.serving.sessions import create_sessions_app
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    backend = ScriptedBackend(tokenizer, replies)
+    settings = SessionSettings(PARAMS, max_new_tokens=16, ttl=store_kw.pop("ttl", 900.0))
+    store = SessionStore(backend, ChatRenderer(tokenizer, builtin_template("hermes_tools")), settings, **store_kw)
+    return store, TestClient(create_sessions_app(store, keys=keys))
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_refused_first_turns_hold_no_place_in_the_session_table(tiny_checkpoint):
+    """Issue 55, finding 6: a session opened before its turn was checked, so refused requests with new ids filled
+    the table, and every new client got a 500 until the TTL; a full table is now a 503 with Retry-After."""
+    store, client = sessions_client(tiny_checkpoint, ["fine"] * 8, max_sessions=4)
+    for i in range(8):
+        r = client.post("/v1/chat/completions", headers={"X-Session-ID": f"bad-{i}"}, json={"messages": HI, "n": 2})
+        assert r.status_code == 400 and "n=2" in r.text
+        r = client.post(
+            "/v1/chat/completions", headers={"X-Session-ID": f"worse-{i}"}, json={"messages": HI, "temperature": 0.3}
+        )
+        assert r.status_code == 400 and "rollout setting" in r.text  # refused inside the turn, after it opened
+    assert len(store) == 0
+    for i in range(4):
+        r = client.post("/v1/chat/completions", headers={"X-Session-ID": f"good-{i}"}, json={"messages": HI})
+        assert r.status_code == 200, r.text
+    r = client.post("/v1/chat/completions", headers={"X-Session-ID": "one-more"}, json={"messages": HI})
+    assert r.status_code == 503 and r.headers["retry-after"] == "5" and "4 are open" in r.text
+
+
+def test_each_api_key_has_its_own_ids_and_quota(tiny_checkpoint):
+    """Issue 55, finding 5 (and 6's quota): with the shared key anyone who knew or guessed another client's
+    X-Session-ID continued that conversation, its turn trained with the victim's reward, and ``meta_info`` gave
+    out the internal session id. Ids now live in the namespace of the key presented; a history other than the
+    conversation's own is refused (409), not split; the id a client sees is its own."""
+    from support_replay.serving.security import caller_of
+
+    a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+    store, client = sessions_client(
+        tiny_checkpoint, ["one", "two", "three"], keys=Keys(api="key-a", callers=("key-b",)), max_sessions_per_caller=2
+    )
+    first = client.post(
+        "/v1/chat/completions",
+        headers={**a, "X-Session-ID": "trace-1"},
+        json={"messages": HI, "return_meta_info": True},
+    )
+    assert first.status_code == 200, first.text
+    meta = first.json()["choices"][0]["meta_info"]
+    victim = store.clients.session_for("trace-1", caller=caller_of("Bearer key-a"))
+    assert meta["session_id"] == "trace-1" and victim.id not in first.text
+    foreign = [{"role": "user", "content": "ignore that"}, {"role": "assistant", "content": "ok"}, *HI]
+    other = client.post("/v1/chat/completions", headers={**b, "X-Session-ID": "trace-1"}, json={"messages": foreign})
+    assert other.status_code == 200 and victim.turns == 1  # key b's own trace-1, not key a's
+    rewrite = client.post("/v1/chat/completions", headers={**a, "X-Session-ID": "trace-1"}, json={"messages": foreign})
+    assert rewrite.status_code == 409 and "never splits" in rewrite.text
+    assert victim.splits == [] and victim.turns == 1
+    assert (
+        client.post("/v1/chat/completions", headers={**a, "X-Session-ID": "trace-2"}, json={"messages": HI}).status_code
+        == 200
+    )
+    over = client.post("/v1/chat/completions", headers={**a, "X-Session-ID": "trace-3"}, json={"messages": HI})
+    assert over.status_code == 429 and over.headers["retry-after"] == "5" and "quota (2)" in over.text
+    none = client.post("/v1/chat/completions", headers={"X-Session-ID": "trace-4"}, json={"messages": HI})
+    assert none.status_code == 401
+
+
+def test_an_expired_session_is_gone_at_its_next_access(tiny_checkpoint):
+    """Issue 55, finding 6: expiry was only swept when a session opened; a lookup now drops an expired one."""
+    import time
+
+    from support_replay.errors import SessionNotFound
+
+    store, _ = sessions_client(tiny_checkpoint, [], ttl=0.05)
+    session = store.create()
+    assert store.get(session.id) is session
+    time.sleep(0.1)
+    with pytest.raises(SessionNotFound):
+        store.get(session.id)
+    assert len(store) == 0

@@ -28,7 +28,16 @@ from typing import Literal
 
 from ..core.penalties import NO_PENALTIES, Penalties
 from ..core.sampling import SamplingParams
-from ..errors import EngineError, HistoryMismatch, RequestError, SessionBusy, SessionFailed, SessionNotFound, WireError
+from ..errors import (
+    EngineError,
+    HistoryMismatch,
+    RequestError,
+    SessionBusy,
+    SessionFailed,
+    SessionNotFound,
+    SessionsFull,
+    WireError,
+)
 from ..protocol import Completion, GenerateRequest
 from .chat import ChatRenderer, normalize_message, parse_tool_calls
 from .client_sessions import ClientSessions
@@ -150,6 +159,9 @@ class Session:
         self._busy = False
         self._last: tuple[list, object] | None = None  # the last turn's input and answer (a retry gets it again)
         self.kind: str | None = None  # "chat" or "tokens": what its turns are, fixed by the first
+        # the X-Session-ID that names it (client_sessions.py); such a session never splits: a history other than
+        # its own is another conversation under a known or guessed id, not an edit of this one (409)
+        self.client_id: str | None = None
 
     # ---- one turn -------------------------------------------------------------------
 
@@ -212,10 +224,7 @@ class Session:
             f"history check: token_ids ({len(ids)}) do not extend the {len(recorded)} recorded tokens (they differ "
             f"at position {at})"
         )
-        if self.settings.history_policy == "reject":
-            raise HistoryMismatch(
-                f"session {self.id}, turn {self.turns}: {why}; the turn is refused (history_policy=reject)"
-            )
+        self._refuse_split(why)
         fresh.split = f"turn {self.turns}: {why}"
         return fresh
 
@@ -311,11 +320,19 @@ class Session:
             else:
                 inserted = self.renderer.encode(after[len(spelled) :])
                 return _Plan(self.current.ids + inserted, inserted, None)
+        self._refuse_split(why)
+        return self._fresh(messages, tools, f"turn {self.turns}: {why}")
+
+    def _refuse_split(self, why: str) -> None:
+        if self.client_id is not None:
+            raise HistoryMismatch(
+                f"X-Session-ID {self.client_id!r:.80}, turn {self.turns}: {why}; the turn is refused (a conversation "
+                "named by the client never splits: send a new X-Session-ID for a new conversation)"
+            )
         if self.settings.history_policy == "reject":
             raise HistoryMismatch(
                 f"session {self.id}, turn {self.turns}: {why}; the turn is refused (history_policy=reject)"
             )
-        return self._fresh(messages, tools, f"turn {self.turns}: {why}")
 
     def _fresh(self, messages, tools, split: str | None) -> _Plan:
         text = self.renderer.render(messages, tools, generation_prompt=True)
@@ -420,10 +437,12 @@ class SessionStore:
         settings: SessionSettings,
         *,
         max_sessions: int = 4096,
+        max_sessions_per_caller: int = 1024,
         workers: int = 256,
     ):
         self.backend, self.renderer, self.settings = backend, renderer, settings
         self.max_sessions = max_sessions
+        self.max_sessions_per_caller = max_sessions_per_caller  # client-named sessions of one API key
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self.clients = ClientSessions(self)  # sessions keyed by the client's X-Session-ID, task scopes
@@ -437,7 +456,9 @@ class SessionStore:
         self.expire()
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
-                raise EngineError(f"sessions: {self.max_sessions} are open; finish or delete some first")
+                raise SessionsFull(
+                    f"sessions: {self.max_sessions} are open; finished, deleted and expired ones make room"
+                )
             sid = uuid.uuid4().hex
             seed = seed if seed is not None else int.from_bytes(uuid.uuid4().bytes[:7], "little")
             session = Session(sid, settings or self.settings, self.renderer, seed, {})
@@ -446,11 +467,18 @@ class SessionStore:
         return session
 
     def get(self, sid: str) -> Session:
+        """The session ``sid``; one unused for longer than the ttl is dropped here, not only at the next sweep."""
         with self._lock:
             session = self._sessions.get(sid)
+            if session is not None and self._expired(session, time.monotonic()):
+                del self._sessions[sid]
+                session = None
         if session is None:
             raise SessionNotFound(f"session {sid!r:.80}: no such session (never made, deleted, or expired)")
         return session
+
+    def _expired(self, session: Session, now: float) -> bool:
+        return not session._busy and now - session.last_used > session.settings.ttl
 
     def delete(self, sid: str) -> Session:
         with self._lock:
@@ -473,7 +501,7 @@ class SessionStore:
         """Drop sessions unused for longer than the ttl; how many went."""
         now = time.monotonic()
         with self._lock:
-            old = [sid for sid, s in self._sessions.items() if not s._busy and now - s.last_used > self.settings.ttl]
+            old = [sid for sid, s in self._sessions.items() if self._expired(s, now)]
             for sid in old:
                 del self._sessions[sid]
         return len(old)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import os
@@ -192,28 +193,49 @@ class KeyGuard:
         return await self.app(scope, receive, send)
 
 
+def read_keys(env: str, file: str | None) -> tuple[str, ...]:
+    """The keys of ``file`` (one per line) or of the environment variable ``env``; none when neither is set."""
+    if file:
+        keys = tuple(line.strip() for line in Path(file).read_text().splitlines() if line.strip())
+        if not keys:
+            raise ValueError(f"key file {file} is empty")
+        return keys
+    key = os.environ.get(env)
+    return (key,) if key else ()
+
+
 def read_key(env: str, file: str | None) -> str | None:
     """A key from ``file`` (first line) or the environment variable ``env``; None when neither is set."""
-    if file:
-        text = Path(file).read_text().strip()
-        if not text:
-            raise ValueError(f"key file {file} is empty")
-        return text
-    return os.environ.get(env) or None
+    keys = read_keys(env, file)
+    return keys[0] if keys else None
+
+
+def caller_of(authorization: str | None) -> str:
+    """Who sent a request, as far as the server can tell: a digest of the API key it presented (a server with
+    several keys has as many callers; one without a key has one, ""). Client-named sessions live in their
+    caller's namespace (serving/sessions.py), so a caller cannot reach another caller's conversation."""
+    given = (authorization or "").removeprefix("Bearer ").strip()
+    return hashlib.sha256(given.encode()).hexdigest()[:16] if given else ""
 
 
 @dataclass(frozen=True)
 class Keys:
-    """``api`` guards generation, ``admin`` guards weights, cache and version routes."""
+    """``api`` guards generation, ``admin`` guards weights, cache and version routes. ``callers``: more API keys,
+    one per caller (the API key file's later lines): each opens its own client-named sessions, with its own
+    quota (serving/sessions.py); ``api`` is the one our own clients send."""
 
     api: str | None = None
     admin: str | None = None
+    callers: tuple[str, ...] = ()
 
     @classmethod
     def load(
         cls, api_key_file: str | None = None, admin_key_file: str | None = None, api_key: str | None = None
     ) -> Keys:
-        return cls(api=api_key or read_key(API_KEY_ENV, api_key_file), admin=read_key(ADMIN_KEY_ENV, admin_key_file))
+        if api_key:
+            return cls(api=api_key, admin=read_key(ADMIN_KEY_ENV, admin_key_file))
+        api = read_keys(API_KEY_ENV, api_key_file)
+        return cls(api=api[0] if api else None, admin=read_key(ADMIN_KEY_ENV, admin_key_file), callers=api[1:])
 
     def needed(self, *, admin: bool) -> str | None:
         """The key a route asks for: admin routes take the admin key, or the API key when only that is set
@@ -226,7 +248,8 @@ class Keys:
         if needed is None:
             return True
         given = (authorization or "").removeprefix("Bearer ").encode()
-        return hmac.compare_digest(given, needed.encode())
+        accepted = (needed,) if admin else (needed, *self.callers)
+        return any([hmac.compare_digest(given, key.encode()) for key in accepted])  # a list: every key compared
 
     def header(self, *, admin: bool) -> dict:
         key = self.needed(admin=admin)

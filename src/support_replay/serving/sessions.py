@@ -23,7 +23,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..errors import RequestError
+from ..errors import EngineError, RequestError
 from ..protocol import SESSION_HEADER, Completion, GenerateRequest
 from ..rollout.chat import parses_tool_calls
 from ..rollout.session import ChatTurn, SessionStore, TokenTurn, TurnResult
@@ -33,7 +33,7 @@ from .http_errors import install_error_handlers
 from .openai_format import chat_choice, chat_response, chat_stream, token_logprobs
 from .openai_routes import as_log_mu
 from .request_fields import check_undeclared
-from .security import Keys, guarded
+from .security import Keys, caller_of, guarded
 from .session_streaming import live_turn
 from .structured_outputs import response_format_grammar, tool_choice_grammar
 from .vllm_routes import ROUTE as VLLM_GENERATE
@@ -128,9 +128,10 @@ class SessionChatIn(BaseModel):
 def turn_meta(store: SessionStore, sid: str, result: TurnResult) -> dict:
     """Replay metadata of one turn, only when asked: what the model sampled and its support."""
     c = result.completion
+    session = store.get(sid)
     meta = {
-        "session_id": sid,
-        "turn": store.get(sid).turns - (1 if c is not None else 0),
+        "session_id": public_id(session),
+        "turn": session.turns - (1 if c is not None else 0),
         "split": result.split,
         "prompt_tokens": result.prompt_tokens,
     }
@@ -150,6 +151,12 @@ def turn_meta(store: SessionStore, sid: str, result: TurnResult) -> dict:
                 }
             )
     return meta
+
+
+def public_id(session) -> str:
+    """The id a client may see: its own X-Session-ID for a conversation it named (the internal id opens the
+    session's URLs, and a client that did not make it has no business holding it)."""
+    return session.client_id if session.client_id is not None else session.id
 
 
 def _status(s) -> dict:
@@ -186,9 +193,10 @@ def token_turn(body: VLLMGenerateIn) -> TokenTurn:
     )
 
 
-def session_routes(store: SessionStore, model_name: str = "support-replay") -> APIRouter:
+def session_routes(store: SessionStore, model_name: str = "support-replay", namespaced: bool = False) -> APIRouter:
     """A session's routes under ``/sessions/<id>``; the same under ``/tasks/<task>`` and at the root for a
-    client that names its conversations with ``X-Session-ID``."""
+    client that names its conversations with ``X-Session-ID`` (``namespaced``: in the namespace of the API key
+    it presented, where the server checks keys)."""
     routes = APIRouter()
     eos = {store.renderer.tokenizer.eos_token_id}
 
@@ -198,8 +206,15 @@ def session_routes(store: SessionStore, model_name: str = "support-replay") -> A
         session = store.create(seed=body.seed, metadata=body.metadata)
         return {"session_id": session.id, "id": session.id}
 
-    async def chat(sid: str, body: SessionChatIn):
+    async def chat(sid, body: SessionChatIn):
+        """One chat turn; ``sid`` the session's id, or a function of the turn that opens it (a client-named
+        conversation opens once the turn has passed its own checks)."""
         turn = body.to_turn()
+        if callable(sid):
+            return await sid(lambda opened: chat_turn(opened, body, turn))
+        return await chat_turn(sid, body, turn)
+
+    async def chat_turn(sid: str, body: SessionChatIn, turn):
         usage = bool((body.stream_options or {}).get("include_usage"))
 
         def respond(result: TurnResult) -> dict:
@@ -223,16 +238,36 @@ def session_routes(store: SessionStore, model_name: str = "support-replay") -> A
             return StreamingResponse(chat_stream(response, usage), media_type="text/event-stream")
         return response
 
-    async def tokens(sid: str, body: VLLMGenerateIn):
-        request, completion = await store.tokens(sid, token_turn(body))
+    async def tokens(sid, body: VLLMGenerateIn):
+        turn = token_turn(body)
+        if callable(sid):
+            return await sid(lambda opened: token_answer(opened, body, turn))
+        return await token_answer(sid, body, turn)
+
+    async def token_answer(sid: str, body: VLLMGenerateIn, turn):
+        request, completion = await store.tokens(sid, turn)
         if completion is None:  # the episode's budget is spent: nothing generated, the trajectory as it was
             completion = Completion(output_ids=[], finish_reason={"type": "length"}, log_mu=np.zeros(0, np.float32))
             request = GenerateRequest(list(body.token_ids))
         decode = store.renderer.decode
         return generate_response(body, [request], [as_log_mu(completion)], model=model_name, decode=decode, eos_ids=eos)
 
-    def keyed(request: Request, task: str | None) -> str:
-        return store.clients.session_for(request.headers.get(SESSION_HEADER), task).id
+    def keyed(request: Request, task: str | None):
+        """The turn of the conversation the client names: opened on first sight, and gone again when that first
+        turn is refused (4xx), so refused requests hold no place in the session table."""
+        client_id = request.headers.get(SESSION_HEADER)
+        caller = caller_of(request.headers.get("authorization")) if namespaced else ""
+
+        async def run(turn):
+            session, opened = store.clients.open_or_find(client_id, task, caller)
+            try:
+                return await turn(session.id)
+            except EngineError as exc:
+                if opened and exc.status < 500 and session.turns == 0:
+                    store.clients.forget(client_id, task, caller, session.id)
+                raise
+
+        return run
 
     @routes.post("/sessions/{sid}/v1/chat/completions")
     async def session_chat(sid: str, body: SessionChatIn):
@@ -263,7 +298,7 @@ def session_routes(store: SessionStore, model_name: str = "support-replay") -> A
         body = body or FinishIn()
         session = store.clients.find(request.headers.get(SESSION_HEADER), task)
         store.finish(session.id, body.reward, body.metadata)
-        return {"session_id": session.id, "finished": True}
+        return {"session_id": public_id(session), "finished": True}
 
     @routes.get("/sessions/{sid}/v1/models")
     async def session_models(sid: str):
@@ -325,7 +360,7 @@ def create_sessions_app(
     async def models():
         return model_listing(model_name)
 
-    app.include_router(session_routes(store, model_name))
+    app.include_router(session_routes(store, model_name, namespaced=(keys or Keys()).api is not None))
     open_paths = ("/health", "/sessions/", "/tasks/") if session_urls_open else ("/health",)
     return guarded(
         app, keys or Keys(), (), open_paths, allowed_hosts=allowed_hosts, max_request_bytes=max_request_bytes
