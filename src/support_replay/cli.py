@@ -98,6 +98,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_stop_string_length=args.max_stop_string_length,
         max_batch_size=args.max_batch_size,
         max_queue=args.max_queue,
+        max_capture_ids=args.max_capture_ids,
+        max_capture_ids_running=args.max_capture_ids_running,
+        max_json_capture_bytes=args.max_json_capture_bytes,
     )
     keys = _keys(args)
     if args.mem_fraction_static is not None and args.max_total_tokens is not None:
@@ -252,8 +255,10 @@ def _sessions(args: argparse.Namespace) -> int:
 
     from .core.penalties import Penalties
     from .core.sampling import SamplingParams
+    from .engine.limits import EngineLimits
     from .rollout.chat import ChatRenderer, load_template
     from .rollout.session import SessionSettings, SessionStore
+    from .rollout.text_bound import TextBound
     from .serving.sessions import serve_sessions
 
     keys = _keys(args)
@@ -285,7 +290,10 @@ def _sessions(args: argparse.Namespace) -> int:
     )
     store = SessionStore(
         backend,
-        ChatRenderer(tokenizer, load_template(args.chat_template)),
+        # a session's prompt text that cannot fit an engine's default prompt limit is refused before it is rendered
+        ChatRenderer(
+            tokenizer, load_template(args.chat_template), TextBound.of(tokenizer, EngineLimits().max_prompt_tokens)
+        ),
         settings,
         max_sessions=args.max_sessions,
         max_sessions_per_caller=args.max_sessions_per_key,
@@ -428,6 +436,25 @@ def _add_serve(sub) -> None:
         type=int,
         default=defaults.max_prompt_tokens,
         help="longest prompt (at most the model's context length)",
+    )
+    srv.add_argument(
+        "--max-capture-ids",
+        type=int,
+        default=defaults.max_capture_ids,
+        help="support ids one body (all its n samples) may capture at most: max_new_tokens x top_k (or x "
+        "--sampling-mask-max-tokens where no top_k bounds a row), summed; 400 beyond",
+    )
+    srv.add_argument(
+        "--max-capture-ids-running",
+        type=int,
+        default=defaults.max_capture_ids_running,
+        help="support ids the running requests may hold captured at once; past it new requests wait",
+    )
+    srv.add_argument(
+        "--max-json-capture-bytes",
+        type=int,
+        default=defaults.max_json_capture_bytes,
+        help="an answer's captured support as JSON id lists; 400 beyond, naming sampling_mask_format=binary",
     )
     srv.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings)
     srv.add_argument("--max-stop-string-length", type=int, default=defaults.max_stop_string_length)

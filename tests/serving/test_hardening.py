@@ -541,3 +541,106 @@ def test_an_expired_session_is_gone_at_its_next_access(tiny_checkpoint):
     with pytest.raises(SessionNotFound):
         store.get(session.id)
     assert len(store) == 0
+
+
+# ---- round three, finding 2: what one request may capture -------------------------------------------
+
+
+def capture_limited(tiny_checkpoint, **limits):
+    from support_replay.engine.limits import EngineLimits
+
+    engine = Engine.from_pretrained(tiny_checkpoint, limits=EngineLimits(**limits)).start()
+    return engine, TestClient(create_app(engine, allowed_hosts=["testserver"]))
+
+
+HOSTILE_CAPTURE = {
+    "prompt": "hi",
+    "n": 8,
+    "max_tokens": 1000,
+    "ignore_eos": True,
+    "temperature": 50,
+    "top_k": 384,
+    "return_sampling_mask": True,
+    "return_meta_info": True,
+    "sampling_logprobs_mode": "support",
+}
+
+
+def test_a_body_that_may_capture_past_the_budget_is_refused_before_it_runs(tiny_checkpoint):
+    """Issue 55, finding 2: nothing bounded n x max_new_tokens x support per request; this 192-byte body got a
+    66.7 MiB answer (481 MB of RSS) on the tiny model. Its worst case is counted when it is validated."""
+    engine, client = capture_limited(tiny_checkpoint, max_capture_ids=1_000_000)
+    try:
+        r = client.post("/v1/completions", json=HOSTILE_CAPTURE)
+        assert r.status_code == 400 and "may capture 3,072,000 support ids" in r.text and "1,000,000" in r.text
+        assert "max_new_tokens 1000 x 384 ids per token" in r.text
+        r = client.post("/generate", json={"text": "hi", "sampling_params": {"top_p": 0.9, "max_new_tokens": 300},
+                                           "return_sampling_mask": True})  # fmt: skip
+        assert r.status_code == 400 and "300 x 4096 ids per token" in r.text  # no top_k: the capacity bounds a row
+        assert sum(engine.stats.requests.values()) == 0 and client.get("/health").status_code == 200
+    finally:
+        engine.shutdown()
+
+
+def test_an_answer_too_large_as_json_lists_names_the_binary_form(tiny_checkpoint):
+    """Issue 55, finding 2: past ``max_json_capture_bytes`` a JSON answer is a 400 naming its size and the binary
+    form, never a silent switch of format; the binary form of the same body is answered."""
+    engine, client = capture_limited(tiny_checkpoint, max_json_capture_bytes=64 * 1024)
+    body = {**HOSTILE_CAPTURE, "n": 2, "max_tokens": 12, "seed": 1}
+    try:
+        r = client.post("/v1/completions", json=body)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and '"sampling_mask_format": "binary"' in message and "MiB as JSON lists" in message
+        assert "(9,216 ids)" in message and "65,536 bytes" in message
+        binary = client.post("/v1/completions", json={**body, "sampling_mask_format": "binary"})
+        assert binary.status_code == 200 and len(binary.json()["choices"]) == 2
+        native = {"text": "hi", "sampling_params": {"top_k": 384, "temperature": 50, "max_new_tokens": 12,
+                                                    "ignore_eos": True}, "return_sampling_mask": True,
+                  "sampling_logprobs_mode": "support"}  # fmt: skip
+        assert client.post("/generate", json=native).status_code == 400
+        assert client.post("/generate", json={**native, "sampling_mask_format": "binary"}).status_code == 200
+    finally:
+        engine.shutdown()
+
+
+def test_running_rows_hold_a_capture_budget_and_new_requests_wait_for_it(tiny_checkpoint):
+    """Issue 55, finding 2: captured ids in flight count against ``max_capture_ids_running``; past it a new
+    request waits for running rows to finish (it is not refused, and nothing is lost)."""
+    from support_replay import SamplingParams
+    from support_replay.engine.limits import EngineLimits
+    from support_replay.protocol import GenerateRequest
+
+    engine = Engine.from_pretrained(tiny_checkpoint, limits=EngineLimits(max_capture_ids_running=1))
+    request = lambda seed: GenerateRequest(  # noqa: E731
+        [5, 6, 7], SamplingParams(top_k=8, seed=seed), max_new_tokens=4, ignore_eos=True, return_sampling_mask=True
+    )
+    first = engine.submit(request(1))
+    engine.step()
+    assert engine.num_running == 1 and engine.batch.captured_ids() > 1
+    second = engine.submit(request(2))
+    engine.step()
+    assert engine.num_running == 1 and engine.num_waiting == 1  # waits: the running row holds the budget
+    while not second.done():
+        engine.step()
+    assert first.result().num_tokens == 4 and second.result().num_tokens == 4
+
+
+# ---- round three, finding 4: text that cannot fit is refused before it is tokenized ------------------
+
+
+def test_text_that_cannot_fit_the_prompt_limit_is_refused_before_tokenizing(api_key_only):
+    """Issue 55, finding 4: a 7 MB chat message was rendered and tokenized on the event loop (10.2 s, /health
+    waiting as long) before its 400; text longer than the prompt limit allows is now refused before any work,
+    and what is tokenized is tokenized off the event loop."""
+    client, engine, _ = api_key_only
+    huge = "word " * 1_400_000  # 7 MB
+    for path, body in [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+        ("/v1/completions", {"prompt": huge}),
+        ("/generate", {"text": huge}),
+    ]:
+        r = client.post(path, json=body, headers=API)
+        assert r.status_code == 400 and "characters cannot fit the limit of" in r.text and "before tokenizing" in r.text
+    ok = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                     headers=API)  # fmt: skip
+    assert ok.status_code == 200 and sum(engine.stats.requests.values()) == 1

@@ -267,8 +267,32 @@ class Engine:
         so a GRPO group sent at once shares its prompt's prefill (one at a time, the loop could take
         the first before the rest arrived and prefill them again, one step later)."""
         callbacks = on_token or [None] * len(requests)
+        self.check_capture_budget(requests)
         with self.scheduler.lock:
             return [self.submit(r, cb) for r, cb in zip(requests, callbacks)]
+
+    def capture_bound(self, request: GenerateRequest) -> int:
+        """The most support ids ``request`` may capture: per token its top_k, or the capacity where no top_k
+        bounds the row (top_p, min_p)."""
+        if not request.return_sampling_mask:
+            return 0
+        k = request.params.top_k
+        return request.max_new_tokens * (min(k, self.capacity) if k > 0 else self.capacity)
+
+    def check_capture_budget(self, requests: list[GenerateRequest]) -> None:
+        """400 for a body whose requests together may capture more than ``limits.max_capture_ids`` ids (a
+        192-byte body asked for 66.7 MiB of support; at SmolLM2's defaults with n=64, about 170 GB)."""
+        bounds = [self.capture_bound(r) for r in requests]
+        total, limit = sum(bounds), self.limits.max_capture_ids
+        if total > limit:
+            worst = max(range(len(requests)), key=bounds.__getitem__)
+            r = requests[worst]
+            per = bounds[worst] // max(r.max_new_tokens, 1)
+            raise RequestError(
+                f"return_sampling_mask: {len(requests)} request(s) may capture {total:,} support ids (the largest: "
+                f"max_new_tokens {r.max_new_tokens} x {per} ids per token, its top_k or sampling_mask_max_tokens), "
+                f"over this engine's max_capture_ids of {limit:,}; ask for fewer samples, tokens or a smaller top_k"
+            )
 
     def abort(self, future: Future) -> None:
         """The client of ``future`` went away: drop its request, waiting or running."""
@@ -458,6 +482,8 @@ class Engine:
 
         while peak() > budget.max_total_tokens and self.prefix_cache.entries:  # cached prefixes give way
             self.prefix_cache.evict_oldest()
+        if self.batch and self.batch.captured_ids() > self.limits.max_capture_ids_running:
+            return False  # the running rows hold their capture budget: the request waits for some to finish
         return peak() <= budget.max_total_tokens
 
     def _admit(self, admitted) -> None:

@@ -19,6 +19,13 @@ class EngineLimits:
     max_stop_token_ids: int = 64
     max_batch_size: int = 64  # sequences decoded together
     max_queue: int = 256  # requests waiting for a slot; beyond it: 503
+    # support ids one body (its n requests together) may capture at most: max_new_tokens x (top_k, or the
+    # capacity where no top_k bounds a row), summed; a top-p request of 4,096 tokens at capacity 4,096 is 2^24
+    max_capture_ids: int = 2**26
+    # support ids the running rows may hold captured at once; past it admissions wait for rows to finish
+    max_capture_ids_running: int = 2**27
+    # an answer's captured support as JSON id lists (and per-id log-probs); past it: 400 naming the binary form
+    max_json_capture_bytes: int = 32 * 2**20
 
     def __post_init__(self):
         for name, value in asdict(self).items():

@@ -39,12 +39,14 @@ class RunningRequest:
     )  # [n, layers, top_k] chunks: the prompt, then each fed token
     grammar: object = None  # the request's llguidance matcher (structured outputs), built at admission
     need: int = 0  # cache columns reserved: prompt + max_new_tokens + the write column (engine/kv_budget.py)
+    captured: int = 0  # support ids captured so far (EngineLimits.max_capture_ids_running)
     epoch: int = 0  # the weights it was admitted under (PrefixCache.epoch): its keys and values are theirs
 
     def record(self, step: RowStep) -> None:
         """Keep what one step sampled and captured for this request."""
         if step.support is not None:
             self.supports.append(step.support)
+            self.captured += len(step.support)
             self.log_mu.append(step.log_mu)
             if step.support_row_logprobs is not None:
                 self.support_row_logprobs.append(step.support_row_logprobs)

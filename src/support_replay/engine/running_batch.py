@@ -49,6 +49,10 @@ class RunningBatch:
             s.position += 1
         return logits
 
+    def captured_ids(self) -> int:
+        """Support ids the running rows hold captured."""
+        return sum(s.captured for s in self.rows)
+
     def retire(self) -> list[RunningRequest]:
         """Take the finished rows out (their slots free) and return them."""
         keep = [i for i, s in enumerate(self.rows) if s.finish_reason is None]

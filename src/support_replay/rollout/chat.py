@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import RequestError
+from .text_bound import TextBound
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
@@ -96,11 +97,13 @@ def template_renders_tools(template: str | None, tokenizer) -> bool:
 class ChatRenderer:
     """Renders normalized messages with one template to text, and text to token ids."""
 
-    def __init__(self, tokenizer, template: str | None = None):
+    def __init__(self, tokenizer, template: str | None = None, bound: TextBound | None = None):
         self.tokenizer, self.template = tokenizer, template
         self.renders_tools = template_renders_tools(template, tokenizer)
+        self.bound = bound or TextBound()  # text that cannot fit the prompt limit is refused before any work
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+        self.bound.check([messages, tools], "messages")
         if tools and not self.renders_tools:
             raise RequestError(
                 "tools: the model's chat template cannot render tools; start with --chat-template hermes_tools or a "
@@ -120,6 +123,7 @@ class ChatRenderer:
             ) from exc
 
     def encode(self, text: str) -> list[int]:
+        self.bound.check(text, "prompt")
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:

@@ -10,14 +10,16 @@ from fastapi import Request
 from ..engine import Engine
 from ..errors import EngineError, SupportReplayError
 from ..protocol import Completion, GenerateRequest
+from ..rollout.text_bound import TextBound
 from .disconnects import unless_disconnected
-from .sglang_format import ResponseForm, meta_info
+from .sglang_format import ResponseForm, check_json_capture, meta_info
 from .token_stream import IncrementalText, TokenStream
 
 
 class EngineCalls:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, bound: TextBound | None = None):
         self.engine = engine
+        self.bound = bound or TextBound()  # prompt text that cannot fit is refused before it is tokenized
 
     async def run(self, requests: list[GenerateRequest], http_request: Request) -> list[Completion]:
         """Submit, wait, and drop the requests from the engine if the client goes away meanwhile."""
@@ -44,9 +46,16 @@ class EngineCalls:
         return IncrementalText(self.engine.tokenizer, request, self.engine.eos_ids)
 
     def tokenize(self, text: str) -> list[int]:
+        self.bound.check(text, "text")
         return self.engine.tokenizer(text)["input_ids"]
 
+    def check_json(self, requests: list[GenerateRequest], completions: list[Completion], form: ResponseForm) -> None:
+        """400 before an answer's ``meta_info`` is built when its capture would be too large as JSON lists."""
+        limit = self.engine.limits.max_json_capture_bytes
+        check_json_capture(zip(requests, completions), form, self.engine.vocab_size, limit)
+
     def meta_info(self, completion: Completion, request: GenerateRequest, form: ResponseForm) -> dict:
+        self.check_json([request], [completion], form)  # a streamed answer's last chunk, one completion at a time
         routing = self.engine.runner.routing
         experts = routing.shape.num_experts if routing is not None else 0
         return meta_info(completion, request, form=form, vocab_size=self.engine.vocab_size, num_experts=experts)

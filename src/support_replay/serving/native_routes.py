@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from fastapi import APIRouter, Request
@@ -48,11 +49,15 @@ def native_routes(calls: EngineCalls, model_name: str) -> APIRouter:
 
     @routes.post("/generate")
     async def generate(request: Request, body: GenerateIn):
-        reqs = body.to_requests(calls.tokenize, engine.limits.max_queue)
+        if body.text is not None:  # tokenized off the event loop
+            reqs = await asyncio.to_thread(body.to_requests, calls.tokenize, engine.limits.max_queue)
+        else:
+            reqs = body.to_requests(calls.tokenize, engine.limits.max_queue)
         fmt = ResponseForm(body.sampling_mask_format, body.routed_experts_format, body.routed_experts_start_len)
         if body.stream:
             return streamed(reqs[0], fmt)
         results = await calls.run(reqs, request)
+        calls.check_json(reqs, results, fmt)
         out = [answer(req, res, fmt, uuid.uuid4().hex) for req, res in zip(reqs, results)]
         return out if body.batched else out[0]
 

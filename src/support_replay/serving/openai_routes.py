@@ -12,6 +12,7 @@ the output are parsed in the Hermes format. Streams leave token by token as the 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from typing import Any, ClassVar, Literal
@@ -192,7 +193,8 @@ class OpenAIHandlers:
     async def chat(self, request: Request, body: ChatIn):
         renderer = self.renderer
         messages = [normalize_message(m, i) for i, m in enumerate(body.messages)]
-        ids = renderer.encode(renderer.render(messages, body.tools, generation_prompt=True))
+        # rendering and tokenizing off the event loop (a long text no longer holds /health and every other client)
+        ids = await asyncio.to_thread(lambda: renderer.encode(renderer.render(messages, body.tools, True)))
         top = body.top_logprobs or 0
         sp = body.sampling(body.max_completion_tokens or body.max_tokens, 256)
         reqs = requests_for(body, ids, sp, log_mu=body.logprobs or bool(top), top=top)
@@ -201,6 +203,7 @@ class OpenAIHandlers:
         if stream is not None:
             return self._chat_live(stream, body, reqs, len(ids), top)
         results = [as_log_mu(c) for c in await self.run(reqs, request)]
+        self._check_json(body, reqs, results)
         choices = [self._chat_choice(i, body, req, c, top) for i, (req, c) in enumerate(zip(reqs, results))]
         completion_tokens = sum(c.num_tokens for c in results)
         model = body.model or self.model_name
@@ -280,6 +283,11 @@ class OpenAIHandlers:
         )
         return StreamingResponse(lines, media_type="text/event-stream")
 
+    def _check_json(self, body, reqs, results) -> None:
+        """The whole body's capture against the JSON limit (``EngineCalls.check_json``), before any is built."""
+        if body.return_meta_info and self.live is not None:
+            self.live.check_json(reqs, results, ResponseForm(body.sampling_mask_format))
+
     def _meta(self, body, req, c: Completion) -> dict:
         return {"output_ids": c.output_ids, **self.meta_info(c, req, ResponseForm(body.sampling_mask_format))}
 
@@ -292,7 +300,8 @@ class OpenAIHandlers:
         if not prompts:
             raise RequestError("prompt: empty")
         check_fan_out(len(prompts), body.n, self.max_requests)
-        ids = [self.renderer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        encode = self.renderer.encode
+        ids = await asyncio.to_thread(lambda: [encode(p) if isinstance(p, str) else list(p) for p in prompts])
         top = body.logprobs or 0
         sp = body.sampling(body.max_tokens, 16)  # OpenAI's default max_tokens for completions
         reqs = [r for p in ids for r in requests_for(body, p, sp, log_mu=body.logprobs is not None, top=top)]
@@ -300,6 +309,7 @@ class OpenAIHandlers:
         if stream is not None:
             return self._completions_live(stream, body, reqs)
         results = [as_log_mu(c) for c in await self.run(reqs, request)]
+        self._check_json(body, reqs, results)
         choices = []
         for i, (req, c) in enumerate(zip(reqs, results)):
             choice = text_choice(i, c.text, openai_finish(c), c, self.renderer.decode, body.logprobs)

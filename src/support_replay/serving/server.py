@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from ..engine import Engine
 from ..errors import ConfigError, EngineError, OverloadedError
 from ..rollout.chat import ChatRenderer
+from ..rollout.text_bound import TextBound
 from . import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES, NO_TELEMETRY
 from .admin_routes import admin_routes
 from .engine_calls import EngineCalls
@@ -57,8 +58,9 @@ def create_app(
         engine.start()
     app = FastAPI(title="support-replay engine", telemetry=NO_TELEMETRY)
     install_error_handlers(app)
-    calls = EngineCalls(engine)
-    renderer = ChatRenderer(engine.tokenizer, chat_template)
+    bound = TextBound.of(engine.tokenizer, engine.limits.max_prompt_tokens)  # text refused before it is tokenized
+    calls = EngineCalls(engine, bound)
+    renderer = ChatRenderer(engine.tokenizer, chat_template, bound)
     app.include_router(health_routes(engine, model_name))
     app.include_router(native_routes(calls, model_name))
     app.include_router(admin_routes(engine, Path(weights_dir).resolve() if weights_dir else None))

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..core import wire
 from ..core.routing import encode_int32, encode_npy
+from ..errors import RequestError
 from ..protocol import Completion, GenerateRequest
 
 
@@ -61,3 +62,30 @@ def meta_info(
         npy = form.routed_experts_format == "npy"
         meta["routed_experts"] = encode_npy(routed, num_experts) if npy else encode_int32(routed)
     return meta
+
+
+def json_capture_bytes(completion: Completion, request: GenerateRequest, vocab_size: int) -> int:
+    """About the bytes of ``completion``'s captured support as JSON id lists: an id's digits and ", ", and in
+    support mode its log-prob's (a float's repr runs to some 20 characters)."""
+    if not request.return_sampling_mask or completion.support is None:
+        return 0
+    per_id = len(str(max(vocab_size - 1, 0))) + 2
+    if request.sampling_logprobs_mode == "support":
+        per_id += 22
+    return int(completion.support.ids.size) * per_id
+
+
+def check_json_capture(answers, form: ResponseForm, vocab_size: int, limit: int) -> None:
+    """400 for an answer (``(request, completion)`` pairs) whose captured support would pass ``limit`` bytes as
+    JSON lists; the binary form is never chosen silently for a client that asked for lists."""
+    if form.sampling_mask_format == "binary":
+        return
+    pairs = list(answers)
+    total = sum(json_capture_bytes(c, r, vocab_size) for r, c in pairs)
+    if total > limit:
+        ids = sum(int(c.support.ids.size) for r, c in pairs if r.return_sampling_mask and c.support is not None)
+        raise RequestError(
+            f"sampling_mask_format: the captured support of this answer ({ids:,} ids) is about {total / 2**20:.1f} "
+            f"MiB as JSON lists, over this engine's max_json_capture_bytes of {limit:,} bytes; ask for "
+            '"sampling_mask_format": "binary" (ids packed, log-probs float32) or for fewer samples or tokens'
+        )
