@@ -101,6 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_capture_ids=args.max_capture_ids,
         max_capture_ids_running=args.max_capture_ids_running,
         max_json_capture_bytes=args.max_json_capture_bytes,
+        **{name: getattr(args, name) for name in GRAMMAR_LIMITS},
     )
     keys = _keys(args)
     if args.mem_fraction_static is not None and args.max_total_tokens is not None:
@@ -379,6 +380,15 @@ SERVE_SGLANG_FLAGS = (
 )
 
 
+# structured outputs' bounds (engine/grammar.py): serve flags named as the EngineLimits fields they set
+GRAMMAR_LIMITS = {
+    "max_grammar_requests": "grammar-constrained requests one body may carry; 400 beyond",
+    "max_grammars_cached": "distinct compiled grammars kept (an LRU); a request copies its grammar's matcher",
+    "grammar_compile_ms": "a grammar's compile in the grammar worker process; past it the process is killed, 400",
+    "max_grammar_compiles_waiting": "grammars waiting for the grammar worker process; 503 beyond",
+}
+
+
 def _add_serve(sub) -> None:
     """The `serve` command: the engine server and its limits."""
     srv = sub.add_parser("serve", help="run the engine server (SGLang /generate, OpenAI chat completions)")
@@ -456,6 +466,8 @@ def _add_serve(sub) -> None:
         default=defaults.max_json_capture_bytes,
         help="an answer's captured support as JSON id lists; 400 beyond, naming sampling_mask_format=binary",
     )
+    for name, help in GRAMMAR_LIMITS.items():
+        srv.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name), help=help)
     srv.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings)
     srv.add_argument("--max-stop-string-length", type=int, default=defaults.max_stop_string_length)
     srv.add_argument(

@@ -144,7 +144,14 @@ class Engine:
         self._seed_source = torch.Generator().manual_seed(seed)
         self.ledger = Ledger(self.limits.max_queue)  # queue count, request ids, aborts, counters
         self.scheduler = Scheduler(self.ledger)
-        self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_ids)
+        self.grammars = Grammars(
+            tokenizer,
+            self.vocab_size,
+            self.eos_ids,
+            cached=limits.max_grammars_cached,
+            seconds=limits.grammar_compile_ms / 1000,
+            waiting=limits.max_grammar_compiles_waiting,
+        )
         select = top_candidates.selection() if torch.device(device).type == "cpu" else None
         self.sample = SamplingStep(semantics, self.capacity, frozenset(self.eos_ids), self.grammars, select)
         self.stops = StopConditions(tokenizer, self.eos_ids)
@@ -197,6 +204,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.grammars.close()  # the grammar compiler's process, if one was started
 
     # ---- public API ---------------------------------------------------------------
 
@@ -259,6 +267,8 @@ class Engine:
         answered = self.ledger.enqueue(request, future)
         if answered is not None:  # a copy of the same rid, or a full queue
             return answered
+        if request.grammar is not None:
+            self.grammars.hold(future, request.grammar)  # compiled by validate: admission only copies it
         self.scheduler.put("generate", request, future)
         return future
 
@@ -268,6 +278,7 @@ class Engine:
         the first before the rest arrived and prefill them again, one step later)."""
         callbacks = on_token or [None] * len(requests)
         self.check_capture_budget(requests)
+        self.limits.check_body(requests)
         with self.scheduler.lock:
             return [self.submit(r, cb) for r, cb in zip(requests, callbacks)]
 
@@ -503,7 +514,7 @@ class Engine:
                         position=len(request.input_ids),
                         bias=bias,
                         need=self._column_need(request),
-                        grammar=self.grammars.matcher(request.grammar) if request.grammar is not None else None,
+                        grammar=self.grammars.matcher(request.grammar, future) if request.grammar is not None else None,
                         epoch=self.prefix_cache.epoch,
                     )
                 )

@@ -13,18 +13,43 @@ backend, as a self-contained Rust wheel (xgrammar pulls triton and apache-tvm-ff
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import weakref
+from collections import OrderedDict
+
 import numpy as np
 import torch
 
 from ..errors import RequestError
+from .grammar_check import GrammarChecker, first_line
 
 
 class Grammars:
-    """The engine's grammar compiler: one llguidance tokenizer, a matcher per constrained request."""
+    """The engine's grammar compiler: one llguidance tokenizer, one compiled matcher per distinct grammar (an LRU
+    of ``cached``), a copy of it per constrained request. The server compiles a body's new grammars before it
+    submits them (``prepare``: first in the killable worker process under its deadline, then here in a worker
+    thread, llguidance dropping the GIL), so neither the event loop nor the engine's thread compiles."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int]):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_ids: set[int],
+        *,
+        cached: int = 64,
+        seconds: float = 5.0,
+        waiting: int = 16,
+    ):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
+        self.cached, self.seconds, self.waiting = cached, seconds, waiting
         self._ll = None  # built on the first grammar: most engines never see one
+        self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> matcher in its initial state
+        self._lock = threading.Lock()
+        self._held = weakref.WeakKeyDictionary()  # a submitted request's future -> its compiled matcher
+        self._checker: GrammarChecker | None = None
+        self._compiling: dict[str, asyncio.Future] = {}  # grammars being prepared (on the event loop)
+        self.compiles = 0  # matchers built in this process
 
     @property
     def ll_tokenizer(self):
@@ -34,21 +59,86 @@ class Grammars:
             self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids)
         return self._ll
 
-    def check(self, grammar: str) -> None:
-        """Refuse (400) a grammar llguidance cannot compile against this tokenizer."""
+    @property
+    def checker(self) -> GrammarChecker:
+        if self._checker is None:
+            self._checker = GrammarChecker(self.tokenizer, self.vocab_size, self.eos_ids, self.seconds, self.waiting)
+        return self._checker
+
+    def _lookup(self, grammar: str):
+        with self._lock:
+            template = self._compiled.get(grammar)
+            if template is not None:
+                self._compiled.move_to_end(grammar)
+            return template
+
+    def _keep(self, grammar: str, template) -> None:
+        with self._lock:
+            self._compiled[grammar] = template
+            self._compiled.move_to_end(grammar)
+            while len(self._compiled) > self.cached:
+                self._compiled.popitem(last=False)
+
+    def _build(self, grammar: str):
+        """Build ``grammar``'s matcher here (the caller's thread; llguidance drops the GIL meanwhile)."""
         import llguidance
 
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
-        if error:
-            raise RequestError(f"grammar: {error}")
-
-    def matcher(self, grammar: str):
-        import llguidance
-
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar)
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        self.compiles += 1
         if matcher.is_error():
-            raise RequestError(f"grammar: {matcher.get_error()}")
+            raise RequestError(f"grammar: {first_line(matcher.get_error())}")
         return matcher
+
+    def compiled(self, grammar: str):
+        """``grammar``'s matcher in its initial state, built on this thread unless cached (callers in the
+        engine's process, such as a trainer's own engine; the server has prepared its grammars)."""
+        template = self._lookup(grammar)
+        if template is None:
+            template = self._build(grammar)
+            self._keep(grammar, template)
+        return template
+
+    def check(self, grammar: str) -> None:
+        """Refuse (400) a grammar llguidance cannot build a matcher of against this tokenizer."""
+        self.compiled(grammar)
+
+    def hold(self, future, grammar: str) -> None:
+        """Keep ``grammar``'s compiled matcher for the request of ``future`` until it is admitted (an eviction
+        from the LRU meanwhile must not make the engine's thread compile it again)."""
+        self._held[future] = self.compiled(grammar)
+
+    def matcher(self, grammar: str, future=None):
+        """A fresh matcher of ``grammar`` for one request (a copy of the compiled one: microseconds)."""
+        template = self._held.pop(future, None) if future is not None else None
+        return (template or self.compiled(grammar)).deep_copy()
+
+    async def prepare(self, grammars: list[str]) -> None:
+        """Compile the grammars not cached yet, each once however many requests carry it: first in the
+        killable worker process under the deadline (400 with the first line of the error, or the deadline; 503
+        when too many wait), then in this process off the event loop."""
+        for grammar in dict.fromkeys(grammars):
+            if self._lookup(grammar) is not None:
+                continue
+            pending = self._compiling.get(grammar)
+            if pending is None:
+                pending = asyncio.ensure_future(self._prepare_one(grammar))
+                self._compiling[grammar] = pending
+                pending.add_done_callback(lambda task, g=grammar: self._settled(g, task))
+            await asyncio.shield(pending)  # a client that leaves does not cancel a compile others wait on
+
+    def _settled(self, grammar: str, task: asyncio.Future) -> None:
+        self._compiling.pop(grammar, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: a compile whose only client left raises nowhere
+
+    async def _prepare_one(self, grammar: str) -> None:
+        await asyncio.to_thread(self.checker.check, grammar)
+        template = await asyncio.to_thread(self._build, grammar)
+        self._keep(grammar, template)
+
+    def close(self) -> None:
+        if self._checker is not None:
+            self._checker.close()
 
     def mask(self, matchers: list, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` with every id a row's matcher forbids at -inf (rows with no matcher untouched)."""

@@ -26,6 +26,11 @@ class EngineLimits:
     max_capture_ids_running: int = 2**27
     # an answer's captured support as JSON id lists (and per-id log-probs); past it: 400 naming the binary form
     max_json_capture_bytes: int = 32 * 2**20
+    # structured outputs: grammar-constrained requests one body may carry (each decodes with its own mask)
+    max_grammar_requests: int = 64
+    max_grammars_cached: int = 64  # distinct compiled grammars kept (an LRU); a request copies its grammar's
+    grammar_compile_ms: int = 5000  # a grammar's compile in the killable worker process; past it: 400
+    max_grammar_compiles_waiting: int = 16  # grammars waiting for that process; past it: 503
 
     def __post_init__(self):
         for name, value in asdict(self).items():
@@ -34,6 +39,15 @@ class EngineLimits:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def check_body(self, requests: list[GenerateRequest]) -> None:
+        """What bounds a body as a whole: its grammar-constrained requests."""
+        constrained = sum(r.grammar is not None for r in requests)
+        if constrained > self.max_grammar_requests:
+            raise RequestError(
+                f"grammar: {constrained} grammar-constrained requests in one body exceed the limit of "
+                f"{self.max_grammar_requests}"
+            )
 
     def validate(self, request: GenerateRequest, context_length: int | None) -> None:
         """Raise ``RequestError`` naming the field when ``request`` is outside the limits."""

@@ -21,9 +21,18 @@ class EngineCalls:
         self.engine = engine
         self.bound = bound or TextBound()  # prompt text that cannot fit is refused before it is tokenized
 
+    async def prepare(self, requests: list[GenerateRequest]) -> None:
+        """Compile the body's new grammars off the event loop and the engine's thread (engine/grammar.py), so
+        that submitting finds them compiled."""
+        self.engine.limits.check_body(requests)
+        grammars = [r.grammar for r in requests if r.grammar is not None]
+        if grammars:
+            await self.engine.grammars.prepare(grammars)
+
     async def run(self, requests: list[GenerateRequest], http_request: Request) -> list[Completion]:
         """Submit, wait, and drop the requests from the engine if the client goes away meanwhile."""
         engine = self.engine
+        await self.prepare(requests)
         futures = engine.submit_all(requests)  # admitted together: a group shares its prompt's prefill
         answers = asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
 

@@ -55,6 +55,7 @@ def native_routes(calls: EngineCalls, model_name: str) -> APIRouter:
             reqs = body.to_requests(calls.tokenize, engine.limits.max_queue)
         fmt = ResponseForm(body.sampling_mask_format, body.routed_experts_format, body.routed_experts_start_len)
         if body.stream:
+            await calls.prepare(reqs)
             return streamed(reqs[0], fmt)
         results = await calls.run(reqs, request)
         calls.check_json(reqs, results, fmt)

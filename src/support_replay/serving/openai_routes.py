@@ -178,11 +178,12 @@ class OpenAIHandlers:
         self.renderer, self.max_requests = renderer, max_requests
         self.live = live  # EngineCalls (token_stream, incremental_text): streams leave as tokens are sampled
 
-    def _live(self, reqs):
+    async def _live(self, reqs):
         """A live token stream of ``reqs``, or None where there is no engine to stream from; a request the
         engine refuses at once raises here, before any chunk (a plain 4xx)."""
         if self.live is None:
             return None
+        await self.live.prepare(reqs)  # grammars compiled off the event loop before they are submitted
         stream = self.live.token_stream(reqs)
         refused = stream.refused()
         if refused is not None:
@@ -199,7 +200,7 @@ class OpenAIHandlers:
         sp = body.sampling(body.max_completion_tokens or body.max_tokens, 256)
         reqs = requests_for(body, ids, sp, log_mu=body.logprobs or bool(top), top=top)
         parse = body.tools and parses_tool_calls(body.tool_choice)
-        stream = self._live(reqs) if body.stream and not parse else None  # tool calls parse from the whole text
+        stream = await self._live(reqs) if body.stream and not parse else None  # tool calls parse from the whole text
         if stream is not None:
             return self._chat_live(stream, body, reqs, len(ids), top)
         results = [as_log_mu(c) for c in await self.run(reqs, request)]
@@ -305,7 +306,7 @@ class OpenAIHandlers:
         top = body.logprobs or 0
         sp = body.sampling(body.max_tokens, 16)  # OpenAI's default max_tokens for completions
         reqs = [r for p in ids for r in requests_for(body, p, sp, log_mu=body.logprobs is not None, top=top)]
-        stream = self._live(reqs) if body.stream else None
+        stream = await self._live(reqs) if body.stream else None
         if stream is not None:
             return self._completions_live(stream, body, reqs)
         results = [as_log_mu(c) for c in await self.run(reqs, request)]
