@@ -28,6 +28,7 @@ from .modeling.decode_attention import HELP as DECODE_ATTENTION_HELP
 from .modeling.linear_kernels import KERNELS, LINEAR_KERNEL_HELP
 from .protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 from .serving import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT, DEFAULT_SESSIONS_PORT
+from .serving.connection_limits import ConnectionLimits
 from .serving.security import DEFAULT_MAX_WEIGHTS_BYTES
 
 
@@ -143,6 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_hosts=args.allowed_host,
         chat_template=load_template(args.chat_template),
         max_weights_bytes=args.max_weights_bytes,
+        connections=_connections(args),
     )
     return 0
 
@@ -181,6 +183,34 @@ def _add_key_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="largest request body, chunked or not (413 beyond)",
+    )
+    # slow clients (serving/connections.py): every server cuts them off
+    slow = ConnectionLimits()
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=slow.header_timeout,
+        help="seconds from a connection (or a request's first byte) to the end of its headers; 408",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=slow.body_timeout,
+        help="seconds from the end of a request's headers to the end of its body; closed beyond",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=slow.max_connections,
+        help="connections held at once (at most the open-file limit less 256); 503 beyond",
+    )
+    parser.add_argument("--max-connections-per-client", type=int, default=slow.max_connections_per_client,
+                        help="connections one address may hold; 503 beyond")  # fmt: skip
+
+
+def _connections(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(
+        args.header_timeout, args.body_timeout, args.max_connections, args.max_connections_per_client
     )
 
 
@@ -244,6 +274,7 @@ def _router(args: argparse.Namespace) -> int:
         keys=_keys(args),
         max_request_bytes=args.max_request_bytes,
         allowed_hosts=args.allowed_host,
+        connections=_connections(args),
     )
     return 0
 
@@ -311,6 +342,7 @@ def _sessions(args: argparse.Namespace) -> int:
         keys=keys,
         max_request_bytes=args.max_request_bytes,
         allowed_hosts=args.allowed_host,
+        connections=_connections(args),
     )
     return 0
 

@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..protocol import SESSION_HEADER
 from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT, NO_TELEMETRY
+from .connection_limits import ConnectionLimits
 from .disconnects import unless_disconnected
 from .metrics import render_router_metrics
 from .security import ADMIN_PATHS, DEFAULT_MAX_WEIGHTS_BYTES, WEIGHTS_OVER_HTTP, Keys, guarded
@@ -297,9 +298,11 @@ def run_router(
     keys: Keys | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     allowed_hosts: list[str] | None = None,
+    connections: ConnectionLimits | None = None,
 ) -> None:
     import uvicorn
 
+    from .connections import uvicorn_config
     from .server import allowed_hosts_for, announce_exposure
 
     announce_exposure(host, keys or Keys())
@@ -307,4 +310,4 @@ def run_router(
     app = create_router_app(
         router, max_request_bytes=max_request_bytes, allowed_hosts=allowed_hosts_for(host, allowed_hosts)
     )
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.Server(uvicorn_config(app, host, port, connections)).run()

@@ -112,11 +112,12 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_ENGINE_PO
     from .threaded import ThreadedServer
 
     announce_exposure(host, kwargs.get("keys") or Keys(), kwargs.get("weights_dir"))
+    connections = kwargs.pop("connections", None)
     app = create_app(
         engine, allowed_hosts=allowed_hosts_for(host, kwargs.pop("allowed_hosts", None)), start_engine=False, **kwargs
     )
     try:
-        server = ThreadedServer(app, host, port, lifespan="auto").start()
+        server = ThreadedServer(app, host, port, lifespan="auto", connections=connections).start()
     except (RuntimeError, OSError) as exc:
         raise ConfigError(f"serve: {host}:{port}: {exc}") from exc
     previous = signal.signal(

@@ -370,11 +370,13 @@ def create_sessions_app(
 def serve_sessions(store: SessionStore, host: str = "127.0.0.1", port: int = DEFAULT_SESSIONS_PORT, **kwargs) -> None:
     import uvicorn
 
+    from .connections import uvicorn_config
     from .server import allowed_hosts_for, announce_exposure
 
     announce_exposure(host, kwargs.get("keys") or Keys())
+    connections = kwargs.pop("connections", None)
     app = create_sessions_app(store, allowed_hosts=allowed_hosts_for(host, kwargs.pop("allowed_hosts", None)), **kwargs)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        uvicorn.Server(uvicorn_config(app, host, port, connections)).run()
     finally:
         store.close()

@@ -9,15 +9,25 @@ import time
 
 import uvicorn
 
+from .connection_limits import ConnectionLimits
+from .connections import uvicorn_config
+
 
 class ThreadedServer:
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, lifespan: str = "off"):
+    def __init__(
+        self,
+        app,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        lifespan: str = "off",
+        connections: ConnectionLimits | None = None,
+    ):
         if port == 0:  # a free port now; the OS will not hand it out again while we bind it next
             with socket.socket() as s:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
         self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan=lifespan))
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, connections, lifespan=lifespan))
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{port}", daemon=True)
 
     def start(self, timeout: float = 30.0) -> ThreadedServer:
