@@ -186,11 +186,15 @@ def test_penalised_support_logprobs_and_gradient_against_float64():
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(SamplingParamsError, match="repetition_penalty: must be > 0"):
+    with pytest.raises(SamplingParamsError, match=r"repetition_penalty: must be in \(0, 2\]"):
         Penalties(repetition=0.0)
+    with pytest.raises(SamplingParamsError, match=r"frequency_penalty: must be in \[-2, 2\]"):
+        Penalties(frequency=2.5)
     with pytest.raises(SamplingParamsError, match="logit_bias: 'x' is not a token id"):
         Penalties.with_bias(logit_bias={"x": 1.0})
-    with pytest.raises(SamplingParamsError, match=r"logit_bias\[3\]: must be a finite number"):
+    with pytest.raises(SamplingParamsError, match=r"logit_bias\[3\]: must be a number in \[-1e\+06, 1e\+06\]"):
         Penalties.with_bias(logit_bias={3: float("inf")})
+    with pytest.raises(SamplingParamsError, match=r"logit_bias\[3\]"):
+        Penalties.with_bias(logit_bias={3: 1e300})
     with pytest.raises(SamplingParamsError, match="outside the vocabulary"):
         Penalties.with_bias(logit_bias={99: 1.0}).check("vllm", vocab_size=50)

@@ -644,3 +644,23 @@ def test_text_that_cannot_fit_the_prompt_limit_is_refused_before_tokenizing(api_
     ok = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
                      headers=API)  # fmt: skip
     assert ok.status_code == 200 and sum(engine.stats.requests.values()) == 1
+
+
+# ---- round three, the low findings ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "temperature": 1e-40, "logprobs": 1}, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "logit_bias": {"5": 1e300}, "logprobs": 1}, "logit_bias"),
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 3, "temperature": 1e-40}}, "temperature"),
+        ("/generate", {"text": "hi", "sampling_params": {"frequency_penalty": 1e300}}, "frequency_penalty"),
+    ],
+)
+def test_settings_that_overflow_float32_are_a_400_not_a_plain_text_500(api_key_only, path, body, field):
+    """Issue 55, low: temperature 1e-40 or a logit bias of 1e300 made the logits inf, the log-probs NaN and the
+    answer a plain-text 500 (its JSON could not be written)."""
+    client, _, _ = api_key_only
+    r = client.post(path, json=body, headers=API)
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text

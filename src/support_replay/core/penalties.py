@@ -38,6 +38,9 @@ from ..errors import SamplingParamsError
 SEMANTICS = ("sglang", "vllm", "hf")
 
 
+MAX_LOGIT_BIAS = 1e6  # logit + bias stays finite in float32 and far past any logit: it bans or forces an id
+
+
 @dataclass(frozen=True)
 class Penalties:
     """The penalty settings of one request; ``logit_bias`` as ``((id, bias), ...)`` sorted by id."""
@@ -52,16 +55,23 @@ class Penalties:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise SamplingParamsError(f"{name}_penalty: must be a finite number, got {value!r}")
-        if self.repetition <= 0:
-            raise SamplingParamsError(f"repetition_penalty: must be > 0, got {self.repetition}")
+        # SGLang 0.5.23's bounds (SamplingParams.verify, read from its wheel); past them a float32 logit can reach inf
+        for name in ("frequency", "presence"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise SamplingParamsError(f"{name}_penalty: must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0 < self.repetition <= 2:
+            raise SamplingParamsError(f"repetition_penalty: must be in (0, 2] (1 = none), got {self.repetition}")
         ids = [i for i, _ in self.logit_bias]
         if ids != sorted(set(ids)):
             raise SamplingParamsError("logit_bias: ids must be unique and sorted (use Penalties.with_bias)")
         for i, b in self.logit_bias:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0:
                 raise SamplingParamsError(f"logit_bias: {i!r} is not a token id")
-            if not isinstance(b, (int, float)) or not math.isfinite(b):
-                raise SamplingParamsError(f"logit_bias[{i}]: must be a finite number, got {b!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not abs(b) <= MAX_LOGIT_BIAS:
+                raise SamplingParamsError(
+                    f"logit_bias[{i}]: must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {b!r} (past "
+                    "float32's range the logit turns inf and the log-probs NaN; -1e6 bans an id as -inf would)"
+                )
 
     @classmethod
     def with_bias(cls, frequency=0.0, presence=0.0, repetition=1.0, logit_bias: dict | None = None) -> Penalties:

@@ -32,6 +32,9 @@ SEMANTICS = ("sglang", "vllm", "hf")
 TIE_ROOM = 16  # values past the top-k cut its selection takes too: a bf16 tie at the cut mostly ends inside them
 
 
+MIN_TEMPERATURE = 1e-6  # SGLang 0.5.23's _SAMPLING_EPS (sampling_params.py): below it SGLang decodes greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings. ``top_k=-1`` and ``top_p=1`` and ``min_p=0`` disable a filter.
@@ -50,6 +53,11 @@ class SamplingParams:
         t, k, p, mp = self.temperature, self.top_k, self.top_p, self.min_p
         if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise SamplingParamsError(f"temperature: must be a finite number >= 0, got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise SamplingParamsError(
+                f"temperature: {t!r} is below {MIN_TEMPERATURE:g} (logits / T overflow float32 and the log-probs turn "
+                "NaN; SGLang samples greedily below it): ask for 0, greedy, or a larger temperature"
+            )
         if isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or k >= 1):
             raise SamplingParamsError(f"top_k: must be -1 (disabled) or an integer >= 1, got {k!r}")
         if not isinstance(p, (int, float)) or not (0 < p <= 1):
