@@ -664,3 +664,13 @@ def test_settings_that_overflow_float32_are_a_400_not_a_plain_text_500(api_key_o
     client, _, _ = api_key_only
     r = client.post(path, json=body, headers=API)
     assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+def test_a_body_less_post_from_a_web_page_is_refused(tiny_checkpoint):
+    """Issue 55, low: a POST with no body passed the JSON-only rule, so any web page could flush a keyless
+    loopback engine's cache (a body-less cross-origin POST needs no preflight); browsers send ``Origin``."""
+    engine = Engine.from_pretrained(tiny_checkpoint)
+    client = TestClient(create_app(engine, allowed_hosts=["testserver"], start_engine=False))
+    page = client.post("/flush_cache", headers={"Origin": "https://attacker.example"})
+    assert page.status_code == 415, page.text
+    assert client.post("/flush_cache").status_code == 200  # SGLang's clients, which send no Origin

@@ -158,7 +158,7 @@ def test_tools_are_rendered_or_refused_never_ignored(client, tool_client):
             tool_choice={"type": "function", "function": {"name": "clock"}},
             max_tokens=4,
         )
-    with pytest.raises(openai.BadRequestError, match="repetition_penalty: must be > 0"):
+    with pytest.raises(openai.BadRequestError, match=r"repetition_penalty: must be in \(0, 2\]"):
         client.chat.completions.create(
             model="tiny", messages=messages, max_tokens=4, extra_body={"repetition_penalty": -1}
         )

@@ -151,7 +151,7 @@ def test_info_endpoints(client, engine):
             "temperature: must be > 0 when a support filter",
         ),
         ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, 400, "max_new_tokens"),
-        ({"text": "a", "sampling_params": {"repetition_penalty": 0}}, 400, "repetition_penalty: must be > 0"),
+        ({"text": "a", "sampling_params": {"repetition_penalty": 0}}, 400, "repetition_penalty: must be in (0, 2]"),
         (
             {"text": "a", "sampling_params": {"logit_bias": {"99999": 1.0}}},
             400,

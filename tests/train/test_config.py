@@ -36,7 +36,10 @@ def test_defaults_are_the_demo_and_derive_replay():
             ["--rollout-top-k", "-1", "--rollout-top-p", "1", "--rollout-min-p", "0.1"],
             "--rollout-min-p=0.1: a finite top-p or min-p needs",
         ),
-        (["--rollout-repetition-penalty", "0"], "--rollout-repetition-penalty=0.0: repetition_penalty: must be > 0"),
+        (
+            ["--rollout-repetition-penalty", "0"],
+            r"--rollout-repetition-penalty=0.0: repetition_penalty: must be in \(0, 2\]",
+        ),
         (
             ["--rollout-frequency-penalty", "0.5", "--sampling-semantics", "hf"],
             "--rollout-frequency-penalty=0.5: the hf semantics have no frequency",

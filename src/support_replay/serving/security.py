@@ -97,7 +97,9 @@ class JSONOnly:
     """415 for a POST whose content type is not ``application/json``.
 
     A POST with neither a body nor a content type (``/flush_cache`` as SGLang clients call it)
-    passes: there is nothing in it for a handler to read. ``binary_paths`` take
+    passes when it comes from no web page: there is nothing in it for a handler to read, but a page on
+    any site may send it across origins without asking (a keyless loopback engine's cache was flushable
+    so); browsers name the page in ``Origin`` on every POST, and HTTP clients send none. ``binary_paths`` take
     ``application/octet-stream`` instead, and only behind a key: a web page can post such a body
     across origins without asking, so without a key to stop it they answer 403.
     """
@@ -129,6 +131,7 @@ class JSONOnly:
                 b"content-type" not in headers
                 and headers.get(b"content-length", b"0") == b"0"
                 and b"transfer-encoding" not in headers
+                and b"origin" not in headers
             )
             if ctype != b"application/json" and not empty:
                 return await _send_error(
