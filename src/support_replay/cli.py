@@ -208,6 +208,23 @@ def _add_key_flags(parser: argparse.ArgumentParser) -> None:
                         help="connections one address may hold; 503 beyond")  # fmt: skip
 
 
+def _add_upstream_key_flags(parser: argparse.ArgumentParser) -> None:
+    """A hop's own keys for the engines behind it; its clients' key is never sent on."""
+    parser.add_argument(
+        "--upstream-api-key-file",
+        default=None,
+        help="key sent to the engines behind (also $SUPPORT_REPLAY_UPSTREAM_API_KEY); none by default",
+    )
+    parser.add_argument("--upstream-admin-key-file", default=None,
+                        help="admin key sent to them (also $SUPPORT_REPLAY_UPSTREAM_ADMIN_KEY)")  # fmt: skip
+
+
+def _upstream(args: argparse.Namespace):
+    from .serving.security import Keys
+
+    return Keys.load_upstream(args.upstream_api_key_file, args.upstream_admin_key_file)
+
+
 def _connections(args: argparse.Namespace) -> ConnectionLimits:
     return ConnectionLimits(
         args.header_timeout, args.body_timeout, args.max_connections, args.max_connections_per_client
@@ -275,6 +292,7 @@ def _router(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         allowed_hosts=args.allowed_host,
         connections=_connections(args),
+        upstream=_upstream(args),
     )
     return 0
 
@@ -300,12 +318,12 @@ def _sessions(args: argparse.Namespace) -> int:
         from .backends.vllm import VLLMBackend
 
         backend = VLLMBackend(
-            args.backend, vocab, endpoint=args.vllm_endpoint, capture=args.vllm_capture, api_key=keys.api
+            args.backend, vocab, endpoint=args.vllm_endpoint, capture=args.vllm_capture, api_key=_upstream(args).api
         )
     else:
         from .backends.sglang import SGLangBackend
 
-        backend = SGLangBackend(args.backend, vocab, api_key=keys.api)
+        backend = SGLangBackend(args.backend, vocab, api_key=_upstream(args).api)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     bias = json.loads(Path(args.logit_bias).read_text()) if args.logit_bias else None
     penalties = Penalties.with_bias(args.frequency_penalty, args.presence_penalty, args.repetition_penalty, bias)
@@ -618,6 +636,7 @@ def _add_sessions(sub) -> None:
     )
     ss.add_argument("--api-key", default=None, help="as --api-key-file, but visible in the process list")
     _add_key_flags(ss)
+    _add_upstream_key_flags(ss)
     ss.set_defaults(func=_sessions)
 
 
@@ -635,6 +654,7 @@ def _add_router(sub) -> None:
         help="seconds one engine may take to answer; then the request goes elsewhere",
     )
     _add_key_flags(rt)
+    _add_upstream_key_flags(rt)
     rt.set_defaults(func=_router)
 
 

@@ -674,3 +674,29 @@ def test_a_body_less_post_from_a_web_page_is_refused(tiny_checkpoint):
     page = client.post("/flush_cache", headers={"Origin": "https://attacker.example"})
     assert page.status_code == 415, page.text
     assert client.post("/flush_cache").status_code == 200  # SGLang's clients, which send no Origin
+
+
+def test_a_hop_never_sends_its_clients_key_on():
+    """Issue 55, low: the router sent the key its clients present to the engines; on an engine with an API key
+    alone that key is the admin key too, so every client of the router held the engine's admin key. A hop sends
+    its own keys (--upstream-*-key-file), or none."""
+    import httpx
+
+    from support_replay.serving.router import Router, create_router_app
+
+    seen = []
+
+    def engine(request):
+        seen.append((request.url.path, request.headers.get("authorization")))
+        return httpx.Response(200, json={"success": True, "text": ""})
+
+    for upstream, sent in [(None, None), (Keys(api="engine-key", admin="engine-admin"), "engine")]:
+        router = Router(["http://a:1"], keys=Keys(api="api-key", admin="admin-key"), upstream=upstream)
+        app = create_router_app(router, allowed_hosts=["testserver"])
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+        seen.clear()
+        assert raw_request(app, "POST", "/generate", b'{"input_ids": [1]}', API)[0] == 200
+        admin = {"Authorization": "Bearer admin-key"}
+        assert raw_request(app, "POST", "/update_weight_version", b'{"new_version": "v"}', admin)[0] == 200
+        expected = [None, None] if sent is None else ["Bearer engine-key", "Bearer engine-admin"]
+        assert [auth for _, auth in seen] == expected  # before: "Bearer api-key" and "Bearer admin-key"

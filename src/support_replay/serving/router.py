@@ -64,13 +64,15 @@ class Router:
         health_interval: float = 5.0,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         keys: Keys | None = None,
+        upstream: Keys | None = None,
     ):
         if not engine_urls:
             raise ValueError("router: at least one --engine URL is needed")
         self.workers = [Worker(u.rstrip("/")) for u in engine_urls]
         self.health_interval = health_interval
         self.timeout = httpx.Timeout(request_timeout, connect=5.0)
-        self.keys = keys or Keys()  # checked on the way in, and sent on to the engines
+        self.keys = keys or Keys()  # checked on the way in
+        self.upstream = upstream or Keys()  # sent to the engines (Keys.load_upstream): never the clients' key
         self.client: httpx.AsyncClient | None = None
         self.answered: dict[tuple[str, int], int] = {}
         self.retries = 0
@@ -151,9 +153,9 @@ class Router:
         return await relayed(reply)
 
     async def _send(self, worker: Worker, method: str, path: str, body: bytes, headers: dict) -> httpx.Response:
-        """The request, raw body and headers as they came, with the router's API key to the engine; the
+        """The request, raw body and headers as they came, with the router's own key for the engine; the
         answer's body still to read (``relayed``), so a stream can pass through as it comes."""
-        auth = {**headers, **self.keys.header(admin=False)}
+        auth = {**headers, **self.upstream.header(admin=False)}
         request = self.client.build_request(method, worker.url + path, content=body, headers=auth)
         return await self.client.send(request, stream=True)
 
@@ -166,7 +168,7 @@ class Router:
         async def one(w: Worker):
             try:
                 r = await self.client.request(
-                    method, w.url + path, content=body, headers={**headers, **self.keys.header(admin=True)}
+                    method, w.url + path, content=body, headers={**headers, **self.upstream.header(admin=True)}
                 )
                 return {"engine": w.url, "status": r.status_code, "body": _json_or_text(r)}
             except httpx.HTTPError as exc:
@@ -299,6 +301,7 @@ def run_router(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     allowed_hosts: list[str] | None = None,
     connections: ConnectionLimits | None = None,
+    upstream: Keys | None = None,
 ) -> None:
     import uvicorn
 
@@ -306,7 +309,7 @@ def run_router(
     from .server import allowed_hosts_for, announce_exposure
 
     announce_exposure(host, keys or Keys())
-    router = Router(engine_urls, health_interval, request_timeout, keys)
+    router = Router(engine_urls, health_interval, request_timeout, keys, upstream)
     app = create_router_app(
         router, max_request_bytes=max_request_bytes, allowed_hosts=allowed_hosts_for(host, allowed_hosts)
     )

@@ -22,6 +22,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 API_KEY_ENV = "SUPPORT_REPLAY_API_KEY"
 ADMIN_KEY_ENV = "SUPPORT_REPLAY_ADMIN_KEY"
+# the keys a hop (router, sessions) presents to the engines behind it: its own, never its clients'
+UPSTREAM_API_KEY_ENV = "SUPPORT_REPLAY_UPSTREAM_API_KEY"
+UPSTREAM_ADMIN_KEY_ENV = "SUPPORT_REPLAY_UPSTREAM_ADMIN_KEY"
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
 
 
@@ -239,6 +242,15 @@ class Keys:
             return cls(api=api_key, admin=read_key(ADMIN_KEY_ENV, admin_key_file))
         api = read_keys(API_KEY_ENV, api_key_file)
         return cls(api=api[0] if api else None, admin=read_key(ADMIN_KEY_ENV, admin_key_file), callers=api[1:])
+
+    @classmethod
+    def load_upstream(cls, api_key_file: str | None = None, admin_key_file: str | None = None) -> Keys:
+        """The keys a hop sends to the engines behind it (``--upstream-*-key-file`` or
+        ``$SUPPORT_REPLAY_UPSTREAM_*_KEY``). Never its clients' key: on an engine with an API key alone that
+        key is also the admin key, so a hop that sent its clients' key on made every client an admin there."""
+        return cls(
+            api=read_key(UPSTREAM_API_KEY_ENV, api_key_file), admin=read_key(UPSTREAM_ADMIN_KEY_ENV, admin_key_file)
+        )
 
     def needed(self, *, admin: bool) -> str | None:
         """The key a route asks for: admin routes take the admin key, or the API key when only that is set
