@@ -700,3 +700,31 @@ def test_a_hop_never_sends_its_clients_key_on():
         assert raw_request(app, "POST", "/update_weight_version", b'{"new_version": "v"}', admin)[0] == 200
         expected = [None, None] if sent is None else ["Bearer engine-key", "Bearer engine-admin"]
         assert [auth for _, auth in seen] == expected  # before: "Bearer api-key" and "Bearer admin-key"
+
+
+def test_every_file_of_an_adapter_or_weights_folder_must_stay_under_the_weights_directory(api_key_only):
+    """Issue 55, low: only ``*.safetensors`` links were checked, so an adapter's ``adapter_config.json`` could point
+    anywhere; and disk weights were read long after their path was checked (an update waits for the batch)."""
+    client, engine, tmp_path = api_key_only
+    from safetensors.torch import save_file
+
+    adapter = tmp_path / "weights" / "adapter"
+    adapter.mkdir(parents=True)
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"r": 8}')
+    os.symlink(secret, adapter / "adapter_config.json")
+    r = client.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(adapter)}, headers=API)
+    assert r.status_code == 403 and "adapter_config.json resolves outside" in r.text, r.text
+    # a folder checked when asked and changed before it is read: the read checks again, and nothing is loaded
+    from support_replay.engine.weight_updates import CheckedPath
+
+    folder = tmp_path / "weights" / "next"
+    folder.mkdir()
+    elsewhere = tmp_path / "elsewhere-2.safetensors"
+    save_file({k: v.clone() for k, v in engine.runner.model.state_dict().items()}, str(elsewhere))
+    update = engine.update_weights_from_disk(CheckedPath(folder, tmp_path / "weights"), "v2")
+    os.symlink(elsewhere, folder / "model.safetensors")  # after the check the route made, before the read
+    engine.wait([update], timeout=60)
+    with pytest.raises(Exception, match="model.safetensors resolves outside"):
+        update.result()
+    assert engine.weight_version != "v2"

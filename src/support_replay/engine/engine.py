@@ -67,7 +67,7 @@ from .running_batch import RunningBatch
 from .sampling_step import SamplingStep
 from .scheduler import Scheduler, prefill_buckets
 from .stopping import StopConditions, eos_ids
-from .weight_updates import load_update
+from .weight_updates import CheckedPath, load_update
 
 log = logging.getLogger(__name__)
 
@@ -348,7 +348,7 @@ class Engine:
             self._guarded_step()
 
     def update_weights_from_disk(
-        self, path: str | Path, version: str | None = None, *, abort_all_requests: bool = False
+        self, path: str | Path | CheckedPath, version: str | None = None, *, abort_all_requests: bool = False
     ) -> Future:
         """Load safetensors weights once the running batch has drained; resolves to the version.
 
@@ -357,7 +357,8 @@ class Engine:
         every request queued or running now with ``AbortedError`` instead of letting them
         finish on the old weights, so the update applies at the next step.
         """
-        return self._queue_update(Path(path), version, abort_all_requests)
+        source = path if isinstance(path, CheckedPath) else Path(path)
+        return self._queue_update(source, version, abort_all_requests)
 
     def update_weights(
         self, state_dict: dict[str, torch.Tensor], version: str | None = None, *, abort_all_requests: bool = False

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from ..engine import Engine
+from ..engine.weight_updates import CheckedPath, outside
 from ..errors import RequestError
 from .http_errors import error_response
 from .schemas import LoadLoRAAdapterIn, UnloadLoRAAdapterIn, UpdateWeightsIn, UpdateWeightVersionIn
@@ -18,20 +19,12 @@ from .security import WEIGHTS_OVER_HTTP
 
 
 def refused_weights_path(model_path: str, weights_dir: Path | None) -> str | None:
-    """Why ``model_path`` may not be loaded (403), or None: it must lie under ``--weights-dir``, and
-    so must every safetensors file it holds once links are resolved."""
+    """Why ``model_path`` may not be loaded (403), or None: it must lie under ``--weights-dir``, and so must
+    every entry of the directory it names once links are resolved (engine/weight_updates.outside)."""
     if weights_dir is None:
         return "weight loading is off: start the server with --weights-dir DIR to load safetensors from under DIR"
-    path = Path(model_path).resolve()
-    if not path.is_relative_to(weights_dir):
-        return f"model_path {model_path!r} is not under the weights directory {str(weights_dir)!r}"
-    files = path.glob("*.safetensors") if path.is_dir() else []
-    outside = [f for f in files if not f.resolve().is_relative_to(weights_dir)]
-    if outside:  # a link inside the directory to a file elsewhere
-        return (
-            f"model_path {model_path!r}: {outside[0].name} resolves outside the weights directory {str(weights_dir)!r}"
-        )
-    return None
+    refused = outside(Path(model_path), weights_dir)
+    return None if refused is None else f"model_path {refused}"
 
 
 def admin_routes(engine: Engine, weights_dir: Path | None) -> APIRouter:
@@ -42,8 +35,10 @@ def admin_routes(engine: Engine, weights_dir: Path | None) -> APIRouter:
         refused = refused_weights_path(body.model_path, weights_dir)
         if refused:
             return error_response(403, refused)
-        update = engine.update_weights_from_disk(
-            Path(body.model_path).resolve(), body.weight_version, abort_all_requests=body.abort_all_requests
+        update = engine.update_weights_from_disk(  # checked again on the engine's thread as it is read
+            CheckedPath(Path(body.model_path), weights_dir),
+            body.weight_version,
+            abort_all_requests=body.abort_all_requests,
         )
         version = await asyncio.wrap_future(update)
         return {"success": True, "message": f"loaded {body.model_path}", "weight_version": version}
