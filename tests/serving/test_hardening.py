@@ -728,3 +728,31 @@ def test_every_file_of_an_adapter_or_weights_folder_must_stay_under_the_weights_
     with pytest.raises(Exception, match="model.safetensors resolves outside"):
         update.result()
     assert engine.weight_version != "v2"
+
+
+def test_request_ids_are_per_key_per_weights_and_name_every_setting(tiny_checkpoint):
+    """Issue 55, low: the rid fingerprint left out ``return_routed_experts``, answers kept for repeated ids outlived
+    weight updates, and every client shared one rid space (one key's id answered, or 409'd, another key's)."""
+    from support_replay.engine.ledger import fingerprint
+    from support_replay.protocol import GenerateRequest
+
+    plain = GenerateRequest([1, 2], rid="r")
+    assert fingerprint(plain) != fingerprint(GenerateRequest([1, 2], rid="r", return_routed_experts=True))
+    engine = Engine.from_pretrained(tiny_checkpoint).start()
+    try:
+        keys = Keys(api="key-a", callers=("key-b",))
+        client = TestClient(create_app(engine, keys=keys, allowed_hosts=["testserver"]))
+        body = {"text": "hi", "rid": "same", "sampling_params": {"max_new_tokens": 2, "sampling_seed": 1}}
+        a = client.post("/generate", json=body, headers={"Authorization": "Bearer key-a"})
+        other = {**body, "sampling_params": {"max_new_tokens": 3, "sampling_seed": 1}}
+        b = client.post("/generate", json=other, headers={"Authorization": "Bearer key-b"})
+        assert a.status_code == 200 and b.status_code == 200, b.text  # before: 409, "rid already names another"
+        before = engine.stats.duplicates
+        again = client.post("/generate", json=body, headers={"Authorization": "Bearer key-a"})
+        assert again.json()["output_ids"] == a.json()["output_ids"] and engine.stats.duplicates == before + 1
+        engine.wait([engine.update_weight_version("v2")], timeout=60)
+        after = client.post("/generate", json=body, headers={"Authorization": "Bearer key-a"})
+        assert after.json()["meta_info"]["weight_version"] == "v2"  # before: the kept answer of "default"
+        assert engine.stats.duplicates == before + 1
+    finally:
+        engine.shutdown()

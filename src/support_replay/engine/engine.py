@@ -468,6 +468,7 @@ class Engine:
     def _apply_update(self, arg, future) -> None:
         source, version = arg
         self.prefix_cache.new_weights()  # keys and values of other weights (or another version's name) are not these
+        self.ledger.new_weights()  # nor are the answers kept for repeated request ids
         try:
             load_update(self.runner.model, source)
             if version is not None:

@@ -7,8 +7,9 @@ takes, finishes and fails requests) meet only here.
 A request id (``rid``) names one request: sent again with the same body (a client or router
 retry) it gets the first copy's answer, on a future of its own, so the copy's client going away
 never aborts the original; sent with another body it is refused (409). Answers are kept for
-repeated ids within a count and a byte budget. Aborts are recorded on the future itself, and
-only while it is queued or running: a finished future leaves nothing behind.
+repeated ids within a count and a byte budget, and only until the weights change. Aborts are
+recorded on the future itself, and only while it is queued or running: a finished future leaves
+nothing behind.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ..errors import AbortedError, CapacityError, OverloadedError, RequestConflict
 from ..protocol import Completion, GenerateRequest
@@ -34,28 +35,13 @@ class EngineStats:
     duplicates: int = 0
 
 
+NOT_THE_ANSWER = frozenset({"rid", "routing_key"})  # a request's name and its session's engine
+
+
 def fingerprint(request: GenerateRequest) -> bytes:
-    """What makes two requests the same request (everything that changes the answer; not the routing key)."""
-    r = request
-    key = (
-        r.input_ids,
-        r.params,
-        r.max_new_tokens,
-        r.stop,
-        r.stop_token_ids,
-        r.ignore_eos,
-        r.min_new_tokens,
-        r.skip_special_tokens,
-        r.spaces_between_special_tokens,
-        r.include_stop_str_in_output,
-        r.grammar,
-        r.top_logprobs,
-        r.return_sampling_mask,
-        r.return_logprob,
-        r.sampling_logprobs_mode,
-        r.penalties,
-        r.lora_path,
-    )
+    """What makes two requests the same request: every field but its id and routing key (one left out, such as
+    ``return_routed_experts`` was, let a retry with it get the answer of the request without it)."""
+    key = tuple((f.name, getattr(request, f.name)) for f in fields(request) if f.name not in NOT_THE_ANSWER)
     return hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
 
 
@@ -91,7 +77,8 @@ class Ledger:
         self.lock = threading.Lock()
         self.queued = 0
         self.stats = EngineStats()
-        self._running_rids: dict[str, tuple[bytes, Future]] = {}
+        self._running_rids: dict[str, tuple[bytes, Future, int]] = {}  # rid -> (fingerprint, future, epoch)
+        self.epoch = 0  # weight updates so far: an answer is kept only under the weights it was enqueued with
         self._finished: OrderedDict[str, tuple[bytes, Completion, int]] = OrderedDict()
         self._finished_total = 0
         self._aborted: dict[Future, str] = {}  # futures to stop -> why (the client went away, a weight update)
@@ -105,7 +92,7 @@ class Ledger:
             rid = request.rid
             if rid is not None and (rid in self._finished or rid in self._running_rids):
                 mark = fingerprint(request)
-                seen, answer = self._finished[rid][:2] if rid in self._finished else self._running_rids[rid]
+                seen, answer = self._finished[rid][:2] if rid in self._finished else self._running_rids[rid][:2]
                 if seen != mark:
                     self.stats.requests["refused"] += 1
                     future.set_exception(
@@ -126,7 +113,7 @@ class Ledger:
             self.queued += 1
             self._outstanding.add(future)
             if rid is not None:
-                self._running_rids[rid] = (fingerprint(request), future)
+                self._running_rids[rid] = (fingerprint(request), future, self.epoch)
         return None
 
     def dequeue(self, future: Future) -> str | None:
@@ -161,15 +148,23 @@ class Ledger:
             self.stats.requests["ok"] += 1
             self.stats.generated_tokens += completion.num_tokens
             if request.rid is not None:
-                mark, _ = self._running_rids.pop(request.rid, (fingerprint(request), None))
-                size = completion_bytes(completion)
-                self._finished[request.rid] = (mark, completion, size)
-                self._finished_total += size
+                mark, _, epoch = self._running_rids.pop(request.rid, (fingerprint(request), None, self.epoch))
+                if epoch == self.epoch:  # an answer begun under older weights is not kept past their update
+                    size = completion_bytes(completion)
+                    self._finished[request.rid] = (mark, completion, size)
+                    self._finished_total += size
                 while self._finished and (
                     len(self._finished) > FINISHED_RIDS_KEPT or self._finished_total > self.finished_bytes
                 ):
                     self._finished_total -= self._finished.popitem(last=False)[1][2]
             self._forget(future)
+
+    def new_weights(self) -> None:
+        """A weight update applied: answers kept for repeated ids were sampled by the old weights; forget them."""
+        with self.lock:
+            self.epoch += 1
+            self._finished.clear()
+            self._finished_total = 0
 
     def failed(self, request: GenerateRequest, future: Future, exc: Exception) -> None:
         with self.lock:

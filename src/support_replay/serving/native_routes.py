@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -13,7 +15,21 @@ from .engine_calls import EngineCalls
 from .openai_format import _sse
 from .openai_streaming import error_body
 from .schemas import GenerateIn
+from .security import caller_of
 from .sglang_format import ResponseForm
+
+
+def namespaced(reqs: list, authorization: str | None) -> list:
+    """Request ids in the namespace of the key presented: one client's ``rid`` never answers, joins or 409s another
+    key's request (a server without keys has one caller, and one namespace). The id is never sent back."""
+    caller = caller_of(authorization)
+    if not caller:
+        return reqs
+
+    def rid(r) -> str:
+        return f"{caller}:{hashlib.blake2b(r.rid.encode(), digest_size=16).hexdigest()}"
+
+    return [replace(r, rid=rid(r)) if r.rid is not None else r for r in reqs]
 
 
 def native_routes(calls: EngineCalls, model_name: str) -> APIRouter:
@@ -53,6 +69,7 @@ def native_routes(calls: EngineCalls, model_name: str) -> APIRouter:
             reqs = await asyncio.to_thread(body.to_requests, calls.tokenize, engine.limits.max_queue)
         else:
             reqs = body.to_requests(calls.tokenize, engine.limits.max_queue)
+        reqs = namespaced(reqs, request.headers.get("authorization"))
         fmt = ResponseForm(body.sampling_mask_format, body.routed_experts_format, body.routed_experts_start_len)
         if body.stream:
             await calls.prepare(reqs)
