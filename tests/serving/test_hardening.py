@@ -2,12 +2,14 @@
 found it: every one of these answered wrongly before its fix."""
 
 import os
+import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
 
 from support_replay.engine import Engine
-from support_replay.errors import ConfigError
+from support_replay.errors import ConfigError, EngineUnavailable
 from support_replay.serving.security import Keys, exposure_warnings
 from support_replay.serving.server import create_app
 
@@ -756,3 +758,88 @@ def test_request_ids_are_per_key_per_weights_and_name_every_setting(tiny_checkpo
         assert engine.stats.duplicates == before + 1
     finally:
         engine.shutdown()
+
+
+class WaitingBackend:
+    """A backend whose every request waits (as one queued behind a busy engine would) until it is cancelled."""
+
+    retries = 0
+
+    def __init__(self, tokenizer):
+        self.vocab_size = len(tokenizer)
+        self.cancelled = threading.Event()
+        self.ran_to_its_end = threading.Event()
+
+    def generate(self, requests, *, return_exceptions=False):
+        time.sleep(3)  # nothing can stop it
+        self.ran_to_its_end.set()
+        raise EngineUnavailable("completion 0: no answer (the test's backend)")
+
+    def generate_streaming(self, request, on_token, cancelled=None):
+        if cancelled is not None and cancelled.wait(30):
+            self.cancelled.set()
+            raise EngineUnavailable("completion 0: the client went away")
+        raise EngineUnavailable("completion 0: never cancelled")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_session_turn_whose_client_leaves_is_dropped_at_the_engine(tiny_checkpoint, stream):
+    """Issue 55, low: a session's turn was not cancelled when its client left, non-streamed or before its first
+    token: it held its engine slot to its end."""
+    import httpx
+    from test_sessions import PARAMS
+    from transformers import AutoTokenizer
+
+    from support_replay.rollout.chat import ChatRenderer, builtin_template
+    from support_replay.rollout.session import SessionSettings, SessionStore
+    from support_replay.serving.sessions import create_sessions_app
+    from support_replay.serving.threaded import ThreadedServer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    backend = WaitingBackend(tokenizer)
+    store = SessionStore(backend, ChatRenderer(tokenizer, builtin_template("hermes_tools")), SessionSettings(PARAMS))
+    server = ThreadedServer(create_sessions_app(store)).start()
+    try:
+        sid = httpx.post(server.url + "/sessions").json()["session_id"]
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            httpx.post(f"{server.url}/sessions/{sid}/v1/chat/completions", json={"messages": HI, "stream": stream},
+                       timeout=0.5)  # fmt: skip
+        assert backend.cancelled.wait(10) and not backend.ran_to_its_end.is_set()
+    finally:
+        server.stop()
+        store.close()
+
+
+def test_a_cancelled_stream_closes_its_socket_before_any_chunk_came():
+    """The SGLang backend's half: setting the turn's Cancellation shuts the socket of a stream still waiting for
+    its first chunk (a flag read between chunks was read only once a token came), and the server sees it go."""
+    from fastapi import FastAPI, Request
+
+    from support_replay.backends.cancellation import Cancellation
+    from support_replay.backends.sglang import SGLangBackend
+    from support_replay.protocol import GenerateRequest
+    from support_replay.serving.threaded import ThreadedServer
+
+    app, left = FastAPI(), threading.Event()
+
+    @app.post("/generate")
+    async def generate(request: Request):  # as a queued request's stream: headers at once, no chunk yet
+        from fastapi.responses import StreamingResponse
+
+        async def nothing_yet():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            left.set()
+            yield b""
+
+        return StreamingResponse(nothing_yet(), media_type="text/event-stream")
+
+    server = ThreadedServer(app).start()
+    try:
+        backend, cancelled = SGLangBackend(server.url, 384, timeout=30), Cancellation()
+        threading.Timer(0.3, cancelled.set).start()
+        with pytest.raises(EngineUnavailable, match="went away"):
+            backend.generate_streaming(GenerateRequest([1, 2]), lambda token: None, cancelled)
+        assert left.wait(10)
+    finally:
+        server.stop()

@@ -26,6 +26,7 @@ from ..core.wire import floats_from_json, from_json
 from ..errors import EngineUnavailable, SupportError, WireError
 from ..protocol import Completion, GenerateRequest, parse_version_spans, single_version, validate_completion
 from .base import RetryCounter, fan_out, optional_fields, post_json, sampling_settings, session_headers
+from .cancellation import Cancellation, close_socket_of
 
 MASK_FORMATS = ("binary", "lists")
 STRIPPED_HINT = (
@@ -263,6 +264,8 @@ class SGLangBackend:
         seen, last = 0, None
         try:
             with self.client.stream("POST", url, json=body, headers=session_headers(req)) as reply:
+                if isinstance(cancelled, Cancellation):  # set: the socket closes, and the engine aborts the request
+                    cancelled.on_set(lambda: close_socket_of(reply))
                 if reply.status_code != 200:
                     reply.read()
                     kind = EngineUnavailable if reply.status_code in (499, 502, 503, 504) else WireError
@@ -280,6 +283,8 @@ class SGLangBackend:
                         on_token(token)
                     seen = len(ids)
         except httpx.HTTPError as exc:
+            if cancelled is not None and cancelled.is_set():
+                raise EngineUnavailable(f"request 0: the client of {url}'s stream went away") from exc
             raise EngineUnavailable(f"request 0: {url}'s stream broke: {type(exc).__name__}: {exc}") from exc
         if last is None or (last.get("meta_info") or {}).get("finish_reason") is None:
             raise EngineUnavailable(f"request 0: {url}'s stream ended before the answer")

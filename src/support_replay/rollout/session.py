@@ -30,6 +30,7 @@ from ..core.penalties import NO_PENALTIES, Penalties
 from ..core.sampling import SamplingParams
 from ..errors import (
     EngineError,
+    EngineUnavailable,
     HistoryMismatch,
     RequestError,
     SessionBusy,
@@ -515,13 +516,31 @@ class SessionStore:
 
     async def chat(self, sid: str, turn: ChatTurn, on_token=None, cancelled=None) -> TurnResult:
         """One turn; ``on_token(request, id)`` (on a worker thread) as each token is sampled, when given;
-        ``cancelled`` (an ``Event``) drops the turn at the engine."""
-        if on_token is None:
-            return await self.get(sid).chat(turn, self.generate)
-        return await self.get(sid).chat(turn, lambda request: self.generate_streaming(request, on_token, cancelled))
+        ``cancelled`` (an ``Event``, a ``backends.Cancellation`` best) drops the turn at the engine."""
+        return await self.get(sid).chat(turn, self._generator(on_token, cancelled))
 
-    async def tokens(self, sid: str, turn: TokenTurn):
-        return await self.get(sid).tokens(turn, self.generate)
+    async def tokens(self, sid: str, turn: TokenTurn, cancelled=None):
+        return await self.get(sid).tokens(turn, self._generator(None, cancelled))
+
+    def _generator(self, on_token, cancelled):
+        if on_token is None and cancelled is None:
+            return self.generate
+        if on_token is None:  # a whole answer, through the stream where one is: a client leaving drops the turn
+            return lambda request: self.generate_cancellable(request, cancelled)
+        return lambda request: self.generate_streaming(request, on_token, cancelled)
+
+    async def generate_cancellable(self, request: GenerateRequest, cancelled) -> Completion:
+        """``generate``, dropped at the engine when ``cancelled`` is set, where the backend streams (ours, SGLang;
+        vLLM's backend streams nothing: its turn runs to its end). A stream that fails before its answer, the
+        client still there, is tried again the retrying way (nothing went out to the client yet)."""
+        if getattr(self.backend, "generate_streaming", None) is None:
+            return await self.generate(request)
+        try:
+            return await self.generate_streaming(request, lambda *_: None, cancelled)
+        except EngineUnavailable:
+            if cancelled.is_set():
+                raise asyncio.CancelledError from None
+            return await self.generate(request)
 
     async def generate(self, request: GenerateRequest) -> Completion:
         loop = asyncio.get_running_loop()

@@ -8,27 +8,43 @@ nothing of it). Turns that parse tool calls stream once whole (the calls parse f
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
+from starlette.requests import Request
+
+from ..backends.cancellation import Cancellation
+from ..errors import AbortedError
 from ..rollout.session import ChatTurn, SessionStore
+from .disconnects import unless_disconnected
 from .openai_format import _sse, new_id
 from .openai_streaming import error_body
 from .token_stream import IncrementalText
 
 
-async def live_turn(store: SessionStore, sid: str, turn: ChatTurn, model: str, respond, include_usage: bool):
-    """The SSE lines of one streamed turn; ``respond(result)`` builds the whole answer's response."""
+async def live_turn(
+    store: SessionStore, sid: str, turn: ChatTurn, model: str, respond, include_usage: bool, request: Request
+):
+    """The SSE lines of one streamed turn; ``respond(result)`` builds the whole answer's response. A client that
+    leaves before the first token (its turn queued or prefilling) drops the turn too."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    cancelled = threading.Event()
+    cancelled = Cancellation()
 
     def on_token(request, token: int) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, ("token", request, token))
 
     task = asyncio.ensure_future(store.chat(sid, turn, on_token=on_token, cancelled=cancelled))
     task.add_done_callback(lambda _: queue.put_nowait(("done", None, None)))
-    first = await queue.get()
+
+    async def gone(_):
+        cancelled.set()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        raise AbortedError("the client went away before the first token: its turn was dropped at the engine")
+
+    first = await unless_disconnected(queue.get(), request, gone)
     if first[0] == "done" and task.exception() is not None:
         raise task.exception()  # refused before anything was sampled: the route's HTTP error
     eos = {store.renderer.tokenizer.eos_token_id}

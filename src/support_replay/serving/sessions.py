@@ -16,6 +16,7 @@ Routes delegate to a ``SessionStore``; the trainer uses the same store in its ow
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -23,11 +24,13 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..errors import EngineError, RequestError
+from ..backends.cancellation import Cancellation
+from ..errors import AbortedError, EngineError, RequestError
 from ..protocol import SESSION_HEADER, Completion, GenerateRequest
 from ..rollout.chat import parses_tool_calls
 from ..rollout.session import ChatTurn, SessionStore, TokenTurn, TurnResult
 from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SESSIONS_PORT, NO_TELEMETRY
+from .disconnects import unless_disconnected
 from .health_routes import model_listing
 from .http_errors import install_error_handlers
 from .openai_format import chat_choice, chat_response, chat_stream, token_logprobs
@@ -193,6 +196,21 @@ def token_turn(body: VLLMGenerateIn) -> TokenTurn:
     )
 
 
+async def dropped_if_gone(work, request: Request):
+    """``work(cancelled)``'s result; if the client goes away first, the turn is dropped at the engine (a turn
+    whose client left ran to its end before, holding its slot)."""
+    cancelled = Cancellation()
+
+    async def gone(task):
+        cancelled.set()
+        try:  # its end is awaited: nothing is left running
+            return await task
+        except asyncio.CancelledError:
+            raise AbortedError("the client went away: its turn was dropped at the engine") from None
+
+    return await unless_disconnected(work(cancelled), request, gone)
+
+
 def session_routes(store: SessionStore, model_name: str = "support-replay", namespaced: bool = False) -> APIRouter:
     """A session's routes under ``/sessions/<id>``; the same under ``/tasks/<task>`` and at the root for a
     client that names its conversations with ``X-Session-ID`` (``namespaced``: in the namespace of the API key
@@ -206,15 +224,15 @@ def session_routes(store: SessionStore, model_name: str = "support-replay", name
         session = store.create(seed=body.seed, metadata=body.metadata)
         return {"session_id": session.id, "id": session.id}
 
-    async def chat(sid, body: SessionChatIn):
+    async def chat(sid, body: SessionChatIn, request: Request):
         """One chat turn; ``sid`` the session's id, or a function of the turn that opens it (a client-named
         conversation opens once the turn has passed its own checks)."""
         turn = body.to_turn()
         if callable(sid):
-            return await sid(lambda opened: chat_turn(opened, body, turn))
-        return await chat_turn(sid, body, turn)
+            return await sid(lambda opened: chat_turn(opened, body, turn, request))
+        return await chat_turn(sid, body, turn, request)
 
-    async def chat_turn(sid: str, body: SessionChatIn, turn):
+    async def chat_turn(sid: str, body: SessionChatIn, turn, request: Request):
         usage = bool((body.stream_options or {}).get("include_usage"))
 
         def respond(result: TurnResult) -> dict:
@@ -231,21 +249,22 @@ def session_routes(store: SessionStore, model_name: str = "support-replay", name
             )
 
         if body.stream and not (turn.tools and turn.parse_tools):  # tool calls parse from the whole text
-            lines = await live_turn(store, sid, turn, body.model or model_name, respond, usage)
+            lines = await live_turn(store, sid, turn, body.model or model_name, respond, usage, request)
             return StreamingResponse(lines, media_type="text/event-stream")
-        response = respond(await store.chat(sid, turn))
+        result = await dropped_if_gone(lambda cancelled: store.chat(sid, turn, cancelled=cancelled), request)
+        response = respond(result)
         if body.stream:
             return StreamingResponse(chat_stream(response, usage), media_type="text/event-stream")
         return response
 
-    async def tokens(sid, body: VLLMGenerateIn):
+    async def tokens(sid, body: VLLMGenerateIn, http_request: Request):
         turn = token_turn(body)
         if callable(sid):
-            return await sid(lambda opened: token_answer(opened, body, turn))
-        return await token_answer(sid, body, turn)
+            return await sid(lambda opened: token_answer(opened, body, turn, http_request))
+        return await token_answer(sid, body, turn, http_request)
 
-    async def token_answer(sid: str, body: VLLMGenerateIn, turn):
-        request, completion = await store.tokens(sid, turn)
+    async def token_answer(sid: str, body: VLLMGenerateIn, turn, http_request: Request):
+        request, completion = await dropped_if_gone(lambda gone: store.tokens(sid, turn, cancelled=gone), http_request)
         if completion is None:  # the episode's budget is spent: nothing generated, the trajectory as it was
             completion = Completion(output_ids=[], finish_reason={"type": "length"}, log_mu=np.zeros(0, np.float32))
             request = GenerateRequest(list(body.token_ids))
@@ -270,28 +289,28 @@ def session_routes(store: SessionStore, model_name: str = "support-replay", name
         return run
 
     @routes.post("/sessions/{sid}/v1/chat/completions")
-    async def session_chat(sid: str, body: SessionChatIn):
-        return await chat(sid, body)
+    async def session_chat(sid: str, request: Request, body: SessionChatIn):
+        return await chat(sid, body, request)
 
     @routes.post("/v1/chat/completions")
     async def client_chat(request: Request, body: SessionChatIn):
-        return await chat(keyed(request, None), body)
+        return await chat(keyed(request, None), body, request)
 
     @routes.post("/tasks/{task}/v1/chat/completions")
     async def task_chat(task: str, request: Request, body: SessionChatIn):
-        return await chat(keyed(request, task), body)
+        return await chat(keyed(request, task), body, request)
 
     @routes.post("/sessions/{sid}" + VLLM_GENERATE)
-    async def session_tokens(sid: str, body: VLLMGenerateIn):
-        return await tokens(sid, body)
+    async def session_tokens(sid: str, request: Request, body: VLLMGenerateIn):
+        return await tokens(sid, body, request)
 
     @routes.post(VLLM_GENERATE)
     async def client_tokens(request: Request, body: VLLMGenerateIn):
-        return await tokens(keyed(request, None), body)
+        return await tokens(keyed(request, None), body, request)
 
     @routes.post("/tasks/{task}" + VLLM_GENERATE)
     async def task_tokens(task: str, request: Request, body: VLLMGenerateIn):
-        return await tokens(keyed(request, task), body)
+        return await tokens(keyed(request, task), body, request)
 
     @routes.post("/tasks/{task}/finish")
     async def task_finish(task: str, request: Request, body: FinishIn | None = None):
