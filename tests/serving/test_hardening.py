@@ -843,3 +843,28 @@ def test_a_cancelled_stream_closes_its_socket_before_any_chunk_came():
         assert left.wait(10)
     finally:
         server.stop()
+
+
+def test_a_weights_upload_streams_to_disk_and_is_bounded_by_the_models_size(tiny_checkpoint, monkeypatch):
+    """Issue 55, low: the weights upload read its body whole into memory, up to 64 GiB, beside its tensors."""
+    from safetensors.torch import save
+    from starlette.requests import Request
+
+    engine = Engine.from_pretrained(tiny_checkpoint).start()
+    try:
+        client = TestClient(create_app(engine, keys=Keys(admin="root"), allowed_hosts=["testserver"]))
+        admin = {"Authorization": "Bearer root", "Content-Type": "application/octet-stream"}
+        params = sum(t.numel() for t in engine.runner.model.state_dict().values())
+        route = "/update_weights_from_safetensors"
+        r = client.post(route, content=b"\0" * (4 * params + 16 * 2**20 + 1), headers=admin)
+        assert r.status_code == 413 and "in float32 with a header" in r.text  # before: read, then a 400
+
+        def whole_body(self):
+            raise AssertionError("the upload was read whole into memory")
+
+        monkeypatch.setattr(Request, "body", whole_body)
+        state = save({k: v.clone() for k, v in engine.runner.model.state_dict().items()})
+        r = client.post(route, content=state, params={"weight_version": "up"}, headers=admin)
+        assert r.status_code == 200 and engine.weight_version == "up", r.text
+    finally:
+        engine.shutdown()

@@ -5,6 +5,7 @@ one safetensors file in the body), a LoRA adapter from a directory under it (SGL
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from pathlib import Path
 
 from fastapi import APIRouter, Query, Request
@@ -25,6 +26,38 @@ def refused_weights_path(model_path: str, weights_dir: Path | None) -> str | Non
         return "weight loading is off: start the server with --weights-dir DIR to load safetensors from under DIR"
     refused = outside(Path(model_path), weights_dir)
     return None if refused is None else f"model_path {refused}"
+
+
+def upload_limit(engine: Engine) -> int:
+    """The largest weights body a model may take: its parameters in float32, and 16 MiB of header."""
+    return 4 * sum(t.numel() for t in engine.runner.model.state_dict().values()) + 16 * 2**20
+
+
+def too_large(size: int, limit: int) -> str:
+    return f"body: {size:,} bytes is more than this model's weights take in float32 with a header ({limit:,} bytes)"
+
+
+async def receive_to(request: Request, path: Path, limit: int) -> int:
+    """Write the body to ``path`` as it arrives; stop past ``limit`` bytes. Returns the bytes received."""
+    size = 0
+    with open(path, "wb") as out:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                break
+            await asyncio.to_thread(out.write, chunk)
+    return size
+
+
+def safetensors_header(path: Path) -> None:
+    """ValueError unless ``path`` opens as safetensors (its header read, no tensor)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            f.keys()
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise ValueError(str(exc)) from exc
 
 
 def admin_routes(engine: Engine, weights_dir: Path | None) -> APIRouter:
@@ -49,18 +82,25 @@ def admin_routes(engine: Engine, weights_dir: Path | None) -> APIRouter:
     ):
         """The weights as one safetensors file in the body (no pickle: nothing in it runs), for a
         trainer that shares no filesystem with the engine; admin key required, checked like
-        ``update_weights_from_disk`` (names and shapes) before anything is loaded."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load as load_safetensors
-
-        body = await request.body()
-        try:
-            state = load_safetensors(body)
-        except (SafetensorError, ValueError) as exc:
-            return error_response(400, f"body: not a safetensors file ({len(body)} bytes): {exc}")
-        update = engine.update_weights(state, weight_version, abort_all_requests=abort_all_requests)
-        version = await asyncio.wrap_future(update)
-        message = f"loaded {len(state)} tensors ({len(body)} bytes)"
+        ``update_weights_from_disk`` (names and shapes) before anything is loaded. The body goes to a
+        temporary file as it arrives (it was read whole into memory, up to 64 GiB, beside its tensors), and
+        may be at most what this model's weights take in float32 and a header: 413 beyond."""
+        limit = upload_limit(engine)
+        declared = int(request.headers.get("content-length") or 0)
+        if declared > limit:
+            return error_response(413, too_large(declared, limit))
+        with tempfile.TemporaryDirectory(prefix="support-replay-upload-") as folder:
+            path = Path(folder) / "weights.safetensors"
+            size = await receive_to(request, path, limit)
+            if size > limit:
+                return error_response(413, too_large(size, limit))
+            try:
+                await asyncio.to_thread(safetensors_header, path)
+            except ValueError as exc:
+                return error_response(400, f"body: not a safetensors file ({size} bytes): {exc}")
+            update = engine.update_weights_from_disk(path, weight_version, abort_all_requests=abort_all_requests)
+            version = await asyncio.wrap_future(update)  # read by the engine's thread before the folder goes
+        message = f"loaded {size} bytes of safetensors"
         return {"success": True, "message": message, "weight_version": version}
 
     async def adapter_update(start):
