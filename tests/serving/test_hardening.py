@@ -573,7 +573,7 @@ def test_a_body_that_may_capture_past_the_budget_is_refused_before_it_runs(tiny_
     66.7 MiB answer (481 MB of RSS) on the tiny model. Its worst case is counted when it is validated."""
     engine, client = capture_limited(tiny_checkpoint, max_capture_ids=1_000_000)
     try:
-        r = client.post("/v1/completions", json=HOSTILE_CAPTURE)
+        r = client.post("/v1/completions", json={**HOSTILE_CAPTURE, "sampling_mask_format": "binary"})
         assert r.status_code == 400 and "may capture 3,072,000 support ids" in r.text and "1,000,000" in r.text
         assert "max_new_tokens 1000 x 384 ids per token" in r.text
         r = client.post("/generate", json={"text": "hi", "sampling_params": {"top_p": 0.9, "max_new_tokens": 300},
@@ -590,12 +590,17 @@ def test_an_answer_too_large_as_json_lists_names_the_binary_form(tiny_checkpoint
     engine, client = capture_limited(tiny_checkpoint, max_json_capture_bytes=64 * 1024)
     body = {**HOSTILE_CAPTURE, "n": 2, "max_tokens": 12, "seed": 1}
     try:
-        r = client.post("/v1/completions", json=body)
+        r = client.post("/v1/completions", json=body)  # top_k bounds it: refused before it runs
         message = r.json()["error"]["message"]
         assert r.status_code == 400 and '"sampling_mask_format": "binary"' in message and "MiB as JSON lists" in message
-        assert "(9,216 ids)" in message and "65,536 bytes" in message
+        assert "may capture 9,216 support ids (max_new_tokens x top_k)" in message and "65,536 bytes" in message
+        assert sum(engine.stats.requests.values()) == 0
         binary = client.post("/v1/completions", json={**body, "sampling_mask_format": "binary"})
         assert binary.status_code == 200 and len(binary.json()["choices"]) == 2
+        top_p = {k: v for k, v in body.items() if k != "top_k"} | {"top_p": 0.999}  # no bound: checked once run
+        r = client.post("/v1/completions", json=top_p)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and "ids) is about" in message and '"binary"' in message, message
         native = {"text": "hi", "sampling_params": {"top_k": 384, "temperature": 50, "max_new_tokens": 12,
                                                     "ignore_eos": True}, "return_sampling_mask": True,
                   "sampling_logprobs_mode": "support"}  # fmt: skip

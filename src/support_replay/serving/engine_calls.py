@@ -12,7 +12,7 @@ from ..errors import EngineError, SupportReplayError
 from ..protocol import Completion, GenerateRequest
 from ..rollout.text_bound import TextBound
 from .disconnects import unless_disconnected
-from .sglang_format import ResponseForm, check_json_capture, meta_info
+from .sglang_format import ResponseForm, check_json_bound, check_json_capture, meta_info
 from .token_stream import IncrementalText, TokenStream
 
 
@@ -57,6 +57,10 @@ class EngineCalls:
     def tokenize(self, text: str) -> list[int]:
         self.bound.check(text, "text")
         return self.engine.tokenizer(text)["input_ids"]
+
+    def check_json_bound(self, requests: list[GenerateRequest], form: ResponseForm) -> None:
+        """400 before the body runs when its top-k bounded capture could not be answered as JSON lists."""
+        check_json_bound(requests, form, self.engine.vocab_size, self.engine.limits.max_json_capture_bytes)
 
     def check_json(self, requests: list[GenerateRequest], completions: list[Completion], form: ResponseForm) -> None:
         """400 before an answer's ``meta_info`` is built when its capture would be too large as JSON lists."""

@@ -71,6 +71,7 @@ def native_routes(calls: EngineCalls, model_name: str) -> APIRouter:
             reqs = body.to_requests(calls.tokenize, engine.limits.max_queue)
         reqs = namespaced(reqs, request.headers.get("authorization"))
         fmt = ResponseForm(body.sampling_mask_format, body.routed_experts_format, body.routed_experts_start_len)
+        calls.check_json_bound(reqs, fmt)
         if body.stream:
             await calls.prepare(reqs)
             return streamed(reqs[0], fmt)

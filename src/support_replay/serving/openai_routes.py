@@ -200,6 +200,7 @@ class OpenAIHandlers:
         sp = body.sampling(body.max_completion_tokens or body.max_tokens, 256)
         reqs = requests_for(body, ids, sp, log_mu=body.logprobs or bool(top), top=top)
         parse = body.tools and parses_tool_calls(body.tool_choice)
+        self._check_json_bound(body, reqs)
         stream = await self._live(reqs) if body.stream and not parse else None  # tool calls parse from the whole text
         if stream is not None:
             return self._chat_live(stream, body, reqs, len(ids), top)
@@ -284,6 +285,11 @@ class OpenAIHandlers:
         )
         return StreamingResponse(lines, media_type="text/event-stream")
 
+    def _check_json_bound(self, body, reqs) -> None:
+        """Before the body runs: its top-k bounded capture against the JSON limit (``EngineCalls.check_json_bound``)."""
+        if body.return_meta_info and self.live is not None:
+            self.live.check_json_bound(reqs, ResponseForm(body.sampling_mask_format))
+
     def _check_json(self, body, reqs, results) -> None:
         """The whole body's capture against the JSON limit (``EngineCalls.check_json``), before any is built."""
         if body.return_meta_info and self.live is not None:
@@ -306,6 +312,7 @@ class OpenAIHandlers:
         top = body.logprobs or 0
         sp = body.sampling(body.max_tokens, 16)  # OpenAI's default max_tokens for completions
         reqs = [r for p in ids for r in requests_for(body, p, sp, log_mu=body.logprobs is not None, top=top)]
+        self._check_json_bound(body, reqs)
         stream = await self._live(reqs) if body.stream else None
         if stream is not None:
             return self._completions_live(stream, body, reqs)

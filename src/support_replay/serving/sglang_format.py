@@ -64,15 +64,36 @@ def meta_info(
     return meta
 
 
+def json_bytes_per_id(request: GenerateRequest, vocab_size: int) -> int:
+    """About the bytes of one captured id as JSON: its digits and ", ", and in support mode its log-prob's (a
+    float's repr runs to some 20 characters)."""
+    per_id = len(str(max(vocab_size - 1, 0))) + 2
+    return per_id + (22 if request.sampling_logprobs_mode == "support" else 0)
+
+
+def check_json_bound(requests, form: ResponseForm, vocab_size: int, limit: int) -> None:
+    """400 before a body runs when its requests bounded by a ``top_k`` may capture more than ``limit`` bytes as
+    JSON lists (``max_new_tokens`` x ``top_k`` ids each); one bounded by top-p alone is checked as its answer is
+    built (``check_json_capture``): its bound, the whole capacity per token, says little of what it captures."""
+    if form.sampling_mask_format == "binary":
+        return
+    bounded = [r for r in requests if r.return_sampling_mask and r.params.top_k > 0]
+    total = sum(r.max_new_tokens * r.params.top_k * json_bytes_per_id(r, vocab_size) for r in bounded)
+    if total > limit:
+        ids = sum(r.max_new_tokens * r.params.top_k for r in bounded)
+        raise RequestError(
+            f"sampling_mask_format: this body may capture {ids:,} support ids (max_new_tokens x top_k), about "
+            f"{total / 2**20:.1f} MiB as JSON lists, over this engine's max_json_capture_bytes of {limit:,} bytes; "
+            'ask for "sampling_mask_format": "binary" (ids packed, log-probs float32) or for fewer samples, tokens '
+            "or a smaller top_k"
+        )
+
+
 def json_capture_bytes(completion: Completion, request: GenerateRequest, vocab_size: int) -> int:
-    """About the bytes of ``completion``'s captured support as JSON id lists: an id's digits and ", ", and in
-    support mode its log-prob's (a float's repr runs to some 20 characters)."""
+    """About the bytes of ``completion``'s captured support as JSON id lists (``json_bytes_per_id``)."""
     if not request.return_sampling_mask or completion.support is None:
         return 0
-    per_id = len(str(max(vocab_size - 1, 0))) + 2
-    if request.sampling_logprobs_mode == "support":
-        per_id += 22
-    return int(completion.support.ids.size) * per_id
+    return int(completion.support.ids.size) * json_bytes_per_id(request, vocab_size)
 
 
 def check_json_capture(answers, form: ResponseForm, vocab_size: int, limit: int) -> None:
