@@ -125,26 +125,39 @@ def test_past_max_connections_a_new_connection_gets_a_503():
         served.stop()
 
 
+def listening(url: str, timeout: float = 120.0) -> None:
+    """Wait until ``url``'s port accepts connections (the servers start at once, not one after another)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            connect(url).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def test_serve_router_and_sessions_cut_off_slow_headers(tiny_checkpoint):
     """The three server commands take the flags and apply them (a real process each, as the review probed)."""
     from contextlib import ExitStack
 
-    from processes import engine_process, free_port, process
+    from processes import free_port, process
 
     quick = ["--header-timeout", "0.5", "--body-timeout", "0.5"]
+    ports = [free_port() for _ in range(3)]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    commands = [
+        ["serve", "--hf-checkpoint", str(tiny_checkpoint)],
+        ["router", "--engine", urls[0]],
+        ["sessions", "--backend", urls[0], "--tokenizer", str(tiny_checkpoint)],
+    ]
     with ExitStack() as stack:
-        engine, engine_url = engine_process(tiny_checkpoint, *quick)
-        stack.enter_context(engine)
-        urls = [engine_url]
-        for command in (
-            ["router", "--engine", engine_url],
-            ["sessions", "--backend", engine_url, "--tokenizer", str(tiny_checkpoint)],
-        ):
-            port = free_port()
+        for command, port, url in zip(commands, ports, urls):
             args = [sys.executable, "-m", "support_replay.cli", *command, "--port", str(port), *quick]
-            stack.enter_context(process(args, f"http://127.0.0.1:{port}"))
-            urls.append(f"http://127.0.0.1:{port}")
+            stack.enter_context(process(args, url, health=False))  # started together
         for url in urls:
+            listening(url)
             sock = connect(url)
             sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 8388608\r\n")
             assert read_until_closed(sock).startswith(b"HTTP/1.1 408"), url
