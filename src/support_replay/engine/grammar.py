@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import RequestError
-from .grammar_check import GrammarChecker, first_line
+from .grammar_check import GrammarChecker, first_line, tokenizer_json
 
 
 class Grammars:
@@ -49,14 +49,16 @@ class Grammars:
         self._held = weakref.WeakKeyDictionary()  # a submitted request's future -> its compiled matcher
         self._checker: GrammarChecker | None = None
         self._compiling: dict[str, asyncio.Future] = {}  # grammars being prepared (on the event loop)
-        self.compiles = 0  # matchers built in this process
 
     @property
     def ll_tokenizer(self):
         if self._ll is None:
-            import llguidance.hf
+            import llguidance
 
-            self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+            # from the same tokenizer.json text the worker process builds its own from (grammar_check.py)
+            self._ll = llguidance.LLTokenizer(
+                tokenizer_json(self.tokenizer), n_vocab=self.vocab_size, eos_token=self.eos_ids
+            )
         return self._ll
 
     @property
@@ -84,7 +86,6 @@ class Grammars:
         import llguidance
 
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
-        self.compiles += 1
         if matcher.is_error():
             raise RequestError(f"grammar: {first_line(matcher.get_error())}")
         return matcher

@@ -41,7 +41,6 @@ class CheckedPath:
 
 
 def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:
         raise RequestError(f"model_path: no .safetensors file at {path}")

@@ -35,6 +35,7 @@ class DeadlineH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
+        self._phase: str | None = None  # "headers" or "body": which deadline runs
         self._counted: str | None = None
         peer = transport.get_extra_info("peername")
         host = peer[0] if isinstance(peer, tuple) else str(peer)
@@ -72,7 +73,7 @@ class DeadlineH11Protocol(H11Protocol):
         idle keep-alive arms it; before that, uvicorn's keep-alive timeout runs), its body while it sends one."""
         if self.transport is None or self.transport.is_closing():
             return
-        state, phase = self.conn.their_state, getattr(self, "_phase", None)
+        state, phase = self.conn.their_state, self._phase
         if state is h11.IDLE:
             if phase != "headers" and self.conn.trailing_data[0]:
                 self._arm(self.limits.header_timeout, b"the request's headers did not arrive in time")
@@ -88,7 +89,7 @@ class DeadlineH11Protocol(H11Protocol):
         self._deadline = self.loop.call_later(seconds, self._expired, reason)
 
     def _disarm(self) -> None:
-        if getattr(self, "_deadline", None) is not None:
+        if self._deadline is not None:
             self._deadline.cancel()
         self._deadline, self._phase = None, None
 
