@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine import resolve_model  # noqa: E402
 from support_replay.backends.local import EngineBackend  # noqa: E402
 from support_replay.core.sampling import SamplingParams  # noqa: E402
-from support_replay.engine import Engine  # noqa: E402
+from support_replay.engine import Engine, EngineSettings  # noqa: E402
 from support_replay.protocol import GenerateRequest  # noqa: E402
 from support_replay.rollout.agents import AgentRunner, load_agent  # noqa: E402
 from support_replay.rollout.chat import ChatRenderer, builtin_template  # noqa: E402
@@ -182,7 +182,7 @@ def play_rounds(generate, firsts: list[list[int]], inserted: list[int], turns: i
 
 
 def ours_rounds(path, firsts, inserted, turns: int, tokens: int, cache: bool) -> dict:
-    engine = Engine.from_pretrained(path, prefix_cache=cache).start()
+    engine = Engine.from_pretrained(path, EngineSettings(prefix_cache=cache)).start()
 
     def generate(prompts, n):
         reqs = [

@@ -39,7 +39,7 @@ from engine import PARAMS, resolve_model, shaped_rate
 from support_replay import SamplingParams
 from support_replay.core.logprobs import support_logprobs
 from support_replay.core.sampling import sample_tokens
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.engine.fused_step import LOOP_PARTS, FusedDecoder
 from support_replay.engine.paged_cache import PagedCache
 from support_replay.modeling.decode_attention import compiled
@@ -243,7 +243,9 @@ def main() -> None:
         for layers in layer_choices:
             if layers not in ("loop", "compiled", "pytorch"):
                 raise SystemExit(f"--layers: {layers!r} is not loop, compiled or pytorch")
-            engine = Engine.from_pretrained(resolve_model("smollm2"), dtype=dtype, decode_attention=choice)
+            engine = Engine.from_pretrained(
+                resolve_model("smollm2"), EngineSettings(decode_attention=choice), dtype=dtype
+            )
             fused = engine.runner.fused
             if fused is not None:
                 fused.compiled_layers = layers != "pytorch" and fused.layer_kernels is not None

@@ -19,7 +19,7 @@ import torch
 
 from support_replay import SamplingParams
 from support_replay import __file__ as package_file
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.protocol import GenerateRequest
 
@@ -54,7 +54,7 @@ def main() -> None:
     extra = {}
     if args.page_size is not None and "page_size" in inspect.signature(Engine.__init__).parameters:
         extra["page_size"] = args.page_size
-    engine = Engine.from_pretrained(smollm2_checkpoint(), **extra)
+    engine = Engine.from_pretrained(smollm2_checkpoint(), EngineSettings(**extra))
     print(f"engine from {package_file}")
     print("| batch x width | median decode step (ms) |")
     print("|---|---:|")

@@ -36,7 +36,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.modeling.kernel_probe import cpu_identity
 from support_replay.protocol import GenerateRequest
@@ -345,7 +345,7 @@ def compare_deterministic(path: Path, args) -> None:
     the median of the rounds' ratios."""
     engines = {
         mode: Engine.from_pretrained(
-            path, dtype=getattr(torch, args.dtype), deterministic=mode, linear_kernel=args.linear_kernel
+            path, EngineSettings(deterministic=mode, linear_kernel=args.linear_kernel), dtype=getattr(torch, args.dtype)
         )
         for mode in (False, True)
     }
@@ -380,7 +380,7 @@ def compare_kernels(path: Path, args) -> None:
     kernels = ["torch", "onednn"] if args.dtype == "float32" else ["torch"]
     engines = {
         k: Engine.from_pretrained(
-            path, dtype=getattr(torch, args.dtype), linear_kernel=k, deterministic=args.deterministic
+            path, EngineSettings(linear_kernel=k, deterministic=args.deterministic), dtype=getattr(torch, args.dtype)
         )
         for k in kernels
     }
@@ -463,10 +463,10 @@ def main() -> None:
         return
     engine = Engine.from_pretrained(
         path,
+        EngineSettings(
+            deterministic=args.deterministic, linear_kernel=args.linear_kernel, decode_attention=args.decode_attention
+        ),
         dtype=getattr(torch, args.dtype),
-        deterministic=args.deterministic,
-        linear_kernel=args.linear_kernel,
-        decode_attention=args.decode_attention,
     )
     ids = prompt_ids(engine)
     engine_rate(engine, ids, 2, 4, True, 1)  # warm-up

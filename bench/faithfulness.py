@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from support_replay import SamplingParams, full_logprobs, support_logprobs
 from support_replay.core.logprobs import penalised_support_logprobs
 from support_replay.core.penalties import Penalties
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.modeling.batch_invariant import make_batch_invariant
 from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.protocol import GenerateRequest
@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--true-on-policy", action="store_true", help="deterministic engine and batch-invariant scorer")
     args = ap.parse_args()
     path = smollm2_checkpoint()
-    engine = Engine.from_pretrained(path, deterministic=args.true_on_policy).start()
+    engine = Engine.from_pretrained(path, EngineSettings(deterministic=args.true_on_policy)).start()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if args.true_on_policy:
         make_batch_invariant(model)

@@ -38,14 +38,14 @@ def main() -> None:
 
     import tempfile
 
-    from support_replay.engine import Engine
+    from support_replay.engine import Engine, EngineSettings
     from support_replay.engine.limits import EngineLimits
     from support_replay.serving.server import create_app
     from tiny_model import build_tiny_checkpoint
 
     engine = Engine.from_pretrained(
         build_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny"),
-        limits=EngineLimits(max_new_tokens=8, max_prompt_tokens=128),
+        EngineSettings(limits=EngineLimits(max_new_tokens=8, max_prompt_tokens=128)),
     ).start()
     run("HTTP endpoints (10 operations; the 4 with a body 2,500 each)", fuzz_http, create_app(engine), n(2_500))
     engine.shutdown()

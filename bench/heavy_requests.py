@@ -19,7 +19,7 @@ import torch
 from support_replay import SamplingParams, support_logprobs
 from support_replay.core.logprobs import support_row_logprobs
 from support_replay.core.penalties import Penalties
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.protocol import GenerateRequest
 from timing import seconds_per_call
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
-    engine = Engine.from_pretrained(smollm2_checkpoint(), sampling_mask_max_tokens=4096)
+    engine = Engine.from_pretrained(smollm2_checkpoint(), EngineSettings(sampling_mask_max_tokens=4096))
     prompt = engine.tokenizer("Write a short story about a robot who learns to paint.")["input_ids"]
     good = lambda seed: GenerateRequest(
         prompt,

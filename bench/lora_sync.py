@@ -24,10 +24,11 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
+from support_replay.backends.sglang_weights import SGLangAdapterSync, SGLangSync
+from support_replay.backends.weight_push import ADAPTER_NAME
 from support_replay.launch import engines_behind_router, free_port
 from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.modeling.lora import LoraSettings, adapter_state, add_lora, merged_state
-from support_replay.train.weights import ADAPTER_NAME, SGLangAdapterSync, SGLangSync
 
 PROMPT = {"input_ids": [1, 2, 3, 4, 5, 6, 7, 8], "return_sampling_mask": True, "return_logprob": True}
 SAMPLING = {"max_new_tokens": 16, "temperature": 1.0, "top_p": 0.8, "top_k": 32, "seed": 7}

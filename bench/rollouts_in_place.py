@@ -20,7 +20,7 @@ import statistics
 import torch
 
 from engine import resolve_model, shaped_rate
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.modeling.kernel_probe import cpu_identity
 
 
@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=10)
     args = ap.parse_args()
     engine = Engine.from_pretrained(
-        resolve_model("smollm2"), dtype=torch.float32, max_total_tokens=args.max_total_tokens
+        resolve_model("smollm2"), EngineSettings(max_total_tokens=args.max_total_tokens), dtype=torch.float32
     )
     pool = engine.runner.pool
     misses = [0]

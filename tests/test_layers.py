@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).parent.parent / "src" / "support_replay"
-# the only places above the engine that run it in-process
-RUNS_THE_ENGINE = {"backends/local.py", "train/rollouts.py"}
+# the only places above the engine that run it in-process (the in-process engine kind)
+RUNS_THE_ENGINE = {"backends/local.py", "backends/in_process.py"}
+# the engine's records, which the trainer builds an in-process engine's settings from
+ENGINE_RECORDS = ("support_replay.engine.settings", "support_replay.engine.kv_budget", "support_replay.engine.limits")
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -78,7 +80,10 @@ def test_only_the_in_process_paths_import_the_engine(layer):
     for path in sorted((PACKAGE / layer).glob("*.py")):
         rel = f"{layer}/{path.name}"
         engine = [
-            m for m in imported_modules(path) if m == "support_replay.engine" or m.startswith("support_replay.engine.")
+            m
+            for m in imported_modules(path)
+            if (m == "support_replay.engine" or m.startswith("support_replay.engine."))
+            and not m.startswith(ENGINE_RECORDS)
         ]
         assert not engine or rel in RUNS_THE_ENGINE, f"{rel} imports {engine}"
 
@@ -92,3 +97,11 @@ def test_an_http_backend_loads_neither_the_engine_nor_transformers():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_nothing_imports_the_command_line():
+    """cli.py sits on top: the flag systems it uses live below it (serving/serve_flags.py, train/config.py)."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "cli.py" and path.parent == PACKAGE:
+            continue
+        assert "support_replay.cli" not in imported_modules(path), path.relative_to(PACKAGE)

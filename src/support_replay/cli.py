@@ -23,13 +23,8 @@ import torch
 from . import SEMANTICS, SamplingParams, SupportReplayError, full_logprobs, sample_tokens, support_logprobs, wire
 from .core.losses import logprob_mismatch_metrics, support_size_metrics
 from .engine.limits import EngineLimits
-from .modeling.decode_attention import CHOICES as DECODE_ATTENTION_CHOICES
-from .modeling.decode_attention import HELP as DECODE_ATTENTION_HELP
-from .modeling.linear_kernels import KERNELS, LINEAR_KERNEL_HELP
-from .protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
-from .serving import DEFAULT_ENGINE_PORT, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT, DEFAULT_SESSIONS_PORT
-from .serving.connection_limits import ConnectionLimits
-from .serving.security import DEFAULT_MAX_WEIGHTS_BYTES
+from .serving import DEFAULT_ROUTER_PORT, DEFAULT_SESSIONS_PORT
+from .serving.flags import add_key_flags, add_upstream_key_flags, connections_from_args, keys_from_args, upstream_keys
 
 
 def _dense_reference(logits: torch.Tensor, tokens: torch.Tensor, support, temperature: float) -> torch.Tensor:
@@ -86,53 +81,22 @@ def _serve(args: argparse.Namespace) -> int:
 
     from .engine import Engine
     from .engine.kv_budget import available_bytes, fraction_tokens, kv_bytes_per_token
-    from .engine.limits import EngineLimits
     from .engine.model_runner import load_model_and_tokenizer
+    from .rollout.chat import load_template
+    from .serving.serve_flags import engine_settings
     from .serving.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    limits = EngineLimits(
-        max_new_tokens=args.max_new_tokens,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_stop_strings=args.max_stop_strings,
-        max_stop_string_length=args.max_stop_string_length,
-        max_batch_size=args.max_batch_size,
-        max_queue=args.max_queue,
-        max_capture_ids=args.max_capture_ids,
-        max_capture_ids_running=args.max_capture_ids_running,
-        max_json_capture_bytes=args.max_json_capture_bytes,
-        **{name: getattr(args, name) for name in GRAMMAR_LIMITS},
-    )
-    keys = _keys(args)
-    if args.mem_fraction_static is not None and args.max_total_tokens is not None:
+    settings, keys = engine_settings(args), keys_from_args(args)
+    if args.mem_fraction_static is not None and settings.max_total_tokens is not None:
         raise SupportReplayError("serve: give --mem-fraction-static or --max-total-tokens, not both")
     before = available_bytes()
-    model, tokenizer = load_model_and_tokenizer(args.hf_checkpoint, dtype, args.device)
-    max_total_tokens = args.max_total_tokens
+    model, tokenizer = load_model_and_tokenizer(args.hf_checkpoint, getattr(torch, args.dtype), settings.device)
     if args.mem_fraction_static is not None:
-        max_total_tokens = fraction_tokens(
-            args.mem_fraction_static, before, available_bytes(), kv_bytes_per_token(model)
-        )
-    engine = Engine(
-        model,
-        tokenizer,
-        device=args.device,
-        semantics=args.semantics,
-        sampling_mask_max_tokens=args.sampling_mask_max_tokens,
-        limits=limits,
-        seed=args.seed,
-        deterministic=args.deterministic,
-        linear_kernel=args.linear_kernel,
-        decode_attention=args.decode_attention,
-        max_total_tokens=max_total_tokens,
-        prefix_cache=not args.disable_radix_cache,
-        decode_log_interval=args.decode_log_interval,
-        page_size=args.page_size,
-    )
+        tokens = fraction_tokens(args.mem_fraction_static, before, available_bytes(), kv_bytes_per_token(model))
+        settings = settings.but(max_total_tokens=tokens)
+    engine = Engine(model, tokenizer, settings)
     print(f"support-replay engine: {args.hf_checkpoint} on http://{args.host}:{args.port}", flush=True)
-    from .rollout.chat import load_template
-
     serve(
         engine,
         args.host,
@@ -144,91 +108,9 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_hosts=args.allowed_host,
         chat_template=load_template(args.chat_template),
         max_weights_bytes=args.max_weights_bytes,
-        connections=_connections(args),
+        connections=connections_from_args(args),
     )
     return 0
-
-
-def _keys(args: argparse.Namespace):
-    from .serving.security import Keys
-
-    if getattr(args, "api_key", None):
-        print(
-            "support-replay: warning: --api-key shows in the process list; prefer --api-key-file or "
-            "$SUPPORT_REPLAY_API_KEY",
-            file=sys.stderr,
-        )
-    return Keys.load(args.api_key_file, args.admin_key_file, getattr(args, "api_key", None))
-
-
-def _add_key_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--api-key-file",
-        default=None,
-        help="generation routes need Authorization: Bearer KEY (also $SUPPORT_REPLAY_API_KEY)",
-    )
-    parser.add_argument(
-        "--admin-key-file",
-        default=None,
-        help="weight, version and cache routes need Authorization: Bearer KEY (also $SUPPORT_REPLAY_ADMIN_KEY)",
-    )
-    parser.add_argument(
-        "--allowed-host",
-        action="append",
-        default=None,
-        help="Host header to answer (repeat; default: the loopback names when bound to loopback)",
-    )
-    parser.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="largest request body, chunked or not (413 beyond)",
-    )
-    # slow clients (serving/connections.py): every server cuts them off
-    slow = ConnectionLimits()
-    parser.add_argument(
-        "--header-timeout",
-        type=float,
-        default=slow.header_timeout,
-        help="seconds from a connection (or a request's first byte) to the end of its headers; 408",
-    )
-    parser.add_argument(
-        "--body-timeout",
-        type=float,
-        default=slow.body_timeout,
-        help="seconds from the end of a request's headers to the end of its body; closed beyond",
-    )
-    parser.add_argument(
-        "--max-connections",
-        type=int,
-        default=slow.max_connections,
-        help="connections held at once (at most the open-file limit less 256); 503 beyond",
-    )
-    parser.add_argument("--max-connections-per-client", type=int, default=slow.max_connections_per_client,
-                        help="connections one address may hold; 503 beyond")  # fmt: skip
-
-
-def _add_upstream_key_flags(parser: argparse.ArgumentParser) -> None:
-    """A hop's own keys for the engines behind it; its clients' key is never sent on."""
-    parser.add_argument(
-        "--upstream-api-key-file",
-        default=None,
-        help="key sent to the engines behind (also $SUPPORT_REPLAY_UPSTREAM_API_KEY); none by default",
-    )
-    parser.add_argument("--upstream-admin-key-file", default=None,
-                        help="admin key sent to them (also $SUPPORT_REPLAY_UPSTREAM_ADMIN_KEY)")  # fmt: skip
-
-
-def _upstream(args: argparse.Namespace):
-    from .serving.security import Keys
-
-    return Keys.load_upstream(args.upstream_api_key_file, args.upstream_admin_key_file)
-
-
-def _connections(args: argparse.Namespace) -> ConnectionLimits:
-    return ConnectionLimits(
-        args.header_timeout, args.body_timeout, args.max_connections, args.max_connections_per_client
-    )
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -288,11 +170,11 @@ def _router(args: argparse.Namespace) -> int:
         args.port,
         args.health_interval,
         request_timeout=args.request_timeout,
-        keys=_keys(args),
+        keys=keys_from_args(args),
         max_request_bytes=args.max_request_bytes,
         allowed_hosts=args.allowed_host,
-        connections=_connections(args),
-        upstream=_upstream(args),
+        connections=connections_from_args(args),
+        upstream=upstream_keys(args),
     )
     return 0
 
@@ -305,25 +187,24 @@ def _sessions(args: argparse.Namespace) -> int:
 
     from .core.penalties import Penalties
     from .core.sampling import SamplingParams
-    from .engine.limits import EngineLimits
     from .rollout.chat import ChatRenderer, load_template
     from .rollout.session import SessionSettings, SessionStore
     from .rollout.text_bound import TextBound
     from .serving.sessions import serve_sessions
 
-    keys = _keys(args)
+    keys = keys_from_args(args)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     vocab = args.vocab_size or len(tokenizer)
     if args.backend_engine == "vllm":
         from .backends.vllm import VLLMBackend
 
         backend = VLLMBackend(
-            args.backend, vocab, endpoint=args.vllm_endpoint, capture=args.vllm_capture, api_key=_upstream(args).api
+            args.backend, vocab, endpoint=args.vllm_endpoint, capture=args.vllm_capture, api_key=upstream_keys(args).api
         )
     else:
         from .backends.sglang import SGLangBackend
 
-        backend = SGLangBackend(args.backend, vocab, api_key=_upstream(args).api)
+        backend = SGLangBackend(args.backend, vocab, api_key=upstream_keys(args).api)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     bias = json.loads(Path(args.logit_bias).read_text()) if args.logit_bias else None
     penalties = Penalties.with_bias(args.frequency_penalty, args.presence_penalty, args.repetition_penalty, bias)
@@ -360,7 +241,7 @@ def _sessions(args: argparse.Namespace) -> int:
         keys=keys,
         max_request_bytes=args.max_request_bytes,
         allowed_hosts=args.allowed_host,
-        connections=_connections(args),
+        connections=connections_from_args(args),
     )
     return 0
 
@@ -416,159 +297,12 @@ def _add_audit(sub) -> None:
     au.set_defaults(func=_audit, output_dir="runs/audit")
 
 
-# serve's flags with SGLang's names and meanings: what a run's --sglang-* flags may give the engines it starts
-SERVE_SGLANG_FLAGS = (
-    "--mem-fraction-static",
-    "--max-total-tokens",
-    "--page-size",
-    "--max-running-requests",
-    "--enable-deterministic-inference",
-    "--attention-backend",
-    "--disable-radix-cache",
-    "--decode-log-interval",
-    "--chat-template",
-)
-
-
-# structured outputs' bounds (engine/grammar.py): serve flags named as the EngineLimits fields they set
-GRAMMAR_LIMITS = {
-    "max_grammar_requests": "grammar-constrained requests one body may carry; 400 beyond",
-    "max_grammars_cached": "distinct compiled grammars kept (an LRU); a request copies its grammar's matcher",
-    "grammar_compile_ms": "a grammar's compile in the grammar worker process; past it the process is killed, 400",
-    "max_grammar_compiles_waiting": "grammars waiting for the grammar worker process; 503 beyond",
-}
-
-
 def _add_serve(sub) -> None:
-    """The `serve` command: the engine server and its limits."""
+    """The `serve` command: the engine server, its engine's settings and limits (serving/serve_flags.py)."""
+    from .serving.serve_flags import add_serve_flags
+
     srv = sub.add_parser("serve", help="run the engine server (SGLang /generate, OpenAI chat completions)")
-    srv.add_argument("--hf-checkpoint", required=True, help="Hugging Face checkpoint directory (safetensors)")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=DEFAULT_ENGINE_PORT)
-    srv.add_argument("--semantics", choices=SEMANTICS, default="sglang", help="filter semantics of the sampler")
-    srv.add_argument(
-        "--sampling-mask-max-tokens",
-        type=int,
-        default=DEFAULT_SAMPLING_MASK_MAX_TOKENS,
-        help="largest support a request may capture",
-    )
-    defaults = EngineLimits()
-    srv.add_argument(
-        "--max-batch-size",
-        "--max-running-requests",
-        dest="max_batch_size",
-        type=int,
-        default=defaults.max_batch_size,
-        help="sequences decoded together (SGLang's --max-running-requests)",
-    )
-    srv.add_argument(
-        "--max-queue",
-        type=int,
-        default=defaults.max_queue,
-        help="requests waiting for a slot (503 with Retry-After beyond)",
-    )
-    srv.add_argument(
-        "--max-total-tokens",
-        type=int,
-        default=None,
-        help="KV positions the engine may hold at its peak, as SGLang's flag counts them; a request waits until "
-        "it fits (default: half the memory available at start)",
-    )
-    srv.add_argument(
-        "--page-size",
-        type=int,
-        default=16,
-        help="KV positions per block of the engine's pool (SGLang's flag; vLLM's --block-size): a row holds its own "
-        "length in whole blocks, and a prefix is shared by whole blocks",
-    )
-    srv.add_argument(
-        "--mem-fraction-static",
-        type=float,
-        default=None,
-        help="SGLang's: the share of the memory free at start for the weights and the KV pool (the pool: what is "
-        "free after loading less (1 - F) of what was free before); instead of --max-total-tokens",
-    )
-    srv.add_argument(
-        "--max-new-tokens", type=int, default=defaults.max_new_tokens, help="largest max_new_tokens a request may ask"
-    )
-    srv.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=defaults.max_prompt_tokens,
-        help="longest prompt (at most the model's context length)",
-    )
-    srv.add_argument(
-        "--max-capture-ids",
-        type=int,
-        default=defaults.max_capture_ids,
-        help="support ids one body (all its n samples) may capture at most: max_new_tokens x top_k (or x "
-        "--sampling-mask-max-tokens where no top_k bounds a row), summed; 400 beyond",
-    )
-    srv.add_argument(
-        "--max-capture-ids-running",
-        type=int,
-        default=defaults.max_capture_ids_running,
-        help="support ids the running requests may hold captured at once; past it new requests wait",
-    )
-    srv.add_argument(
-        "--max-json-capture-bytes",
-        type=int,
-        default=defaults.max_json_capture_bytes,
-        help="an answer's captured support as JSON id lists; 400 beyond, naming sampling_mask_format=binary",
-    )
-    for name, help in GRAMMAR_LIMITS.items():
-        srv.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name), help=help)
-    srv.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings)
-    srv.add_argument("--max-stop-string-length", type=int, default=defaults.max_stop_string_length)
-    srv.add_argument(
-        "--weights-dir",
-        default=None,
-        help="/update_weights_from_disk loads safetensors from under this directory only (off without it)",
-    )
-    srv.add_argument(
-        "--max-weights-bytes",
-        type=int,
-        default=DEFAULT_MAX_WEIGHTS_BYTES,
-        help="largest body of /update_weights_from_safetensors (needs the admin key)",
-    )
-    srv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    srv.add_argument("--device", default="cpu")
-    srv.add_argument("--api-key", default=None, help="as --api-key-file, but visible in the process list")
-    _add_key_flags(srv)
-    srv.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed of their own")
-    srv.add_argument(
-        "--chat-template",
-        default=None,
-        help="Jinja file or built-in name (hermes_tools) for chat requests; default: the tokenizer's",
-    )
-    srv.add_argument(
-        "--deterministic",
-        "--enable-deterministic-inference",
-        dest="deterministic",
-        action="store_true",
-        help="batch-invariant forward: a sequence's logits do not depend on its batch (true-on-policy; SGLang's "
-        "--enable-deterministic-inference)",
-    )
-    srv.add_argument(
-        "--attention-backend",
-        choices=["torch_native"],
-        default="torch_native",
-        help="the model's torch attention over the rows' gathered blocks (SGLang's torch_native; batch-invariant with "
-        "--deterministic); FlashAttention and FlashInfer backends need CUDA kernels this engine does not run",
-    )
-    srv.add_argument(
-        "--disable-radix-cache",
-        action="store_true",
-        help="keep no finished sequences' keys and values for later prompts (the prefix cache; SGLang's flag)",
-    )
-    srv.add_argument(
-        "--decode-log-interval",
-        type=int,
-        default=0,
-        help="log SGLang's decode line (running requests, KV use, throughput, queue) every N decode steps (0: off)",
-    )
-    srv.add_argument("--linear-kernel", choices=KERNELS, default="auto", help=LINEAR_KERNEL_HELP)
-    srv.add_argument("--decode-attention", choices=DECODE_ATTENTION_CHOICES, default="auto", help=DECODE_ATTENTION_HELP)
+    add_serve_flags(srv)
     srv.set_defaults(func=_serve)
 
 
@@ -635,8 +369,8 @@ def _add_sessions(sub) -> None:
         "--api-key-file, each its own namespace of ids",
     )
     ss.add_argument("--api-key", default=None, help="as --api-key-file, but visible in the process list")
-    _add_key_flags(ss)
-    _add_upstream_key_flags(ss)
+    add_key_flags(ss)
+    add_upstream_key_flags(ss)
     ss.set_defaults(func=_sessions)
 
 
@@ -653,8 +387,8 @@ def _add_router(sub) -> None:
         default=600.0,
         help="seconds one engine may take to answer; then the request goes elsewhere",
     )
-    _add_key_flags(rt)
-    _add_upstream_key_flags(rt)
+    add_key_flags(rt)
+    add_upstream_key_flags(rt)
     rt.set_defaults(func=_router)
 
 

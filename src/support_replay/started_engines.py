@@ -28,6 +28,7 @@ import torch
 
 from .errors import ConfigError
 from .launch import engines_behind_router, free_port
+from .serving.serve_flags import engine_args
 from .train.config import RunConfig
 from .train.launch_config import SGLANG_PREFIX
 
@@ -73,43 +74,28 @@ def engine_command(cfg: RunConfig, checkpoint: str, port: int, index: int, weigh
         if replay.use_rollout_routing_replay:
             command.append("--enable-return-routed-experts")
         return command + extra
+    settings = cfg.in_process_engine(checkpoint).settings  # the engine a run without --rollout-url builds
+    if torch.cuda.is_available():
+        settings = settings.but(device=f"cuda:{index % torch.cuda.device_count()}")
+    if "--enable-deterministic-inference" in extra:  # given by its SGLang name
+        settings = settings.but(deterministic=False)
     command = [sys.executable, "-m", "support_replay.cli", "serve", "--hf-checkpoint", checkpoint]
     command += ["--host", "127.0.0.1", "--port", str(port), "--weights-dir", str(weights_dir)]
-    command += ["--dtype", replay.rollout_dtype, "--seed", str(rollout.rollout_seed)]
-    command += ["--semantics", rollout.sampling_semantics, "--linear-kernel", replay.linear_kernel]
-    command += ["--decode-attention", replay.decode_attention]
-    command += ["--sampling-mask-max-tokens", str(rollout.sampling_mask_max_tokens)]
-    if torch.cuda.is_available():
-        command += ["--device", f"cuda:{index % torch.cuda.device_count()}"]
-    if replay.true_on_policy_mode and "--enable-deterministic-inference" not in extra:
-        command.append("--deterministic")
+    command += ["--dtype", replay.rollout_dtype, *engine_args(settings)]
     return command + extra
 
 
-LAUNCH_SERVE_FLAGS = {  # what engine_command gives serve itself
-    "--hf-checkpoint",
-    "--host",
-    "--port",
-    "--weights-dir",
-    "--dtype",
-    "--seed",
-    "--semantics",
-    "--linear-kernel",
-    "--decode-attention",
-    "--sampling-mask-max-tokens",
-    "--device",
-    "--deterministic",
-}
+SERVER_FLAGS = {"--hf-checkpoint", "--host", "--port", "--weights-dir", "--dtype"}  # what engine_command gives serve
 
 
 def check_serve_command(command: list[str]) -> None:
     """Parse ``command`` with serve's own parser; a flag it does not take is refused by its ``--sglang-`` name."""
-    from .cli import SERVE_SGLANG_FLAGS, build_parser
+    from .serving.serve_flags import SERVE_SGLANG_FLAGS, engine_flag_names, serve_parser
 
-    at = command.index("serve")
+    at, given_by_the_run = command.index("serve"), SERVER_FLAGS | engine_flag_names()
     for token in command[at + 1 :]:
         name = token.split("=", 1)[0]
-        if name.startswith("--") and name not in SERVE_SGLANG_FLAGS and name not in LAUNCH_SERVE_FLAGS:
+        if name.startswith("--") and name not in SERVE_SGLANG_FLAGS and name not in given_by_the_run:
             raise ConfigError(
                 f"{SGLANG_PREFIX}{name[2:]}: a flag of SGLang's server that support-replay serve does not implement "
                 f"(it takes {', '.join(SGLANG_PREFIX + f[2:] for f in SERVE_SGLANG_FLAGS)}); --launch-server "
@@ -118,7 +104,7 @@ def check_serve_command(command: list[str]) -> None:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            build_parser().parse_args(command[at:])
+            serve_parser().parse_args(command[at + 1 :])
     except SystemExit:
         said = err.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]  # "argument --x/--y: why"
         names, _, why = said.removeprefix("argument ").partition(": ")

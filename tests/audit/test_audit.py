@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 
 from support_replay.audit import AuditSettings, run_audit
-from support_replay.audit import run as audit_run
 from support_replay.audit.report import read
+from support_replay.backends.in_process import InProcessKind
 from support_replay.cli import main
 from support_replay.protocol import Completion, validate_completion
 from support_replay.train.config import RunConfig
@@ -102,13 +102,12 @@ class HotterEngine:
 @pytest.fixture
 def hotter_engine(monkeypatch):
     def use(record: bool):
-        connect = audit_run.connect_backend
+        connect = InProcessKind.connect
 
-        def hot(*args, **kwargs):
-            backend, engine = connect(*args, **kwargs)
-            return HotterEngine(backend, record), engine
+        def hot(kind, needs):
+            return HotterEngine(connect(kind, needs), record)
 
-        monkeypatch.setattr(audit_run, "connect_backend", hot)
+        monkeypatch.setattr(InProcessKind, "connect", hot)
 
     return use
 

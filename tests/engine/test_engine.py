@@ -7,14 +7,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, support_logprobs
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.errors import CapacityError, EngineError, RequestError
 from support_replay.protocol import GenerateRequest, VersionSpan
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    eng = Engine.from_pretrained(tiny_checkpoint, seed=0).start()
+    eng = Engine.from_pretrained(tiny_checkpoint, EngineSettings(seed=0)).start()
     yield eng
     eng.shutdown()
 
@@ -102,7 +102,7 @@ def test_stop_token_and_stop_string(engine):
 
 
 def test_capacity_overflow_fails_only_that_request(tiny_checkpoint):
-    eng = Engine.from_pretrained(tiny_checkpoint, sampling_mask_max_tokens=4).start()
+    eng = Engine.from_pretrained(tiny_checkpoint, EngineSettings(sampling_mask_max_tokens=4)).start()
     try:
         p = prompts(eng, 3)
         with pytest.raises(RequestError, match="top_k=8 exceeds sampling_mask_max_tokens=4"):

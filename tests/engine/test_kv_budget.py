@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from support_replay import SamplingParams
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.engine.block_pool import BlockPool
 from support_replay.engine.kv_budget import KVBudget, column_need, largest_batch
 from support_replay.engine.model_runner import ModelRunner
@@ -61,8 +61,8 @@ def peaks(monkeypatch):
 @pytest.mark.float_bits
 def test_a_long_prompt_beside_many_short_ones_stays_within_the_budget(tiny_checkpoint, peaks):
     budget = 2400
-    free = Engine.from_pretrained(tiny_checkpoint, deterministic=True, max_total_tokens=10**7)
-    tight = Engine.from_pretrained(tiny_checkpoint, deterministic=True, max_total_tokens=budget)
+    free = Engine.from_pretrained(tiny_checkpoint, EngineSettings(deterministic=True, max_total_tokens=10**7))
+    tight = Engine.from_pretrained(tiny_checkpoint, EngineSettings(deterministic=True, max_total_tokens=budget))
     reqs = requests([300] + [3] * 31)  # one long prompt beside short ones: each holds its own length in blocks
     alone = free.generate(reqs)
     peaks.clear()
@@ -77,7 +77,7 @@ def test_a_long_prompt_beside_many_short_ones_stays_within_the_budget(tiny_check
 
 
 def test_requests_wait_for_room_and_none_fails(tiny_checkpoint, peaks):
-    engine = Engine.from_pretrained(tiny_checkpoint, max_total_tokens=400)
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(max_total_tokens=400))
     futures = engine.submit_all(requests([20] * 24, max_new=10))  # each reserves 2 blocks of 16, its prefill 20
     engine.wait(futures)
     assert all(f.exception() is None for f in futures) and max(peaks) <= 400
@@ -85,7 +85,7 @@ def test_requests_wait_for_room_and_none_fails(tiny_checkpoint, peaks):
 
 
 def test_a_request_that_can_never_fit_is_refused_with_its_numbers(tiny_checkpoint):
-    engine = Engine.from_pretrained(tiny_checkpoint, max_total_tokens=100)
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(max_total_tokens=100))
     future = engine.submit(requests([60], max_new=10)[0])
     with pytest.raises(
         RequestError,
@@ -112,7 +112,9 @@ def test_the_default_budget_is_a_share_of_available_memory_and_the_largest_batch
         abs(engine.kv_budget.max_total_tokens - available_bytes() * SERVE_SHARE // per_token)
         < 0.1 * engine.kv_budget.max_total_tokens
     )
-    colocated = Engine.from_pretrained(tiny_checkpoint, kv_share=COLOCATED_SHARE).kv_budget.max_total_tokens
+    colocated = Engine.from_pretrained(
+        tiny_checkpoint, EngineSettings(kv_share=COLOCATED_SHARE)
+    ).kv_budget.max_total_tokens
     assert colocated < engine.kv_budget.max_total_tokens
     # each: 20 reserved, 10 prefilled, 20 / 2 layers of the gathered copy
     assert largest_batch(KVBudget(1000, 8, layers=2), prompt_tokens=10, max_new_tokens=9) == 1000 // (20 + 10 + 10)
@@ -152,7 +154,7 @@ def test_a_long_row_holds_only_its_own_blocks_so_short_ones_fit_beside_it(tiny_c
     gathered = 64 * 336 // 2  # a decode step's copy: every row at the longest width, one of the 2 layers
     budget = reserved + 63 * 16 + gathered  # the bucket of short prompts is the larger prefill
     assert 64 * 336 > budget - gathered  # the rectangle alone would not fit
-    engine = Engine.from_pretrained(tiny_checkpoint, max_total_tokens=budget)
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(max_total_tokens=budget))
     prefills = []
     real = engine.runner._prefill
     engine.runner._prefill = lambda prompts, hits: prefills.append(len(prompts)) or real(prompts, hits)

@@ -8,14 +8,14 @@ from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, support_logprobs
 from support_replay.core.penalties import Penalties
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.errors import RequestError
 from support_replay.protocol import GenerateRequest
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    eng = Engine.from_pretrained(tiny_checkpoint, seed=0).start()
+    eng = Engine.from_pretrained(tiny_checkpoint, EngineSettings(seed=0)).start()
     yield eng
     eng.shutdown()
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from support_replay import SamplingParams
-from support_replay.engine import Engine, block_pool
+from support_replay.engine import Engine, EngineSettings, block_pool
 from support_replay.engine.block_pool import BlockPool
 from support_replay.engine.paged_cache import PagedCache, attention_groups, strided_runs
 from support_replay.errors import EngineError
@@ -284,7 +284,7 @@ def test_requests_joining_and_leaving_mid_flight_answer_as_alone(tiny_checkpoint
     """Deterministic engine, driven step by step: three requests start, two more join after three
     decode steps, all with different lengths so they leave at different steps (each leaving slot
     taken by the last row); every answer equals the same request alone, bit for bit."""
-    engine = Engine.from_pretrained(tiny_checkpoint, deterministic=True)
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(deterministic=True))
     reqs = [
         GenerateRequest(
             [5 + i, 6, 7, 8][: 2 + i % 3],

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, support_logprobs
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.engine.model_runner import cached_columns
 from support_replay.engine.prefix_cache import CANDIDATES, CHUNK, MIN_MATCH, PrefixCache
 from support_replay.protocol import GenerateRequest
@@ -109,7 +109,7 @@ def test_a_sessions_next_turn_reuses_its_context_and_replays(tiny_checkpoint):
 
 @pytest.mark.float_bits
 def test_entries_give_way_within_the_budget_and_are_dropped_on_updates(tiny_checkpoint, tmp_path):
-    engine = Engine.from_pretrained(tiny_checkpoint, max_total_tokens=600)
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(max_total_tokens=600))
     prompt, _ = first_turn(engine)
     assert engine.prefix_cache.tokens > 0
     big = GenerateRequest(list(range(5, 105)), PARAMS, max_new_tokens=210, ignore_eos=True)
@@ -124,7 +124,7 @@ def test_entries_give_way_within_the_budget_and_are_dropped_on_updates(tiny_chec
     assert engine.flush_prefix_cache() >= 1
     engine.step()
     assert not engine.prefix_cache.entries
-    deterministic = Engine.from_pretrained(tiny_checkpoint, deterministic=True)
+    deterministic = Engine.from_pretrained(tiny_checkpoint, EngineSettings(deterministic=True))
     first_turn(deterministic)
     assert not deterministic.prefix_cache.enabled and not deterministic.prefix_cache.entries
 
@@ -149,7 +149,7 @@ def test_rollouts_without_updates_keep_their_rows_in_place_as_entries_give_way(t
     """GRPO-shaped rollouts with no weight update between them: every finished row's blocks stay cached among the
     freed ones, and the pool's untouched tail runs out (round 9 here): then the oldest entries give way, and each
     group's rows still get runs at one pitch (attended in place) instead of scattered blocks."""
-    engine = Engine.from_pretrained(tiny_checkpoint, max_total_tokens=1600)
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(max_total_tokens=1600))
     pool, in_place = engine.runner.pool, []
     allocate_rows = pool.allocate_rows
     pool.allocate_rows = lambda sizes: (rows := allocate_rows(sizes), in_place.append(rows is not None))[0]

@@ -6,7 +6,7 @@ import pytest
 
 from support_replay import SamplingParams
 from support_replay.backends.local import EngineBackend
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.engine.limits import EngineLimits
 from support_replay.errors import EngineOverloaded, EngineUnavailable
 from support_replay.protocol import GenerateRequest
@@ -15,7 +15,9 @@ from support_replay.rollout.generate import complete_groups, generate_samples
 
 
 def test_an_in_process_rollout_of_twice_the_queue_fails_nothing(tiny_checkpoint):
-    engine = Engine.from_pretrained(tiny_checkpoint, limits=EngineLimits(max_queue=16, max_batch_size=8))
+    engine = Engine.from_pretrained(
+        tiny_checkpoint, EngineSettings(limits=EngineLimits(max_queue=16, max_batch_size=8))
+    )
     backend = EngineBackend(engine)
     seen_waiting = []
     original = engine.submit_all
@@ -39,7 +41,7 @@ def test_an_in_process_rollout_of_twice_the_queue_fails_nothing(tiny_checkpoint)
 
 
 def test_a_full_queue_still_answers_503_to_a_caller_that_overloads_it(tiny_checkpoint):
-    engine = Engine.from_pretrained(tiny_checkpoint, limits=EngineLimits(max_queue=2, max_batch_size=2))
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(limits=EngineLimits(max_queue=2, max_batch_size=2)))
     reqs = [GenerateRequest([5, 6], SamplingParams(top_k=5, seed=i), max_new_tokens=2) for i in range(3)]
     futures = [engine.submit(r) for r in reqs]
     assert futures[2].exception().status == 503

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams
 from support_replay.backends.local import EngineBackend
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.errors import RequestError, WireError
 from support_replay.modeling.batch_invariant import make_batch_invariant
 from support_replay.modeling.moe import install_routing
@@ -33,7 +33,7 @@ def requests(routing: bool, n: int = 5):
 
 
 def test_capture_covers_every_fed_position_as_one_forward_routes_it(tiny_moe_checkpoint):
-    engine = Engine.from_pretrained(tiny_moe_checkpoint, deterministic=True, linear_kernel="torch")
+    engine = Engine.from_pretrained(tiny_moe_checkpoint, EngineSettings(deterministic=True, linear_kernel="torch"))
     backend = EngineBackend(engine)
     captured = backend.generate(requests(True))
     plain = backend.generate(requests(False))

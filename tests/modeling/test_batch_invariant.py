@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from support_replay import SamplingParams, support_logprobs
 from support_replay.core.support import SupportTable
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.engine.model_runner import ModelRunner
 from support_replay.errors import ConfigError
 from support_replay.kernels import invariant
@@ -131,7 +131,7 @@ def test_engine_and_trainer_logits_are_bitwise_equal(tiny_checkpoint, tiny_moe_c
 
 
 def test_deterministic_engine_output_does_not_depend_on_the_batch(tiny_checkpoint):
-    engine = Engine.from_pretrained(tiny_checkpoint, deterministic=True).start()
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(deterministic=True)).start()
     try:
         req = GenerateRequest(
             [5, 6, 7], SamplingParams(top_k=20, top_p=0.9, seed=3), max_new_tokens=8, return_sampling_mask=True
@@ -159,7 +159,7 @@ def test_deterministic_engine_output_does_not_depend_on_the_batch(tiny_checkpoin
 def test_a_grpo_group_is_prefilled_once_and_answers_as_if_alone(tiny_checkpoint, monkeypatch):
     """4 prompts x 4 samples: one prefill row per distinct prompt; with the deterministic forward
     every request's tokens, supports and log mu equal the same request sent alone."""
-    engine = Engine.from_pretrained(tiny_checkpoint, deterministic=True)
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(deterministic=True))
     rows = []
     original = engine.runner._prefill
     monkeypatch.setattr(

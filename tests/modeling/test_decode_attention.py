@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.errors import ConfigError
 from support_replay.modeling import decode_attention as da
 
@@ -154,14 +154,17 @@ def test_the_engine_takes_the_kernel_where_it_runs_and_says_so(tiny_checkpoint, 
     engine = Engine.from_pretrained(tiny_checkpoint)
     assert engine.decode_attention == "kernel"
     assert engine.runner.model.config._attn_implementation == da.ATTENTION
-    assert Engine.from_pretrained(tiny_checkpoint, decode_attention="sdpa").decode_attention == "sdpa"
-    assert Engine.from_pretrained(tiny_checkpoint, deterministic=True).decode_attention == "batch-invariant"
-    # the deterministic engine attends every query through this kernel's arithmetic already
-    assert Engine.from_pretrained(tiny_checkpoint, deterministic=True, decode_attention="kernel").decode_attention == (
-        "batch-invariant"
+    assert Engine.from_pretrained(tiny_checkpoint, EngineSettings(decode_attention="sdpa")).decode_attention == "sdpa"
+    assert (
+        Engine.from_pretrained(tiny_checkpoint, EngineSettings(deterministic=True)).decode_attention
+        == "batch-invariant"
     )
+    # the deterministic engine attends every query through this kernel's arithmetic already
+    assert Engine.from_pretrained(
+        tiny_checkpoint, EngineSettings(deterministic=True, decode_attention="kernel")
+    ).decode_attention == ("batch-invariant")
     with pytest.raises(ConfigError, match="decode_attention: 'flash' is not one of"):
-        Engine.from_pretrained(tiny_checkpoint, decode_attention="flash")
+        Engine.from_pretrained(tiny_checkpoint, EngineSettings(decode_attention="flash"))
 
 
 def test_a_model_on_another_attention_keeps_it(tiny_checkpoint, kernel):

@@ -9,7 +9,7 @@ none is skipped for the CPU's answer."""
 import pytest
 import torch
 
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.modeling import packed_weights
 from support_replay.modeling.linear_kernels import linear_function, onednn_available
 from support_replay.modeling.packed_weights import pack, pack_weight, packed_linear, packed_rows_from
@@ -66,7 +66,7 @@ def decode_logits(engine: Engine, prompts, steps: int) -> list[torch.Tensor]:
 
 
 def test_the_fused_step_decodes_over_packs_with_the_plain_weights_bits(tiny_checkpoint):
-    engine = Engine.from_pretrained(tiny_checkpoint, linear_kernel="onednn")
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(linear_kernel="onednn"))
     fused = engine.runner.fused
     for prompts in (
         [[5, 6, 7, 8], [9, 10], [20 + i for i in range(30)]],
@@ -86,7 +86,7 @@ def test_the_fused_step_decodes_over_packs_with_the_plain_weights_bits(tiny_chec
 
 
 def test_packs_follow_weights_written_in_place_and_the_thread_count(tiny_checkpoint, monkeypatch):
-    engine = Engine.from_pretrained(tiny_checkpoint, linear_kernel="onednn")
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(linear_kernel="onednn"))
     model, fused = engine.runner.model, engine.runner.fused
     keeps_bits = probed(model.model.layers[1].mlp.down_proj.weight, fused.linear) is not None
     # the bookkeeping is tested on every CPU: where this CPU's packed products change bits, packs are made anyway
@@ -133,7 +133,7 @@ def test_bf16_decodes_over_packs_with_f_linears_bits(tiny_checkpoint, threads):
 
 
 def test_released_packs_are_made_again_by_the_next_step(tiny_checkpoint):
-    engine = Engine.from_pretrained(tiny_checkpoint, linear_kernel="onednn")
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(linear_kernel="onednn"))
     fused, prompts = engine.runner.fused, [[5, 6, 7, 8], [9, 10, 11]]
     made = fused.fused_products and probed(fused.layers[0].qkv, fused.linear) is not None
     first = decode_logits(engine, prompts, 2)

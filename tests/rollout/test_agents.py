@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from support_replay.backends.local import EngineBackend
 from support_replay.core.sampling import SamplingParams
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.rollout.chat import ChatRenderer, builtin_template
 from support_replay.rollout.session import SessionSettings, SessionStore
 from support_replay.serving.sessions import create_sessions_app
@@ -25,7 +25,7 @@ PARAMS = SamplingParams(temperature=1.0, top_k=32, top_p=0.8)
 def served(tiny_agent_checkpoint):
     """A deterministic engine (answers do not depend on what else is in the batch) behind a
     session store, served on loopback."""
-    engine = Engine.from_pretrained(tiny_agent_checkpoint, deterministic=True)
+    engine = Engine.from_pretrained(tiny_agent_checkpoint, EngineSettings(deterministic=True))
     tokenizer = AutoTokenizer.from_pretrained(tiny_agent_checkpoint)
     store = SessionStore(
         EngineBackend(engine), ChatRenderer(tokenizer, builtin_template()), SessionSettings(PARAMS, max_new_tokens=8)

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from support_replay.backends.sglang import SGLangBackend
 from support_replay.core.sampling import SamplingParams
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.rollout.chat import ChatRenderer, builtin_template
 from support_replay.rollout.session import SessionSettings, SessionStore
 from support_replay.serving.server import create_app
@@ -28,7 +28,7 @@ TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {
 @pytest.fixture(scope="module")
 def served(tiny_agent_checkpoint):
     """Sessions in front of ``serve`` through SGLangBackend with binary masks (the trainer's transport)."""
-    engine = Engine.from_pretrained(tiny_agent_checkpoint, deterministic=True).start()
+    engine = Engine.from_pretrained(tiny_agent_checkpoint, EngineSettings(deterministic=True)).start()
     server = ThreadedServer(create_app(engine, model_name="tiny")).start()
     tokenizer = AutoTokenizer.from_pretrained(tiny_agent_checkpoint)
     backend = SGLangBackend(server.url, engine.vocab_size, sampling_mask_format="binary")

@@ -4,7 +4,7 @@
 import pytest
 
 from fuzzing import fuzz_http, fuzz_sglang, fuzz_vllm, fuzz_wire
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.engine.limits import EngineLimits
 from support_replay.serving.server import create_app
 
@@ -25,7 +25,7 @@ def test_fuzzed_vllm_payloads_raise_only_our_errors():
 @pytest.mark.slow
 def test_schema_driven_requests_get_no_5xx(tiny_checkpoint):
     engine = Engine.from_pretrained(
-        tiny_checkpoint, limits=EngineLimits(max_new_tokens=4, max_prompt_tokens=64)
+        tiny_checkpoint, EngineSettings(limits=EngineLimits(max_new_tokens=4, max_prompt_tokens=64))
     ).start()
     seen = fuzz_http(create_app(engine), 40)
     engine.shutdown()

@@ -8,7 +8,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.errors import ConfigError, EngineUnavailable
 from support_replay.serving.security import Keys, exposure_warnings
 from support_replay.serving.server import create_app
@@ -381,7 +381,7 @@ def test_a_full_queue_answers_503_before_the_body_is_parsed(tiny_checkpoint):
     from support_replay.protocol import GenerateRequest
 
     engine = Engine.from_pretrained(
-        tiny_checkpoint, limits=EngineLimits(max_queue=2)
+        tiny_checkpoint, EngineSettings(limits=EngineLimits(max_queue=2))
     )  # not started: nothing leaves the queue
     app = create_app(engine, allowed_hosts=["testserver"], start_engine=False)
     queued = [
@@ -551,7 +551,7 @@ def test_an_expired_session_is_gone_at_its_next_access(tiny_checkpoint):
 def capture_limited(tiny_checkpoint, **limits):
     from support_replay.engine.limits import EngineLimits
 
-    engine = Engine.from_pretrained(tiny_checkpoint, limits=EngineLimits(**limits)).start()
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(limits=EngineLimits(**limits))).start()
     return engine, TestClient(create_app(engine, allowed_hosts=["testserver"]))
 
 
@@ -617,7 +617,7 @@ def test_running_rows_hold_a_capture_budget_and_new_requests_wait_for_it(tiny_ch
     from support_replay.engine.limits import EngineLimits
     from support_replay.protocol import GenerateRequest
 
-    engine = Engine.from_pretrained(tiny_checkpoint, limits=EngineLimits(max_capture_ids_running=1))
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(limits=EngineLimits(max_capture_ids_running=1)))
     request = lambda seed: GenerateRequest(  # noqa: E731
         [5, 6, 7], SamplingParams(top_k=8, seed=seed), max_new_tokens=4, ignore_eos=True, return_sampling_mask=True
     )

@@ -10,7 +10,7 @@ import llguidance
 import pytest
 from fastapi.testclient import TestClient
 
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.engine.limits import EngineLimits
 from support_replay.serving.server import create_app
 from support_replay.serving.threaded import ThreadedServer
@@ -110,7 +110,7 @@ def test_the_server_answers_while_a_grammar_compiles(engine, counting):
 
 
 def test_a_compile_past_its_deadline_is_stopped_in_its_own_process(tiny_checkpoint):
-    engine = Engine.from_pretrained(tiny_checkpoint, limits=EngineLimits(grammar_compile_ms=50)).start()
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(limits=EngineLimits(grammar_compile_ms=50))).start()
     try:
         client = TestClient(create_app(engine, allowed_hosts=["testserver"]))
         r = client.post("/v1/chat/completions", json=constrained(wide_schema(200)))  # about 0.5 s to compile

@@ -9,7 +9,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from support_replay import SamplingParams
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.engine import sampling_step as engine_module
 from support_replay.engine.limits import EngineLimits
 from support_replay.errors import AbortedError, EngineError, OverloadedError, RequestError
@@ -20,7 +20,7 @@ from support_replay.serving.server import create_app
 
 @pytest.fixture(scope="module")
 def deterministic_engine(tiny_checkpoint):
-    eng = Engine.from_pretrained(tiny_checkpoint, deterministic=True, seed=0).start()
+    eng = Engine.from_pretrained(tiny_checkpoint, EngineSettings(deterministic=True, seed=0)).start()
     yield eng
     eng.shutdown()
 
@@ -88,7 +88,7 @@ def test_limits_refuse_before_a_slot_is_taken(tiny_checkpoint):
     limits = EngineLimits(
         max_new_tokens=32, max_prompt_tokens=64, max_stop_strings=2, max_stop_string_length=8, max_queue=2
     )
-    eng = Engine.from_pretrained(tiny_checkpoint, limits=limits)  # not started: requests stay queued
+    eng = Engine.from_pretrained(tiny_checkpoint, EngineSettings(limits=limits))  # not started: requests stay queued
     ok = GenerateRequest([1, 2, 3], SamplingParams(top_k=8), max_new_tokens=4)
     cases = [
         (GenerateRequest([1] * 65, SamplingParams(top_k=8)), "input_ids: 65 prompt tokens exceed the limit of 64"),

@@ -13,7 +13,7 @@ from support_replay import SamplingParams
 from support_replay.backends.local import EngineBackend
 from support_replay.backends.sglang import SGLangBackend
 from support_replay.core.routing import RoutingShape
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.errors import WireError
 from support_replay.protocol import GenerateRequest
 from support_replay.serving.server import create_app
@@ -22,7 +22,7 @@ from support_replay.serving.threaded import ThreadedServer
 
 @pytest.fixture(scope="module")
 def moe_app(tiny_moe_checkpoint):
-    engine = Engine.from_pretrained(tiny_moe_checkpoint, deterministic=True, linear_kernel="torch")
+    engine = Engine.from_pretrained(tiny_moe_checkpoint, EngineSettings(deterministic=True, linear_kernel="torch"))
     server = ThreadedServer(create_app(engine)).start()
     with TestClient(create_app(engine, start_engine=False, allowed_hosts=["testserver"])) as client:
         yield engine, client, server.url

@@ -7,14 +7,14 @@ import torch
 from fastapi.testclient import TestClient
 
 from support_replay.backends.sglang import parse_meta_info
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.serving.security import Keys
 from support_replay.serving.server import create_app
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    eng = Engine.from_pretrained(tiny_checkpoint, sampling_mask_max_tokens=64).start()
+    eng = Engine.from_pretrained(tiny_checkpoint, EngineSettings(sampling_mask_max_tokens=64)).start()
     yield eng
     eng.shutdown()
 

@@ -9,7 +9,7 @@ import pytest
 from support_replay import SamplingParams
 from support_replay.backends.local import EngineBackend
 from support_replay.backends.sglang import SGLangBackend
-from support_replay.engine import Engine
+from support_replay.engine import Engine, EngineSettings
 from support_replay.protocol import GenerateRequest
 from support_replay.serving.server import create_app
 from support_replay.serving.threaded import ThreadedServer
@@ -17,7 +17,7 @@ from support_replay.serving.threaded import ThreadedServer
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint):
-    engine = Engine.from_pretrained(tiny_checkpoint, deterministic=True, linear_kernel="torch")
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(deterministic=True, linear_kernel="torch"))
     server = ThreadedServer(create_app(engine)).start()
     yield engine, server.url
     server.stop()

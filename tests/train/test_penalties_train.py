@@ -4,14 +4,17 @@ true-on-policy mode; replay that ignores the penalty fails the check; engines wh
 rules are not pinned are refused."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from recipe_helpers import agent_config, run_config
+from support_replay.backends.sglang_kind import SGLangKind
+from support_replay.backends.vllm_kind import VLLMKind
 from support_replay.core.penalties import Penalties
 from support_replay.errors import CITestError, ConfigError
+from support_replay.serving.security import API_KEY_ENV
 from support_replay.train import batches as batches_module
-from support_replay.train import rollouts as rollouts_module
 from support_replay.train import train
 
 
@@ -111,6 +114,8 @@ def test_engines_with_unpinned_penalty_rules_are_refused(monkeypatch):
     }
 
     class Reply:
+        status_code = 200
+
         def __init__(self, url):
             self.url = url
 
@@ -119,19 +124,20 @@ def test_engines_with_unpinned_penalty_rules_are_refused(monkeypatch):
 
     sent = []
     monkeypatch.setattr("httpx.get", lambda url, timeout=None, headers=None: sent.append(headers) or Reply(url))
-    p = Penalties(repetition=1.1)
+    p, at = Penalties(repetition=1.1), SimpleNamespace(rollout_url="http://x")
     with pytest.raises(
         ConfigError,
         match=r"SGLang 0.5.23 at http://x \(disable_overlap_schedule=False\): penalties \(repetition_penalty=1.1\) "
         r"are replayed",
     ):
-        rollouts_module.penalty_semantics_of("http://x", "sglang", p)
+        SGLangKind(at).penalty_semantics(p, "hf")
     answers["/server_info"]["disable_overlap_schedule"] = True
-    assert rollouts_module.penalty_semantics_of("http://x", "sglang", p) == "sglang"
+    assert SGLangKind(at).penalty_semantics(p, "hf") == "sglang"
     with pytest.raises(ConfigError, match="vLLM 0.33.0 at http://x: penalties .* for vLLM 0.32.x only"):
-        rollouts_module.penalty_semantics_of("http://x", "vllm", p)
+        VLLMKind(at).penalty_semantics(p, "hf")
     answers["/server_info"] = {"semantics": "vllm", "version": "0.1"}  # our serve says its own
-    assert rollouts_module.penalty_semantics_of("http://x", "sglang", p, {"Authorization": "Bearer k"}) == "vllm"
+    monkeypatch.setenv(API_KEY_ENV, "k")
+    assert SGLangKind(at).penalty_semantics(p, "hf") == "vllm"
     assert sent[-1] == {"Authorization": "Bearer k"}  # a keyed engine answers the check (finding 10: it answered 401)
 
 

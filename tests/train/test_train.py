@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from recipe_helpers import parts, run_config
 from support_replay import SupportTable, full_logprobs
+from support_replay.backends import in_process as in_process_kind
 from support_replay.errors import CITestError, ConfigError, PolicyLagError, SupportReplayError
 from support_replay.protocol import GenerateRequest, VersionSpan
 from support_replay.rollout.generate import validate_request
@@ -23,7 +24,6 @@ from support_replay.train import actor as actor_module
 from support_replay.train import rollouts as rollouts_module
 from support_replay.train import scorer as scorer_module
 from support_replay.train import train
-from support_replay.train import weights as weights_module
 from support_replay.train.checks import check_policy_lag
 from support_replay.train.scorer import Scorer
 
@@ -272,24 +272,26 @@ def test_true_on_policy_updates_are_bitwise_equal(tiny_checkpoint, tmp_path, ent
 def test_true_on_policy_checks_what_a_served_engine_computes(monkeypatch):
     import httpx
 
+    from support_replay.backends.sglang_kind import require_deterministic
     from support_replay.kernels import invariant
-    from support_replay.train.rollouts import _require_deterministic
 
     info = {"deterministic": True, "invariant_arithmetic": invariant.identity(), "dtype": "float32"}
     sent = []
     monkeypatch.setattr(
-        httpx, "get", lambda url, timeout, headers: sent.append(headers) or SimpleNamespace(json=lambda: info)
+        httpx,
+        "get",
+        lambda url, timeout, headers: sent.append(headers) or SimpleNamespace(status_code=200, json=lambda: info),
     )
-    _require_deterministic("http://engine:1", "float32", {"Authorization": "Bearer k"})
+    require_deterministic("http://engine:1", "float32", {"Authorization": "Bearer k"})
     assert sent == [{"Authorization": "Bearer k"}]  # a keyed engine answers the check (it answered 401 without the key)
     with pytest.raises(SupportReplayError, match="computes in float32, this trainer in bfloat16: start it with"):
-        _require_deterministic("http://engine:1", "bfloat16")
+        require_deterministic("http://engine:1", "bfloat16")
     info["invariant_arithmetic"] = "support_replay_cpu_kernels_avx2_0123456789ab"  # another build or vector width
     with pytest.raises(SupportReplayError, match="runs the invariant arithmetic as 'support_replay_cpu_kernels_avx2"):
-        _require_deterministic("http://engine:1", "float32")
+        require_deterministic("http://engine:1", "float32")
     info["deterministic"] = False
     with pytest.raises(SupportReplayError, match="is not deterministic"):
-        _require_deterministic("http://engine:1", "float32")
+        require_deterministic("http://engine:1", "float32")
 
 
 @pytest.mark.float_bits
@@ -309,7 +311,7 @@ def test_true_on_policy_catches_one_corrupted_position(tiny_checkpoint, tmp_path
 
 
 def test_a_sample_from_stale_weights_fails_closed_at_lag_0(tiny_checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setattr(weights_module.InProcessSync, "push", lambda self, state, version: None)  # every update lost
+    monkeypatch.setattr(in_process_kind.InProcessSync, "push", lambda self, state, version: None)  # every update lost
     with pytest.raises(
         PolicyLagError,
         match=(

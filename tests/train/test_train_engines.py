@@ -8,9 +8,9 @@ import pytest
 
 from processes import engine_process, free_port, process, sglang_standin_process
 from recipe_helpers import run_config
+from support_replay.backends.weight_push import ADAPTER_NAME
 from support_replay.errors import SupportReplayError
 from support_replay.train import train
-from support_replay.train.weights import ADAPTER_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,7 @@ def test_grpo_through_real_vllm_with_weight_sync(vllm_server, tmp_path):
     finally:  # the server is shared by the session: give it back its own weights
         from safetensors.torch import load_file
 
-        from support_replay.train.weights import VLLMSync
+        from support_replay.backends.vllm_weights import VLLMSync
 
         VLLMSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
     for r in rows:  # every rollout after the first was sampled by weights reloaded from the trainer
@@ -147,7 +147,7 @@ def test_grpo_with_penalties_through_real_vllm(vllm_server, tmp_path):
     finally:
         from safetensors.torch import load_file
 
-        from support_replay.train.weights import VLLMSync
+        from support_replay.backends.vllm_weights import VLLMSync
 
         VLLMSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
@@ -165,7 +165,7 @@ def test_agent_episodes_through_real_vllm(vllm_server, tmp_path):
     finally:
         from safetensors.torch import load_file
 
-        from support_replay.train.weights import VLLMSync
+        from support_replay.backends.vllm_weights import VLLMSync
 
         VLLMSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0 for r in rows)

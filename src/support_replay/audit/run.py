@@ -15,51 +15,21 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import httpx
-
 from .. import __version__
-from ..errors import ConfigError, EngineUnavailable, SamplerMismatch
+from ..backends.kind import EngineKind
+from ..backends.registry import kind_for
+from ..errors import ConfigError, SamplerMismatch
 from ..protocol import DEFAULT_WEIGHT_VERSION
 from ..rollout import generate_samples, load_prompts, load_reward
-from ..serving.security import Keys
 from ..train.actor import Actor
 from ..train.batches import plan_optimizer_steps
 from ..train.config import RunConfig
 from ..train.dist import close_distributed, init_distributed
 from ..train.loop import deterministic_mode
-from ..train.rollouts import connect_backend, penalty_semantics_of
 from . import findings as find
 from . import report as rep
 from .collect import score_samples
 from .settings import AuditSettings, declared_sampling, sent_fields
-
-
-def engine_identity(cfg: RunConfig) -> dict:
-    """The engine's name, version and filter semantics, as it reports them."""
-    url, protocol = cfg.engine.rollout_url, cfg.engine.rollout_engine
-    if not url:
-        return {"name": "support-replay (in-process)", "version": __version__, "semantics": cfg.sampling_semantics}
-    if protocol == "vllm":
-        version = _get(url, "/version").get("version")
-        return {"name": "vllm", "url": url, "version": version, "semantics": "vllm"}
-    info = _get(url, "/server_info")
-    ours = "semantics" in info  # our serve (or a router in front of it) says its own
-    return {
-        "name": "support-replay serve" if ours else "sglang",
-        "url": url,
-        "version": info.get("version"),
-        "semantics": info.get("semantics", "sglang"),
-    }
-
-
-def _get(url: str, path: str) -> dict:
-    """The JSON object an engine answers at ``path`` ({} where it has no such route)."""
-    try:
-        reply = httpx.get(url.rstrip("/") + path, timeout=30, headers=Keys.load().header(admin=False))
-        info = reply.json() if reply.status_code == 200 else {}
-    except (httpx.HTTPError, ValueError) as exc:
-        raise EngineUnavailable(f"--rollout-url {url}: no usable answer at {path} ({exc})") from exc
-    return info if isinstance(info, dict) else {}
 
 
 def _refuse(cfg: RunConfig) -> None:
@@ -72,9 +42,7 @@ def _refuse(cfg: RunConfig) -> None:
         raise ConfigError(
             "--agent / --agent-path: the audit samples single-turn prompts; audit the engine without them"
         )
-    unbounded = not cfg.use_sampling_support_replay
-    processed = cfg.engine.rollout_engine == "vllm" and cfg.engine.vllm_capture == "processed_logprobs"
-    if unbounded and not (cfg.engine.rollout_url and processed):
+    if not cfg.use_sampling_support_replay and not kind_for(cfg.engine).reveals_whole_support:
         raise ConfigError(
             f"--rollout-top-k={cfg.rollout_top_k} --rollout-top-p={cfg.rollout_top_p} --rollout-min-p="
             f"{cfg.rollout_min_p}: the declared settings keep the whole vocabulary, a support only vLLM's processed "
@@ -129,7 +97,7 @@ class Setup:
     actor: Actor
     kernel: str
     backend: object
-    engine: object  # the in-process engine, or None
+    kind: EngineKind  # connected; holds the in-process engine where it is one
     identity: dict
     semantics: str  # the filter and penalty semantics the engine samples with
 
@@ -142,24 +110,15 @@ def _set_up(cfg: RunConfig, settings: AuditSettings, ctx) -> Setup:
     actor = Actor.for_run(  # the trainer's model as train builds it
         checkpoint, ctx, rollout=cfg.rollout, optimizer=cfg.optimizer, replay=cfg.replay, linear_kernel=kernel
     )
-    identity = engine_identity(cfg)
-    penalties, semantics = cfg.rollout.penalties, identity["semantics"]
-    if penalties.active and cfg.engine.rollout_url:
-        semantics = penalty_semantics_of(
-            cfg.engine.rollout_url, cfg.engine.rollout_engine, penalties, Keys.load().header(admin=False)
-        )
-    penalties.check(semantics, actor.vocab_size, where="the run's penalties")
-    backend, engine = connect_backend(
-        cfg.engine,
-        cfg.rollout,
-        cfg.replay,
-        checkpoint,
-        actor.vocab_size,
-        DEFAULT_WEIGHT_VERSION,
-        routing_shape=actor.routing_shape,
-        vllm_max_logprobs=settings.vllm_max_logprobs,
+    kind = kind_for(cfg.engine, cfg.in_process_engine(checkpoint))
+    identity = kind.identity()
+    semantics = kind.penalty_semantics(cfg.rollout.penalties, identity["semantics"])
+    cfg.rollout.penalties.check(semantics, actor.vocab_size, where="the run's penalties")
+    needs = cfg.engine_needs(
+        actor.vocab_size, DEFAULT_WEIGHT_VERSION, actor.routing_shape, vllm_max_logprobs=settings.vllm_max_logprobs
     )
-    return Setup(checkpoint, actor, kernel, backend, engine, identity, semantics)
+    backend = kind.connect(needs)
+    return Setup(checkpoint, actor, kernel, backend, kind, identity, semantics)
 
 
 def _audit(cfg: RunConfig, settings: AuditSettings, ctx) -> dict:
@@ -187,8 +146,7 @@ def _audit(cfg: RunConfig, settings: AuditSettings, ctx) -> dict:
         rep.write_json(report, cfg.output.output_dir)
         return report
     finally:
-        if setup.engine is not None:
-            setup.engine.shutdown()
+        setup.kind.close()
     score = _scoring(cfg, setup, samples, ctx)
     scores = score(cfg.rollout.sampling_params)
     replay = cfg.use_sampling_support_replay

@@ -137,3 +137,14 @@ def fan_out(pool, fn, requests, return_exceptions: bool = False) -> list:
                 raise
             out.append(exc)
     return out
+
+
+def get_info(url: str, path: str, headers: dict | None = None) -> dict:
+    """The JSON object an engine answers at ``path`` ({} where it has no such route); ``EngineUnavailable``
+    when it gives no usable answer."""
+    try:
+        reply = httpx.get(url.rstrip("/") + path, timeout=30, headers=headers or {})
+        info = reply.json() if reply.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError) as exc:
+        raise EngineUnavailable(f"--rollout-url {url}: no usable answer at {path} ({exc})") from exc
+    return info if isinstance(info, dict) else {}

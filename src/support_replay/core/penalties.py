@@ -99,6 +99,10 @@ class Penalties:
             )
         return self
 
+    def setting(self) -> str:
+        """The penalties that are not neutral, for messages."""
+        return ", ".join(f"{k}={v}" for k, v in self.to_json().items() if v not in (0.0, 1.0, {}))
+
     def to_json(self) -> dict:
         return {
             "frequency_penalty": self.frequency,

@@ -49,12 +49,12 @@ from ..kernels import invariant, top_candidates
 from ..modeling.batch_invariant import make_batch_invariant
 from ..modeling.decode_attention import use_decode_attention
 from ..modeling.linear_kernels import linear_function, resolve_linear_kernel, slow_bf16, use_linear
-from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, DEFAULT_WEIGHT_VERSION, Completion, GenerateRequest
+from ..protocol import Completion, GenerateRequest
 from .block_pool import BlockPool
 from .capture import keep_routing
 from .decode_log import DecodeLog
 from .grammar import Grammars
-from .kv_budget import SERVE_SHARE, KVBudget, column_need
+from .kv_budget import KVBudget, column_need
 from .ledger import Ledger
 from .limits import EngineLimits
 from .lora_adapter import AdapterSlot, read_adapter
@@ -66,6 +66,7 @@ from .running import RunningRequest
 from .running_batch import RunningBatch
 from .sampling_step import SamplingStep
 from .scheduler import Scheduler, prefill_buckets
+from .settings import EngineSettings
 from .stopping import StopConditions, eos_ids
 from .weight_updates import CheckedPath, load_update
 
@@ -88,26 +89,9 @@ class StreamedFuture(Future):
 
 
 class Engine:
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        *,
-        semantics: str = "sglang",
-        sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS,
-        limits: EngineLimits | None = None,
-        seed: int = 0,
-        device: str = "cpu",
-        deterministic: bool = False,
-        weight_version: str = DEFAULT_WEIGHT_VERSION,
-        linear_kernel: str = "auto",
-        decode_attention: str = "auto",
-        max_total_tokens: int | None = None,
-        kv_share: float = SERVE_SHARE,
-        prefix_cache: bool = True,
-        decode_log_interval: int = 0,
-        page_size: int = 16,
-    ):
+    def __init__(self, model, tokenizer, settings: EngineSettings = EngineSettings()):
+        self.settings = settings
+        device, deterministic = settings.device, settings.deterministic
         dtype = self.dtype = next(model.parameters()).dtype
         if slow := slow_bf16(dtype, device):
             log.warning("engine in bfloat16: %s", slow)
@@ -120,28 +104,28 @@ class Engine:
             # every query, prefill and decode, through the decode kernel's arithmetic (kernels/invariant.attention)
             self.decode_attention = "batch-invariant"
         else:
-            self.linear_kernel = resolve_linear_kernel(linear_kernel, dtype, device)
+            self.linear_kernel = resolve_linear_kernel(settings.linear_kernel, dtype, device)
             use_linear(model, linear_function(self.linear_kernel))
             # one query token per row: the compiled CPU kernel where it runs (modeling/decode_attention.py)
-            self.decode_attention = use_decode_attention(model, decode_attention)
+            self.decode_attention = use_decode_attention(model, settings.decode_attention)
         self.deterministic = deterministic
         self.context_length = getattr(model.config, "max_position_embeddings", None)
-        limits = limits or EngineLimits()
+        limits = settings.limits
         if self.context_length and limits.max_prompt_tokens > self.context_length:
             limits = EngineLimits(**{**limits.to_json(), "max_prompt_tokens": int(self.context_length)})
         self.limits = limits
         # KV positions held at the peak, in total (engine/kv_budget.py): admission waits until a request fits
-        self.kv_budget = KVBudget.for_model(model, max_total_tokens, kv_share)
+        self.kv_budget = KVBudget.for_model(model, settings.max_total_tokens, settings.kv_share)
         # every row's keys and values in blocks of page_size positions (SGLang's --page-size)
-        pool = BlockPool(model.config.num_hidden_layers, page_size, self.kv_budget.max_total_tokens)
+        pool = BlockPool(model.config.num_hidden_layers, settings.page_size, self.kv_budget.max_total_tokens)
         self.runner = ModelRunner(model, device, pool=pool)
         self.tokenizer = tokenizer
-        self.semantics = semantics
-        self.capacity = int(sampling_mask_max_tokens)
+        self.semantics = settings.semantics
+        self.capacity = int(settings.sampling_mask_max_tokens)
         self.vocab_size = self.runner.vocab_size
         self.eos_ids = eos_ids(model, tokenizer)
-        self.weight_version = str(weight_version)
-        self._seed_source = torch.Generator().manual_seed(seed)
+        self.weight_version = str(settings.weight_version)
+        self._seed_source = torch.Generator().manual_seed(settings.seed)
         self.ledger = Ledger(self.limits.max_queue)  # queue count, request ids, aborts, counters
         self.scheduler = Scheduler(self.ledger)
         self.grammars = Grammars(
@@ -153,15 +137,15 @@ class Engine:
             waiting=limits.max_grammar_compiles_waiting,
         )
         select = top_candidates.selection() if torch.device(device).type == "cpu" else None
-        self.sample = SamplingStep(semantics, self.capacity, frozenset(self.eos_ids), self.grammars, select)
+        self.sample = SamplingStep(settings.semantics, self.capacity, frozenset(self.eos_ids), self.grammars, select)
         self.stops = StopConditions(tokenizer, self.eos_ids)
         # finished rows' keys and values for later prompts that begin with them; none in the deterministic engine
-        self.prefix_cache = PrefixCache(pool, enabled=prefix_cache and not deterministic)
+        self.prefix_cache = PrefixCache(pool, enabled=settings.prefix_cache and not deterministic)
         pool.idle = self.prefix_cache  # cached prefixes give way to rows in place (BlockPool.allocate_rows)
         self.batch = RunningBatch(self.runner, self.prefix_cache)
         self.adapters = AdapterSlot()  # a LoRA adapter merged into the weights (SGLang's /load_lora_adapter)
         self._adapter_lock = threading.Lock()  # a load or unload and its place in the queue, together
-        self.decode_log = DecodeLog(decode_log_interval)  # serve --decode-log-interval: SGLang's line every N steps
+        self.decode_log = DecodeLog(settings.decode_log_interval)  # SGLang's decode line every N steps
         self._flush_cache = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -173,9 +157,9 @@ class Engine:
         return self.limits.max_batch_size
 
     @classmethod
-    def from_pretrained(cls, path, dtype=torch.float32, device: str = "cpu", **kwargs) -> Engine:
-        model, tokenizer = load_model_and_tokenizer(path, dtype, device)
-        return cls(model, tokenizer, device=device, **kwargs)
+    def from_pretrained(cls, path, settings: EngineSettings = EngineSettings(), dtype=torch.float32) -> Engine:
+        model, tokenizer = load_model_and_tokenizer(path, dtype, settings.device)
+        return cls(model, tokenizer, settings)
 
     # ---- lifecycle ----------------------------------------------------------------
 

@@ -4,33 +4,49 @@ full queue answers 503."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ..errors import RequestError
 from ..protocol import GenerateRequest
 
 
+def _limit(default: int, help: str, *, flags: tuple = ()):
+    """A bound with what its ``serve`` flag says (``flags``: SGLang's names for it)."""
+    return field(default=default, metadata={"help": help, "flags": flags})
+
+
 @dataclass(frozen=True)
 class EngineLimits:
-    max_new_tokens: int = 4096
-    max_prompt_tokens: int = 32768  # lowered to the model's context length by the engine
-    max_stop_strings: int = 16
-    max_stop_string_length: int = 256
-    max_stop_token_ids: int = 64
-    max_batch_size: int = 64  # sequences decoded together
-    max_queue: int = 256  # requests waiting for a slot; beyond it: 503
-    # support ids one body (its n requests together) may capture at most: max_new_tokens x (top_k, or the
-    # capacity where no top_k bounds a row), summed; a top-p request of 4,096 tokens at capacity 4,096 is 2^24
-    max_capture_ids: int = 2**26
-    # support ids the running rows may hold captured at once; past it admissions wait for rows to finish
-    max_capture_ids_running: int = 2**27
-    # an answer's captured support as JSON id lists (and per-id log-probs); past it: 400 naming the binary form
-    max_json_capture_bytes: int = 32 * 2**20
-    # structured outputs: grammar-constrained requests one body may carry (each decodes with its own mask)
-    max_grammar_requests: int = 64
-    max_grammars_cached: int = 64  # distinct compiled grammars kept (an LRU); a request copies its grammar's
-    grammar_compile_ms: int = 5000  # a grammar's compile in the killable worker process; past it: 400
-    max_grammar_compiles_waiting: int = 16  # grammars waiting for that process; past it: 503
+    max_new_tokens: int = _limit(4096, "largest max_new_tokens a request may ask")
+    max_prompt_tokens: int = _limit(32768, "longest prompt (lowered to the model's context length by the engine)")
+    max_stop_strings: int = _limit(16, "stop strings a request may name")
+    max_stop_string_length: int = _limit(256, "characters of one stop string")
+    max_stop_token_ids: int = _limit(64, "stop token ids a request may name")
+    max_batch_size: int = _limit(
+        64, "sequences decoded together (SGLang's --max-running-requests)", flags=("--max-running-requests",)
+    )
+    max_queue: int = _limit(256, "requests waiting for a slot (503 with Retry-After beyond)")
+    # a top-p request of 4,096 tokens at capacity 4,096 is 2^24
+    max_capture_ids: int = _limit(
+        2**26,
+        "support ids one body (all its n samples) may capture at most: max_new_tokens x top_k (or x "
+        "--sampling-mask-max-tokens where no top_k bounds a row), summed; 400 beyond",
+    )
+    max_capture_ids_running: int = _limit(
+        2**27, "support ids the running requests may hold captured at once; past it new requests wait"
+    )
+    max_json_capture_bytes: int = _limit(
+        32 * 2**20, "an answer's captured support as JSON id lists; 400 beyond, naming sampling_mask_format=binary"
+    )
+    # structured outputs (engine/grammar.py): each constrained request decodes with its own mask
+    max_grammar_requests: int = _limit(64, "grammar-constrained requests one body may carry; 400 beyond")
+    max_grammars_cached: int = _limit(
+        64, "distinct compiled grammars kept (an LRU); a request copies its grammar's matcher"
+    )
+    grammar_compile_ms: int = _limit(
+        5000, "a grammar's compile in the grammar worker process; past it the process is killed, 400"
+    )
+    max_grammar_compiles_waiting: int = _limit(16, "grammars waiting for the grammar worker process; 503 beyond")
 
     def __post_init__(self):
         for name, value in asdict(self).items():

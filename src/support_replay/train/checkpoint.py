@@ -23,8 +23,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
+from ..backends.weight_push import save_safetensors
 from ..errors import ConfigError, SupportReplayError
-from .weights import save_safetensors
 
 log = logging.getLogger(__name__)
 

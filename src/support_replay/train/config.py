@@ -24,6 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..backends.registry import kind_class, kind_name
 from ..errors import ConfigError
 from ..modeling.linear_kernels import resolve_linear_kernel
 from .schedule import warmup_steps
@@ -116,6 +117,37 @@ class RunConfig(BaseModel):
             self.replay.linear_kernel, getattr(torch, self.replay.train_dtype), device, "train"
         )
 
+    def in_process_engine(self, checkpoint):
+        """What this run's in-process engine is built from (the engine kind without --rollout-url)."""
+        from ..backends.in_process import InProcessEngine
+        from ..engine.settings import EngineSettings
+
+        rollout, replay = self.rollout, self.replay
+        settings = EngineSettings(
+            semantics=rollout.sampling_semantics,
+            sampling_mask_max_tokens=rollout.sampling_mask_max_tokens,
+            seed=rollout.rollout_seed,
+            linear_kernel=replay.linear_kernel,
+            decode_attention=replay.decode_attention,  # the deterministic engine keeps its own attention
+            max_total_tokens=self.engine.max_total_tokens,
+            deterministic=replay.true_on_policy_mode,
+        )
+        return InProcessEngine(Path(checkpoint), replay.rollout_dtype, settings)
+
+    def engine_needs(self, vocab_size: int, weight_version: str, routing_shape=None, **more):
+        """What this run asks of its engine when it connects (``backends/kind.Needs``)."""
+        from ..backends.kind import Needs
+
+        replay = self.replay
+        return Needs(
+            vocab_size,
+            weight_version,
+            routing_shape=routing_shape,
+            true_on_policy_dtype=replay.train_dtype if replay.true_on_policy_mode else None,
+            adapter=self.engine.lora_sync == "adapter",
+            **more,
+        )
+
     @property
     def optimizer_steps(self) -> int:
         """The run's optimizer steps: ``--num-rollout`` x the global batches of a rollout."""
@@ -181,23 +213,20 @@ class RunConfig(BaseModel):
                 "hf",
                 "true-on-policy mode needs a deterministic sampler (sglang or vllm); hf ties depend on the batch",
             )
-        if engine.rollout_engine == "vllm" and replay.true_on_policy_mode:
+        kind = kind_class(kind_name(engine))
+        if replay.true_on_policy_mode and not kind.deterministic:
             bad(
                 "rollout_engine",
-                "vllm",
+                engine.rollout_engine,
                 "true-on-policy mode needs our batch-invariant engine (support-replay serve --deterministic)",
             )
         if self.optimizer.policy_loss == "reinforce" and not on:
             bad("policy_loss", "reinforce", f"weights by the sampler's log mu on the replayed support, {needs_replay}")
         if self.optimizer.use_score_centering and not on:
             bad("use_score_centering", True, f"centres the score on the replayed support, {needs_replay}")
-        if self.optimizer.use_score_centering and engine.rollout_engine == "vllm" and engine.vllm_capture == "native":
-            bad(
-                "use_score_centering",
-                True,
-                "with --vllm-capture native: vLLM 0.32's sampling mask carries no log-prob per support id; use "
-                "--vllm-capture processed_logprobs (logprobs >= |S| reveal every id's log q)",
-            )
+        refused = kind.refusal(engine, score_centering=self.optimizer.use_score_centering)
+        if refused:
+            bad(*refused)
         if replay.min_support_mass > 0 and not on:
             bad(
                 "min_support_mass",
@@ -337,8 +366,12 @@ class RunConfig(BaseModel):
         per = launch.rollout_num_gpus_per_engine
         if engine.rollout_url:
             bad("rollout_url", engine.rollout_url, f"--rollout-num-gpus-per-engine={per} starts the engines itself")
-        if engine.rollout_engine == "vllm":
-            bad("rollout_engine", "vllm", "the engines this run starts speak SGLang's protocol (serve or SGLang)")
+        if not kind_class(engine.rollout_engine).started_by_launcher:
+            bad(
+                "rollout_engine",
+                engine.rollout_engine,
+                "the engines this run starts speak SGLang's protocol (serve or SGLang)",
+            )
         if engine.max_total_tokens is not None:
             bad(
                 "max_total_tokens",

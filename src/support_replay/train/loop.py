@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from ..backends.kind import WeightRoute
 from ..modeling.checkpoints import smollm2_checkpoint
 from ..modeling.host_memory import keep_freed_memory
 from ..modeling.linear_kernels import slow_bf16
@@ -28,7 +29,6 @@ from .producer import RolloutProducer
 from .rollouts import Rollouts
 from .trackers import Trackers
 from .versions import PolicyVersions, policy_version
-from .weights import make_weight_sync
 
 __all__ = ["policy_version", "train"]
 
@@ -126,22 +126,17 @@ def _set_up(cfg: RunConfig, ctx, as_given: RunConfig):
         as_given.save_effective(out)  # --config reads it back: the launch flags, not the address they gave
     sync = None
     if ctx.is_main:
-        sync = make_weight_sync(
-            engine=rollouts.engine,
-            url=cfg.engine.rollout_url,
-            rollout_engine=cfg.engine.rollout_engine,
-            staging=out / "weights",
-            mode=cfg.engine.weight_sync_mode,
-            transport=cfg.engine.weight_transport,
-            adapter=cfg.optimizer.lora if cfg.engine.lora_sync == "adapter" else None,
-        )
+        lora = cfg.optimizer.lora if cfg.engine.lora_sync == "adapter" else None
+        route = WeightRoute(out / "weights", cfg.engine.weight_sync_mode, cfg.engine.weight_transport, lora)
+        sync = rollouts.kind.weight_sync(route)
     keeps = bool(cfg.replay.ci_test and cfg.production.max_policy_lag)
     lagged = lagged_scorer(
         learner, ctx, checkpoint, max_policy_lag=cfg.production.max_policy_lag, ci_test=cfg.replay.ci_test
     )
     versions = PolicyVersions(start, sync, lagged, keeps)
-    if cfg.engine.rollout_url or start or keeps:  # an engine of its own, or a resume: it samples exactly these weights
-        versions.push(learner, ctx, to_engine=bool(cfg.engine.rollout_url or start))
+    remote = rollouts.kind.remote
+    if remote or start or keeps:  # an engine of its own, or a resume: it samples exactly these weights
+        versions.push(learner, ctx, to_engine=remote or bool(start))
     checks = RolloutChecks(
         ctx,
         replay=learner.replay,

@@ -13,12 +13,12 @@ import uuid
 from dataclasses import asdict, replace
 
 import numpy as np
-import torch
 
+from ..backends.kind import EngineKind, Needs
+from ..backends.registry import kind_for
 from ..core.penalties import NO_PENALTIES
 from ..core.routing import RoutingShape
 from ..core.sampling import SamplingParams
-from ..errors import ConfigError, SupportReplayError
 from ..rollout import generate_samples, load_prompts, load_reward
 from ..rollout.data import ArithmeticTask
 from ..rollout.episodes import generate_episodes
@@ -26,181 +26,51 @@ from ..rollout.sample import Sample
 from ..serving.security import LOOPBACK_HOSTS, Keys
 from .config import RunConfig
 from .dist import on_main
-from .sections import AgentConfig, DataConfig, EngineConfig, EvalConfig, ProductionConfig, ReplayConfig, RolloutConfig
-from .weights import ADAPTER_NAME
-
-
-def _require_deterministic(url: str, dtype: str, headers: dict | None = None) -> None:
-    """The engine at ``url`` computes this trainer's bits: deterministic, the same invariant arithmetic (build and
-    ISA: kernels/invariant.identity) and compute dtype ``dtype``."""
-    import httpx
-
-    from ..kernels import invariant
-
-    info = httpx.get(url.rstrip("/") + "/model_info", timeout=30, headers=headers or {}).json()
-    if not info.get("deterministic"):
-        raise SupportReplayError(
-            f"--true-on-policy-mode: the engine at {url} is not deterministic; start it with `support-replay serve "
-            "--deterministic`"
-        )
-    theirs, mine = info.get("invariant_arithmetic"), invariant.identity()
-    if theirs != mine:
-        raise SupportReplayError(
-            f"--true-on-policy-mode: the engine at {url} runs the invariant arithmetic as {theirs!r}, this trainer as "
-            f"{mine!r} (another build, or another vector width: the lane count is part of the order); their logits "
-            "would differ: run both from one install on one kind of CPU"
-        )
-    if info.get("dtype") != dtype:
-        raise SupportReplayError(
-            f"--true-on-policy-mode: the engine at {url} computes in {info.get('dtype')}, this trainer in {dtype}: "
-            f"start it with `--dtype {dtype}` or give this run `--train-dtype {info.get('dtype')}`"
-        )
-
+from .sections import AgentConfig, DataConfig, EvalConfig, ProductionConfig, RolloutConfig
 
 REGENERATION_SEED_STRIDE = 1_000_003  # a stale group generated again draws with other seeds than the first time
-SGLANG_PENALTY_VERSION = "0.5.23"
-VLLM_PENALTY_VERSION = "0.32."
-
-
-def penalty_semantics_of(url: str, protocol: str, penalties, headers: dict | None = None) -> str:
-    import httpx
-
-    base, headers = url.rstrip("/"), headers or {}
-    setting = ", ".join(f"{k}={v}" for k, v in penalties.to_json().items() if v not in (0.0, 1.0, {}))
-    if protocol == "vllm":
-        version = httpx.get(base + "/version", timeout=30, headers=headers).json().get("version", "")
-        if not str(version).startswith(VLLM_PENALTY_VERSION):
-            raise ConfigError(
-                f"vLLM {version} at {url}: penalties ({setting}) are replayed for vLLM {VLLM_PENALTY_VERSION}x only, "
-                "whose code was read"
-            )
-        return "vllm"
-    info = httpx.get(base + "/server_info", timeout=30, headers=headers).json()
-    if "semantics" in info:  # our engine (serve, or a router in front of it) says its own
-        return info["semantics"]
-    version, overlap_off = info.get("version"), info.get("disable_overlap_schedule")
-    if version != SGLANG_PENALTY_VERSION or overlap_off is not True:
-        raise ConfigError(
-            f"SGLang {version} at {url} (disable_overlap_schedule={overlap_off}): penalties ({setting}) are replayed "
-            "for SGLang "
-            f"{SGLANG_PENALTY_VERSION} started with --disable-overlap-schedule only (its overlap scheduler counts the "
-            "history one token late)"
-        )
-    return "sglang"
-
-
-def connect_backend(
-    engine_cfg: EngineConfig,
-    rollout_cfg: RolloutConfig,
-    replay_cfg: ReplayConfig,
-    checkpoint_path,
-    vocab_size: int,
-    weight_version: str,
-    *,
-    routing_shape: RoutingShape | None = None,
-    kv_share: float | None = None,
-    vllm_max_logprobs: int = 20,
-):
-    """``(backend, in-process engine or None)``: vLLM or SGLang (and ours) at ``--rollout-url``, else an
-    engine in this process on ``checkpoint_path``. ``vllm_max_logprobs``: the processed log-probs a
-    request asks per token when it declares no top_k (-1: every id, for a server with --max-logprobs -1)."""
-    keys = Keys.load()
-    if engine_cfg.rollout_url and engine_cfg.rollout_engine == "vllm":
-        from ..backends.vllm import VLLMBackend
-
-        backend = VLLMBackend(
-            engine_cfg.rollout_url,
-            vocab_size,
-            endpoint=engine_cfg.vllm_endpoint,
-            capture=engine_cfg.vllm_capture,
-            api_key=keys.api,
-            routing_shape=routing_shape,
-            max_logprobs=vllm_max_logprobs,
-            model=ADAPTER_NAME if engine_cfg.lora_sync == "adapter" else None,
-        )
-        return backend, None
-    if engine_cfg.rollout_url:
-        from ..backends.sglang import SGLangBackend
-
-        backend = SGLangBackend(
-            engine_cfg.rollout_url,
-            vocab_size,
-            sampling_mask_format=engine_cfg.sampling_mask_format,
-            api_key=keys.api,
-            routing_shape=routing_shape,
-            concurrency=engine_cfg.rollout_concurrency,
-            lora_path=ADAPTER_NAME if engine_cfg.lora_sync == "adapter" else None,
-        )
-        if replay_cfg.true_on_policy_mode:
-            _require_deterministic(engine_cfg.rollout_url, replay_cfg.train_dtype, keys.header(admin=False))
-        return backend, None
-    from ..backends.local import EngineBackend  # the in-process engine: the only place the trainer imports it
-    from ..engine import Engine
-
-    engine = Engine.from_pretrained(
-        checkpoint_path,
-        dtype=getattr(torch, replay_cfg.rollout_dtype),
-        semantics=rollout_cfg.sampling_semantics,
-        sampling_mask_max_tokens=rollout_cfg.sampling_mask_max_tokens,
-        seed=rollout_cfg.rollout_seed,
-        deterministic=replay_cfg.true_on_policy_mode,
-        weight_version=weight_version,
-        linear_kernel=replay_cfg.linear_kernel,
-        decode_attention=replay_cfg.decode_attention,  # the deterministic engine keeps its own attention
-        max_total_tokens=engine_cfg.max_total_tokens,
-        **({"kv_share": kv_share} if kv_share is not None else {}),
-    )
-    return EngineBackend(engine), engine
 
 
 class Rollouts:
-    """``engine_name`` says where samples come from, for messages: the URL and its protocol, or "in-process engine"."""
+    """``kind``: the engine kind that generates (``backends/registry.py``); rank 0 connects it."""
 
     def __init__(
         self,
         ctx,
-        checkpoint_path,
         tokenizer,
-        vocab_size: int,
-        weight_version: str,
+        kind: EngineKind,
+        needs: Needs,
         *,
         data: DataConfig,
         rollout: RolloutConfig,
-        engine: EngineConfig,
         production: ProductionConfig,
         agents: AgentConfig,
         evaluation: EvalConfig,
-        replay: ReplayConfig,
+        routing: bool,
         global_batch_size: int,
         seed: int,
-        routing_shape: RoutingShape | None = None,
         support_logprobs: bool = False,
     ):
-        self.ctx, self.tokenizer = ctx, tokenizer
-        self.data_cfg, self.rollout_cfg, self.engine_cfg, self.production_cfg = data, rollout, engine, production
-        self.agents_cfg, self.evaluation_cfg, self.replay_cfg = agents, evaluation, replay
+        self.ctx, self.tokenizer, self.kind = ctx, tokenizer, kind
+        self.data_cfg, self.rollout_cfg, self.production_cfg = data, rollout, production
+        self.agents_cfg, self.evaluation_cfg = agents, evaluation
         self.global_batch_size, self.seed = global_batch_size, seed
         self.replay = self.rollout_cfg.use_sampling_support_replay
-        self.routing = replay.use_rollout_routing_replay  # capture every position's experts (MoE)
-        self.routing_shape = routing_shape  # the trained model's, which captured routing must fit
+        self.routing = routing  # capture every position's experts (MoE)
         self.support_logprobs = support_logprobs  # the sampler's log q of every support id (score centering)
         self.params = rollout.sampling_params  # built once, with the config (its range rules are its own)
         self.prompts, self.eval_prompts = self._load_prompts()
         self.reward_fn = load_reward(self.data_cfg.rm_type, self.data_cfg.custom_rm_path)
         self.engine = self.backend = None
-        self.engine_name = (
-            f"{self.engine_cfg.rollout_engine} engine at {self.engine_cfg.rollout_url}"
-            if self.engine_cfg.rollout_url
-            else "in-process engine"
-        )
         self.run_id = uuid.uuid4().hex[:12]  # request ids of this run: {run}/{rollout}/{sample}/{attempt}
         self.agent = self.sessions = None  # agents: set up on rank 0, which generates
         self.penalties = self.rollout_cfg.penalties
         self._lock = threading.Lock()  # one generation at a time: an evaluation waits for a rollout in flight
-        self.penalty_semantics = on_main(lambda: self._penalty_semantics(vocab_size), ctx)
+        self.penalty_semantics = on_main(lambda: self._penalty_semantics(needs.vocab_size), ctx)
         if not ctx.is_main:
             return
-        self._connect(checkpoint_path, vocab_size, weight_version)
+        self.backend = kind.connect(needs)
+        self.engine = kind.engine  # the in-process engine, or None
         if self.agents_cfg.agent or self.agents_cfg.agent_path:
             self._start_sessions(tokenizer)
 
@@ -214,21 +84,6 @@ class Rollouts:
         held_out = self.evaluation_cfg.eval_prompt_data
         return train, load_prompts(held_out, data.input_key, data.label_key, seed=self.seed + 1, **keys)
 
-    def _connect(self, checkpoint_path, vocab_size: int, weight_version: str) -> None:
-        """Where samples come from: vLLM or SGLang (and ours) at --rollout-url, else an engine in this process."""
-        from ..engine.kv_budget import COLOCATED_SHARE
-
-        self.backend, self.engine = connect_backend(
-            self.engine_cfg,
-            self.rollout_cfg,
-            self.replay_cfg,
-            checkpoint_path,
-            vocab_size,
-            weight_version,
-            routing_shape=self.routing_shape,
-            kv_share=COLOCATED_SHARE,
-        )
-
     @classmethod
     def from_config(
         cls,
@@ -240,39 +95,37 @@ class Rollouts:
         weight_version: str,
         routing_shape: RoutingShape | None = None,
     ):
-        """The rollout side of a run: the sections it uses."""
+        """The rollout side of a run: the sections it uses, and its engine kind (on rank 0)."""
+        from ..engine.kv_budget import COLOCATED_SHARE
+
+        needs = cfg.engine_needs(vocab_size, weight_version, routing_shape, kv_share=COLOCATED_SHARE)
+        kind = kind_for(cfg.engine, cfg.in_process_engine(checkpoint_path))  # connected on rank 0 only
         return cls(
             ctx,
-            checkpoint_path,
             tokenizer,
-            vocab_size,
-            weight_version,
+            kind,
+            needs,
             data=cfg.data,
             rollout=cfg.rollout,
-            engine=cfg.engine,
             production=cfg.production,
             agents=cfg.agents,
             evaluation=cfg.evaluation,
-            replay=cfg.replay,
+            routing=cfg.replay.use_rollout_routing_replay,
             global_batch_size=cfg.parallel.global_batch_size,
             seed=cfg.optimizer.seed,
-            routing_shape=routing_shape,
             support_logprobs=cfg.optimizer.use_score_centering,
         )
+
+    @property
+    def engine_name(self) -> str:
+        """Where samples come from, for messages."""
+        return self.kind.where
 
     def _penalty_semantics(self, vocab_size: int) -> str:
         """Whose penalty rules the trainer replays: the engine's that samples. Our engine says
         its semantics; SGLang and vLLM are accepted at the versions whose code was read
         (docs/math.md), or the run fails closed naming the engine and the setting."""
-        if not self.penalties.active or not self.engine_cfg.rollout_url:
-            semantics = self.rollout_cfg.sampling_semantics
-        else:
-            semantics = penalty_semantics_of(
-                self.engine_cfg.rollout_url,
-                self.engine_cfg.rollout_engine,
-                self.penalties,
-                Keys.load().header(admin=False),
-            )
+        semantics = self.kind.penalty_semantics(self.penalties, self.rollout_cfg.sampling_semantics)
         self.penalties.check(semantics, vocab_size, where=f"{self.engine_name} penalties")
         return semantics
 
@@ -457,5 +310,4 @@ class Rollouts:
         if self.sessions is not None:
             self.session_server.stop()
             self.sessions.close()
-        if self.engine is not None:
-            self.engine.shutdown()
+        self.kind.close()

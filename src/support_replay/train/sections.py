@@ -13,6 +13,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, computed_field, model_validator
 
+from ..backends.registry import DEFAULT_REMOTE, kind_class, kind_name, remote_names
 from ..core.penalties import Penalties
 from ..core.sampling import SamplingParams
 from ..errors import ConfigError, SamplingParamsError
@@ -211,8 +212,10 @@ class EngineConfig(Section):
     rollout_url: str | None = Field(
         None, description="rollout through this engine/router URL instead of the in-process engine"
     )
-    rollout_engine: Literal["sglang", "vllm"] = Field(
-        "sglang", description="protocol spoken at --rollout-url: sglang (SGLang, our serve and router, smg) or vllm"
+    rollout_engine: str = Field(
+        DEFAULT_REMOTE,
+        description="protocol spoken at --rollout-url: sglang (SGLang, our serve and router, smg), vllm, or another "
+        "registered engine kind (backends/registry.py)",
     )
     vllm_endpoint: Literal["generate", "completions"] = Field(
         "generate",
@@ -269,18 +272,21 @@ class EngineConfig(Section):
                 self.max_total_tokens,
                 "bounds the in-process engine; give it to the engine at --rollout-url (serve --max-total-tokens)",
             )
-        if self.weight_transport == "http" and (self.rollout_engine == "vllm" or not self.rollout_url):
+        if self.rollout_engine not in remote_names():
+            bad("rollout_engine", self.rollout_engine, f"one of {remote_names()}")
+        if self.weight_transport == "http" and not kind_class(kind_name(self)).weights_over_http:
             why = (
-                "sends the weights to support-replay serve or router at --rollout-url; vLLM loads from a directory"
+                "sends the weights to support-replay serve or router at --rollout-url; "
+                f"{self.rollout_engine} loads from a directory"
                 if self.rollout_url
                 else "needs --rollout-url (the in-process engine takes the tensors in memory)"
             )
             bad("weight_transport", "http", why)
-        if self.rollout_engine == "vllm" and not self.rollout_url:
+        if self.rollout_engine != DEFAULT_REMOTE and not self.rollout_url:
             bad(
                 "rollout_engine",
-                "vllm",
-                "needs --rollout-url of a running vLLM server (the in-process engine speaks for itself)",
+                self.rollout_engine,
+                "needs --rollout-url of a running server (the in-process engine speaks for itself)",
             )
         if self.colocate and self.rollout_url:
             bad("colocate", True, f"the in-process engine and --rollout-url={self.rollout_url!r} exclude each other")

@@ -1,0 +1,119 @@
+"""Weights into an SGLang-speaking engine: SGLang, our ``serve`` and router, smg.
+
+- ``SGLangSync``: ``POST /update_weights_from_disk {"model_path", "weight_version"}`` (SGLang's route; our
+  router broadcasts it to every engine). smg 1.13 does not route it (404); with ``--enable-rl`` it fans it
+  out as ``POST /v1/rl/engine/update_weights_from_disk?selector=engine=sglang`` (observed here), which the
+  sync falls back to.
+- ``BodySync`` (``--weight-transport http``): the same safetensors file as the body of
+  ``POST /update_weights_from_safetensors`` (our ``serve`` and router, admin key required): one copy of the
+  weights per push over the network, no pickle.
+- ``SGLangAdapterSync`` (``--lora-sync adapter``): SGLang's adapter routes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import torch
+
+from ..errors import SupportReplayError
+from ..serving.security import WEIGHTS_OVER_HTTP, Keys
+from .weight_push import ADAPTER_NAME, SYNC_TIMEOUT, AdapterSync, StagedSync, check_success, post_admin
+
+SMG_FANOUT = "/v1/rl/engine/update_weights_from_disk"
+
+
+class SGLangSync(StagedSync):
+    def push(self, state: dict[str, torch.Tensor], version: str) -> None:
+        body = {"model_path": str(self.stage(state)), "weight_version": version, "abort_all_requests": self.abort}
+        try:
+            reply = httpx.post(
+                self.url + "/update_weights_from_disk",
+                json=body,
+                timeout=SYNC_TIMEOUT,
+                headers=Keys.load().header(admin=True),
+            )
+        except httpx.HTTPError as exc:
+            raise SupportReplayError(
+                f"weight sync to {self.url}: loading the weights failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        if (
+            reply.status_code == 404
+            and httpx.get(self.url + "/v1/rl/workers", timeout=30, headers=Keys.load().header(admin=True)).status_code
+            == 200
+        ):
+            return self._through_smg(body)  # smg: its RL control plane fans the call out
+        if reply.status_code == 404:
+            raise SupportReplayError(
+                f"weight sync to {self.url}: /update_weights_from_disk is not routed there (HTTP 404); "
+                "if it is smg, start it with --enable-rl so that its RL control plane can fan the call out"
+            )
+        if reply.status_code != 200:
+            raise SupportReplayError(
+                f"weight sync to {self.url}: /update_weights_from_disk answered HTTP {reply.status_code}: "
+                f"{reply.text[:300]}"
+            )
+        check_success(self.url, reply.json() if reply.content else {})
+
+    def _through_smg(self, body: dict) -> None:
+        reply = post_admin(
+            self.url, SMG_FANOUT, "fanning the weights out through smg", params={"selector": "engine=sglang"}, json=body
+        )
+        results = reply.json().get("results") or {}
+        if not results:
+            raise SupportReplayError(f"weight sync to {self.url}: smg found no engine to load the weights into")
+        for worker, result in results.items():
+            if result.get("status") != 200:
+                raise SupportReplayError(
+                    f"weight sync to {self.url}: engine {result.get('url', worker)} answered HTTP "
+                    f"{result.get('status')}: {str(result.get('body'))[:300]}"
+                )
+            check_success(result.get("url", worker), result.get("body") or {})
+
+
+class BodySync:
+    """The weights in the request body (our serve, or our router, which sends them to every engine)."""
+
+    def __init__(self, url: str, mode: str = "wait"):
+        self.url, self.abort = url.rstrip("/"), mode == "abort"
+
+    def push(self, state: dict[str, torch.Tensor], version: str) -> None:
+        from safetensors.torch import save
+
+        body = save({k: v.detach().contiguous() for k, v in state.items()})
+        headers = {**Keys.load().header(admin=True), "Content-Type": "application/octet-stream"}
+        params = {"weight_version": version, "abort_all_requests": str(self.abort).lower()}
+        try:
+            reply = httpx.post(
+                self.url + WEIGHTS_OVER_HTTP, content=body, params=params, headers=headers, timeout=SYNC_TIMEOUT
+            )
+        except httpx.HTTPError as exc:
+            raise SupportReplayError(
+                f"weight sync to {self.url}: sending {len(body)} bytes of weights failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        if reply.status_code == 404:
+            raise SupportReplayError(
+                f"weight sync to {self.url}: {WEIGHTS_OVER_HTTP} is not served there (HTTP 404): --weight-transport "
+                "http needs "
+                "support-replay serve or router; SGLang and vLLM load from a directory (--weight-transport disk)"
+            )
+        if reply.status_code != 200:
+            raise SupportReplayError(
+                f"weight sync to {self.url}: {WEIGHTS_OVER_HTTP} answered HTTP {reply.status_code}: {reply.text[:300]}"
+            )
+        check_success(self.url, reply.json() if reply.content else {})
+
+
+class SGLangAdapterSync(AdapterSync):
+    """SGLang's routes (and our serve's, through our router): ``/unload_lora_adapter`` (after the first push),
+    ``/load_lora_adapter`` (SGLang 0.5.23 refuses to load a name or a path that is loaded), then
+    ``/update_weight_version``."""
+
+    def load(self, path: Path, version: str) -> None:
+        if self.loaded is not None:
+            post_admin(self.url, "/unload_lora_adapter", "unloading the last adapter", json={"lora_name": ADAPTER_NAME})
+        body = {"lora_name": ADAPTER_NAME, "lora_path": str(path)}
+        reply = post_admin(self.url, "/load_lora_adapter", "loading the adapter", json=body)
+        check_success(self.url, reply.json() if reply.content else {})
+        post_admin(self.url, "/update_weight_version", "naming the weights", json={"new_version": version})
