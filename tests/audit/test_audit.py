@@ -176,3 +176,16 @@ def test_bad_flags_and_an_unreachable_engine_are_errors_by_name(tiny_checkpoint,
     assert main([*base, "--rollout-url", "http://127.0.0.1:9"]) == 2
     assert "--rollout-url http://127.0.0.1:9: no usable answer" in capsys.readouterr().err
     assert not (tmp_path / "cli" / "audit.json").exists()  # nothing half-written
+
+
+def test_an_audit_of_two_prompts_by_two_runs_without_batch_flags(tiny_checkpoint, tmp_path):
+    cfg = RunConfig(
+        hf_checkpoint=str(tiny_checkpoint),
+        output_dir=str(tmp_path / "audit"),
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        rollout_max_response_len=8,
+        progress=False,
+    )
+    report = run_audit(cfg, AuditSettings())
+    assert report["verdict"]["pass"] and report["tokens"] > 0, report.get("verdict")

@@ -183,3 +183,23 @@ def test_help_groups_the_flags_by_section():
     positions = [text.index(f"{cls.TITLE}:") for cls in SECTIONS.values()]
     assert positions == sorted(positions)
     assert text.index("optimizer and loss:") < text.index("\n  --lr LR") < text.index("replay and checks:")
+
+
+def test_the_global_batch_is_derived_as_miles_and_slime_derive_it():
+    assert cfg().global_batch_size == 32 and cfg().optimizer_steps == 20  # 8 prompts x 4 samples, one step each
+    assert cfg("--rollout-batch-size", "2", "--n-samples-per-prompt", "2").global_batch_size == 4
+    assert cfg("--num-steps-per-rollout", "4").global_batch_size == 8
+    assert cfg("--global-batch-size", "16").global_batch_size == 16
+    assert cfg("--num-steps-per-rollout", "2", "--global-batch-size", "16").global_batch_size == 16
+    with pytest.raises(ConfigError, match="--num-steps-per-rollout=3: must divide rollout_batch_size x n_samples_per"):
+        cfg("--num-steps-per-rollout", "3")
+    with pytest.raises(ConfigError, match="--global-batch-size=8: differs from .* = 16; give one of them"):
+        cfg("--num-steps-per-rollout", "2", "--global-batch-size", "8")
+
+
+def test_a_flag_that_does_nothing_with_prompt_data_is_refused(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    assert cfg("--task-max-operand", "20").data.max_operand == 20 and cfg().data.max_operand == 10
+    with pytest.raises(ConfigError, match=f"--task-max-operand=20: sets the built-in task; --prompt-data='{data}'"):
+        cfg("--prompt-data", str(data), "--task-max-operand", "20")

@@ -53,7 +53,7 @@ def _refuse(cfg: RunConfig) -> None:
 def _generate(cfg: RunConfig, backend, tokenizer, sent):
     data, rollout = cfg.data, cfg.rollout
     task = load_prompts(
-        data.prompt_data, data.input_key, data.label_key, seed=cfg.optimizer.seed, max_operand=data.task_max_operand
+        data.prompt_data, data.input_key, data.label_key, seed=cfg.optimizer.seed, max_operand=data.max_operand
     )
     prompts = [task[i] for i in range(min(rollout.rollout_batch_size, len(task)))]
     return generate_samples(

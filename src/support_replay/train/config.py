@@ -87,7 +87,7 @@ class RunConfig(BaseModel):
 
     def __init__(self, **values):
         try:
-            super().__init__(**_by_section(values))
+            super().__init__(**_with_global_batch(_by_section(values)))
         except ValidationError as exc:
             raise ConfigError(describe_validation(exc)) from None
 
@@ -438,6 +438,37 @@ def _by_section(values: dict) -> dict:
         else:
             raise ConfigError(f"{flag(name)}={value!r}: unknown setting")
     return out
+
+
+def _with_global_batch(sections: dict) -> dict:
+    """--global-batch-size as Miles and slime derive it (their arguments.py): rollout_batch_size x
+    n_samples_per_prompt / --num-steps-per-rollout, one step per rollout by default; given both, they must agree."""
+    rollout, parallel = sections.get("rollout", {}), sections.setdefault("parallel", {})
+    defaults = RolloutConfig.model_fields
+    prompts = rollout.get("rollout_batch_size", defaults["rollout_batch_size"].default)
+    group = rollout.get("n_samples_per_prompt", defaults["n_samples_per_prompt"].default)
+    given, steps = parallel.get("global_batch_size"), parallel.get("num_steps_per_rollout")
+    try:
+        prompts, group, steps = int(prompts), int(group), None if steps is None else int(steps)
+    except (TypeError, ValueError):
+        return sections  # the sections' own checks name the value
+    if steps is None or steps < 1:
+        if given is None:
+            parallel["global_batch_size"] = prompts * group
+        return sections
+    if (prompts * group) % steps:
+        total = prompts * group
+        raise ConfigError(
+            f"--num-steps-per-rollout={steps}: must divide rollout_batch_size x n_samples_per_prompt = {total}"
+        )
+    derived = prompts * group // steps
+    if given is not None and given != derived:
+        raise ConfigError(
+            f"--global-batch-size={given}: differs from rollout_batch_size x n_samples_per_prompt / "
+            f"--num-steps-per-rollout = {derived}; give one of them"
+        )
+    parallel["global_batch_size"] = derived
+    return sections
 
 
 # ---- flags -----------------------------------------------------------------------------

@@ -77,7 +77,7 @@ class Rollouts:
     def _load_prompts(self):
         """The training prompts and, with --eval-interval, the evaluation's (held out by their seed)."""
         data = self.data_cfg
-        keys = dict(max_operand=data.task_max_operand)
+        keys = dict(max_operand=data.max_operand)
         train = load_prompts(data.prompt_data, data.input_key, data.label_key, seed=self.seed, **keys)
         if not self.evaluation_cfg.eval_interval:
             return train, None

@@ -23,6 +23,7 @@ from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 from .launch_config import LaunchConfig
 from .section_base import Section, bad
 
+DEFAULT_MAX_OPERAND = 10  # the built-in arithmetic task's
 MAX_DEFAULT_MICRO_BATCH = 8
 FP32_CI_TOLERANCE = 1e-3  # docs/training.md, "--ci-test": 40x the largest fp32 difference measured
 BF16_CI_TOLERANCE = 1.0  # docs/training.md: bf16 logits carry 8 bits of mantissa; up to 0.34 measured on SmolLM2
@@ -46,10 +47,11 @@ class DataConfig(Section):
         description="JSONL or Parquet prompts, or reasoning_gym:NAME (a reasoning-gym task, generated offline); "
         "default: the built-in arithmetic task",
     )
-    task_max_operand: int = Field(
-        10,
+    task_max_operand: int | None = Field(
+        None,
         ge=1,
-        description="the built-in arithmetic task's largest operand (its difficulty); ignored with --prompt-data",
+        description=f"the built-in arithmetic task's largest operand (its difficulty; default {DEFAULT_MAX_OPERAND}); "
+        "refused with --prompt-data",
     )
     input_key: str = Field("prompt", description="field holding the prompt (a string, or a list of chat messages)")
     label_key: str = Field("label", description="field holding the reference answer")
@@ -64,8 +66,18 @@ class DataConfig(Section):
         None, description="custom reward 'module:function(prompt, response, label) -> float'"
     )
 
+    @property
+    def max_operand(self) -> int:
+        return self.task_max_operand or DEFAULT_MAX_OPERAND
+
     @model_validator(mode="after")
     def _check(self):
+        if self.task_max_operand is not None and self.prompt_data:
+            bad(
+                "task_max_operand",
+                self.task_max_operand,
+                f"sets the built-in task; --prompt-data={self.prompt_data!r} brings its own prompts",
+            )
         if self.custom_rm_path and ":" not in self.custom_rm_path:
             bad("custom_rm_path", self.custom_rm_path, "expected 'module:function'")
         if self.rm_type is None and not self.custom_rm_path:
@@ -385,7 +397,18 @@ class ParallelConfig(Section):
 
     TITLE: ClassVar[str] = "batches and parallelism"
 
-    global_batch_size: int = Field(32, ge=1, description="samples per optimizer step")
+    global_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="samples per optimizer step (default: rollout_batch_size x n_samples_per_prompt / "
+        "--num-steps-per-rollout, as Miles and slime derive it)",
+    )
+    num_steps_per_rollout: int | None = Field(
+        None,
+        ge=1,
+        description="optimizer steps per rollout (Miles' and slime's flag; default 1, or what --global-batch-size "
+        "gives); sets --global-batch-size",
+    )
     train_backend: Literal["fsdp", "megatron"] = Field(
         "fsdp", description="fsdp: the trainer is FSDP2 over torchrun ranks, with DTensor TP and CP (Miles' name)"
     )
