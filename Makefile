@@ -43,9 +43,12 @@ AVX2_KERNELS := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX
 PORTABLE_KERNELS := ATEN_CPU_CAPABILITY=default
 
 # House rules a tool keeps: ruff's format and lint (settings in pyproject.toml); `make format` applies them.
+# Then the tree's shape (bench/code_shape.py: large modules and classes, long functions, most parameters,
+# duplicate pairs where the `duplicates` tool is on the machine), so that a change that grows it is seen.
 lint: setup
 	$(VENV)/bin/ruff format --check --quiet src tests bench
 	$(VENV)/bin/ruff check --quiet src tests bench
+	$(PY) bench/code_shape.py --duplicates
 
 format: setup
 	$(VENV)/bin/ruff format --quiet src tests bench

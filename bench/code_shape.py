@@ -2,11 +2,13 @@
 
     python bench/code_shape.py [--root .] [--show path.py:Qualified.name ...] [--duplicates]
 
-Counts, for ``src/support_replay``: modules and lines; functions over 60 lines (listed);
-lines over 120 characters; the largest classes (lines, methods); the functions with the most
-parameters; test files per package folder (``tests/<folder>/``, or flat ``tests/`` files whose
-name matches a module there). ``--show`` prints lines, methods and parameters of named places.
-``--duplicates`` runs the tool library's ``duplicates`` over ``src`` and counts its pairs.
+Counts, for ``src/support_replay``: modules and lines; modules over 600 lines; functions over 60
+lines (listed); lines over 120 characters; the largest classes (lines, methods); the functions with
+the most parameters; the modules outside ``backends/`` that switch on the engine kind (compare
+``rollout_engine`` or a protocol name with an engine's name); test files per package folder
+(``tests/<folder>/``, or flat ``tests/`` files). ``--show`` prints lines, methods and parameters of
+named places. ``--duplicates`` runs the tool library's ``duplicates`` over ``src`` and counts its pairs
+(``make lint`` prints this table).
 """
 
 from __future__ import annotations
@@ -20,6 +22,21 @@ from pathlib import Path
 
 LONG_FUNCTION = 60
 LONG_LINE = 120
+LONG_MODULE = 600
+ENGINE_NAMES = {"sglang", "vllm", "in-process"}
+
+
+def _switches_on_engine_kind(tree: ast.AST) -> bool:
+    """A comparison of ``rollout_engine`` (or a ``protocol``) with an engine's name, or any use of ``rollout_engine``
+    in a condition."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = any(isinstance(n, ast.Constant) and n.value in ENGINE_NAMES for n in sides)
+            subject = any(ast.unparse(n).endswith(("rollout_engine", "protocol")) for n in sides)
+            if named and subject:
+                return True
+    return False
 
 
 def _defs(tree: ast.AST, prefix: str = ""):
@@ -44,13 +61,19 @@ def shape(root: Path) -> dict:
     src = root / "src" / "support_replay"
     files = sorted(src.rglob("*.py"))
     out = {"modules": len(files), "lines": 0, "long_lines": 0, "long_functions": [], "classes": [], "params": []}
+    out["long_modules"], out["engine_switches"] = [], []
     places = {}
     for path in files:
         text = path.read_text()
         rel = path.relative_to(src).as_posix()
         out["lines"] += text.count("\n")
         out["long_lines"] += sum(len(line) > LONG_LINE for line in text.splitlines())
-        for name, node in _defs(ast.parse(text)):
+        if text.count("\n") > LONG_MODULE:
+            out["long_modules"].append((text.count("\n"), rel))
+        tree = ast.parse(text)
+        if not rel.startswith("backends/") and _switches_on_engine_kind(tree):
+            out["engine_switches"].append(rel)
+        for name, node in _defs(tree):
             places[f"{rel}:{name}"] = node
             if isinstance(node, ast.ClassDef):
                 methods = sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
@@ -100,11 +123,18 @@ def main() -> None:
     print(f"| modules | {s['modules']} |")
     print(f"| lines | {s['lines']} |")
     print(f"| lines over {LONG_LINE} characters | {s['long_lines']} |")
+    print(f"| modules over {LONG_MODULE} lines | {len(s['long_modules'])} |")
     print(f"| functions over {LONG_FUNCTION} lines | {len(s['long_functions'])} |")
+    print(f"| modules outside backends/ that switch on the engine kind | {len(s['engine_switches'])} |")
     tests = ", ".join(f"{k} {v}" for k, v in sorted(s["tests"].items()))
     print(f"| test files per folder | {tests} |")
     if args.duplicates:
         print(f"| duplicates (src) | {duplicate_pairs(args.root)} |")
+    print(f"\nmodules over {LONG_MODULE} lines:")
+    for size, name in sorted(s["long_modules"], reverse=True):
+        print(f"  {size:4d}  {name}")
+    if s["engine_switches"]:
+        print("\nmodules that switch on the engine kind: " + ", ".join(s["engine_switches"]))
     print("\nfunctions over 60 lines:")
     for size, name in sorted(s["long_functions"], reverse=True):
         print(f"  {size:4d}  {name}")
