@@ -96,6 +96,18 @@ def tiny_mixtral_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_moe_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random Qwen2-MoE (8 experts, top-2, a shared expert) with the tiny tokenizer."""
+    return build_tiny_moe_checkpoint(tmp_path_factory.mktemp("tiny-qwen2-moe"), family="qwen2_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_olmoe_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random OLMoE (8 experts, top-2) with the tiny tokenizer."""
+    return build_tiny_moe_checkpoint(tmp_path_factory.mktemp("tiny-olmoe"), family="olmoe")
+
+
+@pytest.fixture(scope="session")
 def vllm_server(tiny_checkpoint, tmp_path_factory):
     """One real vLLM CPU server for the session (about a minute to start): processed log-probs,
     the token-in/token-out endpoint, and the dev-mode weight-reload routes. ``(url, checkpoint)``."""

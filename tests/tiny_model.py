@@ -1,6 +1,6 @@
 """A tiny random Qwen3 checkpoint with a tokenizer trained offline: what engine tests run on
 (or a Llama one with tied embeddings, SmolLM2's shape), and tiny mixtures of experts (Qwen3-MoE,
-Mixtral) with the same tokenizer."""
+Mixtral, Qwen2-MoE, OLMoE) with the same tokenizer."""
 
 from __future__ import annotations
 
@@ -80,7 +80,16 @@ def build_tiny_checkpoint(
 def build_tiny_moe_checkpoint(path: Path, family: str = "qwen3_moe", seed: int = 0, max_positions: int = 512) -> Path:
     """A tiny random MoE model (8 experts, top-2, 2 layers) with the tiny tokenizer; its routers are
     drawn wider than the init so tokens spread over the experts, and some choices are near ties."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        OlmoeConfig,
+        OlmoeForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -93,6 +102,20 @@ def build_tiny_moe_checkpoint(path: Path, family: str = "qwen3_moe", seed: int =
         )
     elif family == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=8))
+    elif family == "qwen2_moe":  # with its shared expert and the gate on it, as Qwen2-MoE has them
+        model = Qwen2MoeForCausalLM(
+            Qwen2MoeConfig(
+                **common,
+                num_experts=8,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=64,
+                norm_topk_prob=False,
+            )
+        )
+    elif family == "olmoe":
+        model = OlmoeForCausalLM(
+            OlmoeConfig(**{**common, "intermediate_size": 32}, num_experts=8, norm_topk_prob=False)
+        )
     else:
         raise ValueError(family)
     with torch.no_grad():

@@ -30,8 +30,12 @@ def test_grpo_with_routing_replay_passes_ci_test_in_process(tiny_moe_checkpoint,
     assert all(r["routing_agreement"] == 1.0 for r in rows)  # fp32 on both sides: the trainer routes alike
 
 
-def test_grpo_on_mixtral_with_routing_replay(tiny_mixtral_checkpoint, tmp_path):
-    assert_per_token(train(run_config(tiny_mixtral_checkpoint, tmp_path, num_rollout=2, **R3)))
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
+def test_grpo_on_each_moe_family_with_routing_replay(family, request, tmp_path):
+    checkpoint = request.getfixturevalue(f"tiny_{family}_checkpoint")
+    rows = train(run_config(checkpoint, tmp_path, num_rollout=2, **R3))
+    assert_per_token(rows)
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
 
 
 @pytest.mark.float_bits
@@ -41,6 +45,14 @@ def test_true_on_policy_on_a_moe_is_bitwise(tiny_moe_checkpoint, tmp_path, routi
         run_config(tiny_moe_checkpoint, tmp_path, true_on_policy_mode=True, num_rollout=2,
                    use_rollout_routing_replay=routing)
     )  # fmt: skip
+    assert_per_token(rows, exact=True)
+
+
+@pytest.mark.float_bits
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "mixtral"])
+def test_true_on_policy_is_bitwise_on_each_moe_family(family, request, tmp_path):
+    checkpoint = request.getfixturevalue(f"tiny_{family}_checkpoint")
+    rows = train(run_config(checkpoint, tmp_path, true_on_policy_mode=True, num_rollout=1, **R3))
     assert_per_token(rows, exact=True)
 
 

@@ -35,6 +35,7 @@ FAMILIES = ("Llama", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Mistral", "Mixtr
 NORMS = {f"{family}RMSNorm" for family in FAMILIES}
 MLPS = {f"{family}MLP" for family in FAMILIES}
 ROTARIES = {f"{family}RotaryEmbedding" for family in FAMILIES}
+SHARED_EXPERT_BLOCKS = {"Qwen2MoeSparseMoeBlock"}  # a sigmoid-gated shared expert beside the routed ones
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # set once at init; 'dynamic' and 'longrope' change per call
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -80,6 +81,20 @@ def _mlp_forward(self, x):
 def _rotary_forward(self, x, position_ids):
     cos, sin = invariant.rotary(self.inv_freq, position_ids, self.attention_scaling)
     return cos.to(x.dtype), sin.to(x.dtype)
+
+
+def _shared_expert_block_forward(self, hidden_states):
+    """Qwen2-MoE's sparse block (transformers 5: routed experts plus a shared expert scaled by sigmoid of its gate)
+    with that sigmoid as the invariant softmax of ``[0, z]``: ATen's vectorised sigmoid rounds a token by its place
+    in the tensor (lanes or the scalar tail), so the batch would change its bits."""
+    batch, length, hidden = hidden_states.shape
+    flat = hidden_states.view(-1, hidden)
+    shared = self.shared_expert(flat)
+    _, weights, chosen = self.gate(flat)
+    routed = self.experts(flat, chosen, weights)
+    z = self.shared_expert_gate(flat).float()
+    scale = invariant.softmax(torch.cat([torch.zeros_like(z), z], -1))[:, 1:]
+    return (routed + scale.to(shared.dtype) * shared).reshape(batch, length, hidden)
 
 
 def _embedding_forward(self, input_ids):
@@ -132,6 +147,8 @@ def make_batch_invariant(model: nn.Module, dtype: torch.dtype | None = None) -> 
             module.forward = types.MethodType(_mlp_forward, module)
         elif kind in ROTARIES:
             module.forward = types.MethodType(_rotary_forward, module)
+        elif kind in SHARED_EXPERT_BLOCKS:
+            module.forward = types.MethodType(_shared_expert_block_forward, module)
         elif isinstance(module, nn.Embedding) and module.weight.dtype != dtype:
             module.forward = types.MethodType(_embedding_forward, module)
     install_routing(model)  # the sparse blocks read the model's operations at every call (modeling/moe.py)
