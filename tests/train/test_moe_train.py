@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from recipe_helpers import agent_config, run_config
-from support_replay.errors import ConfigError, SampleError
+from support_replay.backends.in_process import InProcessKind
+from support_replay.errors import CITestError, ConfigError, SampleError
+from support_replay.modeling.moe import routing_control
 from support_replay.rollout.sample import Sample, check_sample_routing
 from support_replay.train import train
 from support_replay.train.actor import Actor
@@ -36,6 +39,41 @@ def test_grpo_on_each_moe_family_with_routing_replay(family, request, tmp_path):
     rows = train(run_config(checkpoint, tmp_path, num_rollout=2, **R3))
     assert_per_token(rows)
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
+
+
+@pytest.fixture
+def engine_routes_otherwise(monkeypatch):
+    """The in-process engine's routers send every third token to another second expert (weighted by the router's
+    own probability there): an engine whose routing differs from the trainer's, as a perturbed router's does."""
+    connect = InProcessKind.connect
+
+    def perturbed(kind, needs):
+        backend = connect(kind, needs)
+        model = kind.engine.runner.model
+        control, experts = routing_control(model), model.config.num_experts
+        choose = control.choose
+
+        def otherwise(layer, own):
+            other = own.clone()
+            second = (own[::3, 1] + 1) % experts
+            other[::3, 1] = torch.where(second == own[::3, 0], (second + 1) % experts, second)
+            choose(layer, other)  # captured as what the engine ran
+            return other
+
+        control.choose = otherwise
+        return backend
+
+    monkeypatch.setattr(InProcessKind, "connect", perturbed)
+
+
+def test_routing_replay_is_what_passes_ci_test_when_the_engine_routes_otherwise(
+    tiny_moe_checkpoint, tmp_path, engine_routes_otherwise
+):
+    rows = train(run_config(tiny_moe_checkpoint, tmp_path / "r3", num_rollout=2, **R3))
+    assert_per_token(rows)
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["routing_agreement"] < 0.8 for r in rows)
+    with pytest.raises(CITestError, match="--ci-test failed at rollout 0"):
+        train(run_config(tiny_moe_checkpoint, tmp_path / "own"))  # the trainer routes by itself
 
 
 @pytest.mark.float_bits
