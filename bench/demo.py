@@ -5,8 +5,11 @@
 
 Each seed runs the default job in a process of its own (`--seed N`, which also picks the task's
 questions) and is timed whole, model loading included. Prints the reward per update of every
-seed, the mean reward of the first and the last quarter of the updates, and the wall time; with
-``--plot`` saves the curves (matplotlib).
+seed, the mean reward of the first and the last quarter of the updates, and the wall time; then
+what the README quotes of faithfulness: a full-vocabulary scorer's mean ratio pi/mu and its share of
+tokens outside [0.9, 1.1] over the first four updates (before the policy sharpens), the replayed
+ratio and the largest per-token |log pi - log mu| over all updates. With ``--plot`` saves the curves
+(matplotlib).
 """
 
 from __future__ import annotations
@@ -39,10 +42,25 @@ def run_seed(seed: int, out: Path) -> float:
     return time.perf_counter() - start
 
 
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
 def rewards(out: Path) -> list[float]:
-    return [
-        json.loads(line)["reward_mean"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()
-    ]
+    return [row["reward_mean"] for row in rows(out)]
+
+
+def faithfulness(out: Path, first: int = 4) -> str:
+    """A table row: the full-vocabulary ratio's range over the first updates, the replayed ratio's range and the
+    largest per-token difference over all of them."""
+    every = rows(out)
+    early = [r for r in every[:first] if "full_vocab_ratio_mean" in r]
+    span = lambda values, fmt: f"{min(values):{fmt}}-{max(values):{fmt}}" if values else "-"  # noqa: E731
+    full = span([r["full_vocab_ratio_mean"] for r in early], ".2f")
+    outside = span([100 * r["full_vocab_ratio_outside_10pct"] for r in early], ".0f")
+    replay = span([r["replay_ratio_mean"] for r in every], ".4f")
+    worst = max(r["train_rollout_logprob_abs_diff_max"] for r in every)
+    return f"{full} | {outside}% | {replay} | {worst:.1e}"
 
 
 def main() -> None:
@@ -69,6 +87,13 @@ def main() -> None:
         first, last = sum(c[:q]) / q, sum(c[-q:]) / q
         wall = f"{walls[s]:.0f}" if walls[s] is not None else ""
         print(f"| {s} | {first:.3f} | {last:.3f} | {'yes' if last > first else 'no'} | {wall} |")
+    print(
+        "\n| seed | full vocab: mean ratio, updates 0-3 | outside [0.9, 1.1] | replay: mean ratio, all updates | "
+        "max abs(log pi - log mu), all updates |"
+    )
+    print("|---:|---:|---:|---:|---:|")
+    for s in seeds:
+        print(f"| {s} | {faithfulness(root / f'seed_{s}')} |")
     if args.plot:
         import matplotlib
 
