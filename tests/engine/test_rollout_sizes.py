@@ -11,7 +11,7 @@ from support_replay.engine.limits import EngineLimits
 from support_replay.errors import EngineOverloaded, EngineUnavailable
 from support_replay.protocol import GenerateRequest
 from support_replay.rollout.data import Prompt
-from support_replay.rollout.generate import complete_groups, generate_samples
+from support_replay.rollout.generate import Asked, complete_groups, generate_samples
 
 
 def test_an_in_process_rollout_of_twice_the_queue_fails_nothing(tiny_checkpoint):
@@ -27,10 +27,7 @@ def test_an_in_process_rollout_of_twice_the_queue_fails_nothing(tiny_checkpoint)
         backend,
         engine.tokenizer,
         prompts,
-        params=SamplingParams(top_k=20, top_p=0.9),
-        n_samples=4,
-        max_new_tokens=4,
-        capture=True,
+        Asked(SamplingParams(top_k=20, top_p=0.9), n_samples=4, max_new_tokens=4, capture=True),
         reward_fn=lambda p, r, label: 0.0,
         rollout=0,
         seed=1,

@@ -21,6 +21,7 @@ from ..backends.registry import kind_for
 from ..errors import ConfigError, SamplerMismatch
 from ..protocol import DEFAULT_WEIGHT_VERSION
 from ..rollout import generate_samples, load_prompts, load_reward
+from ..rollout.generate import Asked, OnFailure
 from ..train.actor import Actor
 from ..train.batches import plan_optimizer_steps
 from ..train.config import RunConfig
@@ -56,25 +57,28 @@ def _generate(cfg: RunConfig, backend, tokenizer, sent):
         data.prompt_data, data.input_key, data.label_key, seed=cfg.optimizer.seed, max_operand=data.max_operand
     )
     prompts = [task[i] for i in range(min(rollout.rollout_batch_size, len(task)))]
-    return generate_samples(
-        backend,
-        tokenizer,
-        prompts,
-        params=rollout.sampling_params,
+    asked = Asked(
+        rollout.sampling_params,
         n_samples=rollout.n_samples_per_prompt,
         max_new_tokens=rollout.rollout_max_response_len,
         capture=True,
-        reward_fn=load_reward(data.rm_type, data.custom_rm_path),
-        rollout=0,
-        seed=rollout.rollout_seed,
-        apply_chat_template=data.apply_chat_template,
-        rid_prefix=f"audit-{uuid.uuid4().hex[:12]}",
-        failed_group_policy=cfg.production.failed_group_policy,
-        max_regenerations=cfg.production.max_regenerations,
         penalties=rollout.penalties,
         ignore_eos=rollout.rollout_ignore_eos,
         routing=cfg.replay.use_rollout_routing_replay,
         sent_sampling_fields=sent,
+        apply_chat_template=data.apply_chat_template,
+    )
+    on_failure = OnFailure(cfg.production.failed_group_policy, cfg.production.max_regenerations)
+    return generate_samples(
+        backend,
+        tokenizer,
+        prompts,
+        asked,
+        reward_fn=load_reward(data.rm_type, data.custom_rm_path),
+        rollout=0,
+        seed=rollout.rollout_seed,
+        rid_prefix=f"audit-{uuid.uuid4().hex[:12]}",
+        on_failure=on_failure,
     )[0]
 
 

@@ -47,6 +47,36 @@ def request_seed(base: int, rollout: int, k: int, attempt: int = 0) -> int:
 FAILED_GROUP_POLICIES = ("regenerate", "drop")
 
 
+@dataclass(frozen=True)
+class Asked:
+    """What every request of a rollout asks of the engine: ``n_samples`` responses per prompt of up to
+    ``max_new_tokens``, sampled with ``params``. ``capture``: return S_t and log mu. ``ignore_eos``: every response
+    runs to ``max_new_tokens``, past end-of-sequence (fixed-length benchmarks). ``routing``: the experts a MoE
+    engine routed every position to (routing replay). ``support_logprobs``: the sampler's log q of every support id
+    too (score centering). ``sent_sampling_fields``: the sampling settings sent explicitly (None: all; the audit
+    sends what a user's client would)."""
+
+    params: SamplingParams
+    n_samples: int
+    max_new_tokens: int
+    capture: bool
+    penalties: Penalties = NO_PENALTIES
+    ignore_eos: bool = False
+    routing: bool = False
+    support_logprobs: bool = False
+    sent_sampling_fields: frozenset[str] | None = None
+    apply_chat_template: bool = False
+
+
+@dataclass(frozen=True)
+class OnFailure:
+    """A group with a response the engine never gave: generated again (up to ``max_regenerations`` times, then
+    the run stops) or dropped."""
+
+    policy: str = "regenerate"
+    max_regenerations: int = 2
+
+
 @dataclass
 class RolloutStats:
     """What went wrong on the way, for the metrics: responses that never came, and what was done."""
@@ -103,58 +133,28 @@ def generate_samples(
     backend,
     tokenizer,
     prompts: list[Prompt],
+    asked: Asked,
     *,
-    params: SamplingParams,
-    n_samples: int,
-    max_new_tokens: int,
-    capture: bool,
     reward_fn,
     rollout: int,
     seed: int,
-    apply_chat_template: bool = False,
     rid_prefix: str | None = None,
-    failed_group_policy: str = "regenerate",
-    max_regenerations: int = 2,
-    penalties: Penalties = NO_PENALTIES,
-    ignore_eos: bool = False,
-    routing: bool = False,
-    support_logprobs: bool = False,
-    sent_sampling_fields: frozenset[str] | None = None,
+    on_failure: OnFailure = OnFailure(),
 ) -> tuple[list[Sample], RolloutStats]:
-    """``n_samples`` responses per prompt, grouped prompt by prompt, rewarded.
+    """``asked.n_samples`` responses per prompt, grouped prompt by prompt, rewarded.
 
     A response the engine never gave (down, overloaded, aborted: ``EngineUnavailable``) never
-    trains: its whole GRPO group is generated again, with fresh seeds unless nothing of it ran (up to
-    ``max_regenerations`` times, then the run stops) or dropped, by ``failed_group_policy``.
-    Every request carries an id ``{rid_prefix}/{rollout}/{sample}/{attempt}``, so an engine
-    that receives it twice answers once. ``ignore_eos``: every response runs to
-    ``max_new_tokens``, past end-of-sequence (fixed-length benchmarks). ``routing``: each
-    response carries the experts a MoE engine routed its positions to (routing replay).
-    ``support_logprobs``: the sampler's log q of every support id too (score centering).
-    ``sent_sampling_fields``: the sampling settings sent explicitly (None: all; the audit sends what a
-    user's client would).
+    trains: its whole GRPO group is generated again, with fresh seeds unless nothing of it ran, or
+    dropped, by ``on_failure``. Every request carries an id ``{rid_prefix}/{rollout}/{sample}/{attempt}``,
+    so an engine that receives it twice answers once.
     """
-    rendered = [render_prompt(tokenizer, p, apply_chat_template) for p in prompts]
+    rendered = [render_prompt(tokenizer, p, asked.apply_chat_template) for p in prompts]
+    n_samples = asked.n_samples
     retries_before = backend.retries
 
     def attempt_groups(pending: list[int], attempts: list[int]) -> list[list]:
         requests = [
-            _request(
-                rendered[g][0],
-                params,
-                seed,
-                rollout,
-                g * n_samples + j,
-                attempt,
-                max_new_tokens,
-                capture,
-                rid_prefix,
-                penalties,
-                ignore_eos,
-                routing,
-                support_logprobs,
-                sent_sampling_fields,
-            )
+            _request(rendered[g][0], asked, seed, rollout, g * n_samples + j, attempt, rid_prefix)
             for g, attempt in zip(pending, attempts)
             for j in range(n_samples)
         ]
@@ -166,8 +166,8 @@ def generate_samples(
         len(prompts),
         attempt_groups,
         lambda pair: pair[1] if isinstance(pair[1], Exception) else None,
-        policy=failed_group_policy,
-        max_regenerations=max_regenerations,
+        policy=on_failure.policy,
+        max_regenerations=on_failure.max_regenerations,
         rollout=rollout,
     )
     stats.retries = backend.retries - retries_before
@@ -183,22 +183,8 @@ def generate_samples(
     return samples, stats
 
 
-def _request(
-    ids,
-    params,
-    seed,
-    rollout,
-    k,
-    attempt,
-    max_new_tokens,
-    capture,
-    rid_prefix,
-    penalties,
-    ignore_eos=False,
-    routing=False,
-    support_logprobs=False,
-    sent_sampling_fields=None,
-) -> GenerateRequest:
+def _request(ids, asked: Asked, seed: int, rollout: int, k: int, attempt: int, rid_prefix) -> GenerateRequest:
+    params = asked.params
     sp = SamplingParams(
         temperature=params.temperature,
         top_k=params.top_k,
@@ -210,14 +196,14 @@ def _request(
     req = GenerateRequest(
         list(ids),
         sp,
-        max_new_tokens=max_new_tokens,
-        return_sampling_mask=capture,
+        max_new_tokens=asked.max_new_tokens,
+        return_sampling_mask=asked.capture,
         rid=rid,
-        penalties=penalties,
-        ignore_eos=ignore_eos,
-        return_routed_experts=routing,
-        sampling_logprobs_mode="support" if capture and support_logprobs else "selected",
-        sent_sampling_fields=sent_sampling_fields,
+        penalties=asked.penalties,
+        ignore_eos=asked.ignore_eos,
+        return_routed_experts=asked.routing,
+        sampling_logprobs_mode="support" if asked.capture and asked.support_logprobs else "selected",
+        sent_sampling_fields=asked.sent_sampling_fields,
     )
     return validate_request(req, params.temperature, k)
 

@@ -22,6 +22,7 @@ from ..core.sampling import SamplingParams
 from ..rollout import generate_samples, load_prompts, load_reward
 from ..rollout.data import ArithmeticTask
 from ..rollout.episodes import generate_episodes
+from ..rollout.generate import Asked, OnFailure
 from ..rollout.sample import Sample
 from ..serving.security import LOOPBACK_HOSTS, Keys
 from .config import RunConfig
@@ -192,26 +193,29 @@ class Rollouts:
                     max_regenerations=self.production_cfg.max_regenerations,
                 )
             else:
+                asked = Asked(
+                    params,
+                    n_samples=n,
+                    max_new_tokens=max_new,
+                    capture=capture,
+                    penalties=self.penalties if capture else NO_PENALTIES,
+                    ignore_eos=self.rollout_cfg.rollout_ignore_eos and tag != "eval",  # eval answers end at EOS
+                    routing=capture and self.routing,
+                    support_logprobs=capture and self.support_logprobs,
+                    apply_chat_template=self.data_cfg.apply_chat_template,
+                )
                 samples, stats = generate_samples(
                     self.backend,
                     self.tokenizer,
                     prompts,
-                    params=params,
-                    n_samples=n,
-                    max_new_tokens=max_new,
-                    capture=capture,
+                    asked,
                     reward_fn=self.reward_fn,
                     rollout=rollout,
                     seed=seed,
-                    apply_chat_template=self.data_cfg.apply_chat_template,
                     rid_prefix=f"{self.run_id}/{tag}",
-                    failed_group_policy=self.production_cfg.failed_group_policy,
-                    max_regenerations=self.production_cfg.max_regenerations,
-                    penalties=self.penalties if capture else NO_PENALTIES,
-                    ignore_eos=self.rollout_cfg.rollout_ignore_eos
-                    and tag != "eval",  # evaluation answers end where the model ends them
-                    routing=capture and self.routing,
-                    support_logprobs=capture and self.support_logprobs,
+                    on_failure=OnFailure(
+                        self.production_cfg.failed_group_policy, self.production_cfg.max_regenerations
+                    ),
                 )
         return samples, asdict(stats)
 
