@@ -211,28 +211,24 @@ async def dropped_if_gone(work, request: Request):
     return await unless_disconnected(work(cancelled), request, gone)
 
 
-def session_routes(store: SessionStore, model_name: str = "support-replay", namespaced: bool = False) -> APIRouter:
-    """A session's routes under ``/sessions/<id>``; the same under ``/tasks/<task>`` and at the root for a
-    client that names its conversations with ``X-Session-ID`` (``namespaced``: in the namespace of the API key
-    it presented, where the server checks keys)."""
-    routes = APIRouter()
-    eos = {store.renderer.tokenizer.eos_token_id}
+class TurnAnswers:
+    """A turn's answer, chat or tokens, in a session named by its id or opened by the client's own name for it
+    (``X-Session-ID``; ``namespaced``: in the namespace of the API key it presented, where the server checks keys)."""
 
-    @routes.post("/sessions")
-    async def create(body: SessionIn | None = None):
-        body = body or SessionIn()
-        session = store.create(seed=body.seed, metadata=body.metadata)
-        return {"session_id": session.id, "id": session.id}
+    def __init__(self, store: SessionStore, model_name: str, namespaced: bool):
+        self.store, self.model_name, self.namespaced = store, model_name, namespaced
+        self.eos = {store.renderer.tokenizer.eos_token_id}
 
-    async def chat(sid, body: SessionChatIn, request: Request):
+    async def chat(self, sid, body: SessionChatIn, request: Request):
         """One chat turn; ``sid`` the session's id, or a function of the turn that opens it (a client-named
         conversation opens once the turn has passed its own checks)."""
         turn = body.to_turn()
         if callable(sid):
-            return await sid(lambda opened: chat_turn(opened, body, turn, request))
-        return await chat_turn(sid, body, turn, request)
+            return await sid(lambda opened: self._chat_turn(opened, body, turn, request))
+        return await self._chat_turn(sid, body, turn, request)
 
-    async def chat_turn(sid: str, body: SessionChatIn, turn, request: Request):
+    async def _chat_turn(self, sid: str, body: SessionChatIn, turn, request: Request):
+        store, model = self.store, body.model or self.model_name
         usage = bool((body.stream_options or {}).get("include_usage"))
 
         def respond(result: TurnResult) -> dict:
@@ -243,13 +239,13 @@ def session_routes(store: SessionStore, model_name: str = "support-replay", name
             meta = turn_meta(store, sid, result) if body.return_meta_info else None
             return chat_response(
                 [chat_choice(0, result.content, result.tool_calls, result.finish_reason, logprobs, meta)],
-                model=body.model or model_name,
+                model=model,
                 prompt_tokens=result.prompt_tokens,
                 completion_tokens=c.num_tokens if c is not None else 0,
             )
 
         if body.stream and not (turn.tools and turn.parse_tools):  # tool calls parse from the whole text
-            lines = await live_turn(store, sid, turn, body.model or model_name, respond, usage, request)
+            lines = await live_turn(store, sid, turn, model, respond, usage, request)
             return StreamingResponse(lines, media_type="text/event-stream")
         result = await dropped_if_gone(lambda cancelled: store.chat(sid, turn, cancelled=cancelled), request)
         response = respond(result)
@@ -257,60 +253,86 @@ def session_routes(store: SessionStore, model_name: str = "support-replay", name
             return StreamingResponse(chat_stream(response, usage), media_type="text/event-stream")
         return response
 
-    async def tokens(sid, body: VLLMGenerateIn, http_request: Request):
+    async def tokens(self, sid, body: VLLMGenerateIn, http_request: Request):
         turn = token_turn(body)
         if callable(sid):
-            return await sid(lambda opened: token_answer(opened, body, turn, http_request))
-        return await token_answer(sid, body, turn, http_request)
+            return await sid(lambda opened: self._token_answer(opened, body, turn, http_request))
+        return await self._token_answer(sid, body, turn, http_request)
 
-    async def token_answer(sid: str, body: VLLMGenerateIn, turn, http_request: Request):
+    async def _token_answer(self, sid: str, body: VLLMGenerateIn, turn, http_request: Request):
+        store = self.store
         request, completion = await dropped_if_gone(lambda gone: store.tokens(sid, turn, cancelled=gone), http_request)
         if completion is None:  # the episode's budget is spent: nothing generated, the trajectory as it was
             completion = Completion(output_ids=[], finish_reason={"type": "length"}, log_mu=np.zeros(0, np.float32))
             request = GenerateRequest(list(body.token_ids))
-        decode = store.renderer.decode
-        return generate_response(body, [request], [as_log_mu(completion)], model=model_name, decode=decode, eos_ids=eos)
+        return generate_response(
+            body,
+            [request],
+            [as_log_mu(completion)],
+            model=self.model_name,
+            decode=store.renderer.decode,
+            eos_ids=self.eos,
+        )
 
-    def keyed(request: Request, task: str | None):
+    def keyed(self, request: Request, task: str | None):
         """The turn of the conversation the client names: opened on first sight, and gone again when that first
         turn is refused (4xx), so refused requests hold no place in the session table."""
-        client_id = request.headers.get(SESSION_HEADER)
-        caller = caller_of(request.headers.get("authorization")) if namespaced else ""
+        clients, client_id = self.store.clients, request.headers.get(SESSION_HEADER)
+        caller = caller_of(request.headers.get("authorization")) if self.namespaced else ""
 
         async def run(turn):
-            session, opened = store.clients.open_or_find(client_id, task, caller)
+            session, opened = clients.open_or_find(client_id, task, caller)
             try:
                 return await turn(session.id)
             except EngineError as exc:
                 if opened and exc.status < 500 and session.turns == 0:
-                    store.clients.forget(client_id, task, caller, session.id)
+                    clients.forget(client_id, task, caller, session.id)
                 raise
 
         return run
 
+
+def turn_routes(answers: TurnAnswers) -> APIRouter:
+    """A turn, chat or tokens, in a session by id (``/sessions/<id>``), by the client's name for it (the root) and
+    in a task scope (``/tasks/<task>``)."""
+    routes = APIRouter()
+
     @routes.post("/sessions/{sid}/v1/chat/completions")
     async def session_chat(sid: str, request: Request, body: SessionChatIn):
-        return await chat(sid, body, request)
+        return await answers.chat(sid, body, request)
 
     @routes.post("/v1/chat/completions")
     async def client_chat(request: Request, body: SessionChatIn):
-        return await chat(keyed(request, None), body, request)
+        return await answers.chat(answers.keyed(request, None), body, request)
 
     @routes.post("/tasks/{task}/v1/chat/completions")
     async def task_chat(task: str, request: Request, body: SessionChatIn):
-        return await chat(keyed(request, task), body, request)
+        return await answers.chat(answers.keyed(request, task), body, request)
 
     @routes.post("/sessions/{sid}" + VLLM_GENERATE)
     async def session_tokens(sid: str, request: Request, body: VLLMGenerateIn):
-        return await tokens(sid, body, request)
+        return await answers.tokens(sid, body, request)
 
     @routes.post(VLLM_GENERATE)
     async def client_tokens(request: Request, body: VLLMGenerateIn):
-        return await tokens(keyed(request, None), body, request)
+        return await answers.tokens(answers.keyed(request, None), body, request)
 
     @routes.post("/tasks/{task}" + VLLM_GENERATE)
     async def task_tokens(task: str, request: Request, body: VLLMGenerateIn):
-        return await tokens(keyed(request, task), body, request)
+        return await answers.tokens(answers.keyed(request, task), body, request)
+
+    return routes
+
+
+def lifecycle_routes(store: SessionStore, model_name: str) -> APIRouter:
+    """A session's life: opened, its model, its state and trajectory, finished with a reward, deleted."""
+    routes = APIRouter()
+
+    @routes.post("/sessions")
+    async def create(body: SessionIn | None = None):
+        body = body or SessionIn()
+        session = store.create(seed=body.seed, metadata=body.metadata)
+        return {"session_id": session.id, "id": session.id}
 
     @routes.post("/tasks/{task}/finish")
     async def task_finish(task: str, request: Request, body: FinishIn | None = None):
@@ -352,6 +374,15 @@ def session_routes(store: SessionStore, model_name: str = "support-replay", name
         store.delete(sid)
         return {"session_id": sid, "deleted": True}
 
+    return routes
+
+
+def session_routes(store: SessionStore, model_name: str = "support-replay", namespaced: bool = False) -> APIRouter:
+    """A session's routes under ``/sessions/<id>``; its turns also under ``/tasks/<task>`` and at the root for a
+    client that names its conversations with ``X-Session-ID``."""
+    routes = APIRouter()
+    routes.include_router(lifecycle_routes(store, model_name))
+    routes.include_router(turn_routes(TurnAnswers(store, model_name, namespaced)))
     return routes
 
 
