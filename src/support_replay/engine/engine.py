@@ -8,6 +8,8 @@
     grammar.py         structured outputs: each constrained request's llguidance mask, before the filters
     stopping.py        EOS, stop tokens, stop strings, the token budget
     running.py         a running request's state and its Completion; running_batch.py, the rows decoding together
+    request_checks.py  what a request is refused for before it takes a slot (a mixin of Engine: the request half)
+    engine_weights.py  weights, adapters and versions queued in order with requests (a mixin: the weights half)
     weight_updates.py  weights from disk or memory, checked before any is copied
     ledger.py, limits.py, kv_budget.py   counts and request ids, request limits, the KV memory budget
 
@@ -38,13 +40,12 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
 
 import torch
 
 from .. import __version__
 from ..core.penalties import dense_bias
-from ..errors import AbortedError, EngineError, RequestError, SamplingParamsError
+from ..errors import AbortedError, EngineError
 from ..kernels import invariant, top_candidates
 from ..modeling.batch_invariant import make_batch_invariant
 from ..modeling.decode_attention import use_decode_attention
@@ -53,14 +54,16 @@ from ..protocol import Completion, GenerateRequest
 from .block_pool import BlockPool
 from .capture import keep_routing
 from .decode_log import DecodeLog
+from .engine_weights import EngineWeights
 from .grammar import Grammars
-from .kv_budget import KVBudget, column_need
+from .kv_budget import KVBudget
 from .ledger import Ledger
 from .limits import EngineLimits
-from .lora_adapter import AdapterSlot, read_adapter
+from .lora_adapter import AdapterSlot
 from .model_runner import ModelRunner, cached_columns, load_model_and_tokenizer
 from .paged_cache import PagedCache
 from .prefix_cache import PrefixCache
+from .request_checks import RequestChecks
 from .row_step import RowFailure
 from .running import RunningRequest
 from .running_batch import RunningBatch
@@ -68,7 +71,6 @@ from .sampling_step import SamplingStep
 from .scheduler import Scheduler, prefill_buckets
 from .settings import EngineSettings
 from .stopping import StopConditions, eos_ids
-from .weight_updates import CheckedPath, load_update
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +90,7 @@ class StreamedFuture(Future):
             self.on_token = lambda _: None
 
 
-class Engine:
+class Engine(RequestChecks, EngineWeights):
     def __init__(self, model, tokenizer, settings: EngineSettings = EngineSettings()):
         self.settings = settings
         device, deterministic = settings.device, settings.deterministic
@@ -192,51 +194,6 @@ class Engine:
 
     # ---- public API ---------------------------------------------------------------
 
-    def validate(self, request: GenerateRequest) -> None:
-        """Reject what this engine cannot serve before it takes a slot (HTTP 400)."""
-        bad = [t for t in request.input_ids if t >= self.vocab_size]
-        if bad:
-            raise RequestError(f"input_ids: token {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        k = request.params.top_k
-        if request.return_sampling_mask and k > self.capacity:
-            raise RequestError(
-                f"top_k={k} exceeds sampling_mask_max_tokens={self.capacity}: the support could not be captured"
-            )
-        if request.grammar is not None:
-            self._check_grammar(request)
-        self.adapters.check_request(request.lora_path)
-        if request.return_routed_experts and self.runner.routing is None:
-            raise RequestError("return_routed_experts: this model has no experts to route (a dense model)")
-        try:
-            request.penalties.check(self.semantics, self.vocab_size)
-        except SamplingParamsError as exc:
-            raise RequestError(f"sampling_params: {exc} (engine semantics {self.semantics})") from exc
-        self.limits.validate(request, self.context_length)
-        self.kv_budget.check_alone(len(request.input_ids), self._column_need(request))
-
-    def _check_grammar(self, request: GenerateRequest) -> None:
-        """A constrained request's support must stay capturable, and the grammar must end the output."""
-        k = request.params.top_k
-        if request.return_sampling_mask and not 1 <= k <= self.capacity:
-            raise RequestError(
-                f"top_k={k}: a grammar-constrained request that captures its support needs a top_k in "
-                f"[1, sampling_mask_max_tokens={self.capacity}] (inside a JSON string a grammar allows most of the "
-                "vocabulary)"
-            )
-        if request.return_logprob or request.top_logprobs:
-            raise RequestError(
-                "logprobs: a grammar-constrained request's policy is the grammar-masked distribution; ask for its "
-                "log-probs with a top_k filter (they then come with the captured support)"
-            )
-        for name in ("ignore_eos", "min_new_tokens"):
-            if getattr(request, name):
-                raise RequestError(f"{name}={getattr(request, name)!r}: a grammar ends the output at EOS itself")
-        self.grammars.check(request.grammar)
-
-    def _column_need(self, request: GenerateRequest) -> int:
-        # whole blocks: a row attended in place is viewed at its width rounded up to them, inside its own reservation
-        return column_need(len(request.input_ids), request.max_new_tokens, self.runner.pool.block_size)
-
     def submit(self, request: GenerateRequest, on_token: Callable[[int], None] | None = None) -> Future:
         """Queue a request; the future resolves to a ``Completion`` or raises ``EngineError``
         (400 refused, 503 queue full, 4xx/5xx when it failed). ``on_token(id)`` is called on the engine's
@@ -265,29 +222,6 @@ class Engine:
         self.limits.check_body(requests)
         with self.scheduler.lock:
             return [self.submit(r, cb) for r, cb in zip(requests, callbacks)]
-
-    def capture_bound(self, request: GenerateRequest) -> int:
-        """The most support ids ``request`` may capture: per token its top_k, or the capacity where no top_k
-        bounds the row (top_p, min_p)."""
-        if not request.return_sampling_mask:
-            return 0
-        k = request.params.top_k
-        return request.max_new_tokens * (min(k, self.capacity) if k > 0 else self.capacity)
-
-    def check_capture_budget(self, requests: list[GenerateRequest]) -> None:
-        """400 for a body whose requests together may capture more than ``limits.max_capture_ids`` ids (a
-        192-byte body asked for 66.7 MiB of support; at SmolLM2's defaults with n=64, about 170 GB)."""
-        bounds = [self.capture_bound(r) for r in requests]
-        total, limit = sum(bounds), self.limits.max_capture_ids
-        if total > limit:
-            worst = max(range(len(requests)), key=bounds.__getitem__)
-            r = requests[worst]
-            per = bounds[worst] // max(r.max_new_tokens, 1)
-            raise RequestError(
-                f"return_sampling_mask: {len(requests)} request(s) may capture {total:,} support ids (the largest: "
-                f"max_new_tokens {r.max_new_tokens} x {per} ids per token, its top_k or sampling_mask_max_tokens), "
-                f"over this engine's max_capture_ids of {limit:,}; ask for fewer samples, tokens or a smaller top_k"
-            )
 
     def abort(self, future: Future) -> None:
         """The client of ``future`` went away: drop its request, waiting or running."""
@@ -330,72 +264,6 @@ class Engine:
                 )
                 continue
             self._guarded_step()
-
-    def update_weights_from_disk(
-        self, path: str | Path | CheckedPath, version: str | None = None, *, abort_all_requests: bool = False
-    ) -> Future:
-        """Load safetensors weights once the running batch has drained; resolves to the version.
-
-        ``version`` names the new weights (the trainer's string); without one the engine
-        keeps its current name, as SGLang does. ``abort_all_requests`` (SGLang's field) fails
-        every request queued or running now with ``AbortedError`` instead of letting them
-        finish on the old weights, so the update applies at the next step.
-        """
-        source = path if isinstance(path, CheckedPath) else Path(path)
-        return self._queue_update(source, version, abort_all_requests)
-
-    def update_weights(
-        self, state_dict: dict[str, torch.Tensor], version: str | None = None, *, abort_all_requests: bool = False
-    ) -> Future:
-        """Same as ``update_weights_from_disk`` with tensors in memory (colocated trainer)."""
-        return self._queue_update(state_dict, version, abort_all_requests)
-
-    def load_lora_adapter(self, name: str, path: str | Path) -> Future:
-        """SGLang's ``/load_lora_adapter``: the adapter at ``path`` merged into the weights once the running
-        batch has drained (engine/lora_adapter.py); resolves to the weight version."""
-        adapter = read_adapter(name, path, self.runner.model)  # a bad adapter is refused before it queues
-        with self._adapter_lock:
-            self.adapters.queue_load(adapter)
-            return self._queue_update(lambda model: self.adapters.merged(adapter, model), None, False, adapter=True)
-
-    def unload_lora_adapter(self, name: str) -> Future:
-        """SGLang's ``/unload_lora_adapter``: the base weights back, bit for bit, once the batch has drained."""
-        with self._adapter_lock:
-            self.adapters.queue_unload(name)
-            return self._queue_update(lambda model: self.adapters.restored(), None, False, adapter=True)
-
-    def _queue_update(self, source, version: str | None, abort_all_requests: bool, adapter: bool = False) -> Future:
-        if self.adapters.queued is not None and not adapter:
-            raise RequestError(
-                f"weights: adapter {self.adapters.queued.name!r} is merged into the weights; unload it before "
-                "loading other weights (its base would be stale)"
-            )
-        future: Future = Future()
-        if abort_all_requests:
-            aborted = self.ledger.abort_all()
-            log.info("weight update to %s aborts %d requests", version, aborted)
-        self.scheduler.put("update", (source, version), future)
-        return future
-
-    def flush_prefix_cache(self) -> int:
-        """Empty the prefix cache at the start of the loop's next step, and at the latest before its next admission
-        (``/flush_cache``); the entries it held now."""
-        self._flush_cache = True
-        return len(self.prefix_cache.entries)
-
-    def update_weight_version(self, version: str) -> Future:
-        """Rename the current weights (SGLang's ``/update_weight_version``), in queue order like an update."""
-        future: Future = Future()
-        self.scheduler.put("update", (None, version), future)
-        return future
-
-    def release_packed_weights(self) -> None:
-        """Frees the decode step's packed weight copies (engine/fused_step.py) until the next decode
-        step packs them again. A colocated trainer calls it before it trains: its weight push makes
-        them stale anyway, and the update's peak memory need not hold them. Safe beside a running
-        step: a step keeps the packs it started with, and a missing pack means the plain weight."""
-        if self.runner.fused is not None:
-            self.runner.fused.drop_packs()
 
     @property
     def num_running(self) -> int:
@@ -448,18 +316,6 @@ class Engine:
         if self._flush_cache:
             self._flush_cache = False
             self.prefix_cache.clear()
-
-    def _apply_update(self, arg, future) -> None:
-        source, version = arg
-        self.prefix_cache.new_weights()  # keys and values of other weights (or another version's name) are not these
-        self.ledger.new_weights()  # nor are the answers kept for repeated request ids
-        try:
-            load_update(self.runner.model, source)
-            if version is not None:
-                self.weight_version = str(version)
-            future.set_result(self.weight_version)
-        except Exception as exc:
-            future.set_exception(exc if isinstance(exc, EngineError) else EngineError(f"update_weights: {exc}"))
 
     def _aborted_waiting(self, request: GenerateRequest, future: Future, why: str) -> None:
         self._finish_failed(request, future, AbortedError(f"{why} before the request started"), "aborted")
