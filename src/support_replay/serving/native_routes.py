@@ -32,36 +32,79 @@ def namespaced(reqs: list, authorization: str | None) -> list:
     return [replace(r, rid=rid(r)) if r.rid is not None else r for r in reqs]
 
 
+def engine_info(engine, model_name: str) -> dict:
+    """``/model_info``: what the engine computes with and holds (the trainer's handshake reads it)."""
+    return {
+        "model_path": model_name,
+        "is_generation": True,
+        "vocab_size": engine.vocab_size,
+        "semantics": engine.semantics,
+        "sampling_mask_max_tokens": engine.capacity,
+        "weight_version": engine.weight_version,
+        "deterministic": engine.deterministic,
+        "linear_kernel": engine.linear_kernel,
+        "decode_attention": engine.decode_attention,
+        "invariant_arithmetic": engine.invariant_identity,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "limits": engine.limits.to_json(),
+        "max_total_tokens": engine.kv_budget.max_total_tokens,
+        "page_size": engine.runner.pool.block_size,
+        "kv_blocks": {"total": engine.runner.pool.blocks, "used": engine.runner.pool.used},
+        "prefix_cache": engine.prefix_cache.to_json(),
+    }
+
+
+def answer(calls: EngineCalls, req, res, fmt, rid: str) -> dict:
+    """One ``/generate`` answer in SGLang's shape."""
+    return {"text": res.text, "output_ids": res.output_ids, "meta_info": {"id": rid, **calls.meta_info(res, req, fmt)}}
+
+
+def streamed(calls: EngineCalls, req, fmt) -> StreamingResponse:
+    """SGLang 0.5.23's stream (its default, non-incremental): a chunk per token with the ids and text so far,
+    then the whole answer as the last chunk (the support, log mu and the rest of ``meta_info``), then
+    ``[DONE]``. A client that goes away aborts the request."""
+    stream = calls.token_stream([req])
+    refused = stream.refused()
+    if refused is not None:
+        stream.abort()
+        raise refused
+    text, rid = calls.incremental_text(req), uuid.uuid4().hex
+    progress = {"id": rid, "finish_reason": None, "prompt_tokens": len(req.input_ids)}
+
+    async def lines():
+        ids: list[int] = []
+        try:
+            async for kind, _, value in stream.events():
+                if kind == "token":
+                    ids.append(value)
+                    text.push(value)
+                    yield _sse(
+                        {"text": text.sent, "output_ids": ids, "meta_info": {**progress, "completion_tokens": len(ids)}}
+                    )
+                elif value.exception() is not None:
+                    yield _sse(error_body(value.exception()))
+                else:
+                    yield _sse(answer(calls, req, value.result(), fmt, rid))
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.abort()
+
+    return StreamingResponse(lines(), media_type="text/event-stream")
+
+
 def native_routes(calls: EngineCalls, model_name: str) -> APIRouter:
     routes = APIRouter()
     engine = calls.engine
 
     @routes.get("/model_info")
     async def model_info():
-        return {
-            "model_path": model_name,
-            "is_generation": True,
-            "vocab_size": engine.vocab_size,
-            "semantics": engine.semantics,
-            "sampling_mask_max_tokens": engine.capacity,
-            "weight_version": engine.weight_version,
-            "deterministic": engine.deterministic,
-            "linear_kernel": engine.linear_kernel,
-            "decode_attention": engine.decode_attention,
-            "invariant_arithmetic": engine.invariant_identity,
-            "dtype": str(engine.dtype).removeprefix("torch."),
-            "limits": engine.limits.to_json(),
-            "max_total_tokens": engine.kv_budget.max_total_tokens,
-            "page_size": engine.runner.pool.block_size,
-            "kv_blocks": {"total": engine.runner.pool.blocks, "used": engine.runner.pool.used},
-            "prefix_cache": engine.prefix_cache.to_json(),
-        }
+        return engine_info(engine, model_name)
 
     # SGLang's /server_info and no /version: smg 1.13 takes a worker with /version for vLLM
     # and one with /server_info alone for SGLang, whose protocol this server speaks
     @routes.get("/server_info")
     async def server_info():
-        return {**(await model_info()), "version": __version__}
+        return {**engine_info(engine, model_name), "version": __version__}
 
     @routes.post("/generate")
     async def generate(request: Request, body: GenerateIn):
@@ -74,52 +117,10 @@ def native_routes(calls: EngineCalls, model_name: str) -> APIRouter:
         calls.check_json_bound(reqs, fmt)
         if body.stream:
             await calls.prepare(reqs)
-            return streamed(reqs[0], fmt)
+            return streamed(calls, reqs[0], fmt)
         results = await calls.run(reqs, request)
         calls.check_json(reqs, results, fmt)
-        out = [answer(req, res, fmt, uuid.uuid4().hex) for req, res in zip(reqs, results)]
+        out = [answer(calls, req, res, fmt, uuid.uuid4().hex) for req, res in zip(reqs, results)]
         return out if body.batched else out[0]
-
-    def answer(req, res, fmt, rid: str) -> dict:
-        return {
-            "text": res.text,
-            "output_ids": res.output_ids,
-            "meta_info": {"id": rid, **calls.meta_info(res, req, fmt)},
-        }
-
-    def streamed(req, fmt) -> StreamingResponse:
-        """SGLang 0.5.23's stream (its default, non-incremental): a chunk per token with the ids and text so far,
-        then the whole answer as the last chunk (the support, log mu and the rest of ``meta_info``), then
-        ``[DONE]``. A client that goes away aborts the request."""
-        stream = calls.token_stream([req])
-        refused = stream.refused()
-        if refused is not None:
-            stream.abort()
-            raise refused
-        text, rid = calls.incremental_text(req), uuid.uuid4().hex
-        progress = {"id": rid, "finish_reason": None, "prompt_tokens": len(req.input_ids)}
-
-        async def lines():
-            ids: list[int] = []
-            try:
-                async for kind, _, value in stream.events():
-                    if kind == "token":
-                        ids.append(value)
-                        text.push(value)
-                        chunk = {
-                            "text": text.sent,
-                            "output_ids": ids,
-                            "meta_info": {**progress, "completion_tokens": len(ids)},
-                        }
-                        yield _sse(chunk)
-                    elif value.exception() is not None:
-                        yield _sse(error_body(value.exception()))
-                    else:
-                        yield _sse(answer(req, value.result(), fmt, rid))
-                yield "data: [DONE]\n\n"
-            finally:
-                stream.abort()
-
-        return StreamingResponse(lines(), media_type="text/event-stream")
 
     return routes
