@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 
 import torch
 
@@ -75,6 +76,13 @@ from .stopping import StopConditions, eos_ids
 log = logging.getLogger(__name__)
 
 
+def _within_context(limits: EngineLimits, context_length: int | None) -> EngineLimits:
+    """The limits with ``max_prompt_tokens`` lowered to the model's context length."""
+    if context_length and limits.max_prompt_tokens > context_length:
+        return replace(limits, max_prompt_tokens=int(context_length))
+    return limits
+
+
 class StreamedFuture(Future):
     """A request's future that also hears of every token as it is sampled (``on_token``, engine thread)."""
 
@@ -92,57 +100,27 @@ class StreamedFuture(Future):
 
 class Engine(RequestChecks, EngineWeights):
     def __init__(self, model, tokenizer, settings: EngineSettings = EngineSettings()):
-        self.settings = settings
-        device, deterministic = settings.device, settings.deterministic
-        dtype = self.dtype = next(model.parameters()).dtype
-        if slow := slow_bf16(dtype, device):
-            log.warning("engine in bfloat16: %s", slow)
-        # deterministic: what the bits of the invariant arithmetic depend on (/model_info; the trainer compares)
-        self.invariant_identity: str | None = None
-        if deterministic:  # logits independent of batch, padding and prefill/decode split, by construction
-            make_batch_invariant(model, dtype)
-            self.linear_kernel = "invariant"
-            self.invariant_identity = invariant.identity()
-            # every query, prefill and decode, through the decode kernel's arithmetic (kernels/invariant.attention)
-            self.decode_attention = "batch-invariant"
-        else:
-            self.linear_kernel = resolve_linear_kernel(settings.linear_kernel, dtype, device)
-            use_linear(model, linear_function(self.linear_kernel))
-            # one query token per row: the compiled CPU kernel where it runs (modeling/decode_attention.py)
-            self.decode_attention = use_decode_attention(model, settings.decode_attention)
-        self.deterministic = deterministic
+        self.settings, self.tokenizer = settings, tokenizer
+        self.deterministic = settings.deterministic
+        self.dtype = next(model.parameters()).dtype
+        self._choose_kernels(model, settings)
         self.context_length = getattr(model.config, "max_position_embeddings", None)
-        limits = settings.limits
-        if self.context_length and limits.max_prompt_tokens > self.context_length:
-            limits = EngineLimits(**{**limits.to_json(), "max_prompt_tokens": int(self.context_length)})
-        self.limits = limits
+        self.limits = _within_context(settings.limits, self.context_length)
         # KV positions held at the peak, in total (engine/kv_budget.py): admission waits until a request fits
         self.kv_budget = KVBudget.for_model(model, settings.max_total_tokens, settings.kv_share)
         # every row's keys and values in blocks of page_size positions (SGLang's --page-size)
         pool = BlockPool(model.config.num_hidden_layers, settings.page_size, self.kv_budget.max_total_tokens)
-        self.runner = ModelRunner(model, device, pool=pool)
-        self.tokenizer = tokenizer
-        self.semantics = settings.semantics
-        self.capacity = int(settings.sampling_mask_max_tokens)
+        self.runner = ModelRunner(model, settings.device, pool=pool)
+        self.semantics, self.capacity = settings.semantics, int(settings.sampling_mask_max_tokens)
         self.vocab_size = self.runner.vocab_size
         self.eos_ids = eos_ids(model, tokenizer)
         self.weight_version = str(settings.weight_version)
         self._seed_source = torch.Generator().manual_seed(settings.seed)
         self.ledger = Ledger(self.limits.max_queue)  # queue count, request ids, aborts, counters
         self.scheduler = Scheduler(self.ledger)
-        self.grammars = Grammars(
-            tokenizer,
-            self.vocab_size,
-            self.eos_ids,
-            cached=limits.max_grammars_cached,
-            seconds=limits.grammar_compile_ms / 1000,
-            waiting=limits.max_grammar_compiles_waiting,
-        )
-        select = top_candidates.selection() if torch.device(device).type == "cpu" else None
-        self.sample = SamplingStep(settings.semantics, self.capacity, frozenset(self.eos_ids), self.grammars, select)
-        self.stops = StopConditions(tokenizer, self.eos_ids)
+        self._sampling_parts(tokenizer, settings)
         # finished rows' keys and values for later prompts that begin with them; none in the deterministic engine
-        self.prefix_cache = PrefixCache(pool, enabled=settings.prefix_cache and not deterministic)
+        self.prefix_cache = PrefixCache(pool, enabled=settings.prefix_cache and not self.deterministic)
         pool.idle = self.prefix_cache  # cached prefixes give way to rows in place (BlockPool.allocate_rows)
         self.batch = RunningBatch(self.runner, self.prefix_cache)
         self.adapters = AdapterSlot()  # a LoRA adapter merged into the weights (SGLang's /load_lora_adapter)
@@ -153,6 +131,39 @@ class Engine(RequestChecks, EngineWeights):
         self._thread: threading.Thread | None = None
         self._looping_here = False  # ``run``: the loop runs in a caller's thread (serve's main thread)
         self._driver = threading.Lock()  # held by whichever thread runs a step: the loop, or a caller in ``wait``
+
+    def _choose_kernels(self, model, settings: EngineSettings) -> None:
+        """The model's products and attention: the invariant arithmetic when deterministic, else the fastest."""
+        if slow := slow_bf16(self.dtype, settings.device):
+            log.warning("engine in bfloat16: %s", slow)
+        # deterministic: what the bits of the invariant arithmetic depend on (/model_info; the trainer compares)
+        self.invariant_identity: str | None = None
+        if self.deterministic:  # logits independent of batch, padding and prefill/decode split, by construction
+            make_batch_invariant(model, self.dtype)
+            self.linear_kernel = "invariant"
+            self.invariant_identity = invariant.identity()
+            # every query, prefill and decode, through the decode kernel's arithmetic (kernels/invariant.attention)
+            self.decode_attention = "batch-invariant"
+        else:
+            self.linear_kernel = resolve_linear_kernel(settings.linear_kernel, self.dtype, settings.device)
+            use_linear(model, linear_function(self.linear_kernel))
+            # one query token per row: the compiled CPU kernel where it runs (modeling/decode_attention.py)
+            self.decode_attention = use_decode_attention(model, settings.decode_attention)
+
+    def _sampling_parts(self, tokenizer, settings: EngineSettings) -> None:
+        """Grammars, the sampling step and the stop conditions."""
+        limits = self.limits
+        self.grammars = Grammars(
+            tokenizer,
+            self.vocab_size,
+            self.eos_ids,
+            cached=limits.max_grammars_cached,
+            seconds=limits.grammar_compile_ms / 1000,
+            waiting=limits.max_grammar_compiles_waiting,
+        )
+        select = top_candidates.selection() if torch.device(settings.device).type == "cpu" else None
+        self.sample = SamplingStep(settings.semantics, self.capacity, frozenset(self.eos_ids), self.grammars, select)
+        self.stops = StopConditions(tokenizer, self.eos_ids)
 
     @property
     def max_batch_size(self) -> int:
