@@ -105,6 +105,33 @@ def episode_index(samples: list[Sample]) -> list[int] | None:
     return episodes if len(set(episodes)) < len(samples) else None
 
 
+def refuse_non_finite(total: torch.Tensor, batch: MicroBatch, rollout: int) -> None:
+    """``NonFiniteError`` naming the sample and the response position of the first non-finite loss term."""
+    bad = ~torch.isfinite(total) & (batch.loss_mask > 0)
+    if not bool(bad.any()):
+        return
+    n = int(bad.nonzero()[0])
+    ends = torch.cumsum(torch.tensor(batch.lengths), 0)
+    row = int((ends <= n).sum())
+    raise NonFiniteError(
+        f"rollout {rollout}, sample {batch.indices[row]}, response position {n - int(ends[row - 1] if row else 0)}: "
+        f"the loss is {float(total[n].detach())}; the run stops before anything is pushed or saved"
+    )
+
+
+@torch.no_grad()
+def step_sums(loss, terms, mask, token_advantages, drift) -> StepSums:
+    """A micro-batch's sums for the step's metrics."""
+    return StepSums(
+        loss=float(loss),
+        clipped_tokens=float((terms.clipped.float() * mask).sum()),
+        kl=float((terms.kl * mask).sum()) if terms.kl is not None else 0.0,
+        entropy=float((terms.entropy * mask).sum()) if terms.entropy is not None else 0.0,
+        tokens=float(mask.sum()),
+        sc_drift=float((token_advantages.abs() * drift * mask).sum()) if drift is not None else 0.0,
+    )
+
+
 class Learner:
     def __init__(
         self,
@@ -422,16 +449,7 @@ class Learner:
             reinforce=(log_mu, opt.score_centering_weight, opt.tis_cap) if opt.policy_loss == "reinforce" else None,
             centering=centering,
         )
-        bad = ~torch.isfinite(terms.total) & (batch.loss_mask > 0)
-        if bool(bad.any()):  # before backward: nothing of it reaches the weights
-            n = int(bad.nonzero()[0])
-            ends = torch.cumsum(torch.tensor(batch.lengths), 0)
-            row = int((ends <= n).sum())
-            raise NonFiniteError(
-                f"rollout {rollout}, sample {batch.indices[row]}, response position "
-                f"{n - int(ends[row - 1] if row else 0)}: "
-                f"the loss is {float(terms.total[n].detach())}; the run stops before anything is pushed or saved"
-            )
+        refuse_non_finite(terms.total, batch, rollout)  # before backward: nothing of it reaches the weights
         weights = token_weights(
             batch.loss_mask,
             batch.lengths,
@@ -441,17 +459,7 @@ class Learner:
         )
         loss = (terms.total * weights).sum()
         self.actor.backward(loss)
-        with torch.no_grad():
-            mask = batch.loss_mask
-            sums = StepSums(
-                loss=float(loss),
-                clipped_tokens=float((terms.clipped.float() * mask).sum()),
-                kl=float((terms.kl * mask).sum()) if terms.kl is not None else 0.0,
-                entropy=float((terms.entropy * mask).sum()) if terms.entropy is not None else 0.0,
-                tokens=float(mask.sum()),
-                sc_drift=float((token_advantages.abs() * drift * mask).sum()) if drift is not None else 0.0,
-            )
-        return sums, fresh
+        return step_sums(loss, terms, batch.loss_mask, token_advantages, drift), fresh
 
     def optimizer_step(self, rollout: int) -> float:
         """Clip, step, zero the gradients; returns the gradient norm before clipping. A NaN or
