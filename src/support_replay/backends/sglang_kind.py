@@ -7,6 +7,8 @@ needs our deterministic engine running the trainer's invariant arithmetic in the
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from ..errors import ConfigError, SupportReplayError
 from ..serving.security import Keys
 from .base import get_info
@@ -50,6 +52,11 @@ class SGLangKind(EngineKind):
     def _headers(self) -> dict:
         return Keys.load().header(admin=False)
 
+    @cached_property
+    def _server_info(self) -> dict:
+        """``/server_info``, asked once: the identity and the penalty check both read it."""
+        return get_info(self.settings.rollout_url, "/server_info", self._headers())
+
     def connect(self, needs: Needs):
         from .sglang import SGLangBackend
 
@@ -68,8 +75,7 @@ class SGLangKind(EngineKind):
         return self.backend
 
     def identity(self) -> dict:
-        url = self.settings.rollout_url
-        info = get_info(url, "/server_info", self._headers())
+        url, info = self.settings.rollout_url, self._server_info
         ours = "semantics" in info  # our serve (or a router in front of it) says its own
         return {
             "name": "support-replay serve" if ours else "sglang",
@@ -81,8 +87,7 @@ class SGLangKind(EngineKind):
     def penalty_semantics(self, penalties, fallback: str) -> str:
         if not penalties.active:
             return fallback
-        url = self.settings.rollout_url
-        info = get_info(url, "/server_info", self._headers())
+        url, info = self.settings.rollout_url, self._server_info
         if "semantics" in info:  # our engine (serve, or a router in front of it) says its own
             return info["semantics"]
         version, overlap_off = info.get("version"), info.get("disable_overlap_schedule")

@@ -8,6 +8,8 @@ needs the processed log-probs).
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from ..errors import ConfigError
 from ..serving.security import Keys
 from .base import get_info
@@ -50,16 +52,18 @@ class VLLMKind(EngineKind):
         )
         return self.backend
 
+    @cached_property
     def _version(self) -> str:
+        """``/version``, asked once: the identity and the penalty check both read it."""
         return str(get_info(self.settings.rollout_url, "/version", Keys.load().header(admin=False)).get("version", ""))
 
     def identity(self) -> dict:
-        return {"name": "vllm", "url": self.settings.rollout_url, "version": self._version(), "semantics": "vllm"}
+        return {"name": "vllm", "url": self.settings.rollout_url, "version": self._version, "semantics": "vllm"}
 
     def penalty_semantics(self, penalties, fallback: str) -> str:
         if not penalties.active:
             return fallback
-        version = self._version()
+        version = self._version
         if not version.startswith(VLLM_PENALTY_VERSION):
             raise ConfigError(
                 f"vLLM {version} at {self.settings.rollout_url}: penalties ({penalties.setting()}) are replayed for "
