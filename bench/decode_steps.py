@@ -1,4 +1,5 @@
-"""The engine's decode step at a batch x width, SmolLM2-135M-Instruct fp32 (docs/benchmarks.md, "Decode step: the block pool against the slot rectangle").
+"""The engine's decode step at a batch x width, SmolLM2-135M-Instruct fp32 (docs/benchmarks.md, "Decode step:
+the block pool against the slot rectangle").
 
 ``batch`` distinct random prompts of ``width - new`` tokens, ``new`` tokens each with EOS ignored;
 the median engine step once every row is decoding (the admission's prefill and the last step left
