@@ -98,10 +98,8 @@ def test_an_update_in_abort_mode_fails_the_running_requests_and_applies_at_once(
         while engine.num_running < 3:
             time.sleep(0.01)
         state = {k: v.clone() for k, v in engine.runner.model.state_dict().items()}
-        t0 = time.perf_counter()
         assert engine.update_weights(state, "7", abort_all_requests=True).result(timeout=60) == "7"
-        assert time.perf_counter() - t0 < 30  # did not wait for 400 tokens x 3
-        for f in running:
+        for f in running:  # aborted, not waited for: none of them reached its 400 tokens
             with pytest.raises(AbortedError, match="a weight update aborted it"):
                 f.result(timeout=5)
         after = engine.generate([GenerateRequest([1, 2, 3], params, max_new_tokens=4)])[0]
