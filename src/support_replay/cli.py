@@ -149,9 +149,11 @@ def _with_started_engines(cfg, run):
 
 def _audit(args: argparse.Namespace) -> int:
     from .audit import AuditSettings, run_audit, summary
-    from .train.config import config_from_args
+    from .audit.settings import audit_config
 
-    cfg = config_from_args(args)
+    cfg, left_out = audit_config(args)
+    if left_out:
+        print(f"the audit does not train; left out: {', '.join(left_out)}", file=sys.stderr, flush=True)
     given = {k: getattr(args, k) for k in AuditSettings.model_fields if getattr(args, k) is not None}
     settings = AuditSettings.from_flags(**given)
     report = _with_started_engines(cfg, lambda running, _: run_audit(running, settings))
@@ -180,47 +182,18 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def _sessions(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
     from transformers import AutoTokenizer
 
-    from .core.penalties import Penalties
-    from .core.sampling import SamplingParams
     from .rollout.chat import ChatRenderer, load_template
-    from .rollout.session import SessionSettings, SessionStore
+    from .rollout.session import SessionStore
     from .rollout.text_bound import TextBound
     from .serving.sessions import serve_sessions
 
     keys = keys_from_args(args)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    vocab = args.vocab_size or len(tokenizer)
-    if args.backend_engine == "vllm":
-        from .backends.vllm import VLLMBackend
-
-        backend = VLLMBackend(
-            args.backend, vocab, endpoint=args.vllm_endpoint, capture=args.vllm_capture, api_key=upstream_keys(args).api
-        )
-    else:
-        from .backends.sglang import SGLangBackend
-
-        backend = SGLangBackend(args.backend, vocab, api_key=upstream_keys(args).api)
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
-    bias = json.loads(Path(args.logit_bias).read_text()) if args.logit_bias else None
-    penalties = Penalties.with_bias(args.frequency_penalty, args.presence_penalty, args.repetition_penalty, bias)
-    capture = not args.no_capture and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0)
-    settings = SessionSettings(
-        params,
-        capture=capture,
-        max_turns=args.max_turns,
-        max_episode_tokens=args.max_episode_tokens,
-        max_new_tokens=args.max_new_tokens,
-        history_policy=args.history_policy,
-        ttl=args.ttl,
-        penalties=penalties,
-    )
+    settings = _session_settings(args)
     store = SessionStore(
-        backend,
+        _sessions_backend(args, args.vocab_size or len(tokenizer)),
         # a session's prompt text that cannot fit an engine's default prompt limit is refused before it is rendered
         ChatRenderer(
             tokenizer, load_template(args.chat_template), TextBound.of(tokenizer, EngineLimits().max_prompt_tokens)
@@ -231,7 +204,7 @@ def _sessions(args: argparse.Namespace) -> int:
     )
     print(
         f"support-replay sessions on http://{args.host}:{args.port} in front of {args.backend_engine} "
-        f"at {args.backend} (capture {'on' if capture else 'off'})",
+        f"at {args.backend} (capture {'on' if settings.capture else 'off'})",
         flush=True,
     )
     serve_sessions(
@@ -244,6 +217,42 @@ def _sessions(args: argparse.Namespace) -> int:
         connections=connections_from_args(args),
     )
     return 0
+
+
+def _sessions_backend(args: argparse.Namespace, vocab: int):
+    """The client of the engine or router the sessions generate with, in the protocol it speaks."""
+    if args.backend_engine == "vllm":
+        from .backends.vllm import VLLMBackend
+
+        return VLLMBackend(
+            args.backend, vocab, endpoint=args.vllm_endpoint, capture=args.vllm_capture, api_key=upstream_keys(args).api
+        )
+    from .backends.sglang import SGLangBackend
+
+    return SGLangBackend(args.backend, vocab, api_key=upstream_keys(args).api)
+
+
+def _session_settings(args: argparse.Namespace):
+    """The run's sampling and penalties every turn carries, and the sessions' limits."""
+    import json
+    from pathlib import Path
+
+    from .core.penalties import Penalties
+    from .core.sampling import SamplingParams
+    from .rollout.session import SessionSettings
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    bias = json.loads(Path(args.logit_bias).read_text()) if args.logit_bias else None
+    return SessionSettings(
+        params,
+        capture=not args.no_capture and (params.top_k > 0 or params.top_p < 1 or params.min_p > 0),
+        max_turns=args.max_turns,
+        max_episode_tokens=args.max_episode_tokens,
+        max_new_tokens=args.max_new_tokens,
+        history_policy=args.history_policy,
+        ttl=args.ttl,
+        penalties=Penalties.with_bias(args.frequency_penalty, args.presence_penalty, args.repetition_penalty, bias),
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,6 +320,19 @@ def _add_sessions(sub) -> None:
     ss = sub.add_parser(
         "sessions", help="multi-turn OpenAI sessions recorded token in, token out, in front of any engine or router"
     )
+    _add_sessions_backend(ss)
+    ss.add_argument("--host", default="127.0.0.1")
+    ss.add_argument("--port", type=int, default=DEFAULT_SESSIONS_PORT)
+    _add_sessions_sampling(ss)
+    _add_sessions_limits(ss)
+    ss.add_argument("--api-key", default=None, help="as --api-key-file, but visible in the process list")
+    add_key_flags(ss)
+    add_upstream_key_flags(ss)
+    ss.set_defaults(func=_sessions)
+
+
+def _add_sessions_backend(ss) -> None:
+    """Where the sessions generate, and the tokenizer that renders their messages."""
     ss.add_argument("--backend", required=True, help="URL of the engine or router the sessions generate with")
     ss.add_argument(
         "--backend-engine",
@@ -331,8 +353,10 @@ def _add_sessions(sub) -> None:
         default=None,
         help="the model's vocabulary size, when it exceeds the tokenizer's length",
     )
-    ss.add_argument("--host", default="127.0.0.1")
-    ss.add_argument("--port", type=int, default=DEFAULT_SESSIONS_PORT)
+
+
+def _add_sessions_sampling(ss) -> None:
+    """The run's sampling and penalties, sent with every turn."""
     ss.add_argument(
         "--temperature",
         type=float,
@@ -352,6 +376,10 @@ def _add_sessions(sub) -> None:
     ss.add_argument("--presence-penalty", type=float, default=0.0)
     ss.add_argument("--repetition-penalty", type=float, default=1.0)
     ss.add_argument("--logit-bias", default=None, help="JSON file {token id: bias}")
+
+
+def _add_sessions_limits(ss) -> None:
+    """A session's length, its history rule, how long it is kept and how many are open."""
     ss.add_argument("--max-turns", type=int, default=8)
     ss.add_argument("--max-episode-tokens", type=int, default=1024)
     ss.add_argument("--max-new-tokens", type=int, default=256, help="per turn, when a request gives no max_tokens")
@@ -368,10 +396,6 @@ def _add_sessions(sub) -> None:
         help="conversations one API key may name with X-Session-ID at once (429 beyond); one key per line of "
         "--api-key-file, each its own namespace of ids",
     )
-    ss.add_argument("--api-key", default=None, help="as --api-key-file, but visible in the process list")
-    add_key_flags(ss)
-    add_upstream_key_flags(ss)
-    ss.set_defaults(func=_sessions)
 
 
 def _add_router(sub) -> None:

@@ -7,12 +7,13 @@ import pytest
 
 from support_replay.audit import AuditSettings, run_audit
 from support_replay.audit.report import read
+from support_replay.audit.settings import TRAINING_ONLY
 from support_replay.backends.in_process import InProcessKind
 from support_replay.cli import main
 from support_replay.protocol import Completion, validate_completion
-from support_replay.train.config import RunConfig
+from support_replay.train.config import FIELD_SECTION, RunConfig
 
-SHORT = dict(rollout_batch_size=4, n_samples_per_prompt=4, global_batch_size=16, rollout_max_response_len=16)
+SHORT = dict(rollout_batch_size=4, n_samples_per_prompt=4, rollout_max_response_len=16)
 
 
 def audit_config(checkpoint, tmp_path, **overrides) -> RunConfig:
@@ -189,3 +190,16 @@ def test_an_audit_of_two_prompts_by_two_runs_without_batch_flags(tiny_checkpoint
     )
     report = run_audit(cfg, AuditSettings())
     assert report["verdict"]["pass"] and report["tokens"] > 0, report.get("verdict")
+
+
+def test_train_flags_that_only_training_reads_are_left_out_of_the_audit(tiny_checkpoint, tmp_path, capsys):
+    """A launch command with ``train`` swapped for ``audit`` runs: a training rule (a batch that must divide the
+    rollout) stops ``train`` by name, and the audit, which never steps an optimizer, says what it left out."""
+    flags = ["--hf-checkpoint", str(tiny_checkpoint), "--output-dir", str(tmp_path / "cli"), "--no-progress"]
+    flags += ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8"]
+    flags += ["--global-batch-size", "3", "--lr", "1e-5"]
+    assert main(["train", *flags]) == 2
+    assert "--global-batch-size=3: must divide rollout_batch_size x n_samples_per_prompt = 4" in capsys.readouterr().err
+    assert main(["audit", *flags]) == 0
+    assert "the audit does not train; left out: --global-batch-size, --lr" in capsys.readouterr().err
+    assert TRAINING_ONLY <= set(FIELD_SECTION)  # each name a setting of the run

@@ -17,6 +17,72 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..errors import ConfigError
 from ..protocol import SAMPLING_FIELDS, settings_by_field
 
+# train's flags that act only while training: the audit samples one rollout and scores it; it never steps an
+# optimizer, pushes weights, evaluates, checkpoints or logs to a tracker. Left out of the audit's config, so a
+# training rule on them (a batch that must divide, a decay that must end after its warmup) cannot stop an audit.
+TRAINING_ONLY = frozenset(
+    {
+        "num_rollout",
+        "weight_sync_mode",
+        "weight_transport",
+        "lora_sync",
+        "async_rollout",
+        "max_policy_lag",
+        "stale_sample_policy",
+        "global_batch_size",
+        "num_steps_per_rollout",
+        "lr",
+        "optimizer_name",
+        "lr_warmup_iters",
+        "lr_warmup_fraction",
+        "lr_decay_style",
+        "lr_decay_iters",
+        "min_lr",
+        "weight_decay",
+        "adam_beta1",
+        "adam_beta2",
+        "clip_grad",
+        "advantage_estimator",
+        "disable_grpo_std_normalization",
+        "eps_clip",
+        "eps_clip_high",
+        "loss_aggregation",
+        "kl_coef",
+        "use_kl_loss",
+        "kl_loss_coef",
+        "kl_loss_type",
+        "entropy_coef",
+        "use_rollout_logprobs",
+        "use_tis",
+        "tis_cap",
+        "tis_mode",
+        "policy_loss",
+        "use_score_centering",
+        "score_centering_weight",
+        "ci_test",
+        "full_vocab_metrics_interval",
+        "min_support_mass",
+        "eval_interval",
+        "eval_prompt_data",
+        "n_eval_prompts",
+        "n_samples_per_eval_prompt",
+        "eval_temperature",
+        "eval_top_p",
+        "eval_top_k",
+        "eval_max_response_len",
+        "save",
+        "save_interval",
+        "resume",
+        "use_wandb",
+        "wandb_project",
+        "wandb_group",
+        "wandb_run_name",
+        "wandb_mode",
+        "wandb_dir",
+        "use_tensorboard",
+        "tensorboard_dir",
+    }
+)
 FP32_MAX_MISMATCH_KL = 1e-4
 BF16_MAX_MISMATCH_KL = 1e-2
 # what a client that sets nothing gets from SGLang, vLLM (without a generation_config.json) and OpenAI's API
@@ -82,6 +148,15 @@ class AuditSettings(BaseModel):
             self.max_mismatch_kl if self.max_mismatch_kl is not None else kl,
             self.max_abs_logprob_diff if self.max_abs_logprob_diff is not None else replay.ci_tolerance,
         )
+
+
+def audit_config(args):
+    """``(the run's config as the audit reads it, the training-only flags it left out)``: ``train``'s flags and
+    ``--config`` file, less ``TRAINING_ONLY``, so a launch command with ``train`` swapped for ``audit`` runs."""
+    from ..train.config import config_from_args, flag
+
+    left_out = sorted(flag(name) for name in TRAINING_ONLY if getattr(args, name, None) is not None)
+    return config_from_args(args, leave_out=TRAINING_ONLY), left_out
 
 
 def declared_sampling(rollout) -> dict:

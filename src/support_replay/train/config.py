@@ -530,7 +530,9 @@ def has_flag(field) -> bool:
     return (field.json_schema_extra or {}).get("flag", True)
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
+def config_from_args(args: argparse.Namespace, leave_out: frozenset[str] = frozenset()) -> RunConfig:
+    """The run's config from ``--config`` and the flags given over it; ``leave_out``: settings a command that
+    does not use them drops from both (the audit's training-only ones), leaving them at their defaults."""
     values: dict = {}
     if getattr(args, "config", None):
         import yaml
@@ -543,6 +545,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         value = getattr(args, name, None)
         if value is not None:
             values[name] = value
+    values = {name: value for name, value in values.items() if name not in leave_out}
     # a run's config.json holds the derived switch too: read back, it must agree with what it derives from
     derived = {k: values.pop(k) for k in list(values) if k == "use_sampling_support_replay"}
     cfg = RunConfig(**values)
