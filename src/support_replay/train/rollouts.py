@@ -19,71 +19,36 @@ from ..backends.registry import kind_for
 from ..core.penalties import NO_PENALTIES
 from ..core.routing import RoutingShape
 from ..core.sampling import SamplingParams
-from ..rollout import generate_samples, load_prompts, load_reward
+from ..rollout import generate_samples
 from ..rollout.data import ArithmeticTask
 from ..rollout.episodes import generate_episodes
-from ..rollout.generate import Asked, OnFailure
 from ..rollout.sample import Sample
 from ..serving.security import LOOPBACK_HOSTS, Keys
 from .config import RunConfig
 from .dist import on_main
-from .sections import AgentConfig, DataConfig, EvalConfig, ProductionConfig, RolloutConfig
+from .rollout_plan import RolloutPlan
 
 REGENERATION_SEED_STRIDE = 1_000_003  # a stale group generated again draws with other seeds than the first time
 
 
 class Rollouts:
-    """``kind``: the engine kind that generates (``backends/registry.py``); rank 0 connects it."""
+    """``kind``: the engine kind that generates (``backends/registry.py``); rank 0 connects it. ``plan``: what
+    the rollout side reads of the run's config (``rollout_plan.py``)."""
 
-    def __init__(
-        self,
-        ctx,
-        tokenizer,
-        kind: EngineKind,
-        needs: Needs,
-        *,
-        data: DataConfig,
-        rollout: RolloutConfig,
-        production: ProductionConfig,
-        agents: AgentConfig,
-        evaluation: EvalConfig,
-        routing: bool,
-        global_batch_size: int,
-        seed: int,
-        support_logprobs: bool = False,
-    ):
-        self.ctx, self.tokenizer, self.kind = ctx, tokenizer, kind
-        self.data_cfg, self.rollout_cfg, self.production_cfg = data, rollout, production
-        self.agents_cfg, self.evaluation_cfg = agents, evaluation
-        self.global_batch_size, self.seed = global_batch_size, seed
-        self.replay = self.rollout_cfg.use_sampling_support_replay
-        self.routing = routing  # capture every position's experts (MoE)
-        self.support_logprobs = support_logprobs  # the sampler's log q of every support id (score centering)
-        self.params = rollout.sampling_params  # built once, with the config (its range rules are its own)
-        self.prompts, self.eval_prompts = self._load_prompts()
-        self.reward_fn = load_reward(self.data_cfg.rm_type, self.data_cfg.custom_rm_path)
+    def __init__(self, ctx, tokenizer, kind: EngineKind, needs: Needs, plan: RolloutPlan):
+        self.ctx, self.tokenizer, self.kind, self.plan = ctx, tokenizer, kind, plan
+        self.prompts, self.eval_prompts = plan.prompts.train, plan.prompts.held_out
         self.engine = self.backend = None
         self.run_id = uuid.uuid4().hex[:12]  # request ids of this run: {run}/{rollout}/{sample}/{attempt}
         self.agent = self.sessions = None  # agents: set up on rank 0, which generates
-        self.penalties = self.rollout_cfg.penalties
         self._lock = threading.Lock()  # one generation at a time: an evaluation waits for a rollout in flight
         self.penalty_semantics = on_main(lambda: self._penalty_semantics(needs.vocab_size), ctx)
         if not ctx.is_main:
             return
         self.backend = kind.connect(needs)
         self.engine = kind.engine  # the in-process engine, or None
-        if self.agents_cfg.agent or self.agents_cfg.agent_path:
+        if plan.agents.agent or plan.agents.agent_path:
             self._start_sessions(tokenizer)
-
-    def _load_prompts(self):
-        """The training prompts and, with --eval-interval, the evaluation's (held out by their seed)."""
-        data = self.data_cfg
-        keys = dict(max_operand=data.max_operand)
-        train = load_prompts(data.prompt_data, data.input_key, data.label_key, seed=self.seed, **keys)
-        if not self.evaluation_cfg.eval_interval:
-            return train, None
-        held_out = self.evaluation_cfg.eval_prompt_data
-        return train, load_prompts(held_out, data.input_key, data.label_key, seed=self.seed + 1, **keys)
 
     @classmethod
     def from_config(
@@ -96,26 +61,12 @@ class Rollouts:
         weight_version: str,
         routing_shape: RoutingShape | None = None,
     ):
-        """The rollout side of a run: the sections it uses, and its engine kind (on rank 0)."""
+        """The rollout side of a run: what it reads of the config, and its engine kind (on rank 0)."""
         from ..engine.kv_budget import COLOCATED_SHARE
 
         needs = cfg.engine_needs(vocab_size, weight_version, routing_shape, kv_share=COLOCATED_SHARE)
         kind = kind_for(cfg.engine, cfg.in_process_engine(checkpoint_path))  # connected on rank 0 only
-        return cls(
-            ctx,
-            tokenizer,
-            kind,
-            needs,
-            data=cfg.data,
-            rollout=cfg.rollout,
-            production=cfg.production,
-            agents=cfg.agents,
-            evaluation=cfg.evaluation,
-            routing=cfg.replay.use_rollout_routing_replay,
-            global_batch_size=cfg.parallel.global_batch_size,
-            seed=cfg.optimizer.seed,
-            support_logprobs=cfg.optimizer.use_score_centering,
-        )
+        return cls(ctx, tokenizer, kind, needs, RolloutPlan.from_config(cfg))
 
     @property
     def engine_name(self) -> str:
@@ -126,8 +77,9 @@ class Rollouts:
         """Whose penalty rules the trainer replays: the engine's that samples. Our engine says
         its semantics; SGLang and vLLM are accepted at the versions whose code was read
         (docs/math.md), or the run fails closed naming the engine and the setting."""
-        semantics = self.kind.penalty_semantics(self.penalties, self.rollout_cfg.sampling_semantics)
-        self.penalties.check(semantics, vocab_size, where=f"{self.engine_name} penalties")
+        penalties = self.plan.asked.penalties
+        semantics = self.kind.penalty_semantics(penalties, self.plan.sampling_semantics)
+        penalties.check(semantics, vocab_size, where=f"{self.engine_name} penalties")
         return semantics
 
     def _start_sessions(self, tokenizer) -> None:
@@ -138,20 +90,21 @@ class Rollouts:
         from ..serving.sessions import create_sessions_app
         from ..serving.threaded import ThreadedServer
 
-        self.agent = load_agent(self.agents_cfg.agent or self.agents_cfg.agent_path)
+        agents, asked, seed = self.plan.agents, self.plan.asked, self.plan.prompt_seed
+        self.agent = load_agent(agents.agent or agents.agent_path)
         if self.agent.tasks is not None:  # a built-in environment brings its tasks
-            self.prompts, self.eval_prompts = self.agent.tasks(self.seed), self.agent.tasks(self.seed + 1)
-        template = load_template(self.agents_cfg.chat_template or self.agent.chat_template)
+            self.prompts, self.eval_prompts = self.agent.tasks(seed), self.agent.tasks(seed + 1)
+        template = load_template(agents.chat_template or self.agent.chat_template)
         self.session_settings = SessionSettings(
-            self.params,
-            capture=self.replay,
-            max_turns=self.agents_cfg.max_turns,
-            max_episode_tokens=self.agents_cfg.max_episode_tokens,
-            max_new_tokens=self.rollout_cfg.rollout_max_response_len,
-            history_policy=self.agents_cfg.session_history_policy,
-            penalties=self.penalties,
-            routing=self.routing,
-            support_logprobs=self.support_logprobs,
+            asked.params,
+            capture=asked.capture,
+            max_turns=agents.max_turns,
+            max_episode_tokens=agents.max_episode_tokens,
+            max_new_tokens=asked.max_new_tokens,
+            history_policy=agents.session_history_policy,
+            penalties=asked.penalties,
+            routing=asked.routing,
+            support_logprobs=asked.support_logprobs,
         )
         self.sessions = SessionStore(self.backend, ChatRenderer(tokenizer, template), self.session_settings)
         # loopback names only (no DNS rebinding from a browser), a key of this run's own for everything but a
@@ -164,13 +117,25 @@ class Rollouts:
             self.agent,
             self.sessions,
             self.session_server.url,
-            reward_fn=self.reward_fn,
-            timeout=self.agents_cfg.agent_timeout,
+            reward_fn=self.plan.prompts.reward_fn,
+            timeout=agents.agent_timeout,
         )
 
     def _produce(self, prompts, params, n, max_new, capture, rollout, seed, tag) -> tuple[list[Sample], dict]:
         """Rank 0: the samples and what failed. No collective here: with --async-rollout it runs
         on a background thread, one generation at a time (evaluation waits for the rollout)."""
+        plan, on_failure = self.plan, self.plan.on_failure
+        asked = replace(
+            plan.asked,
+            params=params,
+            n_samples=n,
+            max_new_tokens=max_new,
+            capture=capture,
+            penalties=plan.asked.penalties if capture else NO_PENALTIES,
+            ignore_eos=plan.asked.ignore_eos and tag != "eval",  # eval answers end at EOS
+            routing=capture and plan.asked.routing,
+            support_logprobs=capture and plan.asked.support_logprobs,
+        )
         with self._lock:
             if self.agent is not None:
                 settings = replace(
@@ -178,9 +143,9 @@ class Rollouts:
                     params=params,
                     capture=capture,
                     max_new_tokens=max_new,
-                    penalties=self.penalties if capture else NO_PENALTIES,
-                    routing=capture and self.routing,
-                    support_logprobs=capture and self.support_logprobs,
+                    penalties=asked.penalties,
+                    routing=asked.routing,
+                    support_logprobs=asked.support_logprobs,
                 )
                 samples, stats = generate_episodes(
                     self.runner,
@@ -189,71 +154,44 @@ class Rollouts:
                     settings=settings,
                     rollout=rollout,
                     seed=seed,
-                    failed_group_policy=self.production_cfg.failed_group_policy,
-                    max_regenerations=self.production_cfg.max_regenerations,
+                    failed_group_policy=on_failure.policy,
+                    max_regenerations=on_failure.max_regenerations,
                 )
             else:
-                asked = Asked(
-                    params,
-                    n_samples=n,
-                    max_new_tokens=max_new,
-                    capture=capture,
-                    penalties=self.penalties if capture else NO_PENALTIES,
-                    ignore_eos=self.rollout_cfg.rollout_ignore_eos and tag != "eval",  # eval answers end at EOS
-                    routing=capture and self.routing,
-                    support_logprobs=capture and self.support_logprobs,
-                    apply_chat_template=self.data_cfg.apply_chat_template,
-                )
                 samples, stats = generate_samples(
                     self.backend,
                     self.tokenizer,
                     prompts,
                     asked,
-                    reward_fn=self.reward_fn,
+                    reward_fn=plan.prompts.reward_fn,
                     rollout=rollout,
                     seed=seed,
                     rid_prefix=f"{self.run_id}/{tag}",
-                    on_failure=OnFailure(
-                        self.production_cfg.failed_group_policy, self.production_cfg.max_regenerations
-                    ),
+                    on_failure=on_failure,
                 )
         return samples, asdict(stats)
 
     def rollout_prompts(self, r: int) -> list:
-        return [
-            self.prompts[r * self.rollout_cfg.rollout_batch_size + i]
-            for i in range(self.rollout_cfg.rollout_batch_size)
-        ]
+        size = self.plan.rollout_batch_size
+        return [self.prompts[r * size + i] for i in range(size)]
+
+    def _train_samples(self, prompts: list, seed: int, tag: str, r: int) -> tuple[list[Sample], dict]:
+        """A training rollout's request (the plan's ``asked``) for ``prompts``."""
+        asked = self.plan.asked
+        return self._produce(prompts, asked.params, asked.n_samples, asked.max_new_tokens, asked.capture, r, seed, tag)
 
     def produce(self, r: int) -> tuple[list[Sample], dict]:
         """Rank 0: rollout ``r``, ``n_samples_per_prompt`` responses to each of its prompts,
         rewarded, and what failed on the way."""
-        samples, stats = self._produce(
-            self.rollout_prompts(r),
-            self.params,
-            self.rollout_cfg.n_samples_per_prompt,
-            self.rollout_cfg.rollout_max_response_len,
-            self.replay,
-            r,
-            self.rollout_cfg.rollout_seed,
-            "train",
-        )
+        samples, stats = self._train_samples(self.rollout_prompts(r), self.plan.rollout_seed, "train", r)
         return self.whole_batches(samples, stats)
 
     def regenerate(self, r: int, prompts: list[int], round_: int) -> tuple[list[Sample], dict]:
         """Rank 0: the groups of rollout ``r``'s ``prompts`` (indices) generated again, with fresh
         seeds and request ids; ``metadata["prompt"]`` keeps the index in the rollout."""
         every = self.rollout_prompts(r)
-        samples, stats = self._produce(
-            [every[g] for g in prompts],
-            self.params,
-            self.rollout_cfg.n_samples_per_prompt,
-            self.rollout_cfg.rollout_max_response_len,
-            self.replay,
-            r,
-            self.rollout_cfg.rollout_seed + REGENERATION_SEED_STRIDE * round_,
-            f"train-again{round_}",
-        )
+        seed = self.plan.rollout_seed + REGENERATION_SEED_STRIDE * round_
+        samples, stats = self._train_samples([every[g] for g in prompts], seed, f"train-again{round_}", r)
         for s in samples:
             s.metadata["prompt"] = prompts[s.metadata["prompt"]]
         return samples, stats
@@ -261,15 +199,15 @@ class Rollouts:
     def whole_batches(self, samples: list[Sample], stats: dict) -> tuple[list[Sample], dict]:
         """Dropped groups can break the global batch: whole groups go from the end until it is
         whole (agent runs plan a short last step instead)."""
-        whole = len(samples) - len(samples) % self.global_batch_size
-        if whole < len(samples) and not self.agents_cfg.enabled:
-            stats["dropped_groups"] += (len(samples) - whole) // self.rollout_cfg.n_samples_per_prompt
+        whole = len(samples) - len(samples) % self.plan.global_batch_size
+        if whole < len(samples) and not self.plan.agents.enabled:
+            stats["dropped_groups"] += (len(samples) - whole) // self.plan.asked.n_samples
             samples = samples[:whole]
         return samples, stats
 
     def evaluate_if_due(self, r: int) -> dict:
         """``evaluate`` after every ``--eval-interval``-th rollout, else nothing."""
-        every = self.evaluation_cfg.eval_interval
+        every = self.plan.evaluation.eval_interval
         return self.evaluate(r) if every and (r + 1) % every == 0 else {}
 
     def evaluate(self, r: int) -> dict:
@@ -277,26 +215,24 @@ class Rollouts:
         return on_main(lambda: self._evaluate(r), self.ctx)
 
     def _evaluate(self, r: int) -> dict:
-        task = self.eval_prompts
+        task, evaluation = self.eval_prompts, self.plan.evaluation
         offset = 10**6 if isinstance(task, ArithmeticTask) else 0  # held-out questions
-        prompts = [task[offset + i] for i in range(min(self.evaluation_cfg.n_eval_prompts, len(task)))]
+        prompts = [task[offset + i] for i in range(min(evaluation.n_eval_prompts, len(task)))]
         params = (
             SamplingParams(
-                temperature=self.evaluation_cfg.eval_temperature,
-                top_k=self.evaluation_cfg.eval_top_k,
-                top_p=self.evaluation_cfg.eval_top_p,
+                temperature=evaluation.eval_temperature, top_k=evaluation.eval_top_k, top_p=evaluation.eval_top_p
             )
-            if self.evaluation_cfg.eval_temperature > 0
+            if evaluation.eval_temperature > 0
             else SamplingParams(temperature=0.0)
         )
         samples, _ = self._produce(
             prompts,
             params,
-            self.evaluation_cfg.n_samples_per_eval_prompt,
-            self.evaluation_cfg.eval_max_response_len or self.rollout_cfg.rollout_max_response_len,
+            evaluation.n_samples_per_eval_prompt,
+            evaluation.eval_max_response_len or self.plan.asked.max_new_tokens,
             False,
             r,
-            self.rollout_cfg.rollout_seed + 7,
+            self.plan.rollout_seed + 7,
             "eval",
         )
         return {
