@@ -34,8 +34,7 @@ import numpy as np
 import torch
 
 from ..errors import SamplingParamsError
-
-SEMANTICS = ("sglang", "vllm", "hf")
+from .sampling import SEMANTICS  # the samplers' semantics, named once
 
 
 MAX_LOGIT_BIAS = 1e6  # logit + bias stays finite in float32 and far past any logit: it bans or forces an id

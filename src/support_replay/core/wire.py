@@ -155,6 +155,35 @@ def decode(data: bytes, selected=None, vocab_size: int | None = None) -> Support
     if len(data) > MAX_STREAM_BYTES:
         raise WireError(f"stream of {len(data)} bytes exceeds the {MAX_STREAM_BYTES}-byte limit")
     buf = np.frombuffer(bytes(data), dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+    relative, rows, vocab, n_counts, n_high, n_low = _read_header(buf, vocab_size)
+    sel = _selected_tokens(selected, rows, vocab) if relative else None
+    start = _HEADER.size
+    counts = _varint_decode(buf[start : start + n_counts], rows, "counts")
+    if not relative and rows and counts.min() == 0:
+        raise WireError(f"row {int(np.argmin(counts))}: empty support")
+    total = int(counts.sum())
+    if total > 8 * n_high:
+        raise WireError(f"{total} ids announced but the gap stream holds at most {8 * n_high}")
+    if total > vocab * max(rows, 1):
+        raise WireError(f"{total} ids cannot fit in {rows} rows of a {vocab}-token vocabulary")
+    gaps = _read_gaps(buf[start + n_counts :], counts, vocab, n_high, n_low)
+    offsets = offsets_from_sizes(counts)
+    steps = gaps + 1
+    running = np.cumsum(steps)
+    row_base = np.repeat(np.concatenate(([0], running))[offsets[:-1]], counts)
+    ids = running - row_base - 1
+    if total and ids.max() >= vocab:
+        i = int(np.argmax(ids >= vocab))
+        raise WireError(f"row {int(_row_index(offsets)[i])}: id {int(ids[i])} outside the vocabulary [0, {vocab})")
+    table = SupportTable(ids.astype(np.int32), offsets)
+    if relative:
+        table = _insert_selected(table, sel)
+    return table
+
+
+def _read_header(buf: np.ndarray, vocab_size: int | None) -> tuple[bool, int, int, int, int, int]:
+    """``(relative, rows, vocab, count bytes, gap bytes, remainder bytes)``, every field checked against the
+    stream's length and the expected vocabulary."""
     if len(buf) < _HEADER.size:
         raise WireError(f"truncated: {len(buf)} bytes is shorter than the {_HEADER.size}-byte header")
     magic, version, flags, rows, vocab, n_counts, n_high, n_low = _HEADER.unpack(buf[: _HEADER.size].tobytes())
@@ -174,33 +203,31 @@ def decode(data: bytes, selected=None, vocab_size: int | None = None) -> Support
         raise WireError(f"{kind}: header announces {expected} bytes, got {len(buf)}")
     if rows > n_counts:
         raise WireError(f"{rows} rows cannot fit in {n_counts} count bytes")
-    relative = bool(flags & FLAG_SELECTED_RELATIVE)
-    sel = None
-    if relative:
-        if selected is None:
-            raise WireError("stream was encoded relative to the selected tokens; pass selected= to decode it")
-        sel = _as_int_array(selected, "selected", np.int64)
-        if len(sel) != rows:
-            raise WireError(f"selected: {len(sel)} tokens for {rows} rows in the stream")
-        if len(sel) and (sel.min() < 0 or sel.max() >= vocab):
-            raise WireError(f"selected token {int(sel[(sel < 0) | (sel >= vocab)][0])} outside [0, {vocab})")
+    return bool(flags & FLAG_SELECTED_RELATIVE), rows, vocab, n_counts, n_high, n_low
 
-    start = _HEADER.size
-    counts = _varint_decode(buf[start : start + n_counts], rows, "counts")
-    if not relative and rows and counts.min() == 0:
-        raise WireError(f"row {int(np.argmin(counts))}: empty support")
+
+def _selected_tokens(selected, rows: int, vocab: int) -> np.ndarray:
+    """The sampled tokens a relative stream was encoded against: one per row, each inside the vocabulary."""
+    if selected is None:
+        raise WireError("stream was encoded relative to the selected tokens; pass selected= to decode it")
+    sel = _as_int_array(selected, "selected", np.int64)
+    if len(sel) != rows:
+        raise WireError(f"selected: {len(sel)} tokens for {rows} rows in the stream")
+    if len(sel) and (sel.min() < 0 or sel.max() >= vocab):
+        raise WireError(f"selected token {int(sel[(sel < 0) | (sel >= vocab)][0])} outside [0, {vocab})")
+    return sel
+
+
+def _read_gaps(buf: np.ndarray, counts: np.ndarray, vocab: int, n_high: int, n_low: int) -> np.ndarray:
+    """The gaps between a row's ids, from their unary quotients (``n_high`` bytes) and fixed-width remainders
+    (``n_low`` bytes, one width per row)."""
     total = int(counts.sum())
-    if total > 8 * n_high:
-        raise WireError(f"{total} ids announced but the gap stream holds at most {8 * n_high}")
-    if total > vocab * max(rows, 1):
-        raise WireError(f"{total} ids cannot fit in {rows} rows of a {vocab}-token vocabulary")
-    high = np.unpackbits(buf[start + n_counts : start + n_counts + n_high])
+    high = np.unpackbits(buf[:n_high])
     ones = np.flatnonzero(high)
     if len(ones) != total or (total and len(high) - ones[-1] - 1 >= 8) or (not total and n_high):
         raise WireError(f"gap stream: expected {total} terminators, found {len(ones)} in {n_high} bytes")
     quotients = np.diff(np.concatenate(([-1], ones))) - 1
-    widths_row = _rice_widths(counts, vocab)
-    widths = np.repeat(widths_row, counts)
+    widths = np.repeat(_rice_widths(counts, vocab), counts)
     if total and np.any(quotients > (vocab >> widths)):
         raise WireError(f"gap stream: a gap exceeds the vocabulary size {vocab}")
     layout = list(_low_layout(widths))
@@ -208,24 +235,12 @@ def decode(data: bytes, selected=None, vocab_size: int | None = None) -> Support
     if low_bytes != n_low:
         raise WireError(f"remainder stream: expected {low_bytes} bytes, header says {n_low}")
     remainders = np.zeros(total, np.int64)
-    pos = start + n_counts + n_high
+    pos = n_high
     for w, idx in layout:
         size = (len(idx) * w + 7) // 8
         remainders[idx] = _unpack_fixed(buf[pos : pos + size], len(idx), w)
         pos += size
-    gaps = (quotients << widths) | remainders
-    offsets = offsets_from_sizes(counts)
-    steps = gaps + 1
-    running = np.cumsum(steps)
-    row_base = np.repeat(np.concatenate(([0], running))[offsets[:-1]], counts)
-    ids = running - row_base - 1
-    if total and ids.max() >= vocab:
-        i = int(np.argmax(ids >= vocab))
-        raise WireError(f"row {int(_row_index(offsets)[i])}: id {int(ids[i])} outside the vocabulary [0, {vocab})")
-    table = SupportTable(ids.astype(np.int32), offsets)
-    if relative:
-        table = _insert_selected(table, sel)
-    return table
+    return (quotients << widths) | remainders
 
 
 def _insert_selected(table: SupportTable, selected: np.ndarray) -> SupportTable:

@@ -61,6 +61,26 @@ def safetensors_header(path: Path) -> None:
 
 
 def admin_routes(engine: Engine, weights_dir: Path | None) -> APIRouter:
+    """Every admin route: the weights, the adapters, the version's name and the prefix cache."""
+    routes = APIRouter()
+    routes.include_router(weight_routes(engine, weights_dir))
+    routes.include_router(adapter_routes(engine, weights_dir))
+
+    @routes.post("/update_weight_version")
+    async def update_weight_version(body: UpdateWeightVersionIn):
+        version = await asyncio.wrap_future(engine.update_weight_version(body.new_version))
+        return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+
+    @routes.post("/flush_cache")
+    async def flush_cache():
+        entries = engine.flush_prefix_cache()  # emptied by the engine's loop before its next step
+        return {"success": True, "message": f"prefix cache: {entries} entries dropped"}
+
+    return routes
+
+
+def weight_routes(engine: Engine, weights_dir: Path | None) -> APIRouter:
+    """New weights from a folder under ``--weights-dir``, or as a safetensors body."""
     routes = APIRouter()
 
     @routes.post("/update_weights_from_disk")
@@ -103,6 +123,13 @@ def admin_routes(engine: Engine, weights_dir: Path | None) -> APIRouter:
         message = f"loaded {size} bytes of safetensors"
         return {"success": True, "message": message, "weight_version": version}
 
+    return routes
+
+
+def adapter_routes(engine: Engine, weights_dir: Path | None) -> APIRouter:
+    """SGLang's LoRA adapter routes: load one from a folder under ``--weights-dir``, unload one."""
+    routes = APIRouter()
+
     async def adapter_update(start):
         """SGLang's ``LoRAUpdateOutput``: 200 with the adapters loaded, or 400 with ``success: false``."""
         try:
@@ -124,15 +151,5 @@ def admin_routes(engine: Engine, weights_dir: Path | None) -> APIRouter:
     @routes.post("/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterIn):
         return await adapter_update(lambda: engine.unload_lora_adapter(body.lora_name))
-
-    @routes.post("/update_weight_version")
-    async def update_weight_version(body: UpdateWeightVersionIn):
-        version = await asyncio.wrap_future(engine.update_weight_version(body.new_version))
-        return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
-
-    @routes.post("/flush_cache")
-    async def flush_cache():
-        entries = engine.flush_prefix_cache()  # emptied by the engine's loop before its next step
-        return {"success": True, "message": f"prefix cache: {entries} entries dropped"}
 
     return routes

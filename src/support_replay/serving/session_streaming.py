@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 from starlette.requests import Request
 
@@ -47,45 +48,59 @@ async def live_turn(
     first = await unless_disconnected(queue.get(), request, gone)
     if first[0] == "done" and task.exception() is not None:
         raise task.exception()  # refused before anything was sampled: the route's HTTP error
-    eos = {store.renderer.tokenizer.eos_token_id}
     head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+    return _TurnChunks(store, queue, task, cancelled, head).lines(first, respond, include_usage)
 
-    def chunk_body(delta: dict, finish=None, logprobs=None) -> dict:
-        return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
 
-    def chunk(delta: dict, finish=None, logprobs=None) -> str:
-        return _sse(chunk_body(delta, finish, logprobs))
+@dataclass
+class _TurnChunks:
+    """The chunks of a turn under way: its tokens' text as they come (events on ``queue``), then the rest of the
+    whole answer with its log-probs, the finish reason, usage if asked and ``[DONE]``."""
 
-    async def lines():
+    store: SessionStore
+    queue: asyncio.Queue
+    task: asyncio.Future
+    cancelled: Cancellation
+    head: dict
+
+    def body(self, delta: dict, finish=None, logprobs=None) -> dict:
+        return {**self.head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+
+    def chunk(self, delta: dict, finish=None, logprobs=None) -> str:
+        return _sse(self.body(delta, finish, logprobs))
+
+    async def lines(self, event, respond, include_usage: bool):
         text = None
-        event = first
+        tokenizer = self.store.renderer.tokenizer
         try:
-            yield chunk({"role": "assistant", "content": ""})
+            yield self.chunk({"role": "assistant", "content": ""})
             while event[0] == "token":
                 _, request, token = event
-                text = text or IncrementalText(store.renderer.tokenizer, request, eos)
+                text = text or IncrementalText(tokenizer, request, {tokenizer.eos_token_id})
                 delta = text.push(token)
                 if delta:
-                    yield chunk({"content": delta})
-                event = await queue.get()
-            if task.exception() is not None:
-                yield _sse(error_body(task.exception()))
+                    yield self.chunk({"content": delta})
+                event = await self.queue.get()
+            if self.task.exception() is not None:
+                yield _sse(error_body(self.task.exception()))
             else:
-                response = respond(task.result())
-                choice = response["choices"][0]
-                content = choice["message"]["content"] or ""
-                rest = text.finish(content) if text is not None else content
-                if rest or choice["logprobs"]:
-                    yield chunk({"content": rest}, logprobs=choice["logprobs"])
-                last = chunk_body({}, choice["finish_reason"])
-                if "meta_info" in choice:
-                    last["choices"][0]["meta_info"] = choice["meta_info"]
-                yield _sse(last)
-                if include_usage:
-                    yield _sse({**head, "choices": [], "usage": response["usage"]})
+                for line in self.ending(respond(self.task.result()), text, include_usage):
+                    yield line
             yield "data: [DONE]\n\n"
         finally:
-            if not task.done():  # the client went away: the engine drops the turn
-                cancelled.set()
+            if not self.task.done():  # the client went away: the engine drops the turn
+                self.cancelled.set()
 
-    return lines()
+    def ending(self, response: dict, text: IncrementalText | None, include_usage: bool):
+        """What the tokens' deltas left of the whole answer, its log-probs, its finish reason and the usage."""
+        choice = response["choices"][0]
+        content = choice["message"]["content"] or ""
+        rest = text.finish(content) if text is not None else content
+        if rest or choice["logprobs"]:
+            yield self.chunk({"content": rest}, logprobs=choice["logprobs"])
+        last = self.body({}, choice["finish_reason"])
+        if "meta_info" in choice:
+            last["choices"][0]["meta_info"] = choice["meta_info"]
+        yield _sse(last)
+        if include_usage:
+            yield _sse({**self.head, "choices": [], "usage": response["usage"]})
