@@ -65,6 +65,28 @@ def problems(text: str) -> list[str]:
     return found
 
 
+HELPERS = {"timing", "support_stream"}  # modules bench scripts import (the call timer, the support sizes drawn)
+
+
+def commanded_scripts(text: str) -> set[str]:
+    """The bench scripts named in a command on a table's machine line."""
+    named = set()
+    for line in text.splitlines():
+        if line.startswith("Machine: "):
+            for command in re.findall(r"`([^`]+)`", line.partition("Command")[2]):
+                named.update(re.findall(r"bench/(\w+)\.py", command))
+    return named
+
+
+def test_every_bench_script_is_a_benchmark_with_a_table():
+    """bench/ holds benchmarks, each the command of a current table; a probe whose point is what it asserts is a
+    test instead (docs/reliability.md names each promise's test)."""
+    sources = {path.stem: path.read_text() for path in (ROOT / "bench").glob("*.py")}
+    for helper in HELPERS:  # a helper no script imports is a script without its table
+        assert any(re.search(rf"^from {helper} import", text, re.MULTILINE) for text in sources.values()), helper
+    assert sorted(set(sources) - HELPERS - commanded_scripts(DOC.read_text())) == []
+
+
 def test_benchmarks_doc_holds_one_current_table_per_benchmark_and_cpu_kind():
     assert problems(DOC.read_text()) == []
 
