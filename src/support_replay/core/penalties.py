@@ -36,7 +36,6 @@ import torch
 from ..errors import SamplingParamsError
 from .sampling import SEMANTICS  # the samplers' semantics, named once
 
-
 MAX_LOGIT_BIAS = 1e6  # logit + bias stays finite in float32 and far past any logit: it bans or forces an id
 
 
