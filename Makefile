@@ -8,8 +8,11 @@ TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 # vLLM for the real-server test lives in its own venv (it pins its own torch build).
 VLLM_VENV := .venv-vllm
 WITH_VLLM ?= 1
+# SGLang likewise (engines/sglang_cpu: its wheel on this machine's CPU torch).
+SGLANG_VENV := .venv-sglang
+WITH_SGLANG ?= 1
 
-.PHONY: setup lint format test test-fast test-floats-other-kernels run bench clean vllm fixtures flag-table
+.PHONY: setup lint format test test-fast test-floats-other-kernels run bench clean vllm sglang fixtures flag-table
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +39,27 @@ $(VLLM_VENV)/.installed:
 
 vllm: $(VLLM_VENV)/.installed
 
+# SGLang 0.5.23 on a CPU (docs/engines.md, "SGLang itself"): its wheel without its dependencies, then the
+# dependencies its metadata names less the GPU-only ones, with torch and torchvision pinned so nothing pulls a CUDA
+# torch (engines/sglang_cpu/requirements.txt); then a .pth that puts engines/sglang_cpu/site (our sgl_kernel, the
+# torchvision fix) into every interpreter of the venv; then a start-up check. Three tries, as for vLLM.
+$(SGLANG_VENV)/.installed: engines/sglang_cpu/requirements.txt
+	@for try in 1 2 3; do \
+	  { test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV); } && \
+	  $(SGLANG_VENV)/bin/pip install --quiet torch==2.13.0 && \
+	  $(SGLANG_VENV)/bin/pip install --quiet --no-deps sglang==0.5.23 && \
+	  $(SGLANG_VENV)/bin/pip install --quiet -r engines/sglang_cpu/requirements.txt && \
+	  site=$$($(SGLANG_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	  printf '%s\n%s\n' "$(CURDIR)/engines/sglang_cpu/site" \
+	    "import support_replay_sglang_cpu; support_replay_sglang_cpu.install()" > $$site/support_replay_sglang_cpu.pth && \
+	  SGLANG_USE_CPU_ENGINE=1 $(SGLANG_VENV)/bin/python -c "import sglang.launch_server" && touch $@ && break; \
+	  echo "make sglang: try $$try of 3 to install sglang==0.5.23 failed"; \
+	done; \
+	test -f $@ || { echo "make sglang: SGLang is not installed; the real-SGLang tests will be skipped"; \
+	  test "$$CI" != "true" || { echo "make sglang: under CI=true that fails the run"; exit 1; }; }
+
+sglang: $(SGLANG_VENV)/.installed
+
 # The kernel sets other CPUs take: torch's AVX2 paths with MKL and oneDNN limited to AVX2, and ATen's portable code.
 # The tests that compare floats bit for bit or within an ulp bound (marker float_bits) run again under each
 # (docs/reliability.md); this project's own kernels are built for each ISA.
@@ -46,15 +70,15 @@ PORTABLE_KERNELS := ATEN_CPU_CAPABILITY=default
 # Then the tree's shape (bench/code_shape.py: large modules and classes, long functions, most parameters,
 # duplicate pairs where the `duplicates` tool is on the machine), so that a change that grows it is seen.
 lint: setup
-	$(VENV)/bin/ruff format --check --quiet src tests bench
-	$(VENV)/bin/ruff check --quiet src tests bench
+	$(VENV)/bin/ruff format --check --quiet src tests bench engines
+	$(VENV)/bin/ruff check --quiet src tests bench engines
 	$(PY) bench/code_shape.py --duplicates
 
 format: setup
-	$(VENV)/bin/ruff format --quiet src tests bench
-	$(VENV)/bin/ruff check --quiet --fix src tests bench
+	$(VENV)/bin/ruff format --quiet src tests bench engines
+	$(VENV)/bin/ruff check --quiet --fix src tests bench engines
 
-test: lint $(if $(filter 1,$(WITH_VLLM)),vllm)
+test: lint $(if $(filter 1,$(WITH_VLLM)),vllm) $(if $(filter 1,$(WITH_SGLANG)),sglang)
 	$(PY) -m pytest -q --durations=15
 	$(MAKE) test-floats-other-kernels
 

@@ -137,6 +137,27 @@ def vllm_server(tiny_checkpoint, tmp_path_factory):
         os.environ.pop("VLLM_ALLOW_RUNTIME_LORA_UPDATING", None)
 
 
+@pytest.fixture(scope="session")
+def sglang_server(tiny_checkpoint):
+    """One real SGLang 0.5.23 server for the session, on its CPU path (about 15 s to start, 2 GB): its own HTTP
+    server, scheduler, ``Qwen3ForCausalLM`` and PyTorch sampler, on the tiny checkpoint. ``(url, checkpoint)``."""
+    import time
+
+    from exercised import ran
+    from processes import free_port
+    from sglang_env import sglang_missing, sglang_process
+
+    if (why := sglang_missing()) is not None:
+        pytest.skip(why)
+    start = time.monotonic()
+    with sglang_process(tiny_checkpoint, free_port()) as url:
+        import httpx
+
+        version = httpx.get(url + "/server_info", timeout=30).json().get("version", "?")
+        ran("SGLang (its server, real)", f"{version}, up in {time.monotonic() - start:.0f} s")
+        yield url, tiny_checkpoint
+
+
 @pytest.fixture
 def scored(monkeypatch):
     """Every (samples, trainer log pi) pair the recipe checked."""

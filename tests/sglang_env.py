@@ -1,0 +1,133 @@
+"""Where the tests find the real SGLang (its own venv, ``make sglang``), and its server started as a user would.
+
+``make sglang`` is best effort like ``make vllm``: where the install did not finish the tests skip and say why,
+and under CI=true that skip fails the run (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+SGLANG_PYTHON = Path(
+    os.environ.get("SUPPORT_REPLAY_SGLANG_PYTHON", Path(__file__).parents[1] / ".venv-sglang" / "bin" / "python")
+)
+SGLANG_VERSION = "0.5.23"
+_VERSION = "import importlib.metadata as m; print(m.version('sglang'))"
+
+
+@functools.cache
+def sglang_missing() -> str | None:
+    """Why the real SGLang cannot run here, or None when ``SGLANG_PYTHON`` has SGLang 0.5.23."""
+    if not SGLANG_PYTHON.exists():
+        return f"no SGLang environment at {SGLANG_PYTHON} (make sglang)"
+    probe = subprocess.run([str(SGLANG_PYTHON), "-c", _VERSION], capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        detail = (probe.stderr.strip().splitlines() or ["no sglang package"])[-1]
+        return f"{SGLANG_PYTHON} has no SGLang ({detail}): its install did not finish (make sglang)"
+    if probe.stdout.strip() != SGLANG_VERSION:
+        return f"{SGLANG_PYTHON} has SGLang {probe.stdout.strip()}, the tests are for {SGLANG_VERSION} (make sglang)"
+    return None
+
+
+def sglang_server_args(checkpoint, port: int, *extra: str) -> list[str]:
+    """SGLang's own server on its CPU path, as a user launches it (docs/engines.md): torch-native attention, the
+    PyTorch sampler, float32, no overlap scheduling; ``--sleep-on-idle`` (else the idle scheduler keeps a core
+    busy); a fixed seed."""
+    return [
+        str(SGLANG_PYTHON),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(checkpoint),
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--sampling-backend",
+        "pytorch",
+        "--disable-overlap-schedule",
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-total-tokens",
+        "4096",
+        "--skip-server-warmup",
+        "--random-seed",
+        "0",
+        "--sleep-on-idle",
+        *extra,
+    ]
+
+
+SGLANG_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@contextmanager
+def sglang_process(checkpoint, port: int, *extra: str, timeout: float = 300.0):
+    """The server (launcher, tokenizer manager, scheduler, detokenizer) in a process group of its own, up when
+    ``/model_info`` answers (its ``/health`` runs a generation, about a second), the whole group gone after."""
+    fd, name = tempfile.mkstemp(prefix="support-replay-sglang-", suffix=".log")
+    os.close(fd)
+    log = Path(name)
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            sglang_server_args(checkpoint, port, *extra),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **SGLANG_ENV},
+            start_new_session=True,
+        )
+        try:
+            _wait_up(url, proc, timeout, log)
+            yield url
+        finally:
+            _stop_group(proc)
+            log.unlink(missing_ok=True)
+
+
+def _wait_up(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"SGLang at {url} exited with {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/model_info", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"SGLang at {url} not up after {timeout} s: {log.read_text()[-3000:]}")
+
+
+def _stop_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM to the group; its children take 5-10 s to exit; SIGKILL to what is left after ``grace``."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        proc.poll()
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
