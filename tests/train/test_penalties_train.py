@@ -133,6 +133,10 @@ def test_engines_with_unpinned_penalty_rules_are_refused(monkeypatch):
         SGLangKind(at).penalty_semantics(p, "hf")
     answers["/server_info"]["disable_overlap_schedule"] = True
     assert SGLangKind(at).penalty_semantics(p, "hf") == "sglang"
+    for both in (Penalties(repetition=1.1, presence=0.2), Penalties(repetition=1.1, frequency=0.1)):
+        with pytest.raises(ConfigError, match=r"the repetition penalty with a frequency or presence penalty has no"):
+            SGLangKind(at).penalty_semantics(both, "hf")  # SGLang's own order changes between its starts
+    assert SGLangKind(at).penalty_semantics(Penalties(frequency=0.4, presence=0.2), "hf") == "sglang"
     with pytest.raises(ConfigError, match="vLLM 0.33.0 at http://x: penalties .* for vLLM 0.32.x only"):
         VLLMKind(at).penalty_semantics(p, "hf")
     answers["/server_info"] = {"semantics": "vllm", "version": "0.1"}  # our serve says its own

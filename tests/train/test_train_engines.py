@@ -9,7 +9,7 @@ import pytest
 from processes import engine_process, free_port, process, sglang_standin_process
 from recipe_helpers import run_config
 from support_replay.backends.weight_push import ADAPTER_NAME
-from support_replay.errors import SupportReplayError
+from support_replay.errors import ConfigError, SupportReplayError
 from support_replay.train import train
 
 pytestmark = pytest.mark.slow
@@ -170,6 +170,72 @@ def test_agent_episodes_through_real_vllm(vllm_server, tmp_path):
         VLLMSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0 for r in rows)
     assert rows[0]["episode_turns_mean"] > 1 and rows[0]["inserted_token_share"] > 0
+
+
+def restore_sglang(url: str, ckpt, tmp_path) -> None:
+    """The SGLang server is shared by the session: give it back its own weights."""
+    from safetensors.torch import load_file
+
+    from support_replay.backends.sglang_weights import SGLangSync
+
+    SGLangSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
+
+
+def test_grpo_through_real_sglang_with_weight_sync(sglang_server, tmp_path):
+    """GRPO with --ci-test through SGLang 0.5.23 itself: its sampler's log mu on each token's support against our
+    trainer's support log-probs, weights pushed after every update through its /update_weights_from_disk."""
+    url, ckpt = sglang_server
+    try:
+        rows = train(run_config(ckpt, tmp_path, rollout_url=url, rollout_engine="sglang"))
+        info = httpx.get(url + "/model_info", timeout=30).json()
+        assert info["weight_version"] == "3"  # synced after every update
+    finally:
+        restore_sglang(url, ckpt, tmp_path)
+    for r in rows:  # every rollout after the first was sampled by weights the trainer pushed
+        assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and 0.999 < r["replay_ratio_mean"] < 1.001
+        assert r["policy_lag_max"] == 0
+    assert rows[0]["support_mean"] > 1 and any(abs(r["loss"]) > 0 for r in rows)
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        dict(rollout_frequency_penalty=0.4, rollout_presence_penalty=0.2),
+        dict(rollout_repetition_penalty=1.3),
+    ],
+    ids=["frequency-presence-bias", "repetition-bias"],
+)
+def test_grpo_with_penalties_through_real_sglang(sglang_server, tmp_path, penalties):
+    """SGLang 0.5.23's own penalties and logit bias, replayed by the trainer with its rules (docs/math.md)."""
+    url, ckpt = sglang_server
+    bias = tmp_path / "bias.json"
+    bias.write_text('{"5": -2.0, "17": 1.5}')
+    cfg = run_config(
+        ckpt,
+        tmp_path,
+        rollout_url=url,
+        rollout_engine="sglang",
+        num_rollout=2,
+        rollout_max_response_len=24,
+        rollout_logit_bias=str(bias),
+        **penalties,
+    )
+    try:
+        rows = train(cfg)
+    finally:
+        restore_sglang(url, ckpt, tmp_path)
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
+
+
+def test_the_repetition_penalty_beside_another_is_refused_for_sglang(sglang_server, tmp_path):
+    """Without overlap scheduling SGLang 0.5.23 applies its penalizers in a set's iteration order, which changes
+    between its starts (seen here: the same requests replayed additive-then-scaling on one start and
+    scaling-then-additive on another): the trainer cannot know it, so the run is refused before it samples."""
+    url, ckpt = sglang_server
+    cfg = run_config(ckpt, tmp_path, rollout_url=url, rollout_repetition_penalty=1.3, rollout_presence_penalty=0.2)
+    with pytest.raises(ConfigError, match="the repetition penalty with a frequency or presence penalty has no"):
+        train(cfg)
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
 def test_an_engine_that_would_compute_other_bits_is_refused_before_anything_trains(tiny_checkpoint, tmp_path):

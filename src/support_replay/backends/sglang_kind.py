@@ -98,6 +98,15 @@ class SGLangKind(EngineKind):
                 "--disable-overlap-schedule only (its "
                 "overlap scheduler counts the history one token late)"
             )
+        if penalties.repetition != 1 and (penalties.frequency or penalties.presence):
+            raise ConfigError(
+                f"SGLang {version} at {url}: {penalties.setting()}: the repetition penalty with a frequency or "
+                "presence penalty has no defined order there: without overlap scheduling SGLang applies its "
+                "penalizers one by one in the iteration order of a set of classes (sampling_batch_info.py's "
+                "`penalizers={...}`, penaltylib/orchestrator.py), which changes from one server start to the next, "
+                "and the repetition penalty's scaling does not commute with the others' subtraction; use one of "
+                "them (docs/math.md)"
+            )
         return "sglang"
 
     def weight_sync(self, route: WeightRoute):
