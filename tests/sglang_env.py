@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import subprocess
 import tempfile
 import time
@@ -16,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from support_replay.launch import stop_group
 
 SGLANG_PYTHON = Path(
     os.environ.get("SUPPORT_REPLAY_SGLANG_PYTHON", Path(__file__).parents[1] / ".venv-sglang" / "bin" / "python")
@@ -94,7 +95,7 @@ def sglang_process(checkpoint, port: int, *extra: str, timeout: float = 300.0):
             _wait_up(url, proc, timeout, log)
             yield url
         finally:
-            _stop_group(proc)
+            stop_group(proc, grace=30.0)
             log.unlink(missing_ok=True)
 
 
@@ -110,24 +111,3 @@ def _wait_up(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> Non
             pass
         time.sleep(0.5)
     raise RuntimeError(f"SGLang at {url} not up after {timeout} s: {log.read_text()[-3000:]}")
-
-
-def _stop_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    """SIGTERM to the group; its children take 5-10 s to exit; SIGKILL to what is left after ``grace``."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        proc.poll()
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()

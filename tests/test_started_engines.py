@@ -94,27 +94,26 @@ def test_launch_settings_that_cannot_hold_are_refused_by_name(argv, message, cap
 
 @pytest.mark.slow
 def test_the_sglang_command_line_parses_in_sglangs_own_parser(tmp_path):
-    """The command the launch would run on a GPU machine, checked by SGLang 0.5.23's ``prepare_server_args``."""
-    import sglang_code
-    import sglang_parser
+    """The command the launch would run on a GPU machine, checked by SGLang 0.5.23's ``prepare_server_args`` in
+    SGLang's own environment (make sglang)."""
+    from sglang_env import SGLANG_PYTHON, sglang_missing
 
-    try:
-        env = {"PYTHONPATH": sglang_parser.pythonpath()}
-    except sglang_code.Unavailable as exc:
-        pytest.skip(f"SGLang's parser is not available here: {exc}")
+    if (why := sglang_missing()) is not None:
+        pytest.skip(why)
     server = (*SEED_SGLANG, "--sglang-enable-lora", "--sglang-max-lora-rank", "16", "--sglang-lora-target-modules=all")
     server += ("--sglang-page-size", "16")
-    cfg = launched(launch_server="sglang", sglang_server_args=server, rollout_num_gpus_per_engine=2)
+    sglang = dict(launch_server="sglang", launch_python=str(SGLANG_PYTHON))
+    cfg = launched(**sglang, sglang_server_args=server, rollout_num_gpus_per_engine=2)
     command = engine_command(cfg, "/models/qwen3", 30001, 1, tmp_path)
-    assert command[1:3] == ["-m", "sglang.launch_server"]
+    assert command[:3] == [str(SGLANG_PYTHON), "-m", "sglang.launch_server"]
     assert (
         " ".join(command[3:13])
         == "--model-path /models/qwen3 --host 127.0.0.1 --port 30001 --tp-size 2 --base-gpu-id 2"
     )
-    check_sglang_command(command, env=env)
-    wrong = launched(launch_server="sglang", sglang_server_args=("--sglang-attention-backend", "fa9"))
+    check_sglang_command(command)
+    wrong = launched(**sglang, sglang_server_args=("--sglang-attention-backend", "fa9"))
     with pytest.raises(ConfigError, match="SGLang's parser refuses the engines' command line: .*invalid choice: 'fa9'"):
-        check_sglang_command(engine_command(wrong, "/m", 1, 0, tmp_path), env=env)
+        check_sglang_command(engine_command(wrong, "/m", 1, 0, tmp_path))
 
 
 @pytest.mark.slow
@@ -154,3 +153,38 @@ def test_two_trainer_ranks_train_through_the_two_engines_they_started(tiny_check
     assert written["rollout_url"] is None and written["rollout_num_gpus_per_engine"] == 1
     assert written["sglang_server_args"][:2] == ["--sglang-decode-log-interval", "2"]
     assert written["sglang_server_concurrency"] == 4
+
+
+@pytest.mark.slow
+def test_a_run_launches_sglang_itself_and_trains_through_it(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """The reference command's launch flags with --launch-server sglang: SGLang 0.5.23's own launch_server started
+    by the run (from make sglang's environment) on its CPU path, GRPO with --ci-test through it; with the
+    reference's --sglang-enable-deterministic-inference SGLang refuses to start, and the run stops quoting its reason:
+    it admits deterministic inference only with attention backends that need a GPU or an NPU
+    (arg_groups/choices.py: DETERMINISTIC_ATTENTION_BACKEND_CHOICES, checked in arg_groups/overrides.py)."""
+    from sglang_env import SGLANG_PYTHON, sglang_missing
+
+    if (why := sglang_missing()) is not None:
+        pytest.skip(why)
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")  # SGLang's own opt-in to its CPU platform
+    out = tmp_path / "run"
+    flags = ["--hf-checkpoint", str(tiny_checkpoint), "--num-rollout", "2", "--rollout-batch-size", "2"]
+    flags += ["--n-samples-per-prompt", "4", "--global-batch-size", "8", "--rollout-max-response-len", "10"]
+    flags += ["--custom-rm-path", "rewards_for_tests:digit_share", "--rollout-top-p", "0.8", "--rollout-top-k", "32"]
+    flags += ["--ci-test", "--no-progress", "--output-dir", str(out), "--rollout-num-gpus-per-engine", "1"]
+    flags += ["--launch-server", "sglang", "--launch-python", str(SGLANG_PYTHON)]
+    flags += ["--sglang-mem-fraction-static", "0.4", "--sglang-decode-log-interval", "1000"]  # the reference's
+    flags += ["--sglang-device", "cpu", "--sglang-attention-backend", "torch_native"]  # SGLang's CPU path
+    flags += ["--sglang-sampling-backend", "pytorch", "--sglang-disable-overlap-schedule"]
+    flags += ["--sglang-max-total-tokens", "4096", "--sglang-skip-server-warmup", "--sglang-sleep-on-idle"]
+    assert main(["train", *flags, "--sglang-enable-deterministic-inference"]) == 2
+    said = capsys.readouterr().err
+    assert "exited with 1" in said  # SGLang's launch_server stopped at start, and its own reason is quoted:
+    assert "attention backends are supported for deterministic inference" in said and "'torch_native'" in said
+    assert main(["train", *flags]) == 0, capsys.readouterr().err
+    assert "started 1 sglang engine(s)" in capsys.readouterr().out
+    command = (out / "logs" / "engine0.log").read_text().splitlines()[0]
+    assert command.startswith(f"$ {SGLANG_PYTHON} -m sglang.launch_server --model-path ")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout"] for r in rows] == [0, 1]
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0 for r in rows)

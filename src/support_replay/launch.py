@@ -40,7 +40,8 @@ def wait_healthy(
             tail = log.read_text()[-2000:] if log is not None and log.exists() else ""
             raise SupportReplayError(f"process for {url} exited with {proc.returncode}: {tail}")
         try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+            # SGLang's /health runs a one-token generation (about a second on a CPU): give it time to answer
+            if httpx.get(url + "/health", timeout=5.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -57,20 +58,41 @@ def process(args: list[str], url: str | None, log: Path, timeout: float = 120.0,
         out.write(f"$ {shlex.join(args)}\n")  # what ran, first
         out.flush()
         proc = subprocess.Popen(
-            args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,  # its own process group: a server's children (SGLang's scheduler...) go with it
         )
         try:
             if url is not None:
                 wait_healthy(url, proc, timeout, log)
             yield proc
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """SIGTERM to ``proc``'s process group, SIGKILL to whatever of it is left after ``grace`` seconds; returns once
+    the group is gone (SGLang's children take 5-10 s to exit after its launcher)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        proc.wait()
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        proc.poll()  # reaps the leader, so the group can empty
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:

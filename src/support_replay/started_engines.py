@@ -67,7 +67,7 @@ def engine_command(cfg: RunConfig, checkpoint: str, port: int, index: int, weigh
     per = launch.rollout_num_gpus_per_engine
     extra = server_flags(launch.sglang_server_args)
     if launch.launch_server == "sglang":
-        command = [sys.executable, "-m", "sglang.launch_server", "--model-path", checkpoint]
+        command = [launch.launch_python or sys.executable, "-m", "sglang.launch_server", "--model-path", checkpoint]
         command += ["--host", "127.0.0.1", "--port", str(port), "--tp-size", str(per)]
         command += ["--base-gpu-id", str(index * per), "--dtype", replay.rollout_dtype]
         command += ["--random-seed", str(rollout.rollout_seed)]
@@ -114,10 +114,10 @@ def check_serve_command(command: list[str]) -> None:
 
 
 def check_sglang_command(command: list[str], env: dict | None = None) -> None:
-    """Parse ``command`` with SGLang's ``prepare_server_args``, in a Python that has SGLang (this one, or
-    ``env``'s ``PYTHONPATH``); its error is the refusal."""
+    """Parse ``command`` with SGLang's ``prepare_server_args``, in the Python that will run it (``--launch-python``,
+    or this one with ``env``'s ``PYTHONPATH``); its error is the refusal."""
     done = subprocess.run(
-        [sys.executable, "-c", CHECK_SGLANG, *command[3:]],
+        [command[0], "-c", CHECK_SGLANG, *command[3:]],  # the Python that will run it
         capture_output=True,
         text=True,
         env={**os.environ, **(env or {})},
@@ -127,8 +127,8 @@ def check_sglang_command(command: list[str], env: dict | None = None) -> None:
         return
     if "No module named 'sglang" in done.stderr:
         raise ConfigError(
-            "--launch-server=sglang: SGLang is not installed in this Python (install it on a machine with its "
-            "GPUs, or use --launch-server support-replay)"
+            f"--launch-server=sglang: SGLang is not installed in {command[0]} (--launch-python names one that has "
+            "it, e.g. make sglang's .venv-sglang/bin/python; or use --launch-server support-replay)"
         )
     lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
     raise ConfigError(f"SGLang's parser refuses the engines' command line: {lines[-1] if lines else done.returncode}")

@@ -168,6 +168,16 @@ def test_the_audit_of_a_server_answering_as_sglang(tiny_checkpoint, tmp_path):
     assert report["findings"] == [] and report["boundary_flips"]["checked"]
 
 
+@pytest.mark.slow
+def test_the_audit_of_the_real_sglang_server(sglang_server, tmp_path):
+    """SGLang 0.5.23 itself (make sglang): truncation named as the whole full-vocabulary bias, replay certified."""
+    url, ckpt = sglang_server
+    report = run_audit(audit_config(ckpt, tmp_path, rollout_url=url), AuditSettings())
+    assert report["engine"]["name"] == "sglang" and report["engine"]["version"] == "0.5.23"
+    assert report["causes"]["truncation"]["share"] > 0.95 and report["verdict"]["pass"], report["verdict"]
+    assert report["findings"] == []
+
+
 def test_bad_flags_and_an_unreachable_engine_are_errors_by_name(tiny_checkpoint, tmp_path, capsys):
     base = ["audit", "--hf-checkpoint", str(tiny_checkpoint), "--output-dir", str(tmp_path / "cli")]
     assert main([*base, "--max-mismatch-kl", "-1"]) == 2

@@ -238,6 +238,19 @@ def test_the_repetition_penalty_beside_another_is_refused_for_sglang(sglang_serv
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+def test_agent_episodes_through_real_sglang(sglang_server, tmp_path):
+    """Sessions in front of SGLang 0.5.23 itself: each turn a /generate with input_ids, --ci-test per token."""
+    from recipe_helpers import agent_config
+
+    url, ckpt = sglang_server
+    try:
+        rows = train(agent_config(ckpt, tmp_path, agent="chain", rollout_url=url, max_episode_tokens=120))
+    finally:
+        restore_sglang(url, ckpt, tmp_path)
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0 for r in rows)
+    assert rows[0]["episode_turns_mean"] > 1 and rows[0]["inserted_token_share"] > 0
+
+
 def test_an_engine_that_would_compute_other_bits_is_refused_before_anything_trains(tiny_checkpoint, tmp_path):
     """A served engine in another dtype, or not deterministic, is refused by name before the first rollout."""
     ctx, url = engine_process(tiny_checkpoint, "--deterministic", "--dtype", "bfloat16")

@@ -393,6 +393,8 @@ class RunConfig(BaseModel):
                 "true-on-policy mode checks the engine runs our batch-invariant kernels (support-replay serve "
                 "--deterministic); SGLang's deterministic inference is not bitwise with this trainer",
             )
+        if launch.launch_server != "sglang" and launch.launch_python is not None:
+            bad("launch_python", launch.launch_python, "names the Python of SGLang's server: --launch-server sglang")
         if launch.launch_server == "sglang" and engine.weight_transport == "http":
             bad("weight_transport", "http", "SGLang loads weights from a directory (/update_weights_from_disk)")
         launch.engine_count(self.parallel.actor_ranks or 1, engine.colocate)  # refuses a count that does not divide

@@ -44,6 +44,11 @@ class LaunchConfig(Section):
         description="the server started per engine: support-replay serve (takes the SGLang names of the flags it "
         "implements) or SGLang's launch_server (a machine with SGLang and its GPUs)",
     )
+    launch_python: str | None = Field(
+        None,
+        description="with --launch-server sglang: the Python whose environment has SGLang (its own venv, e.g. "
+        "make sglang's .venv-sglang/bin/python; default: this one)",
+    )
     sglang_server_args: tuple[str, ...] = Field(
         (),
         description="the --sglang-* flags as given, handed to each engine's server without the prefix",
