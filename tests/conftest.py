@@ -150,7 +150,8 @@ def sglang_server(tiny_checkpoint):
     if (why := sglang_missing()) is not None:
         pytest.skip(why)
     start = time.monotonic()
-    with sglang_process(tiny_checkpoint, free_port()) as url:
+    server, url = sglang_process(tiny_checkpoint, free_port())
+    with server:
         import httpx
 
         version = httpx.get(url + "/server_info", timeout=30).json().get("version", "?")

@@ -13,13 +13,13 @@ from support_replay.launch import process as launch_process
 
 
 @contextmanager
-def process(args: list[str], url: str, health: bool = True, timeout: float = 120.0):
+def process(args: list[str], url: str, health: bool = True, timeout: float = 120.0, env: dict | None = None):
     """``launch.process`` with its output in a temporary file, removed afterwards."""
     fd, name = tempfile.mkstemp(prefix="support-replay-proc-", suffix=".log")
     os.close(fd)
     log = Path(name)
     try:
-        with launch_process(args, url if health else None, log, timeout) as proc:
+        with launch_process(args, url if health else None, log, timeout, env) as proc:
             yield proc
     finally:
         log.unlink(missing_ok=True)

@@ -9,14 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
-import tempfile
-import time
-from contextlib import contextmanager
 from pathlib import Path
-
-import httpx
-
-from support_replay.launch import stop_group
 
 SGLANG_PYTHON = Path(
     os.environ.get("SUPPORT_REPLAY_SGLANG_PYTHON", Path(__file__).parents[1] / ".venv-sglang" / "bin" / "python")
@@ -72,42 +65,14 @@ def sglang_server_args(checkpoint, port: int, *extra: str) -> list[str]:
     ]
 
 
-SGLANG_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+SGLANG_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
-@contextmanager
 def sglang_process(checkpoint, port: int, *extra: str, timeout: float = 300.0):
-    """The server (launcher, tokenizer manager, scheduler, detokenizer) in a process group of its own, up when
-    ``/model_info`` answers (its ``/health`` runs a generation, about a second), the whole group gone after."""
-    fd, name = tempfile.mkstemp(prefix="support-replay-sglang-", suffix=".log")
-    os.close(fd)
-    log = Path(name)
+    """``(process context, url)`` of the server (launcher, tokenizer manager, scheduler, detokenizer): the
+    project's ``launch.process``, which runs it in a process group of its own, waits for ``/health`` and stops the
+    whole group after."""
+    from processes import process
+
     url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            sglang_server_args(checkpoint, port, *extra),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **SGLANG_ENV},
-            start_new_session=True,
-        )
-        try:
-            _wait_up(url, proc, timeout, log)
-            yield url
-        finally:
-            stop_group(proc, grace=30.0)
-            log.unlink(missing_ok=True)
-
-
-def _wait_up(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"SGLang at {url} exited with {proc.returncode}: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/model_info", timeout=10).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"SGLang at {url} not up after {timeout} s: {log.read_text()[-3000:]}")
+    return process(sglang_server_args(checkpoint, port, *extra), url, timeout=timeout, env=SGLANG_ENV), url
