@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import subprocess
 import sys
 from contextlib import ExitStack, contextmanager
@@ -113,14 +112,13 @@ def check_serve_command(command: list[str]) -> None:
         raise ConfigError(f"{where}: {why} (support-replay serve's parser, for the engines this run starts)") from None
 
 
-def check_sglang_command(command: list[str], env: dict | None = None) -> None:
+def check_sglang_command(command: list[str]) -> None:
     """Parse ``command`` with SGLang's ``prepare_server_args``, in the Python that will run it (``--launch-python``,
-    or this one with ``env``'s ``PYTHONPATH``); its error is the refusal."""
+    or this one); its error is the refusal."""
     done = subprocess.run(
         [command[0], "-c", CHECK_SGLANG, *command[3:]],  # the Python that will run it
         capture_output=True,
         text=True,
-        env={**os.environ, **(env or {})},
         timeout=300,
     )
     if done.returncode == 0:
