@@ -138,25 +138,37 @@ def vllm_server(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def sglang_server(tiny_checkpoint):
-    """One real SGLang 0.5.23 server for the session, on its CPU path (about 15 s to start, 2 GB): its own HTTP
-    server, scheduler, ``Qwen3ForCausalLM`` and PyTorch sampler, on the tiny checkpoint. ``(url, checkpoint)``."""
+def sglang_servers(tiny_checkpoint):
+    """Two real SGLang 0.5.23 servers for the session, on its CPU path, started side by side (about 20 s, 2 GB
+    each): its own HTTP server, scheduler, ``Qwen3ForCausalLM`` and PyTorch sampler, on the tiny checkpoint. The
+    second is for smg in front of two. Each a ``SGLangServer`` (url, checkpoint, its log)."""
     import time
+    from contextlib import ExitStack
+
+    import httpx
 
     from exercised import ran
-    from processes import free_port
-    from sglang_env import sglang_missing, sglang_process
+    from processes import free_port, terminate_group, wait_healthy
+    from sglang_env import SGLangServer, sglang_missing, sglang_process
 
     if (why := sglang_missing()) is not None:
         pytest.skip(why)
     start = time.monotonic()
-    server, url = sglang_process(tiny_checkpoint, free_port())
-    with server:
-        import httpx
+    with ExitStack() as stack:
+        servers = [sglang_process(tiny_checkpoint, free_port(), health=False) for _ in range(2)]
+        procs = [stack.enter_context(server) for server, _ in servers]
+        stack.callback(lambda: [terminate_group(proc) for proc in procs])  # runs first: both stop side by side
+        for proc, (_, url) in zip(procs, servers):
+            wait_healthy(url, proc, timeout=300, log=proc.log)
+        version = httpx.get(servers[0][1] + "/server_info", timeout=30).json().get("version", "?")
+        ran("SGLang (its server, real)", f"{version}, two up in {time.monotonic() - start:.0f} s")
+        yield [SGLangServer(url, tiny_checkpoint, proc.log) for proc, (_, url) in zip(procs, servers)]
 
-        version = httpx.get(url + "/server_info", timeout=30).json().get("version", "?")
-        ran("SGLang (its server, real)", f"{version}, up in {time.monotonic() - start:.0f} s")
-        yield url, tiny_checkpoint
+
+@pytest.fixture(scope="session")
+def sglang_server(sglang_servers):
+    """The first of the session's SGLang servers: ``(url, checkpoint)``."""
+    return sglang_servers[0].url, sglang_servers[0].checkpoint
 
 
 @pytest.fixture

@@ -14,15 +14,28 @@ from support_replay.launch import process as launch_process
 
 @contextmanager
 def process(args: list[str], url: str, health: bool = True, timeout: float = 120.0, env: dict | None = None):
-    """``launch.process`` with its output in a temporary file, removed afterwards."""
+    """``launch.process`` with its output in a temporary file (``proc.log``, for a caller that waits for it
+    itself), removed afterwards."""
     fd, name = tempfile.mkstemp(prefix="support-replay-proc-", suffix=".log")
     os.close(fd)
     log = Path(name)
     try:
         with launch_process(args, url if health else None, log, timeout, env) as proc:
+            proc.log = log
             yield proc
     finally:
         log.unlink(missing_ok=True)
+
+
+def terminate_group(proc) -> None:
+    """SIGTERM to a ``process``'s group without waiting, so that several stop side by side (its context's exit
+    then waits for it)."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
 
 
 def engine_process(checkpoint, *extra: str):

@@ -10,6 +10,7 @@ import functools
 import os
 import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 SGLANG_PYTHON = Path(
     os.environ.get("SUPPORT_REPLAY_SGLANG_PYTHON", Path(__file__).parents[1] / ".venv-sglang" / "bin" / "python")
@@ -68,11 +69,22 @@ def sglang_server_args(checkpoint, port: int, *extra: str) -> list[str]:
 SGLANG_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def sglang_process(checkpoint, port: int, *extra: str, timeout: float = 300.0):
+def sglang_process(checkpoint, port: int, *extra: str, timeout: float = 300.0, health: bool = True):
     """``(process context, url)`` of the server (launcher, tokenizer manager, scheduler, detokenizer): the
-    project's ``launch.process``, which runs it in a process group of its own, waits for ``/health`` and stops the
-    whole group after."""
+    project's ``launch.process``, which runs it in a process group of its own, waits for ``/health`` (unless
+    ``health`` is false: the caller waits) and stops the whole group after."""
     from processes import process
 
     url = f"http://127.0.0.1:{port}"
-    return process(sglang_server_args(checkpoint, port, *extra), url, timeout=timeout, env=SGLANG_ENV), url
+    args = sglang_server_args(checkpoint, port, *extra)
+    return process(args, url, health=health, timeout=timeout, env=SGLANG_ENV), url
+
+
+class SGLangServer(NamedTuple):
+    url: str
+    checkpoint: Path
+    log: Path  # its output (uvicorn's access lines among it)
+
+    def generate_calls(self) -> int:
+        """How many ``POST /generate`` it answered 200, from its access log."""
+        return self.log.read_text(errors="replace").count('"POST /generate HTTP/1.1" 200')
