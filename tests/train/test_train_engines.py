@@ -1,5 +1,6 @@
 """GRPO with --ci-test through external engines: a server answering as SGLang 0.5.23 does (its own
-sampler and payload code), smg in front of two of our engines, and a real vLLM server."""
+sampler and payload code), smg in front of two of our engines and of two real SGLang servers, real SGLang
+with penalties, and a real vLLM server."""
 
 import sys
 
@@ -59,11 +60,7 @@ def test_grpo_through_smg_in_front_of_two_engines(tiny_checkpoint, tmp_path):
     with a, b:
         ctx, url = smg_router([url_a, url_b])
         with ctx:
-            for _ in range(100):  # smg registers a worker after probing it
-                workers = httpx.get(url + "/v1/rl/workers", timeout=5).json()["workers"]
-                if len(workers) == 2 and all(w["health"] == "ready" for w in workers):
-                    break
-                __import__("time").sleep(0.2)
+            workers = ready_workers(url, 2)
             assert {w["engine"] for w in workers} == {"sglang"}  # our serve registers as what it speaks
             rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url))
             # the weights reached both engines through smg's RL fan-out, under the trainer's name
@@ -85,6 +82,16 @@ def test_grpo_through_smg_in_front_of_two_engines(tiny_checkpoint, tmp_path):
             assert len(chat["choices"][0]["meta_info"]["output_token_sampling_mask"]) == 4
     for r in rows:
         assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0
+
+
+def ready_workers(url: str, count: int) -> list[dict]:
+    """smg's workers once ``count`` are registered and ready (it registers a worker after probing it)."""
+    for _ in range(150):
+        workers = httpx.get(url + "/v1/rl/workers", timeout=5).json()["workers"]
+        if len(workers) == count and all(w["health"] == "ready" for w in workers):
+            return workers
+        __import__("time").sleep(0.2)
+    raise AssertionError(f"smg at {url}: {count} ready workers expected, it lists {workers}")
 
 
 def test_grpo_through_real_vllm_with_weight_sync(vllm_server, tmp_path):
@@ -181,16 +188,27 @@ def restore_sglang(url: str, ckpt, tmp_path) -> None:
     SGLangSync(url, tmp_path / "restore").push(load_file(str(ckpt / "model.safetensors")), "default")
 
 
-def test_grpo_through_real_sglang_with_weight_sync(sglang_server, tmp_path):
-    """GRPO with --ci-test through SGLang 0.5.23 itself: its sampler's log mu on each token's support against our
-    trainer's support log-probs, weights pushed after every update through its /update_weights_from_disk."""
-    url, ckpt = sglang_server
+def test_grpo_through_smg_in_front_of_two_real_sglang_servers(sglang_servers, tmp_path):
+    """GRPO with --ci-test through smg in front of two SGLang 0.5.23 servers: their sampler's log mu on each
+    token's support against our trainer's support log-probs, weights pushed after every update through smg's RL
+    fan-out to each server's own /update_weights_from_disk."""
+    pytest.importorskip("smg", reason="smg (PyPI) is not installed")
+    urls, ckpt = [server.url for server in sglang_servers], sglang_servers[0].checkpoint
+    before = [server.generate_calls() for server in sglang_servers]
+    ctx, url = smg_router(urls)
     try:
-        rows = train(run_config(ckpt, tmp_path, rollout_url=url, rollout_engine="sglang"))
-        info = httpx.get(url + "/model_info", timeout=30).json()
-        assert info["weight_version"] == "3"  # synced after every update
+        with ctx:
+            workers = ready_workers(url, 2)
+            assert {w["engine"] for w in workers} == {"sglang"} and {w["url"] for w in workers} == set(urls)
+            rows = train(run_config(ckpt, tmp_path, rollout_url=url, rollout_engine="sglang"))
+            # both servers sampled, and both hold the trainer's last weights under its name
+            served = [server.generate_calls() - calls for server, calls in zip(sglang_servers, before)]
+            versions = [httpx.get(u + "/model_info", timeout=30).json()["weight_version"] for u in urls]
     finally:
-        restore_sglang(url, ckpt, tmp_path)
+        for u in urls:
+            restore_sglang(u, ckpt, tmp_path)
+    assert versions == ["3", "3"]
+    assert min(served) > 0, f"smg sent {served} /generate calls to the two servers"
     for r in rows:  # every rollout after the first was sampled by weights the trainer pushed
         assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and 0.999 < r["replay_ratio_mean"] < 1.001
         assert r["policy_lag_max"] == 0
