@@ -10,6 +10,7 @@
     running.py         a running request's state and its Completion; running_batch.py, the rows decoding together
     request_checks.py  what a request is refused for before it takes a slot (a mixin of Engine: the request half)
     engine_weights.py  weights, adapters and versions queued in order with requests (a mixin: the weights half)
+    pausing.py         pause and continue between decode steps (abort, retract, in_place): updates under running rows
     weight_updates.py  weights from disk or memory, checked before any is copied
     ledger.py, limits.py, kv_budget.py   counts and request ids, request limits, the KV memory budget
 
@@ -18,7 +19,8 @@ batch), runs one decode step for every running sequence, samples through the rep
 (capturing S_t and log mu only for rows that asked), and finishes sequences that hit
 EOS, a stop token, a stop string or their token budget. Requests and weight updates share
 one FIFO: an update applies once every request submitted before it has finished, and
-requests submitted after it run on the new weights (docs/engines.md).
+requests submitted after it run on the new weights (docs/engines.md); while generation is
+paused (engine/pausing.py) an update applies at once and the running rows go on under it.
 
 Admission keeps the KV pool within its budget (engine/kv_budget.py): each request reserves its
 prompt plus ``max_new_tokens`` in whole blocks when it is admitted, in queue order, and waits
@@ -63,6 +65,7 @@ from .limits import EngineLimits
 from .lora_adapter import AdapterSlot
 from .model_runner import ModelRunner, cached_columns, load_model_and_tokenizer
 from .paged_cache import PagedCache
+from .pausing import Pausing
 from .prefix_cache import PrefixCache
 from .request_checks import RequestChecks
 from .row_step import RowFailure
@@ -98,7 +101,7 @@ class StreamedFuture(Future):
             self.on_token = lambda _: None
 
 
-class Engine(RequestChecks, EngineWeights):
+class Engine(RequestChecks, EngineWeights, Pausing):
     def __init__(self, model, tokenizer, settings: EngineSettings = EngineSettings()):
         self.settings, self.tokenizer = settings, tokenizer
         self.deterministic = settings.deterministic
@@ -127,6 +130,7 @@ class Engine(RequestChecks, EngineWeights):
         self._adapter_lock = threading.Lock()  # a load or unload and its place in the queue, together
         self.decode_log = DecodeLog(settings.decode_log_interval)  # SGLang's decode line every N steps
         self._flush_cache = False
+        self._init_pausing()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._looping_here = False  # ``run``: the loop runs in a caller's thread (serve's main thread)
@@ -305,7 +309,12 @@ class Engine(RequestChecks, EngineWeights):
                     )
 
     def step(self, block: bool = False) -> None:
-        """One iteration: a drained weight update, admissions, one decode step."""
+        """One iteration: a drained weight update, admissions, one decode step (while paused, only updates)."""
+        self._apply_controls()
+        if self.paused is not None:
+            self._flush_if_asked()
+            self._step_paused(block)
+            return
         updated = self.scheduler.update is not None and not self.batch
         if updated:
             self._apply_update(*self.scheduler.update)
@@ -375,7 +384,12 @@ class Engine(RequestChecks, EngineWeights):
                 self._finish_failed(request, future, exc, "admission")
         if not seqs:
             return
-        for bucket in prefill_buckets(seqs):  # prompts of like length together: the left padding stays small
+        self._prefill_and_join(seqs)
+
+    def _prefill_and_join(self, seqs: list[RunningRequest]) -> None:
+        """Prefill ``seqs`` bucket by bucket and join them to the batch; where a bucket fails, one by one, and a
+        row that fails alone fails its request."""
+        for bucket in prefill_buckets(seqs, length=lambda s: len(s.fed_ids())):  # like lengths: little padding
             try:
                 groups = [(bucket, *self._prefill(bucket))]
             except Exception:
@@ -394,7 +408,7 @@ class Engine(RequestChecks, EngineWeights):
         computes only the columns past them (engine/prefix_cache.py, ``model_runner.cached_columns``).
         The rows that asked keep their prompts' routing (a hit's cached positions report the routing
         their entry kept)."""
-        prompts = [s.request.input_ids for s in group]
+        prompts = [s.fed_ids() for s in group]
         matches = [self.prefix_cache.match(p, routing=s.request.return_routed_experts) for p, s in zip(prompts, group)]
         routing = any(s.request.return_routed_experts for s in group)
         page = self.runner.pool.block_size
@@ -405,6 +419,14 @@ class Engine(RequestChecks, EngineWeights):
         if routing:
             keep_routing(group, self.runner.routing_rows)
         return cache, logits
+
+    def _recompute(self, rows: list[RunningRequest]) -> None:
+        """Retracted rows back into the batch (engine/pausing.py): their prompt and outputs prefilled again under
+        the current weights, then each samples its next token from those logits. A row's routing becomes the
+        recompute's (the forward its later tokens follow)."""
+        for seq in rows:
+            seq.position, seq.epoch, seq.routing = len(seq.fed_ids()), self.prefix_cache.epoch, []
+        self._prefill_and_join(rows)
 
     def _join(self, group: list[RunningRequest], cache: PagedCache, logits: torch.Tensor) -> None:
         """A prefilled group joins the running batch and samples its first tokens."""

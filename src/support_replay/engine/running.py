@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..core.support import SupportTable
-from ..protocol import Completion, GenerateRequest, sampler_record, single_version
+from ..protocol import Completion, GenerateRequest, VersionSpan, sampler_record
 from .row_step import RowStep
 from .stopping import output_text
 
@@ -41,6 +41,29 @@ class RunningRequest:
     need: int = 0  # cache columns reserved: prompt + max_new_tokens + the write column (engine/kv_budget.py)
     captured: int = 0  # support ids captured so far (EngineLimits.max_capture_ids_running)
     epoch: int = 0  # the weights it was admitted under (PrefixCache.epoch): its keys and values are theirs
+    versions: list[tuple[str, int]] = field(default_factory=list)  # (old version, outputs it had sampled) per switch
+
+    def fed_ids(self) -> list[int]:
+        """The prompt and every output so far: what a prefill of this row computes (a retracted row's recompute)."""
+        return [*self.request.input_ids, *self.output_ids]
+
+    def new_version(self, old: str) -> None:
+        """The weights changed under this row (a paused engine's update): its outputs so far were ``old``'s."""
+        if self.output_ids:
+            self.versions.append((old, len(self.output_ids)))
+
+    def version_spans(self, current: str) -> list[VersionSpan]:
+        """Which weights sampled which outputs (SGLang's ``compute_weight_version_spans``)."""
+        spans: list[VersionSpan] = []
+        for version, end in [*self.versions, (current, len(self.output_ids))]:
+            start = spans[-1].end if spans else 0
+            if end <= start:
+                continue
+            if spans and spans[-1].version == version:
+                spans[-1] = VersionSpan(version, spans[-1].start, end)
+            else:
+                spans.append(VersionSpan(str(version), start, end))
+        return spans or [VersionSpan(str(current), 0, 0)]
 
     def record(self, step: RowStep) -> None:
         """Keep what one step sampled and captured for this request."""
@@ -73,8 +96,8 @@ class RunningRequest:
             log_mu=np.asarray(self.log_mu, np.float32) if capture else None,
             support=SupportTable.from_rows(self.supports) if capture else None,
             full_logprobs=np.asarray(self.full_logprobs, np.float32) if req.return_logprob else None,
-            # an update waits for the running batch to drain: one version per response
-            weight_versions=single_version(weight_version, len(self.output_ids)),
+            # one version unless an update applied while generation was paused (engine/pausing.py)
+            weight_versions=self.version_spans(weight_version),
             text=text,
             support_row_logprobs=list(self.support_row_logprobs) if support_mode else None,
             routed_experts=np.concatenate(self.routing) if req.return_routed_experts else None,

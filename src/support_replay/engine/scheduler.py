@@ -2,7 +2,8 @@
 budget have room; prompts of like length prefilled together.
 
 An update is taken like a request and then waits until the running batch has drained; requests
-behind it wait for it (docs/engines.md). A request that does not fit the KV budget now waits,
+behind it wait for it (docs/engines.md). While generation is paused (engine/pausing.py) updates are
+taken at once, ahead of the requests. A request that does not fit the KV budget now waits,
 first in line, until rows leave.
 """
 
@@ -86,6 +87,26 @@ class Scheduler:
                 except queue.Empty:
                     break
         return taken
+
+    def take_paused(self, aborted: Callable[[GenerateRequest, Future, str], None]) -> list[tuple]:
+        """While generation is paused (engine/pausing.py): the updates waiting, in their order, taken ahead of
+        the requests, which stay queued in theirs; a waiting request aborted meanwhile is handed to ``aborted``."""
+        updates = []
+        with self.lock:
+            items, self._deferred = self._deferred, []
+            while True:
+                try:
+                    items.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for kind, payload, future in items:
+                if kind == "update":
+                    updates.append((payload, future))
+                elif self.ledger.aborted([future]):
+                    aborted(payload, future, self.ledger.dequeue(future))
+                else:
+                    self._deferred.append((kind, payload, future))
+        return updates
 
     def _next(self, timeout: float | None):
         if self._deferred:
