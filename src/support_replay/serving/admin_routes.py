@@ -1,6 +1,7 @@
 """Admin routes of the engine server: weight updates (from a directory under ``--weights-dir``, or
 one safetensors file in the body), a LoRA adapter from a directory under it (SGLang's
-``/load_lora_adapter`` and ``/unload_lora_adapter``), the weight version's name, and ``/flush_cache``."""
+``/load_lora_adapter`` and ``/unload_lora_adapter``), the weight version's name, ``/flush_cache``, and SGLang's
+``/pause_generation`` and ``/continue_generation`` (weights changed under running requests: engine/pausing.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from ..engine import Engine
 from ..engine.weight_updates import CheckedPath, outside
 from ..errors import RequestError
 from .http_errors import error_response
-from .schemas import LoadLoRAAdapterIn, UnloadLoRAAdapterIn, UpdateWeightsIn, UpdateWeightVersionIn
+from .schemas import (
+    ContinueGenerationIn,
+    LoadLoRAAdapterIn,
+    PauseGenerationIn,
+    UnloadLoRAAdapterIn,
+    UpdateWeightsIn,
+    UpdateWeightVersionIn,
+)
 from .security import WEIGHTS_OVER_HTTP
 
 
@@ -70,6 +78,16 @@ def admin_routes(engine: Engine, weights_dir: Path | None) -> APIRouter:
     async def update_weight_version(body: UpdateWeightVersionIn):
         version = await asyncio.wrap_future(engine.update_weight_version(body.new_version))
         return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+
+    @routes.post("/pause_generation")
+    async def pause_generation(body: PauseGenerationIn):
+        paused = await asyncio.wrap_future(engine.pause_generation(body.mode))
+        return {"message": "Generation paused successfully.", "status": "ok", "mode": body.mode, "requests": paused}
+
+    @routes.post("/continue_generation")
+    async def continue_generation(body: ContinueGenerationIn | None = None):
+        resumed = await asyncio.wrap_future(engine.continue_generation())
+        return {"message": "Generation continued successfully.", "status": "ok", "recomputed": resumed}
 
     @routes.post("/flush_cache")
     async def flush_cache():

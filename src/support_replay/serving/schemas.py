@@ -270,6 +270,22 @@ class UnloadLoRAAdapterIn(BaseModel):
     lora_name: str = Field(min_length=1, max_length=256)
 
 
+class PauseGenerationIn(BaseModel):
+    """SGLang's ``/pause_generation`` body (``PauseGenerationReqInput``; engine/pausing.py says what each mode does)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationIn(BaseModel):
+    """SGLang's ``/continue_generation`` body (``ContinueGenerationReqInput``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    torch_empty_cache: bool = True  # SGLang's: returns CUDA's cached blocks first; a CPU engine has none
+
+
 class UpdateWeightVersionIn(BaseModel):
     """SGLang's ``update_weight_version`` body."""
 

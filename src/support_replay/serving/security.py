@@ -37,6 +37,8 @@ ADMIN_PATHS = (
     "/flush_cache",
     "/load_lora_adapter",
     "/unload_lora_adapter",
+    "/pause_generation",
+    "/continue_generation",
 )
 DEFAULT_MAX_WEIGHTS_BYTES = 64 * 2**30
 
