@@ -10,6 +10,7 @@ import torch
 
 from .. import __version__
 from .kind import EngineKind, Needs, WeightRoute
+from .weight_push import IN_FLIGHT_MODES
 
 
 @dataclass(frozen=True)
@@ -24,11 +25,21 @@ class InProcessEngine:
 
 class InProcessSync:
     def __init__(self, engine, mode: str = "wait"):
-        self.engine, self.abort = engine, mode == "abort"
+        self.engine, self.mode, self.abort = engine, mode, mode == "abort"
 
     def push(self, state: dict[str, torch.Tensor], version: str) -> None:
-        update = self.engine.update_weights(state, version, abort_all_requests=self.abort)
-        self.engine.wait([update])  # runs the engine's steps here when its loop is not started
+        """The weights once the batch drained (``wait``), at once after aborting it (``abort``), or under the
+        running requests (``retract``, ``in_place``: paused, loaded, continued; engine/pausing.py)."""
+        engine = self.engine
+        pause = engine.pause_generation(self.mode) if self.mode in IN_FLIGHT_MODES else None
+        update = engine.update_weights(state, version, abort_all_requests=self.abort)
+        try:
+            engine.wait([f for f in (pause, update) if f is not None])  # runs the steps here without a loop thread
+        finally:
+            if pause is not None:
+                resumed = engine.continue_generation()
+                engine.wait([resumed])
+                resumed.result()
         update.result()
 
 

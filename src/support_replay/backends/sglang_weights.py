@@ -19,7 +19,15 @@ import torch
 
 from ..errors import SupportReplayError
 from ..serving.security import WEIGHTS_OVER_HTTP, Keys
-from .weight_push import ADAPTER_NAME, SYNC_TIMEOUT, AdapterSync, StagedSync, check_success, post_admin
+from .weight_push import (
+    ADAPTER_NAME,
+    SYNC_TIMEOUT,
+    AdapterSync,
+    StagedSync,
+    check_success,
+    paused_generation,
+    post_admin,
+)
 
 SMG_FANOUT = "/v1/rl/engine/update_weights_from_disk"
 
@@ -27,6 +35,30 @@ SMG_FANOUT = "/v1/rl/engine/update_weights_from_disk"
 class SGLangSync(StagedSync):
     def push(self, state: dict[str, torch.Tensor], version: str) -> None:
         body = {"model_path": str(self.stage(state)), "weight_version": version, "abort_all_requests": self.abort}
+        with paused_generation(self.url, self.mode, self._control):  # retract, in_place: under running requests
+            self._load(body)
+
+    def _control(self, path: str, what: str, body: dict) -> None:
+        """An SGLang control call, straight to the engine, or fanned out by smg's RL control plane (which answers
+        the direct path 404 and lists its workers)."""
+        try:
+            headers = Keys.load().header(admin=True)
+            reply = httpx.post(self.url + path, json=body, timeout=SYNC_TIMEOUT, headers=headers)
+        except httpx.HTTPError as exc:
+            raise SupportReplayError(f"weight sync to {self.url}: {what} ({path}) failed: {exc}") from exc
+        if reply.status_code == 404 and self._is_smg():
+            reply = post_admin(self.url, "/v1/rl/engine" + path, what, params={"selector": "engine=sglang"}, json=body)
+            self._check_fanout(reply, what)
+        elif reply.status_code != 200:
+            raise SupportReplayError(
+                f"weight sync to {self.url}: {what} ({path}) answered HTTP {reply.status_code}: {reply.text[:300]}"
+            )
+
+    def _is_smg(self) -> bool:
+        headers = Keys.load().header(admin=True)
+        return httpx.get(self.url + "/v1/rl/workers", timeout=30, headers=headers).status_code == 200
+
+    def _load(self, body: dict) -> None:
         try:
             reply = httpx.post(
                 self.url + "/update_weights_from_disk",
@@ -38,11 +70,7 @@ class SGLangSync(StagedSync):
             raise SupportReplayError(
                 f"weight sync to {self.url}: loading the weights failed: {type(exc).__name__}: {exc}"
             ) from exc
-        if (
-            reply.status_code == 404
-            and httpx.get(self.url + "/v1/rl/workers", timeout=30, headers=Keys.load().header(admin=True)).status_code
-            == 200
-        ):
+        if reply.status_code == 404 and self._is_smg():
             return self._through_smg(body)  # smg: its RL control plane fans the call out
         if reply.status_code == 404:
             raise SupportReplayError(
@@ -60,9 +88,13 @@ class SGLangSync(StagedSync):
         reply = post_admin(
             self.url, SMG_FANOUT, "fanning the weights out through smg", params={"selector": "engine=sglang"}, json=body
         )
+        self._check_fanout(reply, "loading the weights")
+
+    def _check_fanout(self, reply: httpx.Response, what: str) -> None:
+        """Every engine smg fanned the call out to answered 200 (and, for a load, ``success``)."""
         results = reply.json().get("results") or {}
         if not results:
-            raise SupportReplayError(f"weight sync to {self.url}: smg found no engine to load the weights into")
+            raise SupportReplayError(f"weight sync to {self.url}: smg found no engine for {what}")
         for worker, result in results.items():
             if result.get("status") != 200:
                 raise SupportReplayError(
@@ -76,12 +108,16 @@ class BodySync:
     """The weights in the request body (our serve, or our router, which sends them to every engine)."""
 
     def __init__(self, url: str, mode: str = "wait"):
-        self.url, self.abort = url.rstrip("/"), mode == "abort"
+        self.url, self.mode, self.abort = url.rstrip("/"), mode, mode == "abort"
 
     def push(self, state: dict[str, torch.Tensor], version: str) -> None:
         from safetensors.torch import save
 
         body = save({k: v.detach().contiguous() for k, v in state.items()})
+        with paused_generation(self.url, self.mode):  # retract, in_place: the load lands under running requests
+            self._send(body, version)
+
+    def _send(self, body: bytes, version: str) -> None:
         headers = {**Keys.load().header(admin=True), "Content-Type": "application/octet-stream"}
         params = {"weight_version": version, "abort_all_requests": str(self.abort).lower()}
         try:

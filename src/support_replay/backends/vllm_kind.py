@@ -24,6 +24,13 @@ class VLLMKind(EngineKind):
 
     @classmethod
     def refusal(cls, settings, *, score_centering: bool):
+        if settings.weight_sync_mode in ("retract", "in_place"):
+            return (
+                "weight_sync_mode",
+                settings.weight_sync_mode,
+                "SGLang's pause modes, which this project drives on SGLang and on its own serve; with vLLM use wait "
+                "or abort (its /pause?mode=wait|abort)",
+            )
         if score_centering and settings.vllm_capture == "native":
             return (
                 "use_score_centering",

@@ -5,7 +5,11 @@ directory. The pushes of each engine kind are beside it (``in_process.py``, ``sg
 Requests running when weights arrive either finish on the old weights first (``wait``, the
 default of every engine here) or are aborted so the weights apply at once (``abort``: SGLang's
 ``abort_all_requests``, vLLM's ``/pause?mode=abort``); the aborted responses come back failed
-and their groups are regenerated or dropped by ``--failed-group-policy``.
+and their groups are regenerated or dropped by ``--failed-group-policy``. Or they go on under the
+new weights (``retract`` and ``in_place``, SGLang's ``/pause_generation`` modes: the push pauses,
+loads, and continues; engine/pausing.py): ``retract`` recomputes their keys and values under the
+new weights, ``in_place`` keeps the old ones (a mismatch ``--ci-test`` names); each token keeps
+the version that sampled it (``weight_versions`` spans).
 
 The HTTP pushes stage ``model.safetensors`` in a directory the engine can read (a shared
 filesystem); it is written beside its final name and renamed, never read half-written. Without
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -52,12 +57,30 @@ def post_admin(url: str, path: str, what: str, hint_404: str = "", **kwargs) -> 
     return reply
 
 
-WEIGHT_SYNC_MODES = ("wait", "abort")
+WEIGHT_SYNC_MODES = ("wait", "abort", "retract", "in_place")
+IN_FLIGHT_MODES = ("retract", "in_place")  # the weights change under running requests (SGLang's pause modes)
+
+
+@contextmanager
+def paused_generation(url: str, mode: str, post=None):
+    """SGLang's ``/pause_generation {"mode"}`` around a weight load for an in-flight mode, and
+    ``/continue_generation`` after it, even when the load failed (the engine must not stay paused); nothing
+    for ``wait`` and ``abort``. ``post(path, what, body)`` sends each (default: ``post_admin`` to ``url``)."""
+    if mode not in IN_FLIGHT_MODES:
+        yield
+        return
+    post = post or (lambda path, what, body: post_admin(url, path, what, json=body))
+    post("/pause_generation", f"pausing generation ({mode})", {"mode": mode})
+    try:
+        yield
+    finally:
+        post("/continue_generation", "continuing generation", {})
 
 
 class StagedSync:
     def __init__(self, url: str, staging: Path, mode: str = "wait"):
-        self.url, self.staging, self.abort = url.rstrip("/"), Path(staging), mode == "abort"
+        self.url, self.staging, self.mode = url.rstrip("/"), Path(staging), mode
+        self.abort = mode == "abort"
 
     def stage(self, state: dict[str, torch.Tensor]) -> Path:
         if self.staging.exists():

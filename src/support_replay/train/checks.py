@@ -63,10 +63,17 @@ def check_policy_lag(
 
 
 def compare_with_rollout(
-    rollout: int, samples: list[Sample], trainer_logp: list[torch.Tensor], *, tolerance: float, fail: bool
+    rollout: int,
+    samples: list[Sample],
+    trainer_logp: list[torch.Tensor],
+    *,
+    tolerance: float,
+    fail: bool,
+    stale_kv: bool = False,
 ) -> dict:
     """Per-token ``|log pi - log mu|`` statistics; raises ``CITestError`` naming the rollout,
-    sample and position of the worst token when ``fail`` and it exceeds ``tolerance``."""
+    sample and position of the worst token when ``fail`` and it exceeds ``tolerance`` (and, with
+    ``stale_kv``, ``--weight-sync-mode in_place``, the push the token came after)."""
     diffs = [
         np.abs(lp.detach().double().cpu().numpy() - s.log_mu.astype(np.float64)) for s, lp in zip(samples, trainer_logp)
     ]
@@ -85,8 +92,23 @@ def compare_with_rollout(
             f"--ci-test failed at rollout {rollout}, sample {s.index}, response position {t}: trainer log pi "
             f"{float(trainer_logp[worst][t]):.6f} vs rollout log mu {float(s.log_mu[t]):.6f} "
             f"(|diff| {diffs[worst][t]:.3e} > tolerance {tolerance:g}; {int((flat > tolerance).sum())} tokens over)"
+            + (after_stale_push(s, t) if stale_kv else "")
         )
     return stats
+
+
+def after_stale_push(sample: Sample, t: int) -> str:
+    """Why a token sampled after an ``in_place`` push differs: the old weights' keys and values of its prefix."""
+    spans = sample.weight_versions
+    first = spans[0] if spans else None
+    if first is None or t < first.end:
+        return ""
+    return (
+        f"; it was sampled after the push at position {first.end} ({first.version!r} -> "
+        f"{next(s.version for s in spans if s.start <= t < s.end)!r}) under --weight-sync-mode in_place, whose "
+        "requests go on with the old weights' keys and values of their prefix: not the trained policy's "
+        "distribution (--weight-sync-mode retract recomputes them)"
+    )
 
 
 class RolloutChecks:
@@ -95,9 +117,19 @@ class RolloutChecks:
     ``trained`` being the samples left after the drift gate (``gate=False``: no gate)."""
 
     def __init__(
-        self, ctx, *, replay: bool, ci_test: bool, tolerance: float, min_support_mass: float, versions, semantics: str
+        self,
+        ctx,
+        *,
+        replay: bool,
+        ci_test: bool,
+        tolerance: float,
+        min_support_mass: float,
+        versions,
+        semantics: str,
+        stale_kv: bool = False,
     ):
         self.ctx, self.replay, self.ci_test, self.tolerance = ctx, replay, ci_test, tolerance
+        self.stale_kv = stale_kv  # --weight-sync-mode in_place: a failure after a push says why
         self.min_support_mass, self.versions = min_support_mass, versions
         self.semantics = semantics  # whose penalty rules the lagged scorer replays (the engine's)
 
@@ -122,4 +154,6 @@ class RolloutChecks:
                     ),
                     self.ctx,
                 )
-        return compare_with_rollout(r, samples, logp, tolerance=self.tolerance, fail=self.ci_test)
+        return compare_with_rollout(
+            r, samples, logp, tolerance=self.tolerance, fail=self.ci_test, stale_kv=self.stale_kv
+        )

@@ -335,6 +335,23 @@ class RunConfig(BaseModel):
 
     def _check_production(self) -> None:
         production = self.production
+        mode = self.engine.weight_sync_mode
+        if mode == "in_place" and self.replay.true_on_policy_mode:
+            bad(
+                "weight_sync_mode",
+                mode,
+                "keeps the old weights' keys and values under the new weights, so the tokens after a push are not "
+                "sampled from the trained policy exactly; --true-on-policy-mode needs --weight-sync-mode retract "
+                "(recomputed under the new weights) or wait",
+            )
+        if mode in ("retract", "in_place") and self.replay.use_rollout_routing_replay:
+            bad(
+                "weight_sync_mode",
+                mode,
+                "a request that goes on under new weights has two routings of its prefix (the old weights' for the "
+                "tokens before the push, the new weights' after), and routing replay carries one per position: use "
+                "--weight-sync-mode wait or abort with --use-rollout-routing-replay",
+            )
         regenerates = production.failed_group_policy == "regenerate" and production.max_regenerations >= 1
         if production.async_rollout and self.engine.weight_sync_mode == "abort" and not regenerates:
             bad(

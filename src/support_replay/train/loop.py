@@ -145,6 +145,7 @@ def _set_up(cfg: RunConfig, ctx, as_given: RunConfig):
         min_support_mass=cfg.replay.min_support_mass,
         versions=versions,
         semantics=rollouts.penalty_semantics,
+        stale_kv=cfg.engine.weight_sync_mode == "in_place",
     )
     slow = slow_bf16(getattr(torch, cfg.replay.train_dtype), ctx.device)
     if ctx.is_main and slow:

@@ -250,10 +250,12 @@ class EngineConfig(Section):
         description="KV positions the in-process engine may hold at its peak (SGLang's flag; default: a quarter of "
         "the memory available at start, leaving the rest to the trainer)",
     )
-    weight_sync_mode: Literal["wait", "abort"] = Field(
+    weight_sync_mode: Literal["wait", "abort", "retract", "in_place"] = Field(
         "wait",
-        description="requests running when weights are pushed: finish them on the old weights, or abort them (their "
-        "groups are regenerated or dropped by --failed-group-policy)",
+        description="requests running when weights are pushed: finish them on the old weights (wait), abort them "
+        "(their groups are regenerated or dropped by --failed-group-policy), or go on under the new weights, "
+        "SGLang's pause modes: retract (their keys and values recomputed under the new weights) or in_place (the "
+        "old keys and values kept: a mismatch --ci-test names); each token keeps the version that sampled it",
     )
     weight_transport: Literal["disk", "http"] = Field(
         "disk",
