@@ -18,7 +18,6 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -87,14 +86,31 @@ def build_directory(name: str) -> Path:
 
 
 def _ninja_on_path() -> None:
-    """PyTorch's builder runs ``ninja`` from PATH; the ``ninja`` package's binary serves where the system has none."""
-    if shutil.which("ninja"):
-        return
+    """PyTorch's builder runs ``ninja`` from PATH: the ``ninja`` package's (a dependency) first, whatever the system
+    has, so that every process builds with one ninja. Two versions on one build directory (a system 1.11 and the
+    package's 1.13 here, found by processes with and without the venv's bin on PATH) each take the other's log for
+    stale and rebuild everything, about 45 s on 2 cores, at every switch. PATH gains a folder holding only a link to
+    the package's binary, so nothing else found on PATH changes."""
     try:
         import ninja
     except ImportError:
         return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    binary = Path(ninja.BIN_DIR) / "ninja"
+    if not binary.is_file():
+        return
+    from ..user_cache import cache_dir
+
+    folder = cache_dir() / "ninja" / ninja.__version__
+    link = folder / "ninja"
+    if not link.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        spare = folder / f"ninja.{os.getpid()}"
+        spare.unlink(missing_ok=True)
+        spare.symlink_to(binary)
+        os.replace(spare, link)  # atomic: a process beside this one sees the link or nothing
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    if path[0] != str(folder):
+        os.environ["PATH"] = os.pathsep.join([str(folder), *(p for p in path if p != str(folder))])
 
 
 STALE_LOCK_SECONDS = 900  # a build takes a minute or two; a lock this old was left by a process that died building
