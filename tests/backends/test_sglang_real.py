@@ -87,3 +87,33 @@ def test_sglang_cannot_serve_lora_adapters_on_a_cpu(failed_starts):
     """``--enable-lora`` with its torch-native backend: every LoRA layer and the backend allocate with
     ``pin_memory=True`` (``lora/layers.py``, ``lora/backend/torch_backend.py``), which needs an accelerator."""
     assert "pin_memory=True requires a CUDA or other accelerator backend" in failed_starts["lora"]
+
+
+def test_a_stopped_request_answers_with_its_tokens_and_their_supports(sglang_server):
+    """SGLang's ``/abort_request {"rid"}`` on a running request (partial rollouts stop the slowest so): its
+    ``/generate`` answers with the tokens so far, finish reason ``abort``, a support and log mu for each, which the
+    backend keeps with ``partial`` (seen: 114 of 500 tokens after 0.4 s)."""
+    import threading
+    import time
+
+    from support_replay import SamplingParams
+    from support_replay.backends.sglang import SGLangBackend
+    from support_replay.protocol import GenerateRequest
+
+    url, _ = sglang_server
+    backend = SGLangBackend(url, 384)
+    params = SamplingParams(temperature=1.0, top_k=8)
+    req = GenerateRequest([1, 2, 3, 4], params, 500, ignore_eos=True, return_sampling_mask=True, rid="stop-me")
+    ended = []
+    answer = []
+    worker = threading.Thread(
+        target=lambda: answer.extend(backend.generate([req], partial=True, on_done=lambda *a: ended.append(a)))
+    )
+    worker.start()
+    time.sleep(0.4)
+    backend.stop([req])
+    worker.join(timeout=120)
+    (completion,) = answer
+    assert completion.finish_reason["type"] == "abort" and ended == [(0, False)]
+    assert 0 < completion.num_tokens < 500 and len(completion.log_mu) == completion.num_tokens
+    assert all(token in row for token, row in zip(completion.output_ids, completion.support.to_lists()))

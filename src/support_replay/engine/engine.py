@@ -242,6 +242,20 @@ class Engine(RequestChecks, EngineWeights, Pausing):
         """The client of ``future`` went away: drop its request, waiting or running."""
         self.ledger.abort(future)
 
+    def stop(self, future: Future) -> bool:
+        """End ``future``'s request before its next decode step with the tokens it has: answered, not failed, with
+        finish reason ``{"type": "abort"}`` and its capture so far (SGLang's ``/abort_request``; partial rollouts
+        keep the tokens). A request still waiting is admitted and stopped after its first token. False when it is
+        neither queued nor running."""
+        return self.ledger.stop(future)
+
+    def stop_request(self, rid: str | None = None) -> int:
+        """``stop`` the request named ``rid``, or every request queued or running (``None``); how many."""
+        if rid is None:
+            return sum(self.stop(f) for f in self.ledger.outstanding())
+        future = self.ledger.running_future(rid)
+        return int(future is not None and self.stop(future))
+
     @property
     def stats(self):
         return self.ledger.stats
@@ -439,6 +453,11 @@ class Engine(RequestChecks, EngineWeights, Pausing):
         gone = [s for s in rows if s.future in why]
         for seq in gone:  # cancelled by their clients or a weight update: stop spending steps on them
             seq.fail(AbortedError(why[seq.future]), "aborted")
+        stopped = self.ledger.stopped([s.future for s in rows if s.future not in why])
+        for seq in rows:
+            if seq.future in stopped:  # answered with what they have (Engine.stop)
+                seq.finish_reason = {"type": "abort", "message": "stopped by /abort_request: the tokens so far"}
+                gone.append(seq)
         if gone:
             self._retire()
             if not self.batch:

@@ -83,6 +83,7 @@ class Ledger:
         self._finished_total = 0
         self._aborted: dict[Future, str] = {}  # futures to stop -> why (the client went away, a weight update)
         self._outstanding: set[Future] = set()  # every future queued or running, for abort_all
+        self._stopped: set[Future] = set()  # to end now with what they have (a partial answer, not a failure)
 
     def enqueue(self, request: GenerateRequest, future: Future) -> Future | None:
         """Take ``request`` into the queue (returns None), or answer it now: a follower of its running
@@ -134,6 +135,30 @@ class Ledger:
                 self._aborted.setdefault(f, "a weight update aborted it (abort mode)")
             return len(self._outstanding)
 
+    def stop(self, future: Future) -> bool:
+        """End ``future``'s request at the next step with the tokens it has (SGLang's ``/abort_request``: the answer
+        so far, finish reason ``abort``); False when it is not queued or running."""
+        with self.lock:
+            if future in self._outstanding:
+                self._stopped.add(future)
+                return True
+            return False
+
+    def running_future(self, rid: str) -> Future | None:
+        """The future of the request named ``rid`` while it is queued or running."""
+        with self.lock:
+            entry = self._running_rids.get(rid)
+            return entry[1] if entry is not None and entry[1] in self._outstanding else None
+
+    def outstanding(self) -> list[Future]:
+        with self.lock:
+            return list(self._outstanding)
+
+    def stopped(self, futures) -> set[Future]:
+        """Those among ``futures`` to end now with what they have."""
+        with self.lock:
+            return {f for f in futures if f in self._stopped}
+
     def aborted(self, futures) -> dict[Future, str]:
         """``{future: why}`` of those among ``futures`` to stop."""
         with self.lock:
@@ -176,6 +201,7 @@ class Ledger:
 
     def _forget(self, future: Future) -> None:
         self._aborted.pop(future, None)
+        self._stopped.discard(future)
         self._outstanding.discard(future)
 
     def snapshot(self) -> tuple[dict, int, int, int, int]:

@@ -1,7 +1,8 @@
 """Admin routes of the engine server: weight updates (from a directory under ``--weights-dir``, or
 one safetensors file in the body), a LoRA adapter from a directory under it (SGLang's
 ``/load_lora_adapter`` and ``/unload_lora_adapter``), the weight version's name, ``/flush_cache``, and SGLang's
-``/pause_generation`` and ``/continue_generation`` (weights changed under running requests: engine/pausing.py)."""
+``/pause_generation`` and ``/continue_generation`` (weights changed under running requests: engine/pausing.py) and
+``/abort_request`` (a request ended with the tokens it has)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ..engine.weight_updates import CheckedPath, outside
 from ..errors import RequestError
 from .http_errors import error_response
 from .schemas import (
+    AbortRequestIn,
     ContinueGenerationIn,
     LoadLoRAAdapterIn,
     PauseGenerationIn,
@@ -88,6 +90,13 @@ def admin_routes(engine: Engine, weights_dir: Path | None) -> APIRouter:
     async def continue_generation(body: ContinueGenerationIn | None = None):
         resumed = await asyncio.wrap_future(engine.continue_generation())
         return {"message": "Generation continued successfully.", "status": "ok", "recomputed": resumed}
+
+    @routes.post("/abort_request")
+    async def abort_request(body: AbortRequestIn):
+        """SGLang's: the request (or all) ends now, its client answered with the tokens so far, finish reason
+        ``abort`` (Engine.stop)."""
+        stopped = engine.stop_request(None if body.abort_all else body.rid)
+        return {"success": True, "stopped": stopped}
 
     @routes.post("/flush_cache")
     async def flush_cache():

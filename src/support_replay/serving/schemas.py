@@ -278,6 +278,21 @@ class PauseGenerationIn(BaseModel):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
+class AbortRequestIn(BaseModel):
+    """SGLang's ``/abort_request`` body (``AbortReq``): one request by its ``rid``, or every one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rid: str = Field("", max_length=256)
+    abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _one_or_all(self):
+        if not self.rid and not self.abort_all:
+            raise RequestError("abort_request: give a rid, or abort_all: true")
+        return self
+
+
 class ContinueGenerationIn(BaseModel):
     """SGLang's ``/continue_generation`` body (``ContinueGenerationReqInput``)."""
 

@@ -39,6 +39,7 @@ ADMIN_PATHS = (
     "/unload_lora_adapter",
     "/pause_generation",
     "/continue_generation",
+    "/abort_request",
 )
 DEFAULT_MAX_WEIGHTS_BYTES = 64 * 2**30
 
