@@ -15,6 +15,13 @@ from ..errors import EngineError, EngineOverloaded, EngineUnavailable, Overloade
 from ..protocol import Completion, GenerateRequest, validate_completion
 
 
+def ended_finished(future: Future) -> bool:
+    """Whether a done request finished by itself (not failed, not stopped with what it had)."""
+    if future.exception() is not None:
+        return False
+    return future.result().finish_reason.get("type") != "abort"
+
+
 class EngineBackend:
     retries = 0  # in-process: nothing to send again
 
@@ -24,10 +31,14 @@ class EngineBackend:
         self.routing_shape = engine.runner.routing.shape if engine.runner.routing is not None else None
         self.timeout = timeout
 
-    def generate(self, requests: list[GenerateRequest], *, return_exceptions: bool = False) -> list:
+    def generate(
+        self, requests: list[GenerateRequest], *, return_exceptions: bool = False, on_done=None, partial: bool = False
+    ) -> list:
         """A refused request raises; one the engine failed or dropped is ``EngineUnavailable``
-        (in its place with ``return_exceptions``)."""
-        futures = self._submit_as_room_allows(requests)
+        (in its place with ``return_exceptions``). ``on_done(i, finished)`` hears of each request as it ends
+        (``finished``: not stopped, not failed), on the engine's thread; ``partial``: a stopped request's answer
+        (finish reason ``abort``, the tokens it had) is returned like any other (``stop``)."""
+        futures = self._submit_as_room_allows(requests, on_done)
         out = []
         for i, (req, future) in enumerate(zip(requests, futures)):
             try:
@@ -63,7 +74,13 @@ class EngineBackend:
         except EngineError as exc:
             raise EngineUnavailable(f"completion 0: {exc}") from exc
 
-    def _submit_as_room_allows(self, requests: list[GenerateRequest]) -> list[Future]:
+    def stop(self, requests: list[GenerateRequest]) -> None:
+        """End these requests (by their ``rid``) now, each answered with the tokens it has (``Engine.stop``)."""
+        for req in requests:
+            if req.rid is not None:
+                self.engine.stop_request(req.rid)
+
+    def _submit_as_room_allows(self, requests: list[GenerateRequest], on_done=None) -> list[Future]:
         """Every request's future, each submitted once the engine's queue has room for it; returns
         when all are done. What others queued meanwhile shares the room (a full queue still answers 503)."""
         engine, futures, sent = self.engine, [], 0
@@ -71,7 +88,11 @@ class EngineBackend:
             room = engine.limits.max_queue - engine.num_waiting
             if room > 0:
                 batch = requests[sent : sent + room]
-                futures += engine.submit_all(batch)  # admitted together: a group shares its prompt's prefill
+                submitted = engine.submit_all(batch)  # admitted together: a group shares its prompt's prefill
+                if on_done is not None:
+                    for i, future in enumerate(submitted, start=sent):
+                        future.add_done_callback(lambda f, i=i: on_done(i, ended_finished(f)))
+                futures += submitted
                 sent += len(batch)
                 continue
             mine = [f for f in futures if not f.done()]

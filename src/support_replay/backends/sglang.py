@@ -25,6 +25,7 @@ from ..core.support import SupportTable
 from ..core.wire import floats_from_json, from_json
 from ..errors import EngineUnavailable, SupportError, WireError
 from ..protocol import Completion, GenerateRequest, parse_version_spans, single_version, validate_completion
+from ..serving.security import Keys
 from .base import RetryCounter, fan_out, optional_fields, post_json, sampling_settings, session_headers
 from .cancellation import Cancellation, close_socket_of
 
@@ -239,19 +240,51 @@ class SGLangBackend:
             body["routed_experts_format"] = "npy"  # ours; SGLang ignores it and sends raw int32
         return body
 
-    def generate(self, requests: list[GenerateRequest], *, return_exceptions: bool = False) -> list:
+    def generate(
+        self, requests: list[GenerateRequest], *, return_exceptions: bool = False, on_done=None, partial: bool = False
+    ) -> list:
         """One ``Completion`` per request; with ``return_exceptions`` an ``EngineUnavailable`` in
-        the place of a request no engine answered (or that came back aborted)."""
-        return fan_out(self.pool, self._one, requests, return_exceptions)
+        the place of a request no engine answered (or that came back aborted, unless ``partial``: then an aborted
+        answer is returned with the tokens it has). ``on_done(i, finished)`` hears of each as it ends."""
 
-    def _one(self, req: GenerateRequest, index: int) -> Completion:
+        def one(req: GenerateRequest, index: int) -> Completion:
+            try:
+                completion = self._one(req, index, partial)
+            except Exception:
+                if on_done is not None:
+                    on_done(index, False)
+                raise
+            if on_done is not None:
+                on_done(index, completion.finish_reason.get("type") != "abort")
+            return completion
+
+        return fan_out(self.pool, one, requests, return_exceptions)
+
+    def stop(self, requests: list[GenerateRequest]) -> None:
+        """SGLang's ``/abort_request {"rid"}`` for each (our router sends it to every engine): each request ends
+        now and its ``/generate`` answers with the tokens so far, finish reason ``abort``."""
+        headers = Keys.load().header(admin=True)
+        for req in requests:
+            if req.rid is None:
+                continue
+            try:
+                reply = self.client.post(self.url + "/abort_request", json={"rid": req.rid}, headers=headers)
+            except httpx.HTTPError as exc:
+                raise EngineUnavailable(f"stopping {req.rid} at {self.url}: {type(exc).__name__}: {exc}") from exc
+            if reply.status_code != 200:
+                raise EngineUnavailable(
+                    f"stopping {req.rid} at {self.url}: /abort_request answered HTTP {reply.status_code}: "
+                    f"{reply.text[:200]}"
+                )
+
+    def _one(self, req: GenerateRequest, index: int, partial: bool = False) -> Completion:
         item, _ = post_json(
             self.client, self.url + "/generate", self.body(req), index, self._retries, headers=session_headers(req)
         )
         if not isinstance(item, dict):
             raise WireError(f"request {index}: {self.url}/generate returned {type(item).__name__}, expected an object")
         completion = self.completion(item, req, index)
-        if completion.finish_reason.get("type") == "abort":
+        if completion.finish_reason.get("type") == "abort" and not partial:
             raise EngineUnavailable(f"completion {index}: the engine aborted it ({completion.finish_reason})")
         return validate_completion(completion, req, self.vocab_size, index, self.routing_shape)
 
