@@ -104,6 +104,7 @@ def test_a_pause_that_aborts_fails_running_and_waiting_requests_and_continue_ser
     assert len(later.result().output_ids) == TOTAL
 
 
+@pytest.mark.float_bits  # the deterministic engine
 def test_the_deterministic_engine_refuses_an_update_under_an_in_place_pause(tiny_checkpoint, new_weights):
     """True-on-policy mode samples every token from the current weights exactly: stale keys and values under new
     weights are refused by name, and the request goes on under the old weights."""

@@ -208,6 +208,16 @@ def _request(ids, asked: Asked, seed: int, rollout: int, k: int, attempt: int, r
     return validate_request(req, params.temperature, k)
 
 
+def reward_of(reward_fn, prompt_text: str, text: str, label, rollout: int, index: int) -> float:
+    """The reward of one answer; ``NonFiniteError`` naming the sample where it is not a finite number."""
+    reward = float(reward_fn(prompt_text, text, label))
+    if not math.isfinite(reward):
+        raise NonFiniteError(
+            f"rollout {rollout}, sample {index}: the reward function returned {reward}; nothing of this rollout trains"
+        )
+    return reward
+
+
 def _sample(
     index: int,
     group: int,
@@ -220,11 +230,7 @@ def _sample(
     rollout: int,
 ) -> Sample:
     text = tokenizer.decode(c.output_ids, skip_special_tokens=True)
-    reward = float(reward_fn(prompt_text, text, prompt.label))
-    if not math.isfinite(reward):
-        raise NonFiniteError(
-            f"rollout {rollout}, sample {index}: the reward function returned {reward}; nothing of this rollout trains"
-        )
+    reward = reward_of(reward_fn, prompt_text, text, prompt.label, rollout, index)
     return Sample(
         index=index,
         group=group,

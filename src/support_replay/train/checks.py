@@ -25,9 +25,38 @@ def version_ages(pushed: list[str]) -> dict[str, int]:
     return {version: len(pushed) - 1 - i for i, version in enumerate(pushed)}
 
 
+LAG_MASKED = "lag_masked"  # Sample.metadata: the version spans [start, end) masked for their age (partial rollouts)
+
+
+def live_spans(sample: Sample) -> list:
+    """The sample's version spans less those masked for their age: what trains and what --ci-test compares."""
+    masked = {tuple(span) for span in sample.metadata.get(LAG_MASKED, ())}
+    return [s for s in sample.weight_versions if (s.start, s.end) not in masked]
+
+
+def mask_beyond_lag(samples: list[Sample], ages: dict[str, int], max_lag: int) -> tuple[list[Sample], dict]:
+    """Partial rollouts: the tokens sampled more than ``max_lag`` pushes ago, masked (loss mask 0: never trained,
+    never compared) rather than generated again: they stay the context the later tokens were sampled after. A group
+    with a sample whose every token is masked is dropped. Returns the samples left and the counts."""
+    masked_tokens, dropped = 0, set()
+    for s in samples:
+        old = [span for span in s.weight_versions if ages.get(span.version, max_lag + 1) > max_lag]
+        if not old:
+            continue
+        s.metadata[LAG_MASKED] = [(span.start, span.end) for span in old]
+        for span in old:
+            masked_tokens += int(s.loss_mask[span.start : span.end].sum())
+            s.loss_mask[span.start : span.end] = 0
+        if not s.loss_mask.any():
+            dropped.add(s.metadata["prompt"])
+    left = [s for s in samples if s.metadata["prompt"] not in dropped]
+    counts = {"lag_masked_tokens": masked_tokens, "lag_dropped_samples": len(samples) - len(left)}
+    return left, {**counts, "lag_dropped_groups": len(dropped)}
+
+
 def sample_age(sample: Sample, ages: dict[str, int]) -> int | None:
-    """The age of a sample's oldest token; None when a version is missing or was never pushed."""
-    versions = versions_of(sample.weight_versions)
+    """The age of a sample's oldest unmasked token; None when a version is missing or was never pushed."""
+    versions = versions_of(live_spans(sample))
     if not versions or any(v not in ages for v in versions):
         return None
     return max(ages[v] for v in versions)
@@ -43,7 +72,7 @@ def check_policy_lag(
     ages = version_ages(pushed)
     lags = []
     for s in samples:
-        versions = versions_of(s.weight_versions)
+        versions = versions_of(live_spans(s))
         if not versions:
             raise PolicyLagError(
                 f"rollout {rollout}, sample {s.index}: {engine} reported no weight version, so the policy that "
@@ -77,7 +106,8 @@ def compare_with_rollout(
     diffs = [
         np.abs(lp.detach().double().cpu().numpy() - s.log_mu.astype(np.float64)) for s, lp in zip(samples, trainer_logp)
     ]
-    flat = np.concatenate(diffs)
+    compared = np.concatenate([unmasked(s) for s in samples])
+    flat = np.concatenate(diffs)[compared]
     stats = {
         "train_rollout_logprob_abs_diff_max": float(flat.max()),
         "train_rollout_logprob_abs_diff_mean": float(flat.mean()),
@@ -85,6 +115,7 @@ def compare_with_rollout(
         "train_rollout_compared_tokens": int(flat.size),
     }
     if fail and not flat.max() <= tolerance:  # NaN compares false: it fails too
+        diffs = [np.where(unmasked(s), d, 0.0) for s, d in zip(samples, diffs)]
         worst = int(np.argmax([d.max() for d in diffs]))
         t = int(np.argmax(diffs[worst]))
         s = samples[worst]
@@ -95,6 +126,14 @@ def compare_with_rollout(
             + (after_stale_push(s, t) if stale_kv else "")
         )
     return stats
+
+
+def unmasked(sample: Sample) -> np.ndarray:
+    """Positions --ci-test compares: all but those masked for their age (``mask_beyond_lag``)."""
+    keep = np.ones(len(sample.response_ids), bool)
+    for start, end in sample.metadata.get(LAG_MASKED, ()):
+        keep[start:end] = False
+    return keep
 
 
 def after_stale_push(sample: Sample, t: int) -> str:

@@ -19,6 +19,7 @@ import json
 import os
 import types
 import typing
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -132,6 +133,8 @@ class RunConfig(BaseModel):
             max_total_tokens=self.engine.max_total_tokens,
             deterministic=replay.true_on_policy_mode,
         )
+        if self.engine.max_running_requests is not None:
+            settings = settings.but(limits=replace(settings.limits, max_batch_size=self.engine.max_running_requests))
         return InProcessEngine(Path(checkpoint), replay.rollout_dtype, settings)
 
     def engine_needs(self, vocab_size: int, weight_version: str, routing_shape=None, **more):
@@ -344,6 +347,8 @@ class RunConfig(BaseModel):
                 "sampled from the trained policy exactly; --true-on-policy-mode needs --weight-sync-mode retract "
                 "(recomputed under the new weights) or wait",
             )
+        if production.partial_rollout:
+            self._check_partial_rollout()
         if mode in ("retract", "in_place") and self.replay.use_rollout_routing_replay:
             bad(
                 "weight_sync_mode",
@@ -360,6 +365,32 @@ class RunConfig(BaseModel):
                 "with --async-rollout every push aborts the rollout in flight, whose groups must then be "
                 "generated again: needs --failed-group-policy regenerate and --max-regenerations >= 1",
             )
+
+    def _check_partial_rollout(self) -> None:
+        over = self.production.over_sampling_batch_size
+        if over is not None and over < self.rollout.rollout_batch_size:
+            bad(
+                "over_sampling_batch_size",
+                over,
+                f"sends fewer groups than the --rollout-batch-size {self.rollout.rollout_batch_size} a rollout trains",
+            )
+        why = None
+        if self.agents.enabled:
+            why = "with agents: an episode's turns are not stopped and continued (slime refuses it for its agents too)"
+        elif self.replay.use_rollout_routing_replay:
+            why = (
+                "with --use-rollout-routing-replay: a continued sample's prefix is routed again under the new weights, "
+                "and routing replay carries one routing per position"
+            )
+        elif kind_name(self.engine) == "vllm":
+            why = "with vLLM: its stopped requests' answers are not read here; SGLang, our serve, or in process"
+        elif self.output.resume:
+            why = (
+                "with --resume: the kept groups and the place in the prompts are not in the checkpoint yet, so their "
+                "tokens would be lost and prompts sent again"
+            )
+        if why:
+            bad("partial_rollout", True, why)
 
     def _check_agents(self) -> None:
         agents = self.agents

@@ -23,6 +23,7 @@ from ..protocol import versions_of
 from ..rollout.sample import Sample
 from .actor import load_scoring_model
 from .batches import plan_optimizer_steps
+from .checks import live_spans
 from .scorer import Scorer
 
 
@@ -69,16 +70,17 @@ class LaggedScorer:
         """``current_logp`` (the actor's scores under ``current``) with every token sampled by an
         older version re-scored under that version's weights."""
         out = [lp.detach().clone() for lp in current_logp]
-        older = sorted({v for s in samples for v in versions_of(s.weight_versions)} - {current})
+        # spans masked for their age (partial rollouts) are neither trained nor compared: their weights may be gone
+        older = sorted({v for s in samples for v in versions_of(live_spans(s))} - {current})
         for version in older:
             if version not in self.states:  # check_policy_lag ran first: a version inside the window is kept
                 raise PolicyLagError(
                     f"--ci-test: the weights of version {version!r} are not kept (window: {list(self.states)})"
                 )
-            chosen = [i for i, s in enumerate(samples) if version in versions_of(s.weight_versions)]
+            chosen = [i for i, s in enumerate(samples) if version in versions_of(live_spans(s))]
             scores = self._score([samples[i] for i in chosen], self.states[version], semantics)
             for i, logp in zip(chosen, scores):
-                for span in samples[i].weight_versions:
+                for span in live_spans(samples[i]):
                     if span.version == version:
                         out[i][span.start : span.end] = logp[span.start : span.end].to(out[i].device)
         return out

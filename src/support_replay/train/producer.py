@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from ..errors import PolicyLagError
 from ..rollout.sample import Sample
-from .checks import sample_age, version_ages
+from .checks import mask_beyond_lag, sample_age, version_ages
 from .dist import on_main
 from .sections import ProductionConfig
 
@@ -86,6 +86,9 @@ class RolloutProducer:
 
     def _fresh(self, r: int, samples: list[Sample], stats: dict, pushed: list[str]) -> tuple[list[Sample], dict]:
         stats = {**stats, "stale_samples": 0, "stale_groups_dropped": 0, "stale_groups_regenerated": 0}
+        if self.production_cfg.partial_rollout:  # kept tokens too old are masked, not generated again
+            samples, masked = mask_beyond_lag(samples, version_ages(pushed), self.production_cfg.max_policy_lag)
+            samples, stats = self.rollouts.whole_batches(renumbered(samples), {**stats, **masked})
         if self.production_cfg.stale_sample_policy == "fail":  # check_policy_lag names the first one and stops the run
             return samples, stats
         ages = version_ages(pushed)

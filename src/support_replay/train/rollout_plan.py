@@ -46,6 +46,7 @@ class RolloutPlan:
     sampling_semantics: str
     agents: AgentConfig
     evaluation: EvalConfig
+    over_sampling: int | None = None  # --partial-rollout: groups a rollout sends (None: partial rollouts off)
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> RolloutPlan:
@@ -72,4 +73,5 @@ class RolloutPlan:
             rollout.sampling_semantics,
             cfg.agents,
             cfg.evaluation,
+            (production.over_sampling_batch_size or rollout.rollout_batch_size) if production.partial_rollout else None,
         )

@@ -22,6 +22,7 @@ from ..core.sampling import SamplingParams
 from ..rollout import generate_samples
 from ..rollout.data import ArithmeticTask
 from ..rollout.episodes import generate_episodes
+from ..rollout.partial import PartialRollouts
 from ..rollout.sample import Sample
 from ..serving.security import LOOPBACK_HOSTS, Keys
 from .config import RunConfig
@@ -42,6 +43,8 @@ class Rollouts:
         self.run_id = uuid.uuid4().hex[:12]  # request ids of this run: {run}/{rollout}/{sample}/{attempt}
         self.agent = self.sessions = None  # agents: set up on rank 0, which generates
         self._lock = threading.Lock()  # one generation at a time: an evaluation waits for a rollout in flight
+        # --partial-rollout: the groups kept from one rollout for the next (rank 0)
+        self.partial = PartialRollouts(plan.rollout_batch_size, plan.over_sampling) if plan.over_sampling else None
         self.penalty_semantics = on_main(lambda: self._penalty_semantics(needs.vocab_size), ctx)
         if not ctx.is_main:
             return
@@ -183,8 +186,25 @@ class Rollouts:
     def produce(self, r: int) -> tuple[list[Sample], dict]:
         """Rank 0: rollout ``r``, ``n_samples_per_prompt`` responses to each of its prompts,
         rewarded, and what failed on the way."""
+        if self.partial is not None:
+            return self._partial(r)
         samples, stats = self._train_samples(self.rollout_prompts(r), self.plan.rollout_seed, "train", r)
         return self.whole_batches(samples, stats)
+
+    def _partial(self, r: int) -> tuple[list[Sample], dict]:
+        """--partial-rollout: the first ``rollout_batch_size`` groups to finish of those sent (rollout/partial.py)."""
+        with self._lock:
+            samples, stats = self.partial.generate(
+                self.backend,
+                self.tokenizer,
+                self.prompts,
+                self.plan.asked,
+                reward_fn=self.plan.prompts.reward_fn,
+                rollout=r,
+                seed=self.plan.rollout_seed,
+                rid_prefix=f"{self.run_id}/train",
+            )
+        return samples, asdict(stats)
 
     def regenerate(self, r: int, prompts: list[int], round_: int) -> tuple[list[Sample], dict]:
         """Rank 0: the groups of rollout ``r``'s ``prompts`` (indices) generated again, with fresh

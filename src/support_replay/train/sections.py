@@ -244,6 +244,11 @@ class EngineConfig(Section):
         description="rollout engine in the trainer's process, weights synced in memory (the default without "
         "--rollout-url)",
     )
+    max_running_requests: int | None = Field(
+        None,
+        ge=1,
+        description="sequences the in-process engine decodes together (SGLang's flag; default 64); the rest wait",
+    )
     max_total_tokens: int | None = Field(
         None,
         ge=1,
@@ -286,6 +291,12 @@ class EngineConfig(Section):
                 self.max_total_tokens,
                 "bounds the in-process engine; give it to the engine at --rollout-url (serve --max-total-tokens)",
             )
+        if self.max_running_requests is not None and self.rollout_url:
+            bad(
+                "max_running_requests",
+                self.max_running_requests,
+                "bounds the in-process engine; give it to the engine at --rollout-url (serve --max-running-requests)",
+            )
         if self.rollout_engine not in remote_names():
             bad("rollout_engine", self.rollout_engine, f"one of {remote_names()}")
         if self.weight_transport == "http" and not kind_class(kind_name(self)).weights_over_http:
@@ -321,6 +332,18 @@ class ProductionConfig(Section):
         ge=0,
         description="how many weight pushes old a sampled token may be; 0: every token from the weights just pushed",
     )
+    partial_rollout: bool = Field(
+        False,
+        description="slime's: a rollout sends --over-sampling-batch-size groups, trains the first --rollout-batch-size "
+        "to finish, stops the rest and keeps their tokens, continued in a later rollout (none generated again); "
+        "tokens older than --max-policy-lag pushes are masked, not trained (needs --max-policy-lag >= 1)",
+    )
+    over_sampling_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="groups a rollout sends with --partial-rollout (slime's; default: --rollout-batch-size, which "
+        "stops nothing): more than --rollout-batch-size lets the slowest groups finish in a later rollout",
+    )
     stale_sample_policy: Literal["fail", "drop", "regenerate"] = Field(
         "fail",
         description="a group with a token older than --max-policy-lag: stop the run, drop the group, or generate it "
@@ -343,6 +366,21 @@ class ProductionConfig(Section):
                 True,
                 "samples the next rollout on the weights before this update: needs --max-policy-lag >= 1",
             )
+        if self.partial_rollout and self.max_policy_lag < 1:
+            bad(
+                "partial_rollout",
+                True,
+                "trains kept tokens at least one push after they were sampled: needs --max-policy-lag >= 1",
+            )
+        if self.partial_rollout and self.async_rollout:
+            bad(
+                "partial_rollout",
+                True,
+                "with --async-rollout: this project runs partial rollouts on synchronous rollouts only (the kept "
+                "groups and a rollout generated beside the update are not combined yet)",
+            )
+        if self.over_sampling_batch_size is not None and not self.partial_rollout:
+            bad("over_sampling_batch_size", self.over_sampling_batch_size, "is read with --partial-rollout only")
         return self
 
 

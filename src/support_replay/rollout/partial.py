@@ -1,0 +1,205 @@
+"""Partial rollouts (slime's ``--partial-rollout``, the Kimi k1.5 scheme): over-sample, train the groups that finish
+first, keep the tokens of the others and continue them in a later rollout, so that no generated token is thrown
+away.
+
+A rollout sends ``over_sampling`` groups at once: the groups kept from earlier rollouts first (the oldest first),
+then fresh prompts. Once ``target`` groups have every sample finished, the requests still running are stopped
+(``backend.stop``: SGLang's ``/abort_request``, ``Engine.stop`` in process); each answers with the tokens it has,
+with their supports, log mu and weight versions, captured when they were sampled. A finished group trains; an
+unfinished one is kept whole (its finished samples as they are, the others with their tokens so far) and its
+unfinished samples are continued next time from ``prompt + kept tokens``, asking for the tokens left of
+``max_new_tokens``: nothing kept is generated again. A sample may so hold tokens of several weight versions, each
+replayed under the version that sampled it (``weight_versions`` spans; the trainer's lagged scorer). Groups finished
+beyond ``target`` are kept too, and train first in the next rollout.
+
+Each continued request restarts the engine's penalty history at its first output (``output_starts``, which the
+trainer replays), and ``prompt + kept`` is prefilled under the weights current then: the same recompute as a
+retracted request (engine/pausing.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from ..errors import ConfigError, EngineUnavailable
+from ..protocol import GenerateRequest
+from .data import Prompt
+from .generate import Asked, RolloutStats, _request, render_prompt, reward_of
+from .sample import Sample
+from .trajectory import Trajectory
+
+
+@dataclass
+class KeptGroup:
+    """One prompt's ``n`` samples across rollouts: each a ``Trajectory`` of its segments, and which are finished."""
+
+    number: int  # the prompt's place in the run's stream of training prompts
+    prompt: Prompt
+    ids: list[int]
+    text: str
+    samples: list[Trajectory]
+    finished: list[bool]
+    first_rollout: int
+    segments: list[int] = field(default_factory=list)  # requests sent so far, per sample
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+    @property
+    def kept_tokens(self) -> int:
+        return sum(t.response_length for t, f in zip(self.samples, self.finished) if not f)
+
+
+@dataclass
+class PartialStats(RolloutStats):
+    generated_tokens: int = 0  # sampled in this rollout
+    trained_tokens: int = 0  # in the groups this rollout trains
+    kept_tokens: int = 0  # in unfinished samples kept for a later rollout
+    continued_samples: int = 0  # requests that went on from kept tokens
+    stopped_requests: int = 0  # stopped once enough groups had finished
+    kept_groups: int = 0
+    oldest_kept_rollout: int = -1
+    straddling_samples: int = 0  # trained samples holding tokens of two or more weight versions
+
+
+class PartialRollouts:
+    """The buffer of kept groups and one rollout's generation over it (rank 0)."""
+
+    def __init__(self, target: int, over_sampling: int, max_rounds: int = 3):
+        if over_sampling < target:
+            raise ConfigError(
+                f"over_sampling_batch_size: {over_sampling} groups is fewer than the {target} a rollout trains"
+            )
+        self.target, self.over_sampling, self.max_rounds = target, over_sampling, max_rounds
+        self.kept: deque[KeptGroup] = deque()
+        self.next_prompt = 0  # how many fresh prompts the run has taken
+
+    def generate(
+        self, backend, tokenizer, prompts, asked: Asked, *, reward_fn, rollout: int, seed: int, rid_prefix: str
+    ) -> tuple[list[Sample], PartialStats]:
+        """The samples of ``target`` finished groups (in prompt order), rewarded; the rest kept. ``prompts[i]``: the
+        run's i-th training prompt."""
+        stats = PartialStats()
+        trained: list[KeptGroup] = []
+        for _ in range(self.max_rounds):
+            groups = self._groups(tokenizer, prompts, asked, rollout)
+            ready = [g for g in groups if g.done]  # finished in an earlier rollout beyond its target
+            self._run([g for g in groups if not g.done], ready, backend, asked, rollout, seed, rid_prefix, stats)
+            finished = [g for g in groups if g.done]
+            trained += finished[: self.target - len(trained)]
+            for g in reversed(groups):
+                if g not in trained:
+                    self.kept.appendleft(g)  # the oldest stay first
+            if len(trained) >= self.target:
+                break
+        else:
+            raise EngineUnavailable(
+                f"rollout {rollout}: {len(trained)} of {self.target} groups finished after {self.max_rounds} rounds "
+                f"({stats.failed_samples} requests failed)"
+            )
+        trained.sort(key=lambda g: g.number)
+        stats.kept_groups = len(self.kept)
+        stats.kept_tokens = sum(g.kept_tokens for g in self.kept)
+        stats.oldest_kept_rollout = min((g.first_rollout for g in self.kept), default=-1)
+        samples = self._samples(trained, tokenizer, asked, reward_fn, rollout)
+        stats.trained_tokens = sum(len(s.response_ids) for s in samples)
+        stats.straddling_samples = sum(len({span.version for span in s.weight_versions}) > 1 for s in samples)
+        return samples, stats
+
+    def _groups(self, tokenizer, prompts, asked: Asked, rollout: int) -> list[KeptGroup]:
+        """``over_sampling`` groups: the kept ones, then fresh prompts."""
+        groups = []
+        while self.kept and len(groups) < self.over_sampling:
+            groups.append(self.kept.popleft())
+        while len(groups) < self.over_sampling:
+            prompt = prompts[self.next_prompt]
+            ids, text = render_prompt(tokenizer, prompt, asked.apply_chat_template)
+            groups.append(
+                KeptGroup(
+                    self.next_prompt,
+                    prompt,
+                    ids,
+                    text,
+                    [
+                        Trajectory(list(ids), text, asked.capture, penalties=asked.penalties)
+                        for _ in range(asked.n_samples)
+                    ],
+                    [False] * asked.n_samples,
+                    rollout,
+                    [0] * asked.n_samples,
+                )
+            )
+            self.next_prompt += 1
+        return groups
+
+    def _run(self, groups, ready, backend, asked, rollout, seed, rid_prefix, stats: PartialStats) -> None:
+        """Every unfinished sample of ``groups`` continued; the running ones stopped once ``target`` groups (with
+        ``ready``) are finished."""
+        slots: list[tuple[KeptGroup, int, GenerateRequest]] = []
+        for g in groups:
+            for j, (trajectory, done) in enumerate(zip(g.samples, g.finished)):
+                if done:
+                    continue
+                left = asked.max_new_tokens - trajectory.response_length
+                k = g.number * asked.n_samples + j
+                req = _request(trajectory.ids, asked, seed, rollout, k, g.segments[j], f"{rid_prefix}/partial")
+                req = replace(req, max_new_tokens=left)
+                stats.continued_samples += trajectory.response_length > 0
+                g.segments[j] += 1
+                slots.append((g, j, req))
+        if not slots:
+            return
+        lock, stopped = threading.Lock(), threading.Event()
+        waiting = {id(g): sum(not f for f in g.finished) for g in groups}
+        complete, answered = [len(ready)], set()
+
+        def on_done(i: int, finished: bool) -> None:
+            g = slots[i][0]
+            with lock:
+                answered.add(i)
+                if not finished:  # stopped or failed: its group is not finished in this rollout
+                    waiting[id(g)] = -1
+                    return
+                waiting[id(g)] -= 1
+                complete[0] += waiting[id(g)] == 0
+                enough = complete[0] >= self.target and not stopped.is_set()
+                if enough:
+                    stopped.set()
+                    rest = [r for n, (_, _, r) in enumerate(slots) if n not in answered]
+            if enough and rest:
+                stats.stopped_requests += len(rest)
+                backend.stop(rest)
+
+        answers = backend.generate([r for _, _, r in slots], return_exceptions=True, on_done=on_done, partial=True)
+        for (g, j, _), answer in zip(slots, answers):
+            if isinstance(answer, Exception):
+                stats.failed_samples += 1
+                continue
+            trajectory = g.samples[j]
+            trajectory.append_turn([], answer)
+            stats.generated_tokens += answer.num_tokens
+            full = trajectory.response_length >= asked.max_new_tokens
+            if full and answer.finish_reason.get("type") == "abort":
+                trajectory.finish_reason = {"type": "length", "length": asked.max_new_tokens}  # stopped at its end
+            g.finished[j] = full or answer.finish_reason.get("type") != "abort"
+
+    @staticmethod
+    def _samples(groups: list[KeptGroup], tokenizer, asked: Asked, reward_fn, rollout: int) -> list[Sample]:
+        samples = []
+        for position, g in enumerate(groups):
+            for j, trajectory in enumerate(g.samples):
+                text = tokenizer.decode(trajectory.response_ids, skip_special_tokens=True)
+                sample = trajectory.to_sample(
+                    len(samples),
+                    position,
+                    reward=reward_of(reward_fn, g.text, text, g.prompt.label, rollout, len(samples)),
+                    temperature=asked.params.temperature,
+                    label=g.prompt.label,
+                    response_text=text,
+                    metadata={"prompt": g.number, "partial_segments": g.segments[j], "first_rollout": g.first_rollout},
+                )
+                samples.append(sample)
+        return samples

@@ -1,0 +1,165 @@
+"""Partial rollouts (rollout/partial.py): over-sampled groups, the first to finish trained, the others stopped with
+their tokens kept and continued after the next push, every token replayed under the weights that sampled it."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from processes import engine_process
+from recipe_helpers import run_config
+from support_replay import SamplingParams, support_logprobs
+from support_replay.backends.local import EngineBackend
+from support_replay.engine import Engine, EngineSettings
+from support_replay.engine.limits import EngineLimits
+from support_replay.errors import ConfigError
+from support_replay.rollout.data import Prompt
+from support_replay.rollout.generate import Asked
+from support_replay.rollout.partial import PartialRollouts
+from support_replay.train import train
+
+N, TOKENS = 2, 12
+
+
+def digit_share(prompt: str, text: str, label) -> float:
+    return sum(c.isdigit() for c in text) / max(1, len(text))
+
+
+def replayed_diff(model, sample, start: int, end: int) -> float:
+    """|log pi - log mu| over response positions [start, end), ``model`` scoring them on their supports."""
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+    first = len(sample.prompt_ids) - 1
+    scores = support_logprobs(
+        logits[first : first + len(sample.response_ids)], torch.tensor(sample.response_ids), sample.support, 1.0
+    )
+    return float((scores - torch.as_tensor(sample.log_mu)).abs()[start:end].max())
+
+
+def test_stopped_samples_are_kept_and_continued_under_the_next_weights(tiny_checkpoint):
+    """Four groups sent, two decoded at a time: the first two to finish train, the others are stopped with the
+    tokens they have and continued after a push, first in line; nothing is generated twice, and each token is
+    replayed under the version that sampled it."""
+    limits = EngineLimits(max_batch_size=2 * N)
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(seed=0, limits=limits, weight_version="0"))
+    backend = EngineBackend(engine)
+    prompts = [Prompt(f"Count {i}: 1 2 3", None) for i in range(100)]
+    params = SamplingParams(temperature=1.0, top_k=8, top_p=0.9)
+    asked = Asked(params, n_samples=N, max_new_tokens=TOKENS, capture=True, ignore_eos=True)
+    partial = PartialRollouts(target=2, over_sampling=4)
+    kw = dict(reward_fn=digit_share, seed=3, rid_prefix="test")
+
+    first, stats0 = partial.generate(backend, engine.tokenizer, prompts, asked, rollout=0, **kw)
+    assert [s.metadata["prompt"] for s in first] == [0, 0, 1, 1]
+    assert stats0.stopped_requests > 0 and stats0.kept_groups == 2 and 0 < stats0.kept_tokens < 2 * N * TOKENS
+    assert stats0.generated_tokens == stats0.trained_tokens + stats0.kept_tokens  # none thrown away
+
+    old = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    new = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(1)
+    state = {k: v + 0.05 * v.abs().mean() * torch.randn(v.shape, generator=gen) for k, v in new.state_dict().items()}
+    new.load_state_dict(state)
+    engine.wait([update := engine.update_weights(state, "1")])
+    update.result()
+
+    second, stats1 = partial.generate(backend, engine.tokenizer, prompts, asked, rollout=1, **kw)
+    assert [s.metadata["prompt"] for s in second] == [2, 2, 3, 3]  # the kept groups, continued first
+    assert stats1.continued_samples > 0
+    assert stats0.generated_tokens + stats1.generated_tokens == (
+        stats0.trained_tokens + stats1.trained_tokens + stats1.kept_tokens
+    )
+    straddling = [s for s in second if len(s.weight_versions) == 2]
+    assert straddling, [s.weight_versions for s in second]
+    for s in second:
+        assert len(s.response_ids) == TOKENS and s.status == "truncated"
+        spans = {span.version: span for span in s.weight_versions}
+        if "0" in spans:
+            assert replayed_diff(old, s, spans["0"].start, spans["0"].end) < 1e-4
+            assert s.output_starts == [0, spans["0"].end]  # the continued request's own output began there
+        assert replayed_diff(new, s, spans["1"].start, spans["1"].end) < 1e-4
+
+
+PARTIAL = dict(
+    partial_rollout=True, over_sampling_batch_size=4, max_policy_lag=1, num_rollout=3, rollout_max_response_len=12,
+    rollout_ignore_eos=True,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["in-process", "serve"])
+def test_grpo_ci_test_holds_for_samples_that_straddle_a_push(tiny_checkpoint, tmp_path, where):
+    """Samples kept across a push are trained with tokens of two versions, each compared under its own weights
+    (within 1e-3); no token generated is thrown away."""
+    if where == "serve":
+        server, url = engine_process(tiny_checkpoint, "--max-running-requests", "4")
+        with server:
+            rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url, **PARTIAL))
+    else:
+        rows = train(run_config(tiny_checkpoint, tmp_path, max_running_requests=4, **PARTIAL))
+    check_partial_rows(rows)
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
+
+
+@pytest.mark.float_bits  # true-on-policy mode: every token at tolerance 0
+def test_in_true_on_policy_mode_straddling_samples_replay_to_the_bit(tiny_checkpoint, tmp_path):
+    """The kept tokens under the weights that sampled them, the continued ones after a recompute through the
+    invariant prefill: every token of every sample equal to the bit."""
+    rows = train(run_config(tiny_checkpoint, tmp_path, max_running_requests=4, true_on_policy_mode=True, **PARTIAL))
+    check_partial_rows(rows)
+    assert all(r["train_rollout_unequal_tokens"] == 0 for r in rows)
+
+
+def check_partial_rows(rows: list[dict]) -> None:
+    """Every rollout stopped some requests, later ones trained straddling samples at lag 1, nothing thrown away."""
+    assert all(r["stopped_requests"] > 0 for r in rows)
+    assert sum(r["straddling_samples"] for r in rows[1:]) > 0  # kept tokens of one version, the rest of the next
+    assert max(r["policy_lag_max"] for r in rows) == 1
+    generated = sum(r["generated_tokens"] for r in rows)
+    assert generated == sum(r["trained_tokens"] for r in rows) + rows[-1]["kept_tokens"]  # 0 thrown away
+
+
+def test_partial_rollouts_refuse_what_they_cannot_keep(tiny_checkpoint, tmp_path):
+    with pytest.raises(ConfigError, match="partial-rollout=True: trains kept tokens.*max-policy-lag >= 1"):
+        run_config(tiny_checkpoint, tmp_path, partial_rollout=True)
+    with pytest.raises(ConfigError, match="partial-rollout.*async"):
+        run_config(tiny_checkpoint, tmp_path, partial_rollout=True, max_policy_lag=1, async_rollout=True)
+    with pytest.raises(ConfigError, match="over-sampling-batch-size=1: sends fewer groups"):
+        run_config(tiny_checkpoint, tmp_path, partial_rollout=True, max_policy_lag=1, over_sampling_batch_size=1)
+    with pytest.raises(ConfigError, match="partial-rollout.*resume"):
+        run_config(tiny_checkpoint, tmp_path, partial_rollout=True, max_policy_lag=1, resume=True, save=str(tmp_path))
+
+
+@pytest.mark.float_bits  # the masked tokens' exact exclusion from --ci-test at tolerance 0
+def test_tokens_older_than_the_lag_are_masked_not_trained_and_not_compared():
+    """A kept sample continued twice holds tokens two pushes old under --max-policy-lag 1: they stay its context, are
+    masked (counted), its lag is that of its live tokens, and --ci-test skips them; a group whose sample has no live
+    token left is dropped."""
+    import numpy as np
+
+    from support_replay.protocol import VersionSpan
+    from support_replay.rollout.sample import Sample
+    from support_replay.train.checks import check_policy_lag, compare_with_rollout, mask_beyond_lag, version_ages
+
+    def sample(index: int, prompt: int, spans: list[tuple[str, int, int]]) -> Sample:
+        n = spans[-1][2]
+        return Sample(
+            index,
+            prompt,
+            [1, 2],
+            list(range(3, 3 + n)),
+            np.ones(n, np.int8),
+            log_mu=np.full(n, -0.5, np.float32),
+            weight_versions=[VersionSpan(*span) for span in spans],
+            metadata={"prompt": prompt},
+        )
+
+    ages = version_ages(["0", "1", "2"])
+    straddling = sample(0, 0, [("0", 0, 2), ("1", 2, 5), ("2", 5, 8)])
+    all_old = sample(1, 1, [("0", 0, 4)])
+    left, counts = mask_beyond_lag([straddling, sample(2, 0, [("2", 0, 3)]), all_old], ages, max_lag=1)
+    assert counts == {"lag_masked_tokens": 6, "lag_dropped_samples": 1, "lag_dropped_groups": 1}
+    assert [s.index for s in left] == [0, 2] and straddling.loss_mask.tolist() == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert check_policy_lag(0, left, ["0", "1", "2"], 1, "engine")[0]["policy_lag_max"] == 1
+    logp = [torch.full((8,), -0.5), torch.full((3,), -0.5)]
+    logp[0][:2] = 3.0  # masked tokens scored under other weights: not compared
+    stats = compare_with_rollout(0, left, logp, tolerance=0.0, fail=True)
+    assert stats["train_rollout_compared_tokens"] == 9 and stats["train_rollout_logprob_abs_diff_max"] == 0.0
