@@ -31,7 +31,7 @@ from .sample import Sample
 from .trajectory import Trajectory
 
 
-@dataclass
+@dataclass(eq=False)  # a group is itself: compared by identity
 class KeptGroup:
     """One prompt's ``n`` samples across rollouts: each a ``Trajectory`` of its segments, and which are finished."""
 
@@ -50,19 +50,19 @@ class KeptGroup:
 
     @property
     def kept_tokens(self) -> int:
-        return sum(t.response_length for t, f in zip(self.samples, self.finished) if not f)
+        """Every token it holds: its finished samples wait for the others, and all train together later."""
+        return sum(t.response_length for t in self.samples)
 
 
 @dataclass
 class PartialStats(RolloutStats):
     generated_tokens: int = 0  # sampled in this rollout
     trained_tokens: int = 0  # in the groups this rollout trains
-    kept_tokens: int = 0  # in unfinished samples kept for a later rollout
+    kept_tokens: int = 0  # in the groups kept for a later rollout (their finished samples too)
     continued_samples: int = 0  # requests that went on from kept tokens
     stopped_requests: int = 0  # stopped once enough groups had finished
     kept_groups: int = 0
     oldest_kept_rollout: int = -1
-    straddling_samples: int = 0  # trained samples holding tokens of two or more weight versions
 
 
 class PartialRollouts:
@@ -88,10 +88,10 @@ class PartialRollouts:
             groups = self._groups(tokenizer, prompts, asked, rollout)
             ready = [g for g in groups if g.done]  # finished in an earlier rollout beyond its target
             self._run([g for g in groups if not g.done], ready, backend, asked, rollout, seed, rid_prefix, stats)
-            finished = [g for g in groups if g.done]
+            finished = [g for g in groups if g.done]  # the kept ones first: the oldest work trains first
             trained += finished[: self.target - len(trained)]
             for g in reversed(groups):
-                if g not in trained:
+                if not any(g is t for t in trained):
                     self.kept.appendleft(g)  # the oldest stay first
             if len(trained) >= self.target:
                 break
@@ -106,7 +106,6 @@ class PartialRollouts:
         stats.oldest_kept_rollout = min((g.first_rollout for g in self.kept), default=-1)
         samples = self._samples(trained, tokenizer, asked, reward_fn, rollout)
         stats.trained_tokens = sum(len(s.response_ids) for s in samples)
-        stats.straddling_samples = sum(len({span.version for span in s.weight_versions}) > 1 for s in samples)
         return samples, stats
 
     def _groups(self, tokenizer, prompts, asked: Asked, rollout: int) -> list[KeptGroup]:

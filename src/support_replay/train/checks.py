@@ -88,7 +88,12 @@ def check_policy_lag(
                 + (f"; {unknown} were never pushed by this run" if unknown else "")
             )
         lags.append(age)
-    return {"policy_lag_max": max(lags), "policy_lag_mean": float(np.mean(lags))}, lags
+    straddling = sum(len(versions_of(s.weight_versions)) > 1 for s in samples)  # a push landed among its tokens
+    return {
+        "policy_lag_max": max(lags),
+        "policy_lag_mean": float(np.mean(lags)),
+        "straddling_samples": straddling,
+    }, lags
 
 
 def compare_with_rollout(

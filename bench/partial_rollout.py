@@ -1,0 +1,155 @@
+"""Long-tailed responses: trained tokens per second and engine idle share for synchronous rollouts, async lag 1,
+partial rollouts and in-flight updates, in one sitting, and the tokens each generated and threw away.
+
+    python bench/partial_rollout.py [--rollouts 4] [--max-len 256] [--modes sync,async,partial,in-flight]
+
+GRPO on SmolLM2-135M-Instruct (the in-process engine, colocated: engine and trainer share the 2 cores), the
+built-in arithmetic task (4 prompts x 4 samples a rollout, temperature 1, top_p 0.8, top_k 32, EOS ends a
+response: SmolLM2's answers run from a few tokens to the cap, the printed lengths show the spread), --ci-test on.
+
+- ``sync``: generate, then update, then push (``--weight-sync-mode wait``).
+- ``async``: ``--async-rollout --max-policy-lag 1``: the next rollout generates during the update; its push waits
+  for the requests in flight.
+- ``partial``: ``--partial-rollout --over-sampling-batch-size 8 --max-policy-lag 1``: 8 groups sent, the first 4
+  to finish train, the rest are stopped and continued after the push.
+- ``in-flight``: ``--async-rollout --max-policy-lag 1 --weight-sync-mode retract``: the push lands between decode
+  steps, the running requests recomputed under the new weights and continued.
+
+Trained tokens: response tokens that trained (loss mask 1), over the wall time of the run (the first rollout
+included: every mode pays it). Engine idle share: the share of the run's wall time in which the engine ran no
+prefill or decode step. Thrown away: tokens generated that neither trained nor are kept for a later rollout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from support_replay.engine import Engine
+from support_replay.modeling.checkpoints import smollm2_checkpoint
+from support_replay.modeling.kernel_probe import cpu_identity
+from support_replay.train import train
+from support_replay.train.config import RunConfig
+
+MODES = {
+    "sync": {},
+    "async": dict(async_rollout=True, max_policy_lag=1),
+    "partial": dict(partial_rollout=True, over_sampling_batch_size=8, max_policy_lag=1),
+    "in-flight": dict(async_rollout=True, max_policy_lag=1, weight_sync_mode="retract"),
+}
+
+
+class EngineClock:
+    """The time the run's in-process engine spends in prefills and decode steps, and the engine itself."""
+
+    def __init__(self):
+        self.busy, self.engine = 0.0, None
+        self.lengths: list[int] = []  # of the responses that ended by themselves (EOS or the cap), not stopped
+        self._patched = []
+
+    def __enter__(self):
+        clock = self
+        finish = Engine._finish_ok
+
+        def finished(engine, request, future, completion):
+            if completion.finish_reason.get("type") != "abort":
+                clock.lengths.append(len(request.input_ids) + completion.num_tokens)
+            return finish(engine, request, future, completion)
+
+        Engine._finish_ok = finished
+        self._patched.append(("_finish_ok", finish))
+        for name in ("_decode", "_prefill_and_join"):
+            original = getattr(Engine, name)
+
+            def timed(engine, *args, _original=original, **kw):
+                clock.engine = engine
+                t0 = time.perf_counter()
+                try:
+                    return _original(engine, *args, **kw)
+                finally:
+                    clock.busy += time.perf_counter() - t0
+
+            setattr(Engine, name, timed)
+            self._patched.append((name, original))
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._patched:
+            setattr(Engine, name, original)
+
+
+def run(mode: str, rollouts: int, max_len: int) -> dict:
+    cfg = RunConfig(
+        hf_checkpoint=str(smollm2_checkpoint()),
+        task_max_operand=20,
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        global_batch_size=16,
+        rollout_max_response_len=max_len,
+        rollout_temperature=1.0,
+        rollout_top_p=0.8,
+        rollout_top_k=32,
+        num_rollout=rollouts,
+        lr=1e-6,
+        ci_test=True,
+        progress=False,
+        output_dir=tempfile.mkdtemp(prefix="bench-partial-"),
+        **MODES[mode],
+    )
+    with EngineClock() as clock:
+        t0 = time.perf_counter()
+        rows = train(cfg)
+        wall = time.perf_counter() - t0
+    trained = sum(r["response_len_mean"] * r["samples"] - r.get("lag_masked_tokens", 0) for r in rows)
+    generated = clock.engine.stats.generated_tokens
+    kept = rows[-1].get("kept_tokens", 0)
+    return {
+        "mode": mode,
+        "wall": wall,
+        "trained": trained,
+        "rate": trained / wall,
+        "idle": 1 - clock.busy / wall,
+        "generated": generated,
+        "thrown": generated - trained - kept,
+        "kept": kept,
+        "lag": max(r["policy_lag_max"] for r in rows),
+        "diff": max(r["train_rollout_logprob_abs_diff_max"] for r in rows),
+        "straddling": sum(r["straddling_samples"] for r in rows),
+        "lengths": clock.lengths,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rollouts", type=int, default=4)
+    ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--modes", default=",".join(MODES))
+    args = ap.parse_args()
+    print(f"CPU: {cpu_identity()}, {torch.get_num_threads()} threads; SmolLM2-135M-Instruct fp32, in process")
+    print(f"{args.rollouts} rollouts of 4 prompts x 4 samples, up to {args.max_len} tokens, EOS ends a response\n")
+    print(
+        "| mode | wall s | trained tokens | trained tokens/s | engine idle | generated | thrown away | kept at end "
+        "| straddling samples | max lag | max abs diff (ci-test) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mode in args.modes.split(","):
+        m = run(mode, args.rollouts, args.max_len)
+        print(
+            f"| {mode} | {m['wall']:.1f} | {m['trained']:.0f} | {m['rate']:.1f} | {m['idle']:.0%} | {m['generated']} "
+            f"| {m['thrown']:.0f} | {m['kept']} | {m['straddling']} | {m['lag']} | {m['diff']:.1e} |",
+            flush=True,
+        )
+        lengths = sorted(m["lengths"])
+        print(
+            f"<!-- {mode}: {len(lengths)} requests ended by themselves; prompt + response length min {lengths[0]}, "
+            f"median {statistics.median(lengths):.0f}, max {lengths[-1]} -->",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
