@@ -163,3 +163,43 @@ def test_tokens_older_than_the_lag_are_masked_not_trained_and_not_compared():
     logp[0][:2] = 3.0  # masked tokens scored under other weights: not compared
     stats = compare_with_rollout(0, left, logp, tolerance=0.0, fail=True)
     assert stats["train_rollout_compared_tokens"] == 9 and stats["train_rollout_logprob_abs_diff_max"] == 0.0
+
+
+@pytest.fixture
+def slow_decode(monkeypatch):
+    """Each decode step of the in-process engine 20 ms longer, so a rollout's generation outlasts the tiny model's
+    update and the next push lands among running requests (--async-rollout)."""
+    import time
+
+    decode = Engine._decode
+
+    def slowed(engine):
+        time.sleep(0.02)
+        return decode(engine)
+
+    monkeypatch.setattr(Engine, "_decode", slowed)
+
+
+IN_FLIGHT = dict(
+    async_rollout=True, max_policy_lag=1, weight_sync_mode="retract", num_rollout=3, rollout_max_response_len=60,
+    rollout_ignore_eos=True,
+)  # fmt: skip
+
+
+@pytest.mark.float_bits  # true-on-policy mode: every token at tolerance 0
+@pytest.mark.parametrize("mode", ["normal", "true-on-policy"])
+def test_a_push_lands_among_running_requests_and_each_token_replays_under_its_version(
+    tiny_checkpoint, tmp_path, slow_decode, mode
+):
+    """--weight-sync-mode retract under --async-rollout: the push pauses the engine between decode steps, the
+    running requests are recomputed under the new weights and go on; their samples hold tokens of two versions,
+    each compared under its own weights (to the bit in true-on-policy mode, the recompute through the invariant
+    prefill), and no request is aborted."""
+    extra = dict(true_on_policy_mode=True) if mode == "true-on-policy" else {}
+    rows = train(run_config(tiny_checkpoint, tmp_path, **IN_FLIGHT, **extra))
+    assert sum(r["straddling_samples"] for r in rows) > 0
+    assert all(r["failed_samples"] == 0 and r["regenerated_groups"] == 0 for r in rows)
+    if mode == "true-on-policy":
+        assert all(r["train_rollout_unequal_tokens"] == 0 for r in rows)
+    else:
+        assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
