@@ -66,6 +66,14 @@ def test_concurrent_requests_through_the_router(tiny_checkpoint, reference_model
                 router_url + "/update_weights_from_disk", json={"model_path": str(tiny_checkpoint)}, timeout=60
             )
             assert r.status_code == 200 and r.json()["success"] and len(r.json()["engines"]) == 2
+            # so are SGLang's pause, continue and abort_request (a push into running requests, a partial rollout's stop)
+            for path, body in (
+                ("/pause_generation", {"mode": "retract"}),
+                ("/continue_generation", {}),
+                ("/abort_request", {"rid": "no-such-request"}),
+            ):
+                r = httpx.post(router_url + path, json=body, timeout=60)
+                assert r.status_code == 200 and [e["status"] for e in r.json()["engines"]] == [200, 200], r.text
             # capacity overflow: 400, and the engine keeps serving
             r = httpx.post(
                 router_url + "/generate",
