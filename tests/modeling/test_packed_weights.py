@@ -147,10 +147,9 @@ def test_released_packs_are_made_again_by_the_next_step(tiny_checkpoint):
 
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_synchronous_trainer_releases_the_engines_packs_before_it_updates(asynchronous):
-    from types import SimpleNamespace
-
     from support_replay.train.dist import DistContext
     from support_replay.train.producer import RolloutProducer
+    from support_replay.train.sections import ProductionConfig
 
     calls = []
 
@@ -161,7 +160,7 @@ def test_a_synchronous_trainer_releases_the_engines_packs_before_it_updates(asyn
         def release_engine_memory(self):
             calls.append("release")
 
-    production = SimpleNamespace(async_rollout=asynchronous, stale_sample_policy="fail")
+    production = ProductionConfig(async_rollout=asynchronous, max_policy_lag=int(asynchronous))
     producer = RolloutProducer(
         Rollouts(), production, 2, DistContext(rank=0, world=1, device=torch.device("cpu"), owns_group=False)
     )
