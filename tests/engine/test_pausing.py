@@ -7,7 +7,8 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from support_replay import SamplingParams, support_logprobs
+from sampled_supports import replayed_diff
+from support_replay import SamplingParams
 from support_replay.engine import Engine, EngineSettings
 from support_replay.errors import AbortedError, EngineError
 from support_replay.protocol import GenerateRequest, VersionSpan
@@ -54,16 +55,8 @@ def straddling(engine, state, mode: str):
     return req, future.result()
 
 
-def replayed_diff(model, req, completion, start: int, end: int) -> float:
-    """The largest |log pi - log mu| over outputs [start, end), ``model`` scoring them on their supports."""
-    ids = torch.tensor([req.input_ids + completion.output_ids])
-    with torch.no_grad():
-        logits = model(ids).logits[0]
-    first = len(req.input_ids) - 1
-    scores = support_logprobs(
-        logits[first : first + len(completion.output_ids)], torch.tensor(completion.output_ids), completion.support, 1.0
-    )
-    return float((scores - torch.as_tensor(completion.log_mu)).abs()[start:end].max())
+def replayed(model, req, completion, start: int, end: int) -> float:
+    return replayed_diff(model, req.input_ids, completion.output_ids, completion.support, completion.log_mu, start, end)
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
@@ -77,8 +70,8 @@ def test_a_request_straddling_a_push_records_each_token_under_its_version(
     engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(seed=0, prefix_cache=False))
     req, completion = straddling(engine, state, mode)
     assert completion.weight_versions == [VersionSpan("default", 0, BEFORE), VersionSpan("v1", BEFORE, TOTAL)]
-    assert replayed_diff(old_model, req, completion, 0, BEFORE) < 1e-4
-    after = replayed_diff(new_model, req, completion, BEFORE, TOTAL)
+    assert replayed(old_model, req, completion, 0, BEFORE) < 1e-4
+    after = replayed(new_model, req, completion, BEFORE, TOTAL)
     if mode == "retract":
         assert after < 1e-4
     else:

@@ -7,7 +7,8 @@ from transformers import AutoModelForCausalLM
 
 from processes import engine_process
 from recipe_helpers import run_config
-from support_replay import SamplingParams, support_logprobs
+from sampled_supports import replayed_diff
+from support_replay import SamplingParams
 from support_replay.backends.local import EngineBackend
 from support_replay.engine import Engine, EngineSettings
 from support_replay.engine.limits import EngineLimits
@@ -24,16 +25,8 @@ def digit_share(prompt: str, text: str, label) -> float:
     return sum(c.isdigit() for c in text) / max(1, len(text))
 
 
-def replayed_diff(model, sample, start: int, end: int) -> float:
-    """|log pi - log mu| over response positions [start, end), ``model`` scoring them on their supports."""
-    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
-    with torch.no_grad():
-        logits = model(ids).logits[0]
-    first = len(sample.prompt_ids) - 1
-    scores = support_logprobs(
-        logits[first : first + len(sample.response_ids)], torch.tensor(sample.response_ids), sample.support, 1.0
-    )
-    return float((scores - torch.as_tensor(sample.log_mu)).abs()[start:end].max())
+def replayed(model, sample, start: int, end: int) -> float:
+    return replayed_diff(model, sample.prompt_ids, sample.response_ids, sample.support, sample.log_mu, start, end)
 
 
 def test_stopped_samples_are_kept_and_continued_under_the_next_weights(tiny_checkpoint):
@@ -74,9 +67,9 @@ def test_stopped_samples_are_kept_and_continued_under_the_next_weights(tiny_chec
         assert len(s.response_ids) == TOKENS and s.status == "truncated"
         spans = {span.version: span for span in s.weight_versions}
         if "0" in spans:
-            assert replayed_diff(old, s, spans["0"].start, spans["0"].end) < 1e-4
+            assert replayed(old, s, spans["0"].start, spans["0"].end) < 1e-4
             assert s.output_starts == [0, spans["0"].end]  # the continued request's own output began there
-        assert replayed_diff(new, s, spans["1"].start, spans["1"].end) < 1e-4
+        assert replayed(new, s, spans["1"].start, spans["1"].end) < 1e-4
 
 
 PARTIAL = dict(
