@@ -117,3 +117,35 @@ def test_a_stopped_request_answers_with_its_tokens_and_their_supports(sglang_ser
     assert completion.finish_reason["type"] == "abort" and ended == [(0, False)]
     assert 0 < completion.num_tokens < 500 and len(completion.log_mu) == completion.num_tokens
     assert all(token in row for token, row in zip(completion.output_ids, completion.support.to_lists()))
+
+
+def test_a_push_under_a_retract_pause_continues_the_running_request_under_the_new_version(sglang_server):
+    """SGLang's own ``/pause_generation {"mode": "retract"}``, ``/update_weights_from_disk`` while paused and
+    ``/continue_generation`` (what ``--weight-sync-mode retract`` sends): the running request goes on, and its answer
+    carries two version spans with a support and log mu for every token."""
+    import threading
+    import time
+
+    url, checkpoint = sglang_server
+    body = {
+        "input_ids": [1, 2, 3, 4],
+        "return_sampling_mask": True,
+        "sampling_params": {**MASKED, "max_new_tokens": 500},
+    }
+    answer = []
+    worker = threading.Thread(target=lambda: answer.append(httpx.post(url + "/generate", json=body, timeout=300)))
+    worker.start()
+    time.sleep(0.3)
+    try:
+        assert httpx.post(url + "/pause_generation", json={"mode": "retract"}, timeout=60).status_code == 200
+        load = {"model_path": str(checkpoint), "weight_version": "paused-push"}
+        assert httpx.post(url + "/update_weights_from_disk", json=load, timeout=120).json()["success"]
+        assert httpx.post(url + "/continue_generation", json={}, timeout=60).status_code == 200
+        worker.join(timeout=120)
+    finally:
+        back = {"model_path": str(checkpoint), "weight_version": "default"}
+        httpx.post(url + "/update_weights_from_disk", json=back, timeout=120)
+    meta = answer[0].json()["meta_info"]
+    spans = meta["weight_versions"]
+    assert [s["version"] for s in spans] == ["default", "paused-push"] and spans[-1]["end"] == 500
+    assert len(meta["output_token_sampling_mask"]) == len(meta["output_token_sampling_logprobs"]) == 500
