@@ -29,66 +29,42 @@ from .weight_push import (
     post_admin,
 )
 
-SMG_FANOUT = "/v1/rl/engine/update_weights_from_disk"
+SMG_RL = "/v1/rl/engine"  # smg --enable-rl: its control plane fans /v1/rl/engine/<route> out to every engine
 
 
 class SGLangSync(StagedSync):
     def push(self, state: dict[str, torch.Tensor], version: str) -> None:
         body = {"model_path": str(self.stage(state)), "weight_version": version, "abort_all_requests": self.abort}
-        with paused_generation(self.url, self.mode, self._control):  # retract, in_place: under running requests
-            self._load(body)
+        with paused_generation(self.url, self.mode, self._call):  # retract, in_place: under running requests
+            self._call("/update_weights_from_disk", "loading the weights", body)
 
-    def _control(self, path: str, what: str, body: dict) -> None:
-        """An SGLang control call, straight to the engine, or fanned out by smg's RL control plane (which answers
-        the direct path 404 and lists its workers)."""
+    def _call(self, path: str, what: str, body: dict) -> None:
+        """One SGLang admin call (a load, a pause, a continue), straight to the engine, or fanned out by smg's RL
+        control plane (``/v1/rl/engine{path}``), which answers the direct path 404 and lists its workers."""
         try:
             headers = Keys.load().header(admin=True)
             reply = httpx.post(self.url + path, json=body, timeout=SYNC_TIMEOUT, headers=headers)
         except httpx.HTTPError as exc:
-            raise SupportReplayError(f"weight sync to {self.url}: {what} ({path}) failed: {exc}") from exc
-        if reply.status_code == 404 and self._is_smg():
-            reply = post_admin(self.url, "/v1/rl/engine" + path, what, params={"selector": "engine=sglang"}, json=body)
-            self._check_fanout(reply, what)
-        elif reply.status_code != 200:
             raise SupportReplayError(
-                f"weight sync to {self.url}: {what} ({path}) answered HTTP {reply.status_code}: {reply.text[:300]}"
-            )
-
-    def _is_smg(self) -> bool:
-        headers = Keys.load().header(admin=True)
-        return httpx.get(self.url + "/v1/rl/workers", timeout=30, headers=headers).status_code == 200
-
-    def _load(self, body: dict) -> None:
-        try:
-            reply = httpx.post(
-                self.url + "/update_weights_from_disk",
-                json=body,
-                timeout=SYNC_TIMEOUT,
-                headers=Keys.load().header(admin=True),
-            )
-        except httpx.HTTPError as exc:
-            raise SupportReplayError(
-                f"weight sync to {self.url}: loading the weights failed: {type(exc).__name__}: {exc}"
+                f"weight sync to {self.url}: {what} ({path}) failed: {type(exc).__name__}: {exc}"
             ) from exc
         if reply.status_code == 404 and self._is_smg():
-            return self._through_smg(body)  # smg: its RL control plane fans the call out
+            fanned = post_admin(self.url, SMG_RL + path, what, params={"selector": "engine=sglang"}, json=body)
+            return self._check_fanout(fanned, what)
         if reply.status_code == 404:
             raise SupportReplayError(
-                f"weight sync to {self.url}: /update_weights_from_disk is not routed there (HTTP 404); "
+                f"weight sync to {self.url}: {path} is not routed there (HTTP 404); "
                 "if it is smg, start it with --enable-rl so that its RL control plane can fan the call out"
             )
         if reply.status_code != 200:
             raise SupportReplayError(
-                f"weight sync to {self.url}: /update_weights_from_disk answered HTTP {reply.status_code}: "
-                f"{reply.text[:300]}"
+                f"weight sync to {self.url}: {path} answered HTTP {reply.status_code}: {reply.text[:300]}"
             )
         check_success(self.url, reply.json() if reply.content else {})
 
-    def _through_smg(self, body: dict) -> None:
-        reply = post_admin(
-            self.url, SMG_FANOUT, "fanning the weights out through smg", params={"selector": "engine=sglang"}, json=body
-        )
-        self._check_fanout(reply, "loading the weights")
+    def _is_smg(self) -> bool:
+        headers = Keys.load().header(admin=True)
+        return httpx.get(self.url + "/v1/rl/workers", timeout=30, headers=headers).status_code == 200
 
     def _check_fanout(self, reply: httpx.Response, what: str) -> None:
         """Every engine smg fanned the call out to answered 200 (and, for a load, ``success``)."""
