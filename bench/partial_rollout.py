@@ -2,6 +2,7 @@
 partial rollouts and in-flight updates, in one sitting, and the tokens each generated and threw away.
 
     python bench/partial_rollout.py [--rollouts 4] [--max-len 256] [--modes sync,async,partial,in-flight]
+                                    [--trace runs.json]
 
 GRPO on SmolLM2-135M-Instruct (the in-process engine, colocated: engine and trainer share the 2 cores), the
 built-in arithmetic task (4 prompts x 4 samples a rollout, temperature 1, top_p 0.8, top_k 32, EOS ends a
@@ -18,11 +19,17 @@ response: SmolLM2's answers run from a few tokens to the cap, the printed length
 Trained tokens: response tokens that trained (loss mask 1), over the wall time of the run (the first rollout
 included: every mode pays it). Engine idle share: the share of the run's wall time in which the engine ran no
 prefill or decode step. Thrown away: tokens generated that neither trained nor are kept for a later rollout.
+
+``--trace`` writes each run's engine steps (start, duration, batch rows or prefilled tokens) and trainer calls
+(scoring, update, the checks), its requests' prompt
+and response lengths in the order they ended, and its per-rollout timings: the inputs and the targets of
+bench/fleet_sim.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -33,7 +40,9 @@ from support_replay.engine import Engine
 from support_replay.modeling.checkpoints import smollm2_checkpoint
 from support_replay.modeling.kernel_probe import cpu_identity
 from support_replay.train import train
+from support_replay.train.checks import RolloutChecks
 from support_replay.train.config import RunConfig
+from support_replay.train.learner import Learner
 
 MODES = {
     "sync": {},
@@ -49,6 +58,9 @@ class EngineClock:
     def __init__(self):
         self.busy, self.engine = 0.0, None
         self.lengths: list[int] = []  # of the responses that ended by themselves (EOS or the cap), not stopped
+        self.requests: list[tuple[int, int]] = []  # (prompt, response) tokens of those, in the order they ended
+        self.steps: list[tuple[str, float, float, int]] = []  # (kind, start, seconds, rows or prefilled tokens)
+        self.t0 = time.perf_counter()
         self._patched = []
 
     def __enter__(self):
@@ -58,28 +70,49 @@ class EngineClock:
         def finished(engine, request, future, completion):
             if completion.finish_reason.get("type") != "abort":
                 clock.lengths.append(len(request.input_ids) + completion.num_tokens)
+                clock.requests.append((len(request.input_ids), completion.num_tokens))
             return finish(engine, request, future, completion)
 
         Engine._finish_ok = finished
-        self._patched.append(("_finish_ok", finish))
+        self._patched.append((Engine, "_finish_ok", finish))
         for name in ("_decode", "_prefill_and_join"):
             original = getattr(Engine, name)
 
-            def timed(engine, *args, _original=original, **kw):
+            def timed(engine, *args, _original=original, _name=name, **kw):
                 clock.engine = engine
+                if _name == "_decode":
+                    size = len(engine.batch.rows)
+                else:
+                    size = sum(len(s.fed_ids()) for s in args[0])
                 t0 = time.perf_counter()
                 try:
                     return _original(engine, *args, **kw)
                 finally:
-                    clock.busy += time.perf_counter() - t0
+                    took = time.perf_counter() - t0
+                    clock.busy += took
+                    clock.steps.append((_name.strip("_"), t0 - clock.t0, took, size))
 
             setattr(Engine, name, timed)
-            self._patched.append((name, original))
+            self._patched.append((Engine, name, original))
+        trainer = [(Learner, "score_before_update"), (Learner, "update"), (RolloutChecks, "__call__")]
+        for owner, name in trainer:  # the trainer's work: the colocation slowdown, the lagged check's cost
+            original = getattr(owner, name)
+
+            def trained(learner, *args, _original=original, _name=name, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return _original(learner, *args, **kw)
+                finally:
+                    kind = "checks" if _name == "__call__" else _name
+                    clock.steps.append((kind, t0 - clock.t0, time.perf_counter() - t0, 0))
+
+            setattr(owner, name, trained)
+            self._patched.append((owner, name, original))
         return self
 
     def __exit__(self, *exc):
-        for name, original in self._patched:
-            setattr(Engine, name, original)
+        for owner, name, original in self._patched:
+            setattr(owner, name, original)
 
 
 def run(mode: str, rollouts: int, max_len: int) -> dict:
@@ -101,9 +134,8 @@ def run(mode: str, rollouts: int, max_len: int) -> dict:
         **MODES[mode],
     )
     with EngineClock() as clock:
-        t0 = time.perf_counter()
         rows = train(cfg)
-        wall = time.perf_counter() - t0
+        wall = time.perf_counter() - clock.t0
     trained = sum(r["response_len_mean"] * r["samples"] - r.get("lag_masked_tokens", 0) for r in rows)
     generated = clock.engine.stats.generated_tokens
     kept = rows[-1].get("kept_tokens", 0)
@@ -120,6 +152,18 @@ def run(mode: str, rollouts: int, max_len: int) -> dict:
         "diff": max(r["train_rollout_logprob_abs_diff_max"] for r in rows),
         "straddling": sum(r["straddling_samples"] for r in rows),
         "lengths": clock.lengths,
+        "trace": {
+            "wall": wall,
+            "steps": clock.steps,
+            "requests": clock.requests,
+            "samples_per_rollout": cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt,
+            "rollouts": [
+                {k: r[k] for k in ("time_step", "time_generate", "time_sync", "samples", "response_len_mean")}
+                for r in rows
+            ],
+            "trained": trained,
+            "busy": clock.busy,
+        },
     }
 
 
@@ -128,7 +172,9 @@ def main() -> None:
     ap.add_argument("--rollouts", type=int, default=4)
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--trace", help="write each run's engine steps, requests and timings to this JSON file")
     args = ap.parse_args()
+    traces = {}
     print(f"CPU: {cpu_identity()}, {torch.get_num_threads()} threads; SmolLM2-135M-Instruct fp32, in process")
     print(f"{args.rollouts} rollouts of 4 prompts x 4 samples, up to {args.max_len} tokens, EOS ends a response\n")
     print(
@@ -149,6 +195,10 @@ def main() -> None:
             f"median {statistics.median(lengths):.0f}, max {lengths[-1]} -->",
             flush=True,
         )
+        traces[mode] = {"cpu": cpu_identity(), "max_len": args.max_len, **m["trace"]}
+        if args.trace:
+            with open(args.trace, "w") as f:
+                json.dump(traces, f)
 
 
 if __name__ == "__main__":
