@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ..backends.registry import kind_class, kind_name
 from ..errors import ConfigError
 from ..modeling.linear_kernels import resolve_linear_kernel
+from .distillation_config import check_distillation
 from .schedule import warmup_steps
 from .section_base import bad, flag
 from .sections import (
@@ -37,6 +38,7 @@ from .sections import (
     SECTIONS,
     AgentConfig,
     DataConfig,
+    DistillationConfig,
     EngineConfig,
     EvalConfig,
     LaunchConfig,
@@ -82,6 +84,7 @@ class RunConfig(BaseModel):
     agents: AgentConfig = Field(default_factory=AgentConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    distillation: DistillationConfig = Field(default_factory=DistillationConfig)
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
     evaluation: EvalConfig = Field(default_factory=EvalConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
@@ -202,6 +205,7 @@ class RunConfig(BaseModel):
         self._check_agents()
         self._check_launch()
         self._check_lora_sync()
+        check_distillation(self.distillation, self.rollout, self.parallel, self.optimizer)
         return self
 
     def _check_replay(self) -> None:

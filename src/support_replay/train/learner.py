@@ -26,10 +26,13 @@ from .actor import Actor, load_scoring_model
 from .batches import MicroBatch, OptimizerStep, plan_optimizer_steps
 from .config import RunConfig
 from .dist import all_reduce_sum, gather_by_index
+from .distillation import DistillSums, distill_metrics, distill_terms
+from .distillation_config import DistillationConfig
 from .layout import parallel_layout
 from .schedule import lr_scheduler
 from .scorer import Outputs, Scorer
 from .sections import AgentConfig, OptimizerConfig, ParallelConfig, ReplayConfig, RolloutConfig
+from .teacher import Teacher, TeacherScores
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class OldScores:
     logp: list[torch.Tensor] | None  # the ratio's score; None until the fused forward ran
     full: list[torch.Tensor] | None  # full-vocabulary log-probs (metrics, KL reward)
     ref: list[torch.Tensor] | None  # the reference's full-vocabulary log-probs
+    teacher: TeacherScores | None = None  # --use-opd: the teacher's log-probs at the support ids and sampled tokens
 
 
 @dataclass
@@ -51,6 +55,13 @@ class StepSums:
     entropy: float = 0.0
     tokens: float = 0.0
     sc_drift: float = 0.0  # score centering: sum over trained tokens of |A| * the drift's logit-gradient norm
+    # --use-opd (train/distillation.DistillSums, field by field): sums over trained tokens
+    opd_exact: float = 0.0
+    opd_exact_sq: float = 0.0
+    opd_single: float = 0.0
+    opd_single_sq: float = 0.0
+    opd_mass: float = 0.0
+    opd_agree: float = 0.0
 
     def add(self, other: StepSums) -> None:
         for f in fields(self):
@@ -69,16 +80,24 @@ class UpdateMetrics:
     optimizer_steps: int
     lr: float  # the learning rate of the rollout's last optimizer step
     score_centering_drift: float | None = None  # mean over trained tokens of |A| sum_v |q_v w_v - p_v sum_u q_u w_u|
+    distillation: dict | None = None  # --use-opd: train/distillation.distill_metrics over the rollout's tokens
 
     def row(self) -> dict:
         """The metrics row's fields (what was not measured left out)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return {**out, **out.pop("distillation", {})}
 
     @staticmethod
-    def mean(steps: list[tuple[StepSums, float]], lr: float, centering: bool = False) -> UpdateMetrics:
+    def mean(
+        steps: list[tuple[StepSums, float]], lr: float, centering: bool = False, distilling: bool = False
+    ) -> UpdateMetrics:
         """From ``(sums, grad norm)`` per optimizer step: per-token means, averaged over steps (the drift
-        only where score centering measured it)."""
+        only where score centering measured it; distillation's over the rollout's tokens)."""
         n = len(steps)
+        whole = StepSums()
+        for s, _ in steps:
+            whole.add(s)
+        opd = DistillSums(*(getattr(whole, f"opd_{f.name}") for f in fields(DistillSums)))
         return UpdateMetrics(
             loss=sum(s.loss for s, _ in steps) / n,
             clip_fraction=sum(s.clipped_tokens / max(s.tokens, 1) for s, _ in steps) / n,
@@ -88,6 +107,7 @@ class UpdateMetrics:
             optimizer_steps=n,
             lr=lr,
             score_centering_drift=sum(s.sc_drift / max(s.tokens, 1) for s, _ in steps) / n if centering else None,
+            distillation=distill_metrics(opd, whole.tokens) if distilling else None,
         )
 
 
@@ -120,9 +140,11 @@ def refuse_non_finite(total: torch.Tensor, batch: MicroBatch, rollout: int) -> N
 
 
 @torch.no_grad()
-def step_sums(loss, terms, mask, token_advantages, drift) -> StepSums:
+def step_sums(loss, terms, mask, token_advantages, drift, opd: DistillSums | None = None) -> StepSums:
     """A micro-batch's sums for the step's metrics."""
+    opd = opd or DistillSums()
     return StepSums(
+        **{f"opd_{f.name}": getattr(opd, f.name) for f in fields(DistillSums)},
         loss=float(loss),
         clipped_tokens=float((terms.clipped.float() * mask).sum()),
         kl=float((terms.kl * mask).sum()) if terms.kl is not None else 0.0,
@@ -143,13 +165,14 @@ class Learner:
         optimizer: OptimizerConfig,
         replay: ReplayConfig,
         agents: AgentConfig,
+        distillation: DistillationConfig,
         pack: bool,
         linear_kernel: str,
         lr_schedule: dict | None = None,
     ):
         self.ctx = ctx
         self.rollout_cfg, self.parallel_cfg, self.optimizer_cfg = rollout, parallel, optimizer
-        self.replay_cfg, self.agents_cfg = replay, agents
+        self.replay_cfg, self.agents_cfg, self.distill_cfg = replay, agents, distillation
         self.replay = self.rollout_cfg.use_sampling_support_replay
         self.layout = parallel_layout(
             ctx,
@@ -163,6 +186,18 @@ class Learner:
         torch.manual_seed(self.optimizer_cfg.seed)
         self.linear_kernel = linear_kernel  # the actor's, the reference's and the lagged scorer's forward
         self.actor, self.reference = self._models(checkpoint_path)
+        self.teacher = (
+            Teacher.load(
+                checkpoint_path,
+                distillation.opd_teacher_load,
+                ctx.device,
+                self.actor.model.compute_dtype,
+                linear_kernel,
+                replay.attn_implementation,
+            )
+            if distillation.use_opd
+            else None
+        )
         self.actor.schedule = lr_schedule  # what a checkpoint keeps of it, and a resume must match
         self.actor.scheduler = lr_scheduler(self.actor.optimizer, **lr_schedule) if lr_schedule else None
         self.temperature = self.rollout_cfg.rollout_temperature
@@ -219,7 +254,7 @@ class Learner:
         grads = dict(
             full=self.optimizer_cfg.use_kl_loss,
             entropy=self.optimizer_cfg.entropy_coef > 0,
-            support_rows=self.optimizer_cfg.use_score_centering,
+            support_rows=self.optimizer_cfg.use_score_centering or self.distill_cfg.use_opd,
         )
         self._update_scorers = {
             m: self.actor.scorer(self.temperature, Outputs(**grads, full_detached=m)) for m in (False, True)
@@ -241,6 +276,7 @@ class Learner:
             optimizer=cfg.optimizer,
             replay=cfg.replay,
             agents=cfg.agents,
+            distillation=cfg.distillation,
             pack=cfg.pack_groups,
             linear_kernel=cfg.trainer_linear_kernel(ctx.device),
             lr_schedule=cfg.lr_schedule,
@@ -302,6 +338,7 @@ class Learner:
             or self.optimizer_cfg.kl_coef > 0
             or self.replay_cfg.min_support_mass > 0
             or rollout % self.replay_cfg.full_vocab_metrics_interval == 0
+            or self.teacher is not None  # the one-sample estimate reads the old full-vocabulary log pi(a_t)
         )
         steps = plan_optimizer_steps(
             samples,
@@ -323,7 +360,7 @@ class Learner:
     @torch.no_grad()
     def score_before_update(self, steps: list[OptimizerStep], num_samples: int) -> OldScores:
         """Old log-probs (unless fused) and the reference's, on the planned micro-batches."""
-        old, ref = {}, {}
+        old, ref, taught = {}, {}, {}
         self._take_agreement()  # routing agreement is the old policy's: measured on this pass (or the fused forward)
         for batch in (mb for step in steps for mb in step.micro_batches):
             if not self.fused:
@@ -333,14 +370,18 @@ class Learner:
             if self.reference is not None:
                 rs = self._reference_scorer(batch)
                 ref.update(zip(batch.indices, batch.split(rs.full)))
+            if self.teacher is not None:
+                taught.update(self.teacher.score(batch))
         if not self.fused:
             self._agreement = self._take_agreement()
         pairs = gather_by_index(old, num_samples, self.ctx) if old else None
         refs = gather_by_index(ref, num_samples, self.ctx) if ref else None
+        teacher = gather_by_index(taught, num_samples, self.ctx) if taught else None
         return OldScores(
             logp=[p[0] for p in pairs] if pairs else None,
             full=[p[1] for p in pairs] if pairs and self.measure_full else None,
             ref=refs,
+            teacher=TeacherScores([t[0] for t in teacher], [t[1] for t in teacher]) if teacher else None,
         )
 
     def with_fresh_old(self, old: OldScores, scores: dict, num_samples: int) -> OldScores:
@@ -387,7 +428,10 @@ class Learner:
                 self._agreement = self._take_agreement()  # fused: this forward was the old policy's
             per_step.append((result.sums, self.optimizer_step(r)))  # stops on a NaN gradient, before the step
         self._take_agreement()  # what later steps' forwards saw is not the old policy's
-        return UpdateMetrics.mean(per_step, self.actor.last_lr, self.optimizer_cfg.use_score_centering), old
+        metrics = UpdateMetrics.mean(
+            per_step, self.actor.last_lr, self.optimizer_cfg.use_score_centering, self.teacher is not None
+        )
+        return metrics, old
 
     def backward(
         self, rollout: int, step: OptimizerStep, samples: list[Sample], old: OldScores, advantages: torch.Tensor
@@ -423,6 +467,8 @@ class Learner:
         token_advantages = torch.repeat_interleave(
             advantages[batch.indices].to(sc.logp.device), torch.tensor(batch.lengths, device=sc.logp.device)
         )
+        distilled = self._distilled(batch, sc, full, old, token_advantages)  # None without --use-opd
+        token_advantages = token_advantages if distilled is None else distilled.advantages
         centering = drift = None
         if opt.use_score_centering:  # the sampler-expected score on the replayed support, subtracted
             centering, drift = score_centering_term(
@@ -449,7 +495,8 @@ class Learner:
             reinforce=(log_mu, opt.score_centering_weight, opt.tis_cap) if opt.policy_loss == "reinforce" else None,
             centering=centering,
         )
-        refuse_non_finite(terms.total, batch, rollout)  # before backward: nothing of it reaches the weights
+        total = terms.total if distilled is None or distilled.loss is None else terms.total + distilled.loss
+        refuse_non_finite(total, batch, rollout)  # before backward: nothing of it reaches the weights
         weights = token_weights(
             batch.loss_mask,
             batch.lengths,
@@ -457,9 +504,19 @@ class Learner:
             batch_tokens=step.tokens,
             batch_sequences=step.sequences,
         )
-        loss = (terms.total * weights).sum()
+        loss = (total * weights).sum()
         self.actor.backward(loss)
-        return step_sums(loss, terms, batch.loss_mask, token_advantages, drift), fresh
+        return step_sums(loss, terms, batch.loss_mask, token_advantages, drift, distilled and distilled.sums), fresh
+
+    def _distilled(self, batch: MicroBatch, sc, full: torch.Tensor, old: OldScores, token_advantages):
+        """--use-opd: the teacher's divergence on the replayed support (train/distillation.py); the one-sample
+        estimate reads the old policy's full-vocabulary log pi(a_t) (fused: this forward's)."""
+        if self.teacher is None:
+            return None
+        student_full_old = (
+            full.detach() if old.full is None else torch.cat([old.full[i] for i in batch.indices]).to(full.device)
+        )
+        return distill_terms(self.distill_cfg, batch, sc.support_logp, student_full_old, old.teacher, token_advantages)
 
     def optimizer_step(self, rollout: int) -> float:
         """Clip, step, zero the gradients; returns the gradient norm before clipping. A NaN or

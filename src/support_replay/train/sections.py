@@ -20,6 +20,7 @@ from ..errors import ConfigError, SamplingParamsError
 from ..modeling.decode_attention import HELP as DECODE_ATTENTION_HELP
 from ..modeling.linear_kernels import LINEAR_KERNEL_HELP
 from ..protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
+from .distillation_config import DistillationConfig
 from .launch_config import LaunchConfig
 from .section_base import Section, bad
 
@@ -880,6 +881,7 @@ SECTIONS = {
     "agents": AgentConfig,
     "parallel": ParallelConfig,
     "optimizer": OptimizerConfig,
+    "distillation": DistillationConfig,
     "replay": ReplayConfig,
     "evaluation": EvalConfig,
     "output": OutputConfig,

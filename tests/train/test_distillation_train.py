@@ -1,0 +1,125 @@
+"""On-policy distillation in process: a teacher beside the actor scores every support id of every model token;
+the exact divergence trains, --ci-test still checks the student's replayed log-probs, and a teacher that does not
+share the student's tokenizer, vocabulary or template is refused by name."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from recipe_helpers import agent_config, run_config
+from support_replay.errors import ConfigError
+from support_replay.train import train
+from tiny_model import build_tiny_checkpoint, build_tiny_moe_checkpoint, tiny_dims
+
+OPD = dict(use_opd=True)
+METRICS = ("opd_divergence", "opd_single_estimate", "opd_teacher_mass", "opd_agreement", "opd_single_bias")
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """The tiny model's architecture, other weights: the same tokenizer."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("teacher"), seed=1)
+
+
+def wider_teacher(path, student):
+    """Twice the student's width and three layers, the student's tokenizer."""
+    tok = AutoTokenizer.from_pretrained(student)
+    torch.manual_seed(2)
+    dims = {**tiny_dims(tok, 512), "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3}
+    model = Qwen3ForCausalLM(Qwen3Config(**dims, head_dim=32))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+def assert_distilled(rows):
+    for r in rows:
+        assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3  # the student's replay is unchanged
+        for name in METRICS:
+            assert math.isfinite(r[name]), name
+        assert 0 < r["opd_teacher_mass"] <= 1 and 0 <= r["opd_agreement"] <= 1
+        assert r["opd_divergence"] >= 0
+
+
+@pytest.mark.parametrize("divergence", ["reverse", "forward", "jsd"])
+def test_the_exact_divergence_trains_beside_grpo_and_ci_test_holds(tiny_checkpoint, teacher, tmp_path, divergence):
+    rows = train(run_config(tiny_checkpoint, tmp_path, **OPD, opd_teacher_load=str(teacher), opd_divergence=divergence))
+    assert_distilled(rows)
+
+
+def test_distillation_alone_moves_the_student_toward_the_teacher(tiny_checkpoint, teacher, tmp_path):
+    rows = train(
+        run_config(tiny_checkpoint, tmp_path, **OPD, opd_teacher_load=str(teacher), opd_only=True, num_rollout=5)
+    )
+    assert_distilled(rows)
+    assert rows[-1]["opd_divergence"] < rows[0]["opd_divergence"]
+
+
+def test_the_single_sample_estimator_shapes_the_advantage_and_the_exact_value_is_reported(
+    tiny_checkpoint, teacher, tmp_path
+):
+    rows = train(run_config(tiny_checkpoint, tmp_path, **OPD, opd_teacher_load=str(teacher), opd_estimator="single"))
+    assert_distilled(rows)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(lora_rank=4),
+        dict(async_rollout=True, max_policy_lag=1),
+        dict(rollout_repetition_penalty=1.3, rollout_presence_penalty=0.2),
+        dict(packed_scoring="on"),
+    ],
+    ids=["lora", "async-lag-1", "penalties", "packed"],
+)
+def test_distillation_with_lora_a_policy_lag_penalties_and_packing(tiny_checkpoint, teacher, tmp_path, extra):
+    rows = train(run_config(tiny_checkpoint, tmp_path, **OPD, opd_teacher_load=str(teacher), num_rollout=2, **extra))
+    assert_distilled(rows)
+
+
+def test_distillation_on_agent_episodes_scores_only_the_models_tokens(tiny_agent_checkpoint, tmp_path_factory):
+    teacher = build_tiny_checkpoint(tmp_path_factory.mktemp("agent-teacher"), seed=1, max_positions=2048)
+    rows = train(
+        agent_config(tiny_agent_checkpoint, tmp_path_factory.mktemp("run"), **OPD, opd_teacher_load=str(teacher))
+    )
+    assert_distilled(rows)
+
+
+@pytest.mark.parametrize("kind", ["wider", "moe"])
+def test_a_wider_or_mixture_of_experts_teacher_with_the_students_tokenizer(tiny_checkpoint, tmp_path, kind):
+    path = tmp_path / "teacher"
+    path = wider_teacher(path, tiny_checkpoint) if kind == "wider" else build_tiny_moe_checkpoint(path)
+    rows = train(run_config(tiny_checkpoint, tmp_path, **OPD, opd_teacher_load=str(path), num_rollout=2))
+    assert_distilled(rows)
+
+
+def test_a_teacher_with_another_vocabulary_or_template_is_refused_by_name(tiny_checkpoint, tmp_path):
+    other_vocab = build_tiny_checkpoint(tmp_path / "vocab", vocab_size=400)
+    with pytest.raises(ConfigError, match="--opd-teacher-load=.*vocabulary of"):
+        train(run_config(tiny_checkpoint, tmp_path / "a", **OPD, opd_teacher_load=str(other_vocab)))
+    other_template = build_tiny_checkpoint(tmp_path / "template", chat_template="{{ messages[0]['content'] }}")
+    with pytest.raises(ConfigError, match="--opd-teacher-load=.*chat template"):
+        train(run_config(tiny_checkpoint, tmp_path / "b", **OPD, opd_teacher_load=str(other_template)))
+    with pytest.raises(ConfigError, match="--opd-teacher-load=.*not a checkpoint directory"):
+        train(run_config(tiny_checkpoint, tmp_path / "c", **OPD, opd_teacher_load=str(tmp_path / "none")))
+
+
+def test_the_config_rules_of_distillation(tiny_checkpoint, tmp_path):
+    with pytest.raises(ConfigError, match="--use-opd=True: scores the teacher on each token's replayed support"):
+        run_config(
+            tiny_checkpoint, tmp_path, **OPD, opd_teacher_load="t", rollout_top_p=1.0, rollout_top_k=-1, ci_test=False
+        )
+    with pytest.raises(ConfigError, match="--opd-teacher-load=None: --use-opd needs a teacher"):
+        run_config(tiny_checkpoint, tmp_path, **OPD)
+    with pytest.raises(ConfigError, match="--opd-kl-coef=0.5: has no effect without --use-opd"):
+        run_config(tiny_checkpoint, tmp_path, opd_kl_coef=0.5)
+    with pytest.raises(ConfigError, match="--opd-divergence='jsd': the single-sample estimator"):
+        run_config(tiny_checkpoint, tmp_path, **OPD, opd_teacher_load="t", opd_estimator="single", opd_divergence="jsd")
+    with pytest.raises(ConfigError, match="--tensor-model-parallel-size=2: with --use-opd"):
+        run_config(tiny_checkpoint, tmp_path, **OPD, opd_teacher_load="t", tensor_model_parallel_size=2)
