@@ -99,6 +99,14 @@ def test_a_wider_or_mixture_of_experts_teacher_with_the_students_tokenizer(tiny_
     assert_distilled(rows)
 
 
+def test_a_checkpoint_the_run_saved_is_a_teacher(tiny_checkpoint, tmp_path):
+    """What `train --save` writes loads as a Hugging Face checkpoint: a teacher trained by support-replay itself."""
+    train(run_config(tiny_checkpoint, tmp_path / "teach", num_rollout=2, save=str(tmp_path / "ckpt"), save_interval=2))
+    saved = tmp_path / "ckpt" / "rollout_000002"
+    rows = train(run_config(tiny_checkpoint, tmp_path / "student", **OPD, opd_teacher_load=str(saved), num_rollout=2))
+    assert_distilled(rows)
+
+
 def test_a_teacher_with_another_vocabulary_or_template_is_refused_by_name(tiny_checkpoint, tmp_path):
     other_vocab = build_tiny_checkpoint(tmp_path / "vocab", vocab_size=400)
     with pytest.raises(ConfigError, match="--opd-teacher-load=.*vocabulary of"):

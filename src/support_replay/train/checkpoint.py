@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from transformers import AutoTokenizer
 
 from ..backends.weight_push import save_safetensors
 from ..errors import ConfigError, SupportReplayError
@@ -67,6 +68,15 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _loadable(staging: Path, actor) -> None:
+    """The model's config and the run's tokenizer beside its weights: a checkpoint is a Hugging Face checkpoint
+    (``from_pretrained``, ``--hf-checkpoint``, a distillation teacher's ``--opd-teacher-load``)."""
+    actor.model.hf.config.save_pretrained(staging)
+    source = getattr(actor, "source", None)
+    if source is not None:
+        AutoTokenizer.from_pretrained(source).save_pretrained(staging)
+
+
 def save_checkpoint(directory: Path, rollout: int, actor, ctx, extra: dict) -> Path | None:
     """``directory/rollout_{rollout}`` written atomically and durably by rank 0 (all ranks must call it)."""
     model_state, adapter = actor.checkpoint_state()  # with LoRA: merged (a Hugging Face checkpoint) and the adapter
@@ -78,6 +88,7 @@ def save_checkpoint(directory: Path, rollout: int, actor, ctx, extra: dict) -> P
         if staging.exists():
             shutil.rmtree(staging)
         save_safetensors(model_state, staging)
+        _loadable(staging, actor)
         if adapter is not None:  # the adapter alone, as peft saves one (PeftModel.from_pretrained reads it)
             save_file(adapter, str(staging / ADAPTER_FILE))
             actor.lora.peft_config().save_pretrained(str(staging))

@@ -186,6 +186,7 @@ class Learner:
         torch.manual_seed(self.optimizer_cfg.seed)
         self.linear_kernel = linear_kernel  # the actor's, the reference's and the lagged scorer's forward
         self.actor, self.reference = self._models(checkpoint_path)
+        self.actor.source = checkpoint_path  # a checkpoint saves its tokenizer beside the weights
         self.teacher = (
             Teacher.load(
                 checkpoint_path,
