@@ -33,7 +33,8 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 class Pausing:
     def _init_pausing(self) -> None:
         self.paused: str | None = None  # the mode of the pause in force, or None
-        self._controls: list[tuple[str, str | None, Future]] = []  # pause and continue calls, applied in order
+        # pause, continue and between-step calls, applied in order: (kind, the pause's mode or the call, its future)
+        self._controls: list[tuple[str, object, Future]] = []
         self._controls_lock = threading.Lock()
         self._retracted: list = []  # RunningRequests out of the batch until continue (their KV freed)
 
@@ -48,18 +49,26 @@ class Pausing:
         """Resume: retracted rows are prefilled again under the current weights first; resolves to how many."""
         return self._control("continue", None)
 
-    def _control(self, kind: str, mode: str | None) -> Future:
+    def call_between_steps(self, fn) -> Future:
+        """``fn()`` on the engine's thread between two steps (paused or not), nothing else running on the model;
+        resolves to what it returns (a teacher's scoring forward, engine/support_scoring.py)."""
+        return self._control("call", fn)
+
+    def _control(self, kind: str, arg) -> Future:
         future: Future = Future()
         with self._controls_lock:
-            self._controls.append((kind, mode, future))
+            self._controls.append((kind, arg, future))
         return future
 
     def _apply_controls(self) -> None:
         with self._controls_lock:
             controls, self._controls = self._controls, []
-        for kind, mode, future in controls:
+        for kind, arg, future in controls:
             try:
-                future.set_result(self._pause(mode) if kind == "pause" else self._continue())
+                if kind == "call":
+                    future.set_result(arg())
+                else:
+                    future.set_result(self._pause(arg) if kind == "pause" else self._continue())
             except Exception as exc:
                 future.set_exception(exc)
 

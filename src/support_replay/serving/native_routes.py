@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from .. import __version__
+from ..modeling.tokenizer_identity import tokenizer_fingerprint
 from .engine_calls import EngineCalls
 from .openai_format import _sse
 from .openai_streaming import error_body
@@ -96,9 +97,11 @@ def native_routes(calls: EngineCalls, model_name: str) -> APIRouter:
     routes = APIRouter()
     engine = calls.engine
 
+    fingerprint = tokenizer_fingerprint(engine.tokenizer)  # a teacher's student checks it (train/teacher.py)
+
     @routes.get("/model_info")
     async def model_info():
-        return engine_info(engine, model_name)
+        return {**engine_info(engine, model_name), "tokenizer_fingerprint": fingerprint}
 
     # SGLang's /server_info and no /version: smg 1.13 takes a worker with /version for vLLM
     # and one with /server_info alone for SGLang, whose protocol this server speaks

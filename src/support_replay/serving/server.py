@@ -1,6 +1,7 @@
 """The engine server: an ``Engine`` behind FastAPI routers by concern, inside the guards.
 
     native_routes.py   SGLang's /generate, /model_info, /server_info
+    teacher_routes.py  /score_support: the engine as a distillation teacher
     openai_routes.py   /v1/chat/completions, /v1/completions
     vllm_routes.py     vLLM's token-in/token-out /inference/v1/generate
     admin_routes.py    weight updates, the weight version, /flush_cache (admin key)
@@ -35,6 +36,7 @@ from .security import (
     exposure_warnings,
     guarded,
 )
+from .teacher_routes import teacher_routes
 from .vllm_routes import ROUTE as VLLM_GENERATE
 from .vllm_routes import vllm_routes
 
@@ -68,6 +70,7 @@ def create_app(
         openai_routes(calls.run, calls.meta_info, model_name, renderer, engine.limits.max_queue, live=calls)
     )
     app.include_router(vllm_routes(calls.run, model_name, engine, renderer.decode))
+    app.include_router(teacher_routes(engine))
     return guarded(
         QueueGate(app, engine),
         keys or Keys(),

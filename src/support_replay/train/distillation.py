@@ -88,18 +88,20 @@ def distill_terms(
     return DistillTerms(loss, advantages, sums)
 
 
-def distill_metrics(sums: DistillSums, tokens: float) -> dict:
+def distill_metrics(sums: DistillSums, tokens: float, divergence: str = "reverse") -> dict:
     """Per trained token: ``opd_divergence`` (exact, on S_t) and its variance, ``opd_single_estimate`` (the
-    one-sample estimate) and its variance, their difference ``opd_single_bias``, ``opd_teacher_mass`` (the
-    teacher's mass inside S_t) and ``opd_agreement``."""
+    one-sample estimate of the reverse KL) and its variance, their difference ``opd_single_bias`` (the reverse
+    form only: the estimate's bias, log Pi(S_t) in expectation), ``opd_teacher_mass`` (the teacher's mass inside
+    S_t) and ``opd_agreement``."""
     n = max(tokens, 1.0)
     exact, single = sums.exact / n, sums.single / n
+    bias = {"opd_single_bias": single - exact} if divergence == "reverse" else {}
     return {
+        **bias,
         "opd_divergence": exact,
         "opd_divergence_var": sums.exact_sq / n - exact * exact,
         "opd_single_estimate": single,
         "opd_single_var": sums.single_sq / n - single * single,
-        "opd_single_bias": single - exact,
         "opd_teacher_mass": sums.mass / n,
         "opd_agreement": sums.agree / n,
     }

@@ -24,6 +24,11 @@ class DistillationConfig(Section):
         description="the teacher: a causal LM checkpoint with the student's tokenizer and vocabulary, loaded beside "
         "the actor and never trained",
     )
+    opd_teacher_url: str | None = Field(
+        None,
+        description="the teacher served by support-replay serve (its /score_support route), instead of "
+        "--opd-teacher-load",
+    )
     opd_kl_coef: float = Field(1.0, gt=0, description="weight of the teacher's divergence")
     opd_estimator: Literal["exact", "single"] = Field(
         "exact",
@@ -41,11 +46,21 @@ class DistillationConfig(Section):
     def _check(self):
         defaults = type(self).model_fields
         if not self.use_opd:
-            for name in ("opd_teacher_load", "opd_kl_coef", "opd_estimator", "opd_divergence", "opd_only"):
+            names = (
+                "opd_teacher_load",
+                "opd_teacher_url",
+                "opd_kl_coef",
+                "opd_estimator",
+                "opd_divergence",
+                "opd_only",
+            )
+            for name in names:
                 if getattr(self, name) != defaults[name].default:
                     bad(name, getattr(self, name), "has no effect without --use-opd")
-        elif not self.opd_teacher_load:
-            bad("opd_teacher_load", None, "--use-opd needs a teacher: its checkpoint's directory")
+        elif not self.opd_teacher_load and not self.opd_teacher_url:
+            bad("opd_teacher_load", None, "--use-opd needs a teacher: its checkpoint's directory or --opd-teacher-url")
+        elif self.opd_teacher_load and self.opd_teacher_url:
+            bad("opd_teacher_url", self.opd_teacher_url, f"and --opd-teacher-load={self.opd_teacher_load!r}: give one")
         if self.opd_estimator == "single" and self.opd_divergence != "reverse":
             bad("opd_divergence", self.opd_divergence, "the single-sample estimator is of the reverse KL alone")
         if self.opd_jsd_beta != defaults["opd_jsd_beta"].default and self.opd_divergence != "jsd":
@@ -64,6 +79,13 @@ def check_distillation(opd: DistillationConfig, rollout, parallel, optimizer) ->
             True,
             "scores the teacher on each token's replayed support, which only replay captures (rollout top_p < 1, "
             "top_k > 0 or min_p > 0); the full-vocabulary divergence is not built",
+        )
+    if opd.opd_teacher_url and opd.opd_estimator == "exact" and rollout.rollout_top_k <= 0:
+        bad(
+            "opd_teacher_url",
+            opd.opd_teacher_url,
+            "the exact divergence over HTTP sends every support id of every token: it needs a bounded support "
+            "(--rollout-top-k > 0), or an in-process teacher (--opd-teacher-load)",
         )
     for name in ("tensor_model_parallel_size", "context_parallel_size"):
         size = getattr(parallel, name)

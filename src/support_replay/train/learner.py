@@ -32,7 +32,7 @@ from .layout import parallel_layout
 from .schedule import lr_scheduler
 from .scorer import Outputs, Scorer
 from .sections import AgentConfig, OptimizerConfig, ParallelConfig, ReplayConfig, RolloutConfig
-from .teacher import Teacher, TeacherScores
+from .teacher import RemoteTeacher, Teacher, TeacherScores
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class UpdateMetrics:
 
     @staticmethod
     def mean(
-        steps: list[tuple[StepSums, float]], lr: float, centering: bool = False, distilling: bool = False
+        steps: list[tuple[StepSums, float]], lr: float, centering: bool = False, distilling: str | None = None
     ) -> UpdateMetrics:
         """From ``(sums, grad norm)`` per optimizer step: per-token means, averaged over steps (the drift
         only where score centering measured it; distillation's over the rollout's tokens)."""
@@ -107,7 +107,7 @@ class UpdateMetrics:
             optimizer_steps=n,
             lr=lr,
             score_centering_drift=sum(s.sc_drift / max(s.tokens, 1) for s, _ in steps) / n if centering else None,
-            distillation=distill_metrics(opd, whole.tokens) if distilling else None,
+            distillation=distill_metrics(opd, whole.tokens, distilling) if distilling else None,
         )
 
 
@@ -187,18 +187,7 @@ class Learner:
         self.linear_kernel = linear_kernel  # the actor's, the reference's and the lagged scorer's forward
         self.actor, self.reference = self._models(checkpoint_path)
         self.actor.source = checkpoint_path  # a checkpoint saves its tokenizer beside the weights
-        self.teacher = (
-            Teacher.load(
-                checkpoint_path,
-                distillation.opd_teacher_load,
-                ctx.device,
-                self.actor.model.compute_dtype,
-                linear_kernel,
-                replay.attn_implementation,
-            )
-            if distillation.use_opd
-            else None
-        )
+        self.teacher = self._teacher(checkpoint_path) if distillation.use_opd else None
         self.actor.schedule = lr_schedule  # what a checkpoint keeps of it, and a resume must match
         self.actor.scheduler = lr_scheduler(self.actor.optimizer, **lr_schedule) if lr_schedule else None
         self.temperature = self.rollout_cfg.rollout_temperature
@@ -247,6 +236,20 @@ class Learner:
             else None
         )
         return actor, reference
+
+    def _teacher(self, checkpoint_path) -> Teacher | RemoteTeacher:
+        """--use-opd's teacher: in process (--opd-teacher-load) or served (--opd-teacher-url)."""
+        cfg = self.distill_cfg
+        if cfg.opd_teacher_url:
+            return RemoteTeacher(cfg.opd_teacher_url, checkpoint_path, self.actor.vocab_size)
+        return Teacher.load(
+            checkpoint_path,
+            cfg.opd_teacher_load,
+            self.ctx.device,
+            self.actor.model.compute_dtype,
+            self.linear_kernel,
+            self.replay_cfg.attn_implementation,
+        )
 
     def _build_scorers(self) -> None:
         # every pass's scoring function, chosen now (train/scorer.py); which one runs depends on whether this
@@ -359,7 +362,9 @@ class Learner:
     # ---- before the update --------------------------------------------------------------
 
     @torch.no_grad()
-    def score_before_update(self, steps: list[OptimizerStep], num_samples: int) -> OldScores:
+    def score_before_update(
+        self, steps: list[OptimizerStep], num_samples: int, samples: list[Sample] | None = None
+    ) -> OldScores:
         """Old log-probs (unless fused) and the reference's, on the planned micro-batches."""
         old, ref, taught = {}, {}, {}
         self._take_agreement()  # routing agreement is the old policy's: measured on this pass (or the fused forward)
@@ -372,7 +377,7 @@ class Learner:
                 rs = self._reference_scorer(batch)
                 ref.update(zip(batch.indices, batch.split(rs.full)))
             if self.teacher is not None:
-                taught.update(self.teacher.score(batch))
+                taught.update(self.teacher.score(batch, samples))  # a served teacher reads the samples
         if not self.fused:
             self._agreement = self._take_agreement()
         pairs = gather_by_index(old, num_samples, self.ctx) if old else None
@@ -430,7 +435,10 @@ class Learner:
             per_step.append((result.sums, self.optimizer_step(r)))  # stops on a NaN gradient, before the step
         self._take_agreement()  # what later steps' forwards saw is not the old policy's
         metrics = UpdateMetrics.mean(
-            per_step, self.actor.last_lr, self.optimizer_cfg.use_score_centering, self.teacher is not None
+            per_step,
+            self.actor.last_lr,
+            self.optimizer_cfg.use_score_centering,
+            self.distill_cfg.opd_divergence if self.teacher is not None else None,
         )
         return metrics, old
 

@@ -84,7 +84,7 @@ def _run(cfg: RunConfig, ctx, as_given: RunConfig) -> list[dict]:
             )
             steps = learner.plan(samples, r, rollouts.penalty_semantics)  # 2. plan
             with clock("score"):  # 3. score (unless fused), and the reference
-                old = learner.score_before_update(steps, len(samples))
+                old = learner.score_before_update(steps, len(samples), samples)
             checked, trained = checks(r, samples, old, ages, clock)  # 4. check (--ci-test), support drift
             if trained is not samples:  # stale samples that lost the policy's mass left the loss
                 steps = learner.plan(trained, r, rollouts.penalty_semantics)
