@@ -160,3 +160,18 @@ def test_a_served_teacher_with_another_tokenizer_is_refused_by_name(tiny_checkpo
     ctx, url = engine_process(other)
     with ctx, pytest.raises(ConfigError, match="--opd-teacher-url=.*its tokenizer"):
         train(run_config(tiny_checkpoint, tmp_path / "run", **OPD, opd_teacher_url=url, num_rollout=1))
+
+
+def test_sglangs_own_server_as_the_teacher_through_its_token_ids_logprob(tiny_checkpoint, sglang_server, tmp_path):
+    """SGLang 0.5.23 scores one id list per request at every position: the union of the sample's support ids is
+    sent, each position's own read out; the divergence is the in-process teacher's (the same checkpoint)."""
+    url, checkpoint = sglang_server
+    served = train(run_config(tiny_checkpoint, tmp_path / "sglang", **OPD, opd_teacher_url=url, num_rollout=1))
+    local = train(
+        run_config(tiny_checkpoint, tmp_path / "local", **OPD, opd_teacher_load=str(checkpoint), num_rollout=1)
+    )
+    assert_distilled(served)
+    for name in METRICS:
+        assert served[0][name] == pytest.approx(local[0][name], rel=1e-4, abs=1e-5), name
+    row = served[0]
+    assert row["opd_teacher_ids_sent"] > row["opd_teacher_ids_needed"] > 0  # the union costs more than the supports

@@ -29,10 +29,11 @@ from .dist import all_reduce_sum, gather_by_index
 from .distillation import DistillSums, distill_metrics, distill_terms
 from .distillation_config import DistillationConfig
 from .layout import parallel_layout
+from .remote_teacher import RemoteTeacher
 from .schedule import lr_scheduler
 from .scorer import Outputs, Scorer
 from .sections import AgentConfig, OptimizerConfig, ParallelConfig, ReplayConfig, RolloutConfig
-from .teacher import RemoteTeacher, Teacher, TeacherScores
+from .teacher import Teacher, TeacherScores
 
 
 @dataclass(frozen=True)
@@ -308,6 +309,10 @@ class Learner:
             return {}
         same, compared = all_reduce_sum([float(v) for v in self._agreement], self.ctx)
         return {"routing_agreement": same / compared} if compared else {}
+
+    def teacher_metrics(self) -> dict:
+        """A served teacher's ids sent, ids needed and seconds in this rollout (empty otherwise)."""
+        return self.teacher.take_stats() if isinstance(self.teacher, RemoteTeacher) else {}
 
     @property
     def fused(self) -> bool:

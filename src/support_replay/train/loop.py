@@ -98,6 +98,7 @@ def _run(cfg: RunConfig, ctx, as_given: RunConfig) -> list[dict]:
                 versions.advance(learner, ctx, r + 1)
             measured = rollout_metrics(samples, old.logp, old.full, learner.replay)  # 8. metrics
             measured.update(learner.routing_metrics())
+            measured.update(learner.teacher_metrics())
             row = {"rollout": r, **measured, **failures, **lag, **checked, **adv_stats, **update.row(), **clock}
             row.update(rollouts.evaluate_if_due(r))
             save_if_due(cfg.output.save, cfg.output.save_interval, r, learner.actor, ctx, row)  # 9. save

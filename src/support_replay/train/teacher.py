@@ -7,13 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from ..errors import ConfigError, SampleError
-from ..modeling.tokenizer_identity import tokenizer_fingerprint
-from ..serving.security import Keys
+from ..errors import ConfigError
 from .actor import ScoringModel, load_scoring_model
 from .batches import MicroBatch
 
@@ -94,66 +91,3 @@ class Teacher:
         valid = batch.support[1]
         per_sample = zip(batch.split(rows), batch.split(valid), batch.split(selected))
         return {i: (r[v].cpu(), s.cpu()) for i, (r, v, s) in zip(batch.indices, per_sample)}
-
-
-TEACHER_TIMEOUT = 600.0  # seconds for one sample's scoring (a long sequence on a busy engine)
-
-
-class RemoteTeacher:
-    """A teacher served by ``support-replay serve`` (``/score_support``): each sample sent whole, with its
-    support ids per response position; checked at start-up through ``/model_info`` (vocabulary width and the
-    tokenizer's fingerprint, modeling/tokenizer_identity.py)."""
-
-    def __init__(self, url: str, student_path, student_vocab: int):
-        self.url = url.rstrip("/")
-        self.client = httpx.Client(timeout=TEACHER_TIMEOUT, headers=Keys.load().header(admin=False))
-        try:
-            info = self.client.get(self.url + "/model_info").raise_for_status().json()
-        except (httpx.HTTPError, ValueError) as exc:
-            raise ConfigError(f"--opd-teacher-url={url!r}: /model_info did not answer: {exc}") from exc
-        if info.get("vocab_size") != student_vocab:
-            raise ConfigError(
-                f"--opd-teacher-url={url!r}: vocabulary of {info.get('vocab_size')} ids, the student's has "
-                f"{student_vocab}"
-            )
-        mine = tokenizer_fingerprint(AutoTokenizer.from_pretrained(student_path))
-        if info.get("tokenizer_fingerprint") != mine:
-            raise ConfigError(
-                f"--opd-teacher-url={url!r}: its tokenizer (token map and chat template) is not the student's "
-                f"(fingerprint {str(info.get('tokenizer_fingerprint'))[:12]}, the student's {mine[:12]}); a "
-                "teacher served by support-replay serve reports it in /model_info"
-            )
-
-    def score(self, batch: MicroBatch, samples) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        return {i: self.score_sample(samples[i]) for i in batch.indices}
-
-    def score_sample(self, sample) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = sample.support.to_lists()
-        body = {
-            "input_ids": list(sample.prompt_ids) + list(sample.response_ids),
-            "response_start": len(sample.prompt_ids),
-            "support_ids": rows,
-        }
-        try:
-            reply = self.client.post(self.url + "/score_support", json=body)
-        except httpx.HTTPError as exc:
-            raise SampleError(f"sample {sample.index}: the teacher at {self.url} did not answer: {exc}") from exc
-        if reply.status_code != 200:
-            raise SampleError(
-                f"sample {sample.index}: the teacher at {self.url} answered HTTP {reply.status_code}: "
-                f"{reply.text[:300]}"
-            )
-        out = reply.json()
-        support, tokens = out.get("support_logprobs"), out.get("token_logprobs")
-        shape_ok = (
-            isinstance(support, list)
-            and isinstance(tokens, list)
-            and len(support) == len(rows) == len(tokens)
-            and all(isinstance(a, list) and len(a) == len(r) for a, r in zip(support, rows))
-        )
-        if not shape_ok:
-            raise SampleError(
-                f"sample {sample.index}: the teacher's answer does not cover every support id of every position"
-            )
-        flat = [v for a in support for v in a]
-        return torch.tensor(flat, dtype=torch.float32), torch.tensor(tokens, dtype=torch.float32)
