@@ -78,10 +78,11 @@ def test_the_single_sample_estimator_shapes_the_advantage_and_the_exact_value_is
         dict(async_rollout=True, max_policy_lag=1),
         dict(rollout_repetition_penalty=1.3, rollout_presence_penalty=0.2),
         dict(packed_scoring="on"),
+        dict(policy_loss="reinforce"),
     ],
-    ids=["lora", "async-lag-1", "penalties", "packed"],
+    ids=["lora", "async-lag-1", "penalties", "packed", "reinforce"],
 )
-def test_distillation_with_lora_a_policy_lag_penalties_and_packing(tiny_checkpoint, teacher, tmp_path, extra):
+def test_distillation_with_lora_a_policy_lag_penalties_packing_and_reinforce(tiny_checkpoint, teacher, tmp_path, extra):
     rows = train(run_config(tiny_checkpoint, tmp_path, **OPD, opd_teacher_load=str(teacher), num_rollout=2, **extra))
     assert_distilled(rows)
 

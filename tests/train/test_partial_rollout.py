@@ -6,13 +6,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from processes import engine_process
-from recipe_helpers import run_config
+from recipe_helpers import agent_config, run_config
 from sampled_supports import replayed_diff
 from support_replay import SamplingParams
 from support_replay.backends.local import EngineBackend
 from support_replay.engine import Engine, EngineSettings
 from support_replay.engine.limits import EngineLimits
-from support_replay.errors import ConfigError
+from support_replay.errors import CITestError, ConfigError
 from support_replay.rollout.data import Prompt
 from support_replay.rollout.generate import Asked
 from support_replay.rollout.partial import PartialRollouts
@@ -110,6 +110,20 @@ def check_partial_rows(rows: list[dict]) -> None:
     assert generated == sum(r["trained_tokens"] for r in rows) + rows[-1]["kept_tokens"]  # 0 thrown away
 
 
+def test_kept_groups_hold_the_trainers_capture_budget_and_over_sampling_waits_for_them(tiny_checkpoint, tmp_path):
+    """--max-kept-capture-ids: once the kept groups hold more support ids than it allows, a rollout sends no fresh
+    groups beyond the ones it trains; the kept ones still go on and nothing is thrown away."""
+    rows = train(run_config(tiny_checkpoint, tmp_path, max_running_requests=4, max_kept_capture_ids=1, **PARTIAL))
+    assert rows[0]["kept_capture_ids"] > 1  # the first rollout kept more than the budget
+    for before, r in zip(rows, rows[1:]):  # a rollout over-samples again once the kept ones have drained
+        assert (r["over_sampling_held"] > 0) == (before["kept_capture_ids"] > 1)
+    assert rows[1]["over_sampling_held"] == 2 and rows[1]["stopped_requests"] == 0  # 4 groups asked, 2 sent
+    generated = sum(r["generated_tokens"] for r in rows)
+    assert generated == sum(r["trained_tokens"] for r in rows) + rows[-1]["kept_tokens"]  # 0 thrown away
+    with pytest.raises(ConfigError, match="--max-kept-capture-ids=5: is read with --partial-rollout only"):
+        run_config(tiny_checkpoint, tmp_path, max_kept_capture_ids=5)
+
+
 def test_partial_rollouts_refuse_what_they_cannot_keep(tiny_checkpoint, tmp_path):
     with pytest.raises(ConfigError, match="partial-rollout=True: trains kept tokens.*max-policy-lag >= 1"):
         run_config(tiny_checkpoint, tmp_path, partial_rollout=True)
@@ -196,3 +210,29 @@ def test_a_push_lands_among_running_requests_and_each_token_replays_under_its_ve
         assert all(r["train_rollout_unequal_tokens"] == 0 for r in rows)
     else:
         assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
+    for r in rows:  # the distribution of token lags, and the support drift per lag where the full head ran
+        shares = {k: v for k, v in r.items() if k.startswith("token_lag_")}
+        assert shares and sum(shares.values()) == pytest.approx(1.0)
+    straddled = [r for r in rows if r["straddling_samples"]]
+    assert all(0 < r["token_lag_0_share"] < 1 and r["token_lag_1_share"] > 0 for r in straddled)
+    assert any("support_mass_lag1_mean" in r and "support_mass_lag0_mean" in r for r in straddled)
+
+
+def test_an_agent_episode_straddling_an_in_flight_push_replays_each_token_under_its_version(
+    tiny_agent_checkpoint, tmp_path, slow_decode
+):
+    """Agents under --weight-sync-mode retract: a turn that runs while the push lands holds tokens of two
+    versions (the episode's later turns are sampled under the new weights), and --ci-test holds on every one."""
+    extra = {k: v for k, v in IN_FLIGHT.items() if k != "rollout_ignore_eos"}
+    rows = train(agent_config(tiny_agent_checkpoint, tmp_path, **extra))
+    assert sum(r["straddling_samples"] for r in rows) > 0
+    assert all(r["failed_samples"] == 0 for r in rows)
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
+
+
+def test_ci_test_names_the_stale_keys_and_values_of_an_in_place_push(tiny_checkpoint, tmp_path, slow_decode):
+    """--weight-sync-mode in_place keeps the old weights' keys and values of a running request's prefix: its later
+    tokens are not the trained policy's, and --ci-test says so, naming the push the token came after."""
+    extra = {**IN_FLIGHT, "weight_sync_mode": "in_place", "lr": 1e-2}
+    with pytest.raises(CITestError, match="under --weight-sync-mode in_place.*retract recomputes them"):
+        train(run_config(tiny_checkpoint, tmp_path, **extra))

@@ -330,7 +330,7 @@ def test_policy_lag_names_unknown_and_missing_versions(tiny_checkpoint, tmp_path
     samples = rollouts.produce(0)[0]
     rollouts.close()
     assert check_policy_lag(0, samples, ["0"], 0, "engine X") == (
-        {"policy_lag_max": 0, "policy_lag_mean": 0.0, "straddling_samples": 0},
+        {"policy_lag_max": 0, "policy_lag_mean": 0.0, "straddling_samples": 0, "token_lag_0_share": 1.0},
         [0] * len(samples),
     )
     samples[2].weight_versions = [VersionSpan("0", 0, 4), VersionSpan("elsewhere", 4, samples[2].response_length)]

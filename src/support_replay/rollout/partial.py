@@ -53,6 +53,11 @@ class KeptGroup:
         """Every token it holds: its finished samples wait for the others, and all train together later."""
         return sum(t.response_length for t in self.samples)
 
+    @property
+    def kept_capture_ids(self) -> int:
+        """The support ids its tokens captured: what the trainer holds for it (the capture budget's unit)."""
+        return sum(table.nnz for t in self.samples for table in t.supports)
+
 
 @dataclass
 class PartialStats(RolloutStats):
@@ -63,17 +68,20 @@ class PartialStats(RolloutStats):
     stopped_requests: int = 0  # stopped once enough groups had finished
     kept_groups: int = 0
     oldest_kept_rollout: int = -1
+    kept_capture_ids: int = 0  # support ids the kept groups hold (--max-kept-capture-ids)
+    over_sampling_held: int = 0  # fresh groups not sent because the kept ones held the capture budget
 
 
 class PartialRollouts:
     """The buffer of kept groups and one rollout's generation over it (rank 0)."""
 
-    def __init__(self, target: int, over_sampling: int, max_rounds: int = 3):
+    def __init__(self, target: int, over_sampling: int, max_rounds: int = 3, max_kept_capture_ids: int = 1 << 26):
         if over_sampling < target:
             raise ConfigError(
                 f"over_sampling_batch_size: {over_sampling} groups is fewer than the {target} a rollout trains"
             )
         self.target, self.over_sampling, self.max_rounds = target, over_sampling, max_rounds
+        self.max_kept_capture_ids = max_kept_capture_ids
         self.kept: deque[KeptGroup] = deque()
         self.next_prompt = 0  # how many fresh prompts the run has taken
 
@@ -85,7 +93,7 @@ class PartialRollouts:
         stats = PartialStats()
         trained: list[KeptGroup] = []
         for _ in range(self.max_rounds):
-            groups = self._groups(tokenizer, prompts, asked, rollout)
+            groups = self._groups(tokenizer, prompts, asked, rollout, stats)
             ready = [g for g in groups if g.done]  # finished in an earlier rollout beyond its target
             self._run([g for g in groups if not g.done], ready, backend, asked, rollout, seed, rid_prefix, stats)
             finished = [g for g in groups if g.done]  # the kept ones first: the oldest work trains first
@@ -103,17 +111,22 @@ class PartialRollouts:
         trained.sort(key=lambda g: g.number)
         stats.kept_groups = len(self.kept)
         stats.kept_tokens = sum(g.kept_tokens for g in self.kept)
+        stats.kept_capture_ids = sum(g.kept_capture_ids for g in self.kept)
         stats.oldest_kept_rollout = min((g.first_rollout for g in self.kept), default=-1)
         samples = self._samples(trained, tokenizer, asked, reward_fn, rollout)
         stats.trained_tokens = sum(len(s.response_ids) for s in samples)
         return samples, stats
 
-    def _groups(self, tokenizer, prompts, asked: Asked, rollout: int) -> list[KeptGroup]:
-        """``over_sampling`` groups: the kept ones, then fresh prompts."""
+    def _groups(self, tokenizer, prompts, asked: Asked, rollout: int, stats: PartialStats) -> list[KeptGroup]:
+        """``over_sampling`` groups: the kept ones, then fresh prompts; while the kept ones hold more support ids
+        than ``max_kept_capture_ids``, fresh prompts only up to ``target`` (the buffer drains, nothing dropped)."""
         groups = []
         while self.kept and len(groups) < self.over_sampling:
             groups.append(self.kept.popleft())
-        while len(groups) < self.over_sampling:
+        held = sum(g.kept_capture_ids for g in groups) + sum(g.kept_capture_ids for g in self.kept)
+        room = self.over_sampling if held <= self.max_kept_capture_ids else max(self.target, len(groups))
+        stats.over_sampling_held += self.over_sampling - room
+        while len(groups) < room:
             prompt = prompts[self.next_prompt]
             ids, text = render_prompt(tokenizer, prompt, asked.apply_chat_template)
             groups.append(

@@ -88,12 +88,35 @@ def check_policy_lag(
                 + (f"; {unknown} were never pushed by this run" if unknown else "")
             )
         lags.append(age)
+        s.metadata[TOKEN_LAGS] = token_lags(s, ages, age)
     straddling = sum(len(versions_of(s.weight_versions)) > 1 for s in samples)  # a push landed among its tokens
     return {
         "policy_lag_max": max(lags),
         "policy_lag_mean": float(np.mean(lags)),
         "straddling_samples": straddling,
+        **token_lag_shares(samples),
     }, lags
+
+
+TOKEN_LAGS = "token_lags"  # metadata: each response token's lag (pushes since the weights that sampled it)
+
+
+def token_lags(sample: Sample, ages: dict[str, int], default: int) -> np.ndarray:
+    """Each response token's lag, from its version span (``default``, the sample's age, where no span says)."""
+    out = np.full(len(sample.response_ids), default, np.int64)
+    for span in live_spans(sample):
+        out[span.start : span.end] = ages.get(span.version, default)
+    return out
+
+
+def token_lag_shares(samples: list[Sample]) -> dict:
+    """``token_lag_{k}_share``: the share of the model's tokens (loss mask 1) sampled ``k`` pushes ago."""
+    lags = [s.metadata[TOKEN_LAGS][np.asarray(s.loss_mask, bool)] for s in samples]
+    flat = np.concatenate(lags) if lags else np.zeros(0, np.int64)
+    if not flat.size:
+        return {}
+    values, counts = np.unique(flat, return_counts=True)
+    return {f"token_lag_{int(k)}_share": float(n / flat.size) for k, n in zip(values, counts)}
 
 
 def compare_with_rollout(

@@ -28,8 +28,9 @@ def sample_masses(samples: list[Sample], logp: list[torch.Tensor], full: list[to
     return out
 
 
-def drift_metrics(masses: list[np.ndarray], ages: list[int | None]) -> dict:
-    """Token means over all samples and over the stale ones (lag >= 1), and the smallest mass."""
+def drift_metrics(masses: list[np.ndarray], ages: list[int | None], lags: list[np.ndarray] | None = None) -> dict:
+    """Token means over all samples and over the stale ones (lag >= 1), and the smallest mass; with each model
+    token's lag (``lags``, aligned with ``masses``), ``support_mass_lag{k}_mean``: the drift per token lag."""
     flat = np.concatenate(masses) if masses else np.zeros(0)
     if not flat.size:
         return {}
@@ -37,6 +38,10 @@ def drift_metrics(masses: list[np.ndarray], ages: list[int | None]) -> dict:
     stale = [m for m, a in zip(masses, ages) if a]
     if stale and np.concatenate(stale).size:
         out["support_mass_stale_mean"] = float(np.concatenate(stale).mean())
+    if lags is not None:
+        by = np.concatenate(lags)
+        for k in np.unique(by):
+            out[f"support_mass_lag{int(k)}_mean"] = float(flat[by == k].mean())
     return out
 
 
@@ -64,7 +69,10 @@ def support_drift(
     if not replay or logp is None or full is None or samples[0].penalties.active:
         return {}, samples
     masses = sample_masses(samples, logp, full)
-    metrics = drift_metrics(masses, ages)
+    lags = None
+    if all("token_lags" in s.metadata for s in samples):  # train/checks.token_lags, per model token as the masses
+        lags = [s.metadata["token_lags"][np.asarray(s.loss_mask, bool)] for s in samples]
+    metrics = drift_metrics(masses, ages, lags)
     if min_mass <= 0:
         return metrics, samples
     trained, metrics["drift_gated_samples"] = gate_stale(samples, masses, ages, min_mass)

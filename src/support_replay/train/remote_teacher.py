@@ -30,7 +30,13 @@ class RemoteTeacher:
             info = self.client.get(self.url + "/model_info").raise_for_status().json()
         except (httpx.HTTPError, ValueError) as exc:
             raise ConfigError(f"--opd-teacher-url={url!r}: /model_info did not answer: {exc}") from exc
-        self.sglang = "tokenizer_fingerprint" not in info and "tokenizer_path" in info  # else our serve
+        if "tokenizer_fingerprint" not in info and "tokenizer_path" not in info:
+            raise ConfigError(
+                f"--opd-teacher-url={url!r}: its /model_info is neither support-replay serve's nor SGLang's, so it "
+                "cannot be asked for the log-probs of each token's support ids (vLLM's prompt log-probs give the "
+                "sampled token's alone: not built)"
+            )
+        self.sglang = "tokenizer_fingerprint" not in info  # else our serve
         vocab, fingerprint = (
             self._identity(info) if self.sglang else (info.get("vocab_size"), info.get("tokenizer_fingerprint"))
         )

@@ -47,6 +47,9 @@ class RolloutPlan:
     agents: AgentConfig
     evaluation: EvalConfig
     over_sampling: int | None = None  # --partial-rollout: groups a rollout sends (None: partial rollouts off)
+    max_kept_capture_ids: int = (
+        1 << 26
+    )  # --partial-rollout: the kept groups' support ids, at most (then no over-sampling)
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> RolloutPlan:
@@ -74,4 +77,5 @@ class RolloutPlan:
             cfg.agents,
             cfg.evaluation,
             (production.over_sampling_batch_size or rollout.rollout_batch_size) if production.partial_rollout else None,
+            production.max_kept_capture_ids,
         )

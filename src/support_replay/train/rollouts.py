@@ -44,7 +44,11 @@ class Rollouts:
         self.agent = self.sessions = None  # agents: set up on rank 0, which generates
         self._lock = threading.Lock()  # one generation at a time: an evaluation waits for a rollout in flight
         # --partial-rollout: the groups kept from one rollout for the next (rank 0)
-        self.partial = PartialRollouts(plan.rollout_batch_size, plan.over_sampling) if plan.over_sampling else None
+        self.partial = (
+            PartialRollouts(plan.rollout_batch_size, plan.over_sampling, max_kept_capture_ids=plan.max_kept_capture_ids)
+            if plan.over_sampling
+            else None
+        )
         self.penalty_semantics = on_main(lambda: self._penalty_semantics(needs.vocab_size), ctx)
         if not ctx.is_main:
             return

@@ -345,6 +345,13 @@ class ProductionConfig(Section):
         description="groups a rollout sends with --partial-rollout (slime's; default: --rollout-batch-size, which "
         "stops nothing): more than --rollout-batch-size lets the slowest groups finish in a later rollout",
     )
+    max_kept_capture_ids: int = Field(
+        1 << 26,
+        ge=1,
+        description="--partial-rollout: support ids the kept groups may hold (the trainer's capture budget, as an "
+        "engine's --max-capture-ids): past it a rollout sends no fresh groups beyond --rollout-batch-size until "
+        "the kept ones drain (nothing kept is dropped)",
+    )
     stale_sample_policy: Literal["fail", "drop", "regenerate"] = Field(
         "fail",
         description="a group with a token older than --max-policy-lag: stop the run, drop the group, or generate it "
@@ -382,6 +389,8 @@ class ProductionConfig(Section):
             )
         if self.over_sampling_batch_size is not None and not self.partial_rollout:
             bad("over_sampling_batch_size", self.over_sampling_batch_size, "is read with --partial-rollout only")
+        if self.max_kept_capture_ids != 1 << 26 and not self.partial_rollout:
+            bad("max_kept_capture_ids", self.max_kept_capture_ids, "is read with --partial-rollout only")
         return self
 
 
