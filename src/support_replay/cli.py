@@ -77,40 +77,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
+    from .serving.serve_command import run_serve
 
-    from .engine import Engine
-    from .engine.kv_budget import available_bytes, fraction_tokens, kv_bytes_per_token
-    from .engine.model_runner import load_model_and_tokenizer
-    from .rollout.chat import load_template
-    from .serving.serve_flags import engine_settings
-    from .serving.server import serve
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    settings, keys = engine_settings(args), keys_from_args(args)
-    if args.mem_fraction_static is not None and settings.max_total_tokens is not None:
-        raise SupportReplayError("serve: give --mem-fraction-static or --max-total-tokens, not both")
-    before = available_bytes()
-    model, tokenizer = load_model_and_tokenizer(args.hf_checkpoint, getattr(torch, args.dtype), settings.device)
-    if args.mem_fraction_static is not None:
-        tokens = fraction_tokens(args.mem_fraction_static, before, available_bytes(), kv_bytes_per_token(model))
-        settings = settings.but(max_total_tokens=tokens)
-    engine = Engine(model, tokenizer, settings)
-    print(f"support-replay engine: {args.hf_checkpoint} on http://{args.host}:{args.port}", flush=True)
-    serve(
-        engine,
-        args.host,
-        args.port,
-        keys=keys,
-        max_request_bytes=args.max_request_bytes,
-        model_name=str(args.hf_checkpoint),
-        weights_dir=args.weights_dir,
-        allowed_hosts=args.allowed_host,
-        chat_template=load_template(args.chat_template),
-        max_weights_bytes=args.max_weights_bytes,
-        connections=connections_from_args(args),
-    )
-    return 0
+    return run_serve(args)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -260,7 +229,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="support-replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_demo, _add_train, _add_audit, _add_serve, _add_sessions, _add_router, _add_local_run):
+    for add in (
+        _add_demo,
+        _add_train,
+        _add_audit,
+        _add_serve,
+        _add_sessions,
+        _add_router,
+        _add_local_run,
+        _add_ray_run,
+    ):
         add(sub)
     return parser
 
@@ -437,26 +415,97 @@ def _local_run(args) -> int:
     return local_run(train_args, engines=args.engines, nproc_per_node=args.nproc_per_node, serve_args=args.serve_arg)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def _parsed(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed; for train and audit, the reference implementation's flags this trainer does not take are
+    refused (all of them, at once) and the ``--sglang-*`` flags that are not ours set aside for the servers of the
+    engines the run starts."""
     server_args: list[str] = []
     if argv[:1] in (["train"], ["audit"]):
         from .train.launch_config import LaunchConfig, split_server_args
         from .train.reference_flags import refusals
 
         refused = refusals(argv[1:])
-        if refused:  # the reference implementation's flags this trainer does not take: all of them, at once
+        if refused:
             lines = "\n".join(f"  {r}" for r in refused)
-            print(f"support-replay: error: flags this trainer does not take (remove them):\n{lines}", file=sys.stderr)
-            return 2
-        # the --sglang-* flags that are not ours go, as given, to the servers of the engines the run starts
+            raise SupportReplayError(f"flags this trainer does not take (remove them):\n{lines}")
         known = {"--" + name.replace("_", "-") for name in LaunchConfig.model_fields}
         rest, server_args = split_server_args(argv[1:], known)
         argv = argv[:1] + rest
     args = build_parser().parse_args(argv)
     if server_args:
         args.sglang_server_args = tuple(server_args)
+    return args
+
+
+def _add_ray_run(sub) -> None:
+    """The `ray-run` command: the run placed and restarted by Ray (ray_launch/)."""
+    from .ray_launch.placement import SIM_GPU, STRATEGIES
+
+    rr = sub.add_parser(
+        "ray-run",
+        help="engines, router and trainer ranks as Ray actors in one placement group (a Ray cluster, or one node)",
+        description="support-replay ray-run [--address HEAD] -- [train flags, with Miles' placement flags: "
+        "--actor-num-nodes, --actor-num-gpus-per-node, --rollout-num-gpus, --rollout-num-gpus-per-engine, --colocate]",
+    )
+    rr.add_argument(
+        "--address",
+        default=None,
+        help="the Ray cluster's head (ip:port, or auto); default: start one node on loopback for this run",
+    )
+    rr.add_argument(
+        "--ray-placement-strategy",
+        default="PACK",
+        choices=STRATEGIES,
+        help="how the placement group's bundles spread over the nodes (slime's and Miles': PACK)",
+    )
+    rr.add_argument(
+        "--ray-gpu-resource",
+        default=None,
+        help=f"the resource a bundle's device is (default: GPU with "
+        f"CUDA, else the custom resource {SIM_GPU}, which each node declares)",
+    )
+    rr.add_argument("--ray-cpus-per-bundle", type=float, default=1.0, help="CPUs each bundle reserves")
+    rr.add_argument(
+        "--ray-engine-restarts",
+        type=int,
+        default=3,
+        help="times Ray restarts an engine actor that dies (it rejoins the router at the current weights)",
+    )
+    rr.add_argument(
+        "--ray-engine-device",
+        default=None,
+        help="the device of every engine (serve --device: cpu keeps our engines on their node's CPU beside GPU trainer "
+        "ranks); default: a GPU where CUDA is, else the CPU",
+    )
+    rr.add_argument("--ray-dashboard", action="store_true", help="with the one-node cluster: start Ray's dashboard")
+    rr.add_argument("--ray-object-store-mb", type=int, default=256, help="with the one-node cluster: its object store")
+    rr.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: the trainer's flags (train's own)")
+    rr.set_defaults(func=_ray_run)
+
+
+def _ray_run(args) -> int:
+    from .ray_launch.run import RayOptions, ray_run
+    from .train.config import config_from_args
+
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    cfg = config_from_args(_parsed(["train", *train_args]))
+    options = RayOptions(
+        address=args.address,
+        strategy=args.ray_placement_strategy,
+        gpu_resource=args.ray_gpu_resource,
+        cpus_per_bundle=args.ray_cpus_per_bundle,
+        engine_restarts=args.ray_engine_restarts,
+        engine_device=args.ray_engine_device,
+        dashboard=args.ray_dashboard,
+        object_store_mb=args.ray_object_store_mb,
+    )
+    return ray_run(cfg, options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        args = _parsed(argv)
         return args.func(args)
     except SupportReplayError as exc:
         print(f"support-replay: error: {exc}", file=sys.stderr)

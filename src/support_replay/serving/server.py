@@ -111,6 +111,7 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_ENGINE_PO
     the one that loaded the model, so a single OpenMP pool computes (Engine.wait says why)."""
     import gc
     import signal
+    import threading
 
     from .threaded import ThreadedServer
 
@@ -123,9 +124,10 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_ENGINE_PO
         server = ThreadedServer(app, host, port, lifespan="auto", connections=connections).start()
     except (RuntimeError, OSError) as exc:
         raise ConfigError(f"serve: {host}:{port}: {exc}") from exc
-    previous = signal.signal(
-        signal.SIGTERM, lambda *_: engine.shutdown()
-    )  # stops the loop; the finally below stops uvicorn
+    # SIGTERM stops the loop and the finally below stops uvicorn; only the main thread can hold a handler (ray-run's
+    # engine actors serve from a thread of their own: Ray ends them)
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: engine.shutdown()) if on_main else None
     # the model, tokenizer and libraries live as long as the process: out of the cyclic collector's scans, whose
     # full passes over them held the GIL for 100-300 ms under load (/health p99 0.25 s -> 0.06 s, docs/reliability.md)
     gc.freeze()
@@ -135,7 +137,8 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_ENGINE_PO
         pass
     finally:
         died = not server.thread.is_alive()  # uvicorn's thread ended by itself
-        signal.signal(signal.SIGTERM, previous)
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
         engine.shutdown()
         server.stop()
     if died:
