@@ -33,6 +33,7 @@ from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT, NO_TELEMETRY
 from .connection_limits import ConnectionLimits
 from .disconnects import unless_disconnected
 from .metrics import render_router_metrics
+from .router_membership import Membership, StateCall
 from .security import ADMIN_PATHS, DEFAULT_MAX_WEIGHTS_BYTES, WEIGHTS_OVER_HTTP, Keys, guarded
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class Router:
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         keys: Keys | None = None,
         upstream: Keys | None = None,
+        membership: Membership | None = None,
     ):
         if not engine_urls:
             raise ValueError("router: at least one --engine URL is needed")
@@ -78,6 +80,9 @@ class Router:
         self.retries = 0
         self.unserved = 0
         self.affinity: OrderedDict[str, Worker] = OrderedDict()  # session id -> its engine, most recent last
+        # engines that leave and rejoin (ray-run): a broadcast that cannot reach one drops it; rejoin() brings it back
+        self.membership = membership
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's loop (for calls from another thread)
 
     def session_worker(self, session: str) -> Worker | None:
         """The engine of a session: chosen on its first turn, kept for every later one."""
@@ -165,6 +170,12 @@ class Router:
         self.answered[key] = self.answered.get(key, 0) + 1
 
     async def broadcast(self, method: str, path: str, body: bytes, headers: dict) -> Response:
+        if self.membership is None:
+            return await self._broadcast(method, path, body, headers)
+        async with self.membership.lock:  # never beside a rejoin: the rejoining engine gets this call or its replay
+            return await self._broadcast(method, path, body, headers)
+
+    async def _broadcast(self, method: str, path: str, body: bytes, headers: dict) -> Response:
         async def one(w: Worker):
             try:
                 r = await self.client.request(
@@ -173,11 +184,39 @@ class Router:
                 return {"engine": w.url, "status": r.status_code, "body": _json_or_text(r)}
             except httpx.HTTPError as exc:
                 w.healthy = False
-                return {"engine": w.url, "status": 503, "body": f"{type(exc).__name__}: {exc}"}
+                left = self.membership is not None and isinstance(exc, httpx.TransportError)
+                return {"engine": w.url, "status": None if left else 503, "body": f"{type(exc).__name__}: {exc}"}
 
         results = await asyncio.gather(*(one(w) for w in self.workers))
-        ok = all(r["status"] == 200 for r in results)
-        return JSONResponse({"success": ok, "engines": results}, status_code=200 if ok else 502)
+        left = [r["engine"] for r in results if r["status"] is None]  # not running: they rejoin with this call
+        for url in left:
+            self.drop(url)
+        results = [r for r in results if r["status"] is not None]
+        ok = bool(results) and all(r["status"] == 200 for r in results)
+        if ok and self.membership is not None:
+            call = StateCall(method, path.split("?", 1)[0], path, body, headers)
+            self.membership.record(call, [r["body"] for r in results])
+        answer = {"success": ok, "engines": results, **({"left": left} if left else {})}
+        return JSONResponse(answer, status_code=200 if ok else 502)
+
+    def drop(self, url: str) -> None:
+        """``url`` out of rotation until it rejoins (its requests in flight fail over, as for any failure)."""
+        self.workers = [w for w in self.workers if w.url != url]
+        self.affinity = OrderedDict((s, w) for s, w in self.affinity.items() if w.url != url)
+        self.membership.left.add(url)
+
+    async def rejoin(self, url: str, replacing: str | None = None) -> str | None:
+        """The engine at ``url`` (in place of ``replacing``, its earlier address) into rotation once it holds the
+        others' state (router_membership.py); returns its weight_version."""
+        url = url.rstrip("/")
+        async with self.membership.lock:
+            if replacing is not None and any(w.url == replacing for w in self.workers):
+                self.drop(replacing)
+            version = await self.membership.replay(self.client, url, self.upstream.header(admin=True))
+            self.workers = [*(w for w in self.workers if w.url != url), Worker(url)]
+            self.membership.left -= {url, replacing}
+            self.membership.rejoined += 1
+            return version
 
     async def check_health(self) -> None:
         async def one(w: Worker):
@@ -240,6 +279,7 @@ def create_router_app(
         router.client = httpx.AsyncClient(
             timeout=router.timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
         )
+        router.loop = asyncio.get_running_loop()
         await router.check_health()
         task = asyncio.create_task(router.health_loop())
         try:
@@ -264,7 +304,9 @@ def create_router_app(
 
     @app.get("/workers")
     async def workers():
-        return [vars(w) for w in router.workers]
+        return [vars(w) for w in router.workers] + [
+            {"url": url, "left": True} for url in sorted(router.membership.left if router.membership else ())
+        ]
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def proxy(path: str, request: Request):
