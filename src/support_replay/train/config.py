@@ -454,7 +454,13 @@ class RunConfig(BaseModel):
     def with_rollout_url(self, url: str, engines: int) -> RunConfig:
         """This run with the ``engines`` it started behind ``url``: rollouts through it, as with ``--rollout-url``,
         ``--sglang-server-concurrency`` requests in flight per engine (Miles' client)."""
-        values = {k: v for k, v in self.flat().items() if k not in DERIVED and k not in LaunchConfig.model_fields}
+        # --max-running-requests went to the command line of the engines it started (engine_command's
+        # --max-batch-size); the trainer, a client of theirs now, has no engine to bound
+        values = {
+            k: v
+            for k, v in self.flat().items()
+            if k not in DERIVED and k not in LaunchConfig.model_fields and k != "max_running_requests"
+        }
         concurrency = self.launch.sglang_server_concurrency * engines
         return RunConfig(
             **{
