@@ -56,7 +56,7 @@ def exercised_lines() -> list[str]:
         lines.append(
             f"normal-mode products (--linear-kernel auto): decode {record['choice']}, train {record['train_choice']}"
         )
-    for package in ("sglang-router", "smg"):
+    for package in ("sglang-router", "smg", "ray"):
         version = _version(package)
         if version:
             lines.append(f"{package}: {version}")

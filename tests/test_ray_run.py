@@ -1,0 +1,216 @@
+"""`support-replay ray-run` on a Ray cluster of two nodes on this machine (two raylets, Ray's own
+``ray.cluster_utils.Cluster``, loopback only): placement, GRPO with --ci-test, an engine killed mid-rollout,
+a trainer rank killed and the job resumed."""
+
+import ast
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from support_replay.ray_launch.placement import Layout, ordered
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before Ray is imported: loopback only (notes/ray.md)
+
+TESTS = Path(__file__).parent
+NODE = dict(num_cpus=2, resources={"sim_gpu": 2}, object_store_memory=128 * 2**20, node_ip_address="127.0.0.1")
+
+
+def test_the_layout_is_slimes():
+    apart = Layout(actor_ranks=2, rollout_gpus=4, gpus_per_engine=2, colocate=False)
+    assert (apart.bundles, apart.rollout_offset, apart.engines) == (6, 2, 2)
+    together = Layout(actor_ranks=4, rollout_gpus=2, gpus_per_engine=1, colocate=True)
+    assert (together.bundles, together.rollout_offset, together.engines) == (4, 0, 2)
+    # bundles ordered by node address, then node, then device: ranks take the first, engines the rest
+    infos = [("127.0.0.1", "b", 0), ("127.0.0.1", "a", 1), ("10.0.0.2", "c", 0), ("127.0.0.1", "a", 0)]
+    order = ordered(infos)
+    assert order == [2, 3, 1, 0]
+    assert [apart.rank_bundle(r, order + [4, 5]) for r in range(2)] == [2, 3]
+    assert [apart.engine_bundle(e, order + [4, 5]) for e in range(2)] == [1, 4]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    started = time.monotonic()
+    c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+    c.add_node(**NODE)
+    c.wait_for_nodes()
+    c.seconds = time.monotonic() - started
+    yield c
+    c.shutdown()
+
+
+class RayRun:
+    """``ray-run`` as a process, its output read as it comes."""
+
+    def __init__(self, address: str, train_flags: list[str], out: Path):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+        command = [sys.executable, "-m", "support_replay.cli", "ray-run", "--address", address, "--", *train_flags]
+        self.out, self.lines = out, []
+        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")))
+        self.reader.start()
+
+    def wait(self, timeout: float = 600) -> int:
+        code = self.proc.wait(timeout)
+        self.reader.join()
+        return code
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def line(self, start: str, timeout: float = 300) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [x for x in list(self.lines) if x.strip().startswith(start)]
+            if found:
+                return found[0].strip()
+            assert self.proc.poll() is None, self.text[-3000:]
+            time.sleep(0.05)
+        raise AssertionError(f"no line {start!r}: {self.text[-3000:]}")
+
+    def pid(self, actor: str) -> int:
+        return int(self.line(actor + ":").split(" pid ")[1].split(",")[0])
+
+    def rows(self) -> list[dict]:
+        path = self.out / "metrics.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def flags(checkpoint, out: Path, *more: str, rollouts: int = 3) -> list[str]:
+    return [
+        *("--hf-checkpoint", str(checkpoint), "--num-rollout", str(rollouts), "--rollout-batch-size", "2"),
+        *("--n-samples-per-prompt", "4", "--global-batch-size", "4", "--rollout-max-response-len", "10"),
+        *("--lr", "1e-3", "--custom-rm-path", "rewards_for_tests:digit_share"),
+        *("--rollout-top-p", "0.8", "--rollout-top-k", "32", "--ci-test", "--no-progress", "--output-dir", str(out)),
+        *("--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2"),
+        *("--rollout-num-gpus-per-engine", "1", "--rollout-num-gpus", "2", *more),
+    ]
+
+
+def check_trained(run: RayRun, rollouts: int) -> list[dict]:
+    rows = run.rows()
+    assert [r["rollout"] for r in rows] == list(range(rollouts)), run.text[-3000:]
+    assert all(r["samples"] == 8 and r["failed_samples"] == 0 for r in rows)  # 0 samples lost
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tiny_checkpoint, tmp_path_factory):
+    """The reference run: engines on one node, trainer ranks on the other, checkpoints every rollout."""
+    out = tmp_path_factory.mktemp("ray-uninterrupted")
+    run = RayRun(cluster.address, flags(tiny_checkpoint, out, "--save", str(out / "ckpt"), "--save-interval", "1"), out)
+    assert run.wait() == 0, run.text[-3000:]
+    return run
+
+
+@pytest.mark.slow
+def test_two_nodes_engines_on_one_trainer_ranks_on_the_other(cluster, uninterrupted):
+    import psutil
+
+    run = uninterrupted
+    check_trained(run, 3)
+    text = run.text
+    assert "placement group of 4 bundles {'sim_gpu': 1.0, 'CPU': 1.0}, strategy PACK" in text
+    node = {a: run.line(a + ":").split(" node ")[1].split(" ")[0] for a in ("trainer rank 0", "trainer rank 1")}
+    node |= {a: run.line(a + ":").split(" node ")[1].split(" ")[0] for a in ("engine0", "engine1")}
+    assert node["trainer rank 0"] == node["trainer rank 1"] != node["engine0"] == node["engine1"]
+    assert {p.name for p in (run.out / "logs").iterdir()} == {f"{a}.log" for a in ("engine0", "engine1", "router")} | {
+        "rank0.log",
+        "rank1.log",
+    }
+    # every Ray process of the cluster listens on loopback alone, and every actor advertised it
+    placed = [run.line(a + ":") for a in ("trainer rank 0", "trainer rank 1", "engine0", "engine1", "router")]
+    addresses = {line.split(" node ")[1].split("(")[1].split(")")[0] for line in placed}
+    assert addresses == {"127.0.0.1"}, addresses
+    listening = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            listening |= {c.laddr.ip for c in proc.net_connections() if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:
+            pass
+    assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
+
+
+@pytest.mark.slow
+def test_an_engine_killed_mid_rollout_is_restarted_and_rejoins_at_the_current_weights(
+    cluster, tiny_checkpoint, tmp_path
+):
+    out = tmp_path / "run"
+    # 40 short rollouts: about 13 s of training after the kill, past the 8-10 s a restart takes here
+    more = ("--async-rollout", "--max-policy-lag", "1")
+    run = RayRun(cluster.address, flags(tiny_checkpoint, out, *more, rollouts=40), out)
+    pid, router = run.pid("engine0"), run.line("router:").rsplit(" ", 1)[1]
+    url = run.line("engine0:").rsplit(" ", 1)[1]
+    while len(run.rows()) < 1:  # after the first push: the engine that comes back must load a newer version
+        assert run.proc.poll() is None, run.text[-3000:]
+        time.sleep(0.02)
+    while not any(w["url"] == url and w.get("outstanding", 0) > 0 for w in httpx.get(router + "/workers").json()):
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+    assert run.wait() == 0, run.text[-3000:]
+    rows = check_trained(run, 40)
+    assert "ray-run: engine0 died" in run.text
+    rejoined = [x for x in run.lines if "rejoined the router" in x]
+    assert len(rejoined) == 1, run.text[-3000:]
+    version = rejoined[0].split("weight_version ")[1].strip().strip("'")
+    assert int(version) >= 1  # a pushed version, not the checkpoint's
+    # the requests in flight on the killed engine were answered by the other one: none unserved, none failed
+    assert "engine restarts 1; router retries " in run.text and ", unserved 0," in run.text
+    assert int(run.text.split("router retries ")[1].split(",")[0]) >= 1
+    new_url = "http" + rejoined[0].split(" at http")[1].split(";")[0]
+    served = ast.literal_eval(run.text.split("engines in rotation ")[1].split("; logs")[0])
+    assert served[new_url] > 0 and url not in served  # its second life served requests, its first is gone
+    assert sum(r["failed_samples"] for r in rows) == 0
+
+
+@pytest.mark.slow
+def test_a_trainer_rank_killed_stops_the_job_and_the_resumed_job_ends_at_the_same_weights(
+    cluster, tiny_checkpoint, uninterrupted, tmp_path
+):
+    out = tmp_path / "run"
+    more = ("--save", str(out / "ckpt"), "--save-interval", "1")
+    run = RayRun(cluster.address, flags(tiny_checkpoint, out, *more), out)
+    pid = run.pid("trainer rank 1")
+    while not (out / "ckpt" / "rollout_000001").exists():
+        assert run.proc.poll() is None, run.text[-3000:]
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    assert run.wait() == 1
+    assert "trainer rank 1" in run.text and "died" in run.text and "run it again with --resume" in run.text
+    resumed = RayRun(cluster.address, flags(tiny_checkpoint, out, *more, "--resume"), out)
+    assert resumed.wait() == 0, resumed.text[-3000:]
+    final = "ckpt/rollout_000003/model.safetensors"
+    a, b = load_file(str(uninterrupted.out / final)), load_file(str(out / final))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.slow
+def test_partial_rollouts_on_two_nodes(cluster, tiny_checkpoint, tmp_path):
+    out = tmp_path / "run"
+    # 4 groups sent, the first 2 to finish train; each engine decodes 2 of its 8 requests at a time, so the last
+    # groups wait, are stopped, kept, and continued after the push
+    more = ("--partial-rollout", "--over-sampling-batch-size", "4", "--max-policy-lag", "1", "--rollout-ignore-eos")
+    more += ("--rollout-max-response-len", "12", "--max-running-requests", "2")
+    run = RayRun(cluster.address, flags(tiny_checkpoint, out, *more), out)
+    assert run.wait() == 0, run.text[-3000:]
+    rows = check_trained(run, 3)
+    assert all(r["stopped_requests"] > 0 for r in rows), rows
+    assert sum(r["straddling_samples"] for r in rows[1:]) > 0  # kept samples continued under a later version
+    generated = sum(r["generated_tokens"] for r in rows)
+    assert generated == sum(r["trained_tokens"] for r in rows) + rows[-1]["kept_tokens"]  # 0 thrown away
