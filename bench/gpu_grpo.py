@@ -115,9 +115,12 @@ def main() -> int:
         command = [*cli, "local-run", "--engines", "1", "--nproc-per-node", "1", "--serve-arg=--device=cpu", "--"]
         command += train
     device = torch.cuda.get_device_name(0) if cuda else "no GPU (--allow-cpu)"
-    print(f"bench/gpu_grpo.py: {device}; torch {torch.__version__}; Python {sys.version.split()[0]}; launcher "
-          f"{launcher} ({'Ray ' + __import__('ray').__version__ if launcher == 'ray' else 'torchrun'}); checkpoint of "
-          f"{args.layers} layers built in {built:.1f} s", flush=True)
+    print(
+        f"bench/gpu_grpo.py: {device}; torch {torch.__version__}; Python {sys.version.split()[0]}; launcher "
+        f"{launcher} ({'Ray ' + __import__('ray').__version__ if launcher == 'ray' else 'torchrun'}); checkpoint of "
+        f"{args.layers} layers built in {built:.1f} s",
+        flush=True,
+    )
     stop, samples = threading.Event(), []
     watcher = threading.Thread(target=gpu_memory_peak, args=(stop, samples), daemon=True)
     if shutil.which("nvidia-smi"):
@@ -130,11 +133,16 @@ def main() -> int:
     print("|---:|---:|---:|---:|---:|")
     for r in rows:
         tokens = r["samples"] * r["response_len_mean"]
-        print(f"| {r['rollout']} | {r['time_step']:.2f} | {tokens:.0f} | {tokens / r['time_step']:.0f} | "
-              f"{r['train_rollout_logprob_abs_diff_max']:.2e} |")
+        print(
+            f"| {r['rollout']} | {r['time_step']:.2f} | {tokens:.0f} | {tokens / r['time_step']:.0f} | "
+            f"{r['train_rollout_logprob_abs_diff_max']:.2e} |"
+        )
     peak = f"{max(samples)} MiB" if samples else "not read (no nvidia-smi)"
-    print(f"peak GPU memory in use: {peak}; --ci-test: {'passed' if done.returncode == 0 else 'FAILED'} "
-          f"(exit {done.returncode}); {len(rows)} of {args.steps} steps", flush=True)
+    print(
+        f"peak GPU memory in use: {peak}; --ci-test: {'passed' if done.returncode == 0 else 'FAILED'} "
+        f"(exit {done.returncode}); {len(rows)} of {args.steps} steps",
+        flush=True,
+    )
     return done.returncode
 
 
