@@ -47,8 +47,9 @@ QWEN3_0_6B = dict(  # Qwen/Qwen3-0.6B's config.json, the fields that set the sha
 
 
 def build_checkpoint(path: Path, layers: int) -> Path:
-    from tiny_model import tiny_tokenizer
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tiny_model import tiny_tokenizer
 
     tok = tiny_tokenizer(path)
     config = Qwen3Config(
