@@ -8,6 +8,8 @@ The cluster is Ray's own ``ray.cluster_utils.Cluster``: a head and one added nod
 every process on loopback. The run: 2 trainer ranks (``--actor-num-nodes 1 --actor-num-gpus-per-node 2``) and
 2 engines (``--rollout-num-gpus 2 --rollout-num-gpus-per-engine 1``): PACK puts the ranks on one node and the
 engines on the other. GRPO on the built-in arithmetic task, 4 prompts x 4 samples, top_p 0.8, top_k 32, --ci-test.
+Every process computes with one thread (``OMP_NUM_THREADS=1``, as Ray sets it for an actor of under one CPU and
+torchrun for its ranks): 4 processes on 2 cores.
 
 - ``overhead``: the same flags through ``local-run --engines 2 --nproc-per-node 2`` and through ``ray-run``: wall
   time of the command, the time until the first rollout is trained, the mean step after it, the largest resident
@@ -49,15 +51,21 @@ def train_flags(checkpoint: str, out: Path, rollouts: int, max_len: int) -> list
         *("--n-samples-per-prompt", "4", "--global-batch-size", "16", "--rollout-max-response-len", str(max_len)),
         *("--rollout-top-p", "0.8", "--rollout-top-k", "32", "--ci-test", "--no-progress", "--output-dir", str(out)),
         *("--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2"),
-        *("--rollout-num-gpus-per-engine", "1", "--rollout-num-gpus", "2"),
     ]
+
+
+def placed(flags: list[str]) -> list[str]:
+    """ray-run's flags: two engines of one device each (local-run takes --engines instead)."""
+    return [*flags, "--rollout-num-gpus-per-engine", "1", "--rollout-num-gpus", "2"]
 
 
 class Run:
     """A command as a process: its output kept, the resident memory of it and its descendants sampled."""
 
     def __init__(self, command: list[str], out: Path, watch: psutil.Process | None = None):
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "tests")}
+        # one thread per process, in both launchers: what Ray gives an actor of under one CPU (OMP_NUM_THREADS=1)
+        # and torchrun its ranks; local-run's engines would otherwise take both cores each
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "tests"), "OMP_NUM_THREADS": "1"}
         self.out, self.lines, self.peak = out, [], 0
         self.began = time.monotonic()
         self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -112,7 +120,8 @@ def tree_rss(proc: psutil.Process) -> int:
 
 
 def ray_command(address: str, flags: list[str], *options: str) -> list[str]:
-    return [sys.executable, "-m", "support_replay.cli", "ray-run", "--address", address, *options, "--", *flags]
+    command = [sys.executable, "-m", "support_replay.cli", "ray-run", "--address", address, *options, "--"]
+    return [*command, *placed(flags)]
 
 
 def overhead(cluster, checkpoint: str, rollouts: int, max_len: int, work: Path) -> list[str]:

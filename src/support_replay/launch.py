@@ -114,13 +114,14 @@ def engines_behind_router(
     router_port: int | None = None,
     request_timeout: float | None = None,
     start_timeout: float = 600.0,
+    env: dict | None = None,
 ) -> tuple[list[str], str]:
     """Engine ``i`` (``commands[i]``, listening on loopback ``ports[i]``) and our router in front of them, in
     ``stack``, each healthy before the next starts; ``(engine URLs, router URL)``."""
     urls = []
     for i, (port, command) in enumerate(zip(ports, commands)):
         url = f"http://127.0.0.1:{port}"
-        stack.enter_context(process(command, url, logs / f"engine{i}.log", timeout=start_timeout))
+        stack.enter_context(process(command, url, logs / f"engine{i}.log", timeout=start_timeout, env=env))
         urls.append(url)
     router_port = router_port or free_port()
     router = f"http://{host}:{router_port}"
@@ -165,7 +166,15 @@ def local_run(train_args: list[str], *, engines: int, nproc_per_node: int, serve
             ]
             for port in ports
         ]
-        urls, router = engines_behind_router(stack, commands, ports, logs)
+        # the cores shared out: torchrun gives its ranks one thread each; an engine left to torch's default takes
+        # every core, and 2 engines beside 2 ranks on 2 cores ran GRPO steps 3.3x slower (bench/ray_run.py)
+        cores = os.cpu_count() or 1
+        threads = (
+            {}
+            if "OMP_NUM_THREADS" in os.environ
+            else {"OMP_NUM_THREADS": str(max(1, cores // (engines + nproc_per_node)))}
+        )
+        urls, router = engines_behind_router(stack, commands, ports, logs, env=threads)
         print(
             f"local-run: {engines} engine(s) {urls} behind the router {router}; {nproc_per_node} trainer rank(s); "
             f"logs in {logs}",
