@@ -96,6 +96,14 @@ class EngineActor:
     def info(self) -> dict:
         return {"url": self.url, "started": self.started, **_where()}
 
+    def stop(self) -> None:
+        """SGLang's server and its children stopped as local-run stops them (its process group, SIGTERM then
+        SIGKILL); our serve ends with the actor."""
+        from ..launch import stop_group
+
+        if self.process is not None:
+            stop_group(self.process)
+
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class RouterActor:
@@ -195,4 +203,6 @@ def _child(command: list[str]):
     def die_with_parent():
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
-    return subprocess.Popen(command, stdout=sys.stdout, stderr=sys.stderr, preexec_fn=die_with_parent)
+    return subprocess.Popen(
+        command, stdout=sys.stdout, stderr=sys.stderr, preexec_fn=die_with_parent, start_new_session=True
+    )

@@ -26,7 +26,7 @@ from .placement import ENGINE_SHARE, RANK_SHARE, SIM_GPU, STRATEGIES, Layout, bu
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # the driver's environment the actors need: where modules are found, the kernels they may use, our own settings
 FORWARDED = ("PYTHONPATH", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
-FORWARDED_PREFIXES = ("SUPPORT_REPLAY_", "HF_", "TRANSFORMERS_")
+FORWARDED_PREFIXES = ("SUPPORT_REPLAY_", "HF_", "TRANSFORMERS_", "SGLANG_")
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,10 @@ def _run(ray, cfg, options, layout, gpu, env, output, logs, began) -> int:
         f"{counts['served']}; logs in {logs}",
         flush=True,
     )
-    for actor in [*ranks, router, *engines]:
+    for actor in ranks:
+        ray.kill(actor, no_restart=True)
+    ray.wait([e.stop.remote() for e in engines], num_returns=len(engines), timeout=30)
+    for actor in [router, *engines]:
         ray.kill(actor, no_restart=True)
     remove_placement_group(placement.group)
     return status
