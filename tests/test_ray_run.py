@@ -124,6 +124,7 @@ def test_two_nodes_engines_on_one_trainer_ranks_on_the_other(cluster, uninterrup
     run = uninterrupted
     check_trained(run, 3)
     text = run.text
+    assert f"cluster at {cluster.address} (2 node(s)), dashboard as the cluster was started" in text
     assert "placement group of 4 bundles {'sim_gpu': 1.0, 'CPU': 1.0}, strategy PACK" in text
     node = {a: run.line(a + ":").split(" node ")[1].split(" ")[0] for a in ("trainer rank 0", "trainer rank 1")}
     node |= {a: run.line(a + ":").split(" node ")[1].split(" ")[0] for a in ("engine0", "engine1")}

@@ -94,6 +94,12 @@ def _connect(ray, options: RayOptions, layout: Layout) -> str:
             object_store_memory=options.object_store_mb * 2**20,
             **common,
         )
+    head = ray.get_runtime_context().gcs_address
+    dashboard = "as the cluster was started" if options.address else ("on" if options.dashboard else "off")
+    print(
+        f"ray-run: Ray {ray.__version__}, cluster at {head} ({len(ray.nodes())} node(s)), dashboard {dashboard}",
+        flush=True,
+    )
     have = ray.cluster_resources().get(gpu, 0)
     if have < layout.bundles:
         raise ConfigError(
