@@ -8,8 +8,10 @@
    exit status 1, how to resume printed); a rank that fails, likewise with its error.
 
 Started without ``--address``, the cluster is one node on loopback (dashboard off unless asked). Every Ray
-process binds and advertises 127.0.0.1 there: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set before Ray is
-imported (with it Ray no longer replaces the loopback address by the interface's; notes/ray.md).
+process binds and advertises 127.0.0.1 there, and on a cluster whose address is loopback:
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set before Ray is imported (Ray's single-host mode: its
+``get_node_ip_address()`` answers the loopback address instead of the interface's; notes/ray.md). A cluster of
+other hosts keeps Ray's default.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from pathlib import Path
 from ..errors import ConfigError
 from .placement import ENGINE_SHARE, RANK_SHARE, SIM_GPU, STRATEGIES, Layout, bundle, ordered
 
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+LOOPBACK_ENV_NAME = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+LOOPBACK_ENV = {LOOPBACK_ENV_NAME: "0"}
 # the driver's environment the actors need: where modules are found, the kernels they may use, our own settings
 FORWARDED = ("PYTHONPATH", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
 FORWARDED_PREFIXES = ("SUPPORT_REPLAY_", "HF_", "TRANSFORMERS_", "SGLANG_")
@@ -57,7 +60,11 @@ def ray_run(cfg, options: RayOptions) -> int:
         raise ConfigError(f"--ray-placement-strategy={options.strategy}: one of {', '.join(STRATEGIES)}")
     if cfg.engine.rollout_url:
         raise ConfigError("ray-run: --rollout-url is the router ray-run starts; leave it out of the trainer's flags")
-    os.environ.update(LOOPBACK_ENV)
+    # a cluster on this host alone: Ray's loopback mode, set before Ray is imported (it reads it once). Never for a
+    # cluster of other hosts, whose nodes must advertise the addresses they reach each other at
+    loopback = options.address is None or _loopback(options.address)
+    if loopback:
+        os.environ.update(LOOPBACK_ENV)
     import ray
 
     layout = layout_of(cfg)
@@ -65,25 +72,23 @@ def ray_run(cfg, options: RayOptions) -> int:
     logs = output / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
-    gpu = _connect(ray, options, layout)
-    env = _actor_env()
+    gpu = _connect(ray, options, layout, loopback)
+    env = _actor_env(loopback)
     try:
         return _run(ray, cfg, options, layout, gpu, env, output, logs, began)
     finally:
         ray.shutdown()
 
 
-def _connect(ray, options: RayOptions, layout: Layout) -> str:
+def _connect(ray, options: RayOptions, layout: Layout, loopback: bool) -> str:
     """Connect (or start one node), and the resource name a bundle's device is."""
     import torch
 
     cuda = torch.cuda.is_available()
     gpu = options.gpu_resource or ("GPU" if cuda else SIM_GPU)
-    common = dict(log_to_driver=False, runtime_env={"env_vars": {**LOOPBACK_ENV}})
+    common = dict(log_to_driver=False, runtime_env={"env_vars": {**LOOPBACK_ENV}} if loopback else None)
     if options.address:
-        ray.init(
-            address=options.address, _node_ip_address="127.0.0.1" if _loopback(options.address) else None, **common
-        )
+        ray.init(address=options.address, _node_ip_address="127.0.0.1" if loopback else None, **common)
     else:
         resources = {} if gpu == "GPU" else {gpu: float(layout.bundles)}
         ray.init(
@@ -115,9 +120,10 @@ def _loopback(address: str) -> bool:
     return address.split(":")[0] in ("127.0.0.1", "localhost")
 
 
-def _actor_env() -> dict[str, str]:
+def _actor_env(loopback: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k in FORWARDED or k.startswith(FORWARDED_PREFIXES)}
-    return {**env, **LOOPBACK_ENV, "PYTHONUNBUFFERED": "1"}
+    env.pop(LOOPBACK_ENV_NAME, None)
+    return {**env, **(LOOPBACK_ENV if loopback else {}), "PYTHONUNBUFFERED": "1"}
 
 
 class Placement:
