@@ -170,7 +170,7 @@ class TrainerRank:
 
     def train(self, cfg, as_given, world: int, master: tuple[str, int]) -> int:
         """This rank of ``cfg`` (rollouts through the router), in a torch.distributed group formed here: gloo on a
-        CPU, NCCL on CUDA (train/dist.py). Returns the metrics rows it kept."""
+        CPU, NCCL on CUDA (train/dist.py). Returns how many metrics rows it wrote (rank 0; the others none)."""
         os.environ.update(
             RANK=str(self.rank),
             WORLD_SIZE=str(world),

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 
 
 @dataclass
@@ -57,6 +57,7 @@ class Supervisor:
                 self._rejoin(e, info)
         if now >= self._next:
             self._next = now + self.poll
+            self._readmit()
 
     def _died(self, e: Watched, exc: Exception) -> None:
         e.deaths, e.down = e.deaths + 1, True
@@ -65,14 +66,33 @@ class Supervisor:
         ray.get(self.router.drop.remote(e.url))
 
     def _rejoin(self, e: Watched, info: dict) -> None:
-        old, e.url, e.started, e.down = e.url, info["url"], info["started"], False
+        """Its next life into the router; if the router refuses it (RejoinError: a replayed call failed, another
+        version), the next look tries again."""
+        try:
+            version = ray.get(self.router.rejoin.remote(info["url"], e.url))
+        except RayError as exc:
+            self._say(e, f"restarted at {info['url']} but not admitted yet: {str(exc).strip().splitlines()[-1][:200]}")
+            return
+        e.url, e.started, e.down = info["url"], info["started"], False
         self.restarts += 1
-        version = ray.get(self.router.rejoin.remote(e.url, old))
         self._say(
             e,
             f"restarted by Ray on node {info['node_id'][:12]} pid {info['pid']} at {e.url}; rejoined the "
             f"router at weight_version {version!r}",
         )
+
+    def _readmit(self) -> None:
+        """An engine alive in its same life that the router dropped (a broadcast could not reach it for a
+        moment): back through the same replay."""
+        left = set(ray.get(self.router.counts.remote())["left"])
+        for e in self.engines:
+            if e.down or e.url not in left:
+                continue
+            try:
+                version = ray.get(self.router.rejoin.remote(e.url, None))
+                self._say(e, f"left the router while alive; readmitted at weight_version {version!r}")
+            except RayError as exc:
+                self._say(e, f"left the router while alive; not readmitted yet: {str(exc).strip()[-200:]}")
 
     def _say(self, e: Watched, what: str) -> None:
         line = f"{time.strftime('%H:%M:%S')} ray-run: {e.name} {what}"

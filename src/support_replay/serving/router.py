@@ -184,7 +184,8 @@ class Router:
                 return {"engine": w.url, "status": r.status_code, "body": _json_or_text(r)}
             except httpx.HTTPError as exc:
                 w.healthy = False
-                left = self.membership is not None and isinstance(exc, httpx.TransportError)
+                # nothing listening, or the connection dropped: not running (a timeout is an engine still busy)
+                left = self.membership is not None and isinstance(exc, _RETRYABLE)
                 return {"engine": w.url, "status": None if left else 503, "body": f"{type(exc).__name__}: {exc}"}
 
         results = await asyncio.gather(*(one(w) for w in self.workers))
