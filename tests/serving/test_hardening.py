@@ -723,14 +723,17 @@ def test_every_file_of_an_adapter_or_weights_folder_must_stay_under_the_weights_
     r = client.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(adapter)}, headers=API)
     assert r.status_code == 403 and "adapter_config.json resolves outside" in r.text, r.text
     # a folder checked when asked and changed before it is read: the read checks again, and nothing is loaded
-    from support_replay.engine.weight_updates import CheckedPath
+    from support_replay.engine.weight_updates import CheckedPath, outside
 
     folder = tmp_path / "weights" / "next"
     folder.mkdir()
+    assert outside(folder, tmp_path / "weights") is None  # what the route checks when asked: it passes
     elsewhere = tmp_path / "elsewhere-2.safetensors"
     save_file({k: v.clone() for k, v in engine.runner.model.state_dict().items()}, str(elsewhere))
+    # the folder changes after that check and before the read: linked before the update is queued, so the engine's
+    # loop cannot read the folder first (queued first, a loaded machine read it empty: "no .safetensors file")
+    os.symlink(elsewhere, folder / "model.safetensors")
     update = engine.update_weights_from_disk(CheckedPath(folder, tmp_path / "weights"), "v2")
-    os.symlink(elsewhere, folder / "model.safetensors")  # after the check the route made, before the read
     engine.wait([update], timeout=60)
     with pytest.raises(Exception, match="model.safetensors resolves outside"):
         update.result()
