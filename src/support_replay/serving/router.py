@@ -33,7 +33,7 @@ from . import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_ROUTER_PORT, NO_TELEMETRY
 from .connection_limits import ConnectionLimits
 from .disconnects import unless_disconnected
 from .metrics import render_router_metrics
-from .router_membership import Membership, StateCall
+from .router_membership import Membership, StateCall, json_or_text
 from .security import ADMIN_PATHS, DEFAULT_MAX_WEIGHTS_BYTES, WEIGHTS_OVER_HTTP, Keys, guarded
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ class Router:
                 r = await self.client.request(
                     method, w.url + path, content=body, headers={**headers, **self.upstream.header(admin=True)}
                 )
-                return {"engine": w.url, "status": r.status_code, "body": _json_or_text(r)}
+                return {"engine": w.url, "status": r.status_code, "body": json_or_text(r)}
             except httpx.HTTPError as exc:
                 w.healthy = False
                 # nothing listening, or the connection dropped: not running (a timeout is an engine still busy)
@@ -263,13 +263,6 @@ def _error(message: str, code: int) -> JSONResponse:
 def cancelled(task) -> Response:
     task.cancel()
     return None
-
-
-def _json_or_text(reply: httpx.Response):
-    try:
-        return reply.json()
-    except ValueError:
-        return reply.text
 
 
 def create_router_app(

@@ -68,19 +68,20 @@ class Membership:
             reply = await client.request(
                 call.method, url + call.target, content=call.body, headers={**call.headers, **admin}
             )
-            answer = _json(reply)
+            answer = json_or_text(reply)
             if reply.status_code != 200 or (isinstance(answer, dict) and answer.get("success") is False):
                 raise RejoinError(
                     f"{url}: replaying {call.path} answered HTTP {reply.status_code}: {str(answer)[:300]}"
                 )
-        info = _json(await client.get(url + "/model_info", headers=admin))
+        info = json_or_text(await client.get(url + "/model_info", headers=admin))
         version = info.get("weight_version") if isinstance(info, dict) else None
         if self.version is not None and version != self.version:
             raise RejoinError(f"{url}: weight_version {version!r} after the replay, the others hold {self.version!r}")
         return version
 
 
-def _json(reply: httpx.Response):
+def json_or_text(reply: httpx.Response):
+    """An answer's JSON, or its text when it is not JSON (the router relays either)."""
     try:
         return reply.json()
     except ValueError:
