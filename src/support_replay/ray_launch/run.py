@@ -45,13 +45,12 @@ class RayOptions:
 
 
 def layout_of(cfg) -> Layout:
-    ranks = cfg.parallel.actor_ranks or 1
-    per = cfg.launch.rollout_num_gpus_per_engine or 1
-    colocate = cfg.engine.colocate
-    total = cfg.launch.rollout_num_gpus or (ranks if colocate else per)
-    if total % per:
-        raise ConfigError(f"--rollout-num-gpus={total}: must be a multiple of --rollout-num-gpus-per-engine={per}")
-    return Layout(ranks, total, per, colocate)
+    """The launch section's own count (Miles' rule, checked when the config was built); without
+    --rollout-num-gpus-per-engine, one device per engine and one engine (the actor's ranks with --colocate)."""
+    ranks, per, colocate = cfg.parallel.actor_ranks or 1, cfg.launch.rollout_num_gpus_per_engine, cfg.engine.colocate
+    if per is None:
+        return Layout(ranks, ranks if colocate else 1, 1, colocate)
+    return Layout(ranks, cfg.launch.engine_count(ranks, colocate) * per, per, colocate)
 
 
 def ray_run(cfg, options: RayOptions) -> int:
