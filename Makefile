@@ -78,12 +78,20 @@ format: setup
 	$(VENV)/bin/ruff format --quiet src tests bench engines
 	$(VENV)/bin/ruff check --quiet --fix src tests bench engines
 
-test: lint $(if $(filter 1,$(WITH_VLLM)),vllm) $(if $(filter 1,$(WITH_SGLANG)),sglang)
-	$(PY) -m pytest -q --durations=15
+# The lint and the two engine venvs' installs (mostly downloads and unpacking) run side by side.
+test:
+	$(MAKE) -j3 lint $(if $(filter 1,$(WITH_VLLM)),vllm) $(if $(filter 1,$(WITH_SGLANG)),sglang)
+	$(PY) -m pytest -q --durations=30
 	$(MAKE) test-floats-other-kernels
 
+# Where the CPU has nothing wider than AVX2 (no AVX-512, AVX-VNNI or AMX: a Zen 3) and ATen took AVX2, limiting the
+# kernels to AVX2 changes none of them: the main run was that run, and it is not repeated.
+ABOVE_AVX2 = $(shell grep -qwE 'avx512f|avx_vnni|amx_tile' /proc/cpuinfo 2>/dev/null && echo 1)
+ATEN_ISA = $(shell $(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability())")
 test-floats-other-kernels: setup
-	$(AVX2_KERNELS) $(PY) -m pytest -q -m "float_bits and not slow" -p no:cacheprovider
+	$(if $(and $(filter AVX2,$(ATEN_ISA)),$(if $(ABOVE_AVX2),,1)),@echo "test-floats-other-kernels: this CPU's widest kernels \
+	  are AVX2 (ATen AVX2; no AVX-512, AVX-VNNI or AMX): the main run took the AVX2 set and is not repeated",$(AVX2_KERNELS) \
+	  $(PY) -m pytest -q -m "float_bits and not slow" -p no:cacheprovider)
 	$(PORTABLE_KERNELS) $(PY) -m pytest -q -m "float_bits and not slow" -p no:cacheprovider
 
 test-fast: lint
