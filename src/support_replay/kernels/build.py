@@ -13,13 +13,14 @@ a stale one. Each user of a kernel checks it before using it; a machine without 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -116,20 +117,42 @@ def _ninja_on_path() -> None:
 STALE_LOCK_SECONDS = 900  # a build takes a minute or two; a lock this old was left by a process that died building
 
 
-def _drop_a_stale_lock(directory: Path) -> None:
-    """PyTorch's builder waits, without end, for the ``lock`` file of whichever process builds; a process killed while
-    building leaves it behind, and every later process would wait forever. One older than ``STALE_LOCK_SECONDS`` is
-    removed (saying so)."""
+def _drop_a_stale_lock(directory: Path, older_than: float = STALE_LOCK_SECONDS) -> None:
+    """PyTorch's builder waits, without end, for the ``lock`` file of whichever process builds or loads; a process
+    killed meanwhile leaves it behind, and every later process would wait forever. One older than ``older_than``
+    seconds is removed (saying so)."""
     lock = directory / "lock"
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return
-    if age > STALE_LOCK_SECONDS:
+    if age >= older_than:
         log.warning(
             "CPU kernels: removing a build lock left %.0f s ago by a process that never finished: %s", age, lock
         )
         lock.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _one_builder(directory: Path) -> Iterator[None]:
+    """One process at a time in PyTorch's builder for ``directory``, under a lock the OS lets go of when its holder
+    dies. PyTorch takes its ``lock`` file at every load, a built extension's too (to run ninja), so a process
+    killed in that second (the tests kill engines and trainer ranks as they start) left it for good; holding this
+    lock, any ``lock`` file there is such a leftover and is removed at once. Without ``fcntl`` (not POSIX) a
+    leftover goes after ``STALE_LOCK_SECONDS``."""
+    try:
+        import fcntl
+    except ImportError:
+        _drop_a_stale_lock(directory)
+        yield
+        return
+    with open(directory / "builder.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            _drop_a_stale_lock(directory, older_than=0)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @functools.cache
@@ -148,15 +171,15 @@ def built() -> tuple[ModuleType | None, str]:
 
         _ninja_on_path()
         directory.mkdir(parents=True, exist_ok=True)
-        _drop_a_stale_lock(directory)
-        module = load(
-            name=name,
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            verbose=False,
-        )
+        with _one_builder(directory):
+            module = load(
+                name=name,
+                sources=[str(source) for source in SOURCES],
+                extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no ninja, a failed build: PyTorch's own kernels stay
         detail = str(exc).strip().splitlines()
         return None, f"it did not build in {directory}: {type(exc).__name__}: {detail[-1] if detail else ''}"[:400]
