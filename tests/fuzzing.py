@@ -187,13 +187,16 @@ def _request(capture=True, mode="selected", top_k=8):
 def fuzz_sglang(n: int) -> dict:
     cases = json.loads((FIXTURES / "sglang-0.5.23.json").read_text())["cases"]
     seen = Counter()
+    clients = {}  # one backend per vocabulary: making one (its HTTP client) costs more than parsing a payload
 
     @_settings(n)
     @given(st.sampled_from(cases).flatmap(lambda c: st.tuples(st.just(c), edited(c["response"]))))
     def one(pair):
         case, item = pair
         req = _request("sampled" in case, "support" if case["name"] == "support_mode" else "selected")
-        client = SGLangBackend("http://unused", case["vocab_size"])
+        client = clients.get(case["vocab_size"]) or clients.setdefault(
+            case["vocab_size"], SGLangBackend("http://unused", case["vocab_size"])
+        )
         try:
             validate_completion(client.completion(item, req), req, case["vocab_size"])
             seen["accepted"] += 1
@@ -207,12 +210,16 @@ def fuzz_sglang(n: int) -> dict:
 def fuzz_vllm(n: int) -> dict:
     cases = json.loads((FIXTURES / "vllm-0.32.0.json").read_text())["cases"]
     seen = Counter()
+    clients = {}  # one backend per vocabulary and endpoint, as above
 
     @_settings(n)
     @given(st.sampled_from(cases).flatmap(lambda c: st.tuples(st.just(c), edited(c["response"]["choices"][0]))))
     def one(pair):
         case, choice = pair
-        client = VLLMBackend("http://unused", case["vocab_size"], model="tiny", endpoint=case["endpoint"])
+        key = (case["vocab_size"], case["endpoint"])
+        client = clients.get(key) or clients.setdefault(
+            key, VLLMBackend("http://unused", case["vocab_size"], model="tiny", endpoint=case["endpoint"])
+        )
         req = _request(top_k=case["request"].get("sampling_params", case["request"])["top_k"])
         try:
             parse = client.parse_generate_choice if case["endpoint"] == "generate" else client.parse_completions_choice
