@@ -14,9 +14,10 @@ from support_replay.core.mismatch_parts import filter_evidence
 from support_replay.core.sampling import SamplingParams
 
 
-def _scores(logits, declared: SamplingParams, sampled: SamplingParams, semantics="sglang"):
-    """What the audit collects, for supports ``sampled`` with one setting while the run ``declared`` another."""
-    out, ids, valid = draw(logits, sampled, semantics)
+def _scores(logits, declared: SamplingParams, sampled: SamplingParams, semantics="sglang", engine_logits=None):
+    """What the audit collects, for supports ``sampled`` with one setting while the run ``declared`` another (the
+    engine sampling at ``engine_logits`` where given, the trainer's being ``logits``)."""
+    out, ids, valid = draw(logits if engine_logits is None else engine_logits, sampled, semantics)
     ev = filter_evidence(logits, ids, valid, declared, semantics)
     n = len(out.tokens)
     column = ((ids == out.tokens[:, None]) & valid).to(torch.uint8).argmax(-1)
@@ -62,6 +63,21 @@ def test_supports_as_declared_give_no_finding():
     found, flips = filter_findings(scores, _declared(p), VOCAB, margin=1e-3)
     assert found == [] and not flips.any()
     assert temperature_finding(scores, 1.0)[0] is None
+
+
+@pytest.mark.parametrize("sampled, named", [(SamplingParams(top_k=32), None), (SamplingParams(top_k=20), "top_k=20")])
+def test_rounding_that_reorders_ids_at_the_top_k_cut_is_a_flip_and_a_narrower_top_k_still_a_finding(sampled, named):
+    """A bf16 engine ranks the ids near the top_k cut in another order than the fp32 trainer: it keeps an id the
+    trainer ranks just past the cut and leaves out one just inside it (seen on a Zen 3, whose bf16 products are
+    ATen's portable ones: 10 such supports of 577 failed the audit). Within the margin that is a boundary flip."""
+    logits = random_logits(rows=256, scale=2.0)
+    declared = SamplingParams(top_k=32)
+    scores = _scores(logits, declared, sampled, engine_logits=logits.bfloat16().float())
+    found, flips = filter_findings(scores, _declared(declared), VOCAB, margin=0.2)
+    if named is None:
+        assert found == [] and flips.any(), [f.evidence for f in found]
+    else:
+        assert [f.setting for f in found] == ["top_k"] and named in found[0].evidence, [f.evidence for f in found]
 
 
 def test_log_mu_from_another_temperature_is_named():

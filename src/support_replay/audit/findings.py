@@ -106,12 +106,16 @@ def _narrower(scores, declared: dict, vocab: int, margin: float) -> tuple[list[F
     ev = scores.evidence
     k, top_p, min_p = declared["top_k"], declared["top_p"], declared["min_p"]
     cap = k if k > 0 else vocab
+    # the engine kept an id the trainer ranks below the one it left out, and not clearly less probable: the two
+    # sides' logits order them differently (bf16 against fp32 at the top_k cut), a boundary flip, not a filter
+    reordered = (ev["kept_rank"] > ev["first_out_rank"]) & (ev["first_out_ratio"] <= ev["kept_ratio"] * (1 + margin))
     cut = (
         ev["first_out_expected"]
         & (ev["first_out_rank"] >= 0)
         & (ev["first_out_rank"] < cap)
         & ((ev["first_out_mass"] < top_p - margin) | (top_p >= 1))
         & (ev["first_out_ratio"] > max(min_p * (1 + margin), RATIO_FLOOR))
+        & ~reordered
     )
     n = int(cut.sum())
     if n < max(MIN_ROWS, math.ceil(0.01 * len(cut))):
