@@ -640,4 +640,5 @@ def flag_table() -> str:
             meaning = (field.description or "").replace("|", "/")
             default = field.default if field.default_factory is None else field.default_factory()
             lines.append(f"| `{shown}` | `{default}` | {meaning} |")
+    lines.append("<!-- by: make flag-table -->")  # the command that writes it (tests/test_figure_tags.py)
     return "\n".join(lines) + "\n"
