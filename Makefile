@@ -113,7 +113,7 @@ run: setup
 # The scripts behind the README's figures, with the flags its tags name (tests/test_figure_tags.py); every other
 # script under bench/ runs by name and prints its table (docs/benchmarks.md gives each one's command).
 bench: setup
-	@echo "make bench: the README's figures, about BENCH_MINUTES minutes on a 2-core CPU"
+	@echo "make bench: the README's figures, about 20 minutes on a 2-core Zen 3"
 	@start=$$(date +%s) && \
 	  $(PY) bench/faithfulness.py && \
 	  $(PY) bench/faithfulness.py --true-on-policy && \
