@@ -45,53 +45,73 @@ def test_updates_through_the_http_engine_pass_ci_test(tiny_checkpoint, tmp_path)
     assert [r["rollout"] for r in rows if "eval_reward_mean" in r] == [1]
 
 
-def _fsdp_worker(rank, world, port, checkpoint, out, results, global_batch, micro_batch, extra):
+# One run per configuration, all of them in one launch per world size (a launch is a few seconds of imports per
+# rank): two optimizer steps per rollout; or one, with the old-policy scoring fused into it; or that with
+# asynchronous rollouts (rank 0 generates during the update, --ci-test under the lag); LoRA; and a token budget
+# per micro-batch. name: (global batch, micro batch, settings)
+FSDP_RUNS = {
+    "two-steps": (4, 2, {}),
+    "fused": (8, 4, {}),
+    "async": (8, 4, dict(async_rollout=True, max_policy_lag=1)),
+    "lora": (8, 4, dict(lora_rank=4, lr=1e-2)),
+    "token-budget": (8, None, dict(max_tokens_per_micro_batch=45)),
+}
+
+
+def _fsdp_worker(rank, world, port, checkpoint, out, results):
     # Gradient clipping off: its global norm is reduced in another order over shards, which
     # moves the result by an ulp that Adam then amplifies (to ~2e-6 after 3 updates).
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     sys.path.insert(0, str(Path(__file__).parents[1]))
-    cfg = run_config(
-        checkpoint,
-        Path(out),
-        num_rollout=3,
-        save=str(Path(out) / "ckpt"),
-        save_interval=3,
-        clip_grad=0.0,
-        global_batch_size=global_batch,
-        micro_batch_size=micro_batch,
-        **extra,
-    )
-    rows = train(cfg)
-    results[rank] = [r["loss"] for r in rows] if rank == 0 else "ok"
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # one group for every run: train() uses it and leaves it
+    try:
+        for name, (global_batch, micro_batch, extra) in FSDP_RUNS.items():
+            run_out = Path(out) / name
+            cfg = run_config(
+                checkpoint,
+                run_out,
+                num_rollout=3,
+                save=str(run_out / "ckpt"),
+                save_interval=3,
+                clip_grad=0.0,
+                global_batch_size=global_batch,
+                micro_batch_size=micro_batch,
+                **extra,
+            )
+            rows = train(cfg)
+            if rank == 0:
+                results[name] = [r["loss"] for r in rows]
+    finally:
+        dist.destroy_process_group()
 
 
-def _one_and_two_ranks(checkpoint, tmp_path, global_batch, micro_batch, extra) -> dict:
-    """``_fsdp_worker``'s results on one rank and on two (outputs under ``tmp_path / "w1"`` and ``"w2"``)."""
+@pytest.fixture(scope="module")
+def fsdp_runs(tiny_checkpoint, tmp_path_factory) -> tuple[dict, Path]:
+    """Each of ``FSDP_RUNS`` on one rank and on two: ``({world: {name: losses}}, root)``, the checkpoints under
+    ``root / f"w{world}" / name``."""
+    root = tmp_path_factory.mktemp("fsdp")
     manager = mp.Manager()
     results = {}
     for world in (1, 2):
         res = manager.dict()
-        out = str(tmp_path / f"w{world}")
-        args = (world, free_port(), str(checkpoint), out, res, global_batch, micro_batch, extra)
-        mp.spawn(_fsdp_worker, args=args, nprocs=world, join=True)
+        mp.spawn(
+            _fsdp_worker, args=(world, free_port(), str(tiny_checkpoint), str(root / f"w{world}"), res), nprocs=world
+        )
         results[world] = dict(res)
-    return results
+    return results, root
 
 
-# two optimizer steps per rollout; or one, with the old-policy scoring fused into it; or that with
-# asynchronous rollouts (rank 0 generates during the update, --ci-test under the lag)
-@pytest.mark.parametrize(
-    "global_batch, micro_batch, extra",
-    [(4, 2, {}), (8, 4, {}), (8, 4, dict(async_rollout=True, max_policy_lag=1)), (8, 4, dict(lora_rank=4, lr=1e-2))],
-    ids=["two-steps", "fused", "async", "lora"],
-)
-def test_two_fsdp_ranks_equal_one(tiny_checkpoint, tmp_path, global_batch, micro_batch, extra):
-    results = _one_and_two_ranks(tiny_checkpoint, tmp_path, global_batch, micro_batch, extra)
-    np.testing.assert_allclose(results[2][0], results[1][0], atol=1e-6, rtol=0)
-    one = load_file(str(tmp_path / "w1" / "ckpt" / "rollout_000003" / "model.safetensors"))
-    two = load_file(str(tmp_path / "w2" / "ckpt" / "rollout_000003" / "model.safetensors"))
+@pytest.mark.parametrize("name", ["two-steps", "fused", "async", "lora"])
+def test_two_fsdp_ranks_equal_one(fsdp_runs, name):
+    results, root = fsdp_runs
+    np.testing.assert_allclose(results[2][name], results[1][name], atol=1e-6, rtol=0)
+    final = Path(name) / "ckpt" / "rollout_000003" / "model.safetensors"
+    one = load_file(str(root / "w1" / final))
+    two = load_file(str(root / "w2" / final))
     for k in one:
         # each rank runs exactly one of the single process's micro-batches, so the summed
         # gradients, hence the weights, are equal bit for bit. (With several micro-batches
@@ -100,48 +120,60 @@ def test_two_fsdp_ranks_equal_one(tiny_checkpoint, tmp_path, global_batch, micro
         assert torch.equal(two[k], one[k]), k
 
 
-def _agent_worker(rank, world, port, checkpoint, out, results, extra):
+# data parallel with penalties; multi-turn loss masks (inserted tokens out of the loss) with the sequence split by
+# context parallelism, and with the layers split by tensor parallelism: one launch of two ranks for the three
+AGENT_RUNS = {
+    "dp-penalties": dict(rollout_repetition_penalty=1.2),
+    "cp": dict(context_parallel_size=2, context_parallel_layout="contiguous"),
+    "tp": dict(tensor_model_parallel_size=2),
+}
+
+
+def _agent_worker(rank, world, port, checkpoint, out, results):
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     sys.path.insert(0, str(Path(__file__).parents[1]))
+    import torch.distributed as dist
+
     from recipe_helpers import agent_config
 
-    cfg = agent_config(checkpoint, Path(out), agent="chain", session_history_policy="reject", num_rollout=2, **extra)
-    rows = train(cfg)
-    results[rank] = (
-        [(r["train_rollout_logprob_abs_diff_max"], r["episode_turns_mean"]) for r in rows] if rank == 0 else "ok"
-    )
+    dist.init_process_group("gloo")
+    try:
+        for name, extra in AGENT_RUNS.items():
+            cfg = agent_config(
+                checkpoint, Path(out) / name, agent="chain", session_history_policy="reject", num_rollout=2, **extra
+            )
+            rows = train(cfg)
+            results[(name, rank)] = (
+                [(r["train_rollout_logprob_abs_diff_max"], r["episode_turns_mean"]) for r in rows]
+                if rank == 0
+                else "ok"
+            )
+    finally:
+        dist.destroy_process_group()
 
 
-# data parallel with penalties; multi-turn loss masks (inserted tokens out of the loss) with the
-# sequence split by context parallelism, and with the layers split by tensor parallelism
-@pytest.mark.parametrize(
-    "extra",
-    [
-        dict(rollout_repetition_penalty=1.2),
-        dict(context_parallel_size=2, context_parallel_layout="contiguous"),
-        dict(tensor_model_parallel_size=2),
-    ],
-    ids=["dp-penalties", "cp", "tp"],
-)
-def test_agent_episodes_on_two_ranks(tiny_agent_checkpoint, tmp_path, extra):
+@pytest.fixture(scope="module")
+def agent_runs(tiny_agent_checkpoint, tmp_path_factory) -> dict:
     """Rank 0 plays the episodes through its session server and broadcasts them; both ranks train."""
     results = mp.Manager().dict()
-    mp.spawn(
-        _agent_worker,
-        args=(2, free_port(), str(tiny_agent_checkpoint), str(tmp_path), results, extra),
-        nprocs=2,
-        join=True,
-    )
-    assert results[1] == "ok" and len(results[0]) == 2 and all(diff <= 1e-3 and turns > 1 for diff, turns in results[0])
+    out = str(tmp_path_factory.mktemp("agents"))
+    mp.spawn(_agent_worker, args=(2, free_port(), str(tiny_agent_checkpoint), out, results), nprocs=2, join=True)
+    return dict(results)
 
 
-def test_two_ranks_under_a_token_budget_match_one(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("name", list(AGENT_RUNS))
+def test_agent_episodes_on_two_ranks(agent_runs, name):
+    rows = agent_runs[(name, 0)]
+    assert agent_runs[(name, 1)] == "ok" and len(rows) == 2 and all(diff <= 1e-3 and turns > 1 for diff, turns in rows)
+
+
+def test_two_ranks_under_a_token_budget_match_one(fsdp_runs):
     # the plans differ (one share cut by the budget, or two shares cut to equal counts), so the
     # sums associate differently: equal to rounding, not bit for bit
-    results = _one_and_two_ranks(tiny_checkpoint, tmp_path, 8, None, dict(max_tokens_per_micro_batch=45))
-    np.testing.assert_allclose(results[2][0], results[1][0], atol=1e-5, rtol=0)
+    results, _ = fsdp_runs
+    np.testing.assert_allclose(results[2]["token-budget"], results[1]["token-budget"], atol=1e-5, rtol=0)
 
 
 def _failing_worker(rank, world, port, checkpoint, out, results):
