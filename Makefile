@@ -12,7 +12,7 @@ WITH_VLLM ?= 1
 SGLANG_VENV := .venv-sglang
 WITH_SGLANG ?= 1
 
-.PHONY: setup lint format test test-fast test-floats-other-kernels run bench clean vllm sglang fixtures flag-table
+.PHONY: setup lint kernels format test test-fast test-floats-other-kernels run bench clean vllm sglang fixtures flag-table
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -78,9 +78,17 @@ format: setup
 	$(VENV)/bin/ruff format --quiet src tests bench engines
 	$(VENV)/bin/ruff check --quiet --fix src tests bench engines
 
-# The lint and the two engine venvs' installs (mostly downloads and unpacking) run side by side.
+# The project's CPU kernels for each kernel set the tests take (this CPU's, AVX2's, the portable one), built into the
+# user cache now (about a minute each on 2 cores; a cached one is a no-op) rather than inside the first test that
+# needs them. A build that fails is reported here and fails its tests (tests/kernels/test_build.py).
+kernels: setup
+	$(PY) -m support_replay.kernels.build
+	$(AVX2_KERNELS) $(PY) -m support_replay.kernels.build
+	$(PORTABLE_KERNELS) $(PY) -m support_replay.kernels.build
+
+# The lint, the kernels' builds and the two engine venvs' installs (mostly downloads and unpacking) side by side.
 test:
-	$(MAKE) -j3 lint $(if $(filter 1,$(WITH_VLLM)),vllm) $(if $(filter 1,$(WITH_SGLANG)),sglang)
+	$(MAKE) -j4 lint kernels $(if $(filter 1,$(WITH_VLLM)),vllm) $(if $(filter 1,$(WITH_SGLANG)),sglang)
 	$(PY) -m pytest -q --durations=30
 	$(MAKE) test-floats-other-kernels
 
