@@ -30,8 +30,7 @@ def test_the_kernels_build_on_this_cpu():
 def test_the_vector_sources_compile_for_another_isa(isa):
     from torch.utils.cpp_extension import include_paths
 
-    name = build.build_name(build.SOURCES + build.HEADERS, isa)
-    if any(build.build_directory(name).glob(f"{name}*.so")):
+    if build.is_built(build.build_name(build.SOURCES + build.HEADERS, isa)):
         return  # these very sources were built for it (`make kernels` builds every set the tests take): compiled
     includes = [f"-I{path}" for path in [*include_paths(), sysconfig.get_paths()["include"]]]
     command = [COMPILER, "-fsyntax-only", "-std=c++20", "-fopenmp", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes]

@@ -86,6 +86,11 @@ def build_directory(name: str) -> Path:
     return cache_dir() / "extensions" / f"torch-{torch.__version__.replace('+', '-')}" / name
 
 
+def is_built(name: str) -> bool:
+    """Whether the build ``name`` (``build_name``: an ISA and the sources' digest) is in the user cache."""
+    return any(build_directory(name).glob(f"{name}*.so"))
+
+
 def _ninja_on_path() -> None:
     """PyTorch's builder runs ``ninja`` from PATH: the ``ninja`` package's (a dependency) first, whatever the system
     has, so that every process builds with one ninja. Two versions on one build directory (a system 1.11 and the
@@ -164,7 +169,7 @@ def built() -> tuple[ModuleType | None, str]:
     isa, flags = _isa()
     name = build_name(SOURCES + HEADERS, isa)
     directory = build_directory(name)
-    if not any(directory.glob(f"{name}*.so")):
+    if not is_built(name):
         log.info("CPU kernels: building them for %s once, into %s (about a minute)", isa, directory)
     try:
         from torch.utils.cpp_extension import load
