@@ -194,9 +194,9 @@ def fuzz_sglang(n: int) -> dict:
     def one(pair):
         case, item = pair
         req = _request("sampled" in case, "support" if case["name"] == "support_mode" else "selected")
-        client = clients.get(case["vocab_size"]) or clients.setdefault(
-            case["vocab_size"], SGLangBackend("http://unused", case["vocab_size"])
-        )
+        if case["vocab_size"] not in clients:
+            clients[case["vocab_size"]] = SGLangBackend("http://unused", case["vocab_size"])
+        client = clients[case["vocab_size"]]
         try:
             validate_completion(client.completion(item, req), req, case["vocab_size"])
             seen["accepted"] += 1
@@ -217,9 +217,9 @@ def fuzz_vllm(n: int) -> dict:
     def one(pair):
         case, choice = pair
         key = (case["vocab_size"], case["endpoint"])
-        client = clients.get(key) or clients.setdefault(
-            key, VLLMBackend("http://unused", case["vocab_size"], model="tiny", endpoint=case["endpoint"])
-        )
+        if key not in clients:
+            clients[key] = VLLMBackend("http://unused", case["vocab_size"], model="tiny", endpoint=case["endpoint"])
+        client = clients[key]
         req = _request(top_k=case["request"].get("sampling_params", case["request"])["top_k"])
         try:
             parse = client.parse_generate_choice if case["endpoint"] == "generate" else client.parse_completions_choice
