@@ -3,12 +3,14 @@ against one process."""
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
@@ -17,6 +19,25 @@ from recipe_helpers import run_config
 from support_replay.train import train
 
 pytestmark = pytest.mark.slow
+
+
+def _as_rank(rank, world, port):
+    """A spawned process made rank ``rank`` of ``world`` (torchrun's variables) that finds the tests' helpers."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+
+
+@contextmanager
+def _one_group(rank, world, port):
+    """``_as_rank`` and one gloo group for every run of the block: train() uses a group it finds and leaves it."""
+    _as_rank(rank, world, port)
+    dist.init_process_group("gloo")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def test_updates_through_the_http_engine_pass_ci_test(tiny_checkpoint, tmp_path):
@@ -61,14 +82,7 @@ FSDP_RUNS = {
 def _fsdp_worker(rank, world, port, checkpoint, out, results):
     # Gradient clipping off: its global norm is reduced in another order over shards, which
     # moves the result by an ulp that Adam then amplifies (to ~2e-6 after 3 updates).
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")  # one group for every run: train() uses it and leaves it
-    try:
+    with _one_group(rank, world, port):
         for name, (global_batch, micro_batch, extra) in FSDP_RUNS.items():
             run_out = Path(out) / name
             cfg = run_config(
@@ -85,8 +99,6 @@ def _fsdp_worker(rank, world, port, checkpoint, out, results):
             rows = train(cfg)
             if rank == 0:
                 results[name] = [r["loss"] for r in rows]
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -130,16 +142,9 @@ AGENT_RUNS = {
 
 
 def _agent_worker(rank, world, port, checkpoint, out, results):
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    import torch.distributed as dist
+    with _one_group(rank, world, port):
+        from recipe_helpers import agent_config
 
-    from recipe_helpers import agent_config
-
-    dist.init_process_group("gloo")
-    try:
         for name, extra in AGENT_RUNS.items():
             cfg = agent_config(
                 checkpoint, Path(out) / name, agent="chain", session_history_policy="reject", num_rollout=2, **extra
@@ -150,8 +155,6 @@ def _agent_worker(rank, world, port, checkpoint, out, results):
                 if rank == 0
                 else "ok"
             )
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -177,10 +180,7 @@ def test_two_ranks_under_a_token_budget_match_one(fsdp_runs):
 
 
 def _failing_worker(rank, world, port, checkpoint, out, results):
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    sys.path.insert(0, str(Path(__file__).parents[1]))
+    _as_rank(rank, world, port)
     import time
 
     start = time.monotonic()
