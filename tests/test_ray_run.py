@@ -54,8 +54,12 @@ def cluster():
 class RayRun:
     """``ray-run`` as a process, its output read as it comes."""
 
-    def __init__(self, address: str, train_flags: list[str], out: Path):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    def __init__(self, address: str, train_flags: list[str], out: Path, env: dict | None = None):
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+            **(env or {}),
+        }
         command = [sys.executable, "-m", "support_replay.cli", "ray-run", "--address", address, "--", *train_flags]
         self.out, self.lines = out, []
         self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -220,3 +224,35 @@ def test_partial_rollouts_on_two_nodes(cluster, tiny_checkpoint, tmp_path):
     assert sum(r["straddling_samples"] for r in rows[1:]) > 0  # kept samples continued under a later version
     generated = sum(r["generated_tokens"] for r in rows)
     assert generated == sum(r["trained_tokens"] for r in rows) + rows[-1]["kept_tokens"]  # 0 thrown away
+
+
+@pytest.mark.slow
+def test_vllm_servers_as_engine_actors(cluster, tiny_checkpoint, tmp_path):
+    """vLLM's own OpenAI server (its venv, make vllm) started by each engine actor of the placement group, our router
+    in front broadcasting vLLM's pause, reload and resume: GRPO with --ci-test through both."""
+    from tiny_model import vllm_checkpoint
+    from vllm_env import VLLM_PYTHON, vllm_missing
+
+    if (why := vllm_missing()) is not None:
+        pytest.skip(why)
+    checkpoint = vllm_checkpoint(tiny_checkpoint, tmp_path / "llama")
+    out = tmp_path / "run"
+    more = ("--launch-server", "vllm", "--launch-python", str(VLLM_PYTHON))
+    more += ("--vllm-gpu-memory-utilization", "0.04", "--vllm-max-model-len", "256")  # 1 GB of KV each on a CPU
+    # a faster start on 2 cores (29 s instead of 50 for one server here): no compile, the engine core in the server's
+    # process (ray-run forwards VLLM_* to the engine actors)
+    more += ("--vllm-enforce-eager",)
+    fast = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    run = RayRun(cluster.address, flags(checkpoint, out, *more, rollouts=2), out, env=fast)
+    assert run.wait() == 0, run.text[-3000:]
+    rows = check_trained(run, 2)
+    node = {a: run.line(a + ":").split(" node ")[1].split(" ")[0] for a in ("trainer rank 0", "engine0", "engine1")}
+    assert node["trainer rank 0"] != node["engine0"] == node["engine1"]
+    for i in range(2):
+        log = (out / "logs" / f"engine{i}.log").read_text()
+        assert "-m vllm.entrypoints.openai.api_server --model" in log and "--gpu-memory-utilization 0.04" in log
+        assert "(Worker pid=" not in log  # the forwarded VLLM_ENABLE_V1_MULTIPROCESSING reached the server
+        assert '"POST /collective_rpc HTTP/1.1" 200' in log and '"POST /inference/v1/generate HTTP/1.1" 200' in log
+    served = ast.literal_eval(run.text.split("engines in rotation ")[1].split("; logs")[0])
+    assert len(served) == 2 and min(served.values()) > 0, served
+    assert all(r["policy_lag_max"] == 0 for r in rows)  # the version each pushed reached both engines

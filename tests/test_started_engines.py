@@ -11,7 +11,13 @@ import pytest
 
 from support_replay.cli import main
 from support_replay.errors import ConfigError
-from support_replay.started_engines import check_serve_command, check_sglang_command, engine_command
+from support_replay.started_engines import (
+    check_serve_command,
+    check_sglang_command,
+    check_vllm_command,
+    engine_command,
+    engine_env,
+)
 from support_replay.train.config import RunConfig
 from support_replay.train.launch_config import split_server_args
 
@@ -85,6 +91,19 @@ def test_a_server_flag_serve_cannot_honour_is_refused_by_name(flags, message, tm
             "--launch-server='sglang': true-on-policy mode checks the engine runs our batch-invariant kernels",
         ),
         (["--rollout-num-gpus-per-engine", "1", "--max-total-tokens", "99"], "the started engines take"),
+        (
+            ["--rollout-num-gpus-per-engine", "1", "--launch-server", "vllm", "--true-on-policy-mode"],
+            "--launch-server='vllm': true-on-policy mode checks the engine runs our batch-invariant kernels",
+        ),
+        (
+            ["--rollout-num-gpus-per-engine", "1", "--launch-server", "vllm", "--sglang-page-size", "8"],
+            "--launch-server='vllm': --sglang-page-size is a flag of SGLang's server",
+        ),
+        (
+            ["--rollout-num-gpus-per-engine", "1", "--vllm-enforce-eager"],
+            "--vllm-enforce-eager: a flag of vLLM's server, for --launch-server vllm (not support-replay)",
+        ),
+        (["--launch-python", "/x/python", "--rollout-num-gpus-per-engine", "1"], "--launch-server sglang or vllm"),
     ],
 )
 def test_launch_settings_that_cannot_hold_are_refused_by_name(argv, message, capsys):
@@ -188,3 +207,43 @@ def test_a_run_launches_sglang_itself_and_trains_through_it(tiny_checkpoint, tmp
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout"] for r in rows] == [0, 1]
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0 for r in rows)
+
+
+def test_the_vllm_command_carries_the_run_the_client_s_needs_and_the_server_flags(tmp_path):
+    """--launch-server vllm: vLLM's server as the trainer's vLLM client reads it, the trainer's own --vllm-* flags
+    kept from the server's, a flag the launch sets refused by name."""
+    argv = ["--vllm-capture", "processed_logprobs", "--vllm-max-model-len", "256", "--vllm-enforce-eager"]
+    rest, server = split_server_args(argv, known={"--vllm-capture", "--vllm-endpoint"}, prefix="--vllm-")
+    assert rest == ["--vllm-capture", "processed_logprobs"] and server == argv[2:]
+    vllm = dict(launch_server="vllm", launch_python="/venv/bin/python", rollout_seed=7, max_running_requests=5)
+    cfg = launched(**vllm, vllm_server_args=tuple(server), lora_rank=4, lora_sync="adapter")
+    command = engine_command(cfg, "/models/qwen3", 30001, 1, tmp_path)
+    assert command[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(command[3:])
+    for part in (
+        "--model /models/qwen3 --host 127.0.0.1 --port 30001 --tensor-parallel-size 1 --dtype float32 --seed 7",
+        "--logprobs-mode processed_logprobs --max-logprobs -1 --enable-scale-out --max-num-seqs 5",
+        "--enable-lora --max-lora-rank 4 --max-loras 1 --max-model-len 256 --enforce-eager",
+    ):
+        assert part in joined
+    assert engine_env(cfg) == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    assert cfg.with_rollout_url("http://127.0.0.1:9", 1).rollout_engine == "vllm"
+    native = launched(**vllm, vllm_capture="native", vllm_endpoint="completions")
+    native_command = engine_command(native, "/m", 1, 0, tmp_path)
+    assert "--return-sampling-mask" in native_command and "--enable-scale-out" not in native_command
+    with pytest.raises(ConfigError, match="--vllm-seed: the engines are seeded by --rollout-seed"):
+        engine_command(launched(**vllm, vllm_server_args=("--vllm-seed", "3")), "/m", 1, 0, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_vllm_server_flag_its_own_parser_refuses_stops_the_run(tmp_path):
+    """A server flag vLLM 0.32's own parser refuses, in its environment (make vllm); the command it takes is
+    checked the same way by every ray-run with vLLM engines (tests/test_ray_run.py)."""
+    from vllm_env import VLLM_PYTHON, vllm_missing
+
+    if (why := vllm_missing()) is not None:
+        pytest.skip(why)
+    vllm = dict(launch_server="vllm", launch_python=str(VLLM_PYTHON))
+    wrong = launched(**vllm, vllm_server_args=("--vllm-gpu-memory-utilization", "lots"))
+    with pytest.raises(ConfigError, match="vLLM's parser refuses the engines' command line: .*invalid"):
+        check_vllm_command(engine_command(wrong, "/m", 1, 0, tmp_path))

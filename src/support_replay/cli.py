@@ -417,11 +417,13 @@ def _local_run(args) -> int:
 
 def _parsed(argv: list[str]) -> argparse.Namespace:
     """``argv`` parsed; for train and audit, the reference implementation's flags this trainer does not take are
-    refused (all of them, at once) and the ``--sglang-*`` flags that are not ours set aside for the servers of the
-    engines the run starts."""
+    refused (all of them, at once) and the ``--sglang-*`` and ``--vllm-*`` flags that are not ours set aside for the
+    servers of the engines the run starts."""
     server_args: list[str] = []
+    vllm_args: list[str] = []
     if argv[:1] in (["train"], ["audit"]):
-        from .train.launch_config import LaunchConfig, split_server_args
+        from .train.config import FIELD_SECTION
+        from .train.launch_config import VLLM_PREFIX, LaunchConfig, split_server_args
         from .train.reference_flags import refusals
 
         refused = refusals(argv[1:])
@@ -430,10 +432,14 @@ def _parsed(argv: list[str]) -> argparse.Namespace:
             raise SupportReplayError(f"flags this trainer does not take (remove them):\n{lines}")
         known = {"--" + name.replace("_", "-") for name in LaunchConfig.model_fields}
         rest, server_args = split_server_args(argv[1:], known)
+        ours = {"--" + name.replace("_", "-") for name in FIELD_SECTION}  # --vllm-endpoint, --vllm-capture
+        rest, vllm_args = split_server_args(rest, ours, VLLM_PREFIX)
         argv = argv[:1] + rest
     args = build_parser().parse_args(argv)
     if server_args:
         args.sglang_server_args = tuple(server_args)
+    if vllm_args:
+        args.vllm_server_args = tuple(vllm_args)
     return args
 
 

@@ -117,12 +117,15 @@ def engines_behind_router(
     env: dict | None = None,
 ) -> tuple[list[str], str]:
     """Engine ``i`` (``commands[i]``, listening on loopback ``ports[i]``) and our router in front of them, in
-    ``stack``, each healthy before the next starts; ``(engine URLs, router URL)``."""
-    urls = []
-    for i, (port, command) in enumerate(zip(ports, commands)):
-        url = f"http://127.0.0.1:{port}"
-        stack.enter_context(process(command, url, logs / f"engine{i}.log", timeout=start_timeout, env=env))
-        urls.append(url)
+    ``stack``: the engines start side by side, and the router once every one is healthy; ``(engine URLs, router
+    URL)``."""
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    started = [
+        (stack.enter_context(process(command, None, logs / f"engine{i}.log", env=env)), logs / f"engine{i}.log")
+        for i, command in enumerate(commands)
+    ]
+    for url, (proc, log) in zip(urls, started):
+        wait_healthy(url, proc, start_timeout, log)
     router_port = router_port or free_port()
     router = f"http://{host}:{router_port}"
     command = [sys.executable, "-m", "support_replay.cli", "router", "--host", host, "--port", str(router_port)]

@@ -10,8 +10,11 @@ sampler and capture, ``--deterministic`` under ``--true-on-policy-mode``), then 
 flags without their prefix. Before anything starts, that command line is parsed by the server's own
 parser: ours (serve takes the SGLang names of the flags it implements, ``SERVE_SGLANG_FLAGS``), or
 SGLang's ``prepare_server_args`` (the function its ``launch_server`` calls), run from the SGLang this
-Python has. Weights reach the engines as they reach any ``--rollout-url`` engine
-(``/update_weights_from_disk`` from the run's directory, or their body with ``--weight-transport http``).
+Python has. ``--launch-server vllm`` starts vLLM's OpenAI server instead, its command line made from the run
+(``vllm_command``) in dev mode (``VLLM_SERVER_DEV_MODE=1``: its weight routes); the trainer speaks vLLM's protocol
+to it through the router, which broadcasts vLLM's pause, reload and resume to every engine. Weights reach the
+engines as they reach any ``--rollout-url`` engine (``/update_weights_from_disk`` or vLLM's ``reload_weights``
+from the run's directory, or their body with ``--weight-transport http`` for serve).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from .errors import ConfigError
 from .launch import engines_behind_router, free_port
 from .serving.serve_flags import engine_args
 from .train.config import RunConfig
-from .train.launch_config import SGLANG_PREFIX
+from .train.launch_config import SGLANG_PREFIX, VLLM_PREFIX
 
 # SGLang flags the launch sets from the run itself (Miles sets the same ones: its prefixed flags skip them)
 LAUNCH_SETS = {
@@ -44,18 +47,41 @@ LAUNCH_SETS = {
     "rl-on-policy-target": "set by --true-on-policy-mode (with --enable-deterministic-inference)",
 }
 CHECK_SGLANG = "import sys\nfrom sglang.srt.server_args import prepare_server_args\nprepare_server_args(sys.argv[1:])\n"
+# vLLM 0.32's own parse and check of its server's command line (entrypoints/launchers/api_server/entry.py's main)
+CHECK_VLLM = (
+    "import sys\nfrom vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "validate_parsed_serve_args(make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:]))\n"
+)
+# vLLM flags the launch sets from the run itself
+VLLM_LAUNCH_SETS = {
+    "model": "the engines load --hf-checkpoint",
+    "host": "the engines listen on loopback; --sglang-router-ip places the router",
+    "port": "each engine gets a free port",
+    "tensor-parallel-size": "each engine's tensor-parallel size is --rollout-num-gpus-per-engine",
+    "dtype": "the engines run --rollout-dtype",
+    "seed": "the engines are seeded by --rollout-seed",
+    "logprobs-mode": "log mu is vLLM's processed log-probs (processed_logprobs)",
+    "max-logprobs": "every id of the support is returned (-1)",
+    "enable-scale-out": "set by --vllm-endpoint generate (/inference/v1/generate)",
+    "return-sampling-mask": "set by --vllm-capture native",
+    "enable-return-routed-experts": "set by --use-rollout-routing-replay",
+    "max-num-seqs": "set by --max-running-requests",
+    "enable-lora": "set by --lora-rank with --lora-sync adapter",
+    "max-lora-rank": "set by --lora-rank with --lora-sync adapter",
+}
 ENGINE_START_TIMEOUT = 900.0  # seconds: a large checkpoint loads before /health answers
 
 
-def server_flags(given: tuple[str, ...]) -> list[str]:
-    """The ``--sglang-*`` flags without their prefix; one the launch sets itself is refused by name."""
+def server_flags(given: tuple[str, ...], prefix: str = SGLANG_PREFIX, sets: dict = LAUNCH_SETS) -> list[str]:
+    """The ``--sglang-*`` (``--vllm-*``) flags without their prefix; one the launch sets itself is refused by name."""
     out = []
     for token in given:
-        if token.startswith(SGLANG_PREFIX):
-            name = token[len(SGLANG_PREFIX) :].split("=", 1)[0]
-            if name in LAUNCH_SETS:
-                raise ConfigError(f"{SGLANG_PREFIX}{name}: {LAUNCH_SETS[name]}")
-            token = "--" + token[len(SGLANG_PREFIX) :]
+        if token.startswith(prefix):
+            name = token[len(prefix) :].split("=", 1)[0]
+            if name in sets:
+                raise ConfigError(f"{prefix}{name}: {sets[name]}")
+            token = "--" + token[len(prefix) :]
         out.append(token)
     return out
 
@@ -73,6 +99,8 @@ def engine_command(cfg: RunConfig, checkpoint: str, port: int, index: int, weigh
         if replay.use_rollout_routing_replay:
             command.append("--enable-return-routed-experts")
         return command + extra
+    if launch.launch_server == "vllm":
+        return vllm_command(cfg, checkpoint, port)
     settings = cfg.in_process_engine(checkpoint).settings  # the engine a run without --rollout-url builds
     if torch.cuda.is_available():
         settings = settings.but(device=f"cuda:{index % torch.cuda.device_count()}")
@@ -82,6 +110,38 @@ def engine_command(cfg: RunConfig, checkpoint: str, port: int, index: int, weigh
     command += ["--host", "127.0.0.1", "--port", str(port), "--weights-dir", str(weights_dir)]
     command += ["--dtype", replay.rollout_dtype, *engine_args(settings)]
     return command + extra
+
+
+def vllm_command(cfg: RunConfig, checkpoint: str, port: int) -> list[str]:
+    """vLLM's OpenAI server as the trainer's vLLM client needs it (docs/engines.md): log mu from its processed
+    log-probs with every id of the support returned, or its native mask; the token-in/token-out endpoint; routed
+    experts and run-time adapters when the run replays routing or syncs LoRA adapters."""
+    launch, rollout, engine, replay = cfg.launch, cfg.rollout, cfg.engine, cfg.replay
+    command = [launch.launch_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    command += ["--model", checkpoint, "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--tensor-parallel-size", str(launch.rollout_num_gpus_per_engine), "--dtype", replay.rollout_dtype]
+    command += ["--seed", str(rollout.rollout_seed), "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
+    if engine.vllm_endpoint == "generate":
+        command.append("--enable-scale-out")  # /inference/v1/generate
+    if engine.vllm_capture == "native":
+        command.append("--return-sampling-mask")
+    if replay.use_rollout_routing_replay:
+        command.append("--enable-return-routed-experts")
+    if engine.max_running_requests is not None:
+        command += ["--max-num-seqs", str(engine.max_running_requests)]
+    if cfg.lora_rank and cfg.lora_sync == "adapter":
+        command += ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank), "--max-loras", "1"]
+    return command + server_flags(launch.vllm_server_args, VLLM_PREFIX, VLLM_LAUNCH_SETS)
+
+
+def engine_env(cfg: RunConfig) -> dict[str, str]:
+    """What a started engine's environment needs beyond the trainer's: vLLM's weight and adapter routes."""
+    if cfg.launch.launch_server != "vllm":
+        return {}
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if cfg.lora_rank and cfg.lora_sync == "adapter":
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    return env
 
 
 SERVER_FLAGS = {"--hf-checkpoint", "--host", "--port", "--weights-dir", "--dtype"}  # what engine_command gives serve
@@ -132,9 +192,26 @@ def check_sglang_command(command: list[str]) -> None:
     raise ConfigError(f"SGLang's parser refuses the engines' command line: {lines[-1] if lines else done.returncode}")
 
 
+def check_vllm_command(command: list[str]) -> None:
+    """Parse ``command`` with vLLM's own parser and check, in the Python that will run it; its error is the
+    refusal."""
+    done = subprocess.run([command[0], "-c", CHECK_VLLM, *command[3:]], capture_output=True, text=True, timeout=300)
+    if done.returncode == 0:
+        return
+    if "No module named 'vllm" in done.stderr:
+        raise ConfigError(
+            f"--launch-server=vllm: vLLM is not installed in {command[0]} (--launch-python names one that has it, "
+            "e.g. make vllm's .venv-vllm/bin/python)"
+        )
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    raise ConfigError(f"vLLM's parser refuses the engines' command line: {lines[-1] if lines else done.returncode}")
+
+
 def check_command(cfg: RunConfig, command: list[str]) -> None:
     if cfg.launch.launch_server == "sglang":
         check_sglang_command(command)
+    elif cfg.launch.launch_server == "vllm":
+        check_vllm_command(command)
     else:
         check_serve_command(command)
 
@@ -159,6 +236,7 @@ def start(cfg: RunConfig, stack: ExitStack, engines: int) -> str:
         router_port=launch.sglang_router_port,
         request_timeout=launch.sglang_router_request_timeout_secs,
         start_timeout=ENGINE_START_TIMEOUT,
+        env=engine_env(cfg),
     )
     print(
         f"started {engines} {launch.launch_server} engine(s) {urls} behind the router {router}; logs in {logs}",

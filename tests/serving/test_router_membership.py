@@ -75,3 +75,30 @@ def test_an_engine_that_left_rejoins_with_the_last_load_and_the_same_version():
     finally:
         server.stop()
         a.stop()
+
+
+def test_vllm_s_state_routes_are_broadcast_and_replayed_to_a_rejoining_vllm_server(vllm_server):
+    """The real vLLM server behind the router: the trainer's weight sync for vLLM (pause, reload_weights through the
+    dev-mode /collective_rpc, the version, resume) broadcast; the server, dropped and rejoining, gets the reload and
+    the version replayed and is admitted at the version /weight_info answers."""
+    from support_replay.backends.vllm_weights import post_dev
+
+    url, checkpoint = vllm_server
+    router = Router([url], health_interval=60, membership=Membership())
+    server = ThreadedServer(create_router_app(router), lifespan="on").start()
+    try:
+        post_dev(server.url, "/pause", "pausing generation", params={"mode": "wait"})
+        reload = {"method": "reload_weights", "kwargs": {"weights_path": str(checkpoint)}}  # its own weights again
+        post_dev(server.url, "/collective_rpc", "reloading the weights", json=reload)
+        post_dev(server.url, "/update_weight_version", "naming the weights", json={"new_version": "router-7"})
+        post_dev(server.url, "/resume", "resuming generation")
+        assert [c.path for c in router.membership.calls] == ["/collective_rpc", "/update_weight_version"]
+        assert router.membership.version == "router-7"
+        router.loop.call_soon_threadsafe(router.drop, url)
+        version = asyncio.run_coroutine_threadsafe(router.rejoin(url), router.loop).result(120)
+        assert version == "router-7" and [w.url for w in router.workers] == [url]
+        body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "top_k": 5}, "output_mode": "tokens"}
+        reply = httpx.post(server.url + "/inference/v1/generate", json=body, timeout=60)
+        assert reply.status_code == 200 and len(reply.json()["choices"][0]["token_ids"]) == 2, reply.text
+    finally:
+        server.stop()

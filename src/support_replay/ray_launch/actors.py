@@ -2,8 +2,8 @@
 
 Each writes its output to its own log in the run's ``logs/`` (appending: a restarted engine's second life follows
 its first) and works in the driver's directory when the node has it. An engine is our ``serve`` on a thread of its
-actor (a server process of its own for ``--launch-server sglang``, which dies with the actor), listening on a
-fresh port of its node at every start: a restarted engine is a new address the router admits only through a
+actor (a server process of its own for ``--launch-server sglang`` or ``vllm``, which dies with the actor), listening
+on a fresh port of its node at every start: a restarted engine is a new address the router admits only through a
 rejoin (router_membership.py), never the old one answering with the checkpoint's weights.
 """
 
@@ -73,7 +73,7 @@ class EngineActor:
         self.process = None
         if command[1:4] == ["-m", "support_replay.cli", "serve"]:
             self._serve_on_a_thread(command[4:])
-        else:  # SGLang's launch_server: its own process group, which ends with this actor
+        else:  # SGLang's or vLLM's server: its own process group, which ends with this actor
             self.process = _child(command)
         wait_healthy(self.url, self.process, timeout, Path(log))
 
@@ -97,7 +97,7 @@ class EngineActor:
         return {"url": self.url, "started": self.started, **_where()}
 
     def stop(self) -> None:
-        """SGLang's server and its children stopped as local-run stops them (its process group, SIGTERM then
+        """SGLang's or vLLM's server and its children stopped as local-run stops them (its process group, SIGTERM then
         SIGKILL); our serve ends with the actor."""
         from ..launch import stop_group
 

@@ -29,7 +29,7 @@ LOOPBACK_ENV_NAME = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 LOOPBACK_ENV = {LOOPBACK_ENV_NAME: "0"}
 # the driver's environment the actors need: where modules are found, the kernels they may use, our own settings
 FORWARDED = ("PYTHONPATH", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
-FORWARDED_PREFIXES = ("SUPPORT_REPLAY_", "HF_", "TRANSFORMERS_", "SGLANG_")
+FORWARDED_PREFIXES = ("SUPPORT_REPLAY_", "HF_", "TRANSFORMERS_", "SGLANG_", "VLLM_")
 
 
 @dataclass(frozen=True)
@@ -189,10 +189,16 @@ def _run(ray, cfg, options, layout, gpu, env, output, logs, began) -> int:
 
 def _start_engines(ray, cfg, placement: Placement, env, output: Path, logs: Path):
     """Every engine actor in the bundle of its first device, each healthy: (actors, their info)."""
-    from ..started_engines import ENGINE_START_TIMEOUT, check_command, engine_command
+    from ..started_engines import ENGINE_START_TIMEOUT, check_command, engine_command, engine_env
     from .actors import EngineActor
 
     checkpoint = cfg.data.hf_checkpoint or _default_checkpoint()
+    if placement.options.engine_device is not None and cfg.launch.launch_server == "vllm":
+        raise ConfigError(
+            f"--ray-engine-device={placement.options.engine_device}: vLLM's server takes its device from its build "
+            "and the devices Ray gives its actor, not from a flag; leave it out with --launch-server vllm"
+        )
+    env = {**env, **engine_env(cfg)}
 
     def command(i: int) -> list[str]:  # port 0: each start takes a fresh one on its node
         line = engine_command(cfg, checkpoint, 0, i, output)

@@ -10,7 +10,8 @@ answers 504 and is not retried (it may still be computing it). A client that goe
 the forwarded request. Requests of a session (header ``X-Session-Id``) all go to the engine its first turn
 went to and are not
 retried elsewhere: the session's context, and its prefix cache, live there. Weight
-updates, version changes and cache flushes are broadcast to every engine, with the admin key.
+updates, version changes and cache flushes are broadcast to every engine, with the admin key (SGLang's routes, and
+vLLM's pause, reload and resume for vLLM servers behind it).
 Health is checked periodically. The body limit, the JSON-only rule and the Host check are the
 engine server's (``security.py``); ``/metrics`` counts answers, retries and unserved requests.
 """
@@ -34,11 +35,11 @@ from .connection_limits import ConnectionLimits
 from .disconnects import unless_disconnected
 from .metrics import render_router_metrics
 from .router_membership import Membership, StateCall, json_or_text
-from .security import ADMIN_PATHS, DEFAULT_MAX_WEIGHTS_BYTES, WEIGHTS_OVER_HTTP, Keys, guarded
+from .security import ADMIN_PATHS, DEFAULT_MAX_WEIGHTS_BYTES, VLLM_ADMIN_PATHS, WEIGHTS_OVER_HTTP, Keys, guarded
 
 log = logging.getLogger(__name__)
 
-BROADCAST_PATHS = ADMIN_PATHS  # every route that changes an engine's state reaches every engine
+BROADCAST_PATHS = ADMIN_PATHS + VLLM_ADMIN_PATHS  # every route that changes an engine's state reaches every engine
 OPEN_PATHS = ("/health", "/metrics")
 DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds for one engine to answer one request
 _FORWARD_HEADERS = ("content-type", "accept", SESSION_HEADER.lower())

@@ -41,6 +41,10 @@ ADMIN_PATHS = (
     "/continue_generation",
     "/abort_request",
 )
+# vLLM 0.32's routes that change a server's state (its dev-mode /collective_rpc, its RL pause and resume, its run-time
+# adapters; read from its wheel, entrypoints/rl/online/api_router.py): a router in front of vLLM servers broadcasts
+# them with the admin key
+VLLM_ADMIN_PATHS = ("/pause", "/resume", "/collective_rpc", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 DEFAULT_MAX_WEIGHTS_BYTES = 64 * 2**30
 
 

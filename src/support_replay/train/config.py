@@ -422,7 +422,8 @@ class RunConfig(BaseModel):
             bad(
                 "rollout_engine",
                 engine.rollout_engine,
-                "the engines this run starts speak SGLang's protocol (serve or SGLang)",
+                "the engines this run starts speak the protocol of their server (--launch-server: serve and SGLang "
+                "speak SGLang's, vllm vLLM's)",
             )
         if engine.max_total_tokens is not None:
             bad(
@@ -438,17 +439,37 @@ class RunConfig(BaseModel):
                 "support-replay serve runs an engine in one process (no tensor parallelism): give 1, or "
                 "--launch-server sglang on a machine with SGLang and its GPUs",
             )
-        if launch.launch_server == "sglang" and self.replay.true_on_policy_mode:
+        server = launch.launch_server
+        if server != "support-replay" and self.replay.true_on_policy_mode:
             bad(
                 "launch_server",
-                "sglang",
+                server,
                 "true-on-policy mode checks the engine runs our batch-invariant kernels (support-replay serve "
-                "--deterministic); SGLang's deterministic inference is not bitwise with this trainer",
+                f"--deterministic); {'SGLang' if server == 'sglang' else 'vLLM'}'s inference is not bitwise with this "
+                "trainer",
             )
-        if launch.launch_server != "sglang" and launch.launch_python is not None:
-            bad("launch_python", launch.launch_python, "names the Python of SGLang's server: --launch-server sglang")
-        if launch.launch_server == "sglang" and engine.weight_transport == "http":
-            bad("weight_transport", "http", "SGLang loads weights from a directory (/update_weights_from_disk)")
+        if server == "support-replay" and launch.launch_python is not None:
+            bad(
+                "launch_python",
+                launch.launch_python,
+                "names the Python of SGLang's or vLLM's server: --launch-server sglang or vllm",
+            )
+        if server != "support-replay" and engine.weight_transport == "http":
+            bad(
+                "weight_transport",
+                "http",
+                "SGLang loads weights from a directory (/update_weights_from_disk)"
+                if server == "sglang"
+                else "vLLM loads weights from a directory (/collective_rpc reload_weights)",
+            )
+        if server == "vllm" and launch.sglang_server_args:
+            first = launch.sglang_server_args[0].split("=", 1)[0]
+            bad(
+                "launch_server",
+                "vllm",
+                f"{first} is a flag of SGLang's server; the vLLM engines this run starts take their command line from "
+                "the run's settings (started_engines.vllm_command)",
+            )
         launch.engine_count(self.parallel.actor_ranks or 1, engine.colocate)  # refuses a count that does not divide
 
     def with_rollout_url(self, url: str, engines: int) -> RunConfig:
@@ -467,7 +488,7 @@ class RunConfig(BaseModel):
                 **values,
                 "rollout_url": url,
                 "colocate": False,
-                "rollout_engine": "sglang",
+                "rollout_engine": "vllm" if self.launch.launch_server == "vllm" else "sglang",
                 "rollout_concurrency": concurrency,
             }
         )

@@ -4,10 +4,12 @@ Miles starts its SGLang engines from ``--rollout-num-gpus-per-engine`` (each eng
 size), ``--rollout-num-gpus`` (all of them; with ``--colocate``, the actor's) and every SGLang server
 flag under a ``--sglang-`` prefix. Here ``--rollout-num-gpus-per-engine`` starts them too, beside the
 trainer, behind our router: ``support-replay serve`` (``--launch-server support-replay``, the
-default; it takes the SGLang names of the flags it implements) or SGLang itself
-(``--launch-server sglang``, on a machine that has it). The ``--sglang-*`` flags are collected as
-given (``sglang_server_args``) and handed to that server without the prefix; the server's own
-parser checks them before anything starts (started_engines.py). Miles' own flags for its client
+default; it takes the SGLang names of the flags it implements), SGLang itself
+(``--launch-server sglang``, on a machine that has it) or vLLM's OpenAI server (``--launch-server vllm``,
+its command line made from the run's settings). The ``--sglang-*`` flags (``--vllm-*`` for vLLM, but the
+trainer's own ``--vllm-endpoint`` and ``--vllm-capture``) are collected as given (``sglang_server_args``,
+``vllm_server_args``) and handed to that server without the prefix; the server's own parser checks them
+before anything starts (started_engines.py). Miles' own flags for its client
 and router (``--sglang-server-concurrency``, ``--sglang-router-*``) are fields here.
 """
 
@@ -20,6 +22,7 @@ from pydantic import Field, model_validator
 from .section_base import Section, bad
 
 SGLANG_PREFIX = "--sglang-"
+VLLM_PREFIX = "--vllm-"
 
 
 class LaunchConfig(Section):
@@ -39,19 +42,26 @@ class LaunchConfig(Section):
         description="devices of all the engines started (engines = this / --rollout-num-gpus-per-engine; default: "
         "the actor's ranks with --colocate, else one engine)",
     )
-    launch_server: Literal["support-replay", "sglang"] = Field(
+    launch_server: Literal["support-replay", "sglang", "vllm"] = Field(
         "support-replay",
         description="the server started per engine: support-replay serve (takes the SGLang names of the flags it "
-        "implements) or SGLang's launch_server (a machine with SGLang and its GPUs)",
+        "implements), SGLang's launch_server (a machine with SGLang and its GPUs) or vLLM's OpenAI server (in "
+        "dev mode, processed log-probs; the trainer speaks vLLM's protocol to it)",
     )
     launch_python: str | None = Field(
         None,
-        description="with --launch-server sglang: the Python whose environment has SGLang (its own venv, e.g. "
-        "make sglang's .venv-sglang/bin/python; default: this one)",
+        description="with --launch-server sglang or vllm: the Python whose environment has that server (its own "
+        "venv, e.g. make sglang's .venv-sglang/bin/python or make vllm's .venv-vllm/bin/python; default: this one)",
     )
     sglang_server_args: tuple[str, ...] = Field(
         (),
         description="the --sglang-* flags as given, handed to each engine's server without the prefix",
+        json_schema_extra={"flag": False},
+    )
+    vllm_server_args: tuple[str, ...] = Field(
+        (),
+        description="the --vllm-* flags as given that are not the trainer's, handed to each vLLM server without the "
+        "prefix (--launch-server vllm)",
         json_schema_extra={"flag": False},
     )
     sglang_server_concurrency: int = Field(
@@ -85,6 +95,9 @@ class LaunchConfig(Section):
 
     @model_validator(mode="after")
     def _check(self):
+        if self.vllm_server_args and self.launch_server != "vllm":
+            first = self.vllm_server_args[0].split("=", 1)[0]
+            raise ValueError(f"{first}: a flag of vLLM's server, for --launch-server vllm (not {self.launch_server})")
         if self.starts_engines:
             return self
         defaults = {name: field.default for name, field in type(self).model_fields.items()}
@@ -95,15 +108,15 @@ class LaunchConfig(Section):
                 "give --rollout-num-gpus-per-engine too (without it the run uses the in-process engine or "
                 "--rollout-url)"
             )
-            if name == "sglang_server_args":
-                first = self.sglang_server_args[0].split("=", 1)[0]
+            if name in ("sglang_server_args", "vllm_server_args"):
+                first = getattr(self, name)[0].split("=", 1)[0]
                 raise ValueError(f"{first}: a flag of the server of the engines this run starts: {needs}")
             bad(name, getattr(self, name), f"sets the engines this run starts: {needs}")
         return self
 
 
-def split_server_args(argv: list[str], known: set[str]) -> tuple[list[str], list[str]]:
-    """``(the rest, the --sglang-* flags that are not fields)`` of ``argv``: each such flag with its value
+def split_server_args(argv: list[str], known: set[str], prefix: str = SGLANG_PREFIX) -> tuple[list[str], list[str]]:
+    """``(the rest, the flags under prefix that are not in known)`` of ``argv``: each such flag with its value
     when it has one (the next token, unless it is a flag; ``--flag=value`` as one token)."""
     rest, server = [], []
     i = 0
@@ -113,7 +126,7 @@ def split_server_args(argv: list[str], known: set[str]) -> tuple[list[str], list
         if token == "--":
             rest += argv[i:]
             break
-        if name.startswith(SGLANG_PREFIX) and name not in known:
+        if name.startswith(prefix) and name not in known:
             server.append(token)
             nxt = argv[i + 1] if i + 1 < len(argv) else None
             if "=" not in token and nxt is not None and not (nxt.startswith("--") or nxt == "-"):
