@@ -54,13 +54,14 @@ def cluster():
 class RayRun:
     """``ray-run`` as a process, its output read as it comes."""
 
-    def __init__(self, address: str, train_flags: list[str], out: Path, env: dict | None = None):
+    def __init__(self, address: str, train_flags: list[str], out: Path, env: dict | None = None, ray_flags: tuple = ()):
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
             **(env or {}),
         }
-        command = [sys.executable, "-m", "support_replay.cli", "ray-run", "--address", address, "--", *train_flags]
+        command = [sys.executable, "-m", "support_replay.cli", "ray-run", "--address", address, *ray_flags]
+        command += ["--", *train_flags]
         self.out, self.lines = out, []
         self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")))
@@ -256,3 +257,26 @@ def test_vllm_servers_as_engine_actors(cluster, tiny_checkpoint, tmp_path):
     served = ast.literal_eval(run.text.split("engines in rotation ")[1].split("; logs")[0])
     assert len(served) == 2 and min(served.values()) > 0, served
     assert all(r["policy_lag_max"] == 0 for r in rows)  # the version each pushed reached both engines
+
+
+@pytest.mark.slow
+def test_smg_as_the_router_actor(cluster, tiny_checkpoint, tmp_path):
+    """--ray-router smg: smg placed on the driver's node in front of the engine actors, the weight loads fanned out
+    by its RL control plane, GRPO with --ci-test through it."""
+    pytest.importorskip("smg", reason="smg (PyPI) is not installed")
+    out = tmp_path / "run"
+    run = RayRun(cluster.address, flags(tiny_checkpoint, out, rollouts=2), out, ray_flags=("--ray-router", "smg"))
+    assert run.wait() == 0, run.text[-3000:]
+    rows = check_trained(run, 2)
+    assert all(r["policy_lag_max"] == 0 for r in rows)  # every push reached the engine that sampled after it
+    assert run.line("router:").startswith("router: smg on node ")
+    served = ast.literal_eval(run.text.split("smg's requests per engine ")[1].split("; logs")[0])
+    assert len(served) == 2 and min(served.values()) > 0, served
+    assert "--enable-rl" in (out / "logs" / "router.log").read_text().splitlines()[0]
+
+
+def test_engine_restarts_need_our_router(capsys):
+    from support_replay.cli import main
+
+    assert main(["ray-run", "--ray-router", "smg", "--ray-engine-restarts", "2", "--", "--num-rollout", "1"]) == 2
+    assert "--ray-engine-restarts=2: with --ray-router smg an engine that dies leaves smg" in capsys.readouterr().err

@@ -474,8 +474,16 @@ def _add_ray_run(sub) -> None:
     rr.add_argument(
         "--ray-engine-restarts",
         type=int,
-        default=3,
-        help="times Ray restarts an engine actor that dies (it rejoins the router at the current weights)",
+        default=None,
+        help="times Ray restarts an engine actor that dies (it rejoins our router at the current weights); default 3, "
+        "0 with --ray-router smg",
+    )
+    rr.add_argument(
+        "--ray-router",
+        default="support-replay",
+        choices=("support-replay", "smg"),
+        help="the router actor in front of the engines: ours, or smg (PyPI; its RL control plane fans the weight "
+        "loads out; a dead engine leaves it, none rejoins)",
     )
     rr.add_argument(
         "--ray-engine-device",
@@ -501,6 +509,7 @@ def _ray_run(args) -> int:
         gpu_resource=args.ray_gpu_resource,
         cpus_per_bundle=args.ray_cpus_per_bundle,
         engine_restarts=args.ray_engine_restarts,
+        router=args.ray_router,
         engine_device=args.ray_engine_device,
         dashboard=args.ray_dashboard,
         object_store_mb=args.ray_object_store_mb,

@@ -1,4 +1,4 @@
-"""The actors ray-run places: a probe per bundle, an engine, the router, a trainer rank.
+"""The actors ray-run places: a probe per bundle, an engine, the router (ours or smg), a trainer rank.
 
 Each writes its output to its own log in the run's ``logs/`` (appending: a restarted engine's second life follows
 its first) and works in the driver's directory when the node has it. An engine is our ``serve`` on a thread of its
@@ -152,6 +152,76 @@ class RouterActor:
         r = self.router
         served = {w.url: w.served for w in r.workers}
         return {"retries": r.retries, "unserved": r.unserved, "left": sorted(r.membership.left), "served": served}
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class SmgRouterActor:
+    """smg (PyPI, the maintained SGLang router) in front of the engines, a process of this actor that dies with it:
+    round robin, its RL control plane on (``--enable-rl``: the trainer's weight loads fan out through it,
+    backends/sglang_weights.py), every address and its metrics on the node's. An engine that dies is removed from
+    it; none rejoins (ray-run starts its engines without restarts under smg)."""
+
+    def __init__(self, engine_urls: list[str], request_timeout: float, log: str, cwd: str, env: dict[str, str]):
+        from ..launch import wait_healthy
+
+        _settle(Path(log), cwd, env)
+        host = ray.util.get_node_ip_address()
+        port, metrics = _free_port(host), _free_port(host)
+        command = [sys.executable, "-m", "smg", "launch", "--host", host, "--port", str(port)]
+        command += ["--worker-urls", *engine_urls, "--policy", "round_robin", "--enable-rl"]
+        command += ["--prometheus-host", host, "--prometheus-port", str(metrics)]
+        # its first look at the workers after 1 s, not its default 30
+        command += ["--worker-startup-check-interval", "1", "--request-timeout-secs", str(int(request_timeout))]
+        print(f"== smg router (pid {os.getpid()}): {' '.join(command)}", flush=True)
+        self.process = _child(command)
+        self.url, self.metrics = f"http://{host}:{port}", f"http://{host}:{metrics}/metrics"
+        wait_healthy(self.url, self.process, 120, Path(log))
+        self._until_registered(len(engine_urls), Path(log))
+        print(f"== smg router on {self.url} in front of {engine_urls}", flush=True)
+
+    def _until_registered(self, count: int, log: Path, timeout: float = 120.0) -> None:
+        """smg registers a worker once its probe answers: every engine registered and ready before any request."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            workers = httpx.get(self.url + "/v1/rl/workers", timeout=5).json().get("workers", [])
+            if len(workers) == count and all(w.get("health") == "ready" for w in workers):
+                return
+            if self.process.poll() is not None:
+                raise RuntimeError(f"smg exited with {self.process.returncode}: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        raise RuntimeError(f"smg at {self.url}: {count} ready workers expected after {timeout} s, it lists {workers}")
+
+    def info(self) -> dict:
+        return {"url": self.url, "router": "smg", **_where()}
+
+    def drop(self, url: str) -> None:
+        """The dead engine out of smg (its worker API), so that no request waits on it."""
+        import httpx
+
+        for w in httpx.get(self.url + "/workers", timeout=5).json().get("workers", []):
+            if w.get("url", "").rstrip("/") == url.rstrip("/"):
+                httpx.delete(f"{self.url}/workers/{w['id']}", timeout=5)
+
+    def rejoin(self, url: str, replacing: str | None) -> str | None:
+        raise RuntimeError("smg: an engine does not rejoin (ray-run starts engines without restarts under smg)")
+
+    def counts(self) -> dict:
+        """smg's own count of the requests each engine answered, read from its metrics."""
+        import httpx
+
+        served: dict[str, int] = {}
+        for line in httpx.get(self.metrics, timeout=5).text.splitlines():
+            if line.startswith("smg_worker_requests_total{") and 'worker="' in line:
+                worker = line.split('worker="', 1)[1].split('"', 1)[0]
+                served[worker] = served.get(worker, 0) + int(float(line.rsplit(" ", 1)[1]))
+        return {"retries": None, "unserved": None, "left": [], "served": served}
+
+    def stop(self) -> None:
+        from ..launch import stop_group
+
+        stop_group(self.process)
 
 
 @ray.remote(max_restarts=0)

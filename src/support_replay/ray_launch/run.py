@@ -38,10 +38,34 @@ class RayOptions:
     strategy: str = "PACK"
     gpu_resource: str | None = None  # None: GPU with CUDA, else SIM_GPU
     cpus_per_bundle: float = 1.0
-    engine_restarts: int = 3
+    engine_restarts: int | None = None  # None: 3 with our router, 0 with smg
+    router: str = "support-replay"  # or smg
     engine_device: str | None = None  # None: what the engines a run starts use (CUDA where there is one)
     dashboard: bool = False
     object_store_mb: int = 256
+
+
+def _with_restarts(options: RayOptions, cfg) -> RayOptions:
+    """The engine restarts the router can take: a restarted engine rejoins our router, which replays it the weight
+    loads it broadcast (router_membership.py); smg's RL fan-out keeps no such record, so with smg none restarts."""
+    from dataclasses import replace
+
+    if options.router not in ("support-replay", "smg"):
+        raise ConfigError(f"--ray-router={options.router}: support-replay or smg")
+    if options.router == "smg":
+        if options.engine_restarts:
+            raise ConfigError(
+                f"--ray-engine-restarts={options.engine_restarts}: with --ray-router smg an engine that dies leaves "
+                "smg and is not restarted (a restarted engine would come back at the checkpoint's weights: only our "
+                "router replays it the loads it missed); give 0 or use --ray-router support-replay"
+            )
+        if cfg.launch.launch_server == "vllm":
+            raise ConfigError(
+                "--ray-router smg: the trainer's weight sync for vLLM (pause, reload_weights, resume) goes through our "
+                "router's broadcast; smg's RL fan-out is used for SGLang's routes only here"
+            )
+        return replace(options, engine_restarts=0)
+    return replace(options, engine_restarts=3 if options.engine_restarts is None else options.engine_restarts)
 
 
 def layout_of(cfg) -> Layout:
@@ -59,6 +83,7 @@ def ray_run(cfg, options: RayOptions) -> int:
         raise ConfigError(f"--ray-placement-strategy={options.strategy}: one of {', '.join(STRATEGIES)}")
     if cfg.engine.rollout_url:
         raise ConfigError("ray-run: --rollout-url is the router ray-run starts; leave it out of the trainer's flags")
+    options = _with_restarts(options, cfg)
     # a cluster on this host alone: Ray's loopback mode, set before Ray is imported (it reads it once). Never for a
     # cluster of other hosts, whose nodes must advertise the addresses they reach each other at
     loopback = options.address is None or _loopback(options.address)
@@ -161,7 +186,7 @@ def _run(ray, cfg, options, layout, gpu, env, output, logs, began) -> int:
     placement = Placement(ray, options, layout, gpu)
     placed = time.monotonic()
     engines, infos = _start_engines(ray, cfg, placement, env, output, logs)
-    router, router_info = _start_router(ray, cfg, infos, env, logs)
+    router, router_info = _start_router(ray, cfg, options, infos, env, logs)
     ranks, rank_infos = _start_ranks(ray, placement, env, logs)
     started = time.monotonic()
     _print_placement(placement, infos, router_info, rank_infos, cfg, output, logs)
@@ -172,12 +197,19 @@ def _run(ray, cfg, options, layout, gpu, env, output, logs, began) -> int:
     supervisor = Supervisor(router, [(f"engine{i}", e, info) for i, (e, info) in enumerate(zip(engines, infos))])
     status = _until_done(ray, futures, supervisor, rank_infos, cfg)
     counts = ray.get(router.counts.remote())
+    router_counts = (
+        f"smg's requests per engine {counts['served']}"
+        if options.router == "smg"
+        else f"router retries {counts['retries']}, unserved {counts['unserved']}, requests served by the engines in "
+        f"rotation {counts['served']}"
+    )
     print(
-        f"ray-run: trained in {time.monotonic() - started:.1f} s; engine restarts {supervisor.restarts}; router "
-        f"retries {counts['retries']}, unserved {counts['unserved']}, requests served by the engines in rotation "
-        f"{counts['served']}; logs in {logs}",
+        f"ray-run: trained in {time.monotonic() - started:.1f} s; engine restarts {supervisor.restarts}; "
+        f"{router_counts}; logs in {logs}",
         flush=True,
     )
+    if options.router == "smg":
+        ray.get(router.stop.remote())
     for actor in ranks:
         ray.kill(actor, no_restart=True)
     ray.wait([e.stop.remote() for e in engines], num_returns=len(engines), timeout=30)
@@ -230,14 +262,15 @@ def _start_engines(ray, cfg, placement: Placement, env, output: Path, logs: Path
     return engines, ray.get([e.info.remote() for e in engines])
 
 
-def _start_router(ray, cfg, infos, env, logs: Path):
-    """Our router on the driver's node, in front of the engines."""
+def _start_router(ray, cfg, options: RayOptions, infos, env, logs: Path):
+    """The router (ours, or smg) on the driver's node, in front of the engines."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from .actors import RouterActor
+    from .actors import RouterActor, SmgRouterActor
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    router = RouterActor.options(scheduling_strategy=here).remote(
+    actor = SmgRouterActor if options.router == "smg" else RouterActor
+    router = actor.options(scheduling_strategy=here).remote(
         [i["url"] for i in infos],
         cfg.launch.sglang_router_request_timeout_secs,
         str(logs / "router.log"),
@@ -320,8 +353,8 @@ def _print_placement(placement: Placement, infos, router_info, rank_infos, cfg, 
             flush=True,
         )
     print(
-        f"  router: node {router_info['node_id'][:12]} ({router_info['address']}), pid {router_info['pid']}, "
-        f"{router_info['url']}",
+        f"  router: {router_info.get('router', 'support-replay')} on node {router_info['node_id'][:12]} "
+        f"({router_info['address']}), pid {router_info['pid']}, {router_info['url']}",
         flush=True,
     )
     if cfg.engine.weight_transport == "http":
