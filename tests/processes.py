@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from support_replay.launch import free_port, wait_healthy  # noqa: F401  (the package's own, shared with local-run)
@@ -38,7 +38,7 @@ def terminate_group(proc) -> None:
         pass
 
 
-def engine_process(checkpoint, *extra: str):
+def engine_process(checkpoint, *extra: str, health: bool = True):
     """``support-replay serve`` on a free port; weights load from anywhere under pytest's base
     temporary directory (the checkpoint's parent), where the tests stage them."""
     port = free_port()
@@ -56,7 +56,21 @@ def engine_process(checkpoint, *extra: str):
         str(Path(checkpoint).parent),
         *extra,
     ]
-    return process(args, url), url
+    return process(args, url, health=health), url
+
+
+@contextmanager
+def engine_processes(checkpoint, count: int, *extra: str):
+    """``count`` engines (``engine_process``) started side by side, each healthy before the block: ``[(proc, url)]``
+    (one after the other, each start waited for, took about twice as long on 2 cores)."""
+    with ExitStack() as stack:
+        started = []
+        for _ in range(count):
+            ctx, url = engine_process(checkpoint, *extra, health=False)
+            started.append((stack.enter_context(ctx), url))
+        for proc, url in started:
+            wait_healthy(url, proc, 120.0, proc.log)
+        yield started
 
 
 ENGINES = Path(__file__).parent / "engines"

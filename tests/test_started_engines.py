@@ -97,7 +97,7 @@ def test_a_server_flag_serve_cannot_honour_is_refused_by_name(flags, message, tm
         ),
         (
             ["--rollout-num-gpus-per-engine", "1", "--launch-server", "vllm", "--sglang-page-size", "8"],
-            "--launch-server='vllm': --sglang-page-size is a flag of SGLang's server",
+            "--launch-server='vllm': --sglang-page-size is a flag of SGLang's server; give vLLM's server flags",
         ),
         (
             ["--rollout-num-gpus-per-engine", "1", "--vllm-enforce-eager"],
@@ -235,15 +235,9 @@ def test_the_vllm_command_carries_the_run_the_client_s_needs_and_the_server_flag
         engine_command(launched(**vllm, vllm_server_args=("--vllm-seed", "3")), "/m", 1, 0, tmp_path)
 
 
-@pytest.mark.slow
-def test_a_vllm_server_flag_its_own_parser_refuses_stops_the_run(tmp_path):
-    """A server flag vLLM 0.32's own parser refuses, in its environment (make vllm); the command it takes is
-    checked the same way by every ray-run with vLLM engines (tests/test_ray_run.py)."""
-    from vllm_env import VLLM_PYTHON, vllm_missing
-
-    if (why := vllm_missing()) is not None:
-        pytest.skip(why)
-    vllm = dict(launch_server="vllm", launch_python=str(VLLM_PYTHON))
-    wrong = launched(**vllm, vllm_server_args=("--vllm-gpu-memory-utilization", "lots"))
-    with pytest.raises(ConfigError, match="vLLM's parser refuses the engines' command line: .*invalid"):
-        check_vllm_command(engine_command(wrong, "/m", 1, 0, tmp_path))
+def test_a_python_without_vllm_is_refused_before_anything_starts(tmp_path):
+    """--launch-python must name a Python with vLLM (this one has none): the check that parses the command line with
+    vLLM's own parser says so (the parse itself runs in every ray-run with vLLM engines, tests/test_ray_run.py)."""
+    cfg = launched(launch_server="vllm", launch_python=sys.executable)
+    with pytest.raises(ConfigError, match="--launch-server=vllm: vLLM is not installed in .*--launch-python names"):
+        check_vllm_command(engine_command(cfg, "/m", 1, 0, tmp_path))

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from processes import engine_process, router_process
+from processes import engine_processes, router_process
 from recipe_helpers import agent_config
 from support_replay.backends.sglang import SGLangBackend
 from support_replay.core.sampling import SamplingParams
@@ -24,8 +24,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def two_engines_and_router(tiny_agent_checkpoint):
-    (a, url_a), (b, url_b) = engine_process(tiny_agent_checkpoint), engine_process(tiny_agent_checkpoint)
-    with a as proc_a, b as proc_b:
+    with engine_processes(tiny_agent_checkpoint, 2) as [(proc_a, url_a), (proc_b, url_b)]:
         ctx, router_url = router_process([url_a, url_b])
         with ctx:
             yield router_url, {url_a: proc_a, url_b: proc_b}

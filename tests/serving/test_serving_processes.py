@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from processes import engine_process, free_port, router_process
+from processes import engine_process, engine_processes, free_port, router_process
 from support_replay import support_logprobs
 from support_replay.backends.sglang import parse_meta_info
 
@@ -41,8 +41,7 @@ def ask(url, ids, seed, max_new_tokens=12, **extra):
 
 
 def test_concurrent_requests_through_the_router(tiny_checkpoint, reference_model):
-    (eng_a, url_a), (eng_b, url_b) = engine_process(tiny_checkpoint), engine_process(tiny_checkpoint)
-    with eng_a, eng_b:
+    with engine_processes(tiny_checkpoint, 2) as [(_, url_a), (_, url_b)]:
         ctx, router_url = router_process([url_a, url_b])
         with ctx:
             prompts = [[5 + i, 40 + i, 77, 120 + 3 * i] for i in range(16)]
@@ -84,8 +83,7 @@ def test_concurrent_requests_through_the_router(tiny_checkpoint, reference_model
 
 
 def test_router_retries_when_an_engine_dies_mid_request(tiny_checkpoint):
-    (eng_a, url_a), (eng_b, url_b) = engine_process(tiny_checkpoint), engine_process(tiny_checkpoint)
-    with eng_a as proc_a, eng_b:
+    with engine_processes(tiny_checkpoint, 2) as [(proc_a, url_a), (_, url_b)]:
         ctx, router_url = router_process([url_a, url_b], health_interval=30)
         with ctx:
             with ThreadPoolExecutor(1) as pool:

@@ -1,6 +1,6 @@
 """GRPO with --ci-test through external engines: a server answering as SGLang 0.5.23 does (its own
-sampler and payload code), smg in front of two of our engines and of two real SGLang servers, real SGLang
-with penalties, and a real vLLM server."""
+sampler and payload code), smg in front of two real SGLang servers (in front of our engines: tests/test_ray_run.py),
+real SGLang with penalties, and a real vLLM server."""
 
 import sys
 
@@ -52,36 +52,6 @@ def smg_router(worker_urls: list[str]):
         "warn",
     ]
     return process(args, url), url
-
-
-def test_grpo_through_smg_in_front_of_two_engines(tiny_checkpoint, tmp_path):
-    pytest.importorskip("smg", reason="smg (PyPI) is not installed")
-    (a, url_a), (b, url_b) = engine_process(tiny_checkpoint), engine_process(tiny_checkpoint)
-    with a, b:
-        ctx, url = smg_router([url_a, url_b])
-        with ctx:
-            workers = ready_workers(url, 2)
-            assert {w["engine"] for w in workers} == {"sglang"}  # our serve registers as what it speaks
-            rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url))
-            # the weights reached both engines through smg's RL fan-out, under the trainer's name
-            assert [httpx.get(u + "/model_info").json()["weight_version"] for u in (url_a, url_b)] == ["3", "3"]
-            # its chat path keeps the capture fields too
-            chat = httpx.post(
-                url + "/v1/chat/completions",
-                json={
-                    "model": str(tiny_checkpoint),
-                    "messages": [{"role": "user", "content": "What is 1 plus 2?"}],
-                    "max_tokens": 4,
-                    "top_k": 8,
-                    "top_p": 0.9,
-                    "return_sampling_mask": True,
-                    "return_meta_info": True,
-                },
-                timeout=60,
-            ).json()
-            assert len(chat["choices"][0]["meta_info"]["output_token_sampling_mask"]) == 4
-    for r in rows:
-        assert r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0
 
 
 def ready_workers(url: str, count: int) -> list[dict]:

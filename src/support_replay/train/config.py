@@ -467,8 +467,8 @@ class RunConfig(BaseModel):
             bad(
                 "launch_server",
                 "vllm",
-                f"{first} is a flag of SGLang's server; the vLLM engines this run starts take their command line from "
-                "the run's settings (started_engines.vllm_command)",
+                f"{first} is a flag of SGLang's server; give vLLM's server flags as --vllm-* "
+                "(--vllm-max-model-len 4096)",
             )
         launch.engine_count(self.parallel.actor_ranks or 1, engine.colocate)  # refuses a count that does not divide
 
