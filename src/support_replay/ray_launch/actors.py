@@ -197,12 +197,18 @@ class SmgRouterActor:
         return {"url": self.url, "router": "smg", **_where()}
 
     def drop(self, url: str) -> None:
-        """The dead engine out of smg (its worker API), so that no request waits on it."""
+        """The dead engine out of smg, so that no request waits on it: its id from the RL control plane's worker list
+        (smg's own client, ``smg/rl.py``, reads ``id`` and ``url`` there), removed at ``/workers/{id}`` (the location
+        smg 1.13 answers when a worker is added). If smg refuses, its own health checks take the engine out."""
         import httpx
 
-        for w in httpx.get(self.url + "/workers", timeout=5).json().get("workers", []):
-            if w.get("url", "").rstrip("/") == url.rstrip("/"):
-                httpx.delete(f"{self.url}/workers/{w['id']}", timeout=5)
+        try:
+            for w in httpx.get(self.url + "/v1/rl/workers", timeout=5).json().get("workers", []):
+                if str(w.get("url", "")).rstrip("/") == url.rstrip("/"):
+                    reply = httpx.delete(f"{self.url}/workers/{w['id']}", timeout=5)
+                    print(f"== smg: {url} removed (HTTP {reply.status_code}: {reply.text[:200]})", flush=True)
+        except (httpx.HTTPError, ValueError, KeyError, AttributeError) as exc:
+            print(f"== smg: {url} not removed ({type(exc).__name__}: {exc}); its health checks drop it", flush=True)
 
     def rejoin(self, url: str, replacing: str | None) -> str | None:
         raise RuntimeError("smg: an engine does not rejoin (ray-run starts engines without restarts under smg)")
