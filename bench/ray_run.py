@@ -1,7 +1,7 @@
 """ray-run on a two-node Ray cluster on this machine: Ray's overhead against local-run, an engine killed
 mid-rollout, and a soak with engines killed over and over.
 
-    python bench/ray_run.py [--model smollm2|tiny] [--rollouts 6] [--what overhead,kill,soak] [--soak-minutes 10]
+    python bench/ray_run.py [--model smollm2|tiny] [--rollouts 6] [--what overhead,kill,soak,vllm] [--soak-minutes 10]
 
 The cluster is Ray's own ``ray.cluster_utils.Cluster``: a head and one added node, each declaring 2 CPUs and 2
 ``sim_gpu`` (the custom resource a device is on a machine without CUDA), object stores of 128 MB, dashboard off,
@@ -18,6 +18,12 @@ torchrun for its ranks): 4 processes on 2 cores.
 - ``kill``: engine0 is killed (SIGKILL) while it has requests in flight in the middle rollout; the step time of
   that rollout against the others', the restart and rejoin, the requests retried and the samples trained.
 - ``soak``: for ``--soak-minutes``, an engine chosen in turn is killed every 20 s while training goes on.
+- ``vllm``: one engine actor running vLLM's own OpenAI server (``--launch-server vllm``, from make vllm's
+  ``.venv-vllm`` or ``$SUPPORT_REPLAY_VLLM_PYTHON``; eager, its model worker in the engine core's process, 4% of the
+  memory for its KV cache) beside the two ranks: wall time, the first rollout, the mean step, --ci-test, and what
+  the server's log shows (each push reloaded through ``/collective_rpc``, generation through
+  ``/inference/v1/generate``). With ``--model tiny`` the tiny Llama the vLLM tests serve (its CPU backend takes
+  head_dim 64).
 """
 
 from __future__ import annotations
@@ -208,6 +214,33 @@ def soak(cluster, checkpoint: str, minutes: float, max_len: int, work: Path) -> 
     ]
 
 
+def vllm(cluster, checkpoint: str, rollouts: int, max_len: int, work: Path) -> list[str]:
+    python = os.environ.get("SUPPORT_REPLAY_VLLM_PYTHON", str(Path(__file__).parents[1] / ".venv-vllm/bin/python"))
+    out = work / "vllm"
+    server = ("--launch-server", "vllm", "--launch-python", python, "--vllm-enforce-eager")
+    server += ("--vllm-gpu-memory-utilization", "0.04")  # its context: the model's own
+    flags = [*train_flags(checkpoint, out, rollouts, max_len), *server]
+    flags += ["--rollout-num-gpus-per-engine", "1", "--rollout-num-gpus", "1"]
+    command = [sys.executable, "-m", "support_replay.cli", "ray-run", "--address", cluster.address, "--", *flags]
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # ray-run forwards VLLM_* to the engine actor
+    run = Run(command, out, psutil.Process())
+    first = run.first_row_at()
+    wall = run.wait()
+    rows = run.rows()
+    step = statistics.mean(r["time_step"] for r in rows[1:]) if len(rows) > 1 else rows[0]["time_step"]
+    diff = max(r["train_rollout_logprob_abs_diff_max"] for r in rows)
+    log = (out / "logs" / "engine0.log").read_text()
+    reloads, generates = log.count('"POST /collective_rpc HTTP/1.1" 200'), log.count("/inference/v1/generate")
+    lines = ["| engine | wall s | first rollout trained at s | mean step s | peak memory GB | ci-test max |"]
+    lines.append("|---|---:|---:|---:|---:|---:|")
+    lines.append(
+        f"| vLLM server (1 actor) | {wall:.1f} | {first:.1f} | {step:.2f} | {run.peak / 2**30:.2f} | {diff:.1e} |"
+    )
+    lines += [f"    {x.rstrip()}" for x in run.lines if x.startswith(("ray-run:", "  "))]
+    lines.append(f"    the server's log: {reloads} reloads through /collective_rpc, {generates} generate calls")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
@@ -223,6 +256,10 @@ def main() -> None:
         from tiny_model import build_tiny_checkpoint
 
         checkpoint = str(build_tiny_checkpoint(work / "tiny"))
+        if "vllm" in args.what:
+            from tiny_model import vllm_checkpoint
+
+            checkpoint = str(vllm_checkpoint(Path(checkpoint), work / "tiny-llama"))
     else:
         from support_replay.modeling.checkpoints import smollm2_checkpoint
 
@@ -245,7 +282,7 @@ def main() -> None:
             if what == "soak":
                 lines = soak(cluster, checkpoint, args.soak_minutes, args.max_len, work)
             else:
-                lines = {"overhead": overhead, "kill": kill}[what](
+                lines = {"overhead": overhead, "kill": kill, "vllm": vllm}[what](
                     cluster, checkpoint, args.rollouts, args.max_len, work
                 )
             print("\n".join(lines), flush=True)

@@ -254,40 +254,6 @@ def test_partial_rollouts_on_two_nodes(cluster, tiny_checkpoint, tmp_path):
     assert generated == sum(r["trained_tokens"] for r in rows) + rows[-1]["kept_tokens"]  # 0 thrown away
 
 
-@pytest.mark.slow
-def test_a_vllm_server_as_an_engine_actor(cluster, tiny_checkpoint, tmp_path):
-    """vLLM's own OpenAI server (its venv, make vllm) started by the engine actor of the placement group, our router
-    in front broadcasting vLLM's pause, reload and resume: GRPO with --ci-test through it. One engine: a vLLM start
-    is most of the test's time on 2 cores (the broadcast to several engines is the router's, tested with ours; the
-    replay to a rejoining vLLM server in tests/serving/test_router_membership.py)."""
-    from tiny_model import vllm_checkpoint
-    from vllm_env import VLLM_PYTHON, vllm_missing
-
-    if (why := vllm_missing()) is not None:
-        pytest.skip(why)
-    checkpoint = vllm_checkpoint(tiny_checkpoint, tmp_path / "llama")
-    out = tmp_path / "run"
-    more = ("--launch-server", "vllm", "--launch-python", str(VLLM_PYTHON))
-    more += ("--vllm-gpu-memory-utilization", "0.04", "--vllm-max-model-len", "256")  # 1 GB of KV each on a CPU
-    # a faster start on 2 cores (one server: 29 s instead of 50 here, by hand): no graph compiled, the model worker in
-    # the engine core's process (ray-run forwards VLLM_* to the engine actors)
-    more += ("--vllm-enforce-eager",)
-    fast = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    one = ("--rollout-num-gpus", "1")  # after flags' 2: the last one given counts
-    run = RayRun(cluster.address, flags(checkpoint, out, *more, *one, rollouts=1), out, env=fast)
-    assert run.wait() == 0, run.text[-3000:]
-    rows = check_trained(run, 1)
-    node = {a: run.line(a + ":").split(" node ")[1].split(" ")[0] for a in ("trainer rank 0", "engine0")}
-    assert node["trainer rank 0"] != node["engine0"]
-    log = (out / "logs" / "engine0.log").read_text()
-    assert "-m vllm.entrypoints.openai.api_server --model" in log and "--gpu-memory-utilization 0.04" in log
-    assert "(Worker pid=" not in log  # the forwarded VLLM_ENABLE_V1_MULTIPROCESSING reached the server
-    assert '"POST /collective_rpc HTTP/1.1" 200' in log and '"POST /inference/v1/generate HTTP/1.1" 200' in log
-    served = ast.literal_eval(run.text.split("engines in rotation ")[1].split("; logs")[0])
-    assert len(served) == 1 and min(served.values()) > 0, served
-    assert all(r["policy_lag_max"] == 0 for r in rows)  # the version each push named reached the server
-
-
 def test_engine_restarts_need_our_router(capsys):
     from support_replay.cli import main
 

@@ -360,7 +360,8 @@ def _print_placement(placement: Placement, infos, router_info, rank_infos, cfg, 
     if cfg.engine.weight_transport == "http":
         weights = "in the body of each push, through the router to every engine (no shared filesystem needed)"
     else:
-        weights = f"through the directory {output} (/update_weights_from_disk: every node must see this path)"
+        load = "vLLM's reload_weights" if cfg.launch.launch_server == "vllm" else "/update_weights_from_disk"
+        weights = f"through the directory {output} ({load}: every node must see this path)"
     print(f"  weights: {weights}; logs per actor in {logs}", flush=True)
 
 
