@@ -175,36 +175,29 @@ def check_serve_command(command: list[str]) -> None:
 def check_sglang_command(command: list[str]) -> None:
     """Parse ``command`` with SGLang's ``prepare_server_args``, in the Python that will run it (``--launch-python``,
     or this one); its error is the refusal."""
-    done = subprocess.run(
-        [command[0], "-c", CHECK_SGLANG, *command[3:]],  # the Python that will run it
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if done.returncode == 0:
-        return
-    if "No module named 'sglang" in done.stderr:
-        raise ConfigError(
-            f"--launch-server=sglang: SGLang is not installed in {command[0]} (--launch-python names one that has "
-            "it, e.g. make sglang's .venv-sglang/bin/python; or use --launch-server support-replay)"
-        )
-    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-    raise ConfigError(f"SGLang's parser refuses the engines' command line: {lines[-1] if lines else done.returncode}")
+    hint = "e.g. make sglang's .venv-sglang/bin/python; or use --launch-server support-replay"
+    _parse_in_its_python(command, CHECK_SGLANG, "sglang", "SGLang", hint)
 
 
 def check_vllm_command(command: list[str]) -> None:
     """Parse ``command`` with vLLM's own parser and check, in the Python that will run it; its error is the
     refusal."""
-    done = subprocess.run([command[0], "-c", CHECK_VLLM, *command[3:]], capture_output=True, text=True, timeout=300)
+    _parse_in_its_python(command, CHECK_VLLM, "vllm", "vLLM", "e.g. make vllm's .venv-vllm/bin/python")
+
+
+def _parse_in_its_python(command: list[str], script: str, module: str, server: str, hint: str) -> None:
+    """``script`` run with ``command``'s arguments by ``command``'s own Python: a missing server package, or the
+    server's own parser's last word, refused by name."""
+    done = subprocess.run([command[0], "-c", script, *command[3:]], capture_output=True, text=True, timeout=300)
     if done.returncode == 0:
         return
-    if "No module named 'vllm" in done.stderr:
+    if f"No module named '{module}" in done.stderr:
         raise ConfigError(
-            f"--launch-server=vllm: vLLM is not installed in {command[0]} (--launch-python names one that has it, "
-            "e.g. make vllm's .venv-vllm/bin/python)"
+            f"--launch-server={module}: {server} is not installed in {command[0]} (--launch-python names one that "
+            f"has it, {hint})"
         )
     lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-    raise ConfigError(f"vLLM's parser refuses the engines' command line: {lines[-1] if lines else done.returncode}")
+    raise ConfigError(f"{server}'s parser refuses the engines' command line: {lines[-1] if lines else done.returncode}")
 
 
 def check_command(cfg: RunConfig, command: list[str]) -> None:
