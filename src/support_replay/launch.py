@@ -49,6 +49,23 @@ def wait_healthy(
     raise SupportReplayError(f"{url} not healthy after {timeout} s")
 
 
+def wait_smg_workers(
+    url: str, count: int, proc: subprocess.Popen | None = None, log: Path | None = None, timeout: float = 120.0
+) -> list[dict]:
+    """smg's workers (its RL control plane's list) once ``count`` are registered and ready: it registers a worker
+    after its probe answers, so a request sent before may find none."""
+    deadline, workers = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        workers = httpx.get(url + "/v1/rl/workers", timeout=5).json().get("workers", [])
+        if len(workers) == count and all(w.get("health") == "ready" for w in workers):
+            return workers
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-2000:] if log is not None and log.exists() else ""
+            raise SupportReplayError(f"smg at {url} exited with {proc.returncode}: {tail}")
+        time.sleep(0.2)
+    raise SupportReplayError(f"smg at {url}: {count} ready workers expected after {timeout} s, it lists {workers}")
+
+
 @contextmanager
 def process(args: list[str], url: str | None, log: Path, timeout: float = 120.0, env: dict | None = None):
     """A child process (output to ``log``, never a pipe that could fill), healthy before the block,

@@ -11,6 +11,7 @@ from processes import engine_process, free_port, process, sglang_standin_process
 from recipe_helpers import run_config
 from support_replay.backends.weight_push import ADAPTER_NAME
 from support_replay.errors import ConfigError, SupportReplayError
+from support_replay.launch import wait_smg_workers
 from support_replay.train import train
 
 pytestmark = pytest.mark.slow
@@ -52,16 +53,6 @@ def smg_router(worker_urls: list[str]):
         "warn",
     ]
     return process(args, url), url
-
-
-def ready_workers(url: str, count: int) -> list[dict]:
-    """smg's workers once ``count`` are registered and ready (it registers a worker after probing it)."""
-    for _ in range(150):
-        workers = httpx.get(url + "/v1/rl/workers", timeout=5).json()["workers"]
-        if len(workers) == count and all(w["health"] == "ready" for w in workers):
-            return workers
-        __import__("time").sleep(0.2)
-    raise AssertionError(f"smg at {url}: {count} ready workers expected, it lists {workers}")
 
 
 def test_grpo_through_real_vllm_with_weight_sync(vllm_server, tmp_path):
@@ -168,7 +159,7 @@ def test_grpo_through_smg_in_front_of_two_real_sglang_servers(sglang_servers, tm
     ctx, url = smg_router(urls)
     try:
         with ctx:
-            workers = ready_workers(url, 2)
+            workers = wait_smg_workers(url, 2, timeout=30)  # smg registers a worker after probing it
             assert {w["engine"] for w in workers} == {"sglang"} and {w["url"] for w in workers} == set(urls)
             rows = train(run_config(ckpt, tmp_path, rollout_url=url, rollout_engine="sglang"))
             # both servers sampled, and both hold the trainer's last weights under its name

@@ -148,10 +148,14 @@ class RouterActor:
         return version
 
     def counts(self) -> dict:
-        """Requests retried on another engine, requests no engine served, engines out of rotation."""
+        """Requests retried on another engine, requests no engine served, requests each engine in rotation served."""
         r = self.router
         served = {w.url: w.served for w in r.workers}
-        return {"retries": r.retries, "unserved": r.unserved, "left": sorted(r.membership.left), "served": served}
+        return {"retries": r.retries, "unserved": r.unserved, "served": served}
+
+    def left(self) -> list[str]:
+        """The engines out of rotation (dropped, or unreachable in a broadcast) until they rejoin."""
+        return sorted(self.router.membership.left)
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -162,7 +166,7 @@ class SmgRouterActor:
     it; none rejoins (ray-run starts its engines without restarts under smg)."""
 
     def __init__(self, engine_urls: list[str], request_timeout: float, log: str, cwd: str, env: dict[str, str]):
-        from ..launch import wait_healthy
+        from ..launch import wait_healthy, wait_smg_workers
 
         _settle(Path(log), cwd, env)
         host = ray.util.get_node_ip_address()
@@ -176,22 +180,8 @@ class SmgRouterActor:
         self.process = _child(command)
         self.url, self.metrics = f"http://{host}:{port}", f"http://{host}:{metrics}/metrics"
         wait_healthy(self.url, self.process, 120, Path(log))
-        self._until_registered(len(engine_urls), Path(log))
+        wait_smg_workers(self.url, len(engine_urls), self.process, Path(log))  # every engine before any request
         print(f"== smg router on {self.url} in front of {engine_urls}", flush=True)
-
-    def _until_registered(self, count: int, log: Path, timeout: float = 120.0) -> None:
-        """smg registers a worker once its probe answers: every engine registered and ready before any request."""
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            workers = httpx.get(self.url + "/v1/rl/workers", timeout=5).json().get("workers", [])
-            if len(workers) == count and all(w.get("health") == "ready" for w in workers):
-                return
-            if self.process.poll() is not None:
-                raise RuntimeError(f"smg exited with {self.process.returncode}: {log.read_text()[-2000:]}")
-            time.sleep(0.2)
-        raise RuntimeError(f"smg at {self.url}: {count} ready workers expected after {timeout} s, it lists {workers}")
 
     def info(self) -> dict:
         return {"url": self.url, "router": "smg", **_where()}
@@ -222,7 +212,11 @@ class SmgRouterActor:
             if line.startswith("smg_worker_requests_total{") and 'worker="' in line:
                 worker = line.split('worker="', 1)[1].split('"', 1)[0]
                 served[worker] = served.get(worker, 0) + int(float(line.rsplit(" ", 1)[1]))
-        return {"retries": None, "unserved": None, "left": [], "served": served}
+        return {"retries": None, "unserved": None, "served": served}
+
+    def left(self) -> list[str]:
+        """None to readmit: a dead engine leaves smg for good."""
+        return []
 
     def stop(self) -> None:
         from ..launch import stop_group

@@ -84,7 +84,7 @@ class Supervisor:
     def _readmit(self) -> None:
         """An engine alive in its same life that the router dropped (a broadcast could not reach it for a
         moment): back through the same replay."""
-        left = set(ray.get(self.router.counts.remote())["left"])
+        left = set(ray.get(self.router.left.remote()))
         for e in self.engines:
             if e.down or e.url not in left:
                 continue
