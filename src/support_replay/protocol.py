@@ -160,6 +160,9 @@ class Completion:
     support_bytes: int = 0
     # [prompt + output - 1, layers, top_k] int32: the experts of every position fed to the model (core/routing.py)
     routed_experts: np.ndarray | None = None
+    # the routing of each earlier computation of a prefix that a retract's recompute routed again, oldest first:
+    # [prompt + e - 1, layers, top_k] for the outputs before the e-th (ours; SGLang keeps the latest only)
+    routed_experts_history: list[np.ndarray] | None = None
     routing_bytes: int = 0  # what the routing cost on the wire (0 in-process)
     # top_logprobs asked: per token (ids int64 [k], log-probs float32 [k]) of the full distribution, most likely first
     top_logprobs: list[tuple[np.ndarray, np.ndarray]] | None = None
@@ -358,9 +361,30 @@ def check_routed_experts(completion: Completion, request: GenerateRequest, shape
             f"{where}: routed experts were requested but the response carries none (is the server started with "
             "--enable-return-routed-experts, and does a router on the path forward return_routed_experts?)"
         )
-    problem = routing_problem(routed, len(request.input_ids) + completion.num_tokens - 1, shape)
+    prompt, n = len(request.input_ids), completion.num_tokens
+    problem = routing_problem(routed, prompt + n - 1, shape)
     if problem is not None:
+        raise WireError(f"{where}: {problem} ({prompt} prompt + {n} output tokens; the last output token is never fed)")
+    ends = []
+    for k, earlier in enumerate(completion.routed_experts_history or []):
+        end = earlier.shape[0] - prompt + 1 if earlier.ndim == 3 else -1
+        if not (ends[-1] if ends else 0) < end < n:
+            raise WireError(
+                f"{where}: routed_experts_history[{k}] covers {earlier.shape[0]} positions: not the prompt's "
+                f"{prompt} with more outputs than the computation before it and fewer than the {n} of the answer"
+            )
+        problem = routing_problem(earlier, prompt + end - 1, shape)
+        if problem is not None:
+            raise WireError(f"{where}: routed_experts_history[{k}]: {problem}")
+        ends.append(end)
+    switches = completion.weight_versions[1:]
+    unrouted = [span for span in switches if span.start not in ends]
+    if unrouted:
+        span = unrouted[0]
         raise WireError(
-            f"{where}: {problem} ({len(request.input_ids)} prompt + {completion.num_tokens} output tokens; the "
-            "last output token is never fed)"
+            f"{where}: output token {span.start} was sampled by version {span.version!r} after a switch of weights "
+            "that routed its prefix again, and the response carries one routing of that prefix (SGLang 0.5.23 "
+            "keeps the latest computation's per position): the tokens before the switch cannot be scored under "
+            "the routing that sampled them. Our serve and engine keep it (routed_experts_history); with another "
+            "server use --weight-sync-mode wait or abort under --use-rollout-routing-replay"
         )

@@ -98,3 +98,35 @@ def test_vllm_edits_fail_closed():
         choice["routed_experts"] = routed
         with pytest.raises(WireError, match=match):
             vllm(choice, case)
+
+
+def test_the_routing_a_recompute_replaced_travels_in_our_serve_s_answer_and_a_switch_without_it_is_refused():
+    """A request retracted after 2 outputs and recomputed under version "1": our serve sends the routing of the
+    first computation in ``routed_experts_history`` (the same form as ``routed_experts``), the backend reads it
+    back; SGLang's answer to the same request (one routing per position, the latest) is refused by name."""
+    from support_replay.core.support import SupportTable
+    from support_replay.protocol import Completion, VersionSpan
+    from support_replay.serving.sglang_format import ResponseForm, meta_info
+
+    case = FIXTURE["cases"][0]
+    routing, req = np.asarray(case["routing"], np.int32), request(case)
+    prompt, n = len(case["input_ids"]), len(case["output_ids"])
+    earlier = (routing[: prompt + 1] + 1) % SHAPE.num_experts  # outputs 0 and 1 followed other experts
+    spans = [VersionSpan("0", 0, 2), VersionSpan("1", 2, n)]
+    done = Completion(
+        case["output_ids"], {"type": "length"}, support=SupportTable.singleton(case["output_ids"]),
+        log_mu=np.zeros(n, np.float32), weight_versions=spans, routed_experts=routing,
+        routed_experts_history=[earlier],
+    )  # fmt: skip
+    for form in ("sglang", "npy"):
+        meta = meta_info(done, req, form=ResponseForm(routed_experts_format=form), vocab_size=VOCAB, num_experts=8)
+        parsed = sglang({"text": "", "output_ids": case["output_ids"], "meta_info": meta}, case)
+        assert np.array_equal(parsed.routed_experts, routing)
+        assert len(parsed.routed_experts_history) == 1 and np.array_equal(parsed.routed_experts_history[0], earlier)
+        assert [s.version for s in parsed.weight_versions] == ["0", "1"]
+    del meta["routed_experts_history"]
+    with pytest.raises(WireError, match="output token 2 was sampled by version '1' after a switch.*one routing"):
+        sglang({"text": "", "output_ids": case["output_ids"], "meta_info": meta}, case)
+    meta["routed_experts_history"] = [encode_npy(routing, 8)]  # as long as the final computation: not earlier
+    with pytest.raises(WireError, match=r"routed_experts_history\[0\] covers 10 positions"):
+        sglang({"text": "", "output_ids": case["output_ids"], "meta_info": meta}, case)

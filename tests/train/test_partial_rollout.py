@@ -1,6 +1,8 @@
 """Partial rollouts (rollout/partial.py): over-sampled groups, the first to finish trained, the others stopped with
 their tokens kept and continued after the next push, every token replayed under the weights that sampled it."""
 
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -236,3 +238,59 @@ def test_ci_test_names_the_stale_keys_and_values_of_an_in_place_push(tiny_checkp
     extra = {**IN_FLIGHT, "weight_sync_mode": "in_place", "lr": 1e-2}
     with pytest.raises(CITestError, match="under --weight-sync-mode in_place.*retract recomputes them"):
         train(run_config(tiny_checkpoint, tmp_path, **extra))
+
+
+R3 = dict(use_rollout_routing_replay=True)
+
+
+@pytest.mark.parametrize(
+    "mode", ["normal", pytest.param("true-on-policy", marks=pytest.mark.float_bits), "serve"]
+)  # true-on-policy mode: every token at tolerance 0, under each kernel set
+def test_a_moe_replays_each_token_under_the_routing_that_sampled_it_across_an_in_flight_push(
+    tiny_moe_checkpoint, tmp_path, slow_decode, mode
+):
+    """Routing replay under --weight-sync-mode retract: a running request's prefix is routed again by the recompute
+    under the new weights; its tokens before the push are scored under the routing that sampled them (a row of
+    their own), the later ones under the recompute's, each under its version's weights: --ci-test holds, to the bit
+    in true-on-policy mode. Through ``serve`` the earlier routing comes in ``meta_info["routed_experts_history"]``
+    (two decoded at a time, so that the push lands among running requests without the in-process slowdown)."""
+    if mode == "serve":
+        server, url = engine_process(tiny_moe_checkpoint, "--max-running-requests", "2")
+        with server:
+            rows = train(run_config(tiny_moe_checkpoint, tmp_path, rollout_url=url, **IN_FLIGHT, **R3))
+    else:
+        extra = dict(true_on_policy_mode=True) if mode == "true-on-policy" else {}
+        rows = train(run_config(tiny_moe_checkpoint, tmp_path, **IN_FLIGHT, **R3, **extra))
+    straddled = [r for r in rows if r["straddling_samples"]]
+    assert straddled and all(r["routing_history_rows"] > 0 for r in straddled)
+    if mode == "true-on-policy":
+        assert all(r["train_rollout_unequal_tokens"] == 0 for r in rows)
+    else:
+        assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
+
+
+def test_a_moe_s_kept_samples_replay_the_routing_of_each_request_that_sampled_them(tiny_moe_checkpoint, tmp_path):
+    """Partial rollouts with routing replay: a continued sample's kept tokens are scored under the stopped
+    request's routing, its new ones under the continuation's (which routed the kept prefix again)."""
+    rows = train(run_config(tiny_moe_checkpoint, tmp_path, max_running_requests=4, **PARTIAL, **R3))
+    check_partial_rows(rows)
+    assert sum(r["routing_history_rows"] for r in rows[1:]) > 0
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
+
+
+def test_an_in_place_push_is_refused_with_routing_replay(tiny_moe_checkpoint, tmp_path):
+    with pytest.raises(ConfigError, match="weight-sync-mode='in_place': keeps the old weights' keys.*routing"):
+        run_config(tiny_moe_checkpoint, tmp_path, **{**IN_FLIGHT, "weight_sync_mode": "in_place"}, **R3)
+
+
+def test_without_the_earlier_routing_a_moe_s_straddling_tokens_fail_ci_test(
+    tiny_moe_checkpoint, tmp_path, slow_decode, monkeypatch
+):
+    """The same run with the earlier computations' rows left out (every token under the recompute's routing): the
+    tokens sampled before the push no longer replay, and --ci-test names them."""
+    from support_replay.train import batches
+
+    monkeypatch.setattr(batches, "_segments", lambda s: [])
+    with pytest.raises(CITestError, match=r"\|diff\| (\S+) > tolerance") as failed:
+        train(run_config(tiny_moe_checkpoint, tmp_path, **{**IN_FLIGHT, "lr": 1e-2}, **R3))
+    assert float(re.search(r"\|diff\| (\S+) >", str(failed.value)).group(1)) > 0.1

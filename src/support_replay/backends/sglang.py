@@ -169,6 +169,19 @@ def parse_routed_experts(value, shape: RoutingShape | None, where: str) -> tuple
     return decode_int32(value, shape.layers, shape.top_k, where), len(value)
 
 
+def parse_routing_history(value, shape: RoutingShape | None, where: str) -> tuple[list[np.ndarray], int]:
+    """Our ``meta_info["routed_experts_history"]`` (absent from SGLang's answers: an empty history), each entry
+    in ``routed_experts``' form; and its characters on the wire."""
+    if value is None:
+        return [], 0
+    if not isinstance(value, list):
+        raise WireError(
+            f"{where}: routed_experts_history must be a list of routing strings, got {type(value).__name__}"
+        )
+    history = [parse_routed_experts(v, shape, f"{where} routed_experts_history[{k}]") for k, v in enumerate(value)]
+    return [routing for routing, _ in history], sum(n for _, n in history)
+
+
 def parse_weight_versions(meta: dict, num_tokens: int, where: str):
     if "weight_versions" in meta:
         return parse_version_spans(meta["weight_versions"], num_tokens, where)
@@ -359,13 +372,16 @@ class SGLangBackend:
                     "[[logprob, id, text], ...]"
                 )
             full = np.asarray([e[0] for e in entries], np.float32)
-        routed, routing_bytes = None, 0
+        routed, routing_bytes, history = None, 0, None
         if req.return_routed_experts and meta.get("routed_experts") is not None:
             routed, routing_bytes = parse_routed_experts(meta["routed_experts"], self.routing_shape, where)
+            history, more = parse_routing_history(meta.get("routed_experts_history"), self.routing_shape, where)
+            routing_bytes += more
         return Completion(
             output_ids=output_ids,
             finish_reason=meta.get("finish_reason") or {},
             routed_experts=routed,
+            routed_experts_history=history,
             routing_bytes=routing_bytes,
             support_row_logprobs=row_logprobs if req.sampling_logprobs_mode == "support" else None,
             log_mu=log_mu,

@@ -152,3 +152,16 @@ def routing_agreement(own: np.ndarray, captured: np.ndarray) -> tuple[int, int]:
     live = (captured >= 0).all(-1)
     same = (np.sort(own, -1) == np.sort(captured, -1)).all(-1) & live
     return int(same.sum()), int(live.sum())
+
+
+def needed_history(history: list[np.ndarray], final: np.ndarray) -> list[np.ndarray]:
+    """``history`` (earlier computations of a prefix, oldest first, each shorter than the next) without those that
+    routed every position they cover as the computation after them did: their tokens are scored under the later
+    routing exactly, and routing replay spends no forward on them (the common case: a re-prefill that routed
+    every decoded token as its decode step had)."""
+    kept, after = [], final
+    for earlier in reversed(history):
+        if not np.array_equal(earlier, after[: len(earlier)]):
+            kept.append(earlier)
+        after = earlier
+    return kept[::-1]

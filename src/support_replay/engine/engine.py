@@ -44,6 +44,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from .. import __version__
@@ -437,8 +438,11 @@ class Engine(RequestChecks, EngineWeights, Pausing):
     def _recompute(self, rows: list[RunningRequest]) -> None:
         """Retracted rows back into the batch (engine/pausing.py): their prompt and outputs prefilled again under
         the current weights, then each samples its next token from those logits. A row's routing becomes the
-        recompute's (the forward its later tokens follow)."""
+        recompute's (the forward its later tokens follow); the one its earlier tokens followed is kept in its
+        routing history (routing replay scores each token under the routing that computed it)."""
         for seq in rows:
+            if seq.request.return_routed_experts and seq.routing:
+                seq.routing_history.append(np.concatenate(seq.routing))
             seq.position, seq.epoch, seq.routing = len(seq.fed_ids()), self.prefix_cache.epoch, []
         self._prefill_and_join(rows)
 

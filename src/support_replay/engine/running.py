@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..core.routing import needed_history
 from ..core.support import SupportTable
 from ..protocol import Completion, GenerateRequest, VersionSpan, sampler_record
 from .row_step import RowStep
@@ -37,6 +38,9 @@ class RunningRequest:
     routing: list[np.ndarray] = field(
         default_factory=list
     )  # [n, layers, top_k] chunks: the prompt, then each fed token
+    # earlier computations' routing of a prefix a retract's recompute routed again: [prompt + n - 1, ...] each,
+    # for the outputs sampled before it (Completion.routed_experts_history)
+    routing_history: list[np.ndarray] = field(default_factory=list)
     grammar: object = None  # the request's llguidance matcher (structured outputs), built at admission
     need: int = 0  # cache columns reserved: prompt + max_new_tokens + the write column (engine/kv_budget.py)
     captured: int = 0  # support ids captured so far (EngineLimits.max_capture_ids_running)
@@ -89,6 +93,7 @@ class RunningRequest:
         matched_string = self.finish_reason.get("type") == "stop" and isinstance(self.finish_reason.get("matched"), str)
         text = self.text if matched_string else output_text(tokenizer, self.output_ids, req, self.finish_reason)
         capture = req.return_sampling_mask
+        routed = np.concatenate(self.routing) if req.return_routed_experts else None
         support_mode = capture and req.sampling_logprobs_mode == "support"
         return Completion(
             output_ids=list(self.output_ids),
@@ -100,7 +105,8 @@ class RunningRequest:
             weight_versions=self.version_spans(weight_version),
             text=text,
             support_row_logprobs=list(self.support_row_logprobs) if support_mode else None,
-            routed_experts=np.concatenate(self.routing) if req.return_routed_experts else None,
+            routed_experts=routed,
+            routed_experts_history=needed_history(self.routing_history, routed) if routed is not None else None,
             sampler=sampler_record(req, semantics=semantics, version=version) if capture else None,
             top_logprobs=list(self.top_logprobs) if req.top_logprobs else None,
         )

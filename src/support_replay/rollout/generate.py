@@ -250,6 +250,7 @@ def _sample(
         support_bytes=c.support_bytes,
         penalties=req.penalties,
         routing=c.routed_experts,
+        routing_history=list(c.routed_experts_history or []),
         routing_bytes=c.routing_bytes,
         support_logq=np.concatenate(c.support_row_logprobs).astype(np.float32) if c.support_row_logprobs else None,
     )

@@ -52,6 +52,10 @@ class Sample:
     routing: np.ndarray | None = None
     # the sampler's log q of every support id, flat float32 aligned with ``support.ids`` (score centering)
     support_logq: np.ndarray | None = None
+    # earlier computations of a prefix that a later one routed again (a retract's recompute, a continued partial
+    # sample, a session's next turn), oldest first: each [prompt + e - 1, layers, top_k] routed the response tokens
+    # from the previous one's e to its own e; ``routing`` routed the rest (``routing_segments``)
+    routing_history: list[np.ndarray] = field(default_factory=list)
     routing_bytes: int = 0  # what the routing cost on the wire
     # (token-layer choices of decoded tokens whose routing differed when a later turn prefilled them, compared)
     routing_recomputed: tuple[int, int] = (0, 0)
@@ -131,6 +135,31 @@ def check_sample_routing(sample: Sample, shape: RoutingShape | None) -> None:
     problem = routing_problem(routed, positions, shape)
     if problem is not None:
         raise SampleError(f"{name}: {problem}")
+    start = 0
+    for k, earlier in enumerate(sample.routing_history):
+        end = earlier.shape[0] - len(sample.prompt_ids) + 1 if earlier.ndim == 3 else -1
+        if not start < end < sample.response_length:
+            raise SampleError(
+                f"{name}: routing_history[{k}] covers {earlier.shape[0]} positions: not its prompt's "
+                f"{len(sample.prompt_ids)} with more response tokens than the computation before it and fewer "
+                f"than the {sample.response_length} of the sample"
+            )
+        problem = routing_problem(earlier, earlier.shape[0], shape)
+        if problem is not None:
+            raise SampleError(f"{name}: routing_history[{k}]: {problem}")
+        start = end
+
+
+def routing_segments(sample: Sample) -> list[tuple[int, int, np.ndarray]]:
+    """``(start, end, routing)`` for the response tokens ``[start, end)`` an earlier computation sampled: scored
+    under its routing, in a forward of their own over ``prompt + response[:end]``; the tokens after the last
+    are scored under ``sample.routing`` (``check_sample_routing`` checked the history)."""
+    segments, start = [], 0
+    for earlier in sample.routing_history:
+        end = len(earlier) - len(sample.prompt_ids) + 1
+        segments.append((start, end, earlier))
+        start = end
+    return segments
 
 
 def check_sample_support_logq(sample: Sample) -> None:

@@ -4,11 +4,13 @@ Model tokens carry the support and log mu the engine captured; inserted tokens (
 environment and user messages, chat-template glue) carry the singleton support, log mu 0 and
 loss mask 0 (docs/contract.md). Nothing here re-tokenizes: spans are appended as ids.
 
-Expert routing (MoE, routing replay): each turn's request routes the whole history again (the
-engine has no prefix cache), so a token decoded in turn t is computed once more by the prefill of
-turn t + 1. The trajectory keeps the final computation's routing, the one whose keys and values
-every later token attended to, and counts how often the two computations chose differently
-(``routing_recomputed``).
+Expert routing (MoE, routing replay): each turn's request routes the history again where no prefix
+cache entry kept it, so a token decoded in turn t may be computed once more by the prefill of turn
+t + 1, under other weights if a push came between (a continued partial sample is the same). The
+trajectory keeps the final computation's routing, the one whose keys and values every later token
+attended to, and each earlier one that routed its positions otherwise (``routing_history``): the
+trainer scores every token under the routing that computed it. It counts how often a re-prefill
+chose differently from the decode step (``routing_recomputed``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.penalties import NO_PENALTIES, Penalties
-from ..core.routing import FREE
+from ..core.routing import FREE, needed_history
 from ..core.support import SupportTable
 from ..protocol import Completion, VersionSpan
 from .sample import Sample
@@ -42,6 +44,7 @@ class Trajectory:
     output_starts: list[int] = field(default_factory=list)  # response positions where each model turn began
     finish_reason: dict | None = None
     routing: np.ndarray | None = None  # the last turn's: every fed position of the history (the final computation)
+    routing_history: list[np.ndarray] = field(default_factory=list)  # earlier ones that routed otherwise (Sample's)
     routing_bytes: int = 0
     routing_recomputed: tuple[int, int] = (0, 0)  # (choices that differed, compared) for re-prefilled decoded tokens
     _decoded: tuple[int, int] = (0, 0)  # sequence positions [start, end) the last turn routed by decode steps
@@ -85,9 +88,13 @@ class Trajectory:
             self._keep_routing(completion)
 
     def _keep_routing(self, completion: Completion) -> None:
-        """The final prefill's routing; the decoded tokens it routed again compared with their first."""
+        """The final computation's routing, the earlier ones that routed otherwise kept; the decoded tokens a
+        prefill routed again compared with their first."""
         routed = completion.routed_experts
         start, end = self._decoded
+        before = [] if self.routing is None else [self.routing]
+        earlier = [*self.routing_history, *before, *(completion.routed_experts_history or [])]
+        self.routing_history = needed_history(earlier, routed)
         if self.routing is not None and end > start:
             before, after = self.routing[start:end], routed[start:end]
             differ = int((np.sort(before, -1) != np.sort(after, -1)).any(-1).sum())
@@ -161,6 +168,7 @@ class Trajectory:
             penalties=self.penalties,
             output_starts=list(self.output_starts) or [0],
             routing=self._sample_routing(),
+            routing_history=list(self.routing_history),
             support_logq=np.concatenate(self.support_logq) if self.capture and self.support_logq else None,
             routing_bytes=self.routing_bytes,
             routing_recomputed=self.routing_recomputed,

@@ -27,7 +27,8 @@ def meta_info(
     The support goes as id lists (SGLang's form) unless the client asked for our binary
     form; ``output_token_sampling_mask_length`` is the number of rows, as SGLang sends it.
     ``routed_experts`` is SGLang's raw int32 base64 of positions ``[start, prompt + output - 1)``,
-    or vLLM's compact ``.npy`` form where the client asked for ``npy``.
+    or vLLM's compact ``.npy`` form where the client asked for ``npy``; ``routed_experts_history`` (ours) the
+    routing of each earlier computation of a prefix that a retract's recompute routed again, in the same form.
     """
     sampling_mask_format = form.sampling_mask_format
     meta = {
@@ -61,6 +62,11 @@ def meta_info(
         routed = completion.routed_experts[form.routed_experts_start_len :]
         npy = form.routed_experts_format == "npy"
         meta["routed_experts"] = encode_npy(routed, num_experts) if npy else encode_int32(routed)
+        if completion.routed_experts_history:  # ours: the routing each retract's recompute replaced, same form
+            meta["routed_experts_history"] = [
+                encode_npy(r, num_experts) if npy else encode_int32(r)
+                for r in (earlier[form.routed_experts_start_len :] for earlier in completion.routed_experts_history)
+            ]
     return meta
 
 

@@ -31,7 +31,7 @@ from ..core.penalties import Penalties, gathered_bias, history_counts, penalise,
 from ..core.routing import FREE
 from ..core.support import SupportTable
 from ..errors import SampleError
-from ..rollout.sample import Sample
+from ..rollout.sample import Sample, routing_segments
 
 
 @dataclass
@@ -125,56 +125,89 @@ def build_packed_micro_batch(samples: list[Sample], indices: list[int], replay: 
         i for row in rows for i in row
     ]  # the scored rows' order (the planner's already, when it planned for packing)
     width = max(_packed_length(samples, row) for row in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    positions = torch.zeros(len(rows), width, dtype=torch.long)
-    segment = torch.full((len(rows), width), -2, dtype=torch.long)  # -1: the prompt, j >= 0: response j, -2: padding
-    rows_b, rows_t = [], []
-    for b, row in enumerate(rows):
-        prompt = samples[row[0]].prompt_ids
+    # routing replay: a row more for each earlier computation's tokens, its prompt and response up to its last one
+    extra = [(i, segment) for i in indices for segment in _segments(samples[i])]
+    height = len(rows) + len(extra)
+    ids = torch.zeros(height, width, dtype=torch.long)
+    positions = torch.zeros(height, width, dtype=torch.long)
+    segment = torch.full((height, width), -2, dtype=torch.long)  # -1: the prompt, j >= 0: response j, -2: padding
+    rows_b, rows_t, first = [], [], {}
+    packed = [(samples[row[0]].prompt_ids, [(i, samples[i].response_ids) for i in row]) for row in rows]
+    packed += [(samples[i].prompt_ids, [(i, samples[i].response_ids[:end])]) for i, (_, end, _) in extra]
+    at_row = {}  # (sample, row) -> where its response begins in that row
+    for b, (prompt, responses) in enumerate(packed):
         n = len(prompt)
         ids[b, :n] = torch.tensor(prompt)
         positions[b, :n] = torch.arange(n)
         segment[b, :n] = -1
         at = n
-        for j, i in enumerate(row):
-            r = samples[i].response_length
-            ids[b, at : at + r] = torch.tensor(samples[i].response_ids)
+        for j, (i, response) in enumerate(responses):
+            r = len(response)
+            ids[b, at : at + r] = torch.tensor(response)
             positions[b, at : at + r] = torch.arange(n, n + r)
             segment[b, at : at + r] = j
-            rows_b += [b] * r
-            rows_t += ([n - 1] + list(range(at, at + r - 1)))[
-                :r
-            ]  # the first token is predicted by the prompt's last position
+            at_row[i, b] = at
+            if b < len(rows):
+                first[i] = len(rows_b)
+                rows_b += [b] * r
+                rows_t += ([n - 1] + list(range(at, at + r - 1)))[
+                    :r
+                ]  # the first token is predicted by the prompt's last position
             at += r
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    q_seg, k_seg = segment[:, :, None], segment[:, None, :]
-    sees = causal & (((k_seg == -1) & (q_seg != -2)) | ((q_seg == k_seg) & (q_seg >= 0)))
-    sees |= torch.eye(width, dtype=torch.bool)  # a padding position sees itself: no row of the softmax is empty
+    for b, (i, (start, end, _)) in enumerate(extra, start=len(rows)):
+        n, at = len(samples[i].prompt_ids), at_row[i, b]
+        rows_b[first[i] + start : first[i] + end] = [b] * (end - start)
+        rows_t[first[i] + start : first[i] + end] = ([n - 1] + list(range(at, at + end - 1)))[start:end]
     chosen = [samples[i] for i in indices]
-    routing = None
-    if _routed(chosen):
-        routing = _free_routing(chosen[0], len(rows), width)
-        for b, row in enumerate(rows):
-            first = samples[row[0]]
-            n = len(first.prompt_ids)
-            routing[b, :n] = torch.from_numpy(first.routing[:n])
-            at = n
-            for i in row:
-                s = samples[i]
-                routed = s.routing[n : n + s.response_length]  # the last response token's row is FREE
-                routing[b, at : at + len(routed)] = torch.from_numpy(routed)
-                at += s.response_length
+    routing = _packed_routing(samples, rows, extra, width) if _routed(chosen) else None
     return MicroBatch(
         routing=None if routing is None else routing.to(device),
         indices=list(indices),
         input_ids=ids.to(device),
-        attention_mask=sees[:, None].to(device),
+        attention_mask=_packed_attention(segment)[:, None].to(device),
         rows_b=torch.tensor(rows_b, dtype=torch.long, device=device),
         rows_t=torch.tensor(rows_t, dtype=torch.long, device=device),
         position_ids=positions.to(device),
         segments=segment.to(device),
         **_token_fields(chosen, replay, device),
     )
+
+
+def _packed_attention(segment: torch.Tensor) -> torch.Tensor:
+    """``[B, L, L]``: a query sees the keys of its row's prompt and of its own response before it."""
+    width = segment.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    q_seg, k_seg = segment[:, :, None], segment[:, None, :]
+    sees = causal & (((k_seg == -1) & (q_seg != -2)) | ((q_seg == k_seg) & (q_seg >= 0)))
+    return sees | torch.eye(width, dtype=torch.bool)  # a padding position sees itself: no row of the softmax is empty
+
+
+def _packed_routing(samples: list[Sample], rows: list[list[int]], extra: list, width: int) -> torch.Tensor:
+    """The packed rows' experts: each prompt's once, then each response's; then the earlier computations' rows."""
+    routing = _free_routing(samples[rows[0][0]], len(rows) + len(extra), width)
+    for b, (_, (_, _, earlier)) in enumerate(extra, start=len(rows)):
+        routing[b, : len(earlier)] = torch.from_numpy(earlier)
+    for b, row in enumerate(rows):
+        first = samples[row[0]]
+        n = len(first.prompt_ids)
+        routing[b, :n] = torch.from_numpy(first.routing[:n])
+        at = n
+        for i in row:
+            s = samples[i]
+            routed = s.routing[n : n + s.response_length]  # the last response token's row is FREE
+            routing[b, at : at + len(routed)] = torch.from_numpy(routed)
+            at += s.response_length
+    return routing
+
+
+def _row_routing(chosen: list[Sample], extra: list, width: int) -> torch.Tensor:
+    """The unpacked rows' experts: each sample's, then the earlier computations' rows."""
+    routing = _free_routing(chosen[0], len(chosen) + len(extra), width)
+    for b, s in enumerate(chosen):
+        routing[b, : len(s.routing)] = torch.from_numpy(s.routing)
+    for row, (_, (_, _, earlier)) in enumerate(extra, start=len(chosen)):
+        routing[row, : len(earlier)] = torch.from_numpy(earlier)
+    return routing
 
 
 def build_micro_batch(
@@ -193,16 +226,23 @@ def build_micro_batch(
         return build_packed_micro_batch(samples, indices, replay, device)
     chosen = [samples[i] for i in indices]
     width = max(len(s.prompt_ids) + s.response_length for s in chosen)
-    ids = torch.zeros(len(chosen), width, dtype=torch.long)
-    mask = torch.zeros(len(chosen), width, dtype=torch.long)
-    rows_b, rows_t, rows_start = [], [], []
+    # routing replay: a row more for each earlier computation's tokens, the sequence up to its last one
+    extra = [(b, segment) for b, s in enumerate(chosen) for segment in _segments(s)]
+    ids = torch.zeros(len(chosen) + len(extra), width, dtype=torch.long)
+    mask = torch.zeros(len(chosen) + len(extra), width, dtype=torch.long)
+    rows_b, rows_t, rows_start, first = [], [], [], []
     for b, s in enumerate(chosen):
         seq = s.prompt_ids + s.response_ids
         ids[b, : len(seq)] = torch.tensor(seq)
         mask[b, : len(seq)] = 1
+        first.append(len(rows_b))
         rows_b += [b] * s.response_length
         rows_t += range(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + s.response_length)
         rows_start += output_starts(s)
+    for row, (b, (start, end, _)) in enumerate(extra, start=len(chosen)):
+        n = len(chosen[b].prompt_ids) + end
+        ids[row, :n], mask[row, :n] = ids[b, :n], 1
+        rows_b[first[b] + start : first[b] + end] = [row] * (end - start)
     if any(s.penalties != chosen[0].penalties for s in chosen):  # one transform per micro-batch
         raise SampleError(f"samples {indices}: sampled with different penalties; a run replays one setting")
     penalty = None
@@ -217,13 +257,9 @@ def build_micro_batch(
         penalty = penalty_rows(
             chosen[0].penalties, penalty_semantics, ids, mask, rows_b, rows_t + 1, starts, fields["support"][0]
         )
-    routing = None
-    if _routed(chosen):
-        routing = _free_routing(chosen[0], len(chosen), width)
-        for b, s in enumerate(chosen):
-            routing[b, : len(s.routing)] = torch.from_numpy(s.routing)
+    routing = _row_routing(chosen, extra, width).to(device) if _routed(chosen) else None
     return MicroBatch(
-        routing=None if routing is None else routing.to(device),
+        routing=routing,
         indices=list(indices),
         input_ids=ids,
         attention_mask=mask,
@@ -232,6 +268,11 @@ def build_micro_batch(
         penalty=penalty,
         **fields,
     )
+
+
+def _segments(s: Sample) -> list[tuple[int, int, np.ndarray]]:
+    """Routing replay: the earlier computations of ``s`` whose tokens need a forward of their own."""
+    return routing_segments(s) if s.routing is not None else []
 
 
 def _routed(chosen: list[Sample]) -> bool:
@@ -323,10 +364,11 @@ def _longest_first(samples: list[Sample], batch, pack: bool) -> list[int]:
 
 
 def _padded_tokens(samples: list[Sample], part: list[int], pack: bool = False) -> int:
+    extra = sum(len(_segments(samples[i])) for i in part)  # routing replay's rows for earlier computations
     if pack:
         rows = prompt_groups(samples, part)
-        return len(rows) * max(_packed_length(samples, row) for row in rows)
-    return len(part) * max(len(samples[i].prompt_ids) + samples[i].response_length for i in part)
+        return (len(rows) + extra) * max(_packed_length(samples, row) for row in rows)
+    return (len(part) + extra) * max(len(samples[i].prompt_ids) + samples[i].response_length for i in part)
 
 
 def token_budget_split(

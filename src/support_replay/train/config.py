@@ -353,13 +353,14 @@ class RunConfig(BaseModel):
             )
         if production.partial_rollout:
             self._check_partial_rollout()
-        if mode in ("retract", "in_place") and self.replay.use_rollout_routing_replay:
+        if mode == "in_place" and self.replay.use_rollout_routing_replay:
             bad(
                 "weight_sync_mode",
                 mode,
-                "a request that goes on under new weights has two routings of its prefix (the old weights' for the "
-                "tokens before the push, the new weights' after), and routing replay carries one per position: use "
-                "--weight-sync-mode wait or abort with --use-rollout-routing-replay",
+                "keeps the old weights' keys and values, computed with their routing, under the new weights: no "
+                "forward of the trainer routes and computes a prefix that way, so the tokens after a push cannot be "
+                "replayed; --weight-sync-mode retract recomputes the prefix (each token is then scored under the "
+                "routing that computed it)",
             )
         regenerates = production.failed_group_policy == "regenerate" and production.max_regenerations >= 1
         if production.async_rollout and self.engine.weight_sync_mode == "abort" and not regenerates:
@@ -381,11 +382,6 @@ class RunConfig(BaseModel):
         why = None
         if self.agents.enabled:
             why = "with agents: an episode's turns are not stopped and continued (slime refuses it for its agents too)"
-        elif self.replay.use_rollout_routing_replay:
-            why = (
-                "with --use-rollout-routing-replay: a continued sample's prefix is routed again under the new weights, "
-                "and routing replay carries one routing per position"
-            )
         elif kind_name(self.engine) == "vllm":
             why = "with vLLM: its stopped requests' answers are not read here; SGLang, our serve, or in process"
         elif self.output.resume:

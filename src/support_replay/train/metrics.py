@@ -52,8 +52,9 @@ def rollout_metrics(
 
 
 def routing_metrics(samples: list[Sample]) -> dict:
-    """What the routing cost on the wire per routed position, and how often a decoded token's experts
-    changed when a later turn's prefill computed it again (sessions); empty without captured routing."""
+    """What the routing cost on the wire per routed position, how often a decoded token's experts changed when a
+    later turn's prefill computed it again (sessions), and how many earlier computations the trainer scores in rows
+    of their own; empty without captured routing."""
     routed = [s for s in samples if s.routing is not None]
     if not routed:
         return {}
@@ -64,6 +65,9 @@ def routing_metrics(samples: list[Sample]) -> dict:
     differ, compared = (sum(s.routing_recomputed[i] for s in routed) for i in (0, 1))
     if compared:
         out["routing_recomputed_flip_share"] = differ / compared
+    # earlier computations that routed a prefix otherwise (a push's recompute, a continued or later turn): each
+    # scored in a row of its own, so that every token is scored under the routing that computed it
+    out["routing_history_rows"] = sum(len(s.routing_history) for s in routed)
     return out
 
 
