@@ -161,7 +161,8 @@ class Completion:
     # [prompt + output - 1, layers, top_k] int32: the experts of every position fed to the model (core/routing.py)
     routed_experts: np.ndarray | None = None
     # the routing of each earlier computation of a prefix that a retract's recompute routed again, oldest first:
-    # [prompt + e - 1, layers, top_k] for the outputs before the e-th (ours; SGLang keeps the latest only)
+    # [prompt + e - 1, layers, top_k] for the outputs before the e-th, one per recompute (ours; SGLang keeps the
+    # latest only)
     routed_experts_history: list[np.ndarray] | None = None
     routing_bytes: int = 0  # what the routing cost on the wire (0 in-process)
     # top_logprobs asked: per token (ids int64 [k], log-probs float32 [k]) of the full distribution, most likely first

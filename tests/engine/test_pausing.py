@@ -38,9 +38,9 @@ def request(engine) -> GenerateRequest:
     return GenerateRequest(ids, params, max_new_tokens=TOTAL, ignore_eos=True, return_sampling_mask=True)
 
 
-def straddling(engine, state, mode: str):
+def straddling(engine, state, mode: str, req: GenerateRequest | None = None):
     """One request: ``BEFORE`` tokens under the old weights, paused in ``mode``, the new weights, continued."""
-    req = request(engine)
+    req = req or request(engine)
     future = engine.submit(req)
     for _ in range(BEFORE - 1):  # the first step admits (one token from the prefill) and decodes one, each later one
         engine.step()
@@ -146,3 +146,26 @@ def test_serve_pauses_retracts_loads_and_continues_as_sglangs_routes(tiny_checkp
             assert refused.status_code in (400, 422) and "mode" in refused.text
     finally:
         engine.shutdown()
+
+
+def test_a_retracted_moe_request_answers_with_the_routing_its_earlier_tokens_followed(tiny_moe_checkpoint):
+    """Routing replay across a push: the recompute routes the prefix again under the new weights; the answer's
+    ``routed_experts`` is the recompute's (every fed position), and ``routed_experts_history`` keeps the routing the
+    tokens before the push were computed with, as a request never paused computes them."""
+    from dataclasses import replace
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_checkpoint, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    state = {k: v + 0.5 * v.abs().mean() * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+    settings = EngineSettings(seed=0, prefix_cache=False)
+    engine = Engine.from_pretrained(tiny_moe_checkpoint, settings)
+    req = replace(request(engine), return_routed_experts=True)
+    _, completion = straddling(engine, state, "retract", req)
+    prompt = len(req.input_ids)
+    (earlier,) = completion.routed_experts_history
+    assert earlier.shape[0] == prompt + BEFORE - 1 and completion.routed_experts.shape[0] == prompt + TOTAL - 1
+    unpaused = Engine.from_pretrained(tiny_moe_checkpoint, settings)
+    alone = unpaused.submit(replace(req, max_new_tokens=BEFORE))
+    unpaused.wait([alone])
+    assert (earlier == alone.result().routed_experts).all()  # the same request's first computation
+    assert (earlier != completion.routed_experts[: len(earlier)]).any()  # the new weights routed the prefix otherwise

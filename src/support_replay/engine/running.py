@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..core.routing import needed_history
 from ..core.support import SupportTable
 from ..protocol import Completion, GenerateRequest, VersionSpan, sampler_record
 from .row_step import RowStep
@@ -39,7 +38,8 @@ class RunningRequest:
         default_factory=list
     )  # [n, layers, top_k] chunks: the prompt, then each fed token
     # earlier computations' routing of a prefix a retract's recompute routed again: [prompt + n - 1, ...] each,
-    # for the outputs sampled before it (Completion.routed_experts_history)
+    # for the outputs sampled before it (Completion.routed_experts_history: every one, so that each switch of
+    # weights inside an answer shows its recompute; the sample keeps those that routed otherwise)
     routing_history: list[np.ndarray] = field(default_factory=list)
     grammar: object = None  # the request's llguidance matcher (structured outputs), built at admission
     need: int = 0  # cache columns reserved: prompt + max_new_tokens + the write column (engine/kv_budget.py)
@@ -106,7 +106,7 @@ class RunningRequest:
             text=text,
             support_row_logprobs=list(self.support_row_logprobs) if support_mode else None,
             routed_experts=routed,
-            routed_experts_history=needed_history(self.routing_history, routed) if routed is not None else None,
+            routed_experts_history=list(self.routing_history) if routed is not None else None,
             sampler=sampler_record(req, semantics=semantics, version=version) if capture else None,
             top_logprobs=list(self.top_logprobs) if req.top_logprobs else None,
         )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.penalties import NO_PENALTIES, Penalties
+from ..core.routing import needed_history
 from ..core.sampling import SamplingParams
 from ..errors import ConfigError, EngineOverloaded, EngineUnavailable, NonFiniteError
 from ..protocol import GenerateRequest
@@ -250,7 +251,7 @@ def _sample(
         support_bytes=c.support_bytes,
         penalties=req.penalties,
         routing=c.routed_experts,
-        routing_history=list(c.routed_experts_history or []),
+        routing_history=needed_history(c.routed_experts_history or [], c.routed_experts),
         routing_bytes=c.routing_bytes,
         support_logq=np.concatenate(c.support_row_logprobs).astype(np.float32) if c.support_row_logprobs else None,
     )
