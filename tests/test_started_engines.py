@@ -196,11 +196,16 @@ def test_a_run_launches_sglang_itself_and_trains_through_it(tiny_checkpoint, tmp
     flags += ["--sglang-device", "cpu", "--sglang-attention-backend", "torch_native"]  # SGLang's CPU path
     flags += ["--sglang-sampling-backend", "pytorch", "--sglang-disable-overlap-schedule"]
     flags += ["--sglang-max-total-tokens", "4096", "--sglang-skip-server-warmup", "--sglang-sleep-on-idle"]
-    assert main(["train", *flags, "--sglang-enable-deterministic-inference"]) == 2
-    said = capsys.readouterr().err
-    assert "exited with 1" in said  # SGLang's launch_server stopped at start, and its own reason is quoted:
-    assert "attention backends are supported for deterministic inference" in said and "'torch_native'" in said
+    refused = subprocess.Popen(  # side by side with the run below: SGLang's start-up is mostly imports
+        [sys.executable, "-m", "support_replay.cli", "train", *flags, "--output-dir", str(tmp_path / "refused"),
+         "--sglang-enable-deterministic-inference"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
     assert main(["train", *flags]) == 0, capsys.readouterr().err
+    said = refused.communicate(timeout=300)[1]
+    assert refused.returncode == 2 and "exited with 1" in said  # SGLang's launch_server stopped, its reason quoted:
+    assert "attention backends are supported for deterministic inference" in said and "'torch_native'" in said
     assert "started 1 sglang engine(s)" in capsys.readouterr().out
     command = (out / "logs" / "engine0.log").read_text().splitlines()[0]
     assert command.startswith(f"$ {SGLANG_PYTHON} -m sglang.launch_server --model-path ")

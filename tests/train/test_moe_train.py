@@ -95,7 +95,7 @@ def test_true_on_policy_is_bitwise_on_each_moe_family(family, request, tmp_path)
 
 
 @pytest.mark.slow
-def test_agent_episodes_replay_the_final_prefills_routing(tmp_path):
+def test_agent_episodes_replay_each_computation_s_routing(tmp_path):
     from tiny_model import build_tiny_moe_checkpoint
 
     checkpoint = build_tiny_moe_checkpoint(tmp_path / "moe-agents", max_positions=2048)

@@ -241,6 +241,7 @@ def test_ci_test_names_the_stale_keys_and_values_of_an_in_place_push(tiny_checkp
 
 
 R3 = dict(use_rollout_routing_replay=True)
+MOE_IN_FLIGHT = {**IN_FLIGHT, **R3, "num_rollout": 2}  # the push of the first update lands in the second rollout
 
 
 @pytest.mark.parametrize(
@@ -257,10 +258,10 @@ def test_a_moe_replays_each_token_under_the_routing_that_sampled_it_across_an_in
     if mode == "serve":
         server, url = engine_process(tiny_moe_checkpoint, "--max-running-requests", "2")
         with server:
-            rows = train(run_config(tiny_moe_checkpoint, tmp_path, rollout_url=url, **IN_FLIGHT, **R3))
+            rows = train(run_config(tiny_moe_checkpoint, tmp_path, rollout_url=url, **MOE_IN_FLIGHT))
     else:
         extra = dict(true_on_policy_mode=True) if mode == "true-on-policy" else {}
-        rows = train(run_config(tiny_moe_checkpoint, tmp_path, **IN_FLIGHT, **R3, **extra))
+        rows = train(run_config(tiny_moe_checkpoint, tmp_path, **MOE_IN_FLIGHT, **extra))
     straddled = [r for r in rows if r["straddling_samples"]]
     assert straddled and all(r["routing_history_rows"] > 0 for r in straddled)
     if mode == "true-on-policy":
@@ -292,5 +293,5 @@ def test_without_the_earlier_routing_a_moe_s_straddling_tokens_fail_ci_test(
 
     monkeypatch.setattr(batches, "_segments", lambda s: [])
     with pytest.raises(CITestError, match=r"\|diff\| (\S+) > tolerance") as failed:
-        train(run_config(tiny_moe_checkpoint, tmp_path, **{**IN_FLIGHT, "lr": 1e-2}, **R3))
+        train(run_config(tiny_moe_checkpoint, tmp_path, **{**MOE_IN_FLIGHT, "lr": 1e-2}))
     assert float(re.search(r"\|diff\| (\S+) >", str(failed.value)).group(1)) > 0.1
