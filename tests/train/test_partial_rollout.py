@@ -295,3 +295,21 @@ def test_without_the_earlier_routing_a_moe_s_straddling_tokens_fail_ci_test(
     with pytest.raises(CITestError, match=r"\|diff\| (\S+) > tolerance") as failed:
         train(run_config(tiny_moe_checkpoint, tmp_path, **{**MOE_IN_FLIGHT, "lr": 1e-2}))
     assert float(re.search(r"\|diff\| (\S+) >", str(failed.value)).group(1)) > 0.1
+
+
+PENALTIES = dict(rollout_repetition_penalty=1.3, rollout_frequency_penalty=0.2, rollout_presence_penalty=-0.3)
+
+
+@pytest.mark.parametrize("how", ["partial", "in-flight"])
+def test_penalties_replay_across_a_switch(tiny_checkpoint, tmp_path, request, how):
+    """Penalties over each engine request's own output history: a continued partial sample's second request
+    restarts it at its first output (``output_starts``), a retracted request keeps its whole output; the trainer
+    replays each so, and --ci-test holds on samples that straddle a push."""
+    if how == "partial":
+        settings = dict(PARTIAL, max_running_requests=4, num_rollout=2)
+    else:
+        request.getfixturevalue("slow_decode")
+        settings = dict(IN_FLIGHT, num_rollout=2)
+    rows = train(run_config(tiny_checkpoint, tmp_path, **settings, **PENALTIES))
+    assert sum(r["straddling_samples"] for r in rows) > 0
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
