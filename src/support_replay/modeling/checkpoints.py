@@ -8,6 +8,7 @@ chat template) in the user cache, ``~/.cache/support-replay`` (or
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import shutil
 import tempfile
@@ -43,9 +44,13 @@ def smollm2_checkpoint(refresh: bool = False) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf()
+    # each of these parses the GGUF's metadata again (about 7 s here, most of it the vocabulary's fields): the
+    # config once, handed to the model, and copied for the plain one
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantised = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, config=copy.deepcopy(config), dtype=torch.float32
+    )
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = "float32"
