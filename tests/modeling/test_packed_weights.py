@@ -154,7 +154,7 @@ def test_a_synchronous_trainer_releases_the_engines_packs_before_it_updates(asyn
     calls = []
 
     class Rollouts:
-        def produce(self, r):
+        def produce(self, r, pushed=None):
             return [], {}
 
         def release_engine_memory(self):

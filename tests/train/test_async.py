@@ -141,8 +141,8 @@ def stale_group_zero(monkeypatch, at_rollout: int, version: str = "0"):
     """Make the engine answer prompt 0 of one rollout as sampled by ``version`` (stale weights)."""
     original = rollouts_module.Rollouts.produce
 
-    def produce(self, r):
-        samples, stats = original(self, r)
+    def produce(self, r, pushed=None):
+        samples, stats = original(self, r, pushed)
         if r == at_rollout:
             for s in samples:
                 if s.metadata["prompt"] == 0:

@@ -1,6 +1,7 @@
 """Partial rollouts (rollout/partial.py): over-sampled groups, the first to finish trained, the others stopped with
 their tokens kept and continued after the next push, every token replayed under the weights that sampled it."""
 
+import copy
 import re
 
 import pytest
@@ -78,6 +79,98 @@ PARTIAL = dict(
     partial_rollout=True, over_sampling_batch_size=4, max_policy_lag=1, num_rollout=3, rollout_max_response_len=12,
     rollout_ignore_eos=True,
 )  # fmt: skip
+
+
+def test_a_kept_group_too_old_to_train_is_dropped_before_it_is_continued_and_the_rollout_still_fills(
+    tiny_checkpoint,
+):
+    """Under --max-policy-lag 1, a kept group whose finished sample holds only tokens two pushes old could train
+    nothing of it: it is dropped when taken from the buffer (counted, with every token it held), none of its samples
+    is continued, and the over-sampled groups fill the rollout (before, the trainer dropped it after generation and
+    the short batch skipped the whole rollout)."""
+    limits = EngineLimits(max_batch_size=2 * N)
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(seed=0, limits=limits, weight_version="0"))
+    backend = EngineBackend(engine)
+    prompts = [Prompt(f"Count {i}: 1 2 3", None) for i in range(100)]
+    asked = Asked(
+        SamplingParams(temperature=1.0, top_k=8), n_samples=N, max_new_tokens=TOKENS, capture=True, ignore_eos=True
+    )
+    partial = PartialRollouts(target=2, over_sampling=4, max_lag=1)
+    kw = dict(reward_fn=digit_share, seed=3, rid_prefix="test")
+    _, first = partial.generate(backend, engine.tokenizer, prompts, asked, rollout=0, ages={"0": 0}, **kw)
+    stale, fresh = list(partial.kept)
+    j = max(range(N), key=lambda j: stale.samples[j].response_length)
+    assert stale.samples[j].response_length > 0 and not stale.finished[j]
+    stale.finished[j] = True  # as if it had ended by itself at the stop: every token it has is version "0"
+    held = stale.kept_tokens
+
+    state = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).state_dict()
+    for version in ("1", "2"):  # two pushes: version "0" is now two old
+        engine.wait([update := engine.update_weights(state, version)])
+        update.result()
+    samples, stats = partial.generate(
+        backend, engine.tokenizer, prompts, asked, rollout=1, ages={"0": 2, "1": 1, "2": 0}, **kw
+    )
+    assert (stats.lag_dropped_kept_groups, stats.lag_dropped_kept_tokens) == (1, held)
+    trained = {s.metadata["prompt"] for s in samples}
+    assert len(trained) == 2 and stale.number not in trained and fresh.number in trained
+    assert all(g is not stale for g in partial.kept)
+    # every token generated trained, is kept, or was dropped with its group (counted)
+    assert first.generated_tokens + stats.generated_tokens == (
+        first.trained_tokens + stats.trained_tokens + stats.kept_tokens + stats.lag_dropped_kept_tokens
+    )
+
+
+class ReportedLast:
+    """Our engine's backend, every request run to its end, then reported done with ``last``'s requests last; the
+    stops asked for are recorded (the requests had ended: each stop is a no-op)."""
+
+    def __init__(self, inner, last):
+        self.inner, self.last, self.stopped = inner, last, []
+
+    def generate(self, requests, *, on_done, **kw):
+        calls = []
+        answers = self.inner.generate(requests, on_done=lambda i, finished: calls.append((i, finished)), **kw)
+        for i, finished in sorted(calls, key=lambda call: self.last(requests[call[0]])):
+            on_done(i, finished)
+        return answers
+
+    def stop(self, requests):
+        self.stopped += list(requests)
+
+
+def test_a_kept_group_at_the_lag_is_not_stopped_again_so_none_of_its_tokens_ages_out(tiny_checkpoint):
+    """Under --max-policy-lag 1 a group kept from the last rollout holds tokens one push old: stopped again, they
+    would be two old when it trains (masked, or the group dropped). So the rollout does not stop it: the stop waits
+    until it has finished, though ``target`` other groups finished before it, and it trains in this rollout."""
+    limits = EngineLimits(max_batch_size=2 * N)
+    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(seed=0, limits=limits, weight_version="0"))
+    prompts = [Prompt(f"Count {i}: 1 2 3", None) for i in range(100)]
+    asked = Asked(
+        SamplingParams(temperature=1.0, top_k=8), n_samples=N, max_new_tokens=TOKENS, capture=True, ignore_eos=True
+    )
+    partial = PartialRollouts(target=2, over_sampling=4, max_lag=1)
+    kw = dict(reward_fn=digit_share, seed=3, rid_prefix="test")
+    partial.generate(EngineBackend(engine), engine.tokenizer, prompts, asked, rollout=0, ages={"0": 0}, **kw)
+    at_lag = next(g for g in partial.kept if g.kept_tokens and not g.done)
+    state = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).state_dict()
+    engine.wait([update := engine.update_weights(state, "1")])
+    update.result()
+
+    def its_own(req) -> bool:
+        return req.input_ids[: len(at_lag.ids)] == at_lag.ids
+
+    without_lag = copy.deepcopy(partial)  # the same buffer, no lag to honour: it stops the group again
+    without_lag.max_lag = None
+    control = ReportedLast(EngineBackend(engine), its_own)
+    without_lag.generate(control, engine.tokenizer, prompts, asked, rollout=1, ages={"0": 1, "1": 0}, **kw)
+    assert any(its_own(req) for req in control.stopped)
+
+    backend = ReportedLast(EngineBackend(engine), its_own)
+    samples, stats = partial.generate(backend, engine.tokenizer, prompts, asked, rollout=1, ages={"0": 1, "1": 0}, **kw)
+    assert not any(its_own(req) for req in backend.stopped) and stats.lag_dropped_kept_groups == 0
+    trained = [s for s in samples if s.metadata["prompt"] == at_lag.number]
+    assert len(trained) == N and {span.version for s in trained for span in s.weight_versions} == {"0", "1"}
 
 
 @pytest.mark.parametrize("where", ["in-process", "serve"])

@@ -220,8 +220,8 @@ def corrupt_one_position(monkeypatch, at_rollout: int, edit) -> dict:
     original = rollouts_module.Rollouts.produce
     where = {}
 
-    def corrupt(self, r):
-        samples, stats = original(self, r)
+    def corrupt(self, r, pushed=None):
+        samples, stats = original(self, r, pushed)
         if r == at_rollout:
             s = next(x for x in samples if (x.support.sizes() > 1).any())
             t = int(np.flatnonzero(s.support.sizes() > 1)[0])
@@ -364,8 +364,8 @@ def test_kl_loss_equals_an_independent_full_vocabulary_computation(tiny_checkpoi
     captured = {}
     original = rollouts_module.Rollouts.produce
 
-    def keep(self, r):
-        samples, stats = original(self, r)
+    def keep(self, r, pushed=None):
+        samples, stats = original(self, r, pushed)
         captured[r] = samples
         return samples, stats
 

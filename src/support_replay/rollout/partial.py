@@ -12,6 +12,14 @@ unfinished samples are continued next time from ``prompt + kept tokens``, asking
 replayed under the version that sampled it (``weight_versions`` spans; the trainer's lagged scorer). Groups finished
 beyond ``target`` are kept too, and train first in the next rollout.
 
+Under ``--max-policy-lag`` L, a kept group whose oldest tokens are L pushes old when this rollout trains is not
+stopped again (the stop waits for it, and it trains first): kept once more, those tokens would be older than the lag.
+With ``over_sampling`` at most ``2 * target`` at most ``target`` groups are kept, so none ever ages out. Beyond
+that, a kept group with a finished sample whose every token is older than the lag could train nothing of that
+sample: it is dropped when taken from the buffer (counted, its tokens too), before any of its samples is continued,
+and the over-sampling fills its place, so a rollout still trains ``target`` groups (as slime's dynamic filter: a
+filtered group does not count toward the batch).
+
 Each continued request restarts the engine's penalty history at its first output (``output_starts``, which the
 trainer replays), and ``prompt + kept`` is prefilled under the weights current then: the same recompute as a
 retracted request (engine/pausing.py).
@@ -22,6 +30,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from ..errors import ConfigError, EngineUnavailable
 from ..protocol import GenerateRequest
@@ -58,6 +68,23 @@ class KeptGroup:
         """The support ids its tokens captured: what the trainer holds for it (the capture budget's unit)."""
         return sum(table.nnz for t in self.samples for table in t.supports)
 
+    def oldest_age(self, ages: dict[str, int]) -> int | None:
+        """The age its oldest token will have when this rollout trains (a version never pushed: None)."""
+        found = [ages.get(span.version) for t in self.samples for span in t.spans]
+        return None if not found or None in found else max(found)
+
+    def too_old(self, ages: dict[str, int], max_lag: int) -> bool:
+        """A finished sample has no model token sampled at most ``max_lag`` pushes ago (``ages``: each pushed
+        version's age; a version never pushed counts as older): it could train nothing, and never will."""
+        return any(done and not _has_live_token(t, ages, max_lag) for t, done in zip(self.samples, self.finished))
+
+
+def _has_live_token(t: Trajectory, ages: dict[str, int], max_lag: int) -> bool:
+    if not t.versions_known:  # no versions to age: the trainer's lag check names it
+        return True
+    mask = np.concatenate(t.loss_mask) if t.loss_mask else np.zeros(0, np.int8)
+    return any(mask[s.start : s.end].any() for s in t.spans if ages.get(s.version, max_lag + 1) <= max_lag)
+
 
 @dataclass
 class PartialStats(RolloutStats):
@@ -70,32 +97,54 @@ class PartialStats(RolloutStats):
     oldest_kept_rollout: int = -1
     kept_capture_ids: int = 0  # support ids the kept groups hold (--max-kept-capture-ids)
     over_sampling_held: int = 0  # fresh groups not sent because the kept ones held the capture budget
+    lag_dropped_kept_groups: int = 0  # kept groups with a finished sample older than --max-policy-lag, dropped
+    lag_dropped_kept_tokens: int = 0  # every token they held: generated, never trained
 
 
 class PartialRollouts:
     """The buffer of kept groups and one rollout's generation over it (rank 0)."""
 
-    def __init__(self, target: int, over_sampling: int, max_rounds: int = 3, max_kept_capture_ids: int = 1 << 26):
+    def __init__(
+        self,
+        target: int,
+        over_sampling: int,
+        max_rounds: int = 3,
+        max_kept_capture_ids: int = 1 << 26,
+        max_lag: int | None = None,
+    ):
         if over_sampling < target:
             raise ConfigError(
                 f"over_sampling_batch_size: {over_sampling} groups is fewer than the {target} a rollout trains"
             )
         self.target, self.over_sampling, self.max_rounds = target, over_sampling, max_rounds
-        self.max_kept_capture_ids = max_kept_capture_ids
+        self.max_kept_capture_ids, self.max_lag = max_kept_capture_ids, max_lag
         self.kept: deque[KeptGroup] = deque()
         self.next_prompt = 0  # how many fresh prompts the run has taken
 
     def generate(
-        self, backend, tokenizer, prompts, asked: Asked, *, reward_fn, rollout: int, seed: int, rid_prefix: str
+        self,
+        backend,
+        tokenizer,
+        prompts,
+        asked: Asked,
+        *,
+        reward_fn,
+        rollout: int,
+        seed: int,
+        rid_prefix: str,
+        ages: dict[str, int] | None = None,
     ) -> tuple[list[Sample], PartialStats]:
         """The samples of ``target`` finished groups (in prompt order), rewarded; the rest kept. ``prompts[i]``: the
-        run's i-th training prompt."""
+        run's i-th training prompt. ``ages``: each pushed version's age when this rollout trains (no push comes
+        between: partial rollouts are synchronous), which drops the kept groups too old to train under max_lag."""
         stats = PartialStats()
         trained: list[KeptGroup] = []
         for _ in range(self.max_rounds):
-            groups = self._groups(tokenizer, prompts, asked, rollout, stats)
+            groups = self._groups(tokenizer, prompts, asked, rollout, stats, ages)
             ready = [g for g in groups if g.done]  # finished in an earlier rollout beyond its target
-            self._run([g for g in groups if not g.done], ready, backend, asked, rollout, seed, rid_prefix, stats)
+            running = [g for g in groups if not g.done]
+            last_chance = self._last_chance(running, ages)
+            self._run(running, ready, last_chance, backend, asked, rollout, seed, rid_prefix, stats)
             finished = [g for g in groups if g.done]  # the kept ones first: the oldest work trains first
             trained += finished[: self.target - len(trained)]
             for g in reversed(groups):
@@ -117,12 +166,18 @@ class PartialRollouts:
         stats.trained_tokens = sum(len(s.response_ids) for s in samples)
         return samples, stats
 
-    def _groups(self, tokenizer, prompts, asked: Asked, rollout: int, stats: PartialStats) -> list[KeptGroup]:
-        """``over_sampling`` groups: the kept ones, then fresh prompts; while the kept ones hold more support ids
-        than ``max_kept_capture_ids``, fresh prompts only up to ``target`` (the buffer drains, nothing dropped)."""
+    def _groups(self, tokenizer, prompts, asked: Asked, rollout: int, stats: PartialStats, ages) -> list[KeptGroup]:
+        """``over_sampling`` groups: the kept ones (less those too old to train), then fresh prompts; while the kept
+        ones hold more support ids than ``max_kept_capture_ids``, fresh prompts only up to ``target`` (the buffer
+        drains, nothing dropped)."""
         groups = []
         while self.kept and len(groups) < self.over_sampling:
-            groups.append(self.kept.popleft())
+            g = self.kept.popleft()
+            if ages is not None and self.max_lag is not None and g.too_old(ages, self.max_lag):
+                stats.lag_dropped_kept_groups += 1
+                stats.lag_dropped_kept_tokens += g.kept_tokens
+                continue
+            groups.append(g)
         held = sum(g.kept_capture_ids for g in groups) + sum(g.kept_capture_ids for g in self.kept)
         room = self.over_sampling if held <= self.max_kept_capture_ids else max(self.target, len(groups))
         stats.over_sampling_held += self.over_sampling - room
@@ -147,9 +202,16 @@ class PartialRollouts:
             self.next_prompt += 1
         return groups
 
-    def _run(self, groups, ready, backend, asked, rollout, seed, rid_prefix, stats: PartialStats) -> None:
+    def _last_chance(self, groups: list[KeptGroup], ages) -> set[int]:
+        """The kept groups whose oldest tokens are ``max_lag`` pushes old when this rollout trains: kept once more,
+        they would be older than the lag next time (masked, or the group dropped), so they are not stopped."""
+        if ages is None or self.max_lag is None:
+            return set()
+        return {id(g) for g in groups if (g.oldest_age(ages) or 0) >= self.max_lag}
+
+    def _run(self, groups, ready, last_chance, backend, asked, rollout, seed, rid_prefix, stats: PartialStats) -> None:
         """Every unfinished sample of ``groups`` continued; the running ones stopped once ``target`` groups (with
-        ``ready``) are finished."""
+        ``ready``) are finished and none of ``last_chance`` (ids) is still running."""
         slots: list[tuple[KeptGroup, int, GenerateRequest]] = []
         for g in groups:
             for j, (trajectory, done) in enumerate(zip(g.samples, g.finished)):
@@ -167,6 +229,7 @@ class PartialRollouts:
         lock, stopped = threading.Lock(), threading.Event()
         waiting = {id(g): sum(not f for f in g.finished) for g in groups}
         complete, answered = [len(ready)], set()
+        holding = {key for key in last_chance if waiting.get(key, 0) > 0}  # last-chance groups still running
 
         def on_done(i: int, finished: bool) -> None:
             g = slots[i][0]
@@ -174,10 +237,13 @@ class PartialRollouts:
                 answered.add(i)
                 if not finished:  # stopped or failed: its group is not finished in this rollout
                     waiting[id(g)] = -1
-                    return
-                waiting[id(g)] -= 1
-                complete[0] += waiting[id(g)] == 0
-                enough = complete[0] >= self.target and not stopped.is_set()
+                    holding.discard(id(g))
+                else:
+                    waiting[id(g)] -= 1
+                    complete[0] += waiting[id(g)] == 0
+                    if waiting[id(g)] == 0:
+                        holding.discard(id(g))
+                enough = complete[0] >= self.target and not holding and not stopped.is_set()
                 if enough:
                     stopped.set()
                     rest = [r for n, (_, _, r) in enumerate(slots) if n not in answered]

@@ -96,6 +96,14 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
+# why a rollout's groups were dropped, besides failed responses: (metric, what it counts)
+SKIP_REASONS = (
+    ("dropped_groups", "groups dropped (--failed-group-policy, or a short global batch)"),
+    ("stale_groups_dropped", "groups older than --max-policy-lag"),
+    ("lag_dropped_groups", "groups with a sample older than --max-policy-lag"),
+)
+
+
 class MetricsLog:
     def __init__(
         self, directory: Path, total: int, start: int = 0, progress: bool = True, enabled: bool = True, trackers=None
@@ -126,11 +134,9 @@ class MetricsLog:
         if self.trackers is not None:
             self.trackers.log(row)
         if row.get("skipped"):
-            print(
-                f"step {row['rollout']}: skipped, every group dropped ({row.get('failed_samples', 0)} responses "
-                "failed)",
-                flush=True,
-            )
+            why = [f"{row.get('failed_samples', 0)} responses failed"]
+            why += [f"{row[k]} {what}" for k, what in SKIP_REASONS if row.get(k)]
+            print(f"step {row['rollout']}: skipped, every group dropped ({', '.join(why)})", flush=True)
             return
         line = (
             f"step {row['rollout']}: reward {row['reward_mean']:.3f}  |S| {row.get('support_mean', float('nan')):.1f}  "

@@ -65,7 +65,7 @@ class RolloutProducer:
 
         def on_rank_0():
             future = self.pending.pop(r, None)
-            samples, stats = future.result() if future is not None else self._generate(r)
+            samples, stats = future.result() if future is not None else self._generate(r, pushed)
             result = self._fresh(r, samples, stats, pushed)
             if self.pool is None:  # synchronous: nothing generates until the update's weights are pushed
                 self.rollouts.release_engine_memory()
@@ -79,9 +79,9 @@ class RolloutProducer:
                 future.cancel()
             self.pool.shutdown(wait=True, cancel_futures=True)
 
-    def _generate(self, r: int) -> tuple[list[Sample], dict]:
+    def _generate(self, r: int, pushed: list[str] | None = None) -> tuple[list[Sample], dict]:
         t0 = time.perf_counter()
-        samples, stats = self.rollouts.produce(r)
+        samples, stats = self.rollouts.produce(r, pushed)
         return samples, {**stats, "time_generation": time.perf_counter() - t0}
 
     def _fresh(self, r: int, samples: list[Sample], stats: dict, pushed: list[str]) -> tuple[list[Sample], dict]:

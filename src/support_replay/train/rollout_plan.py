@@ -50,6 +50,7 @@ class RolloutPlan:
     max_kept_capture_ids: int = (
         1 << 26
     )  # --partial-rollout: the kept groups' support ids, at most (then no over-sampling)
+    max_policy_lag: int = 0  # --partial-rollout: a kept group with a finished sample older than it is dropped
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> RolloutPlan:
@@ -78,4 +79,5 @@ class RolloutPlan:
             cfg.evaluation,
             (production.over_sampling_batch_size or rollout.rollout_batch_size) if production.partial_rollout else None,
             production.max_kept_capture_ids,
+            production.max_policy_lag,
         )

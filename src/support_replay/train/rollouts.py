@@ -25,6 +25,7 @@ from ..rollout.episodes import generate_episodes
 from ..rollout.partial import PartialRollouts
 from ..rollout.sample import Sample
 from ..serving.security import LOOPBACK_HOSTS, Keys
+from .checks import version_ages
 from .config import RunConfig
 from .dist import on_main
 from .rollout_plan import RolloutPlan
@@ -45,7 +46,12 @@ class Rollouts:
         self._lock = threading.Lock()  # one generation at a time: an evaluation waits for a rollout in flight
         # --partial-rollout: the groups kept from one rollout for the next (rank 0)
         self.partial = (
-            PartialRollouts(plan.rollout_batch_size, plan.over_sampling, max_kept_capture_ids=plan.max_kept_capture_ids)
+            PartialRollouts(
+                plan.rollout_batch_size,
+                plan.over_sampling,
+                max_kept_capture_ids=plan.max_kept_capture_ids,
+                max_lag=plan.max_policy_lag,
+            )
             if plan.over_sampling
             else None
         )
@@ -187,15 +193,16 @@ class Rollouts:
         asked = self.plan.asked
         return self._produce(prompts, asked.params, asked.n_samples, asked.max_new_tokens, asked.capture, r, seed, tag)
 
-    def produce(self, r: int) -> tuple[list[Sample], dict]:
+    def produce(self, r: int, pushed: list[str] | None = None) -> tuple[list[Sample], dict]:
         """Rank 0: rollout ``r``, ``n_samples_per_prompt`` responses to each of its prompts,
-        rewarded, and what failed on the way."""
+        rewarded, and what failed on the way. ``pushed``: the versions pushed so far (the current one last), where
+        they are final for this rollout (not --async-rollout)."""
         if self.partial is not None:
-            return self._partial(r)
+            return self._partial(r, pushed)
         samples, stats = self._train_samples(self.rollout_prompts(r), self.plan.rollout_seed, "train", r)
         return self.whole_batches(samples, stats)
 
-    def _partial(self, r: int) -> tuple[list[Sample], dict]:
+    def _partial(self, r: int, pushed: list[str] | None) -> tuple[list[Sample], dict]:
         """--partial-rollout: the first ``rollout_batch_size`` groups to finish of those sent (rollout/partial.py)."""
         with self._lock:
             samples, stats = self.partial.generate(
@@ -207,6 +214,7 @@ class Rollouts:
                 rollout=r,
                 seed=self.plan.rollout_seed,
                 rid_prefix=f"{self.run_id}/train",
+                ages=version_ages(pushed) if pushed else None,
             )
         return samples, asdict(stats)
 
