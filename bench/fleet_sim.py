@@ -16,7 +16,8 @@ A discrete-event model of engines and a trainer (no tokens, no model: times and 
   ``sync``: generate, update, push. ``async`` (``--async-rollout --max-policy-lag 1``): rollout r+1 generates
   during update r; push r waits for rollout r+1's requests, then r+2 starts. ``partial`` (``--partial-rollout``,
   ``--over-sampling-batch-size`` 2x): twice the groups are sent, the first half to finish trains, the rest are
-  stopped and continued first in the next rollout (tokens beyond ``--max-policy-lag 1`` masked, per token).
+  stopped and continued first in the next rollout; a group whose oldest tokens are ``--max-policy-lag`` (1) old is
+  not stopped again, the stop waits for it (tokens beyond the lag would be masked, per token).
   ``in-flight`` (``--async-rollout --weight-sync-mode retract``): push r lands between decode steps as soon as
   update r ends; the running rows pause for the push and their context is prefilled again (the recompute).
 
@@ -309,6 +310,11 @@ class Fleet:
         if not in_flight:
             self.now += self.costs.push
 
+    def _oldest(self, group: int, kept: list[Request]) -> float:
+        """The weight version of a group's oldest token (its finished requests' and its stopped ones')."""
+        held = self.done.get(group, []) + [k for k in kept if k.group == group]
+        return min((v for r_ in held for v in r_.tokens), default=math.inf)
+
     def _idle_engines(self) -> bool:
         return self.outstanding == 0
 
@@ -326,8 +332,10 @@ class Fleet:
             for r in range(rollouts):
                 kept, self.kept = self.kept, []  # stopped last rollout: continued first
                 in_flight = set(self.done) | {k.group for k in kept}  # unfinished groups and untrained ones
+                # a group whose oldest tokens are max_lag old now is not stopped again (rollout/partial.py)
+                last_chance = {g for g in in_flight if self._oldest(g, kept) <= r - self.max_lag}
                 self._send(kept + self._new_groups(2 * per_rollout - len(in_flight), r))
-                self._run_until(lambda: len(self.complete) >= per_rollout)
+                self._run_until(lambda: len(self.complete) >= per_rollout and last_chance <= set(self.complete))
                 groups = sorted(self.complete, key=lambda g: (self.group_rollout[g], g))[:per_rollout]
                 for e in self.engines:  # the rest stopped after their step in progress, their tokens kept
                     e.advance(self.now, finish_step=True)
@@ -381,8 +389,9 @@ TRAINER_CALLS = ("score_before_update", "update")
 
 def fit_costs(sync: dict, lagged: dict) -> Costs:
     """Costs from the sync run; the colocation slowdowns from the async run, where engine and trainer overlap:
-    the engine's, its decode steps that started during a trainer call against the sync fit (median); the
-    trainer's, from how much of its calls' time the engine worked and how much longer they took per token."""
+    the engine's, its decode steps that started during a trainer call against the sync fit (their total time over
+    the fit's); the trainer's, from how much of its calls' time the engine worked and how much longer they took per
+    token."""
     steps = sync["steps"]
     decode = np.array([(s[3], s[2]) for s in steps if s[0] == "decode" and s[3] > 0])
     (a, c), *_ = np.linalg.lstsq(np.c_[np.ones(len(decode)), decode[:, 0]], decode[:, 1], rcond=None)
@@ -402,8 +411,10 @@ def fit_costs(sync: dict, lagged: dict) -> Costs:
         return sum(max(0.0, min(t1, s[1] + s[2]) - max(t0, s[1])) for s in engine)
 
     calls = [(s[1], s[1] + s[2]) for s in lagged["steps"] if s[0] in TRAINER_CALLS]
-    during = [s[2] / (a + c * s[3]) for s in engine if s[0] == "decode" and any(t0 <= s[1] < t1 for t0, t1 in calls)]
-    slow_engine = statistics.median(during) if during else 1.0
+    during = [s for s in engine if s[0] == "decode" and any(t0 <= s[1] < t1 for t0, t1 in calls)]
+    # the ratio of their total time to the sync fit's: the engine's busy time is what the model must reproduce,
+    # and its few much slower steps (the trainer's heaviest moments) weigh in it as much as the many others
+    slow_engine = sum(s[2] for s in during) / sum(a + c * s[3] for s in during) if during else 1.0
     shared = sum(overlap(t0, t1) for t0, t1 in calls)
     spent = sum(t1 - t0 for t0, t1 in calls)
     per_token = sum(s[2] for s in steps if s[0] in TRAINER_CALLS) / tokens  # the sync run's calls

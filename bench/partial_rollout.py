@@ -18,7 +18,9 @@ response: SmolLM2's answers run from a few tokens to the cap, the printed length
 
 Trained tokens: response tokens that trained (loss mask 1), over the wall time of the run (the first rollout
 included: every mode pays it). Engine idle share: the share of the run's wall time in which the engine ran no
-prefill or decode step. Thrown away: tokens generated that neither trained nor are kept for a later rollout.
+prefill or decode step. Masked: tokens older than --max-policy-lag when their group trained (the context of later
+tokens, never trained). Thrown away: tokens generated that neither trained, nor were masked, nor are kept for a
+later rollout (a kept group too old to train is dropped whole).
 
 ``--trace`` writes each run's engine steps (start, duration, batch rows or prefilled tokens) and trainer calls
 (scoring, update, the checks), its requests' prompt
@@ -134,11 +136,13 @@ def run(mode: str, rollouts: int, max_len: int) -> dict:
         **MODES[mode],
     )
     with EngineClock() as clock:
-        rows = train(cfg)
+        every = train(cfg)
         wall = time.perf_counter() - clock.t0
-    trained = sum(r["response_len_mean"] * r["samples"] - r.get("lag_masked_tokens", 0) for r in rows)
+    rows = [r for r in every if not r.get("skipped")]  # a rollout whose every group was dropped trained nothing
+    masked = sum(r.get("lag_masked_tokens", 0) for r in rows)  # older than the lag: context, never trained
+    trained = sum(r["response_len_mean"] * r["samples"] for r in rows) - masked
     generated = clock.engine.stats.generated_tokens
-    kept = rows[-1].get("kept_tokens", 0)
+    kept = every[-1].get("kept_tokens", 0)
     return {
         "mode": mode,
         "wall": wall,
@@ -146,11 +150,13 @@ def run(mode: str, rollouts: int, max_len: int) -> dict:
         "rate": trained / wall,
         "idle": 1 - clock.busy / wall,
         "generated": generated,
-        "thrown": generated - trained - kept,
+        "masked": masked,
+        "thrown": generated - trained - kept - masked,
         "kept": kept,
         "lag": max(r["policy_lag_max"] for r in rows),
         "diff": max(r["train_rollout_logprob_abs_diff_max"] for r in rows),
         "straddling": sum(r["straddling_samples"] for r in rows),
+        "skipped": len(every) - len(rows),
         "lengths": clock.lengths,
         "trace": {
             "wall": wall,
@@ -178,21 +184,21 @@ def main() -> None:
     print(f"CPU: {cpu_identity()}, {torch.get_num_threads()} threads; SmolLM2-135M-Instruct fp32, in process")
     print(f"{args.rollouts} rollouts of 4 prompts x 4 samples, up to {args.max_len} tokens, EOS ends a response\n")
     print(
-        "| mode | wall s | trained tokens | trained tokens/s | engine idle | generated | thrown away | kept at end "
-        "| straddling samples | max lag | max abs diff (ci-test) |"
+        "| mode | wall s | trained tokens | trained tokens/s | engine idle | generated | masked (lag) | thrown away "
+        "| kept at end | straddling samples | max lag | max abs diff (ci-test) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in args.modes.split(","):
         m = run(mode, args.rollouts, args.max_len)
         print(
             f"| {mode} | {m['wall']:.1f} | {m['trained']:.0f} | {m['rate']:.1f} | {m['idle']:.0%} | {m['generated']} "
-            f"| {m['thrown']:.0f} | {m['kept']} | {m['straddling']} | {m['lag']} | {m['diff']:.1e} |",
+            f"| {m['masked']} | {m['thrown']:.0f} | {m['kept']} | {m['straddling']} | {m['lag']} | {m['diff']:.1e} |",
             flush=True,
         )
         lengths = sorted(m["lengths"])
         print(
             f"<!-- {mode}: {len(lengths)} requests ended by themselves; prompt + response length min {lengths[0]}, "
-            f"median {statistics.median(lengths):.0f}, max {lengths[-1]} -->",
+            f"median {statistics.median(lengths):.0f}, max {lengths[-1]}; {m['skipped']} rollouts skipped -->",
             flush=True,
         )
         traces[mode] = {"cpu": cpu_identity(), "max_len": args.max_len, **m["trace"]}
