@@ -1,7 +1,7 @@
 """A fleet simulation to plan past this machine: trained tokens per second, engine idle share and token lag for
 synchronous rollouts, async lag 1, partial rollouts and in-flight updates, at 8, 64 and 512 engines.
 
-    python bench/partial_rollout.py --rollouts 3 --trace runs.json   # this machine's runs: costs and targets
+    python bench/partial_rollout.py --rollouts 4 --trace runs.json   # this machine's runs: costs and targets
     python bench/fleet_sim.py --trace runs.json [--engines 8,64,512] [--max-len 8192] [--rollouts 12]
 
 A discrete-event model of engines and a trainer (no tokens, no model: times and counts).
