@@ -50,7 +50,7 @@ class RolloutPlan:
     max_kept_capture_ids: int = (
         1 << 26
     )  # --partial-rollout: the kept groups' support ids, at most (then no over-sampling)
-    max_policy_lag: int = 0  # --partial-rollout: a kept group with a finished sample older than it is dropped
+    max_policy_lag: int = 0  # --partial-rollout: a kept group at this lag is not stopped again; one past it is dropped
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> RolloutPlan:

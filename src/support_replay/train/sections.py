@@ -337,7 +337,8 @@ class ProductionConfig(Section):
         False,
         description="slime's: a rollout sends --over-sampling-batch-size groups, trains the first --rollout-batch-size "
         "to finish, stops the rest and keeps their tokens, continued in a later rollout (none generated again); "
-        "tokens older than --max-policy-lag pushes are masked, not trained (needs --max-policy-lag >= 1)",
+        "a kept group whose tokens are --max-policy-lag pushes old is not stopped again (needs --max-policy-lag "
+        ">= 1); tokens older than the lag (past twice the batch's over-sampling) are masked, not trained",
     )
     over_sampling_batch_size: int | None = Field(
         None,
