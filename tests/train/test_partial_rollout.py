@@ -86,8 +86,8 @@ def test_a_kept_group_too_old_to_train_is_dropped_before_it_is_continued_and_the
 ):
     """Under --max-policy-lag 1, a kept group whose finished sample holds only tokens two pushes old could train
     nothing of it: it is dropped when taken from the buffer (counted, with every token it held), none of its samples
-    is continued, and the over-sampled groups fill the rollout (before, the trainer dropped it after generation and
-    the short batch skipped the whole rollout)."""
+    is continued, and the over-sampled groups fill the rollout (dropped after generation instead, it would leave the
+    global batch short, and the trainer would skip the whole rollout)."""
     limits = EngineLimits(max_batch_size=2 * N)
     engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(seed=0, limits=limits, weight_version="0"))
     backend = EngineBackend(engine)
