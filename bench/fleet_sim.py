@@ -310,10 +310,14 @@ class Fleet:
         if not in_flight:
             self.now += self.costs.push
 
-    def _oldest(self, group: int, kept: list[Request]) -> float:
-        """The weight version of a group's oldest token (its finished requests' and its stopped ones')."""
-        held = self.done.get(group, []) + [k for k in kept if k.group == group]
-        return min((v for r_ in held for v in r_.tokens), default=math.inf)
+    def _oldest(self, kept: list[Request]) -> dict[int, float]:
+        """Each held group's oldest token's weight version (its finished requests' and its stopped ones'), in one
+        pass over them."""
+        oldest: dict[int, float] = {}
+        for r_ in [*(r_ for rs in self.done.values() for r_ in rs), *kept]:
+            if r_.tokens:
+                oldest[r_.group] = min(oldest.get(r_.group, math.inf), min(r_.tokens))
+        return oldest
 
     def _idle_engines(self) -> bool:
         return self.outstanding == 0
@@ -333,7 +337,8 @@ class Fleet:
                 kept, self.kept = self.kept, []  # stopped last rollout: continued first
                 in_flight = set(self.done) | {k.group for k in kept}  # unfinished groups and untrained ones
                 # a group whose oldest tokens are max_lag old now is not stopped again (rollout/partial.py)
-                last_chance = {g for g in in_flight if self._oldest(g, kept) <= r - self.max_lag}
+                oldest = self._oldest(kept)
+                last_chance = {g for g in in_flight if oldest.get(g, math.inf) <= r - self.max_lag}
                 self._send(kept + self._new_groups(2 * per_rollout - len(in_flight), r))
                 self._run_until(lambda: len(self.complete) >= per_rollout and last_chance <= set(self.complete))
                 groups = sorted(self.complete, key=lambda g: (self.group_rollout[g], g))[:per_rollout]

@@ -138,6 +138,12 @@ def versions_of(spans: list[VersionSpan]) -> list[str]:
     return out
 
 
+def beyond_lag(span: VersionSpan, ages: dict[str, int], max_lag: int) -> bool:
+    """The span was sampled more than ``max_lag`` pushes ago (``ages``: each pushed version's age; a version never
+    pushed counts as older): its tokens are masked, never trained (partial rollouts)."""
+    return ages.get(span.version, max_lag + 1) > max_lag
+
+
 @dataclass
 class Completion:
     """One generated response, with its replay metadata when capture was asked for.

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import ConfigError, EngineUnavailable
-from ..protocol import GenerateRequest
+from ..protocol import GenerateRequest, beyond_lag
 from .data import Prompt
 from .generate import Asked, RolloutStats, _request, render_prompt, reward_of
 from .sample import Sample
@@ -83,7 +83,7 @@ def _has_live_token(t: Trajectory, ages: dict[str, int], max_lag: int) -> bool:
     if not t.versions_known:  # no versions to age: the trainer's lag check names it
         return True
     mask = np.concatenate(t.loss_mask) if t.loss_mask else np.zeros(0, np.int8)
-    return any(mask[s.start : s.end].any() for s in t.spans if ages.get(s.version, max_lag + 1) <= max_lag)
+    return any(mask[s.start : s.end].any() for s in t.spans if not beyond_lag(s, ages, max_lag))
 
 
 @dataclass
@@ -229,7 +229,7 @@ class PartialRollouts:
         lock, stopped = threading.Lock(), threading.Event()
         waiting = {id(g): sum(not f for f in g.finished) for g in groups}
         complete, answered = [len(ready)], set()
-        holding = {key for key in last_chance if waiting.get(key, 0) > 0}  # last-chance groups still running
+        holding = set(last_chance)  # last-chance groups still running (each has an unfinished sample)
 
         def on_done(i: int, finished: bool) -> None:
             g = slots[i][0]
@@ -240,8 +240,8 @@ class PartialRollouts:
                     holding.discard(id(g))
                 else:
                     waiting[id(g)] -= 1
-                    complete[0] += waiting[id(g)] == 0
                     if waiting[id(g)] == 0:
+                        complete[0] += 1
                         holding.discard(id(g))
                 enough = complete[0] >= self.target and not holding and not stopped.is_set()
                 if enough:

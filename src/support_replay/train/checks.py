@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import CITestError, PolicyLagError
-from ..protocol import versions_of
+from ..protocol import beyond_lag, versions_of
 from ..rollout.sample import Sample
 from .dist import on_main
 from .drift import support_drift
@@ -40,7 +40,7 @@ def mask_beyond_lag(samples: list[Sample], ages: dict[str, int], max_lag: int) -
     with a sample whose every token is masked is dropped. Returns the samples left and the counts."""
     masked_tokens, dropped = 0, set()
     for s in samples:
-        old = [span for span in s.weight_versions if ages.get(span.version, max_lag + 1) > max_lag]
+        old = [span for span in s.weight_versions if beyond_lag(span, ages, max_lag)]
         if not old:
             continue
         s.metadata[LAG_MASKED] = [(span.start, span.end) for span in old]
