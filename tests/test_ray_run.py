@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rewards_for_tests import HOLD_ENV
 from support_replay.ray_launch.placement import Layout, ordered
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before Ray is imported: loopback only (notes/ray.md)
@@ -180,24 +181,51 @@ def test_two_nodes_engines_on_one_trainer_ranks_on_the_other(cluster, uninterrup
     assert listening and set(listening) <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
 
 
+def kill_with_a_request_in_flight(run: RayRun, pid: int, router: str, url: str) -> None:
+    """SIGKILL the engine while the router waits on its answer. A request seen outstanding may be answered before
+    the kill lands (a short one takes milliseconds), so the engine is frozen first: one still outstanding after a
+    pause in which a stopped process can answer nothing is in flight when it dies."""
+
+    def in_flight() -> bool:
+        return any(w["url"] == url and w.get("outstanding", 0) > 0 for w in httpx.get(router + "/workers").json())
+
+    while True:
+        while not in_flight():
+            assert run.proc.poll() is None, run.text[-3000:]
+            time.sleep(0.005)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.3)  # an answer already on its way reaches the router
+        if in_flight():
+            break
+        os.kill(pid, signal.SIGCONT)
+    os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.slow
 def test_an_engine_killed_mid_rollout_is_restarted_and_rejoins_at_the_current_weights(
     cluster, tiny_checkpoint, tmp_path
 ):
-    out = tmp_path / "run"
-    # 40 short rollouts: about 13 s of training after the kill, past the 8-10 s a restart takes here
-    more = ("--async-rollout", "--max-policy-lag", "1")
-    run = RayRun(cluster.address, flags(tiny_checkpoint, out, *more, rollouts=40), out)
+    out, hold = tmp_path / "run", tmp_path / "hold"
+    # the rollouts are held (in the reward) from the kill until the engine is back, so that the run outlasts the
+    # restart on a loaded machine too (40 unheld rollouts once ended before it, the restart took over 13 s)
+    held = ("--custom-rm-path", "rewards_for_tests:digit_share_unless_held")  # given after flags()' own: it wins
+    more = ("--async-rollout", "--max-policy-lag", "1", *held)
+    env = {HOLD_ENV: str(hold)}
+    run = RayRun(cluster.address, flags(tiny_checkpoint, out, *more, rollouts=12), out, env=env)
     pid, router = run.pid("engine0"), run.line("router:").rsplit(" ", 1)[1]
     url = run.line("engine0:").rsplit(" ", 1)[1]
     while len(run.rows()) < 1:  # after the first push: the engine that comes back must load a newer version
         assert run.proc.poll() is None, run.text[-3000:]
         time.sleep(0.02)
-    while not any(w["url"] == url and w.get("outstanding", 0) > 0 for w in httpx.get(router + "/workers").json()):
-        time.sleep(0.005)
-    os.kill(pid, signal.SIGKILL)
+    kill_with_a_request_in_flight(run, pid, router, url)
+    hold.touch()
+    deadline = time.monotonic() + 300
+    while not any("rejoined the router" in x for x in list(run.lines)):
+        assert run.proc.poll() is None and time.monotonic() < deadline, run.text[-3000:]
+        time.sleep(0.05)
+    hold.unlink()
     assert run.wait() == 0, run.text[-3000:]
-    rows = check_trained(run, 40)
+    rows = check_trained(run, 12)
     assert "ray-run: engine0 died" in run.text
     rejoined = [x for x in run.lines if "rejoined the router" in x]
     assert len(rejoined) == 1, run.text[-3000:]
