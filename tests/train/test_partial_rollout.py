@@ -32,20 +32,37 @@ def replayed(model, sample, start: int, end: int) -> float:
     return replayed_diff(model, sample.prompt_ids, sample.response_ids, sample.support, sample.log_mu, start, end)
 
 
+PROMPTS = [Prompt(f"Count {i}: 1 2 3", None) for i in range(100)]
+KW = dict(reward_fn=digit_share, seed=3, rid_prefix="test")
+
+
+def two_groups_at_a_time(checkpoint) -> Engine:
+    """Our engine decoding 2 * N rows at a time: of the four groups a buffer sends, two wait, so the stop finds some
+    running."""
+    limits = EngineLimits(max_batch_size=2 * N)
+    return Engine.from_pretrained(checkpoint, EngineSettings(seed=0, limits=limits, weight_version="0"))
+
+
+def asked_for(**params) -> Asked:
+    params = SamplingParams(temperature=1.0, top_k=8, **params)
+    return Asked(params, n_samples=N, max_new_tokens=TOKENS, capture=True, ignore_eos=True)
+
+
+def push(engine: Engine, state: dict, version: str) -> None:
+    engine.wait([update := engine.update_weights(state, version)])
+    update.result()
+
+
 def test_stopped_samples_are_kept_and_continued_under_the_next_weights(tiny_checkpoint):
     """Four groups sent, two decoded at a time: the first two to finish train, the others are stopped with the
     tokens they have and continued after a push, first in line; nothing is generated twice, and each token is
     replayed under the version that sampled it."""
-    limits = EngineLimits(max_batch_size=2 * N)
-    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(seed=0, limits=limits, weight_version="0"))
+    engine = two_groups_at_a_time(tiny_checkpoint)
     backend = EngineBackend(engine)
-    prompts = [Prompt(f"Count {i}: 1 2 3", None) for i in range(100)]
-    params = SamplingParams(temperature=1.0, top_k=8, top_p=0.9)
-    asked = Asked(params, n_samples=N, max_new_tokens=TOKENS, capture=True, ignore_eos=True)
+    asked = asked_for(top_p=0.9)
     partial = PartialRollouts(target=2, over_sampling=4)
-    kw = dict(reward_fn=digit_share, seed=3, rid_prefix="test")
 
-    first, stats0 = partial.generate(backend, engine.tokenizer, prompts, asked, rollout=0, **kw)
+    first, stats0 = partial.generate(backend, engine.tokenizer, PROMPTS, asked, rollout=0, **KW)
     assert [s.metadata["prompt"] for s in first] == [0, 0, 1, 1]
     assert stats0.stopped_requests > 0 and stats0.kept_groups == 2 and 0 < stats0.kept_tokens < 2 * N * TOKENS
     assert stats0.generated_tokens == stats0.trained_tokens + stats0.kept_tokens  # none thrown away
@@ -55,10 +72,9 @@ def test_stopped_samples_are_kept_and_continued_under_the_next_weights(tiny_chec
     gen = torch.Generator().manual_seed(1)
     state = {k: v + 0.05 * v.abs().mean() * torch.randn(v.shape, generator=gen) for k, v in new.state_dict().items()}
     new.load_state_dict(state)
-    engine.wait([update := engine.update_weights(state, "1")])
-    update.result()
+    push(engine, state, "1")
 
-    second, stats1 = partial.generate(backend, engine.tokenizer, prompts, asked, rollout=1, **kw)
+    second, stats1 = partial.generate(backend, engine.tokenizer, PROMPTS, asked, rollout=1, **KW)
     assert [s.metadata["prompt"] for s in second] == [2, 2, 3, 3]  # the kept groups, continued first
     assert stats1.continued_samples > 0
     assert stats0.generated_tokens + stats1.generated_tokens == (
@@ -88,16 +104,10 @@ def test_a_kept_group_too_old_to_train_is_dropped_before_it_is_continued_and_the
     nothing of it: it is dropped when taken from the buffer (counted, with every token it held), none of its samples
     is continued, and the over-sampled groups fill the rollout (dropped after generation instead, it would leave the
     global batch short, and the trainer would skip the whole rollout)."""
-    limits = EngineLimits(max_batch_size=2 * N)
-    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(seed=0, limits=limits, weight_version="0"))
-    backend = EngineBackend(engine)
-    prompts = [Prompt(f"Count {i}: 1 2 3", None) for i in range(100)]
-    asked = Asked(
-        SamplingParams(temperature=1.0, top_k=8), n_samples=N, max_new_tokens=TOKENS, capture=True, ignore_eos=True
-    )
+    engine = two_groups_at_a_time(tiny_checkpoint)
+    backend, asked = EngineBackend(engine), asked_for()
     partial = PartialRollouts(target=2, over_sampling=4, max_lag=1)
-    kw = dict(reward_fn=digit_share, seed=3, rid_prefix="test")
-    _, first = partial.generate(backend, engine.tokenizer, prompts, asked, rollout=0, ages={"0": 0}, **kw)
+    _, first = partial.generate(backend, engine.tokenizer, PROMPTS, asked, rollout=0, ages={"0": 0}, **KW)
     stale, fresh = list(partial.kept)
     j = max(range(N), key=lambda j: stale.samples[j].response_length)
     assert stale.samples[j].response_length > 0 and not stale.finished[j]
@@ -106,10 +116,9 @@ def test_a_kept_group_too_old_to_train_is_dropped_before_it_is_continued_and_the
 
     state = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).state_dict()
     for version in ("1", "2"):  # two pushes: version "0" is now two old
-        engine.wait([update := engine.update_weights(state, version)])
-        update.result()
+        push(engine, state, version)
     samples, stats = partial.generate(
-        backend, engine.tokenizer, prompts, asked, rollout=1, ages={"0": 2, "1": 1, "2": 0}, **kw
+        backend, engine.tokenizer, PROMPTS, asked, rollout=1, ages={"0": 2, "1": 1, "2": 0}, **KW
     )
     assert (stats.lag_dropped_kept_groups, stats.lag_dropped_kept_tokens) == (1, held)
     trained = {s.metadata["prompt"] for s in samples}
@@ -143,19 +152,12 @@ def test_a_kept_group_at_the_lag_is_not_stopped_again_so_none_of_its_tokens_ages
     """Under --max-policy-lag 1 a group kept from the last rollout holds tokens one push old: stopped again, they
     would be two old when it trains (masked, or the group dropped). So the rollout does not stop it: the stop waits
     until it has finished, though ``target`` other groups finished before it, and it trains in this rollout."""
-    limits = EngineLimits(max_batch_size=2 * N)
-    engine = Engine.from_pretrained(tiny_checkpoint, EngineSettings(seed=0, limits=limits, weight_version="0"))
-    prompts = [Prompt(f"Count {i}: 1 2 3", None) for i in range(100)]
-    asked = Asked(
-        SamplingParams(temperature=1.0, top_k=8), n_samples=N, max_new_tokens=TOKENS, capture=True, ignore_eos=True
-    )
+    engine, asked = two_groups_at_a_time(tiny_checkpoint), asked_for()
     partial = PartialRollouts(target=2, over_sampling=4, max_lag=1)
-    kw = dict(reward_fn=digit_share, seed=3, rid_prefix="test")
-    partial.generate(EngineBackend(engine), engine.tokenizer, prompts, asked, rollout=0, ages={"0": 0}, **kw)
+    partial.generate(EngineBackend(engine), engine.tokenizer, PROMPTS, asked, rollout=0, ages={"0": 0}, **KW)
     at_lag = next(g for g in partial.kept if g.kept_tokens and not g.done)
     state = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).state_dict()
-    engine.wait([update := engine.update_weights(state, "1")])
-    update.result()
+    push(engine, state, "1")
 
     def its_own(req) -> bool:
         return req.input_ids[: len(at_lag.ids)] == at_lag.ids
@@ -163,11 +165,11 @@ def test_a_kept_group_at_the_lag_is_not_stopped_again_so_none_of_its_tokens_ages
     without_lag = copy.deepcopy(partial)  # the same buffer, no lag to honour: it stops the group again
     without_lag.max_lag = None
     control = ReportedLast(EngineBackend(engine), its_own)
-    without_lag.generate(control, engine.tokenizer, prompts, asked, rollout=1, ages={"0": 1, "1": 0}, **kw)
+    without_lag.generate(control, engine.tokenizer, PROMPTS, asked, rollout=1, ages={"0": 1, "1": 0}, **KW)
     assert any(its_own(req) for req in control.stopped)
 
     backend = ReportedLast(EngineBackend(engine), its_own)
-    samples, stats = partial.generate(backend, engine.tokenizer, prompts, asked, rollout=1, ages={"0": 1, "1": 0}, **kw)
+    samples, stats = partial.generate(backend, engine.tokenizer, PROMPTS, asked, rollout=1, ages={"0": 1, "1": 0}, **KW)
     assert not any(its_own(req) for req in backend.stopped) and stats.lag_dropped_kept_groups == 0
     trained = [s for s in samples if s.metadata["prompt"] == at_lag.number]
     assert len(trained) == N and {span.version for s in trained for span in s.weight_versions} == {"0", "1"}
