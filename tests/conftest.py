@@ -7,6 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import spawns  # noqa: E402
 from tiny_model import build_tiny_checkpoint, build_tiny_moe_checkpoint  # noqa: E402
 
 # Skips allowed under CI=true, by a piece of their reason, and why each may stay. The target is none: in CI a skip
@@ -14,6 +15,10 @@ from tiny_model import build_tiny_checkpoint, build_tiny_moe_checkpoint  # noqa:
 # failure, since a green run must mean the suite checked what it claims on that machine.
 ALLOWED_SKIPS: dict[str, str] = {}
 IN_CI = os.environ.get("CI") == "true"
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(spawns, "spawns")  # the `processes` marker, kept true (tests/spawns.py)
 
 
 def pytest_sessionstart(session):

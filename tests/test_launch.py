@@ -14,6 +14,7 @@ from support_replay.cli import main
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.processes
 def test_local_run_starts_engines_a_router_and_torchrun_ranks(tiny_checkpoint, tmp_path):
     out = tmp_path / "run"
     train_flags = [

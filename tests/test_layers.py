@@ -88,6 +88,7 @@ def test_only_the_in_process_paths_import_the_engine(layer):
         assert not engine or rel in RUNS_THE_ENGINE, f"{rel} imports {engine}"
 
 
+@pytest.mark.processes
 def test_an_http_backend_loads_neither_the_engine_nor_transformers():
     code = (
         "import sys, support_replay.backends.sglang, support_replay.backends.vllm, support_replay.rollout\n"

@@ -30,6 +30,7 @@ def readme_block(first_words: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_the_serve_and_curl_example_shows_the_support(tmp_path):
     smollm2_checkpoint()  # the README's note: converts the GGUF `make` installs, once
     serve, curl = readme_block("support-replay serve")

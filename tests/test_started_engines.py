@@ -112,6 +112,7 @@ def test_launch_settings_that_cannot_hold_are_refused_by_name(argv, message, cap
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_the_sglang_command_line_parses_in_sglangs_own_parser(tmp_path):
     """The command the launch would run on a GPU machine, checked by SGLang 0.5.23's ``prepare_server_args`` in
     SGLang's own environment (make sglang)."""
@@ -136,6 +137,7 @@ def test_the_sglang_command_line_parses_in_sglangs_own_parser(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_two_trainer_ranks_train_through_the_two_engines_they_started(tiny_checkpoint, tmp_path):
     out = tmp_path / "run"
     flags = ["--hf-checkpoint", str(tiny_checkpoint), "--num-rollout", "2", "--rollout-batch-size", "2"]
@@ -175,6 +177,7 @@ def test_two_trainer_ranks_train_through_the_two_engines_they_started(tiny_check
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_run_launches_sglang_itself_and_trains_through_it(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     """The reference command's launch flags with --launch-server sglang: SGLang 0.5.23's own launch_server started
     by the run (from make sglang's environment) on its CPU path, GRPO with --ci-test through it; with the
@@ -240,6 +243,7 @@ def test_the_vllm_command_carries_the_run_the_client_s_needs_and_the_server_flag
         engine_command(launched(**vllm, vllm_server_args=("--vllm-seed", "3")), "/m", 1, 0, tmp_path)
 
 
+@pytest.mark.processes
 def test_a_python_without_vllm_is_refused_before_anything_starts(tmp_path):
     """--launch-python must name a Python with vLLM (this one has none): the check that parses the command line with
     vLLM's own parser says so (the parse itself runs in every ray-run with vLLM engines, tests/test_ray_run.py)."""

@@ -156,6 +156,7 @@ def test_routing_and_weight_versions_are_checked(tiny_moe_checkpoint, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_the_audit_of_a_server_answering_as_sglang(tiny_checkpoint, tmp_path):
     """SGLang's own sampler and payload code (tests/engines/sglang_standin.py) behind --rollout-url."""
     from processes import sglang_standin_process

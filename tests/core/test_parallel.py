@@ -101,6 +101,7 @@ def _worker(rank, init_file, results):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_tensor_and_context_parallel_match_single_device(tmp_path):
     manager = mp.Manager()
     results = manager.dict()

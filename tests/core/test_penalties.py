@@ -75,6 +75,7 @@ def test_sglang_fixtures_rerun_live():
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_vllm_fixtures_rerun_live(tmp_path):
     import generate_penalty_fixtures as gen
 

@@ -15,6 +15,7 @@ def test_an_error_is_cut_to_its_first_line():
     assert first_line("") == "the grammar does not compile"
 
 
+@pytest.mark.processes
 def test_past_max_waiting_a_compile_is_a_503_and_the_process_serves_the_rest(tmp_path):
     tok = tiny_tokenizer(tmp_path)
     checker = GrammarChecker(tok, 384, [tok.eos_token_id], seconds=30, max_waiting=1)

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from support_replay.kernels import build
 
 
@@ -14,6 +16,7 @@ def test_a_lock_file_left_by_a_killed_loader_is_removed_by_the_next_one(tmp_path
         assert not (tmp_path / "lock").exists()
 
 
+@pytest.mark.processes
 def test_the_builder_lock_goes_with_a_killed_holder_and_waits_for_a_live_one(tmp_path):
     holder = subprocess.Popen(
         [

@@ -37,6 +37,7 @@ def heap_growth(malloc: str) -> tuple[str, int, int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc/self/maps")
+@pytest.mark.processes
 def test_a_large_tensor_comes_from_the_heap_and_its_memory_stays_for_the_next():
     applied, during, after = heap_growth("keep")
     assert applied == "True" and during >= 64 and after >= 64  # served by the heap, kept when freed

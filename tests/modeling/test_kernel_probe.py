@@ -61,6 +61,7 @@ def test_the_environment_pins_it(fresh, monkeypatch):
         kernel_probe.probed_kernel()
 
 
+@pytest.mark.processes
 def test_processes_started_together_agree(fresh):
     """The first to take the lock measures; the others read its answer (a run's engine and trainer ranks)."""
     code = "from support_replay.modeling.kernel_probe import probed_kernel; print(probed_kernel())"

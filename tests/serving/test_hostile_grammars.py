@@ -15,6 +15,9 @@ from support_replay.engine.limits import EngineLimits
 from support_replay.serving.server import create_app
 from support_replay.serving.threaded import ThreadedServer
 
+# the module's engine starts its grammar compiler's process on the first grammar, whichever test sends it
+pytestmark = pytest.mark.processes
+
 SMALL = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
 
 

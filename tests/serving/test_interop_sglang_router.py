@@ -32,6 +32,7 @@ def sglang_router(worker_url: str):
     return process(args, url, health=False), url
 
 
+@pytest.mark.processes
 def test_capture_survives_our_router_and_fails_closed_through_sglang_router(tiny_checkpoint):
     pytest.importorskip("sglang_router")
     ctx, engine_url = engine_process(tiny_checkpoint)

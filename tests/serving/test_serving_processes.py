@@ -40,6 +40,7 @@ def ask(url, ids, seed, max_new_tokens=12, **extra):
     return r.json()
 
 
+@pytest.mark.processes
 def test_concurrent_requests_through_the_router(tiny_checkpoint, reference_model):
     with engine_processes(tiny_checkpoint, 2) as [(_, url_a), (_, url_b)]:
         ctx, router_url = router_process([url_a, url_b])
@@ -82,6 +83,7 @@ def test_concurrent_requests_through_the_router(tiny_checkpoint, reference_model
             assert ask(router_url, prompts[1], seed=1)["meta_info"]["completion_tokens"] == 12
 
 
+@pytest.mark.processes
 def test_router_retries_when_an_engine_dies_mid_request(tiny_checkpoint):
     with engine_processes(tiny_checkpoint, 2) as [(proc_a, url_a), (_, url_b)]:
         ctx, router_url = router_process([url_a, url_b], health_interval=30)
@@ -117,6 +119,7 @@ def test_router_retries_when_an_engine_dies_mid_request(tiny_checkpoint):
             assert workers[url_b]["served"] == 1  # served once, elsewhere: nothing lost or duplicated
 
 
+@pytest.mark.processes
 def test_a_client_that_goes_away_frees_its_slot(tiny_checkpoint):
     ctx, url = engine_process(tiny_checkpoint)
     with ctx:
@@ -134,6 +137,7 @@ def test_a_client_that_goes_away_frees_its_slot(tiny_checkpoint):
         assert 'support_replay_requests_total{status="aborted"} 1.0' in httpx.get(url + "/metrics").text
 
 
+@pytest.mark.processes
 def test_serve_stops_on_sigterm_and_names_a_taken_port(tiny_checkpoint):
     """``serve`` runs the engine on its main thread and uvicorn on another: SIGTERM stops both and
     the process exits 0; a second server on the same port fails with the address named."""

@@ -138,6 +138,7 @@ def listening(url: str, timeout: float = 120.0) -> None:
             time.sleep(0.1)
 
 
+@pytest.mark.processes
 def test_serve_router_and_sessions_cut_off_slow_headers(tiny_checkpoint):
     """The three server commands take the flags and apply them (a real process each, as the review probed)."""
     from contextlib import ExitStack

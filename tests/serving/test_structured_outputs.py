@@ -20,6 +20,9 @@ from support_replay.rollout.chat import ChatRenderer, builtin_template
 from support_replay.serving.server import create_app
 from support_replay.serving.threaded import ThreadedServer
 
+# the module's engine starts its grammar compiler's process on the first grammar, whichever test sends it
+pytestmark = pytest.mark.processes
+
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -205,6 +205,7 @@ def test_a_crash_with_a_rollout_in_flight_resumes_losing_nothing_trained(tiny_ch
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_async_grpo_through_serve_over_http(tiny_checkpoint, tmp_path, monkeypatch):
     """Both directions over HTTP only: rollouts from serve, weights in the request body (no shared
     filesystem), each push aborting what runs."""

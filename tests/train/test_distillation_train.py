@@ -137,6 +137,7 @@ def test_the_config_rules_of_distillation(tiny_checkpoint, tmp_path):
         run_config(tiny_checkpoint, tmp_path, **OPD, opd_teacher_load="t", tensor_model_parallel_size=2)
 
 
+@pytest.mark.processes
 def test_a_teacher_served_by_serve_gives_what_the_in_process_teacher_gives(tiny_checkpoint, teacher, tmp_path):
     """The same teacher over HTTP (/score_support) and beside the actor: the same rollout, the same divergence."""
     ctx, url = engine_process(teacher)
@@ -156,6 +157,7 @@ def test_a_teacher_served_by_serve_gives_what_the_in_process_teacher_gives(tiny_
         assert served[0][name] == pytest.approx(local[0][name], rel=1e-4, abs=1e-6), name
 
 
+@pytest.mark.processes
 def test_a_served_teacher_with_another_tokenizer_is_refused_by_name(tiny_checkpoint, tmp_path):
     other = build_tiny_checkpoint(tmp_path / "other", chat_template="{{ messages[0]['content'] }}")
     ctx, url = engine_process(other)

@@ -66,6 +66,7 @@ def test_lora_without_peft_is_refused_by_name(tiny_checkpoint, tmp_path, monkeyp
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_the_adapter_alone_reaches_a_served_engine_and_samples_as_the_merged_weights(tiny_checkpoint, tmp_path):
     """--lora-sync adapter through a serve engine the run starts: the engine merges the adapter as the trainer does,
     so every rollout is the merged-weights run's, bit for bit, for a fraction of the bytes per push (the engine's

@@ -149,6 +149,7 @@ def tiny_llama_tied(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama-tied"), llama_tied=True)
 
 
+@pytest.mark.processes
 def test_four_ranks_in_each_layout_give_one_rank_s_scores_gradients_and_weights(
     tiny_checkpoint, tiny_llama_tied, tiny_moe_checkpoint
 ):
@@ -226,6 +227,7 @@ def _train_worker(rank, world, ports, checkpoint, out, results):
             results[i] = [(r["loss"], r["grad_norm"], r["train_rollout_logprob_abs_diff_max"]) for r in rows]
 
 
+@pytest.mark.processes
 def test_grpo_with_ci_test_in_each_layout(tiny_checkpoint, tmp_path):
     from recipe_helpers import run_config
     from support_replay.train import train

@@ -175,7 +175,7 @@ def test_a_kept_group_at_the_lag_is_not_stopped_again_so_none_of_its_tokens_ages
     assert len(trained) == N and {span.version for s in trained for span in s.weight_versions} == {"0", "1"}
 
 
-@pytest.mark.parametrize("where", ["in-process", "serve"])
+@pytest.mark.parametrize("where", ["in-process", pytest.param("serve", marks=pytest.mark.processes)])
 def test_grpo_ci_test_holds_for_samples_that_straddle_a_push(tiny_checkpoint, tmp_path, where):
     """Samples kept across a push are trained with tokens of two versions, each compared under its own weights
     (within 1e-3); no token generated is thrown away."""
@@ -340,7 +340,12 @@ MOE_IN_FLIGHT = {**IN_FLIGHT, **R3, "num_rollout": 2}  # the push of the first u
 
 
 @pytest.mark.parametrize(
-    "mode", ["normal", pytest.param("true-on-policy", marks=pytest.mark.float_bits), "serve"]
+    "mode",
+    [
+        "normal",
+        pytest.param("true-on-policy", marks=pytest.mark.float_bits),
+        pytest.param("serve", marks=pytest.mark.processes),
+    ],
 )  # true-on-policy mode: every token at tolerance 0, under each kernel set
 def test_a_moe_replays_each_token_under_the_routing_that_sampled_it_across_an_in_flight_push(
     tiny_moe_checkpoint, tmp_path, slow_decode, mode

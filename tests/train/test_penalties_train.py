@@ -146,6 +146,7 @@ def test_engines_with_unpinned_penalty_rules_are_refused(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_ci_test_passes_with_penalties_through_serve(tiny_checkpoint, tmp_path, bias_file):
     from processes import engine_process
 

@@ -54,6 +54,7 @@ def without(tokens: list[str], flag: str) -> list[str]:
 
 @pytest.mark.float_bits
 @pytest.mark.slow  # the whole reference command: the main pass runs it, the kernel-set reruns leave it
+@pytest.mark.processes
 def test_the_reference_command_runs_once_the_refused_flags_are_removed(tiny_agent_checkpoint, tmp_path, capsys):
     data = gsm8k_parquet(tmp_path / "train.parquet")
     tokens = shlex.split(REFERENCE.format(checkpoint=tiny_agent_checkpoint, data=data))

@@ -55,6 +55,7 @@ def test_centering_changes_the_update_and_ratio_weights_make_it_vanish(tiny_chec
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_score_centering_through_serve(tiny_checkpoint, tmp_path):
     ctx, url = engine_process(tiny_checkpoint)
     with ctx:

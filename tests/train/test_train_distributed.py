@@ -40,6 +40,7 @@ def _one_group(rank, world, port):
         dist.destroy_process_group()
 
 
+@pytest.mark.processes
 def test_updates_through_the_http_engine_pass_ci_test(tiny_checkpoint, tmp_path):
     ctx, url = engine_process(tiny_checkpoint)
     with ctx:
@@ -191,6 +192,7 @@ def _failing_worker(rank, world, port, checkpoint, out, results):
         results[rank] = (f"{type(exc).__name__}: {exc}", time.monotonic() - start)
 
 
+@pytest.mark.processes
 def test_a_failure_on_rank_0_alone_stops_every_rank_with_its_error(tiny_checkpoint, tmp_path):
     """Finding 9 of the server review: a reward that raises on rank 0 left rank 1 waiting in a broadcast
     while rank 0 waited in a barrier, for ever. Now both stop, with rank 0's error."""

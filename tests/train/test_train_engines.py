@@ -17,6 +17,7 @@ from support_replay.train import train
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.processes
 def test_grpo_through_a_server_answering_as_sglang(tiny_checkpoint, tmp_path):
     standin, url = sglang_standin_process(tiny_checkpoint)
     with standin:
@@ -230,6 +231,7 @@ def test_agent_episodes_through_real_sglang(sglang_server, tmp_path):
     assert rows[0]["episode_turns_mean"] > 1 and rows[0]["inserted_token_share"] > 0
 
 
+@pytest.mark.processes
 def test_an_engine_that_would_compute_other_bits_is_refused_before_anything_trains(tiny_checkpoint, tmp_path):
     """A served engine in another dtype, or not deterministic, is refused by name before the first rollout."""
     ctx, url = engine_process(tiny_checkpoint, "--deterministic", "--dtype", "bfloat16")

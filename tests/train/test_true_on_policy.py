@@ -38,6 +38,7 @@ def test_in_process(tiny_checkpoint, tiny_moe_checkpoint, tmp_path, model, dtype
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model", MODELS)
+@pytest.mark.processes
 def test_through_serve(tiny_checkpoint, tiny_moe_checkpoint, tmp_path, model, dtype):
     checkpoint = tiny_moe_checkpoint if model == "moe-r3" else tiny_checkpoint
     ctx, url = engine_process(checkpoint, "--deterministic", "--dtype", dtype)
