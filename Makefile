@@ -112,6 +112,11 @@ kernels: $(VENV)/.torch
 	$(PORTABLE_KERNELS) PYTHONPATH=src $(PY) -m support_replay.kernels.build
 	@$(call phase,end,kernels: three kernel sets built)
 
+# The main pass and the reruns on pytest-xdist workers: a file's tests, and a shared real engine's tests, each on one
+# worker, the costliest groups handed out first (tests/conftest.py orders them; xdist must keep that order).
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
 # The lint, the kernels' builds and the two engine venvs' installs (mostly downloads and unpacking) side by side;
 # then the main pass and the other kernel sets' reruns. The wall time of each phase is printed at the end, pass or fail.
 test:
@@ -121,7 +126,7 @@ test:
 	    $(if $(filter 1,$(WITH_SGLANG)),sglang) || status=$$?; \
 	  if [ $$status = 0 ]; then \
 	    $(call phase,begin,main pass); \
-	    $(PY) -m pytest -q --durations=30 || status=$$?; \
+	    $(PY) -m pytest -q $(XDIST) --durations=30 || status=$$?; \
 	    $(call phase,end,main pass); \
 	  fi; \
 	  if [ $$status = 0 ]; then $(MAKE) --no-print-directory test-floats-other-kernels || status=$$?; fi; \
@@ -137,10 +142,10 @@ test-floats-other-kernels: setup
 	@$(call phase,begin,rerun: AVX2 kernels)
 	$(if $(and $(filter AVX2,$(ATEN_ISA)),$(if $(ABOVE_AVX2),,1)),@echo "test-floats-other-kernels: this CPU's widest kernels \
 	  are AVX2 (ATen AVX2; no AVX-512, AVX-VNNI or AMX): the main run took the AVX2 set and is not repeated",$(AVX2_KERNELS) \
-	  $(PY) -m pytest -q -m "float_bits and not slow" -p no:cacheprovider)
+	  $(PY) -m pytest -q $(XDIST) -m "float_bits and not slow" -p no:cacheprovider)
 	@$(call phase,end,rerun: AVX2 kernels)
 	@$(call phase,begin,rerun: portable kernels)
-	$(PORTABLE_KERNELS) $(PY) -m pytest -q -m "float_bits and not slow" -p no:cacheprovider
+	$(PORTABLE_KERNELS) $(PY) -m pytest -q $(XDIST) -m "float_bits and not slow" -p no:cacheprovider
 	@$(call phase,end,rerun: portable kernels)
 
 test-fast: lint

@@ -19,14 +19,22 @@ IN_CI = os.environ.get("CI") == "true"
 
 def pytest_configure(config):
     config.pluginmanager.register(spawns, "spawns")  # the `processes` marker, kept true (tests/spawns.py)
+    config.pluginmanager.register(GroupsTookEffect(), "groups-took-effect")
 
 
 def pytest_sessionstart(session):
-    """The project's CPU kernels (decode attention, the decode layer's elementwise work, the sampler's top-k
+    """On an xdist worker, torch takes one thread (two workers share two cores; the processes a test starts keep
+    their default, so a server and the test comparing with it run at different thread counts).
+
+    The project's CPU kernels (decode attention, the decode layer's elementwise work, the sampler's top-k
     selection, the invariant arithmetic) are built (once per machine and ISA, about a minute) here, before any
     test's server process would build them while its fixture waits for it to come up."""
     from support_replay.modeling.decode_attention import compiled
 
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
     compiled()
 
 
@@ -54,6 +62,65 @@ def pytest_collectreport(report):
     if IN_CI and report.skipped and not _allowed(reason := _skip_reason(report)):
         report.outcome = "failed"
         report.longrepr = f"skipped under CI=true, where a skip fails (tests/conftest.py, ALLOWED_SKIPS): {reason}"
+
+
+# Session fixtures that start real engines: under xdist every test using one runs on the same worker, so that each
+# engine starts once per run (as without xdist), not once per worker.
+SHARED_ENGINES = {"sglang_servers": "sglang", "vllm_server": "vllm"}
+
+
+def _weight(item) -> int:
+    """A rough cost, to hand the workers the costly groups first: a test that starts processes, a slow one, the rest."""
+    if item.get_closest_marker(spawns.MARKER) or spawns.PROCESS_FIXTURES & set(item.fixturenames):
+        return 20
+    return 3 if item.get_closest_marker("slow") else 1
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (``--dist loadgroup``) a file's tests stay on one worker (its module fixtures are built once),
+    and the tests of a shared engine on one worker whatever their file. The groups are ordered costliest first
+    (with --no-loadscope-reorder xdist hands them out in this order), so that no long group starts last while
+    the other worker has nothing left to do."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    groups: dict[str, list] = {}
+    for item in items:
+        shared = [group for fixture, group in SHARED_ENGINES.items() if fixture in item.fixturenames]
+        group = shared[0] if shared else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+        groups.setdefault(group, []).append(item)
+    costliest = sorted(groups.values(), key=lambda members: -sum(map(_weight, members)))
+    items[:] = [item for members in costliest for item in members]
+
+
+class GroupsTookEffect:
+    """On an xdist worker under ``--dist loadgroup``, xdist has written each item's group into its node id (where the
+    scheduler reads it) by the time this runs. If it did not (a pytest whose node ids ignore the write), the run
+    stops: it would start every shared engine once per worker and each file's module fixtures once per test."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        if getattr(config.option, "loadgroup", False) and items and "@" not in items[0].nodeid:
+            raise pytest.UsageError(
+                f"--dist loadgroup did not take effect (pytest {pytest.__version__}): the node id {items[0].nodeid!r}"
+                " carries no group; pyproject.toml pins a pytest that pytest-xdist groups with (pytest-xdist#1386)"
+            )
+
+
+def pytest_sessionfinish(session):
+    """An xdist worker hands the engines it ran to the controller, for its summary."""
+    if hasattr(session.config, "workeroutput"):
+        from exercised import RAN
+
+        session.config.workeroutput["ran"] = dict(RAN)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    from exercised import RAN
+
+    RAN.update(getattr(node, "workeroutput", {}).get("ran", {}))
 
 
 def pytest_terminal_summary(terminalreporter):
