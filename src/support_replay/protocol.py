@@ -125,8 +125,8 @@ class VersionSpan:
 
 
 def single_version(version: str, num_tokens: int) -> list[VersionSpan]:
-    """Every one of ``num_tokens`` output positions sampled by ``version``."""
-    return [VersionSpan(str(version), 0, num_tokens)]
+    """Every one of ``num_tokens`` output positions sampled by ``version`` (no span for no tokens)."""
+    return [VersionSpan(str(version), 0, num_tokens)] if num_tokens else []
 
 
 def versions_of(spans: list[VersionSpan]) -> list[str]:

@@ -191,6 +191,7 @@ def test_the_ulp_comparison_catches_what_a_bug_changes():
 
 
 @pytest.mark.float_bits
+@pytest.mark.processes  # the first use on a machine downloads SGLang's wheel (pip, a Python child)
 def test_sglang_live_comparison_with_the_wheel():
     """Where SGLang's code imports, running it again gives the committed fixtures: ids, supports,
     shapes and strings exactly, log-probs within ``FLOAT32_ULPS`` (a float reduction on another CPU)."""
@@ -374,3 +375,33 @@ def test_vllm_processed_logprobs_give_every_support_ids_log_q(case):
         assert row[c.support.row(t).tolist().index(c.output_ids[t])] == c.log_mu[t]
     with pytest.raises(WireError, match="--vllm-capture native"):
         vllm_backend(case, capture="native").generate([req])
+
+
+def test_a_request_aborted_in_sglangs_waiting_queue_is_an_empty_answer_not_a_wire_error():
+    """SGLang 0.5.23 answers an abort of a request it never prefilled (its waiting queue: partial rollouts' stop of a
+    request queued behind the running limit) with no output and no mask (tokenizer_manager._handle_abort_req):
+    ``partial`` keeps it as an empty segment; without ``partial`` it is an aborted request, as any other."""
+    case = CAPTURED[0]
+    item = {
+        "text": "",
+        "output_ids": [],
+        "meta_info": {
+            "id": "r/partial/0/3/0",
+            "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+            "weight_version": "default",
+            "e2e_latency": 0.01,
+            "completion_tokens": 0,
+        },
+    }
+    transport = httpx.MockTransport(lambda r: httpx.Response(200, content=json.dumps(item)))
+    client = SGLangBackend("http://sglang", case["vocab_size"], transport=transport, sampling_mask_format="lists")
+    (c,) = client.generate([request_of(case["request"])], partial=True)
+    assert c.output_ids == [] and c.support.num_rows == 0 and c.log_mu.tolist() == []
+    assert c.finish_reason["type"] == "abort" and c.weight_versions == []
+    with pytest.raises(Exception, match="the engine aborted it"):
+        client.generate([request_of(case["request"])])
+    finished = {**item, "meta_info": {**item["meta_info"], "finish_reason": {"type": "length", "length": 0}}}
+    transport = httpx.MockTransport(lambda r: httpx.Response(200, content=json.dumps(finished)))
+    client = SGLangBackend("http://sglang", case["vocab_size"], transport=transport, sampling_mask_format="lists")
+    with pytest.raises(WireError, match="no output_token_sampling_mask"):  # only an abort may come without one
+        client.generate([request_of(case["request"])], partial=True)

@@ -99,6 +99,11 @@ def _canonical_rows(logprobs: list, rows: list[list[int]]) -> list[np.ndarray]:
     return out
 
 
+def _aborted(meta: dict) -> bool:
+    reason = meta.get("finish_reason")
+    return isinstance(reason, dict) and reason.get("type") == "abort"
+
+
 def parse_meta_info(
     meta: dict, output_ids: list[int], vocab_size: int
 ) -> tuple[SupportTable, np.ndarray, int, list[np.ndarray] | None]:
@@ -108,6 +113,10 @@ def parse_meta_info(
     Parses only: the one full validation happens in ``validate_completion``.
     """
     mask = meta.get("output_token_sampling_mask")
+    if mask is None and not output_ids and _aborted(meta):
+        # a request aborted in SGLang's waiting queue, never prefilled, answers with no output and no mask
+        # (0.5.23: tokenizer_manager._handle_abort_req, "Abort in waiting queue"): nothing was sampled
+        return SupportTable.from_lists([]), np.zeros(0, np.float32), 0, None
     if mask is None:
         raise WireError(f"meta_info has no output_token_sampling_mask: {STRIPPED_HINT}")
     logprobs = meta.get("output_token_sampling_logprobs")
@@ -275,20 +284,25 @@ class SGLangBackend:
 
     def stop(self, requests: list[GenerateRequest]) -> None:
         """SGLang's ``/abort_request {"rid"}`` for each (our router sends it to every engine): each request ends
-        now and its ``/generate`` answers with the tokens so far, finish reason ``abort``."""
+        now and its ``/generate`` answers with the tokens so far, finish reason ``abort``. Every one is asked even
+        when one fails; then an ``EngineUnavailable`` names the engine and the requests not stopped."""
         headers = Keys.load().header(admin=True)
+        failed = []
         for req in requests:
             if req.rid is None:
                 continue
             try:
                 reply = self.client.post(self.url + "/abort_request", json={"rid": req.rid}, headers=headers)
             except httpx.HTTPError as exc:
-                raise EngineUnavailable(f"stopping {req.rid} at {self.url}: {type(exc).__name__}: {exc}") from exc
+                failed.append(f"{req.rid} ({type(exc).__name__}: {exc})")
+                continue
             if reply.status_code != 200:
-                raise EngineUnavailable(
-                    f"stopping {req.rid} at {self.url}: /abort_request answered HTTP {reply.status_code}: "
-                    f"{reply.text[:200]}"
-                )
+                failed.append(f"{req.rid} (HTTP {reply.status_code}: {reply.text[:200]})")
+        if failed:
+            raise EngineUnavailable(
+                f"stopping at {self.url}: /abort_request failed for {len(failed)} of {len(requests)} requests, "
+                f"which run on to their end: {'; '.join(failed[:3])}"
+            )
 
     def _one(self, req: GenerateRequest, index: int, partial: bool = False) -> Completion:
         item, _ = post_json(
@@ -299,6 +313,8 @@ class SGLangBackend:
         completion = self.completion(item, req, index)
         if completion.finish_reason.get("type") == "abort" and not partial:
             raise EngineUnavailable(f"completion {index}: the engine aborted it ({completion.finish_reason})")
+        if partial and completion.num_tokens == 0 and _aborted(item.get("meta_info") or {}):
+            return completion  # stopped before its first token: nothing sampled, nothing to check
         return validate_completion(completion, req, self.vocab_size, index, self.routing_shape)
 
     def generate_streaming(self, req: GenerateRequest, on_token, cancelled=None) -> Completion:

@@ -27,6 +27,7 @@ retracted request (engine/pausing.py).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -39,6 +40,8 @@ from .data import Prompt
 from .generate import Asked, RolloutStats, _request, render_prompt, reward_of
 from .sample import Sample
 from .trajectory import Trajectory
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)  # a group is itself: compared by identity
@@ -99,6 +102,7 @@ class PartialStats(RolloutStats):
     over_sampling_held: int = 0  # fresh groups not sent because the kept ones held the capture budget
     lag_dropped_kept_groups: int = 0  # kept groups with a finished sample older than --max-policy-lag, dropped
     lag_dropped_kept_tokens: int = 0  # every token they held: generated, never trained
+    failed_stops: int = 0  # stops an engine did not take (its requests ran on to their end, nothing lost)
 
 
 class PartialRollouts:
@@ -249,7 +253,11 @@ class PartialRollouts:
                     rest = [r for n, (_, _, r) in enumerate(slots) if n not in answered]
             if enough and rest:
                 stats.stopped_requests += len(rest)
-                backend.stop(rest)
+                try:
+                    backend.stop(rest)
+                except EngineUnavailable as exc:  # the answer that came keeps; the rest run to their end
+                    stats.failed_stops += 1
+                    log.warning("rollout %d: %s", rollout, exc)
 
         answers = backend.generate([r for _, _, r in slots], return_exceptions=True, on_done=on_done, partial=True)
         for (g, j, _), answer in zip(slots, answers):
@@ -257,6 +265,10 @@ class PartialRollouts:
                 stats.failed_samples += 1
                 continue
             trajectory = g.samples[j]
+            if answer.num_tokens == 0:  # stopped in the engine's waiting queue: resubmitted as it was
+                g.finished[j] = False
+                g.segments[j] -= 1  # a segment that sampled nothing is not one
+                continue
             trajectory.append_turn([], answer)
             stats.generated_tokens += answer.num_tokens
             full = trajectory.response_length >= asked.max_new_tokens
