@@ -38,9 +38,10 @@ def terminate_group(proc) -> None:
         pass
 
 
-def engine_process(checkpoint, *extra: str, health: bool = True):
+def engine_process(checkpoint, *extra: str, health: bool = True, env: dict | None = None):
     """``support-replay serve`` on a free port; weights load from anywhere under pytest's base
-    temporary directory (the checkpoint's parent), where the tests stage them."""
+    temporary directory (the checkpoint's parent), where the tests stage them. ``env``: added to this process's
+    (a test's gate: tests/stop_gate.py, tests/push_gate.py)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     args = [
@@ -56,7 +57,7 @@ def engine_process(checkpoint, *extra: str, health: bool = True):
         str(Path(checkpoint).parent),
         *extra,
     ]
-    return process(args, url, health=health), url
+    return process(args, url, health=health, env=env), url
 
 
 @contextmanager

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from rewards_for_tests import HOLD_ENV
+from stop_gate import environment as stop_gate_environment
 from support_replay.ray_launch.placement import Layout, ordered
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before Ray is imported: loopback only (notes/ray.md)
@@ -57,11 +58,9 @@ class RayRun:
     """``ray-run`` as a process, its output read as it comes."""
 
     def __init__(self, address: str, train_flags: list[str], out: Path, env: dict | None = None, ray_flags: tuple = ()):
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-            **(env or {}),
-        }
+        env = dict(env or {})
+        path = [env.pop("PYTHONPATH", ""), str(TESTS), os.environ.get("PYTHONPATH", "")]  # a gate's site first
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p), **env}
         command = [sys.executable, "-m", "support_replay.cli", "ray-run", "--address", address, *ray_flags]
         command += ["--", *train_flags]
         self.out, self.lines = out, []
@@ -266,14 +265,15 @@ def test_a_trainer_rank_killed_stops_the_job_and_the_resumed_job_ends_at_the_sam
 @pytest.mark.slow
 def test_partial_rollouts_on_two_nodes(cluster, tiny_checkpoint, tmp_path):
     out = tmp_path / "run"
-    # 4 groups sent, the first 2 to finish train; each engine decodes 2 of its 8 requests at a time, so the last
-    # groups wait, are stopped, kept, and continued after the push. 48 tokens each: the stop reaches the engines while
-    # they decode the last groups (with 12 a tiny model's requests had often all finished before it landed, and the
-    # kept groups were complete: nothing straddled). Lag 2: a group kept at the first rollout's end may finish in the
-    # third (at lag 1 its tokens of the first version were masked and some samples dropped)
+    # 4 groups sent, the first 2 to finish train; the stop gate in each engine actor (tests/stop_gate.py, through
+    # tests/gate_site) holds the requests of the highest fresh group it was sent until the rollout's stop, so the stop
+    # always finds some unfinished: they are kept, and continued after the push (before the gate, 48 tokens and two
+    # requests decoded at a time were meant to outlast the stop, and at 12 tokens often did not). Lag 2: a group kept
+    # at the first rollout's end may finish in the third (at lag 1 its tokens of the first version were masked and
+    # some samples dropped)
     more = ("--partial-rollout", "--over-sampling-batch-size", "4", "--max-policy-lag", "2", "--rollout-ignore-eos")
-    more += ("--rollout-max-response-len", "48", "--max-running-requests", "2")
-    run = RayRun(cluster.address, flags(tiny_checkpoint, out, *more), out)
+    more += ("--rollout-max-response-len", "16", "--max-running-requests", "2")
+    run = RayRun(cluster.address, flags(tiny_checkpoint, out, *more), out, env=stop_gate_environment(4))
     assert run.wait() == 0, run.text[-3000:]
     rows = check_trained(run, 3)
     assert all(r["stopped_requests"] > 0 for r in rows), rows

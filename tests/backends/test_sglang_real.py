@@ -89,32 +89,68 @@ def test_sglang_cannot_serve_lora_adapters_on_a_cpu(failed_starts):
     assert "pin_memory=True requires a CUDA or other accelerator backend" in failed_starts["lora"]
 
 
+class FirstToken:
+    """``body`` streamed from SGLang's ``/generate`` on a thread: ``first`` is set once its first token has come (the
+    request is running, prefilled and decoding), ``last`` is the final chunk (the whole answer) once it has ended.
+    The tests then hold the request with SGLang's own ``/pause_generation {"mode": "in_place"}`` before they act:
+    an explicit gate, so that nothing depends on how many tokens a machine decodes meanwhile."""
+
+    def __init__(self, url: str, body: dict):
+        import json
+        import threading
+
+        self.first, self.ended, self.last = threading.Event(), threading.Event(), None
+
+        def stream():
+            try:
+                with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=300) as reply:
+                    for line in reply.iter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            self.last = json.loads(line[len("data: ") :])
+                            if self.last.get("output_ids"):
+                                self.first.set()
+            finally:
+                self.first.set()
+                self.ended.set()
+
+        self.thread = threading.Thread(target=stream, daemon=True)
+        self.thread.start()
+        assert self.first.wait(120) and not self.ended.is_set(), "the request ended before its first token came"
+
+    def answer(self) -> dict:
+        assert self.ended.wait(120) and self.last is not None
+        return self.last
+
+
+def pause(url: str, mode: str) -> None:
+    assert httpx.post(url + "/pause_generation", json={"mode": mode}, timeout=60).status_code == 200
+
+
+def carry_on(url: str) -> None:
+    assert httpx.post(url + "/continue_generation", json={}, timeout=60).status_code == 200
+
+
 def test_a_stopped_request_answers_with_its_tokens_and_their_supports(sglang_server):
     """SGLang's ``/abort_request {"rid"}`` on a running request (partial rollouts stop the slowest so): its
     ``/generate`` answers with the tokens so far, finish reason ``abort``, a support and log mu for each, which the
-    backend keeps with ``partial`` (seen: 114 of 500 tokens after 0.4 s)."""
-    import threading
-    import time
-
+    backend keeps with ``partial``. Held in place after its first token, so the stop finds it running."""
     from support_replay import SamplingParams
     from support_replay.backends.sglang import SGLangBackend
-    from support_replay.protocol import GenerateRequest
+    from support_replay.protocol import GenerateRequest, validate_completion
 
     url, _ = sglang_server
     backend = SGLangBackend(url, 384)
     params = SamplingParams(temperature=1.0, top_k=8)
     req = GenerateRequest([1, 2, 3, 4], params, 500, ignore_eos=True, return_sampling_mask=True, rid="stop-me")
-    ended = []
-    answer = []
-    worker = threading.Thread(
-        target=lambda: answer.extend(backend.generate([req], partial=True, on_done=lambda *a: ended.append(a)))
-    )
-    worker.start()
-    time.sleep(0.4)
-    backend.stop([req])
-    worker.join(timeout=120)
-    (completion,) = answer
-    assert completion.finish_reason["type"] == "abort" and ended == [(0, False)]
+    running = FirstToken(url, backend.body(req))
+    pause(url, "in_place")
+    try:
+        backend.stop([req])
+    finally:
+        carry_on(url)
+    item = running.answer()
+    assert item["meta_info"]["finish_reason"]["type"] == "abort"
+    completion = validate_completion(backend.completion(item, req), req, 384)
     assert 0 < completion.num_tokens < 500 and len(completion.log_mu) == completion.num_tokens
     assert all(token in row for token, row in zip(completion.output_ids, completion.support.to_lists()))
 
@@ -122,30 +158,23 @@ def test_a_stopped_request_answers_with_its_tokens_and_their_supports(sglang_ser
 def test_a_push_under_a_retract_pause_continues_the_running_request_under_the_new_version(sglang_server):
     """SGLang's own ``/pause_generation {"mode": "retract"}``, ``/update_weights_from_disk`` while paused and
     ``/continue_generation`` (what ``--weight-sync-mode retract`` sends): the running request goes on, and its answer
-    carries two version spans with a support and log mu for every token."""
-    import threading
-    import time
-
+    carries two version spans with a support and log mu for every token. The pause comes after its first token."""
     url, checkpoint = sglang_server
     body = {
         "input_ids": [1, 2, 3, 4],
         "return_sampling_mask": True,
         "sampling_params": {**MASKED, "max_new_tokens": 500},
     }
-    answer = []
-    worker = threading.Thread(target=lambda: answer.append(httpx.post(url + "/generate", json=body, timeout=300)))
-    worker.start()
-    time.sleep(0.3)
+    running = FirstToken(url, body)
     try:
-        assert httpx.post(url + "/pause_generation", json={"mode": "retract"}, timeout=60).status_code == 200
+        pause(url, "retract")
         load = {"model_path": str(checkpoint), "weight_version": "paused-push"}
         assert httpx.post(url + "/update_weights_from_disk", json=load, timeout=120).json()["success"]
-        assert httpx.post(url + "/continue_generation", json={}, timeout=60).status_code == 200
-        worker.join(timeout=120)
+        carry_on(url)
+        meta = running.answer()["meta_info"]
     finally:
         back = {"model_path": str(checkpoint), "weight_version": "default"}
         httpx.post(url + "/update_weights_from_disk", json=back, timeout=120)
-    meta = answer[0].json()["meta_info"]
     spans = meta["weight_versions"]
     assert [s["version"] for s in spans] == ["default", "paused-push"] and spans[-1]["end"] == 500
     assert len(meta["output_token_sampling_mask"]) == len(meta["output_token_sampling_logprobs"]) == 500

@@ -115,8 +115,29 @@ def test_an_update_in_abort_mode_fails_the_running_requests_and_applies_at_once(
 ASYNC = dict(async_rollout=True, max_policy_lag=1, num_rollout=3)
 
 
+@pytest.fixture
+def push_after_the_rollout(monkeypatch):
+    """An abort-mode push waits until the in-process engine has answered what it runs: a push that found the rollout
+    sampled beside the update still running would abort it, and its regeneration would train at lag 0, so whether a
+    rollout trained one update behind was a race between the update and the generation. Held so, each rollout from
+    the second on trains exactly one update behind, whatever the machine's speed. (The engine's abort of running
+    requests is test_an_update_in_abort_mode_fails_the_running_requests_and_applies_at_once's.)"""
+    queue = Engine._queue_update
+
+    def after_the_rollout(engine, source, version, abort_all_requests, adapter=False):
+        while abort_all_requests and (engine.num_running or engine.num_waiting):
+            time.sleep(0.002)  # the generation ends by itself: this waits for it, not for a time
+        return queue(engine, source, version, abort_all_requests, adapter)
+
+    monkeypatch.setattr(Engine, "_queue_update", after_the_rollout)
+
+
 @pytest.mark.parametrize("mode", ["wait", "abort"])
-def test_async_grpo_passes_ci_test_per_token_under_the_weights_that_sampled_it(tiny_checkpoint, tmp_path, mode):
+def test_async_grpo_passes_ci_test_per_token_under_the_weights_that_sampled_it(
+    tiny_checkpoint, tmp_path, mode, request
+):
+    if mode == "abort":
+        request.getfixturevalue("push_after_the_rollout")
     rows = train(run_config(tiny_checkpoint, tmp_path, weight_sync_mode=mode, **ASYNC))
     assert [r["policy_lag_max"] for r in rows] == [0, 1, 1]
     for r in rows:

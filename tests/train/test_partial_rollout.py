@@ -9,13 +9,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from processes import engine_process
+from push_gate import PushGate
+from push_gate import environment as push_gate_environment
 from recipe_helpers import agent_config, run_config
 from sampled_supports import replayed_diff
+from stop_gate import StopGate
+from stop_gate import environment as stop_gate_environment
 from support_replay import SamplingParams
 from support_replay.backends.local import EngineBackend
 from support_replay.engine import Engine, EngineSettings
 from support_replay.engine.limits import EngineLimits
-from support_replay.errors import CITestError, ConfigError
+from support_replay.errors import CITestError, ConfigError, EngineUnavailable
+from support_replay.protocol import Completion
 from support_replay.rollout.data import Prompt
 from support_replay.rollout.generate import Asked
 from support_replay.rollout.partial import PartialRollouts
@@ -95,6 +100,17 @@ PARTIAL = dict(
     partial_rollout=True, over_sampling_batch_size=4, max_policy_lag=1, num_rollout=3, rollout_max_response_len=12,
     rollout_ignore_eos=True,
 )  # fmt: skip
+SAMPLES = 4  # run_config's groups
+
+
+@pytest.fixture
+def stop_gate():
+    """The partial rollouts' stop gate on this process's engines (tests/stop_gate.py): each rollout's last group
+    waits in the engine's queue until the rollout's stop, which so always finds requests unfinished, whatever the
+    machine's speed."""
+    gate = StopGate(SAMPLES).install()
+    yield gate
+    gate.uninstall()
 
 
 def test_a_kept_group_too_old_to_train_is_dropped_before_it_is_continued_and_the_rollout_still_fills(
@@ -175,22 +191,91 @@ def test_a_kept_group_at_the_lag_is_not_stopped_again_so_none_of_its_tokens_ages
     assert len(trained) == N and {span.version for s in trained for span in s.weight_versions} == {"0", "1"}
 
 
+class StopRefused:
+    """Our engine's backend whose stop fails, as ``/abort_request`` does through a router without the route or to a
+    dead engine behind a broadcast."""
+
+    def __init__(self, inner):
+        self.inner, self.asked = inner, 0
+
+    def generate(self, requests, **kw):
+        return self.inner.generate(requests, **kw)
+
+    def stop(self, requests):
+        self.asked += 1
+        raise EngineUnavailable("stopping at http://engine:1: /abort_request failed for 4 of 4 requests")
+
+
+def test_a_stop_the_engine_refuses_keeps_the_answer_that_asked_for_it_and_the_rest_run_to_their_end(tiny_checkpoint):
+    """The stop is asked from the callback of the answer that completed the target: a stop that raised there failed
+    that answer (counted as a failed sample) and left the other requests unstopped behind an error. Now the answer
+    keeps, the failed stop is counted, and the requests it did not stop run to their end: nothing is lost."""
+    engine = two_groups_at_a_time(tiny_checkpoint)
+    backend = StopRefused(EngineBackend(engine))
+    partial = PartialRollouts(target=2, over_sampling=4)
+    samples, stats = partial.generate(backend, engine.tokenizer, PROMPTS, asked_for(), rollout=0, **KW)
+    assert backend.asked == 1 and stats.failed_stops == 1 and stats.failed_samples == 0
+    assert [s.metadata["prompt"] for s in samples] == [0, 0, 1, 1]
+    assert all(len(s.response_ids) == TOKENS for s in samples)
+    assert stats.generated_tokens == stats.trained_tokens + stats.kept_tokens == 4 * N * TOKENS  # all ran to the end
+
+
+class StoppedInTheQueue:
+    """Our engine's backend whose answers to the last two requests of the first call are SGLang's to a request stopped
+    in its waiting queue (never prefilled: no output, no capture, finish reason ``abort``)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls, self.sent = inner, 0, []
+
+    def generate(self, requests, **kw):
+        self.calls += 1
+        self.sent.append([r.rid for r in requests])
+        answers = self.inner.generate(requests, **kw)
+        if self.calls == 1:
+            for i in (-2, -1):
+                answers[i] = Completion([], {"type": "abort", "message": "Abort in waiting queue"})
+        return answers
+
+    def stop(self, requests):
+        return self.inner.stop(requests)
+
+
+def test_a_request_stopped_before_its_first_token_is_sent_again_as_it_was(tiny_checkpoint):
+    """An empty aborted answer (SGLang 0.5.23's to a stop that finds the request in its waiting queue) holds no
+    segment: the sample is not finished, nothing is appended, and the next rollout sends the same prompt again from
+    its start; the samples still come out whole."""
+    engine = two_groups_at_a_time(tiny_checkpoint)
+    backend = StoppedInTheQueue(EngineBackend(engine))
+    partial = PartialRollouts(target=2, over_sampling=4)
+    first, stats0 = partial.generate(backend, engine.tokenizer, PROMPTS, asked_for(), rollout=0, **KW)
+    emptied = backend.sent[0][-2:]
+    second, _ = partial.generate(backend, engine.tokenizer, PROMPTS, asked_for(), rollout=1, **KW)
+    resent = [rid for rid in backend.sent[-1] if rid.rsplit("/", 3)[-2:] in [e.rsplit("/", 3)[-2:] for e in emptied]]
+    assert len(resent) == 2 and all(rid.endswith("/0") for rid in resent), (emptied, backend.sent[-1])
+    for s in first + second:
+        assert len(s.response_ids) == TOKENS and len(s.log_mu) == TOKENS
+        assert s.metadata["partial_segments"] == len(s.output_starts)
+    assert stats0.failed_samples == 0
+
+
 @pytest.mark.parametrize("where", ["in-process", pytest.param("serve", marks=pytest.mark.processes)])
-def test_grpo_ci_test_holds_for_samples_that_straddle_a_push(tiny_checkpoint, tmp_path, where):
+def test_grpo_ci_test_holds_for_samples_that_straddle_a_push(tiny_checkpoint, tmp_path, where, request):
     """Samples kept across a push are trained with tokens of two versions, each compared under its own weights
-    (within 1e-3); no token generated is thrown away."""
+    (within 1e-3); no token generated is thrown away. The stop gate holds each rollout's last group until the stop,
+    in serve's process too."""
     if where == "serve":
-        server, url = engine_process(tiny_checkpoint, "--max-running-requests", "4")
+        server, url = engine_process(tiny_checkpoint, "--max-running-requests", "4", env=stop_gate_environment(SAMPLES))
         with server:
             rows = train(run_config(tiny_checkpoint, tmp_path, rollout_url=url, **PARTIAL))
     else:
+        request.getfixturevalue("stop_gate")
         rows = train(run_config(tiny_checkpoint, tmp_path, max_running_requests=4, **PARTIAL))
     check_partial_rows(rows)
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
 
 
 @pytest.mark.float_bits  # true-on-policy mode: every token at tolerance 0
-def test_in_true_on_policy_mode_straddling_samples_replay_to_the_bit(tiny_checkpoint, tmp_path):
+def test_in_true_on_policy_mode_straddling_samples_replay_to_the_bit(tiny_checkpoint, tmp_path, stop_gate):
     """The kept tokens under the weights that sampled them, the continued ones after a recompute through the
     invariant prefill: every token of every sample equal to the bit."""
     rows = train(run_config(tiny_checkpoint, tmp_path, max_running_requests=4, true_on_policy_mode=True, **PARTIAL))
@@ -209,8 +294,13 @@ def check_partial_rows(rows: list[dict]) -> None:
 
 def test_kept_groups_hold_the_trainers_capture_budget_and_over_sampling_waits_for_them(tiny_checkpoint, tmp_path):
     """--max-kept-capture-ids: once the kept groups hold more support ids than it allows, a rollout sends no fresh
-    groups beyond the ones it trains; the kept ones still go on and nothing is thrown away."""
-    rows = train(run_config(tiny_checkpoint, tmp_path, max_running_requests=4, max_kept_capture_ids=1, **PARTIAL))
+    groups beyond the ones it trains; the kept ones still go on and nothing is thrown away. The stop gate holds the
+    first rollout's last group, so that it keeps some (the next sends only the groups it trains: nothing to hold)."""
+    gate = StopGate(SAMPLES, rollouts={0}).install()
+    try:
+        rows = train(run_config(tiny_checkpoint, tmp_path, max_running_requests=4, max_kept_capture_ids=1, **PARTIAL))
+    finally:
+        gate.uninstall()
     assert rows[0]["kept_capture_ids"] > 1  # the first rollout kept more than the budget
     for before, r in zip(rows, rows[1:]):  # a rollout over-samples again once the kept ones have drained
         assert (r["over_sampling_held"] > 0) == (before["kept_capture_ids"] > 1)
@@ -270,18 +360,13 @@ def test_tokens_older_than_the_lag_are_masked_not_trained_and_not_compared():
 
 
 @pytest.fixture
-def slow_decode(monkeypatch):
-    """Each decode step of the in-process engine 20 ms longer, so a rollout's generation outlasts the tiny model's
-    update and the next push lands among running requests (--async-rollout)."""
-    import time
-
-    decode = Engine._decode
-
-    def slowed(engine):
-        time.sleep(0.02)
-        return decode(engine)
-
-    monkeypatch.setattr(Engine, "_decode", slowed)
+def push_gate():
+    """The in-flight updates' push gate on this process's engines (tests/push_gate.py): a rollout's requests (from
+    rollout 1 on) sample their first token and wait until the engine takes the next weights, so that the push always
+    lands among running requests (--async-rollout), whatever the machine's speed."""
+    gate = PushGate().install()
+    yield gate
+    gate.uninstall()
 
 
 IN_FLIGHT = dict(
@@ -293,7 +378,7 @@ IN_FLIGHT = dict(
 @pytest.mark.float_bits  # true-on-policy mode: every token at tolerance 0
 @pytest.mark.parametrize("mode", ["normal", "true-on-policy"])
 def test_a_push_lands_among_running_requests_and_each_token_replays_under_its_version(
-    tiny_checkpoint, tmp_path, slow_decode, mode
+    tiny_checkpoint, tmp_path, push_gate, mode
 ):
     """--weight-sync-mode retract under --async-rollout: the push pauses the engine between decode steps, the
     running requests are recomputed under the new weights and go on; their samples hold tokens of two versions,
@@ -316,7 +401,7 @@ def test_a_push_lands_among_running_requests_and_each_token_replays_under_its_ve
 
 
 def test_an_agent_episode_straddling_an_in_flight_push_replays_each_token_under_its_version(
-    tiny_agent_checkpoint, tmp_path, slow_decode
+    tiny_agent_checkpoint, tmp_path, push_gate
 ):
     """Agents under --weight-sync-mode retract: a turn that runs while the push lands holds tokens of two
     versions (the episode's later turns are sampled under the new weights), and --ci-test holds on every one."""
@@ -327,12 +412,18 @@ def test_an_agent_episode_straddling_an_in_flight_push_replays_each_token_under_
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
 
 
-def test_ci_test_names_the_stale_keys_and_values_of_an_in_place_push(tiny_checkpoint, tmp_path, slow_decode):
+def test_ci_test_names_the_stale_keys_and_values_of_an_in_place_push(tiny_checkpoint, tmp_path):
     """--weight-sync-mode in_place keeps the old weights' keys and values of a running request's prefix: its later
-    tokens are not the trained policy's, and --ci-test says so, naming the push the token came after."""
+    tokens are not the trained policy's, and --ci-test says so, naming the push the token came after. The push gate
+    holds rollout 1 only: the run fails on it, and rollout 2 (generating meanwhile) must end without a push."""
     extra = {**IN_FLIGHT, "weight_sync_mode": "in_place", "lr": 1e-2}
-    with pytest.raises(CITestError, match="under --weight-sync-mode in_place.*retract recomputes them"):
-        train(run_config(tiny_checkpoint, tmp_path, **extra))
+    gate = PushGate(rollouts={1}).install()
+    try:
+        with pytest.raises(CITestError, match="under --weight-sync-mode in_place.*retract recomputes them"):
+            train(run_config(tiny_checkpoint, tmp_path, **extra))
+    finally:
+        gate.uninstall()
+    assert gate.held_steps > 0
 
 
 R3 = dict(use_rollout_routing_replay=True)
@@ -348,15 +439,15 @@ MOE_IN_FLIGHT = {**IN_FLIGHT, **R3, "num_rollout": 2}  # the push of the first u
     ],
 )  # true-on-policy mode: every token at tolerance 0, under each kernel set
 def test_a_moe_replays_each_token_under_the_routing_that_sampled_it_across_an_in_flight_push(
-    tiny_moe_checkpoint, tmp_path, slow_decode, mode
+    tiny_moe_checkpoint, tmp_path, push_gate, mode
 ):
     """Routing replay under --weight-sync-mode retract: a running request's prefix is routed again by the recompute
     under the new weights; its tokens before the push are scored under the routing that sampled them (a row of
     their own), the later ones under the recompute's, each under its version's weights: --ci-test holds, to the bit
     in true-on-policy mode. Through ``serve`` the earlier routing comes in ``meta_info["routed_experts_history"]``
-    (two decoded at a time, so that the push lands among running requests without the in-process slowdown)."""
+    (the push gate in serve's process)."""
     if mode == "serve":
-        server, url = engine_process(tiny_moe_checkpoint, "--max-running-requests", "2")
+        server, url = engine_process(tiny_moe_checkpoint, env=push_gate_environment())
         with server:
             rows = train(run_config(tiny_moe_checkpoint, tmp_path, rollout_url=url, **MOE_IN_FLIGHT))
     else:
@@ -370,7 +461,9 @@ def test_a_moe_replays_each_token_under_the_routing_that_sampled_it_across_an_in
         assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 for r in rows)
 
 
-def test_a_moe_s_kept_samples_replay_the_routing_of_each_request_that_sampled_them(tiny_moe_checkpoint, tmp_path):
+def test_a_moe_s_kept_samples_replay_the_routing_of_each_request_that_sampled_them(
+    tiny_moe_checkpoint, tmp_path, stop_gate
+):
     """Partial rollouts with routing replay: a continued sample's kept tokens are scored under the stopped
     request's routing, its new ones under the continuation's (which routed the kept prefix again)."""
     rows = train(run_config(tiny_moe_checkpoint, tmp_path, max_running_requests=4, **PARTIAL, **R3))
@@ -385,7 +478,7 @@ def test_an_in_place_push_is_refused_with_routing_replay(tiny_moe_checkpoint, tm
 
 
 def test_without_the_earlier_routing_a_moe_s_straddling_tokens_fail_ci_test(
-    tiny_moe_checkpoint, tmp_path, slow_decode, monkeypatch
+    tiny_moe_checkpoint, tmp_path, push_gate, monkeypatch
 ):
     """The same run with the earlier computations' rows left out (every token under the recompute's routing): the
     tokens sampled before the push no longer replay, and --ci-test names them."""
@@ -406,9 +499,10 @@ def test_penalties_replay_across_a_switch(tiny_checkpoint, tmp_path, request, ho
     restarts it at its first output (``output_starts``), a retracted request keeps its whole output; the trainer
     replays each so, and --ci-test holds on samples that straddle a push."""
     if how == "partial":
+        request.getfixturevalue("stop_gate")
         settings = dict(PARTIAL, max_running_requests=4, num_rollout=2)
     else:
-        request.getfixturevalue("slow_decode")
+        request.getfixturevalue("push_gate")
         settings = dict(IN_FLIGHT, num_rollout=2)
     rows = train(run_config(tiny_checkpoint, tmp_path, **settings, **PENALTIES))
     assert sum(r["straddling_samples"] for r in rows) > 0
