@@ -217,6 +217,19 @@ def test_a_run_launches_sglang_itself_and_trains_through_it(tiny_checkpoint, tmp
     assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0 for r in rows)
 
 
+def test_the_sglang_command_carries_train_s_running_limit(tmp_path):
+    """--launch-server sglang: train's --max-running-requests reaches SGLang (it was dropped without a word, so a
+    partial rollout's over-sampling never queued there); given twice, once by its SGLang name, it is refused."""
+    sglang = dict(launch_server="sglang", launch_python="/venv/bin/python", max_running_requests=2)
+    command = engine_command(launched(**sglang), "/m", 30001, 0, tmp_path)
+    assert command[:3] == ["/venv/bin/python", "-m", "sglang.launch_server"]
+    assert " --max-running-requests 2" in " ".join(command) and command.count("--max-running-requests") == 1
+    assert "--max-running-requests" not in engine_command(launched(launch_server="sglang"), "/m", 1, 0, tmp_path)
+    twice = launched(**sglang, sglang_server_args=("--sglang-max-running-requests=4",))
+    with pytest.raises(ConfigError, match="--sglang-max-running-requests: given beside --max-running-requests 2"):
+        engine_command(twice, "/m", 1, 0, tmp_path)
+
+
 def test_the_vllm_command_carries_the_run_the_client_s_needs_and_the_server_flags(tmp_path):
     """--launch-server vllm: vLLM's server as the trainer's vLLM client reads it, the trainer's own --vllm-* flags
     kept from the server's, a flag the launch sets refused by name."""

@@ -86,8 +86,11 @@ def server_flags(given: tuple[str, ...], prefix: str = SGLANG_PREFIX, sets: dict
     return out
 
 
-def engine_command(cfg: RunConfig, checkpoint: str, port: int, index: int, weights_dir: Path) -> list[str]:
-    """The command line of engine ``index`` on ``port``."""
+def engine_command(
+    cfg: RunConfig, checkpoint: str, port: int, index: int, weights_dir: Path, pick_device: bool = True
+) -> list[str]:
+    """The command line of engine ``index`` on ``port``; ``pick_device``: our serve on this machine's CUDA device
+    ``index`` when it has one (ray-run's actors take the device Ray gives them instead: ray_launch/actors.py)."""
     launch, rollout, replay = cfg.launch, cfg.rollout, cfg.replay
     per = launch.rollout_num_gpus_per_engine
     extra = server_flags(launch.sglang_server_args)
@@ -98,11 +101,19 @@ def engine_command(cfg: RunConfig, checkpoint: str, port: int, index: int, weigh
         command += ["--random-seed", str(rollout.rollout_seed)]
         if replay.use_rollout_routing_replay:
             command.append("--enable-return-routed-experts")
+        limit = cfg.engine.max_running_requests
+        if limit is not None:  # train's own limit, which partial rollouts' over-sampling queues behind
+            if any(token.split("=", 1)[0] == "--max-running-requests" for token in extra):
+                raise ConfigError(
+                    f"--sglang-max-running-requests: given beside --max-running-requests {limit}, which SGLang "
+                    "takes from the run: give one"
+                )
+            command += ["--max-running-requests", str(limit)]
         return command + extra
     if launch.launch_server == "vllm":
         return vllm_command(cfg, checkpoint, port)
     settings = cfg.in_process_engine(checkpoint).settings  # the engine a run without --rollout-url builds
-    if torch.cuda.is_available():
+    if pick_device and torch.cuda.is_available():
         settings = settings.but(device=f"cuda:{index % torch.cuda.device_count()}")
     if "--enable-deterministic-inference" in extra:  # given by its SGLang name
         settings = settings.but(deterministic=False)
