@@ -405,3 +405,18 @@ def test_a_request_aborted_in_sglangs_waiting_queue_is_an_empty_answer_not_a_wir
     client = SGLangBackend("http://sglang", case["vocab_size"], transport=transport, sampling_mask_format="lists")
     with pytest.raises(WireError, match="no output_token_sampling_mask"):  # only an abort may come without one
         client.generate([request_of(case["request"])], partial=True)
+
+
+def test_under_a_push_among_running_requests_an_answer_without_per_token_versions_is_refused():
+    """--weight-sync-mode retract or in_place: a push may land inside a request, so an answer that names one
+    ``weight_version`` and no ``weight_versions`` spans would read every token as that version's (tokens sampled
+    under the older weights trained as the newer's): refused by name. Under wait or abort it is one version, as
+    before; SGLang 0.5.23's answer carries the spans (the recorded fixture)."""
+    alone = edited(SELECTED, lambda m, i: m.pop("weight_versions"))
+    n = len(SELECTED["response"]["output_ids"])
+    assert sglang_answer(SELECTED, alone).weight_versions == [VersionSpan("default", 0, n)]
+    with pytest.raises(
+        WireError, match=r"completion 0: meta_info has no weight_versions .*\(--weight-sync-mode retract"
+    ):
+        sglang_answer(SELECTED, alone, per_token_versions=True)
+    assert sglang_answer(SELECTED, per_token_versions=True).weight_versions == [VersionSpan("default", 0, n)]

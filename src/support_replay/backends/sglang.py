@@ -191,9 +191,19 @@ def parse_routing_history(value, shape: RoutingShape | None, where: str) -> tupl
     return [routing for routing, _ in history], sum(n for _, n in history)
 
 
-def parse_weight_versions(meta: dict, num_tokens: int, where: str):
+def parse_weight_versions(meta: dict, num_tokens: int, where: str, per_token: bool = False):
+    """The spans of the weights that sampled each output token. ``per_token`` (a push may land among running requests:
+    ``--weight-sync-mode retract`` or ``in_place``): an answer with one ``weight_version`` only would read every
+    token as that version's, so it is refused."""
     if "weight_versions" in meta:
         return parse_version_spans(meta["weight_versions"], num_tokens, where)
+    if per_token and num_tokens:
+        raise WireError(
+            f"{where}: meta_info has no weight_versions (the weights of each output token), which a push among running "
+            f"requests (--weight-sync-mode retract or in_place) needs: weight_version "
+            f"{meta.get('weight_version')!r} alone would name every token's; use an engine that reports them "
+            "(SGLang 0.5.23, support-replay serve) or --weight-sync-mode wait"
+        )
     if meta.get("weight_version") is not None:
         return single_version(str(meta["weight_version"]), num_tokens)
     return []
@@ -223,7 +233,11 @@ class SGLangBackend:
         transport: httpx.BaseTransport | None = None,
         routing_shape: RoutingShape | None = None,
         lora_path: str | None = None,
+        per_token_versions: bool = False,
     ):
+        self.per_token_versions = (
+            per_token_versions  # a push may land among running requests: see parse_weight_versions
+        )
         self.routing_shape = routing_shape  # the trainer's model's: reads SGLang's raw routing, checks any
         self.lora_path = lora_path  # the loaded LoRA adapter every request runs with (SGLang's field), or None
         if sampling_mask_format not in MASK_FORMATS:
@@ -403,7 +417,7 @@ class SGLangBackend:
             log_mu=log_mu,
             support=support,
             full_logprobs=full,
-            weight_versions=parse_weight_versions(meta, len(output_ids), where),
+            weight_versions=parse_weight_versions(meta, len(output_ids), where, self.per_token_versions),
             text=item["text"] if isinstance(item.get("text"), str) else "",
             support_bytes=size,
             sampler=meta.get("sampler") if req.return_sampling_mask else None,

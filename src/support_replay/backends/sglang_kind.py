@@ -69,6 +69,7 @@ class SGLangKind(EngineKind):
             routing_shape=needs.routing_shape,
             concurrency=self.settings.rollout_concurrency,
             lora_path=ADAPTER_NAME if needs.adapter else None,
+            per_token_versions=self.settings.weight_sync_mode in ("retract", "in_place"),
         )
         if needs.true_on_policy_dtype is not None:
             require_deterministic(url, needs.true_on_policy_dtype, self._headers())
