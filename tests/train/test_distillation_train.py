@@ -27,11 +27,13 @@ def teacher(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("teacher"), seed=1)
 
 
-def wider_teacher(path, student):
-    """Twice the student's width and three layers, the student's tokenizer."""
+def wider_teacher(path, student, head: int | None = None):
+    """Twice the student's width and three layers, the student's tokenizer; ``head``: its embeddings padded (or cut)
+    to that many rows."""
     tok = AutoTokenizer.from_pretrained(student)
     torch.manual_seed(2)
     dims = {**tiny_dims(tok, 512), "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3}
+    dims["vocab_size"] = head or dims["vocab_size"]
     model = Qwen3ForCausalLM(Qwen3Config(**dims, head_dim=32))
     with torch.no_grad():
         model.lm_head.weight.mul_(25)
@@ -95,10 +97,15 @@ def test_distillation_on_agent_episodes_scores_only_the_models_tokens(tiny_agent
     assert_distilled(rows)
 
 
-@pytest.mark.parametrize("kind", ["wider", "moe"])
+@pytest.mark.parametrize("kind", ["wider", "padded", "moe"])
 def test_a_wider_or_mixture_of_experts_teacher_with_the_students_tokenizer(tiny_checkpoint, tmp_path, kind):
+    """``padded``: the student's tokenizer, its head padded to 448 rows (models pad to a multiple of 64): the same
+    token map, and no support id reaches the padding (it was refused for its vocab_size)."""
     path = tmp_path / "teacher"
-    path = wider_teacher(path, tiny_checkpoint) if kind == "wider" else build_tiny_moe_checkpoint(path)
+    if kind == "moe":
+        path = build_tiny_moe_checkpoint(path)
+    else:
+        path = wider_teacher(path, tiny_checkpoint, head=448 if kind == "padded" else None)
     rows = train(run_config(tiny_checkpoint, tmp_path, **OPD, opd_teacher_load=str(path), num_rollout=2))
     assert_distilled(rows)
 
@@ -112,9 +119,12 @@ def test_a_checkpoint_the_run_saved_is_a_teacher(tiny_checkpoint, tmp_path):
 
 
 def test_a_teacher_with_another_vocabulary_or_template_is_refused_by_name(tiny_checkpoint, tmp_path):
+    narrower = wider_teacher(tmp_path / "narrow", tiny_checkpoint, head=320)  # the student's ids 320.. have no row
+    with pytest.raises(ConfigError, match="--opd-teacher-load=.*vocabulary of 320 ids, the student's has 384"):
+        train(run_config(tiny_checkpoint, tmp_path / "a", **OPD, opd_teacher_load=str(narrower)))
     other_vocab = build_tiny_checkpoint(tmp_path / "vocab", vocab_size=400)
-    with pytest.raises(ConfigError, match="--opd-teacher-load=.*vocabulary of"):
-        train(run_config(tiny_checkpoint, tmp_path / "a", **OPD, opd_teacher_load=str(other_vocab)))
+    with pytest.raises(ConfigError, match="--opd-teacher-load=.*maps tokens to other ids"):
+        train(run_config(tiny_checkpoint, tmp_path / "a2", **OPD, opd_teacher_load=str(other_vocab)))
     other_template = build_tiny_checkpoint(tmp_path / "template", chat_template="{{ messages[0]['content'] }}")
     with pytest.raises(ConfigError, match="--opd-teacher-load=.*chat template"):
         train(run_config(tiny_checkpoint, tmp_path / "b", **OPD, opd_teacher_load=str(other_template)))
@@ -178,3 +188,46 @@ def test_sglangs_own_server_as_the_teacher_through_its_token_ids_logprob(tiny_ch
         assert served[0][name] == pytest.approx(local[0][name], rel=1e-4, abs=1e-5), name
     row = served[0]
     assert row["opd_teacher_ids_sent"] > row["opd_teacher_ids_needed"] > 0  # the union costs more than the supports
+
+
+def test_an_sglang_teacher_is_asked_with_every_sampling_field_neutral(tiny_checkpoint, tmp_path):
+    """SGLang 0.5.23 fills a field a request leaves out from the model's generation_config.json (``--sampling-defaults
+    model``, its default: configs/model_config.py's get_default_sampling_params reads repetition_penalty,
+    temperature, top_k, top_p, min_p): a teacher whose config sets top_p 0.5 would be asked for a renormalised
+    distribution. Every field is sent, neutral. (Answered HTTP 500 here: the request is what is checked.)"""
+    import json
+    import shutil
+    from types import SimpleNamespace
+
+    from support_replay.core.support import SupportTable
+    from support_replay.errors import SampleError
+    from support_replay.train.remote_teacher import RemoteTeacher
+
+    served = tmp_path / "teacher"
+    shutil.copytree(tiny_checkpoint, served)
+    (served / "generation_config.json").write_text(json.dumps({"top_p": 0.5, "top_k": 4, "repetition_penalty": 1.3}))
+    sent = []
+
+    def sglang(request):
+        if request.url.path == "/model_info":
+            return httpx.Response(200, json={"model_path": str(served), "tokenizer_path": str(served)})
+        sent.append(json.loads(request.content))
+        return httpx.Response(500, text="checked")
+
+    teacher = RemoteTeacher("http://sglang", tiny_checkpoint, 384, transport=httpx.MockTransport(sglang))
+    sample = SimpleNamespace(
+        index=0, prompt_ids=[5, 6], response_ids=[7, 8], support=SupportTable.from_lists([[7, 9], [8]])
+    )
+    with pytest.raises(SampleError, match="HTTP 500"):
+        teacher.score_sample(sample)
+    assert sent[0]["sampling_params"] == {
+        "max_new_tokens": 0,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "repetition_penalty": 1.0,
+    }
+    assert sent[0]["token_ids_logprob"] == [7, 8, 9] and sent[0]["logprob_start_len"] == 1

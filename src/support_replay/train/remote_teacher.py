@@ -18,14 +18,28 @@ from ..errors import ConfigError, SampleError
 from ..modeling.tokenizer_identity import tokenizer_fingerprint
 from ..serving.security import Keys
 from .batches import MicroBatch
+from .teacher import check_head
 
+# every sampling field SGLang would otherwise fill from the model's generation_config.json, given neutral: the
+# teacher's distribution, not one its config's top-p or penalties renormalised (0.5.23's SamplingParams fields)
+NEUTRAL = {
+    "max_new_tokens": 0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
 TEACHER_TIMEOUT = 600.0  # seconds for one sample's scoring (a long sequence on a busy engine)
 
 
 class RemoteTeacher:
-    def __init__(self, url: str, student_path, student_vocab: int):
+    def __init__(self, url: str, student_path, student_vocab: int, transport: httpx.BaseTransport | None = None):
         self.url = url.rstrip("/")
-        self.client = httpx.Client(timeout=TEACHER_TIMEOUT, headers=Keys.load().header(admin=False))
+        headers = Keys.load().header(admin=False)
+        self.client = httpx.Client(timeout=TEACHER_TIMEOUT, headers=headers, transport=transport)
         try:
             info = self.client.get(self.url + "/model_info").raise_for_status().json()
         except (httpx.HTTPError, ValueError) as exc:
@@ -40,10 +54,7 @@ class RemoteTeacher:
         vocab, fingerprint = (
             self._identity(info) if self.sglang else (info.get("vocab_size"), info.get("tokenizer_fingerprint"))
         )
-        if vocab != student_vocab:
-            raise ConfigError(
-                f"--opd-teacher-url={url!r}: vocabulary of {vocab} ids, the student's has {student_vocab}"
-            )
+        check_head(f"--opd-teacher-url={url!r}", vocab, student_vocab)
         mine = tokenizer_fingerprint(AutoTokenizer.from_pretrained(student_path))
         if fingerprint != mine:
             raise ConfigError(
@@ -89,7 +100,7 @@ class RemoteTeacher:
             union = sorted({i for r in rows for i in r})
             body = {
                 "input_ids": ids,
-                "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+                "sampling_params": NEUTRAL,
                 "return_logprob": True,
                 "logprob_start_len": start - 1,
                 "token_ids_logprob": union,

@@ -15,16 +15,24 @@ from .actor import ScoringModel, load_scoring_model
 from .batches import MicroBatch
 
 
+def check_head(where: str, teacher_vocab, student_vocab: int) -> None:
+    """The teacher has a row for every id the student can sample: its head at least as wide as the student's. A wider
+    one is the same tokenizer's embeddings padded further (models are padded to a multiple of 64 or 128): the
+    tokenizers are compared apart, and no support id reaches the extra rows."""
+    if not isinstance(teacher_vocab, int) or teacher_vocab < student_vocab:
+        raise ConfigError(
+            f"{where}: vocabulary of {teacher_vocab} ids, the student's has {student_vocab}: the student's ids from "
+            f"{teacher_vocab} on have no row in the teacher"
+        )
+
+
 def check_teacher_matches(student_path, teacher_path) -> None:
-    """The teacher scores the student's token ids: the same vocabulary width, token map and chat template, or
-    ``ConfigError`` naming ``--opd-teacher-load`` and what differs."""
+    """The teacher scores the student's token ids: the same token map and chat template, and a head at least as
+    wide, or ``ConfigError`` naming ``--opd-teacher-load`` and what differs."""
     if not Path(teacher_path).is_dir():
         raise ConfigError(f"--opd-teacher-load={str(teacher_path)!r}: not a checkpoint directory")
     widths = [AutoConfig.from_pretrained(p).vocab_size for p in (student_path, teacher_path)]
-    if widths[0] != widths[1]:
-        raise ConfigError(
-            f"--opd-teacher-load={str(teacher_path)!r}: vocabulary of {widths[1]} ids, the student's has {widths[0]}"
-        )
+    check_head(f"--opd-teacher-load={str(teacher_path)!r}", widths[1], widths[0])
     student, teacher = (AutoTokenizer.from_pretrained(p) for p in (student_path, teacher_path))
     if student.get_vocab() != teacher.get_vocab():
         moved = sorted(set(student.get_vocab().items()) ^ set(teacher.get_vocab().items()))[:3]
