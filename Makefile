@@ -141,10 +141,10 @@ test-floats-other-kernels: setup
 	@$(call phase,begin,rerun: AVX2 kernels)
 	$(if $(and $(filter AVX2,$(ATEN_ISA)),$(if $(ABOVE_AVX2),,1)),@echo "test-floats-other-kernels: this CPU's widest kernels \
 	  are AVX2 (ATen AVX2; no AVX-512, AVX-VNNI or AMX): the main run took the AVX2 set and is not repeated",$(AVX2_KERNELS) \
-	  $(PY) -m pytest -q $(XDIST) -m "float_bits and not slow" -p no:cacheprovider)
+	  $(PY) -m pytest -q $(XDIST) -m float_bits -p no:cacheprovider)
 	@$(call phase,end,rerun: AVX2 kernels)
 	@$(call phase,begin,rerun: portable kernels)
-	$(PORTABLE_KERNELS) $(PY) -m pytest -q $(XDIST) -m "float_bits and not slow" -p no:cacheprovider
+	$(PORTABLE_KERNELS) $(PY) -m pytest -q $(XDIST) -m float_bits -p no:cacheprovider
 	@$(call phase,end,rerun: portable kernels)
 
 test-fast: lint

@@ -7,18 +7,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import ci_skips  # noqa: E402
 import spawns  # noqa: E402
 from tiny_model import build_tiny_checkpoint, build_tiny_moe_checkpoint  # noqa: E402
-
-# Skips allowed under CI=true, by a piece of their reason, and why each may stay. The target is none: in CI a skip
-# for a reason of the machine (its CPU kind, a kernel that did not build, a missing engine venv or compiler) is a
-# failure, since a green run must mean the suite checked what it claims on that machine.
-ALLOWED_SKIPS: dict[str, str] = {}
-IN_CI = os.environ.get("CI") == "true"
 
 
 def pytest_configure(config):
     config.pluginmanager.register(spawns, "spawns")  # the `processes` marker, kept true (tests/spawns.py)
+    config.pluginmanager.register(ci_skips, "ci-skips")  # under CI=true a skip fails (tests/ci_skips.py)
     config.pluginmanager.register(GroupsTookEffect(), "groups-took-effect")
 
 
@@ -36,32 +32,6 @@ def pytest_sessionstart(session):
 
         torch.set_num_threads(1)
     compiled()
-
-
-def _skip_reason(report) -> str:
-    longrepr = report.longrepr
-    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-
-
-def _allowed(reason: str) -> bool:
-    return any(piece in reason for piece in ALLOWED_SKIPS)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item, call):
-    """Under CI=true a skipped test is reported failed, naming the skip's reason (unless ``ALLOWED_SKIPS`` has it)."""
-    report = yield
-    if IN_CI and report.skipped and not hasattr(report, "wasxfail") and not _allowed(reason := _skip_reason(report)):
-        report.outcome = "failed"
-        report.longrepr = f"skipped under CI=true, where a skip fails (tests/conftest.py, ALLOWED_SKIPS): {reason}"
-    return report
-
-
-def pytest_collectreport(report):
-    """A module skipped whole at collection (an ``importorskip``, a module-level skip) fails the same way."""
-    if IN_CI and report.skipped and not _allowed(reason := _skip_reason(report)):
-        report.outcome = "failed"
-        report.longrepr = f"skipped under CI=true, where a skip fails (tests/conftest.py, ALLOWED_SKIPS): {reason}"
 
 
 # Session fixtures that start real engines: under xdist every test using one runs on the same worker, so that each
