@@ -67,10 +67,40 @@ def test_distillation_alone_moves_the_student_toward_the_teacher(tiny_checkpoint
 
 
 def test_the_single_sample_estimator_shapes_the_advantage_and_the_exact_value_is_reported(
-    tiny_checkpoint, teacher, tmp_path
+    tiny_checkpoint, teacher, tmp_path, monkeypatch
 ):
-    rows = train(run_config(tiny_checkpoint, tmp_path, **OPD, opd_teacher_load=str(teacher), opd_estimator="single"))
+    """Every micro-batch of a real run under ``--opd-estimator single``: the policy term's advantages are the
+    reward's minus ``coef x (log pi_old(a_t) - log p_T(a_t))`` (slime's shaping) and no divergence loss is added;
+    the exact divergence on S_t is still computed, and the row's ``opd_divergence`` is its mean over the trained
+    tokens (reported, not trained)."""
+    from support_replay.train import learner
+
+    calls = []
+    terms = learner.distill_terms
+
+    def spy(cfg, batch, student_rows, student_full_old, teacher_scores, token_advantages):
+        out = terms(cfg, batch, student_rows, student_full_old, teacher_scores, token_advantages)
+        _, selected = teacher_scores.rows(batch)
+        calls.append((token_advantages.detach().clone(), (student_full_old - selected).detach(), out, batch))
+        return out
+
+    monkeypatch.setattr(learner, "distill_terms", spy)
+    coef = 2.5
+    rows = train(
+        run_config(
+            tiny_checkpoint, tmp_path, **OPD, opd_teacher_load=str(teacher), opd_estimator="single",
+            opd_kl_coef=coef, num_rollout=1,
+        )
+    )  # fmt: skip
     assert_distilled(rows)
+    assert calls
+    for advantages, single, out, _ in calls:
+        assert out.loss is None  # nothing of the divergence's gradient in the loss
+        assert torch.equal(out.advantages, advantages - coef * single)  # the shaping, per token
+        assert not torch.equal(out.advantages, advantages)
+    exact = sum(out.sums.exact for _, _, out, _ in calls)
+    tokens = sum(float(batch.loss_mask.sum()) for *_, batch in calls)
+    assert exact > 0 and rows[0]["opd_divergence"] == pytest.approx(exact / tokens, rel=1e-6)
 
 
 @pytest.mark.parametrize(
