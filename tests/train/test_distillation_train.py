@@ -51,6 +51,25 @@ def assert_distilled(rows):
         assert r["opd_divergence"] >= 0
 
 
+@pytest.fixture
+def distill_calls(monkeypatch):
+    """Every ``distill_terms`` call of the learner during a run: ``(the reward's token advantages, log pi_old(a_t) -
+    log p_T(a_t), the terms it returned, the micro-batch)``."""
+    from support_replay.train import learner
+
+    calls = []
+    terms = learner.distill_terms
+
+    def spy(cfg, batch, student_rows, student_full_old, teacher_scores, token_advantages):
+        out = terms(cfg, batch, student_rows, student_full_old, teacher_scores, token_advantages)
+        _, selected = teacher_scores.rows(batch)
+        calls.append((token_advantages.detach().clone(), (student_full_old - selected).detach(), out, batch))
+        return out
+
+    monkeypatch.setattr(learner, "distill_terms", spy)
+    return calls
+
+
 @pytest.mark.parametrize("divergence", ["reverse", "forward", "jsd"])
 def test_the_exact_divergence_trains_beside_grpo_and_ci_test_holds(tiny_checkpoint, teacher, tmp_path, divergence):
     rows = train(run_config(tiny_checkpoint, tmp_path, **OPD, opd_teacher_load=str(teacher), opd_divergence=divergence))
@@ -67,24 +86,13 @@ def test_distillation_alone_moves_the_student_toward_the_teacher(tiny_checkpoint
 
 
 def test_the_single_sample_estimator_shapes_the_advantage_and_the_exact_value_is_reported(
-    tiny_checkpoint, teacher, tmp_path, monkeypatch
+    tiny_checkpoint, teacher, tmp_path, distill_calls
 ):
     """Every micro-batch of a real run under ``--opd-estimator single``: the policy term's advantages are the
     reward's minus ``coef x (log pi_old(a_t) - log p_T(a_t))`` (slime's shaping) and no divergence loss is added;
     the exact divergence on S_t is still computed, and the row's ``opd_divergence`` is its mean over the trained
     tokens (reported, not trained)."""
-    from support_replay.train import learner
-
-    calls = []
-    terms = learner.distill_terms
-
-    def spy(cfg, batch, student_rows, student_full_old, teacher_scores, token_advantages):
-        out = terms(cfg, batch, student_rows, student_full_old, teacher_scores, token_advantages)
-        _, selected = teacher_scores.rows(batch)
-        calls.append((token_advantages.detach().clone(), (student_full_old - selected).detach(), out, batch))
-        return out
-
-    monkeypatch.setattr(learner, "distill_terms", spy)
+    calls = distill_calls
     coef = 2.5
     rows = train(
         run_config(
@@ -98,9 +106,15 @@ def test_the_single_sample_estimator_shapes_the_advantage_and_the_exact_value_is
         assert out.loss is None  # nothing of the divergence's gradient in the loss
         assert torch.equal(out.advantages, advantages - coef * single)  # the shaping, per token
         assert not torch.equal(out.advantages, advantages)
+    assert rows[0]["opd_divergence"] == pytest.approx(exact_mean(calls), rel=1e-6)
+
+
+def exact_mean(calls) -> float:
+    """The exact divergence's mean over the trained tokens of the recorded micro-batches."""
     exact = sum(out.sums.exact for _, _, out, _ in calls)
     tokens = sum(float(batch.loss_mask.sum()) for *_, batch in calls)
-    assert exact > 0 and rows[0]["opd_divergence"] == pytest.approx(exact / tokens, rel=1e-6)
+    assert exact > 0 and tokens > 0
+    return exact / tokens
 
 
 @pytest.mark.parametrize(
@@ -119,12 +133,23 @@ def test_distillation_with_lora_a_policy_lag_penalties_packing_and_reinforce(tin
     assert_distilled(rows)
 
 
-def test_distillation_on_agent_episodes_scores_only_the_models_tokens(tiny_agent_checkpoint, tmp_path_factory):
+def test_distillation_on_agent_episodes_scores_only_the_models_tokens(
+    tiny_agent_checkpoint, tmp_path_factory, distill_calls
+):
+    """Agent episodes hold tokens the model did not sample (tool results, the next turn's template): they are in the
+    micro-batches (loss mask 0), and the reported divergence is the mean over the model's tokens alone."""
     teacher = build_tiny_checkpoint(tmp_path_factory.mktemp("agent-teacher"), seed=1, max_positions=2048)
     rows = train(
-        agent_config(tiny_agent_checkpoint, tmp_path_factory.mktemp("run"), **OPD, opd_teacher_load=str(teacher))
-    )
+        agent_config(
+            tiny_agent_checkpoint, tmp_path_factory.mktemp("run"), agent="chain", **OPD, opd_teacher_load=str(teacher)
+        )
+    )  # chain: the environment answers every turn, so every episode holds inserted tokens
     assert_distilled(rows)
+    assert all(r["episode_turns_mean"] > 1 and r["inserted_token_share"] > 0 for r in rows)
+    per_rollout = len(distill_calls) // len(rows)  # in order: the first rollout's calls make its row
+    first = distill_calls[:per_rollout]
+    assert sum(int((batch.loss_mask == 0).sum()) for *_, batch in first) > 0  # scored rows, out of the loss
+    assert rows[0]["opd_divergence"] == pytest.approx(exact_mean(first), rel=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["wider", "padded", "moe"])
