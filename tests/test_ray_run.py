@@ -25,7 +25,11 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before Ray is imported:
 
 TESTS = Path(__file__).parent
 SMG = ("--ray-router", "smg")
-NODE = dict(num_cpus=2, resources={"sim_gpu": 2}, object_store_memory=128 * 2**20, node_ip_address="127.0.0.1")
+# two simulated devices a node for ray-run (sim_gpu), and two declared GPUs, which Ray hands out as it would real ones
+# (CUDA_VISIBLE_DEVICES per actor): what the device test reads
+NODE = dict(
+    num_cpus=2, num_gpus=2, resources={"sim_gpu": 2}, object_store_memory=128 * 2**20, node_ip_address="127.0.0.1"
+)
 
 
 def test_the_layout_is_slimes():
@@ -52,6 +56,47 @@ def cluster():
     c.seconds = time.monotonic() - started
     yield c
     c.shutdown()
+
+
+def test_each_engine_actor_takes_the_device_ray_gives_it(cluster):
+    """ray-run's engine commands are built on the driver, but Ray shows each actor only its own GPUs, numbered from 0:
+    engine 1's ``cuda:1`` (or SGLang's ``--base-gpu-id 1``) named a device its actor cannot see, and a driver without
+    CUDA gave none. Each actor now names the first device it sees; one given no GPU keeps its command. Checked in
+    actors holding one declared GPU each, without starting an engine."""
+    import ray
+
+    from support_replay.ray_launch.actors import on_this_actor
+
+    serve = [sys.executable, "-m", "support_replay.cli", "serve", "--hf-checkpoint", "/m"]
+    sglang = [sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--base-gpu-id", "1"]
+    ray.init(address=cluster.address)
+    try:
+
+        @ray.remote(num_cpus=0)
+        class Engine:
+            def seen(self, command, given=False):
+                return (
+                    os.environ.get("CUDA_VISIBLE_DEVICES"),
+                    ray.get_gpu_ids(),
+                    on_this_actor(command, ray.get_gpu_ids(), given),
+                )
+
+        held = [Engine.options(num_gpus=1).remote() for _ in range(4)]  # every declared GPU of the two nodes
+        seen = ray.get([e.seen.remote(serve) for e in held] + [e.seen.remote(sglang) for e in held])
+        assert sorted((visible, tuple(ids)) for visible, ids, _ in seen[:4]) == [
+            ("0", (0,)),
+            ("0", (0,)),
+            ("1", (1,)),
+            ("1", (1,)),
+        ]
+        assert all(command == [*serve, "--device", "cuda:0"] for _, _, command in seen[:4])
+        assert all(command[-2:] == ["--base-gpu-id", "0"] and len(command) == len(sglang) for _, _, command in seen[4:])
+        given = ray.get(held[0].seen.remote([*serve, "--device", "cpu"], True))[2]
+        assert given == [*serve, "--device", "cpu"]  # --ray-engine-device named it
+        cpu_only = Engine.options(num_gpus=0, resources={"sim_gpu": 0.5}).remote()
+        assert ray.get(cpu_only.seen.remote(serve))[2] == serve
+    finally:
+        ray.shutdown()
 
 
 class RayRun:

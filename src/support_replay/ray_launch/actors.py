@@ -60,12 +60,22 @@ class BundleProbe:
 
 @ray.remote
 class EngineActor:
-    def __init__(self, name: str, command: list[str], log: str, cwd: str, env: dict[str, str], timeout: float):
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        log: str,
+        cwd: str,
+        env: dict[str, str],
+        timeout: float,
+        device_given: bool = False,
+    ):
         from ..launch import wait_healthy
 
         _settle(Path(log), cwd, env)
         host = ray.util.get_node_ip_address()
         port = _free_port(host)
+        command = on_this_actor(command, ray.get_gpu_ids(), device_given)
         command = _with(command, "--host", host)
         command = _with(command, "--port", str(port))
         self.url, self.started = f"http://{host}:{port}", time.time()
@@ -254,6 +264,22 @@ class TrainerRank:
             f"== trainer rank {self.rank} of {world} (pid {os.getpid()}), group at {master[0]}:{master[1]}", flush=True
         )
         return len(train(cfg, as_given=as_given) or [])
+
+
+def on_this_actor(command: list[str], gpu_ids: list, device_given: bool = False) -> list[str]:
+    """An engine's command with the devices Ray gave its actor. Ray shows an actor only its own GPUs
+    (``CUDA_VISIBLE_DEVICES``, numbered from 0 inside it), so a device the driver picked (``cuda:i``, SGLang's
+    ``--base-gpu-id i x per``) names one the actor may not see, and a driver without CUDA picked none at all: our
+    serve takes the actor's first (``cuda:0``) unless ``--ray-engine-device`` named one (``device_given``), SGLang
+    starts at its first (``--base-gpu-id 0``, as slime's engines take their base GPU from their actor's), and vLLM
+    reads ``CUDA_VISIBLE_DEVICES`` itself. An actor Ray gave no GPU (a CPU cluster's ``sim_gpu``) keeps the command."""
+    if not gpu_ids:
+        return command
+    if command[1:4] == ["-m", "support_replay.cli", "serve"]:
+        return command if device_given else _with(command, "--device", "cuda:0")
+    if command[1:3] == ["-m", "sglang.launch_server"]:
+        return _with(command, "--base-gpu-id", "0")
+    return command
 
 
 def _with(command: list[str], flag: str, value: str) -> list[str]:

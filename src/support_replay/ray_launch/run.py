@@ -233,7 +233,7 @@ def _start_engines(ray, cfg, placement: Placement, env, output: Path, logs: Path
     env = {**env, **engine_env(cfg)}
 
     def command(i: int) -> list[str]:  # port 0: each start takes a fresh one on its node
-        line = engine_command(cfg, checkpoint, 0, i, output)
+        line = engine_command(cfg, checkpoint, 0, i, output, pick_device=False)  # the actor takes Ray's
         device = placement.options.engine_device
         if device is None:
             return line
@@ -256,6 +256,7 @@ def _start_engines(ray, cfg, placement: Placement, env, output: Path, logs: Path
             os.getcwd(),
             env,
             ENGINE_START_TIMEOUT,
+            placement.options.engine_device is not None,
         )
         for i in range(placement.layout.engines)
     ]
