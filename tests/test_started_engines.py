@@ -176,11 +176,15 @@ def test_two_trainer_ranks_train_through_the_two_engines_they_started(tiny_check
     assert written["sglang_server_concurrency"] == 4
 
 
+PARTIAL_COUNTS = ("stopped_requests", "generated_tokens", "trained_tokens", "kept_tokens", "straddling_samples")
+
+
 @pytest.mark.slow
 @pytest.mark.processes
 def test_a_run_launches_sglang_itself_and_trains_through_it(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     """The reference command's launch flags with --launch-server sglang: SGLang 0.5.23's own launch_server started
-    by the run (from make sglang's environment) on its CPU path, GRPO with --ci-test through it; with the
+    by the run (from make sglang's environment) on its CPU path, GRPO with --ci-test and partial rollouts through it
+    with more requests than its running limit (a stop of a queued request failed the run before); with the
     reference's --sglang-enable-deterministic-inference SGLang refuses to start, and the run stops quoting its reason:
     it admits deterministic inference only with attention backends that need a GPU or an NPU
     (arg_groups/choices.py: DETERMINISTIC_ATTENTION_BACKEND_CHOICES, checked in arg_groups/overrides.py)."""
@@ -205,16 +209,26 @@ def test_a_run_launches_sglang_itself_and_trains_through_it(tiny_checkpoint, tmp
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )  # fmt: skip
-    assert main(["train", *flags]) == 0, capsys.readouterr().err
+    # partial rollouts with train's running limit (passed on to SGLang): the first rollout sends 4 groups of 4, 2
+    # decoded at a time, so when its first 2 groups have finished at least 6 requests have not started, and the stop
+    # finds them in SGLang's waiting queue (each answers empty: sent again next rollout), by construction
+    partial = ["--partial-rollout", "--over-sampling-batch-size", "4", "--max-policy-lag", "1"]
+    partial += ["--max-running-requests", "2", "--rollout-ignore-eos"]
+    assert main(["train", *flags, *partial]) == 0, capsys.readouterr().err
     said = refused.communicate(timeout=300)[1]
     assert refused.returncode == 2 and "exited with 1" in said  # SGLang's launch_server stopped, its reason quoted:
     assert "attention backends are supported for deterministic inference" in said and "'torch_native'" in said
     assert "started 1 sglang engine(s)" in capsys.readouterr().out
     command = (out / "logs" / "engine0.log").read_text().splitlines()[0]
     assert command.startswith(f"$ {SGLANG_PYTHON} -m sglang.launch_server --model-path ")
+    assert " --max-running-requests 2" in command
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout"] for r in rows] == [0, 1]
-    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] == 0 for r in rows)
+    assert all(r["train_rollout_logprob_abs_diff_max"] <= 1e-3 and r["policy_lag_max"] <= 1 for r in rows)
+    assert rows[0]["stopped_requests"] >= 6 and all(r.get("failed_samples", 0) == 0 for r in rows), rows
+    generated = sum(r["generated_tokens"] for r in rows)
+    assert generated == sum(r["trained_tokens"] for r in rows) + rows[-1]["kept_tokens"]  # 0 thrown away
+    print("live SGLang partial rollouts:", [{k: r[k] for k in PARTIAL_COUNTS} for r in rows])
 
 
 def test_the_sglang_command_carries_train_s_running_limit(tmp_path):

@@ -389,6 +389,7 @@ def test_a_request_aborted_in_sglangs_waiting_queue_is_an_empty_answer_not_a_wir
             "id": "r/partial/0/3/0",
             "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
             "weight_version": "default",
+            "weight_versions": [{"version": "default", "start": 0, "end": 0}],  # as the live server sends it
             "e2e_latency": 0.01,
             "completion_tokens": 0,
         },

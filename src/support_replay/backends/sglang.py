@@ -195,9 +195,11 @@ def parse_weight_versions(meta: dict, num_tokens: int, where: str, per_token: bo
     """The spans of the weights that sampled each output token. ``per_token`` (a push may land among running requests:
     ``--weight-sync-mode retract`` or ``in_place``): an answer with one ``weight_version`` only would read every
     token as that version's, so it is refused."""
+    if num_tokens == 0:  # an answer stopped before its first token: SGLang 0.5.23 names a span [0, 0), or none
+        return []
     if "weight_versions" in meta:
         return parse_version_spans(meta["weight_versions"], num_tokens, where)
-    if per_token and num_tokens:
+    if per_token:
         raise WireError(
             f"{where}: meta_info has no weight_versions (the weights of each output token), which a push among running "
             f"requests (--weight-sync-mode retract or in_place) needs: weight_version "
