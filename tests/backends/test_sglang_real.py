@@ -178,3 +178,82 @@ def test_a_push_under_a_retract_pause_continues_the_running_request_under_the_ne
     spans = meta["weight_versions"]
     assert [s["version"] for s in spans] == ["default", "paused-push"] and spans[-1]["end"] == 500
     assert len(meta["output_token_sampling_mask"]) == len(meta["output_token_sampling_logprobs"]) == 500
+
+
+def perturbed(checkpoint, path, scale: float = 0.5):
+    """The checkpoint with its first layer's projections moved by ``scale`` of each weight's spread (seeded): every
+    later position's keys and values change under it."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(checkpoint, path)
+    weights = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for name, value in weights.items():
+        if ".layers.0." in name and name.endswith("proj.weight"):
+            weights[name] = value + scale * value.std() * torch.randn(value.shape, generator=gen)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def stale_prefix_logprobs(old_path, new_path, prompt, output, start) -> list[float]:
+    """What stale keys and values would give: ``output[start:]`` under the new weights read over the prefix's keys
+    and values from the old ones (transformers, float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    old, new = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in (old_path, new_path))
+    ids = torch.tensor([prompt + output])
+    cut = len(prompt) + start - 1  # the prefix whose keys and values were computed before the push
+    with torch.no_grad():
+        cache = old(ids[:, :cut], use_cache=True).past_key_values
+        logits = new(ids[:, cut:], past_key_values=cache, use_cache=True).logits[0]
+    logp = torch.log_softmax(logits, -1)
+    return [float(logp[i, t]) for i, t in enumerate(output[start:])]
+
+
+def test_a_retract_push_of_other_weights_continues_on_the_new_weights_keys_and_values(sglang_server, tmp_path):
+    """``--weight-sync-mode retract`` on SGLang: pause(retract), ``/update_weights_from_disk`` of *other* weights,
+    continue. The running request's later tokens must be the new weights' own, not computed over keys and values the
+    old weights left (SGLang flushes its radix cache only when idle): each one's log-prob within 1e-3 of a fresh
+    prefill of the same prefix under the new weights (after ``/flush_cache``), where stale keys and values would
+    move some by more than 0.1 (worked out with transformers over the old prefix)."""
+    url, checkpoint = sglang_server
+    other = perturbed(checkpoint, tmp_path / "other")
+    prompt = [1, 2, 3, 4]
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "sampling_params": {**MASKED, "max_new_tokens": 48},
+    }
+    try:
+        running = FirstToken(url, body)
+        pause(url, "retract")
+        load = {"model_path": str(other), "weight_version": "other"}
+        assert httpx.post(url + "/update_weights_from_disk", json=load, timeout=120).json()["success"]
+        carry_on(url)
+        item = running.answer()
+        assert httpx.post(url + "/flush_cache", timeout=60).status_code == 200
+        output = item["output_ids"]
+        fresh = {
+            "input_ids": prompt + output,
+            "return_logprob": True,
+            "logprob_start_len": len(prompt) - 1,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+        }
+        scored = httpx.post(url + "/generate", json=fresh, timeout=120).json()["meta_info"]["input_token_logprobs"][1:]
+    finally:
+        back = {"model_path": str(checkpoint), "weight_version": "default"}
+        httpx.post(url + "/update_weights_from_disk", json=back, timeout=120)
+        httpx.post(url + "/flush_cache", timeout=60)
+    spans = item["meta_info"]["weight_versions"]
+    assert [s["version"] for s in spans] == ["default", "other"], spans
+    start = spans[1]["start"]
+    continued = [lp for lp, *_ in item["meta_info"]["output_token_logprobs"][start:]]
+    new = [lp for lp, *_ in scored[start:]]
+    assert len(continued) == len(new) == len(output) - start > 0
+    assert max(abs(a - b) for a, b in zip(continued, new)) <= 1e-3
+    stale = stale_prefix_logprobs(checkpoint, other, prompt, output, start)
+    assert max(abs(a - b) for a, b in zip(stale, new)) > 0.1  # the check could tell stale keys and values
