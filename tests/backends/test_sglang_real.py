@@ -92,8 +92,10 @@ def test_sglang_cannot_serve_lora_adapters_on_a_cpu(failed_starts):
 class FirstToken:
     """``body`` streamed from SGLang's ``/generate`` on a thread: ``first`` is set once its first token has come (the
     request is running, prefilled and decoding), ``last`` is the final chunk (the whole answer) once it has ended.
-    The tests then hold the request with SGLang's own ``/pause_generation {"mode": "in_place"}`` before they act:
-    an explicit gate, so that nothing depends on how many tokens a machine decodes meanwhile."""
+    The tests then hold the request with SGLang's own ``/pause_generation`` before they act: the engine decodes
+    freely only from the first token's arrival to the pause (a thread's wake-up and one round trip), against the 500
+    tokens each request asks for (48 once ran out under load). Not a gate inside the engine: SGLang's step is not
+    held (a custom logit processor that waits would be one; not built)."""
 
     def __init__(self, url: str, body: dict):
         import json
@@ -226,7 +228,7 @@ def test_a_retract_push_of_other_weights_continues_on_the_new_weights_keys_and_v
     body = {
         "input_ids": prompt,
         "return_logprob": True,
-        "sampling_params": {**MASKED, "max_new_tokens": 48},
+        "sampling_params": {**MASKED, "max_new_tokens": 500},  # as the other pause tests: 48 ended before the pause
     }
     try:
         running = FirstToken(url, body)
