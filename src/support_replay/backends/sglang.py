@@ -237,9 +237,8 @@ class SGLangBackend:
         lora_path: str | None = None,
         per_token_versions: bool = False,
     ):
-        self.per_token_versions = (
-            per_token_versions  # a push may land among running requests: see parse_weight_versions
-        )
+        # a push may land among running requests: answers must carry per-token spans (parse_weight_versions)
+        self.per_token_versions = per_token_versions
         self.routing_shape = routing_shape  # the trainer's model's: reads SGLang's raw routing, checks any
         self.lora_path = lora_path  # the loaded LoRA adapter every request runs with (SGLang's field), or None
         if sampling_mask_format not in MASK_FORMATS:
